@@ -1,0 +1,61 @@
+"""The `ow` command: one root parser; each component's `cli.py` adds its own subcommand group.
+
+Component modules are imported lazily so that `ow --help` stays fast and a component that is
+not installed does not break the others.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (module, what it adds). Each module defines `register(subparsers) -> None`.
+COMPONENTS = [
+    ("flight.cli", "ow model, ow infer, ow flight"),
+    ("hil.cli", "ow bus, ow hil"),
+    ("ground.cli", "ow ground"),
+    ("common.vla.cli", "ow vla"),
+]
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status `code`."""
+
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.code = code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ow",
+        description="OrbitWeaver: VLM inference on satellite payloads that survives power cuts.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for module_name, _ in COMPONENTS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and module_name.startswith(exc.name):
+                continue  # component not present in this build
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except CliError as exc:
+        print(f"ow {args.command}: error: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        print(f"ow {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Ground segment: operator CLI and the authenticated link client."""

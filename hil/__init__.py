@@ -1,0 +1,1 @@
+"""Hardware-in-the-loop: the mock spacecraft bus, its power-switch drivers, the testbench and the demo."""

@@ -1,0 +1,1 @@
+"""Interruption traces: format, loader, validator, physical generator and telemetry importer."""
