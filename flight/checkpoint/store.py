@@ -1,0 +1,377 @@
+"""One directory per request holding its MANIFEST and checkpoint records.
+
+Layout (docs/record-format.md §3):
+
+    MANIFEST            what makes the bits reproducible; salt of the request
+    vision.A, vision.B  alternating complete vision states (never overwrite the last good one)
+    vision.out          merged visual tokens + DeepStack features, kept until prefill completes
+    prefill/g<G>.c<C>.blk   one record per prefill block (KV of the group's layers + boundary hidden)
+    prefill/l<L>.c<C>.hid   per-layer input hidden states (HCache-style policies)
+    decode.log          append-only decode records
+    RESULT              the finished answer; its presence makes everything else garbage
+
+The store validates what it reads and never trusts a record that fails its checks: `scan()`
+checks headers and commit footers cheaply, full CRCs are checked when the data is read, and a
+record that fails then is quarantined so the planner can re-plan without it.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass, field
+
+import torch
+
+from common.durable import DurableFS, is_disk_full
+from common.record import Kind, Record, RecordError, decode, encode, read_envelope, read_partial
+from common import log as owlog
+
+BLOCK_SUFFIX = ".blk"
+HIDDEN_SUFFIX = ".hid"
+
+
+def block_name(group: int, chunk: int) -> str:
+    return f"g{group}.c{chunk}{BLOCK_SUFFIX}"
+
+
+def hidden_name(layer: int, chunk: int) -> str:
+    return f"l{layer}.c{chunk}{HIDDEN_SUFFIX}"
+
+
+@dataclass
+class BlockInfo:
+    group: int
+    chunk: int
+    layers: tuple[int, int]
+    tokens: tuple[int, int]
+    kv_bytes: int
+    hidden_bytes: int
+    path: str
+
+    @property
+    def has_hidden(self) -> bool:
+        return self.hidden_bytes > 0
+
+
+@dataclass
+class LayerHiddenInfo:
+    layer: int
+    chunk: int
+    nbytes: int
+    path: str
+
+
+@dataclass
+class Frontier:
+    """What the durable records say about a request's progress."""
+
+    vision_block: int = 0                   # vision blocks covered by the best vision state
+    vision_state_path: str | None = None
+    vision_done: bool = False               # vision.out valid
+    blocks: dict[tuple[int, int], BlockInfo] = field(default_factory=dict)
+    layer_hidden: dict[tuple[int, int], LayerHiddenInfo] = field(default_factory=dict)
+    decode_records: list[Record] = field(default_factory=list)
+    decode_log_end: int = 0                 # byte offset just after the last good decode record
+    result: Record | None = None
+    rejected: list[tuple[str, str]] = field(default_factory=list)  # (file, reason)
+
+    @property
+    def decode_steps(self) -> int:
+        return int(self.decode_records[-1].meta["step_end"]) if self.decode_records else 0
+
+    def phase(self, num_blocks: int) -> str:
+        if self.result is not None:
+            return "done"
+        if self.decode_records:
+            return "decode"
+        if self.blocks or self.layer_hidden or self.vision_done:
+            return "prefill"
+        if self.vision_block:
+            return "vision"
+        return "start"
+
+
+@dataclass
+class OpenOutcome:
+    salt: int
+    status: str           # "fresh" | "resume" | "mismatch" | "unreadable_manifest"
+    differences: dict     # key -> (stored, current) when status == "mismatch"
+
+
+class CheckpointStore:
+    def __init__(self, root: str, fs: DurableFS | None = None, events=None):
+        self.root = os.path.abspath(root)
+        self.fs = fs or DurableFS()
+        self.prefill_dir = os.path.join(self.root, "prefill")
+        self.salt = 0
+        self.bytes_written = 0
+        self.events = events or (lambda name, **kw: owlog.get().info(name, **kw))
+        self._next_vision_slot = "A"
+
+    # ---- paths ------------------------------------------------------------------------------
+    def path(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+    @property
+    def decode_log(self) -> str:
+        return self.path("decode.log")
+
+    # ---- opening ----------------------------------------------------------------------------
+    def open(self, manifest: dict) -> OpenOutcome:
+        """Adopt the directory for this request: resume if its MANIFEST matches, else start anew."""
+        self.fs.makedirs(self.root)
+        self.fs.makedirs(self.prefill_dir)
+        for directory in (self.root, self.prefill_dir):
+            for name in self.fs.listdir(directory):
+                if name.endswith(".tmp"):
+                    self.fs.remove(os.path.join(directory, name), sync=False)
+        status, differences = "fresh", {}
+        if self.fs.exists(self.path("MANIFEST")):
+            try:
+                stored, _ = decode(self.fs.read(self.path("MANIFEST")), expect_kind=Kind.MANIFEST)
+                old = stored.meta["manifest"]
+                differences = {k: (old.get(k), v) for k, v in manifest.items() if old.get(k) != v}
+                differences.update({k: (v, None) for k, v in old.items() if k not in manifest and k != "salt"})
+                if not differences:
+                    self.salt = int(old["salt"])
+                    return OpenOutcome(self.salt, "resume", {})
+                status = "mismatch"
+            except (RecordError, KeyError, TypeError) as exc:
+                status, differences = "unreadable_manifest", {"error": str(exc)}
+        self.wipe()
+        self.salt = secrets.randbits(63) or 1
+        enc = encode(Kind.MANIFEST, {"manifest": {**manifest, "salt": self.salt}})
+        self.bytes_written += self.fs.write_atomic(self.path("MANIFEST"), enc.chunks)
+        return OpenOutcome(self.salt, status, differences)
+
+    def wipe(self) -> None:
+        """Remove every record of the directory (MANIFEST last, so a cut mid-wipe stays safe)."""
+        for name in self.fs.listdir(self.prefill_dir):
+            self.fs.remove(os.path.join(self.prefill_dir, name), sync=False)
+        for name in self.fs.listdir(self.root):
+            if name not in ("MANIFEST", "prefill"):
+                self.fs.remove(self.path(name), sync=False)
+        self.fs.remove(self.path("MANIFEST"), sync=False)
+        self.fs.fsync_dir(self.prefill_dir) if self.fs.exists(self.prefill_dir) else None
+        self.fs.fsync_dir(self.root)
+
+    # ---- writing ----------------------------------------------------------------------------
+    def _write(self, path: str, kind: Kind, meta: dict, tensors: dict) -> int:
+        enc = encode(kind, meta, tensors, salt=self.salt)
+        n = self.fs.write_atomic(path, enc.chunks)
+        self.bytes_written += n
+        return n
+
+    def put_vision_state(self, block: int, hidden: torch.Tensor, side: dict[str, torch.Tensor]) -> int:
+        slot = self._next_vision_slot
+        n = self._write(self.path(f"vision.{slot}"), Kind.VISION_STATE, {"block": block},
+                        {"hidden": hidden, **side})
+        self._next_vision_slot = "B" if slot == "A" else "A"
+        return n
+
+    def put_vision_out(self, embeds: torch.Tensor, side: dict[str, torch.Tensor]) -> int:
+        return self._write(self.path("vision.out"), Kind.VISION_OUT, {}, {"embeds": embeds, **side})
+
+    def put_prefill_block(self, group: int, chunk: int, layers: tuple[int, int], tokens: tuple[int, int],
+                          kv: dict[int, tuple[torch.Tensor, torch.Tensor]], hidden: torch.Tensor | None) -> int:
+        tensors = {}
+        for layer, (k, v) in kv.items():
+            tensors[f"k.{layer}"] = k
+            tensors[f"v.{layer}"] = v
+        if hidden is not None:
+            tensors["hidden"] = hidden  # last, so a KV-only read stops before it
+        meta = {"group": group, "chunk": chunk, "layers": list(layers), "tokens": list(tokens)}
+        return self._write(os.path.join(self.prefill_dir, block_name(group, chunk)), Kind.PREFILL_BLOCK, meta, tensors)
+
+    def put_layer_hidden(self, layer: int, chunk: int, tokens: tuple[int, int], hidden: torch.Tensor) -> int:
+        meta = {"layer": layer, "chunk": chunk, "tokens": list(tokens)}
+        return self._write(os.path.join(self.prefill_dir, hidden_name(layer, chunk)), Kind.HIDDEN_LAYER, meta,
+                           {"hidden": hidden})
+
+    def prepare_decode_log(self, end: int) -> None:
+        """Cut a torn or stale tail off the decode log before appending to it."""
+        if self.fs.exists(self.decode_log) and self.fs.size(self.decode_log) != end:
+            self.fs.truncate(self.decode_log, end)
+
+    def append_decode(self, meta: dict, kv: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                      tokens: torch.Tensor) -> int:
+        tensors = {}
+        for layer, (k, v) in kv.items():
+            tensors[f"k.{layer}"] = k
+            tensors[f"v.{layer}"] = v
+        tensors["tokens"] = tokens
+        enc = encode(Kind.DECODE_STEPS, meta, tensors, salt=self.salt)
+        n = self.fs.append(self.decode_log, enc.chunks)
+        self.bytes_written += n
+        return n
+
+    def put_result(self, token_ids: list[int], logits: torch.Tensor, text: str, finish_reason: str) -> int:
+        return self._write(self.path("RESULT"), Kind.RESULT, {"text": text, "finish_reason": finish_reason},
+                           {"token_ids": torch.tensor(token_ids, dtype=torch.int64), "logits": logits})
+
+    def gc(self) -> None:
+        """After RESULT is durable: drop everything the result made unnecessary."""
+        for name in self.fs.listdir(self.prefill_dir):
+            self.fs.remove(os.path.join(self.prefill_dir, name), sync=False)
+        for name in ("vision.A", "vision.B", "vision.out", "decode.log"):
+            self.fs.remove(self.path(name), sync=False)
+        self.fs.fsync_dir(self.prefill_dir)
+        self.fs.fsync_dir(self.root)
+
+    def remove_vision(self) -> None:
+        for name in ("vision.A", "vision.B"):
+            self.fs.remove(self.path(name), sync=False)
+        self.fs.fsync_dir(self.root)
+
+    def quarantine(self, path: str, reason: str) -> None:
+        """A record failed verification while being read: move it aside so it is never used."""
+        self.events("record_rejected", file=os.path.relpath(path, self.root), reason=reason)
+        try:
+            os.replace(path, path + ".bad")
+        except OSError:
+            self.fs.remove(path)
+
+    # ---- reading ----------------------------------------------------------------------------
+    def _envelope_ok(self, path: str, kind: Kind):
+        """Cheap check of a whole-file record: header CRC, sizes, commit footer, salt; no payload
+        read. Returns the verified header or None (and logs why)."""
+        rel = os.path.relpath(path, self.root)
+        try:
+            with self.fs.open_read(path) as f:
+                header = read_envelope(f, os.fstat(f.fileno()).st_size)
+        except (RecordError, OSError) as exc:
+            reason = exc.reason if isinstance(exc, RecordError) else type(exc).__name__
+            self.events("record_rejected", file=rel, reason=reason)
+            return None
+        if header.kind != kind:
+            self.events("record_rejected", file=rel, reason="bad_meta")
+            return None
+        if int(header.meta.get("salt", 0)) != self.salt:
+            self.events("record_rejected", file=rel, reason="stale_salt")
+            return None
+        return header
+
+    def read_full(self, path: str, kind: Kind) -> Record:
+        """Read and fully verify a whole-file record (raises RecordError)."""
+        try:
+            buf = self.fs.read(path)
+        except OSError as exc:
+            raise RecordError("truncated", str(exc)) from None
+        rec, _ = decode(buf, expect_kind=kind)
+        if rec.salt != self.salt:
+            raise RecordError("stale_salt")
+        return rec
+
+    def scan(self) -> Frontier:
+        fr = Frontier()
+        if self.fs.exists(self.path("RESULT")):
+            try:
+                fr.result = self.read_full(self.path("RESULT"), Kind.RESULT)
+                return fr
+            except RecordError as exc:
+                self.quarantine(self.path("RESULT"), exc.reason)
+        best = None
+        for slot in ("A", "B"):
+            p = self.path(f"vision.{slot}")
+            if self.fs.exists(p) and (hdr := self._envelope_ok(p, Kind.VISION_STATE)) is not None:
+                if best is None or hdr.meta["block"] > best[0]:
+                    best = (int(hdr.meta["block"]), p, slot)
+        if best:
+            fr.vision_block, fr.vision_state_path, slot = best
+            self._next_vision_slot = "B" if slot == "A" else "A"
+        if self.fs.exists(self.path("vision.out")) and self._envelope_ok(self.path("vision.out"), Kind.VISION_OUT):
+            fr.vision_done = True
+        for name in self.fs.listdir(self.prefill_dir):
+            p = os.path.join(self.prefill_dir, name)
+            if name.endswith(BLOCK_SUFFIX) and (hdr := self._envelope_ok(p, Kind.PREFILL_BLOCK)):
+                m, table = hdr.meta, hdr.meta["tensors"]
+                fr.blocks[(int(m["group"]), int(m["chunk"]))] = BlockInfo(
+                    int(m["group"]), int(m["chunk"]), tuple(m["layers"]), tuple(m["tokens"]),
+                    sum(e["nbytes"] for e in table if e["name"] != "hidden"),
+                    sum(e["nbytes"] for e in table if e["name"] == "hidden"), p)
+            elif name.endswith(HIDDEN_SUFFIX) and (hdr := self._envelope_ok(p, Kind.HIDDEN_LAYER)):
+                m = hdr.meta
+                fr.layer_hidden[(int(m["layer"]), int(m["chunk"]))] = LayerHiddenInfo(
+                    int(m["layer"]), int(m["chunk"]), hdr.record_len, p)
+        self._scan_decode_log(fr)
+        return fr
+
+    def _scan_decode_log(self, fr: Frontier) -> None:
+        if not self.fs.exists(self.decode_log):
+            return
+        buf = self.fs.read(self.decode_log)
+        pos, expect_step = 0, 0
+        while pos < len(buf):
+            try:
+                rec, length = decode(buf, pos, expect_kind=Kind.DECODE_STEPS)
+            except RecordError as exc:
+                self.events("record_rejected", file="decode.log", offset=pos, reason=exc.reason)
+                break
+            if rec.salt != self.salt or int(rec.meta["step_start"]) != expect_step:
+                self.events("record_rejected", file="decode.log", offset=pos,
+                            reason="stale_salt" if rec.salt != self.salt else "out_of_sequence")
+                break
+            fr.decode_records.append(rec)
+            expect_step = int(rec.meta["step_end"])
+            pos += length
+        fr.decode_log_end = pos
+
+    def read_vision_state(self, fr: Frontier) -> Record | None:
+        """The newest valid vision state, falling back to the other buffer."""
+        candidates = []
+        for slot in ("A", "B"):
+            p = self.path(f"vision.{slot}")
+            if self.fs.exists(p):
+                candidates.append(p)
+        records = []
+        for p in candidates:
+            try:
+                records.append(self.read_full(p, Kind.VISION_STATE))
+            except RecordError as exc:
+                self.quarantine(p, exc.reason)
+        if not records:
+            return None
+        return max(records, key=lambda r: r.meta["block"])
+
+    def read_vision_out(self) -> Record | None:
+        p = self.path("vision.out")
+        if not self.fs.exists(p):
+            return None
+        try:
+            return self.read_full(p, Kind.VISION_OUT)
+        except RecordError as exc:
+            self.quarantine(p, exc.reason)
+            return None
+
+    def read_block(self, info: BlockInfo, parts: set[str]) -> dict[str, torch.Tensor]:
+        """Read the KV ('kv') and/or boundary hidden ('hidden') of a block, verifying what is read."""
+        names = set()
+        if "kv" in parts:
+            for layer in range(*info.layers):
+                names |= {f"k.{layer}", f"v.{layer}"}
+        if "hidden" in parts:
+            names.add("hidden")
+        with self.fs.open_read(info.path) as f:
+            size = os.fstat(f.fileno()).st_size
+            rec = read_partial(f, names, size)
+        self.fs.charge_read(sum(t.numel() * t.element_size() for t in rec.tensors.values()))
+        if rec.salt != self.salt:
+            raise RecordError("stale_salt")
+        missing = names - set(rec.tensors)
+        if missing:
+            raise RecordError("bad_meta", f"block record lacks {sorted(missing)}")
+        return rec.tensors
+
+    def read_layer_hidden(self, info: LayerHiddenInfo) -> torch.Tensor:
+        return self.read_full(info.path, Kind.HIDDEN_LAYER).tensors["hidden"]
+
+
+def write_guarded(events, what: str, fn, *args, **kwargs) -> int:
+    """Run a checkpoint write; a full disk skips the checkpoint (logged), anything else propagates."""
+    try:
+        return fn(*args, **kwargs)
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        events("checkpoint_write_failed", record=what, errno=exc.errno, reason=os.strerror(exc.errno))
+        return 0

@@ -1,0 +1,87 @@
+"""Checkpoint writer: durable writes off the compute thread, in submission order.
+
+The queue holds at most one record besides the one being written, so checkpointing never keeps
+more than two blocks' worth of state alive (a payload computer shares its RAM with the GPU).
+Records are committed in the order they were submitted. A full disk skips the record with an
+event; any other write error stops the request (it surfaces on the compute thread).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+
+from common.durable import is_disk_full
+
+
+class CheckpointWriter:
+    def __init__(self, events, async_writes: bool = True, after_commit=None):
+        self.events = events
+        self.after_commit = after_commit  # (what, nbytes) -> None; tests raise a simulated cut here
+        self.async_writes = async_writes
+        self.bytes_committed = 0
+        self.records_committed = 0
+        self.records_skipped = 0
+        self._error: BaseException | None = None
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        if async_writes:
+            self._queue = queue.Queue(maxsize=1)
+            self._thread = threading.Thread(target=self._loop, name="checkpoint-writer", daemon=True)
+            self._thread.start()
+
+    def submit(self, what: str, fn, *args, **kwargs) -> None:
+        """Write (sync) or enqueue (async) one record; `fn` performs the store call."""
+        self._raise_pending()
+        if self._queue is None:
+            self._execute(what, fn, args, kwargs)
+        else:
+            self._queue.put((what, fn, args, kwargs))
+
+    def drain(self) -> None:
+        """Wait until everything submitted is durable (or skipped)."""
+        if self._queue is not None:
+            self._queue.join()
+        self._raise_pending()
+
+    def close(self) -> None:
+        if self._queue is not None and self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._queue = None
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _execute(self, what, fn, args, kwargs) -> None:
+        try:
+            n = fn(*args, **kwargs)
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            self.records_skipped += 1
+            self.events("checkpoint_write_failed", record=what, errno=exc.errno, reason=str(exc.strerror))
+            return
+        if n is None:
+            return
+        self.bytes_committed += n
+        self.records_committed += 1
+        self.events("checkpoint_committed", record=what, bytes=n)
+        if self.after_commit is not None:
+            self.after_commit(what, n)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                self._queue.task_done()
+                return
+            what, fn, args, kwargs = item
+            try:
+                if self._error is None:
+                    self._execute(what, fn, args, kwargs)
+            except BaseException as exc:
+                self._error = exc
+            finally:
+                self._queue.task_done()

@@ -1,0 +1,487 @@
+"""The resumable VLM engine: one request, three phases, block by block.
+
+    vision   vision blocks 0..V-1 one at a time, then the merger
+    prefill  the prompt in chunks of C tokens x decoder layers in groups of G: a grid of blocks
+    decode   greedy, one token per step
+
+After every unit of work the checkpoint policy decides what to persist; the writer commits it
+off the compute thread. On start the engine reads the request's directory, rebuilds the frontier
+(vision block, prefill blocks done, decode step) and continues from there; the prefill part of
+that is a recovery plan (flight/recovery/) that overlaps reads with recomputation. A fresh run
+is the same code with an empty frontier. Tokens and logits are bitwise those of an
+uninterrupted run (tests/engine/).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import transformers
+from transformers.cache_utils import DynamicCache
+
+from common.durable import DurableFS
+from common.record import Kind, RecordError
+
+from .checkpoint.policies import Geometry, Policy, get_policy
+from .checkpoint.store import CheckpointStore, Frontier
+from .checkpoint.writer import CheckpointWriter
+from .model.inputs import RequestInputs
+from .model.loader import LoadedModel
+from .recovery.executor import PlanExecutor, RecordRejected
+from .recovery.plan import ComputeOp, ReadOp, RecoveryProblem, make_plan
+
+MAX_REPLANS = 8
+
+
+class SimulatedCut(Exception):
+    """Raised by a test hook to stop a request as a power cut would (nothing after it runs)."""
+
+
+@dataclass
+class EngineOptions:
+    geometry: Geometry = field(default_factory=Geometry)
+    policy: str = "orbitweaver"
+    planner: str = "chunk-first"
+    overlap_recovery: bool = True
+    async_writes: bool = True
+    pace_ms: float = 0.0          # minimum wall time per block / step (emulates a slower payload)
+    threads: int | None = None    # intra-op threads; pinned in the MANIFEST
+
+
+@dataclass
+class Result:
+    token_ids: list[int]
+    text: str
+    logits: torch.Tensor
+    finish_reason: str
+    resumed: bool
+    resumed_from: dict
+    bytes_written: int
+    phase_seconds: dict
+    records_written: int = 0
+    records_skipped: int = 0
+    restarted_reason: str | None = None
+    plan: dict | None = None
+
+    def logits_sha256(self) -> str:
+        import hashlib
+        return hashlib.sha256(self.logits.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+class _Pacer:
+    """Stretches each unit of work to at least `ms` milliseconds (demo / testbench emulation)."""
+
+    def __init__(self, ms: float):
+        self.s = ms / 1000.0
+        self.start = time.perf_counter()
+
+    def begin(self):
+        self.start = time.perf_counter()
+
+    def end(self):
+        if self.s > 0:
+            left = self.s - (time.perf_counter() - self.start)
+            if left > 0:
+                time.sleep(left)
+
+
+class Engine:
+    def __init__(self, model: LoadedModel, options: EngineOptions | None = None, fs: DurableFS | None = None,
+                 events=None, after_commit=None):
+        self.m = model
+        self.a = model.adapter
+        self.options = options or EngineOptions()
+        self.policy: Policy = get_policy(self.options.policy)
+        self.geometry = self.policy.geometry(self.options.geometry, self.a.num_layers)
+        self.fs = fs
+        self.events = events or (lambda name, **kw: None)
+        self.after_commit = after_commit
+        if self.options.threads:
+            torch.set_num_threads(self.options.threads)
+
+    # ------------------------------------------------------------------------------------------
+    def manifest(self, inputs: RequestInputs, max_new_tokens: int) -> dict:
+        g = self.geometry
+        return {"model_hash": self.m.content_hash, "arch": self.m.model_type, "torch": torch.__version__,
+                "transformers": transformers.__version__, "dtype": str(self.m.dtype).removeprefix("torch."),
+                "attn_implementation": self.m.attn_implementation, "threads": torch.get_num_threads(),
+                "device_type": self.m.device.type, "chunk": g.chunk, "group": g.group,
+                "decode_every": g.decode_every, "vision_every": g.vision_every, "policy": self.policy.name,
+                "inputs_hash": inputs.digest(), "max_new_tokens": int(max_new_tokens)}
+
+    def run(self, inputs: RequestInputs, ckpt_dir: str, max_new_tokens: int) -> Result:
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        run = _RequestRun(self, inputs, ckpt_dir, max_new_tokens)
+        with torch.inference_mode():
+            return run.execute()
+
+
+class _RequestRun:
+    """State of one request inside one process lifetime."""
+
+    def __init__(self, engine: Engine, inputs: RequestInputs, ckpt_dir: str, max_new_tokens: int):
+        self.e, self.m, self.a = engine, engine.m, engine.a
+        self.g = engine.geometry
+        self.policy = engine.policy
+        self.inputs = inputs
+        self.max_new_tokens = max_new_tokens
+        self.device = self.m.device
+        self.events = engine.events
+        self.store = CheckpointStore(ckpt_dir, engine.fs, events=self.events)
+        self.writer: CheckpointWriter | None = None
+        self.pacer = _Pacer(engine.options.pace_ms)
+        self.times = {"restore": 0.0, "vision": 0.0, "prefill": 0.0, "decode": 0.0}
+        self.S = inputs.num_tokens
+        self.groups = self.g.layer_groups(self.a.num_layers)
+        self.chunks = self.g.token_chunks(self.S)
+        self.plan_summary = None
+
+    # ---- top level ----------------------------------------------------------------------------
+    def execute(self) -> Result:
+        manifest = self.e.manifest(self.inputs, self.max_new_tokens)
+        outcome = self.store.open(manifest)
+        restarted = None
+        if outcome.status in ("mismatch", "unreadable_manifest"):
+            restarted = outcome.status
+            self.events("manifest_mismatch", status=outcome.status,
+                        differences={k: [str(a), str(b)] for k, (a, b) in outcome.differences.items()}
+                        if outcome.status == "mismatch" else outcome.differences)
+        t0 = time.perf_counter()
+        frontier = self.store.scan()
+        self.times["restore"] += time.perf_counter() - t0
+        phase = frontier.phase(len(self.groups) * len(self.chunks))
+        resumed_from = self._describe(frontier, phase)
+        self.events("request_opened", status=outcome.status, **resumed_from,
+                    prompt_tokens=self.S, chunks=len(self.chunks), groups=len(self.groups))
+        if frontier.result is not None:
+            return self._result_from_record(frontier.result, resumed_from)
+        self.writer = CheckpointWriter(self.events, self.e.options.async_writes, self.e.after_commit)
+        try:
+            tokens, logits, finish = self._run_from(frontier)
+            self.writer.drain()
+            text = self.m.decode(tokens)
+            self._commit_result(tokens, logits, text, finish)
+        finally:
+            self.writer.close()
+        return Result(tokens, text, logits, finish, resumed=phase != "start", resumed_from=resumed_from,
+                      bytes_written=self.store.bytes_written,
+                      phase_seconds={k: round(v, 6) for k, v in self.times.items()},
+                      records_written=self.writer.records_committed, records_skipped=self.writer.records_skipped,
+                      restarted_reason=restarted, plan=self.plan_summary)
+
+    def _describe(self, fr: Frontier, phase: str) -> dict:
+        if phase == "done":
+            return {"phase": "done", "position": None}
+        if phase == "decode":
+            return {"phase": "decode", "position": fr.decode_steps}
+        if phase == "prefill":
+            return {"phase": "prefill", "position": len(fr.blocks),
+                    "blocks_total": len(self.groups) * len(self.chunks)}
+        if phase == "vision":
+            return {"phase": "vision", "position": fr.vision_block}
+        return {"phase": "start", "position": 0}
+
+    def _result_from_record(self, rec, resumed_from) -> Result:
+        tokens = rec.tensors["token_ids"].tolist()
+        return Result(tokens, rec.meta["text"], rec.tensors["logits"].clone(), rec.meta["finish_reason"],
+                      resumed=True, resumed_from=resumed_from, bytes_written=0,
+                      phase_seconds={k: 0.0 for k in self.times})
+
+    def _commit_result(self, tokens, logits, text, finish) -> None:
+        from common.durable import is_disk_full
+        try:
+            self.store.put_result(tokens, logits.detach().to("cpu"), text, finish)
+            self.store.gc()
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            self.events("checkpoint_write_failed", record="RESULT", errno=exc.errno, reason=str(exc.strerror))
+        self.events("request_completed", tokens=len(tokens), finish_reason=finish)
+
+    def _submit(self, what: str, fn, *args) -> None:
+        if self.policy.writes_checkpoints():
+            self.writer.submit(what, fn, *args)
+
+    # ---- phases ---------------------------------------------------------------------------------
+    def _run_from(self, fr: Frontier):
+        self.pos4, self.rope_deltas = self.a.rope_index(self.inputs.input_ids, self.inputs.mm_token_type_ids,
+                                                        self.inputs.image_grid_thw)
+        self.pos4 = self.pos4.to(self.device)
+        self.visual_mask = (self.inputs.input_ids == self.a.image_token_id).to(self.device)
+        self.visual_rows = (self.visual_mask[0].cumsum(0) - 1)
+        # Weights stream in the order this request needs them, behind the compute.
+        needs_vision = not fr.vision_done and not fr.decode_records and self.inputs.image_grid_thw.shape[0] > 0
+        order = (self.a.all_vision_modules() if needs_vision else []) + self.a.all_lm_modules()
+        self.m.weights.prefetch(order)
+        try:
+            self._vision_out = None
+            self._frontier_at_open = fr
+            if not fr.vision_done and not fr.blocks and not fr.decode_records:
+                self.vision_out()  # the vision phase is the next work: run it now
+            return self._prefill_and_decode(fr)
+        finally:
+            self.m.weights.stop_prefetch()
+
+    def vision_out(self) -> dict:
+        """Merged visual tokens and DeepStack features: computed, or read from vision.out, once.
+
+        Needed by prefill blocks of the first layers; after a reboot in prefill or decode it is
+        only read if some such block has to be recomputed."""
+        if self._vision_out is None:
+            if self.inputs.image_grid_thw.shape[0] == 0:
+                self._vision_out = {"embeds": torch.zeros(0, self.a.text_config.hidden_size, device=self.device,
+                                                          dtype=self.m.dtype)}
+            else:
+                rec = self.store.read_vision_out() if self._frontier_at_open.vision_done else None
+                if rec is not None:
+                    self._vision_out = {k: v.to(self.device) for k, v in rec.tensors.items()}
+                else:
+                    self._vision_out = self._vision(self._frontier_at_open)
+        return self._vision_out
+
+    def _vision(self, fr: Frontier) -> dict:
+        t0 = time.perf_counter()
+        a, V = self.a, self.a.num_vision_blocks
+        self.m.weights.ensure(*a.vision_prologue_modules())
+        ctx = a.vision_context(self.inputs.image_grid_thw, self.device)
+        start, side = 0, {}
+        rec = self.store.read_vision_state(fr) if fr.vision_block else None
+        if rec is not None:
+            start = int(rec.meta["block"])
+            h = rec.tensors["hidden"].to(self.device)
+            side = {k: v.to(self.device) for k, v in rec.tensors.items() if k != "hidden"}
+            self.events("vision_restored", block=start)
+        else:
+            h = a.vision_embed(ctx, self.inputs.pixel_values.to(self.device))
+        for i in range(start, V):
+            self.pacer.begin()
+            self.m.weights.ensure(*a.vision_block_modules(i))
+            h, extra = a.vision_block(ctx, i, h)
+            side.update(extra)
+            self.pacer.end()
+            self.events("vision_block_done", block=i + 1, of=V)
+            if self.policy.vision_state_due(i + 1, V, self.g):
+                self._submit(f"vision.state[{i + 1}]", self.store.put_vision_state, i + 1, h, dict(side))
+        self.m.weights.ensure(*a.vision_epilogue_modules())
+        embeds = a.vision_finish(ctx, h)
+        if self.policy.persist_vision_out():
+            self._submit("vision.out", self.store.put_vision_out, embeds, dict(side))
+            self._submit("vision.gc", self._drop_vision_states)
+        self.times["vision"] += time.perf_counter() - t0
+        return {"embeds": embeds, **side}
+
+    def _drop_vision_states(self):
+        self.store.remove_vision()
+        return None
+
+    # ---- prefill ----------------------------------------------------------------------------------
+    def _prefill_and_decode(self, fr: Frontier):
+        self.cache = DynamicCache(config=self.a.text_config)
+        self.read_kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.hidden: dict[tuple[int, int], torch.Tensor] = {}
+        self.kv_chunks = [0] * self.a.num_layers  # chunks present in the cache, per layer
+        have_decode = bool(fr.decode_records)
+        for attempt in range(MAX_REPLANS):
+            problem = RecoveryProblem(len(self.groups), len(self.chunks), set(fr.blocks),
+                                      {b for b, i in fr.blocks.items() if i.has_hidden},
+                                      need_last_hidden=not have_decode)
+            plan = make_plan(self.e.options.planner, problem)
+            self.scheduled = {(op.group, op.chunk) for op in plan.computes}
+            self.plan_summary = plan.summary()
+            if fr.blocks:
+                self.events("recovery_plan", **self.plan_summary)
+            t0 = time.perf_counter()
+            self.fr = fr
+            executor = PlanExecutor(plan, self._read_op, self._compute_op, overlap=self.e.options.overlap_recovery)
+            try:
+                stats = executor.run()
+            except RecordRejected as exc:
+                info = fr.blocks.get((exc.op.group, exc.op.chunk))
+                if info is not None:
+                    self.store.quarantine(info.path, exc.error.reason)
+                fr = self.store.scan()
+                have_decode = bool(fr.decode_records)
+                self.cache = DynamicCache(config=self.a.text_config)
+                self.read_kv.clear()
+                self.hidden.clear()
+                self.kv_chunks = [0] * self.a.num_layers
+                continue
+            self.times["prefill"] += time.perf_counter() - t0
+            if fr.blocks:
+                self.events("prefill_restored", stall_s=round(stats.stall_seconds, 4),
+                            read_s=round(stats.read_seconds, 4), bytes_read=stats.bytes_read)
+            break
+        else:
+            raise RuntimeError("recovery could not find a consistent set of records")
+        for layer in range(self.a.num_layers):
+            self._extend_kv(layer, len(self.chunks))
+        self.read_kv.clear()
+        return self._decode(fr)
+
+    def _read_op(self, op: ReadOp) -> int:
+        a = self.a
+        if op.what == "weights":
+            l0, l1 = self.groups[op.group]
+            mods = (a.embed_modules() if op.group == 0 else []) + [m for l in range(l0, l1)
+                                                                   for m in a.layer_modules(l)]
+            if op.group == len(self.groups) - 1:
+                mods += a.head_modules()
+            before = self.m.weights.stats.bytes_read
+            self.m.weights.ensure(*mods)
+            return self.m.weights.stats.bytes_read - before
+        info = self.fr.blocks[(op.group, op.chunk)]
+        tensors = self.store.read_block(info, {op.what})
+        if op.what == "kv":
+            for layer in range(*info.layers):
+                self.read_kv[(layer, op.chunk)] = (tensors[f"k.{layer}"].to(self.device),
+                                                   tensors[f"v.{layer}"].to(self.device))
+            return info.kv_bytes
+        self.hidden[(op.group, op.chunk)] = tensors["hidden"].to(self.device)
+        return info.hidden_bytes
+
+    def _extend_kv(self, layer: int, upto: int) -> None:
+        """Append read KV chunks [present, upto) of `layer` to the cache (bitwise what compute made)."""
+        have = self.kv_chunks[layer]
+        if have >= upto:
+            return
+        ks, vs = zip(*(self.read_kv.pop((layer, c)) for c in range(have, upto)))
+        cache_layer = self.cache.layers[layer]
+        if not cache_layer.is_initialized:
+            cache_layer.lazy_initialization(ks[0], vs[0])
+        cache_layer.keys = torch.cat([cache_layer.keys, *ks], dim=-2)
+        cache_layer.values = torch.cat([cache_layer.values, *vs], dim=-2)
+        self.kv_chunks[layer] = upto
+
+    def _embed_chunk(self, c: int) -> torch.Tensor:
+        s, e = self.chunks[c]
+        self.m.weights.ensure(*self.a.embed_modules())
+        x = self.a.embed(self.inputs.input_ids[:, s:e].to(self.device))
+        vis = self.visual_mask[:, s:e]
+        if bool(vis.any()):
+            rows = self.visual_rows[s:e][vis[0]]
+            embeds = self.vision_out()["embeds"][rows].to(x.dtype)
+            x = x.masked_scatter(vis[..., None].expand_as(x), embeds)
+        return x
+
+    def _compute_op(self, op: ComputeOp) -> None:
+        self.pacer.begin()
+        g, c = op.group, op.chunk
+        (l0, l1), (s, e) = self.groups[g], self.chunks[c]
+        a = self.a
+        self.m.weights.ensure(*[m for l in range(l0, l1) for m in a.layer_modules(l)])
+        for layer in range(l0, l1):
+            self._extend_kv(layer, c)
+        h = self._embed_chunk(c) if g == 0 else self.hidden.pop((g - 1, c))
+        text_pos = self.pos4[0, :, s:e]
+        attention_mask = torch.ones(1, e, dtype=torch.long, device=self.device)
+        mask = a.mask(h, attention_mask, self.cache, text_pos, layer_idx=l0)
+        pe = a.rotary(h, self.pos4[1:, :, s:e])
+        vis = self.visual_mask[:, s:e]
+        rows = self.visual_rows[s:e][vis[0]]
+        layer_inputs = {}
+        for layer in range(l0, l1):
+            if self.policy.layer_input_hidden():
+                layer_inputs[layer] = h
+            h = a.layer(layer, h, mask, text_pos, self.cache, pe)
+            if layer < a.deepstack_layers:
+                ds = self.vision_out()[f"deepstack.{layer}"][rows] if bool(vis.any()) else None
+                h = a.after_layer(layer, h, vis, ds)
+        self.kv_chunks[l0:l1] = [c + 1] * (l1 - l0)
+        if (g + 1, c) in self.scheduled or (g, c) == (len(self.groups) - 1, len(self.chunks) - 1):
+            self.hidden[(g, c)] = h
+        self.pacer.end()
+        self.events("prefill_block_done", group=g, chunk=c)
+        persist = self.policy.prefill_block(g, c, len(self.groups), len(self.chunks))
+        if persist is not None:
+            kv = {layer: (self.cache.layers[layer].keys[:, :, s:e].clone(memory_format=torch.contiguous_format),
+                          self.cache.layers[layer].values[:, :, s:e].clone(memory_format=torch.contiguous_format))
+                  for layer in range(l0, l1)} if persist.kv else {}
+            hidden = h if persist.boundary_hidden else None
+            self._submit(f"prefill[g{g},c{c}]", self.store.put_prefill_block, g, c, (l0, l1), (s, e), kv, hidden)
+        for layer, h_in in layer_inputs.items():
+            self._submit(f"hidden[l{layer},c{c}]", self.store.put_layer_hidden, layer, c, (s, e), h_in)
+
+    # ---- decode -------------------------------------------------------------------------------------
+    def _decode(self, fr: Frontier):
+        t0 = time.perf_counter()
+        a, N, S = self.a, self.max_new_tokens, self.S
+        eos = set(self.m.eos_token_ids)
+        self.m.weights.ensure(*a.head_modules())
+        logits = None
+        if fr.decode_records:
+            tokens = [int(fr.decode_records[0].meta["first_token"])]
+            for rec in fr.decode_records:
+                tokens += rec.tensors["tokens"].tolist()
+                for layer in range(a.num_layers):
+                    cl = self.cache.layers[layer]
+                    cl.keys = torch.cat([cl.keys, rec.tensors[f"k.{layer}"].to(self.device)], dim=-2)
+                    cl.values = torch.cat([cl.values, rec.tensors[f"v.{layer}"].to(self.device)], dim=-2)
+            step = len(tokens) - 1
+            self.decode_durable_step = step
+            self.store.prepare_decode_log(fr.decode_log_end)
+            self.events("decode_restored", step=step)
+            if len(tokens) >= N or tokens[-1] in eos:
+                # Finished, but the final logits never reached RESULT: redo the last step.
+                tokens.pop()
+                step -= 1
+                for layer in range(a.num_layers):
+                    cl = self.cache.layers[layer]
+                    cl.keys, cl.values = cl.keys[:, :, :-1], cl.values[:, :, :-1]
+                logits = self._decode_step(tokens[-1], S + step)
+                tokens.append(int(logits.argmax(-1)))
+                step += 1
+        else:
+            self.store.prepare_decode_log(0)
+            self.decode_durable_step = 0
+            logits = a.logits(self.hidden.pop((len(self.groups) - 1, len(self.chunks) - 1)))
+            tokens, step = [int(logits.argmax(-1))], 0
+        self.hidden.clear()
+        self.tokens = tokens
+        submitted = step
+        while len(tokens) < N and tokens[-1] not in eos:
+            self.pacer.begin()
+            logits = self._decode_step(tokens[-1], S + step)
+            tokens.append(int(logits.argmax(-1)))
+            step += 1
+            self.pacer.end()
+            self.events("decode_step_done", step=step, of=N - 1)
+            finished = len(tokens) >= N or tokens[-1] in eos
+            # The final step is covered by RESULT, which also holds its logits.
+            if not finished and self.policy.decode_record_due(step - submitted, self.g, finished):
+                self._submit(f"decode[..{step}]", self._write_decode_record, step)
+                submitted = step
+        self.times["decode"] += time.perf_counter() - t0
+        finish = "eos" if tokens[-1] in eos else "length"
+        return tokens, logits, finish
+
+    def _decode_step(self, token: int, position: int) -> torch.Tensor:
+        a = self.a
+        h = a.embed(torch.tensor([[token]], device=self.device))
+        text_pos = torch.tensor([[position]], device=self.device)
+        mrope = (text_pos + self.rope_deltas.to(self.device))[None].expand(3, 1, 1)
+        mask = a.mask(h, torch.ones(1, position + 1, dtype=torch.long, device=self.device), self.cache, text_pos)
+        pe = a.rotary(h, mrope)
+        for layer in range(a.num_layers):
+            self.m.weights.ensure(*a.layer_modules(layer))
+            h = a.layer(layer, h, mask, text_pos, self.cache, pe)
+        return a.logits(h)
+
+    def _write_decode_record(self, step_end: int) -> int:
+        """Runs on the writer: one record covering every step since the last record that reached
+        the disk (so a record skipped for a full disk leaves no gap). Slices are taken now from
+        the cache, whose tensors are replaced, never modified, as decoding goes on."""
+        step_start, S = self.decode_durable_step, self.S
+        s, e = S + step_start, S + step_end
+        kv = {}
+        for layer in range(self.a.num_layers):
+            cl = self.cache.layers[layer]
+            kv[layer] = (cl.keys[:, :, s:e].clone(memory_format=torch.contiguous_format),
+                         cl.values[:, :, s:e].clone(memory_format=torch.contiguous_format))
+        meta = {"step_start": step_start, "step_end": step_end, "pos_start": s, "pos_end": e,
+                "first_token": self.tokens[0]}
+        new_tokens = torch.tensor(self.tokens[step_start + 1: step_end + 1], dtype=torch.int64)
+        n = self.store.append_decode(meta, kv, new_tokens)
+        self.decode_durable_step = step_end
+        return n

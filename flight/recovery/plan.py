@@ -1,0 +1,175 @@
+"""Recovery plans for the prefill phase: what to read, in which order, and what to compute.
+
+After a reboot nothing is in RAM. Prefill is a grid of blocks (layer group g, token chunk c).
+Some blocks have durable records (KV of the group's layers for the chunk, and usually the group's
+output hidden state for the chunk); the rest must be computed. A compute (g, c) is ready when the
+weights of group g are resident, group g's KV for every chunk < c is present (read or computed),
+and its input hidden state exists (computed at (g-1, c), read from (g-1, c)'s record, or the
+token embeddings when g = 0).
+
+A plan is two ordered lists that run concurrently: `reads` on one reader thread (weights, KV,
+boundary hidden states) and `computes` on the compute thread. The executor starts each compute
+as soon as its inputs are present. Planners differ only in the order they choose; `validate`
+checks any plan against the dependency rules, so a new planner cannot silently produce a wrong
+result. The fresh (uninterrupted) run is the special case with no durable blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class PlanError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ReadOp:
+    what: str          # "weights" | "kv" | "hidden"
+    group: int
+    chunk: int = -1
+
+    def __str__(self):
+        return f"read {self.what} g{self.group}" + (f" c{self.chunk}" if self.chunk >= 0 else "")
+
+
+@dataclass(frozen=True)
+class ComputeOp:
+    group: int
+    chunk: int
+
+    def __str__(self):
+        return f"compute g{self.group} c{self.chunk}"
+
+
+@dataclass
+class RecoveryProblem:
+    """The prefill state after a reboot, in planner terms."""
+
+    num_groups: int
+    num_chunks: int
+    done: set[tuple[int, int]]                 # blocks with a durable KV record
+    with_hidden: set[tuple[int, int]]          # ... of which also hold the boundary hidden state
+    need_last_hidden: bool = True              # first-token logits still to compute
+    # Optional costs (seconds) for planners that optimise; see flight/recovery/cost.py.
+    costs: dict = field(default_factory=dict)
+
+    @property
+    def last(self) -> tuple[int, int]:
+        return (self.num_groups - 1, self.num_chunks - 1)
+
+    def must_compute(self) -> set[tuple[int, int]]:
+        """Blocks to compute: those without a record, plus any done block whose boundary hidden
+        state is needed by a computed successor (or by the first-token logits) but not stored."""
+        todo = {(g, c) for g in range(self.num_groups) for c in range(self.num_chunks)} - self.done
+        if self.need_last_hidden and self.last not in self.with_hidden:
+            todo.add(self.last)
+        changed = True
+        while changed:
+            changed = False
+            for (g, c) in list(todo):
+                if g > 0 and (g - 1, c) not in todo and (g - 1, c) not in self.with_hidden:
+                    todo.add((g - 1, c))
+                    changed = True
+        return todo
+
+    def needed_reads(self) -> tuple[set[tuple[int, int]], set[tuple[int, int]]]:
+        """(blocks whose KV must be read, blocks whose hidden state must be read)."""
+        todo = self.must_compute()
+        kv = self.done - todo
+        hidden = {(g - 1, c) for (g, c) in todo if g > 0 and (g - 1, c) not in todo}
+        if self.need_last_hidden and self.last not in todo:
+            hidden.add(self.last)
+        return kv, hidden
+
+
+@dataclass
+class RecoveryPlan:
+    planner: str
+    reads: list[ReadOp]
+    computes: list[ComputeOp]
+
+    def summary(self) -> dict:
+        return {"planner": self.planner, "reads": len(self.reads), "computes": len(self.computes),
+                "kv_reads": sum(r.what == "kv" for r in self.reads),
+                "hidden_reads": sum(r.what == "hidden" for r in self.reads)}
+
+    def validate(self, problem: RecoveryProblem) -> None:
+        """Raise PlanError unless executing this plan yields every block's KV and the needed hidden."""
+        todo = problem.must_compute()
+        kv_needed, hidden_needed = problem.needed_reads()
+        reads = set(self.reads)
+        for g in range(problem.num_groups):
+            if ReadOp("weights", g) not in reads:
+                raise PlanError(f"weights of group {g} are never read")
+        for (g, c) in kv_needed:
+            if ReadOp("kv", g, c) not in reads:
+                raise PlanError(f"KV of block g{g} c{c} is never read")
+        for (g, c) in hidden_needed:
+            if ReadOp("hidden", g, c) not in reads:
+                raise PlanError(f"hidden state of block g{g} c{c} is never read")
+        if {(op.group, op.chunk) for op in self.computes} != todo or len(self.computes) != len(todo):
+            raise PlanError("computes do not cover exactly the blocks that need computing")
+        computed: set[tuple[int, int]] = set()
+        for op in self.computes:
+            g, c = op.group, op.chunk
+            for cc in range(c):
+                if (g, cc) in todo and (g, cc) not in computed:
+                    raise PlanError(f"{op} runs before its KV predecessor g{g} c{cc} is computed")
+            if g > 0 and (g - 1, c) in todo and (g - 1, c) not in computed:
+                raise PlanError(f"{op} runs before its input g{g - 1} c{c} is computed")
+            computed.add((g, c))
+
+
+def _weights_once(reads: list[ReadOp], seen: set[int], g: int) -> None:
+    if g not in seen:
+        seen.add(g)
+        reads.append(ReadOp("weights", g))
+
+
+def chunk_first(problem: RecoveryProblem) -> RecoveryPlan:
+    """Walk the grid chunk by chunk (the order an uninterrupted run computes in)."""
+    todo = problem.must_compute()
+    kv, hidden = problem.needed_reads()
+    reads, computes, seen = [], [], set()
+    for c in range(problem.num_chunks):
+        for g in range(problem.num_groups):
+            _weights_once(reads, seen, g)
+            if (g, c) in kv:
+                reads.append(ReadOp("kv", g, c))
+            if (g, c) in hidden:
+                reads.append(ReadOp("hidden", g, c))
+            if (g, c) in todo:
+                computes.append(ComputeOp(g, c))
+    for g in range(problem.num_groups):
+        _weights_once(reads, seen, g)
+    return RecoveryPlan("chunk-first", reads, computes)
+
+
+def layer_first(problem: RecoveryProblem) -> RecoveryPlan:
+    """Walk the grid layer group by layer group: each group's weights, then its KV."""
+    todo = problem.must_compute()
+    kv, hidden = problem.needed_reads()
+    reads, computes = [], []
+    for g in range(problem.num_groups):
+        reads.append(ReadOp("weights", g))
+        for c in range(problem.num_chunks):
+            if (g, c) in kv:
+                reads.append(ReadOp("kv", g, c))
+            if (g, c) in hidden:
+                reads.append(ReadOp("hidden", g, c))
+            if (g, c) in todo:
+                computes.append(ComputeOp(g, c))
+    return RecoveryPlan("layer-first", reads, computes)
+
+
+PLANNERS = {"chunk-first": chunk_first, "layer-first": layer_first}
+
+
+def make_plan(name: str, problem: RecoveryProblem) -> RecoveryPlan:
+    try:
+        planner = PLANNERS[name]
+    except KeyError:
+        raise ValueError(f"unknown planner {name!r}; choose from {', '.join(sorted(PLANNERS))}") from None
+    plan = planner(problem)
+    plan.validate(problem)
+    return plan
