@@ -18,12 +18,7 @@ COMPONENTS = [
 ]
 
 
-class CliError(Exception):
-    """A user-facing error: printed as one line, exit status `code`."""
-
-    def __init__(self, message: str, code: int = 2):
-        super().__init__(message)
-        self.code = code
+from common.errors import CliError  # noqa: F401  (re-exported: components raise common.cli.CliError)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,11 +20,11 @@ import torch
 import transformers
 from transformers.cache_utils import DynamicCache
 
-from common.durable import DurableFS
+from common.durable import DurableFS, is_disk_full
 from common.record import Kind, RecordError
 
 from .checkpoint.policies import Geometry, Policy, get_policy
-from .checkpoint.store import CheckpointStore, Frontier
+from .checkpoint.store import CheckpointStore, Frontier, OpenOutcome
 from .checkpoint.writer import CheckpointWriter
 from .model.inputs import RequestInputs
 from .model.loader import LoadedModel
@@ -141,7 +141,16 @@ class _RequestRun:
     # ---- top level ----------------------------------------------------------------------------
     def execute(self) -> Result:
         manifest = self.e.manifest(self.inputs, self.max_new_tokens)
-        outcome = self.store.open(manifest)
+        self.checkpoints_enabled = self.policy.writes_checkpoints()
+        try:
+            outcome = self.store.open(manifest)
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            # Not even the MANIFEST fits: run without checkpoints rather than not at all.
+            self.events("checkpoint_write_failed", record="MANIFEST", errno=exc.errno, reason=str(exc.strerror))
+            self.checkpoints_enabled = False
+            outcome = OpenOutcome(0, "no_space", {})
         restarted = None
         if outcome.status in ("mismatch", "unreadable_manifest"):
             restarted = outcome.status
@@ -149,7 +158,7 @@ class _RequestRun:
                         differences={k: [str(a), str(b)] for k, (a, b) in outcome.differences.items()}
                         if outcome.status == "mismatch" else outcome.differences)
         t0 = time.perf_counter()
-        frontier = self.store.scan()
+        frontier = self.store.scan() if self.checkpoints_enabled or outcome.status == "resume" else Frontier()
         self.times["restore"] += time.perf_counter() - t0
         phase = frontier.phase(len(self.groups) * len(self.chunks))
         resumed_from = self._describe(frontier, phase)
@@ -190,18 +199,20 @@ class _RequestRun:
                       phase_seconds={k: 0.0 for k in self.times})
 
     def _commit_result(self, tokens, logits, text, finish) -> None:
-        from common.durable import is_disk_full
+        if self.store.salt == 0:
+            return  # no MANIFEST could be written: nothing on disk belongs to this request
         try:
             self.store.put_result(tokens, logits.detach().to("cpu"), text, finish)
             self.store.gc()
         except OSError as exc:
             if not is_disk_full(exc):
                 raise
+            self.writer.records_skipped += 1
             self.events("checkpoint_write_failed", record="RESULT", errno=exc.errno, reason=str(exc.strerror))
         self.events("request_completed", tokens=len(tokens), finish_reason=finish)
 
     def _submit(self, what: str, fn, *args) -> None:
-        if self.policy.writes_checkpoints():
+        if self.checkpoints_enabled:
             self.writer.submit(what, fn, *args)
 
     # ---- phases ---------------------------------------------------------------------------------
