@@ -1,0 +1,67 @@
+"""The one exception the wire layer raises for bad input."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from common.wire.ids import MAX_REASON_BYTES, ResponseCode
+
+if TYPE_CHECKING:
+    from common.wire.packet import PacketHeader
+
+
+@dataclass(frozen=True)
+class RequestRef:
+    """Identifies a telecommand in its verification reports (PUS request id, extended with the
+    source id and the 30-bit sequence number)."""
+
+    apid: int
+    source_id: int
+    seq: int
+    message_type: int
+
+
+def clip_reason(text: str) -> str:
+    """Reasons travel in REJECTED/FAILED reports: keep them printable ASCII and bounded, whatever
+    bytes the offending input contained."""
+    safe = text.encode("ascii", "backslashreplace").decode("ascii")
+    safe = "".join(ch if 32 <= ord(ch) < 127 else "?" for ch in safe)
+    if len(safe) > MAX_REASON_BYTES:
+        safe = safe[: MAX_REASON_BYTES - 3] + "..."
+    return safe
+
+
+class WireError(Exception):
+    """Bad input on the wire, with the response code that the receiver reports.
+
+    `request` is filled by `decode` as far as the bytes allowed: from a packet whose CRC failed it
+    is a best guess (untrusted), otherwise it names the offending telecommand. `header` is set
+    once the packet's headers were parsed and its CRC checked.
+    """
+
+    def __init__(
+        self,
+        code: ResponseCode,
+        reason: str,
+        *,
+        field: str | None = None,
+        request: RequestRef | None = None,
+        header: "PacketHeader | None" = None,
+    ):
+        self.code = ResponseCode(code)
+        self.reason = clip_reason(reason)
+        self.field = field
+        self.request = request
+        self.header = header
+        super().__init__(f"{self.code.name}: {self.reason}")
+
+
+class ReplayError(WireError):
+    """A telecommand's sequence number was already accepted or is older than the replay window.
+
+    `highest` is the highest sequence number accepted from that (APID, source); the ground may
+    advance its counter past it (docs/wire-protocol.md §6.4)."""
+
+    def __init__(self, reason: str, *, highest: int):
+        super().__init__(ResponseCode.REPLAYED_SEQUENCE, reason)
+        self.highest = highest

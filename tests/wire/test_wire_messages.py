@@ -1,0 +1,127 @@
+"""Round trips for every message type, and the helpers messages offer."""
+from __future__ import annotations
+
+import hashlib
+
+import msgpack
+import pytest
+
+from common.wire import Apid, MessageType, NodeId, ResponseCode, WireError, decode, encode
+from common.wire import messages as m
+from common.wire.errors import RequestRef
+from common.wire.ids import AckFlags, EventId, Severity, TlmChannel
+
+
+def test_every_message_type_has_a_sample(all_samples):
+    assert {s.TYPE for s in all_samples} == set(MessageType)
+    assert [c.TYPE for c in m.all_message_classes()] == sorted(MessageType)
+
+
+def test_pack_unpack_round_trip(sample):
+    body = sample.pack()
+    # The body survives msgpack exactly as the wire carries it.
+    wire_body = msgpack.unpackb(msgpack.packb(body, use_bin_type=True), raw=False)
+    assert type(sample).unpack(wire_body) == sample
+
+
+def test_encode_decode_round_trip(sample):
+    seq = (3 << 14) | 16383  # a count about to wrap, in epoch 3
+    packet = encode(sample, Apid.PAYLOAD, seq, source_id=NodeId.GROUND, time_us=1_700_000_000_123_456)
+    header, decoded = decode(packet)
+    assert decoded == sample
+    assert type(decoded) is type(sample)
+    assert header.apid == Apid.PAYLOAD
+    assert header.seq == seq and header.seq_count == 16383 and header.epoch == 3
+    assert header.message_type == sample.TYPE
+    assert header.source_id == NodeId.GROUND
+    assert header.time_us == 1_700_000_000_123_456
+    assert header.length == len(packet)
+    assert (header.packet_type == 1) == sample.TYPE.is_command
+    assert header.ack_flags == (AckFlags.ALL if sample.TYPE.is_command else AckFlags.NONE)
+
+
+def test_ack_flags_travel_with_commands():
+    packet = encode(m.Ping(key=1), Apid.PAYLOAD, 0, ack_flags=AckFlags.ACCEPTANCE | AckFlags.COMPLETION)
+    header, _ = decode(packet)
+    assert header.wants(AckFlags.ACCEPTANCE) and header.wants(AckFlags.COMPLETION)
+    assert not header.wants(AckFlags.PROGRESS)
+
+
+def test_image_split_reassembles_and_checks():
+    content = hashlib.sha256(b"x").digest() * 1000  # 32000 bytes
+    chunks = m.ImageChunk.split("scene.jpg", content, chunk_bytes=7000)
+    assert [c.index for c in chunks] == [0, 1, 2, 3, 4]
+    assert {c.total for c in chunks} == {5}
+    assert b"".join(c.data for c in sorted(chunks, key=lambda c: c.offset)) == content
+    m.check_file_hash(content, chunks[-1].sha256)  # no exception
+    with pytest.raises(WireError) as info:
+        m.check_file_hash(content[:-1] + b"\x00", chunks[0].sha256, "scene.jpg")
+    assert info.value.code == ResponseCode.FILE_HASH_MISMATCH
+
+
+def test_image_split_refuses_oversized_image():
+    with pytest.raises(WireError) as info:
+        m.ImageChunk.split("big", b"\x00" * (16 * 1024 * 1024 + 1), chunk_bytes=60 * 1024)
+    assert info.value.code == ResponseCode.IMAGE_TOO_LARGE
+
+
+def test_image_status_bitmap():
+    status = m.ImageStatus.of("img", image_size=1000, total=10, received_indices=[0, 1, 9])
+    assert status.received == bytes([0b0000_0011, 0b0000_0010])
+    assert status.missing() == [2, 3, 4, 5, 6, 7, 8]
+    assert not status.complete
+    full = m.ImageStatus.of("img", image_size=1000, total=10, received_indices=range(10), verified=True)
+    assert full.complete and full.missing() == []
+    unknown = m.ImageStatus.of("img", image_size=0, total=0, received_indices=[])
+    assert not unknown.complete and unknown.received == b""
+    with pytest.raises(WireError) as info:
+        m.ImageStatus(image="img", image_size=10, total=3, received=b"\x08", verified=False)
+    assert info.value.code == ResponseCode.BAD_FIELD_VALUE  # bit 3 set but only 3 chunks
+
+
+def test_event_severity_comes_from_the_table():
+    event = m.Event(event_id=EventId.TASK_FAILED, text="boom")
+    assert event.severity == Severity.WARNING_HI == EventId.TASK_FAILED.severity
+    assert event.pack()["severity"] == int(Severity.WARNING_HI)
+    with pytest.raises(WireError) as info:
+        m.Event(event_id=EventId.TASK_FAILED, text="boom", severity=Severity.DIAGNOSTIC)
+    assert info.value.code == ResponseCode.BAD_FIELD_VALUE
+
+
+def test_every_event_has_an_fprime_severity():
+    assert all(isinstance(e.severity, Severity) for e in EventId)
+
+
+def test_housekeeping_channels(all_samples):
+    hk = next(s for s in all_samples if isinstance(s, m.Housekeeping))
+    channels = hk.channels()
+    assert channels[TlmChannel.QUEUE_DEPTH] == hk.queue_depth
+    assert channels[TlmChannel.DISK_FREE_BYTES] == hk.disk_free_bytes
+    assert len(channels) == 11
+
+
+def test_rejected_from_error_names_the_command():
+    packet = encode(m.UplinkTask(task_id="t", prompt="p", images=[], max_new_tokens=1, priority=0), Apid.PAYLOAD, 77, source_id=2)
+    damaged = bytearray(packet)
+    damaged[-5] ^= 0xFF
+    with pytest.raises(WireError) as info:
+        decode(bytes(damaged))
+    report = m.Rejected.from_error(info.value)
+    assert report.code == ResponseCode.BAD_CRC
+    assert report.request == RequestRef(apid=Apid.PAYLOAD, source_id=2, seq=77, message_type=MessageType.UPLINK_TASK)
+    # and the report itself travels
+    assert decode(encode(report, Apid.PAYLOAD, 0))[1] == report
+
+
+def test_rejected_from_error_without_request():
+    with pytest.raises(WireError) as info:
+        decode(b"\x18")
+    report = m.Rejected.from_error(info.value)
+    assert (report.tc_apid, report.tc_seq, report.code) == (0, 0, ResponseCode.MALFORMED_PACKET)
+
+
+def test_messages_are_immutable(all_samples):
+    for sample in all_samples:
+        for field in sample.pack():
+            with pytest.raises(AttributeError):
+                setattr(sample, field, None)

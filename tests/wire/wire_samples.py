@@ -1,0 +1,46 @@
+"""One valid instance of every message type, shared by the wire tests."""
+from __future__ import annotations
+
+import hashlib
+
+from common.wire import messages as m
+from common.wire.ids import EventId, FdirMode, PowerCause, ResponseCode, TaskPhase
+
+_REQ = dict(tc_apid=0x020, tc_source=1, tc_seq=16384 + 5, tc_type=0x0110)
+
+
+def sample_messages() -> list[m.Message]:
+    image = bytes(range(256)) * 3
+    return [
+        m.Ping(key=0xDEADBEEF),
+        m.Status(),
+        m.UplinkTask(task_id="task-001", prompt="Describe the cloud cover. Ünïcødé ☁", images=["img_a.png", "img_b"], max_new_tokens=64, priority=7),
+        m.CancelTask(task_id="task-001"),
+        m.SetPriority(task_id="task-001", priority=255),
+        m.DownlinkResult(task_id="task-001"),
+        m.ImageChunk.split("img_a.png", image, chunk_bytes=300)[1],
+        m.ImageQuery(image="img_a.png"),
+        m.Accepted(**_REQ, task_id="task-001"),
+        m.Rejected(**_REQ, code=ResponseCode.REPLAYED_SEQUENCE, reason="seq 5 already accepted", highest_seq=16390),
+        m.Started(**_REQ),
+        m.Progress(**_REQ, phase=TaskPhase.PREFILL, done=3, total=12),
+        m.Completed(**_REQ, task_id="task-001"),
+        m.Failed(**_REQ, code=ResponseCode.INFERENCE_ERROR, reason="out of memory"),
+        m.Housekeeping(
+            queue_depth=2, current_task="task-001", phase=TaskPhase.DECODE, progress_done=10, progress_total=64,
+            checkpoint_bytes=123_456_789_012, disk_free_bytes=2**40, boot_count=3, command_count=17, error_count=1, uptime_s=12.5,
+        ),
+        m.Event(event_id=EventId.TASK_RESUMED, text="resumed after power cut at prefill block (2, 3)", task_id="task-001"),
+        m.TaskResult(
+            task_id="task-001", token_ids=[1, 2, 3, 151643], text="Scattered cumulus.",
+            logits_sha256=hashlib.sha256(b"logits").digest(), timings={"prefill": 1.25, "decode": 3.0}, interruptions=2,
+        ),
+        m.Heartbeat(boot_count=3, uptime_s=1.0, current_task=None, phase=None),
+        m.Pong(key=0xDEADBEEF),
+        m.ImageStatus.of("img_a.png", image_size=768, total=3, received_indices=[0, 2]),
+        m.PowerReport(trace_time_s=100.0, payload_on=True, bus_voltage_v=28.1, payload_power_w=15, battery_soc=0.8),
+        m.ThermalReport(trace_time_s=100.0, payload_temp_c=41.5, bus_temp_c=-10.0),
+        m.FdirReport(trace_time_s=100.0, mode=FdirMode.NOMINAL, fault_count=0),
+        m.ShutdownWarning(trace_time_s=100.0, lead_time_s=2.5, cause=PowerCause.ECLIPSE),
+        m.PowerStateChange(trace_time_s=102.5, payload_on=False, cause=PowerCause.ECLIPSE),
+    ]
