@@ -1,0 +1,5 @@
+import sys
+
+from traces.cli import main
+
+sys.exit(main())

@@ -1,0 +1,273 @@
+"""Trace commands: `trace-info`, `trace-validate`, `trace-generate`, `trace-import-bupt1` and
+`trace-regenerate`. `register_trace_commands(subparsers)` adds them to any argparse subparsers
+object (`ow hil` uses it); `python -m traces COMMAND ...` runs them stand-alone.
+
+Each command returns an exit status; user errors raise `common.cli.CliError` (one line, no
+traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+
+def _cli_error(message: str, code: int = 2) -> Exception:
+    from common.cli import CliError
+
+    return CliError(message, code)
+
+
+def _load(trace_arg: str):
+    from traces.catalog import resolve
+    from traces.format import TraceError, load
+
+    try:
+        path = resolve(trace_arg)
+    except FileNotFoundError as exc:
+        raise _cli_error(str(exc), 2) from None
+    try:
+        return path, load(path)
+    except TraceError as exc:
+        more = len(exc.problems) - 1
+        suffix = f" (and {more} more; run trace-validate)" if more else ""
+        raise _cli_error(f"{exc}{suffix}", 1) from None
+
+
+def _seconds(value: float | None, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    text = f"{value:.{digits}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def format_info(path: Path | str, trace) -> str:
+    """The `trace-info` report."""
+    s = trace.stats()
+    causes = ", ".join(f"{cause} {count}" for cause, count in s.cuts_by_cause.items())
+    period = (
+        f"telemetry every {_seconds(trace.telemetry_period_s, 3)} s ({len(trace.telemetry)} samples)"
+        if trace.telemetry_period_s is not None
+        else "no telemetry"
+    )
+    lines = [
+        f"trace        {trace.name}  ({path})",
+        f"description  {trace.description}",
+        f"duration     {_seconds(s.duration_s)} s ({s.duration_s / 3600:.2f} h), {period}, "
+        f"reference request {_seconds(s.reference_request_s)} s, time scale {_seconds(trace.time_scale, 6)}",
+    ]
+    if s.windows:
+        open_note = " (the last is open at the end of the trace)" if s.open_final_window else ""
+        lines.append(
+            f"windows      {s.windows}{open_note}: mean {_seconds(s.window_mean_s)} s, median "
+            f"{_seconds(s.window_median_s)} s, min {_seconds(s.window_min_s)} s, max {_seconds(s.window_max_s)} s; "
+            f"{s.windows_shorter_than_request} shorter than the reference request"
+        )
+    else:
+        lines.append("windows      0 (the payload never has power)")
+    lines.append(f"cuts         {s.cuts}: {causes}")
+    if s.warned_cuts:
+        lines.append(
+            f"warning      {s.warned_cuts} of {s.cuts} cuts warned, mean lead {_seconds(s.warning_lead_mean_s)} s "
+            f"(min {_seconds(s.warning_lead_min_s)} s, max {_seconds(s.warning_lead_max_s)} s)"
+        )
+    else:
+        lines.append(f"warning      0 of {s.cuts} cuts warned (no lead time)")
+    lines.append(f"off time     mean {_seconds(s.off_mean_s)} s between windows")
+    lines.append(f"duty cycle   {100 * s.duty_cycle:.1f} % ({_seconds(s.on_time_s)} s on)")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ commands
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    path, trace = _load(args.trace)
+    if args.json:
+        out = {"trace": trace.name, "path": str(path), **trace.stats().as_dict()}
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_info(path, trace))
+    return 0
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from traces.catalog import resolve_quiet
+    from traces.format import validate
+
+    status = 0
+    for trace_arg in args.traces:
+        path = resolve_quiet(trace_arg)
+        problems = validate(path)
+        if problems:
+            status = 1
+            for problem in problems:
+                print(problem)
+        elif not args.quiet:
+            print(f"{path}: ok")
+    return status
+
+
+def _write(trace, out: str) -> str:
+    from traces.format import TraceError, dump, dumps
+
+    if out == "-":
+        sys.stdout.write(dumps(trace))
+        return "<stdout>"
+    try:
+        dump(trace, out)
+    except TraceError as exc:  # a generator or importer bug, not a user error
+        raise RuntimeError(f"refusing to write an invalid trace: {exc}") from exc
+    except OSError as exc:
+        raise _cli_error(f"cannot write {out}: {exc.strerror or exc}", 2) from None
+    return out
+
+
+def _summary(trace) -> str:
+    s = trace.stats()
+    causes = ", ".join(f"{c} {n}" for c, n in s.cuts_by_cause.items() if n)
+    return f"{s.windows} windows, {s.cuts} cuts ({causes or 'none'}), duty cycle {100 * s.duty_cycle:.1f} %"
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from traces.presets import generate
+
+    if args.duration is not None and args.duration <= 0:
+        raise _cli_error("--duration must be > 0", 2)
+    trace = generate(args.kind, seed=args.seed, duration_s=args.duration)
+    where = _write(trace, args.out)
+    print(f"{where}: {trace.name}, {_summary(trace)}", file=sys.stderr if args.out == "-" else sys.stdout)
+    return 0
+
+
+def _cmd_import_bupt1(args: argparse.Namespace) -> int:
+    from traces.importers.bupt1 import Bupt1DataError, Bupt1Import, import_bupt1
+
+    params = Bupt1Import(overheat_from_min=args.overheat_from_min)
+    try:
+        trace = import_bupt1(args.data, params)
+    except Bupt1DataError as exc:
+        raise _cli_error(str(exc), 1) from None
+    where = _write(trace, args.out)
+    print(f"{where}: {trace.name}, {_summary(trace)}", file=sys.stderr if args.out == "-" else sys.stdout)
+    return 0
+
+
+def _cmd_regenerate(args: argparse.Namespace) -> int:
+    from traces.catalog import DATA_DIR, GENERATED_NAMES, SUFFIX
+    from traces.format import dumps
+    from traces.importers.bupt1 import Bupt1DataError, import_bupt1
+    from traces.presets import generate
+
+    out_dir = Path(args.out_dir) if args.out_dir else DATA_DIR
+    builders: list[tuple[str, Callable[[], Any]]] = [(name, lambda n=name: generate(n)) for name in GENERATED_NAMES]
+    builders.append(("bupt1", lambda: import_bupt1(args.data)))
+    status = 0
+    for name, build in builders:
+        target = out_dir / f"{name}{SUFFIX}"
+        try:
+            trace = build()
+        except Bupt1DataError as exc:
+            print(f"{target}: skipped, {exc}")
+            continue
+        if args.check:
+            same = target.is_file() and target.read_text(encoding="utf-8") == dumps(trace)
+            print(f"{target}: {'identical' if same else 'DIFFERS from a fresh regeneration'}")
+            status |= 0 if same else 1
+        else:
+            print(f"{_write(trace, str(target))}: {_summary(trace)}")
+    return status
+
+
+# ------------------------------------------------------------------------------------ registration
+
+
+def register_trace_commands(subparsers: Any) -> None:
+    """Add the trace leaf commands to an argparse `add_subparsers()` object."""
+    from traces.catalog import SHIPPED_NAMES
+    from traces.presets import PRESETS, SHIPPED_SEEDS
+
+    shipped = ", ".join(SHIPPED_NAMES)
+    p = subparsers.add_parser(
+        "trace-info",
+        help="print a trace's statistics",
+        description="Print a trace's statistics: duration, windows, cuts by cause, window lengths, "
+        "warning leads, duty cycle.",
+    )
+    p.add_argument("trace", metavar="TRACE", help=f"a trace file, or a shipped trace name ({shipped})")
+    p.add_argument("--json", action="store_true", help="print the statistics as JSON")
+    p.set_defaults(func=_cmd_info)
+
+    p = subparsers.add_parser(
+        "trace-validate",
+        help="check trace files against docs/trace-format.md",
+        description="Check trace files. Prints each problem as FILE:LINE: message; exit status 1 if "
+        "any trace is invalid.",
+    )
+    p.add_argument("traces", metavar="TRACE", nargs="+", help=f"trace files or shipped names ({shipped})")
+    p.add_argument("-q", "--quiet", action="store_true", help="print nothing for valid traces")
+    p.set_defaults(func=_cmd_validate)
+
+    p = subparsers.add_parser(
+        "trace-generate",
+        help="generate a trace with the physical model",
+        description="Generate a trace of one of the shipped kinds with the physical model "
+        "(orbit, solar array and battery, thermal, FDIR, contention). With the shipped seed and "
+        "default duration it reproduces the shipped file.",
+    )
+    p.add_argument("--kind", required=True, choices=list(PRESETS), help="satellite kind")
+    p.add_argument("--seed", type=int, default=None,
+                   help="random seed (default: the shipped one: "
+                   + ", ".join(f"{k} {v}" for k, v in SHIPPED_SEEDS.items()) + ")")
+    p.add_argument("--duration", type=int, default=None, metavar="SECONDS",
+                   help="trace length in seconds (default: the shipped length)")
+    p.add_argument("--out", required=True, metavar="FILE", help="output file, or - for standard output")
+    p.set_defaults(func=_cmd_generate)
+
+    p = subparsers.add_parser(
+        "trace-import-bupt1",
+        help="turn BUPT-1 in-orbit telemetry into a trace",
+        description="Import the BUPT-1 CubeSat telemetry CSV files (see traces/importers/bupt1.py).",
+    )
+    p.add_argument("--data", default=None, metavar="DIR",
+                   help="folder with the four BUPT-1 CSV files (default: $OW_BUPT1_DATA or "
+                   "../shared/data/bupt1 next to the repository)")
+    p.add_argument("--out", required=True, metavar="FILE", help="output file, or - for standard output")
+    p.add_argument("--overheat-from-min", type=float, default=420.0, metavar="MIN",
+                   help="start of the overheating-test excerpt in test minutes (default 420)")
+    p.set_defaults(func=_cmd_import_bupt1)
+
+    p = subparsers.add_parser(
+        "trace-regenerate",
+        help="rebuild the shipped traces (or check them)",
+        description="Rebuild every shipped trace from its generator seed or from the BUPT-1 data. "
+        "With --check, compare instead of writing; exit status 1 if any differs.",
+    )
+    p.add_argument("--check", action="store_true", help="compare with the files instead of writing")
+    p.add_argument("--out-dir", default=None, metavar="DIR", help="where to write (default traces/data)")
+    p.add_argument("--data", default=None, metavar="DIR", help="BUPT-1 data folder (as trace-import-bupt1)")
+    p.set_defaults(func=_cmd_regenerate)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m traces`: the trace commands without the rest of `ow`."""
+    from common.cli import CliError
+
+    parser = argparse.ArgumentParser(
+        prog="python -m traces",
+        description="Interruption traces: inspect, validate, generate and import.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    register_trace_commands(sub)
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except CliError as exc:
+        print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        print(f"{parser.prog} {args.command}: interrupted", file=sys.stderr)
+        return 130

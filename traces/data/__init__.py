@@ -1,0 +1,1 @@
+"""Shipped interruption traces (*.jsonl); a package only so that wheels include the files."""

@@ -1,0 +1,1 @@
+"""Importers that turn real satellite telemetry into interruption traces."""
