@@ -71,7 +71,7 @@ def test_masked_crc_matches_leveldb_definition():
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.int8]),
                           st.lists(st.integers(0, 5), min_size=0, max_size=3)), max_size=4),
-       st.dictionaries(st.text(max_size=8), st.integers(), max_size=3))
+       st.dictionaries(st.text(max_size=8), st.integers(-2**63, 2**64 - 1), max_size=3))
 def test_round_trip_property(specs, extra):
     tensors = {f"t{i}": torch.zeros(shape, dtype=dt).random_(0, 7) for i, (dt, shape) in enumerate(specs)}
     meta = {f"m_{k}": v for k, v in extra.items()}
