@@ -1,0 +1,1 @@
+"""Benchmark scripts printing side-by-side ratios (not tests)."""

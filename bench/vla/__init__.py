@@ -1,0 +1,1 @@
+"""VLA edge-scheduler benchmarks (Robion-style vs Monolithic vs vLLM-Omni-style)."""

@@ -1,0 +1,389 @@
+"""`ow vla ...`: the Robion-style VLA edge scheduler's commands.
+
+Top-level imports stay light (argparse only) so that `ow --help` is fast; torch, scipy and the
+engine are imported inside the command functions.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+DEFAULT_PROFILE = "rtx-pro-6000x4"
+
+
+def _cli_error(message: str, code: int = 2):
+    from common.cli import CliError
+
+    return CliError(message, code)
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in _csv(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _robot_mix(text: str) -> dict[str, int]:
+    """'pi0=8,smolvla=4' -> {'pi0': 8, 'smolvla': 4}"""
+    out = {}
+    for part in _csv(text):
+        name, _, count = part.partition("=")
+        try:
+            out[name.strip()] = int(count)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected MODEL=COUNT pairs, got {part!r}") from None
+    if not out:
+        raise argparse.ArgumentTypeError("no MODEL=COUNT pairs given")
+    return out
+
+
+def _known_models(names) -> list[str]:
+    from common.vla.config import MODELS
+
+    unknown = [m for m in names if m not in MODELS]
+    if unknown:
+        raise _cli_error(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(MODELS)}")
+    return list(names)
+
+
+def _load_profile(name: str):
+    from common.vla.profiles import load_profile
+
+    try:
+        return load_profile(name)
+    except (FileNotFoundError, ValueError, KeyError, json.JSONDecodeError) as exc:
+        raise _cli_error(f"cannot load profile {name!r}: {exc}") from None
+
+
+def _setup_log(args) -> None:
+    from common import log
+
+    log.setup(level=getattr(args, "log_level", "info"), component="vla")
+
+
+# ---------------------------------------------------------------- serve
+
+
+def cmd_serve(args) -> int:
+    import signal
+    import threading
+
+    models = _known_models(_csv(args.models))
+    from common.vla.engine import ServingEngine
+    from common.vla.server import PolicyServer, ServerConfig, require_loopback
+
+    try:
+        require_loopback(args.host)
+    except ValueError as exc:
+        raise _cli_error(str(exc)) from None
+    profile = _load_profile(args.profile) if args.profile else None
+    _setup_log(args)
+    slo = {m: args.slo_ms for m in models} if args.slo_ms is not None else None
+    if profile is None and slo is None:
+        slo = {m: 500.0 for m in models}
+    try:
+        engine = ServingEngine.build(models, system=args.system, policy=args.policy, max_batch=args.max_batch,
+                                     profile=profile, slo_ms=slo, backend=args.backend, threads=args.threads,
+                                     batch_sizes=args.batch_sizes)
+    except (ValueError, KeyError) as exc:
+        raise _cli_error(str(exc)) from None
+    engine.start()
+    server = PolicyServer(engine, ServerConfig(args.host, args.port, models[0], args.max_request_bytes))
+    try:
+        server.start()
+    except OSError as exc:
+        engine.stop()
+        raise _cli_error(f"cannot listen on {args.host}:{args.port}: {exc}", 1) from None
+    print(f"serving {server.url} models={','.join(models)} system={args.system} policy={args.policy} "
+          f"backend={engine.backend.name}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        stop.wait()
+    finally:
+        server.stop()
+        engine.stop()
+        print(f"stopped: served={engine.stats.served} slo_met={engine.stats.slo_met} rejected={server.rejected}",
+              flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------- bench
+
+
+def cmd_bench(args) -> int:
+    from common.vla.bench import EXPERIMENTS, BenchSettings, run_bench
+
+    profile = _load_profile(args.profile)
+    experiments = _csv(args.experiments) if args.experiments else list(EXPERIMENTS)
+    bad = [e for e in experiments if e not in EXPERIMENTS]
+    if bad:
+        raise _cli_error(f"unknown experiment(s) {', '.join(bad)}; choose from {', '.join(EXPERIMENTS)}")
+    settings = BenchSettings.quick() if args.quick else BenchSettings()
+    if args.epochs or args.duration or args.seed is not None:
+        settings = BenchSettings(args.epochs or settings.epochs, args.duration or settings.duration_s,
+                                 settings.max_batches, settings.seed if args.seed is None else args.seed)
+    report = run_bench(profile, settings, experiments, emit=lambda line: print(line, flush=True))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.data, f, indent=1, default=str)
+    return 0
+
+
+# ---------------------------------------------------------------- plan
+
+
+def cmd_plan(args) -> int:
+    from common.vla import sim
+    from common.vla.management import ASSIGNERS, Placement, format_assignment, robot_limits
+
+    robots = args.robots
+    models = _known_models(list(robots))
+    try:
+        placement = Placement.parse(args.placement, models, args.gpus)
+    except ValueError as exc:
+        raise _cli_error(str(exc)) from None
+    profile = _load_profile(args.profile)
+    if args.limits:
+        limits = dict(args.limits)
+        missing = [m for m in models if m not in limits]
+        if missing:
+            raise _cli_error(f"--limits lacks {', '.join(missing)}")
+    else:
+        limits = robot_limits(profile, models, max_batch=args.max_batch)
+        print("robot limits per GPU (simulated, Robion alone at 98 %): "
+              + ", ".join(f"{m}={limits[m]}" for m in models))
+    methods = list(ASSIGNERS) if args.method == "all" else [args.method]
+    if "brute-force" in methods and args.method == "all":
+        methods.remove("brute-force")
+    for method in methods:
+        try:
+            a = ASSIGNERS[method](placement, robots, limits)
+        except (ValueError, RuntimeError) as exc:
+            raise _cli_error(f"{method}: {exc}", 1) from None
+        print(f"placement {placement.name} on {placement.n_gpus} GPUs")
+        print(format_assignment(a, placement))
+        if args.simulate:
+            r = sim.simulate(sim.robion(max_batch=args.max_batch), sim.Workload(robots, epochs=args.epochs),
+                             profile, assignment=a.counts)
+            print(f"  simulated: SLO attainment {r.attainment:.3%}, p99 {r.p99_ms:.1f} ms over {r.requests} requests")
+    return 0
+
+
+# ---------------------------------------------------------------- profile
+
+
+def cmd_profile(args) -> int:
+    if args.derive:
+        from common.vla import analytic
+
+        prof = analytic.derive_profile(args.derive)
+        from common.vla.profiles import PROFILE_DIR
+
+        path = prof.save(args.out or PROFILE_DIR / f"{prof.name}.json")
+        print(f"wrote {path} (derived from public numbers; {len(prof.locksteps)} lockstep entries)")
+        for row in prof.calibration:
+            print(f"  calibration: {row['what']}: model {row['model_ms']} ms vs public {row['public_ms']} ms")
+        return 0
+    if not args.out:
+        raise _cli_error("--out FILE is required when measuring the CPU backend")
+    from common.vla.profiler import measure_cpu_profile
+
+    archs = _csv(args.archs)
+    from common.vla.config import ARCHS
+
+    bad = [a for a in archs if a not in ARCHS]
+    if bad:
+        raise _cli_error(f"unknown architecture(s) {', '.join(bad)}; known: {', '.join(ARCHS)}")
+    prof = measure_cpu_profile(archs, args.batch_sizes, args.threads, args.repeats, args.slo_factor,
+                               progress=lambda s: print(s, flush=True))
+    path = prof.save(args.out)
+    print(f"wrote {path} ({len(prof.locksteps)} lockstep entries, shares {list(prof.vlm_shares)})")
+    return 0
+
+
+# ---------------------------------------------------------------- simulate
+
+
+def cmd_simulate(args) -> int:
+    from common.vla import sim
+
+    _known_models(list(args.robots))
+    profile = _load_profile(args.profile)
+    kind = args.system
+    if kind == "robion":
+        system = sim.robion(policy=args.policy, max_batch=args.max_batch, sm_mode=args.sm_mode)
+    elif kind == "monolithic":
+        system = sim.monolithic(policy=args.policy, max_batch=args.max_batch)
+    elif kind == "vllm-omni":
+        system = sim.vllm_omni(max_batch=args.max_batch)
+    elif kind.startswith("dis-"):
+        try:
+            k, m = (int(x) for x in kind[4:].split(":"))
+        except ValueError:
+            raise _cli_error(f"bad system {kind!r}; expected dis-K:M, e.g. dis-3:1") from None
+        system = sim.disaggregated(k, m, max_batch=args.max_batch)
+    else:
+        raise _cli_error(f"unknown system {kind!r}")
+    try:
+        r = sim.simulate(system, sim.Workload(args.robots, epochs=args.epochs, duration_s=args.duration,
+                                              seed=args.seed), profile)
+    except (KeyError, ValueError) as exc:
+        raise _cli_error(str(exc)) from None
+    print(f"{r.system}: {r.robots} robots, {r.requests} requests, SLO attainment {r.attainment:.3%}, "
+          f"p50 {r.p50_ms:.1f} ms, p99 {r.p99_ms:.1f} ms")
+    for m, s in r.per_model.items():
+        print(f"  {m}: {s.attainment:.3%} of {s.requests}, p99 {s.p99_ms:.1f} ms")
+    return 0
+
+
+# ---------------------------------------------------------------- models
+
+
+def cmd_models(args) -> int:
+    from common.vla.config import MODELS
+    from common.vla.profiles import load_profile, shipped_profiles
+
+    print(f"{'model':14} {'arch':8} {'cams':>4} {'tok/img':>7} {'prefix':>6} {'horizon':>7} {'steps':>5}")
+    for spec in MODELS.values():
+        a = spec.arch_config
+        print(f"{spec.name:14} {a.name:8} {a.cameras:4} {a.tokens_per_image:7} {a.prefix_tokens:6} "
+              f"{a.action_horizon:7} {a.denoise_steps:5}")
+    print("\nshipped profiles:")
+    for name in shipped_profiles():
+        p = load_profile(name)
+        slos = ", ".join(f"{a} SLO {ap.slo_ms:.1f} ms" for a, ap in p.archs.items())
+        print(f"  {name}: {p.device.get('count')} x {p.device.get('name')} ({p.backend}); {slos}")
+    return 0
+
+
+# ---------------------------------------------------------------- parser
+
+
+def register(subparsers) -> None:
+    vla = subparsers.add_parser(
+        "vla", help="Robion-style VLA edge scheduler: serve robots, simulate, plan, benchmark",
+        description="Serve vision-language-action (VLA) requests from many robots under latency SLOs: "
+                    "a lockstep VLM/ADiT serving engine, profiles, placement and traffic control, and a "
+                    "simulator driven by the same scheduler.")
+    sub = vla.add_subparsers(dest="vla_command", metavar="VLA_COMMAND")
+    sub.required = True
+
+    def policy_opts(p, with_policy=True):
+        if with_policy:
+            p.add_argument("--policy", choices=("esf", "rr", "lqf"), default="esf",
+                           help="queue served at each lockstep: esf = least remaining SLO time (default), "
+                                "rr = round robin, lqf = longest queue")
+        p.add_argument("--max-batch", type=int, default=2,
+                       help="largest fixed stage batch (one of the profile's batch sizes; default 2)")
+
+    # serve
+    p = sub.add_parser("serve", help="run the robot policy endpoint (openpi websocket protocol, loopback only)",
+                       description="Serve LIBERO-style observations (two 224x224 images, 8-d state, prompt) over "
+                                   "the openpi websocket policy protocol on a loopback address. Robots using "
+                                   "openpi-client's WebsocketClientPolicy connect unchanged; choose a model with "
+                                   "the URL path ws://HOST:PORT/MODEL (default: the first --models entry). "
+                                   "Requests go through the lockstep scheduler. Stops on SIGINT/SIGTERM.")
+    p.add_argument("--models", default="pi0", help="comma-separated models to co-locate (default pi0); see `ow vla models`")
+    p.add_argument("--host", default="127.0.0.1", help="loopback address to bind (default 127.0.0.1; others refused)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free port, printed)")
+    p.add_argument("--system", choices=("robion", "monolithic"), default="robion",
+                   help="robion: VLM and ADiT executors in lockstep (default); monolithic: one pipeline")
+    policy_opts(p)
+    p.add_argument("--batch-sizes", type=_ints, default=(1, 2, 4),
+                   help="fixed batch sizes the executors run, comma-separated (default 1,2,4)")
+    p.add_argument("--profile", help="profile file or shipped name: SLOs and per-pair VLM thread/SM share "
+                                     "(default: no profile, half the threads to the VLM)")
+    p.add_argument("--slo-ms", type=float, help="SLO for every model in ms (default: the profile's, else 500)")
+    p.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="cuda when a GPU is visible (auto, default), else cpu")
+    p.add_argument("--threads", type=int, help="intra-op threads shared by the two CPU executors (default: torch's)")
+    p.add_argument("--max-request-bytes", type=int, default=1 << 20,
+                   help="larger requests are refused with an error reply (default 1 MiB)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                   help="JSON-lines log level on stderr (default info)")
+    p.set_defaults(func=cmd_serve)
+
+    # bench
+    p = sub.add_parser("bench", help="load sweeps: max robots at 98%% SLO per system, beside the paper's numbers",
+                       description="Run the paper's experiments on the simulator with a profile: single-model "
+                                   "max robots at 98%% SLO attainment (Robion-style vs Monolithic vs "
+                                   "vLLM-Omni-style), queue policies, traffic controllers (ILP vs SMG vs EPS), "
+                                   "ILP solve time, 8 models x 4 GPUs, and intra- vs inter-GPU disaggregation.")
+    p.add_argument("--profile", default=DEFAULT_PROFILE, help=f"profile name or file (default {DEFAULT_PROFILE})")
+    p.add_argument("--quick", action="store_true", help="short setting: 5 epochs x 6 s per load point")
+    p.add_argument("--epochs", type=int, help="epochs (resampled robot phases) per load point (default 20)")
+    p.add_argument("--duration", type=float, help="simulated seconds per epoch (default 10)")
+    p.add_argument("--seed", type=int, help="random seed (default 0)")
+    p.add_argument("--experiments", help="comma-separated subset of: single, policies, traffic, ilp, multi, inter-gpu")
+    p.add_argument("--json", help="also write the measured numbers to this JSON file")
+    p.set_defaults(func=cmd_bench)
+
+    # plan
+    p = sub.add_parser("plan", help="assign robots to GPUs for a placement (traffic-control ILP and baselines)",
+                       description="Solve the traffic controller's integer program for a placement and robot mix; "
+                                   "print each GPU's robots and load. Limits default to robot limits simulated "
+                                   "from the profile.")
+    p.add_argument("--robots", type=_robot_mix, required=True, help="robot mix, e.g. pi0=8,pi0-ft1=8,smolvla=12")
+    p.add_argument("--placement", default="mix",
+                   help="'mix' (every model on every GPU) or disjoint groups 'GLOB[,GLOB]:GPU,GPU;...', "
+                        "e.g. 'pi0*:0,1;smolvla*:2,3'")
+    p.add_argument("--gpus", type=int, default=4, help="GPUs in the server (default 4)")
+    p.add_argument("--limits", type=_robot_mix, help="robot limit per GPU per model, e.g. pi0=15,smolvla=58")
+    p.add_argument("--method", choices=("ilp", "smg", "eps", "brute-force", "all"), default="ilp",
+                   help="ilp (Robion, default), smg (one GPU per model), eps (even split), brute-force, or all")
+    p.add_argument("--profile", default=DEFAULT_PROFILE, help=f"profile for limits and --simulate (default {DEFAULT_PROFILE})")
+    p.add_argument("--max-batch", type=int, default=2, help="max batch when simulating (default 2)")
+    p.add_argument("--simulate", action="store_true", help="also simulate the assignment and print SLO attainment")
+    p.add_argument("--epochs", type=int, default=5, help="epochs when simulating (default 5)")
+    p.set_defaults(func=cmd_plan)
+
+    # profile
+    p = sub.add_parser("profile", help="measure the CPU backend's latency table, or derive the GPU profiles",
+                       description="Measure every stage alone and every co-running batch pair under every thread "
+                                   "split on the CPU backend, writing a profile file the scheduler and simulator "
+                                   "accept; or, with --derive, regenerate a shipped GPU profile from public numbers.")
+    p.add_argument("--out", help="profile file to write (required when measuring)")
+    p.add_argument("--archs", default="pi0,smolvla", help="architectures to measure (default pi0,smolvla)")
+    p.add_argument("--batch-sizes", type=_ints, default=(1, 2, 4), help="batch sizes (default 1,2,4)")
+    p.add_argument("--threads", type=int, help="intra-op threads to split (default: torch's)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per entry, median kept (default 3)")
+    p.add_argument("--slo-factor", type=float, default=3.0,
+                   help="SLO = factor x batch-1 VLM+ADiT time (default 3)")
+    p.add_argument("--derive", choices=("rtx-pro-6000", "h100"),
+                   help="instead of measuring, derive this GPU server's profile from public numbers")
+    p.set_defaults(func=cmd_profile)
+
+    # simulate
+    p = sub.add_parser("simulate", help="simulate one system at one load and print SLO attainment and latency",
+                       description="Discrete-event simulation of robots at 2 Hz, WiFi 7-like network and one GPU "
+                                   "(or the stage GPUs of dis-K:M), driven by the shared scheduler code.")
+    p.add_argument("--robots", type=_robot_mix, required=True, help="robot mix, e.g. pi0=12,smolvla=20")
+    p.add_argument("--system", default="robion", help="robion, monolithic, vllm-omni, or dis-K:M (default robion)")
+    policy_opts(p)
+    p.add_argument("--sm-mode", choices=("dynamic", "static"), default="dynamic",
+                   help="robion: per-pair VLM share from the profile (dynamic) or always 50%% (static)")
+    p.add_argument("--profile", default=DEFAULT_PROFILE, help=f"profile name or file (default {DEFAULT_PROFILE})")
+    p.add_argument("--epochs", type=int, default=5, help="epochs with resampled robot phases (default 5)")
+    p.add_argument("--duration", type=float, default=10.0, help="simulated seconds per epoch (default 10)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.set_defaults(func=cmd_simulate)
+
+    # models
+    p = sub.add_parser("models", help="list the served model catalogue and the shipped profiles",
+                       description="List model names, their architecture shapes, and shipped profiles with SLOs.")
+    p.set_defaults(func=cmd_models)
+
+
+if __name__ == "__main__":  # pragma: no cover - handy for `python -m common.vla.cli`
+    root = argparse.ArgumentParser(prog="ow")
+    register(root.add_subparsers(dest="command"))
+    a = root.parse_args()
+    sys.exit(a.func(a))

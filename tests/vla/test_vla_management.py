@@ -1,0 +1,90 @@
+"""Placement and the traffic-control integer program (acceptance: equals brute force; solves 8x4)."""
+import random
+
+import pytest
+
+from common.vla.config import EIGHT_MODELS
+from common.vla.management import (Placement, assign_brute_force, assign_eps, assign_ilp, assign_smg,
+                                   robot_limits)
+
+
+def _instances(n):
+    rng = random.Random(1234)
+    for i in range(n):
+        models = ["a", "b", "c"][: rng.randint(1, 3)]
+        if i % 3 == 0:
+            pl = Placement.colocate(models, 3)
+        elif i % 3 == 1:
+            pl = Placement.groups([(models[:-1] or models, [0, 1]), (models[-1:] if len(models) > 1 else [], [2])])
+        else:
+            pl = Placement(f"random-{i}", 3, {m: tuple(sorted(rng.sample(range(3), rng.randint(1, 3)))) for m in models})
+        robots = {m: rng.randint(0, 7) for m in models}
+        limits = {m: rng.randint(2, 9) for m in models}
+        yield pl, robots, limits
+
+
+@pytest.mark.parametrize("case", list(range(60)))
+def test_ilp_equals_brute_force_on_small_instances(case):
+    pl, robots, limits = list(_instances(60))[case]
+    ilp = assign_ilp(pl, robots, limits)
+    brute = assign_brute_force(pl, robots, limits)
+    assert ilp.optimal
+    assert ilp.objective[:3] == brute.objective[:3]
+    assert ilp.objective[3] == pytest.approx(brute.objective[3], abs=1e-6)
+    assert ilp.feasible == brute.feasible
+    for m, r in robots.items():  # every robot placed, only on GPUs that host its model
+        assert sum(n for (mm, g), n in ilp.counts.items() if mm == m) == r
+    assert all(g in pl.hosts[m] for (m, g) in ilp.counts)
+
+
+def test_eight_models_on_four_gpus_solves_within_limits():
+    pl = Placement.colocate(EIGHT_MODELS, 4)
+    robots = {m: 11 for m in EIGHT_MODELS}  # 88 robots; total load 3.69 GPUs
+    limits = {m: (15 if m.startswith("pi0") else 58) for m in EIGHT_MODELS}
+    a = assign_ilp(pl, robots, limits, time_limit_s=30)
+    assert a.optimal and a.feasible and a.peak_load <= 1.0
+    assert a.splits == len(EIGHT_MODELS)  # every model fits whole on some GPU: no model is split
+    assert len({g for (_, g) in a.counts}) == 4  # and no GPU idles
+
+
+def test_paper_figure5_concentrates_a_model_and_splits_only_when_needed():
+    # Paper Fig. 5: GPU 0 serves four model-A robots, GPU 1 the other two A robots and two B robots.
+    pl = Placement.colocate(["A", "B"], 2)
+    a = assign_ilp(pl, {"A": 6, "B": 2}, {"A": 4, "B": 4})
+    assert a.feasible and a.splits == 3
+    assert sorted(a.counts.values()) == [2, 2, 4]
+    assert {n for (m, _), n in a.counts.items() if m == "B"} == {2}
+
+
+def test_smg_and_eps_as_read():
+    pl = Placement.colocate(["p", "q", "r", "s"], 4)
+    robots = dict(zip("pqrs", (8, 8, 8, 24)))
+    limits = {m: 16 for m in robots}
+    smg, eps, ilp = assign_smg(pl, robots, limits), assign_eps(pl, robots, limits), assign_ilp(pl, robots, limits)
+    assert smg.splits == 4 and not smg.feasible and smg.counts[("s", 3)] == 24  # one home GPU per model
+    assert eps.splits == 16 and all(eps.counts[(m, g)] == robots[m] // 4 for m in robots for g in range(4))
+    assert ilp.feasible and ilp.splits < eps.splits
+
+
+def test_overloaded_mix_is_reported_not_hidden():
+    pl = Placement.replicate("pi0", [0, 1], 2)
+    a = assign_ilp(pl, {"pi0": 50}, {"pi0": 20})
+    assert not a.feasible and a.counts[("pi0", 0)] + a.counts[("pi0", 1)] == 50
+    assert a.peak_load == pytest.approx(25 / 20)
+
+
+def test_placement_parsing():
+    pl = Placement.parse("pi0*:0,1;smolvla*:2,3", list(EIGHT_MODELS), 4)
+    assert pl.hosts["pi0-ft2"] == (0, 1) and pl.hosts["smolvla"] == (2, 3)
+    with pytest.raises(ValueError):
+        Placement.parse("pi0*:0,1;pi0*:1,2", ["pi0"], 4)
+    with pytest.raises(ValueError):
+        Placement.parse("pi0*:0", ["pi0", "smolvla"], 4)  # smolvla unplaced
+
+
+def test_robot_limits_come_from_simulation_and_are_shared_by_variants():
+    from common.vla.profiles import load_profile
+
+    limits = robot_limits(load_profile("rtx-pro-6000x4"), ["smolvla", "smolvla-ft1"], max_batch=4, epochs=1,
+                          duration_s=4.0, cap=128)
+    assert limits["smolvla"] == limits["smolvla-ft1"] > 0
