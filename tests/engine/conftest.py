@@ -12,42 +12,13 @@ from flight.checkpoint.policies import Geometry
 from flight.engine import Engine, EngineOptions, SimulatedCut
 from flight.model.inputs import build_inputs
 from flight.model.loader import load_model
-from flight.model.tiny import build_tiny
+from testkit import ARCHS, make_images  # noqa: F401  (re-exported for the engine tests)
 
-ARCHS = ["qwen3-vl", "qwen2.5-vl"]
 PROMPT = ("describe the clouds over the coast and count the ships in the harbor , then compare the two "
           "images and report any new damage to the bridge near the river")
 # Small chunks and groups so that even a tiny prompt spans a grid of prefill blocks.
 GEOMETRY = Geometry(chunk=16, group=2, decode_every=2, vision_every=1)
 MAX_NEW = 10
-
-
-def make_images(seed: int = 0):
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    base = np.linspace(0, 255, 128 * 96 * 3).reshape(96, 128, 3)
-    first = (base + rng.normal(0, 30, base.shape)).clip(0, 255).astype(np.uint8)
-    second = rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)
-    return [Image.fromarray(first), Image.fromarray(second)]
-
-
-@pytest.fixture(scope="session")
-def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    os.environ.setdefault("OW_CACHE_DIR", str(root / "cache"))
-    return {arch: build_tiny(arch, "tiny", 0, str(root / arch))["path"] for arch in ARCHS}
-
-
-@pytest.fixture(scope="session")
-def image_files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("images")
-    paths = []
-    for i, im in enumerate(make_images()):
-        p = root / f"img{i}.png"
-        im.save(p)
-        paths.append(str(p))
-    return paths
 
 
 def inputs_for(model, images=None, prompt=PROMPT):
