@@ -84,11 +84,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def engine_options(args):
-    from flight.checkpoint.policies import Geometry
-    from flight.engine import EngineOptions
-    from flight.recovery.plan import PLANNERS
-
     from common.cli import CliError
+    from flight.checkpoint.policies import Geometry
+    from flight.recovery.plan import PLANNERS
 
     for name in ("chunk", "group", "decode_every", "vision_every"):
         if getattr(args, name) < 1:
@@ -97,6 +95,8 @@ def engine_options(args):
         raise CliError(f"unknown --planner {args.planner!r}; choose from {', '.join(sorted(PLANNERS))}", EXIT_USAGE)
     if args.threads is not None and args.threads < 1:
         raise CliError("--threads must be at least 1", EXIT_USAGE)
+    from flight.engine import EngineOptions
+
     return EngineOptions(geometry=Geometry(args.chunk, args.group, args.decode_every, args.vision_every),
                          policy=args.policy, planner=args.planner, pace_ms=args.pace_ms, threads=args.threads)
 

@@ -13,6 +13,7 @@ uninterrupted run (tests/engine/).
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -97,6 +98,9 @@ class Engine:
         self.fs = fs
         self.events = events or (lambda name, **kw: None)
         self.after_commit = after_commit
+        # Set from any thread (e.g. on a bus shutdown warning): persist progress at the next unit
+        # boundary instead of waiting for the policy's cadence.
+        self.checkpoint_soon = threading.Event()
         if self.options.threads:
             torch.set_num_threads(self.options.threads)
 
@@ -273,7 +277,9 @@ class _RequestRun:
             side.update(extra)
             self.pacer.end()
             self.events("vision_block_done", block=i + 1, of=V)
-            if self.policy.vision_state_due(i + 1, V, self.g):
+            urgent = self.e.checkpoint_soon.is_set() and i + 1 < V and self.policy.writes_checkpoints()
+            if urgent or self.policy.vision_state_due(i + 1, V, self.g):
+                self.e.checkpoint_soon.clear()
                 self._submit(f"vision.state[{i + 1}]", self.store.put_vision_state, i + 1, h, dict(side))
         self.m.weights.ensure(*a.vision_epilogue_modules())
         embeds = a.vision_finish(ctx, h)
@@ -460,7 +466,9 @@ class _RequestRun:
             self.events("decode_step_done", step=step, of=N - 1)
             finished = len(tokens) >= N or tokens[-1] in eos
             # The final step is covered by RESULT, which also holds its logits.
-            if not finished and self.policy.decode_record_due(step - submitted, self.g, finished):
+            urgent = self.e.checkpoint_soon.is_set() and self.policy.writes_checkpoints()
+            if not finished and (urgent or self.policy.decode_record_due(step - submitted, self.g, finished)):
+                self.e.checkpoint_soon.clear()
                 self._submit(f"decode[..{step}]", self._write_decode_record, step)
                 submitted = step
         self.times["decode"] += time.perf_counter() - t0

@@ -1,0 +1,63 @@
+"""`ow flight run`: the onboard process."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+
+EXIT_OK, EXIT_USAGE, EXIT_MODEL = 0, 2, 3
+
+
+def register(sub) -> None:
+    from flight.cli import add_engine_arguments
+
+    flight = sub.add_parser("flight", help="the onboard payload process",
+                            description="Commands of the onboard (payload) side.")
+    fsub = flight.add_subparsers(dest="flight_command", metavar="SUBCOMMAND")
+    fsub.required = True
+    run = fsub.add_parser(
+        "run", help="run the payload process (normally spawned by the bus)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Connect to the bus's payload link, take telecommands, run queued VLM tasks with\n"
+                    "crash-consistent checkpoints, report progress and telemetry. Everything that matters\n"
+                    "is on disk under --data-dir before it is acknowledged, so the process can be SIGKILLed\n"
+                    "at any instant (that is what a power cut does) and started again: it resumes the\n"
+                    "interrupted task first.",
+        epilog="The engine options must stay the same across boots for a task to resume; a change makes\n"
+               "the task restart from scratch (logged).")
+    run.add_argument("--data-dir", required=True, help="persistent state: queue, images, checkpoints")
+    run.add_argument("--model", required=True, help="local model directory")
+    run.add_argument("--keys", default=os.environ.get("OW_KEYS_DIR", "keys"),
+                     help="keys directory (clients/payload.key_secret, server/bus.key); default $OW_KEYS_DIR or ./keys")
+    run.add_argument("--payload-endpoint", default=os.environ.get("OW_PAYLOAD_ENDPOINT", "tcp://127.0.0.1:5551"),
+                     help="the bus's payload link (default $OW_PAYLOAD_ENDPOINT or tcp://127.0.0.1:5551)")
+    run.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_engine_arguments(run)
+    run.set_defaults(func=cmd_run)
+
+
+def cmd_run(args) -> int:
+    from common import log as owlog
+    from common.cli import CliError
+    from flight.cli import engine_options
+
+    owlog.setup(args.log_level, component="flight")
+    options = engine_options(args)
+    from flight.model.loader import ModelError, read_model_type
+
+    try:
+        read_model_type(args.model)
+    except ModelError as exc:
+        raise CliError(str(exc), EXIT_MODEL) from None
+    if not os.path.exists(os.path.join(args.keys, "clients", "payload.key_secret")):
+        raise CliError(f"no payload key in {args.keys} (run `ow ground keys init` and copy the keys)", EXIT_USAGE)
+    if options.threads:
+        import torch
+
+        torch.set_num_threads(options.threads)
+    from flight.runtime.app import FlightApp
+
+    app = FlightApp(args.data_dir, args.model, args.keys, args.payload_endpoint, options,
+                    device=args.device, dtype=args.dtype)
+    signal.signal(signal.SIGTERM, lambda *_: app.stop.set())
+    return app.run()

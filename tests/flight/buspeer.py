@@ -1,0 +1,75 @@
+"""A minimal scripted bus for testing the payload process alone: a CURVE ROUTER on the payload
+link that sends telecommands as a ground station would and collects every packet the payload
+sends. (The real bus is `ow bus run`; end-to-end tests use it.)"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import zmq
+
+from common.wire import Apid, NodeId, SequenceCounter, decode, encode, messages as m
+from common.wire.link import bound_endpoint, init_keys, recv_packet, send_packet, server_socket, start_authenticator
+
+
+class BusPeer:
+    def __init__(self, keys_dir: str):
+        self.layout = init_keys(keys_dir)
+        self.ctx = zmq.Context()
+        self.auth = start_authenticator(self.ctx, self.layout)
+        self.sock = server_socket(self.ctx, zmq.ROUTER, self.layout, "tcp://127.0.0.1:0")
+        self.endpoint = bound_endpoint(self.sock)
+        self.payload_id: bytes | None = None
+        self.counter = SequenceCounter()
+        self.received: list[tuple[object, m.Message]] = []
+
+    def close(self):
+        self.sock.close(linger=0)
+        self.auth.stop()
+        self.ctx.term()
+
+    def pump(self, seconds: float):
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            r = recv_packet(self.sock, timeout_s=0.05)
+            if r is None:
+                continue
+            self.payload_id = r.routing_id
+            header, msg = decode(r.packet)
+            self.received.append((header, msg))
+
+    def wait_for(self, predicate, timeout: float = 60.0, start: int = 0):
+        end = time.monotonic() + timeout
+        i = start
+        while time.monotonic() < end:
+            while i < len(self.received):
+                if predicate(*self.received[i]):
+                    return self.received[i]
+                i += 1
+            self.pump(0.1)
+        raise TimeoutError("expected packet never arrived")
+
+    def wait_connected(self, timeout: float = 60.0):
+        self.wait_for(lambda h, msg: isinstance(msg, m.Heartbeat), timeout)
+
+    def command(self, message, seq: int | None = None) -> int:
+        seq = self.counter.next(Apid.PAYLOAD) if seq is None else seq
+        send_packet(self.sock, encode(message, Apid.PAYLOAD, seq, source_id=NodeId.GROUND), routing_id=self.payload_id)
+        return seq
+
+    def raw(self, packet: bytes):
+        send_packet(self.sock, packet, routing_id=self.payload_id)
+
+    def reports_for(self, seq: int):
+        return [msg for h, msg in self.received if isinstance(msg, m.Verification) and msg.tc_seq == seq]
+
+
+def spawn_flight(data_dir, model_dir, keys_dir, endpoint, *extra, log_path=None):
+    cmd = [sys.executable, "-m", "common.cli", "flight", "run", "--data-dir", str(data_dir), "--model", model_dir,
+           "--keys", str(keys_dir), "--payload-endpoint", endpoint, "--chunk", "16", "--group", "2",
+           "--decode-every", "2", "--vision-every", "1", "--threads", "1", *extra]
+    log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    return subprocess.Popen(cmd, stdout=log, stderr=log, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            start_new_session=True)
