@@ -15,7 +15,16 @@ from typing import BinaryIO, Iterator
 
 import crc32c as _crc32c
 import msgpack
-import torch
+import numpy as np
+
+
+
+def _torch():
+    """torch, imported on first use: only tensor payloads need it, so queue and state records
+    (and the tools that read them) start without paying for the import."""
+    import torch
+
+    return torch
 
 MAGIC = b"OWR1"
 COMMIT_MAGIC = b"OWC!"
@@ -73,20 +82,27 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
+# Item sizes by dtype name, so that records can be checked without importing torch.
+ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+            "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def dtype_from_name(name: str):
+    dtype = getattr(_torch(), name, None) if name in ITEMSIZE else None
+    if dtype is None:
         raise RecordError("bad_meta", f"unknown dtype {name!r}")
     return dtype
 
 
 def aligned_buffer(nbytes: int) -> memoryview:
-    """A writable buffer whose first byte is 64-byte aligned (torch's CPU allocator).
+    """A writable buffer whose first byte is 64-byte aligned.
 
     Tensors decoded from it are then aligned like freshly computed ones; CPU kernels pick
     different code paths for misaligned operands, and restored state must compute bitwise
     like the original."""
-    return memoryview(torch.empty(nbytes, dtype=torch.uint8).numpy()) if nbytes else memoryview(bytearray())
+    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
+    start = (-raw.ctypes.data) % ALIGN
+    return memoryview(raw[start:start + nbytes])
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -97,7 +113,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.view(-1).view(torch.uint8).numpy())
+    return memoryview(t.view(-1).view(_torch().uint8).numpy())
 
 
 @dataclass
@@ -201,7 +217,9 @@ def _parse_header(buf, base: int = 0, available: int | None = None) -> Header:
 def _check_table(header: Header) -> None:
     for entry in header.meta["tensors"]:
         try:
-            nbytes = math.prod(entry["shape"]) * dtype_from_name(entry["dtype"]).itemsize
+            if entry["dtype"] not in ITEMSIZE:
+                raise RecordError("bad_meta", f"unknown dtype {entry['dtype']!r}")
+            nbytes = math.prod(entry["shape"]) * ITEMSIZE[entry["dtype"]]
             ok = (entry["nbytes"] == nbytes and entry["offset"] % ALIGN == 0
                   and 0 <= entry["offset"] and entry["offset"] + nbytes <= header.payload_len)
         except (KeyError, TypeError):
@@ -212,6 +230,7 @@ def _check_table(header: Header) -> None:
 
 def _tensor_from(buf, base: int, entry: dict) -> torch.Tensor:
     dtype = dtype_from_name(entry["dtype"])
+    torch = _torch()
     if entry["nbytes"] == 0:
         return torch.empty(entry["shape"], dtype=dtype)
     flat = torch.frombuffer(buf, dtype=torch.uint8, count=entry["nbytes"], offset=base + entry["offset"])

@@ -12,7 +12,7 @@ from common.durable import DurableFS
 from flight.engine import SimulatedCut
 from flight.model.loader import load_model
 
-from .conftest import MAX_NEW, CutAfter, engine, inputs_for, run_to_completion
+from testkit import MAX_NEW, CutAfter, engine, inputs_for, run_to_completion
 
 
 class FillingDisk(DurableFS):

@@ -4,7 +4,7 @@ import torch
 
 from flight.model.loader import load_model
 
-from .conftest import ARCHS, MAX_NEW, GEOMETRY, engine, inputs_for, reference
+from testkit import ARCHS, MAX_NEW, GEOMETRY, engine, inputs_for, reference
 from flight.checkpoint.policies import Geometry
 
 

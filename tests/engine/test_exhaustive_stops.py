@@ -9,7 +9,7 @@ import torch
 from flight.engine import SimulatedCut
 from flight.model.loader import load_model
 
-from .conftest import ARCHS, MAX_NEW, CutAfter, engine, inputs_for, run_to_completion
+from testkit import ARCHS, MAX_NEW, CutAfter, engine, inputs_for, run_to_completion
 
 
 def _uninterrupted(model_dir, tmp_path):

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from flight.model.loader import load_model
 
-from .conftest import ARCHS
+from testkit import ARCHS
 
 
 def _all_tensors(model):

@@ -6,7 +6,7 @@ from flight.checkpoint.policies import Geometry
 from flight.engine import SimulatedCut
 from flight.model.loader import load_model
 
-from .conftest import GEOMETRY, MAX_NEW, CutAfter, engine, inputs_for
+from testkit import GEOMETRY, MAX_NEW, CutAfter, engine, inputs_for
 
 
 def _partial(model_dirs, inputs, ckpt, geometry=GEOMETRY):

@@ -11,8 +11,8 @@ from common.record import RecordError, decode
 from flight.engine import SimulatedCut
 from flight.model.loader import load_model
 
-from .conftest import MAX_NEW, CutAfter, engine, inputs_for, run_to_completion
-from .crashfs import CrashFS
+from testkit import MAX_NEW, CutAfter, engine, inputs_for, run_to_completion
+from crashfs import CrashFS
 
 ARCH = "qwen3-vl"
 

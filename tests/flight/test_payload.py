@@ -12,7 +12,7 @@ from common.wire import ResponseCode, messages as m, encode, Apid, NodeId
 from flight.model.loader import load_model
 
 from testkit import make_images
-from .buspeer import BusPeer, spawn_flight
+from buspeer import BusPeer, spawn_flight
 
 
 def _png(im) -> bytes:
