@@ -62,6 +62,7 @@ class Result:
     phase_seconds: dict
     records_written: int = 0
     records_skipped: int = 0
+    write_seconds: float = 0.0      # time the checkpoint writer spent writing (in the background)
     restarted_reason: str | None = None
     plan: dict | None = None
 
@@ -182,6 +183,7 @@ class _RequestRun:
                       bytes_written=self.store.bytes_written,
                       phase_seconds={k: round(v, 6) for k, v in self.times.items()},
                       records_written=self.writer.records_committed, records_skipped=self.writer.records_skipped,
+                      write_seconds=self.writer.busy_seconds,
                       restarted_reason=restarted, plan=self.plan_summary)
 
     def _describe(self, fr: Frontier, phase: str) -> dict:

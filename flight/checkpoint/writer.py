@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 from common.durable import is_disk_full
 
@@ -21,6 +22,7 @@ class CheckpointWriter:
         self.bytes_committed = 0
         self.records_committed = 0
         self.records_skipped = 0
+        self.busy_seconds = 0.0  # time spent writing (for throughput figures)
         self._error: BaseException | None = None
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
@@ -55,14 +57,17 @@ class CheckpointWriter:
             raise error
 
     def _execute(self, what, fn, args, kwargs) -> None:
+        start = time.perf_counter()
         try:
             n = fn(*args, **kwargs)
         except OSError as exc:
+            self.busy_seconds += time.perf_counter() - start
             if not is_disk_full(exc):
                 raise
             self.records_skipped += 1
             self.events("checkpoint_write_failed", record=what, errno=exc.errno, reason=str(exc.strerror))
             return
+        self.busy_seconds += time.perf_counter() - start
         if n is None:
             return
         self.bytes_committed += n
