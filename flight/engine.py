@@ -305,7 +305,8 @@ class _RequestRun:
         for attempt in range(MAX_REPLANS):
             problem = RecoveryProblem(len(self.groups), len(self.chunks), set(fr.blocks),
                                       {b for b, i in fr.blocks.items() if i.has_hidden},
-                                      need_last_hidden=not have_decode)
+                                      need_last_hidden=not have_decode,
+                                      kv_missing={b for b, i in fr.blocks.items() if i.kv_bytes == 0})
             plan = make_plan(self.e.options.planner, problem)
             self.scheduled = {(op.group, op.chunk) for op in plan.computes}
             self.plan_summary = plan.summary()
@@ -384,7 +385,20 @@ class _RequestRun:
             x = x.masked_scatter(vis[..., None].expand_as(x), embeds)
         return x
 
+    def _reproject_op(self, op: ComputeOp) -> None:
+        """Rebuild a block's KV from its input hidden state (records that hold no KV)."""
+        g, c = op.group, op.chunk
+        (l0, l1), (s, e) = self.groups[g], self.chunks[c]
+        if l1 - l0 != 1:
+            raise RuntimeError("KV re-projection needs one layer per block (G = 1)")
+        self.m.weights.ensure(*self.a.layer_modules(l0))
+        h = self._embed_chunk(c) if g == 0 else self.hidden.pop((g - 1, c))
+        pe = self.a.rotary(h, self.pos4[1:, :, s:e])
+        self.read_kv[(l0, c)] = self.a.reproject_kv(l0, h, self.pos4[0, :, s:e], pe)
+
     def _compute_op(self, op: ComputeOp) -> None:
+        if op.kind == "reproject":
+            return self._reproject_op(op)
         self.pacer.begin()
         g, c = op.group, op.chunk
         (l0, l1), (s, e) = self.groups[g], self.chunks[c]

@@ -99,7 +99,61 @@ class NoCheckpointPolicy(Policy):
         return False
 
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (OrbitWeaverPolicy, NoCheckpointPolicy)}
+class SonicLayerPolicy(Policy):
+    """SONIC-style layer-wise checkpointing: everything after every unit (finest progress, most bytes)."""
+
+    name = "sonic-layer"
+    description = "after every layer of every chunk: KV + hidden state; every vision block; every decode step"
+
+    def geometry(self, requested, num_layers):
+        return replace(requested, group=1, vision_every=1, decode_every=1)
+
+
+class SonicChunkPolicy(Policy):
+    """SONIC-style chunk-wise checkpointing: all layers' KV once a whole chunk is through."""
+
+    name = "sonic-chunk"
+    description = "after each whole chunk: KV of all layers (least bytes, most recomputation); vision output only"
+
+    def geometry(self, requested, num_layers):
+        return replace(requested, group=num_layers)
+
+    def vision_state_due(self, blocks_done, total, geometry):
+        return False
+
+    def prefill_block(self, group, chunk, num_groups, num_chunks):
+        # The final hidden state is kept for the last chunk only: the first token needs it.
+        return PrefillPersist(kv=True, boundary_hidden=chunk == num_chunks - 1)
+
+
+class HCachePolicy(Policy):
+    """HCache-style: per-layer hidden states instead of KV for a share of the layers; their KV is
+    re-projected at restore time while the other layers' KV is read (HCache, EuroSys'25)."""
+
+    name = "hcache"
+    description = ("per layer and chunk: the hidden state for re-projected layers (KV rebuilt by re-projection), "
+                   "KV for the others, split so re-projection and reading overlap")
+    #: Every `reproject_every`-th layer's KV is re-projected from its input hidden state. HCache
+    #: picks the split that balances re-projection compute against reading the remaining KV
+    #: ("bubble-free"); for Qwen-VL GQA layers both take about the same time per layer on the
+    #: payload computers we target, hence one layer in two (docs/baselines.md).
+    reproject_every = 2
+
+    def geometry(self, requested, num_layers):
+        return replace(requested, group=1)
+
+    def reprojected(self, layer: int) -> bool:
+        return layer % self.reproject_every == self.reproject_every - 1
+
+    def prefill_block(self, group, chunk, num_groups, num_chunks):
+        # Block = layer here (G = 1). Store the hidden state a re-projected next layer needs as its
+        # input, KV only for the layers that are not re-projected.
+        keep_hidden = self.reprojected(group + 1) or (group == num_groups - 1 and chunk == num_chunks - 1)
+        return PrefillPersist(kv=not self.reprojected(group), boundary_hidden=keep_hidden)
+
+
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (OrbitWeaverPolicy, NoCheckpointPolicy, SonicLayerPolicy,
+                                                               SonicChunkPolicy, HCachePolicy)}
 
 
 def register(cls: type[Policy]) -> type[Policy]:
@@ -114,5 +168,5 @@ def get_policy(name: str) -> Policy:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(sorted(POLICIES))}") from None
 
 
-__all__ = ["Geometry", "PrefillPersist", "Policy", "OrbitWeaverPolicy", "NoCheckpointPolicy", "POLICIES",
-           "get_policy", "register", "replace"]
+__all__ = ["Geometry", "PrefillPersist", "Policy", "OrbitWeaverPolicy", "NoCheckpointPolicy", "SonicLayerPolicy",
+           "SonicChunkPolicy", "HCachePolicy", "POLICIES", "get_policy", "register", "replace"]

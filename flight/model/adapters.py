@@ -34,6 +34,19 @@ class VisionContext:
     extra: dict = field(default_factory=dict)
 
 
+class _Captured(Exception):
+    def __init__(self, keys, values):
+        super().__init__("captured")
+        self.keys, self.values = keys, values
+
+
+class _KVCapture:
+    """A stand-in cache whose update() captures the new keys/values and stops the attention."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        raise _Captured(key_states, value_states)
+
+
 class Adapter:
     """Base class; see Qwen3VLAdapter for the reference implementation."""
 
@@ -140,6 +153,21 @@ class Adapter:
     def after_layer(self, layer: int, h: torch.Tensor, visual_mask: torch.Tensor | None,
                     deepstack_rows: torch.Tensor | None) -> torch.Tensor:
         return h
+
+    def reproject_kv(self, layer: int, h_in: torch.Tensor, text_positions, position_embeddings):
+        """KV of `layer` for a chunk, rebuilt from the layer's input hidden state (HCache).
+
+        Runs the layer's own input norm and attention module up to the point where attention
+        hands its new keys and values to the cache, and stops there: the same code path as the
+        forward pass, so the bits are the same, without the attention and MLP work."""
+        mod = self.lm.layers[layer]
+        try:
+            mod.self_attn(hidden_states=mod.input_layernorm(h_in), attention_mask=None,
+                          position_ids=text_positions, cache=_KVCapture(), use_cache=True,
+                          position_embeddings=position_embeddings)
+        except _Captured as captured:
+            return captured.keys, captured.values
+        raise RuntimeError(f"layer {layer}'s attention never updated its cache")
 
     def logits(self, h_last: torch.Tensor) -> torch.Tensor:
         """Logits of the last position of `h_last` (B, T, H) -> (B, V), as generate computes them."""

@@ -81,16 +81,19 @@ class PlanExecutor:
         return all(r in self._done_reads for r in needs) and all(b in self._computed for b in needs_computed)
 
     def dependencies(self, op: ComputeOp) -> tuple[list[ReadOp], list[tuple[int, int]]]:
-        scheduled = {(c.group, c.chunk) for c in self.plan.computes}
+        """What must be present before `op` runs: reads done, and computes (blocks or
+        re-projections, by (group, chunk)) done."""
+        scheduled = {(c.group, c.chunk): c.kind for c in self.plan.computes}
         reads, computed = [], []
-        for c in range(op.chunk):
-            if (op.group, c) in scheduled:
-                computed.append((op.group, c))
-            else:
-                reads.append(ReadOp("kv", op.group, c))
-        if op.group > 0:
+        if op.kind == "block":
+            for c in range(op.chunk):  # this group's KV for every earlier chunk
+                if (op.group, c) in scheduled:
+                    computed.append((op.group, c))
+                else:
+                    reads.append(ReadOp("kv", op.group, c))
+        if op.group > 0:  # the input hidden state
             prev = (op.group - 1, op.chunk)
-            if prev in scheduled:
+            if scheduled.get(prev) == "block":
                 computed.append(prev)
             else:
                 reads.append(ReadOp("hidden", op.group - 1, op.chunk))

@@ -36,9 +36,11 @@ class ReadOp:
 class ComputeOp:
     group: int
     chunk: int
+    kind: str = "block"   # "block": run the group's layers on the chunk; "reproject": rebuild the
+                          # block's KV from its input hidden state (HCache-style records)
 
     def __str__(self):
-        return f"compute g{self.group} c{self.chunk}"
+        return f"{'compute' if self.kind == 'block' else 'reproject'} g{self.group} c{self.chunk}"
 
 
 @dataclass
@@ -50,6 +52,8 @@ class RecoveryProblem:
     done: set[tuple[int, int]]                 # blocks with a durable KV record
     with_hidden: set[tuple[int, int]]          # ... of which also hold the boundary hidden state
     need_last_hidden: bool = True              # first-token logits still to compute
+    kv_missing: set[tuple[int, int]] = field(default_factory=set)  # done blocks whose record holds no KV:
+                                               # their KV is re-projected from the input hidden state
     # Optional costs (seconds) for planners that optimise; see flight/recovery/cost.py.
     costs: dict = field(default_factory=dict)
 
@@ -66,17 +70,21 @@ class RecoveryProblem:
         changed = True
         while changed:
             changed = False
-            for (g, c) in list(todo):
+            for (g, c) in list(todo) + list(self.kv_missing - todo):
+                # its input hidden state must exist: stored in (g-1, c)'s record, or computed
                 if g > 0 and (g - 1, c) not in todo and (g - 1, c) not in self.with_hidden:
                     todo.add((g - 1, c))
                     changed = True
         return todo
 
+    def reprojections(self) -> set[tuple[int, int]]:
+        return self.kv_missing - self.must_compute()
+
     def needed_reads(self) -> tuple[set[tuple[int, int]], set[tuple[int, int]]]:
         """(blocks whose KV must be read, blocks whose hidden state must be read)."""
         todo = self.must_compute()
-        kv = self.done - todo
-        hidden = {(g - 1, c) for (g, c) in todo if g > 0 and (g - 1, c) not in todo}
+        kv = self.done - todo - self.kv_missing
+        hidden = {(g - 1, c) for (g, c) in todo | self.reprojections() if g > 0 and (g - 1, c) not in todo}
         if self.need_last_hidden and self.last not in todo:
             hidden.add(self.last)
         return kv, hidden
@@ -89,7 +97,9 @@ class RecoveryPlan:
     computes: list[ComputeOp]
 
     def summary(self) -> dict:
-        return {"planner": self.planner, "reads": len(self.reads), "computes": len(self.computes),
+        return {"planner": self.planner, "reads": len(self.reads),
+                "computes": sum(op.kind == "block" for op in self.computes),
+                "reprojections": sum(op.kind == "reproject" for op in self.computes),
                 "kv_reads": sum(r.what == "kv" for r in self.reads),
                 "hidden_reads": sum(r.what == "hidden" for r in self.reads)}
 
@@ -107,14 +117,20 @@ class RecoveryPlan:
         for (g, c) in hidden_needed:
             if ReadOp("hidden", g, c) not in reads:
                 raise PlanError(f"hidden state of block g{g} c{c} is never read")
-        if {(op.group, op.chunk) for op in self.computes} != todo or len(self.computes) != len(todo):
+        reproject = problem.reprojections()
+        blocks = [(op.group, op.chunk) for op in self.computes if op.kind == "block"]
+        rebuilt = [(op.group, op.chunk) for op in self.computes if op.kind == "reproject"]
+        if set(blocks) != todo or len(blocks) != len(todo):
             raise PlanError("computes do not cover exactly the blocks that need computing")
+        if set(rebuilt) != reproject or len(rebuilt) != len(reproject):
+            raise PlanError("re-projections do not cover exactly the blocks stored without KV")
         computed: set[tuple[int, int]] = set()
         for op in self.computes:
             g, c = op.group, op.chunk
-            for cc in range(c):
-                if (g, cc) in todo and (g, cc) not in computed:
-                    raise PlanError(f"{op} runs before its KV predecessor g{g} c{cc} is computed")
+            if op.kind == "block":
+                for cc in range(c):
+                    if ((g, cc) in todo or (g, cc) in reproject) and (g, cc) not in computed:
+                        raise PlanError(f"{op} runs before the KV of g{g} c{cc} is rebuilt")
             if g > 0 and (g - 1, c) in todo and (g - 1, c) not in computed:
                 raise PlanError(f"{op} runs before its input g{g - 1} c{c} is computed")
             computed.add((g, c))
@@ -128,7 +144,7 @@ def _weights_once(reads: list[ReadOp], seen: set[int], g: int) -> None:
 
 def chunk_first(problem: RecoveryProblem) -> RecoveryPlan:
     """Walk the grid chunk by chunk (the order an uninterrupted run computes in)."""
-    todo = problem.must_compute()
+    todo, reproject = problem.must_compute(), problem.reprojections()
     kv, hidden = problem.needed_reads()
     reads, computes, seen = [], [], set()
     for c in range(problem.num_chunks):
@@ -140,6 +156,8 @@ def chunk_first(problem: RecoveryProblem) -> RecoveryPlan:
                 reads.append(ReadOp("hidden", g, c))
             if (g, c) in todo:
                 computes.append(ComputeOp(g, c))
+            elif (g, c) in reproject:
+                computes.append(ComputeOp(g, c, "reproject"))
     for g in range(problem.num_groups):
         _weights_once(reads, seen, g)
     return RecoveryPlan("chunk-first", reads, computes)
@@ -147,7 +165,7 @@ def chunk_first(problem: RecoveryProblem) -> RecoveryPlan:
 
 def layer_first(problem: RecoveryProblem) -> RecoveryPlan:
     """Walk the grid layer group by layer group: each group's weights, then its KV."""
-    todo = problem.must_compute()
+    todo, reproject = problem.must_compute(), problem.reprojections()
     kv, hidden = problem.needed_reads()
     reads, computes = [], []
     for g in range(problem.num_groups):
@@ -159,6 +177,8 @@ def layer_first(problem: RecoveryProblem) -> RecoveryPlan:
                 reads.append(ReadOp("hidden", g, c))
             if (g, c) in todo:
                 computes.append(ComputeOp(g, c))
+            elif (g, c) in reproject:
+                computes.append(ComputeOp(g, c, "reproject"))
     return RecoveryPlan("layer-first", reads, computes)
 
 

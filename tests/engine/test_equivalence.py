@@ -9,7 +9,7 @@ from flight.checkpoint.policies import Geometry
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("policy", ["orbitweaver", "none"])
+@pytest.mark.parametrize("policy", ["orbitweaver", "none", "sonic-layer", "sonic-chunk", "hcache"])
 def test_unchunked_equals_generate_bitwise(model_dirs, tmp_path, arch, policy):
     model = load_model(model_dirs[arch], device="cpu")
     inputs = inputs_for(model)

@@ -1,0 +1,562 @@
+"""What recovery operations cost, in seconds: the numbers the `optimal` planner and the simulator use.
+
+Three layers, from concrete to abstract:
+
+    BlockCosts   seconds per operation of one recovery problem: read the weights of group g, read
+                 the KV / boundary hidden state of block (g, c), compute block (g, c). This is what
+                 `RecoveryProblem.costs` carries (as plain lists, see `BlockCosts.as_dict`).
+    CostModel    per-model, per-machine rates (bytes per layer, per token; read bandwidth and
+                 latency; compute seconds per layer call, per token, per attention pair) that turn
+                 any layer grouping and token chunking into BlockCosts.
+    calibrate()  measures a CostModel on this machine with the real record reader and the real
+                 engine, and caches it (docs/recovery.md §6).
+
+The target-emulated mode (docs/recovery.md §7) rescales reads so that the read-to-compute time
+ratio is that of the target payload (Jetson AGX Orin + NVMe) while compute stays as measured.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field, replace
+
+import numpy as np
+
+from .plan import ReadOp, RecoveryProblem
+
+COST_KEYS = ("weights", "kv", "hidden", "compute")
+OPTIONAL_COST_KEYS = ("reproject",)   # absent: re-projection costs REPROJECT_SHARE of the block's compute
+# Re-projecting a block's KV runs only the K and V projections of its layer: for Qwen3-VL-2B
+# 2*2048*1024 of the layer's ~50 M weights and no attention, about a tenth of the block.
+REPROJECT_SHARE = 0.1
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-problem costs
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BlockCosts:
+    """Seconds per operation of one recovery problem (arrays indexed by group, chunk)."""
+
+    weights: np.ndarray   # (NG,)     read the weights of group g
+    kv: np.ndarray        # (NG, NC)  read the KV of block (g, c)
+    hidden: np.ndarray    # (NG, NC)  read the boundary hidden state of block (g, c)
+    compute: np.ndarray   # (NG, NC)  compute block (g, c)
+    reproject: np.ndarray | None = None  # (NG, NC)  rebuild block (g, c)'s KV from its input hidden state
+    source: str = ""
+
+    def __post_init__(self):
+        if self.reproject is None:
+            object.__setattr__(self, "reproject", self.compute * REPROJECT_SHARE)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.kv.shape
+
+    def read_s(self, op: ReadOp) -> float:
+        if op.what == "weights":
+            return float(self.weights[op.group])
+        if op.what == "kv":
+            return float(self.kv[op.group, op.chunk])
+        if op.what == "hidden":
+            return float(self.hidden[op.group, op.chunk])
+        raise ValueError(f"unknown read {op.what!r}")
+
+    def compute_s(self, group: int, chunk: int, kind: str = "block") -> float:
+        return float((self.compute if kind == "block" else self.reproject)[group, chunk])
+
+    def as_dict(self) -> dict:
+        """The JSON-able form stored in `RecoveryProblem.costs`."""
+        return {"weights": self.weights.tolist(), "kv": self.kv.tolist(), "hidden": self.hidden.tolist(),
+                "compute": self.compute.tolist(), "reproject": self.reproject.tolist(), "source": self.source}
+
+    @classmethod
+    def from_dict(cls, costs: dict, num_groups: int, num_chunks: int) -> "BlockCosts":
+        """Parse `RecoveryProblem.costs`: each of weights / kv / hidden / compute (and optionally
+        reproject) may be a scalar (same for every operation), a per-group list, or a groups x
+        chunks table."""
+        missing = [k for k in COST_KEYS if k not in costs]
+        if missing:
+            raise ValueError(f"recovery costs lack {', '.join(missing)}")
+        shape = (num_groups, num_chunks)
+
+        def table(key):
+            a = np.asarray(costs[key], dtype=np.float64)
+            if a.ndim == 1 and a.shape[0] == num_groups and key != "weights":
+                a = a[:, None]
+            try:
+                a = np.broadcast_to(a, (num_groups,) if key == "weights" else shape).copy()
+            except ValueError:
+                raise ValueError(f"recovery costs {key!r} has shape {a.shape}, expected "
+                                 f"{(num_groups,) if key == 'weights' else shape}") from None
+            if not np.all(np.isfinite(a)) or np.any(a < 0):
+                raise ValueError(f"recovery costs {key!r} must be finite and non-negative")
+            return a
+
+        return cls(table("weights"), table("kv"), table("hidden"), table("compute"),
+                   table("reproject") if "reproject" in costs else None, str(costs.get("source", "")))
+
+    @classmethod
+    def for_problem(cls, problem: RecoveryProblem) -> "BlockCosts":
+        """The problem's own costs, or the reference payload's when it carries none."""
+        if problem.costs:
+            return cls.from_dict(problem.costs, problem.num_groups, problem.num_chunks)
+        return reference_costs(problem.num_groups, problem.num_chunks)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model dimensions (bytes and FLOPs) and the target device
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelDims:
+    """The decoder dimensions that set recovery costs."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    dtype_bytes: int = 2
+
+    @property
+    def layer_params(self) -> int:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attention = self.hidden * q + 2 * self.hidden * kv + q * self.hidden + 2 * self.head_dim
+        mlp = 3 * self.hidden * self.intermediate
+        return attention + mlp + 2 * self.hidden  # + the two RMSNorm weights
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.layer_params * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token_layer(self) -> int:
+        return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def hidden_bytes_per_token(self) -> int:
+        return self.hidden * self.dtype_bytes
+
+    @property
+    def flops_per_token_layer(self) -> float:
+        return 2.0 * self.layer_params  # one multiply-add per weight
+
+    @property
+    def reproject_share(self) -> float:
+        return 2 * self.hidden * self.kv_heads * self.head_dim / self.layer_params
+
+    @property
+    def flops_per_pair_layer(self) -> float:
+        return 4.0 * self.heads * self.head_dim  # QK^T and AV for one (query, key) pair
+
+    @classmethod
+    def from_text_config(cls, text_config, name: str = "", dtype_bytes: int = 2) -> "ModelDims":
+        heads = text_config.num_attention_heads
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+        return cls(name or getattr(text_config, "model_type", "model"), text_config.num_hidden_layers,
+                   text_config.hidden_size, heads, text_config.num_key_value_heads, head_dim,
+                   text_config.intermediate_size, text_config.vocab_size, dtype_bytes)
+
+
+# Public dimensions of the Qwen3-VL language models (config.json of the released checkpoints).
+MODELS = {
+    "qwen3-vl-2b": ModelDims("qwen3-vl-2b", 28, 2048, 16, 8, 128, 6144, 151936),
+    "qwen3-vl-4b": ModelDims("qwen3-vl-4b", 36, 2560, 32, 8, 128, 9728, 151936),
+    "qwen3-vl-8b": ModelDims("qwen3-vl-8b", 36, 4096, 32, 8, 128, 12288, 151936),
+}
+
+
+@dataclass(frozen=True)
+class TargetDevice:
+    """A payload computer, from public specifications (docs/recovery.md §7)."""
+
+    name: str
+    peak_flops: float        # dense bf16/fp16 tensor-core FLOP/s
+    efficiency: float        # fraction of peak that prefill GEMMs reach
+    layer_call_s: float      # fixed cost of one decoder-layer call (kernel launches)
+    read_bytes_per_s: float  # sequential read of the checkpoint / weight storage
+    read_latency_s: float    # fixed cost of one read operation (open, header, first I/O)
+
+    @property
+    def flops_per_s(self) -> float:
+        return self.peak_flops * self.efficiency
+
+
+# Jetson AGX Orin 64 GB (technical brief): 64 third-generation tensor cores, 170 sparse INT8 TOPS
+# on the GPU = 85 dense INT8 TOPS = 42.5 dense FP16/BF16 TFLOP/s at 1.3 GHz. NVMe on its PCIe
+# Gen4 x4 M.2 slot: a Gen3 x4 class drive (3.5 GB/s sequential read, ~100 us per command
+# including the file open and record header). Half of peak for prefill GEMMs and ~15 kernels of
+# ~10 us per decoder layer call are assumptions, stated in docs/recovery.md.
+ORIN_AGX_NVME = TargetDevice("Jetson AGX Orin 64GB + NVMe (PCIe Gen3 x4 class)", peak_flops=42.5e12,
+                             efficiency=0.5, layer_call_s=150e-6, read_bytes_per_s=3.5e9,
+                             read_latency_s=100e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# The cost model
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CostModel:
+    """Rates that turn a layer grouping and token chunking into BlockCosts.
+
+    Reading n bytes takes `read_latency_s + n / read_bytes_per_s`. Computing `layers` decoder
+    layers on `tokens` tokens starting at position `start` takes
+        layers * (layer_call_s + tokens * token_layer_s + pairs * pair_layer_s),
+        pairs = tokens * start + tokens * (tokens + 1) / 2   (causal attention: query, key pairs)
+    so for equal chunks a block costs a + b*c: attention grows with the chunk index c.
+    """
+
+    layer_weight_bytes: tuple[int, ...]   # per decoder layer
+    embed_weight_bytes: int               # read with group 0 (token embeddings)
+    head_weight_bytes: int                # read with the last group (final norm, LM head)
+    kv_bytes_per_token_layer: int
+    hidden_bytes_per_token: int
+    read_bytes_per_s: float
+    read_latency_s: float
+    layer_call_s: float
+    token_layer_s: float
+    pair_layer_s: float
+    reproject_share: float = REPROJECT_SHARE  # K/V projection weights / all layer weights
+    label: str = ""
+    meta: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_weight_bytes)
+
+    def read_s(self, nbytes: float) -> float:
+        return self.read_latency_s + nbytes / self.read_bytes_per_s
+
+    def compute_s(self, layers: int, tokens: int, start: int) -> float:
+        pairs = tokens * start + tokens * (tokens + 1) / 2.0
+        return layers * (self.layer_call_s + tokens * self.token_layer_s + pairs * self.pair_layer_s)
+
+    def group_weight_bytes(self, groups: list[tuple[int, int]]) -> list[int]:
+        out = [sum(self.layer_weight_bytes[l0:l1]) for l0, l1 in groups]
+        out[0] += self.embed_weight_bytes
+        out[-1] += self.head_weight_bytes
+        return out
+
+    def block_costs(self, groups: list[tuple[int, int]], chunks: list[tuple[int, int]]) -> BlockCosts:
+        """Costs for layer groups [(l0, l1), ...] and token chunks [(s, e), ...]."""
+        if not groups or not chunks:
+            raise ValueError("need at least one layer group and one token chunk")
+        if groups[-1][1] > self.num_layers:
+            raise ValueError(f"groups reach layer {groups[-1][1]} but the model has {self.num_layers}")
+        layers = np.array([l1 - l0 for l0, l1 in groups], dtype=np.float64)[:, None]
+        tokens = np.array([e - s for s, e in chunks], dtype=np.float64)[None, :]
+        starts = np.array([s for s, _ in chunks], dtype=np.float64)[None, :]
+        weights = np.array([self.read_s(b) for b in self.group_weight_bytes(groups)])
+        kv = self.read_latency_s + layers * tokens * self.kv_bytes_per_token_layer / self.read_bytes_per_s
+        hidden = np.broadcast_to(self.read_latency_s + tokens * self.hidden_bytes_per_token / self.read_bytes_per_s,
+                                 kv.shape).copy()
+        pairs = tokens * starts + tokens * (tokens + 1) / 2.0
+        compute = layers * (self.layer_call_s + tokens * self.token_layer_s + pairs * self.pair_layer_s)
+        reproject = layers * (self.layer_call_s + tokens * self.token_layer_s * self.reproject_share)
+        return BlockCosts(weights, kv, hidden, compute, reproject, self.label)
+
+    def problem_costs(self, groups: list[tuple[int, int]], chunks: list[tuple[int, int]]) -> dict:
+        """The dict to put in `RecoveryProblem.costs`."""
+        return self.block_costs(groups, chunks).as_dict()
+
+    # ---- constructors -------------------------------------------------------------------------
+    @classmethod
+    def for_target(cls, dims: ModelDims, target: TargetDevice = ORIN_AGX_NVME) -> "CostModel":
+        """What the target device would take, from FLOP and byte counts."""
+        embed = dims.vocab * dims.hidden * dims.dtype_bytes
+        return cls((dims.layer_bytes,) * dims.layers, embed, embed + dims.hidden * dims.dtype_bytes,
+                   dims.kv_bytes_per_token_layer, dims.hidden_bytes_per_token, target.read_bytes_per_s,
+                   target.read_latency_s, target.layer_call_s, dims.flops_per_token_layer / target.flops_per_s,
+                   dims.flops_per_pair_layer / target.flops_per_s, dims.reproject_share, label=f"target:{target.name}",
+                   meta={"model": dims.name, "target": asdict(target)})
+
+    def with_rates_of(self, rates: "CostModel", dims_from: ModelDims | None = None, dims_to: ModelDims | None = None,
+                      label: str = "") -> "CostModel":
+        """This model's bytes with another machine's read rates and compute rates; compute is
+        scaled by FLOPs per token / per pair when the two models differ (dims_from -> dims_to)."""
+        tok = pair = 1.0
+        if dims_from is not None and dims_to is not None:
+            tok = dims_to.flops_per_token_layer / dims_from.flops_per_token_layer
+            pair = dims_to.flops_per_pair_layer / dims_from.flops_per_pair_layer
+        return replace(self, read_bytes_per_s=rates.read_bytes_per_s, read_latency_s=rates.read_latency_s,
+                       layer_call_s=rates.layer_call_s, token_layer_s=rates.token_layer_s * tok,
+                       pair_layer_s=rates.pair_layer_s * pair, label=label or rates.label,
+                       meta={**self.meta, "rates_from": rates.label})
+
+    def target_emulated(self, target_model: "CostModel", layers: int, tokens: int) -> "CostModel":
+        """Keep this (measured) compute; scale the target's reads by the ratio of this machine's
+        compute time to the target's for a reference block (`layers` x `tokens`, second chunk),
+        so that every read-to-compute ratio is the target's. `read_bytes_per_s` of the result is
+        the bandwidth to give the storage emulation (common.durable.ThrottledFS)."""
+        slow = self.compute_s(layers, tokens, tokens) / target_model.compute_s(layers, tokens, tokens)
+        return replace(self, read_bytes_per_s=target_model.read_bytes_per_s / slow,
+                       read_latency_s=target_model.read_latency_s * slow, label="target-emulated",
+                       meta={**self.meta, "compute_slowdown_vs_target": slow, "target": target_model.label})
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["layer_weight_bytes"] = list(self.layer_weight_bytes)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "CostModel":
+        return cls(**{**d, "layer_weight_bytes": tuple(d["layer_weight_bytes"])})
+
+
+def even_groups(num_layers: int, num_groups: int) -> list[tuple[int, int]]:
+    """`num_groups` layer groups of ceil(L / NG) layers (the last may be shorter), as the engine
+    groups layers (Geometry.layer_groups)."""
+    size = math.ceil(num_layers / num_groups)
+    groups = [(l0, min(num_layers, l0 + size)) for l0 in range(0, num_layers, size)]
+    if len(groups) != num_groups:
+        raise ValueError(f"{num_layers} layers cannot form {num_groups} groups of equal size")
+    return groups
+
+
+def even_chunks(num_tokens: int, chunk: int) -> list[tuple[int, int]]:
+    return [(s, min(num_tokens, s + chunk)) for s in range(0, num_tokens, chunk)]
+
+
+REFERENCE_MODEL = MODELS["qwen3-vl-2b"]
+REFERENCE_CHUNK = 1024
+
+
+def reference_costs(num_groups: int, num_chunks: int) -> BlockCosts:
+    """Costs when a problem carries none: the reference payload (Qwen3-VL-2B on the Orin target,
+    chunks of 1024 tokens) with its layers spread over the problem's groups (more groups than
+    layers: one layer each). Only ratios matter to the planner, and these are the deployment's."""
+    layers = max(REFERENCE_MODEL.layers, num_groups)
+    # floor-spaced boundaries: every group non-empty, sizes differ by at most one layer
+    groups = [(g * layers // num_groups, (g + 1) * layers // num_groups) for g in range(num_groups)]
+    model = CostModel.for_target(replace(REFERENCE_MODEL, layers=layers))
+    costs = model.block_costs(groups, even_chunks(num_chunks * REFERENCE_CHUNK, REFERENCE_CHUNK))
+    return replace(costs, source="reference:qwen3-vl-2b@orin")
+
+
+# ---------------------------------------------------------------------------------------------
+# Calibration on this machine
+# ---------------------------------------------------------------------------------------------
+def cache_dir() -> str:
+    return os.environ.get("OW_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "orbitweaver")
+
+
+def _cache_path() -> str:
+    return os.path.join(cache_dir(), "recovery-costs.json")
+
+
+def machine_identity(device: str) -> dict:
+    import torch
+
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    ident = {"cpu": cpu, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+             "torch": torch.__version__, "device": device}
+    if device.startswith("cuda") and torch.cuda.is_available():
+        ident["gpu"] = torch.cuda.get_device_name()
+    return ident
+
+
+def calibration_key(model_hash: str, device: str, dtype: str, scratch_dir: str) -> str:
+    ident = {"model": model_hash, "dtype": dtype, "scratch_dev": os.stat(scratch_dir).st_dev,
+             **machine_identity(device)}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
+
+
+_cache_lock = threading.Lock()
+
+
+def _load_cache() -> dict:
+    try:
+        with open(_cache_path()) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _store_cache(key: str, value: dict) -> None:
+    path = _cache_path()
+    with _cache_lock:
+        cache = _load_cache()
+        cache[key] = value
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(cache, f, indent=1)
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a read-only cache only costs a re-calibration next time
+
+
+def _drop_page_cache(path: str) -> None:
+    """After fsync the pages are clean: ask the kernel to drop them so the timed read goes to the
+    device, as the first read after a power cut does. (No effect on tmpfs: RAM is the device.)"""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def measure_reads(scratch_dir: str, sizes_mib=(1, 2, 4, 8, 8), repeats: int = 2) -> tuple[float, float, list]:
+    """(bytes/s, seconds per read, samples): write checkpoint records of several sizes with the
+    durable writer, drop them from the page cache, read them back with the record reader (header,
+    commit footer, per-tensor CRC, exactly as recovery does) and fit time = latency + bytes/bw."""
+    import torch
+    from scipy.optimize import nnls
+
+    from common.durable import DurableFS
+    from common.record import Kind, encode, read_partial
+
+    fs = DurableFS()
+    samples = []
+    with tempfile.TemporaryDirectory(prefix="ow-calib-", dir=scratch_dir) as tmp:
+        paths = []
+        for i, mib in enumerate(sizes_mib):
+            t = torch.randint(-128, 127, (mib << 20,), dtype=torch.int8)
+            path = os.path.join(tmp, f"r{i}.blk")
+            fs.write_atomic(path, encode(Kind.PREFILL_BLOCK, {"group": 0, "chunk": i}, {"k.0": t}).chunks)
+            paths.append((path, mib << 20))
+        for _ in range(repeats):
+            for path, nbytes in paths:
+                _drop_page_cache(path)
+                start = time.perf_counter()
+                with fs.open_read(path) as f:
+                    read_partial(f, {"k.0"}, os.fstat(f.fileno()).st_size)
+                samples.append((nbytes, time.perf_counter() - start))
+    a = np.array([[1.0, n] for n, _ in samples])
+    (latency, inv_bw), _ = nnls(a, np.array([s for _, s in samples]))
+    if inv_bw <= 0:  # cannot separate: attribute everything to bandwidth
+        inv_bw, latency = sum(s for _, s in samples) / sum(n for n, _ in samples), 0.0
+    return 1.0 / inv_bw, float(latency), samples
+
+
+def measure_compute(model, group: int, chunk_sizes=(16, 48), chunks: float = 3.5, repeats: int = 2):
+    """(layer_call_s, token_layer_s, pair_layer_s, samples) from real blocks run by the engine.
+
+    A text-only prompt of `chunks` x C tokens is prefilled by `Engine` (no checkpoints) for each
+    chunk size C; the time between consecutive `prefill_block_done` events is one block's compute.
+    Chunk 0 is left out (it includes the lazy weight loads). Two chunk sizes and a ragged last
+    chunk separate the per-call, per-token and per-pair terms (non-negative least squares)."""
+    from scipy.optimize import nnls
+
+    from flight.checkpoint.policies import Geometry
+    from flight.engine import Engine, EngineOptions
+    from flight.model.inputs import build_inputs
+    from flight.model.tiny import vocabulary
+
+    words = [w for w in vocabulary() if w.isalpha()]
+    samples = []
+    for chunk in chunk_sizes:
+        target_tokens = int(chunks * chunk)
+        prompt = " ".join(words[i % len(words)] for i in range(target_tokens))
+        inputs = build_inputs(model.tokenizer, model.image_processor, [], prompt, model.adapter.image_token_id)
+        # The chat template adds a few tokens: trim the prompt until the request has the length.
+        while inputs.num_tokens > target_tokens and prompt:
+            prompt = prompt.rsplit(" ", 1)[0]
+            inputs = build_inputs(model.tokenizer, model.image_processor, [], prompt, model.adapter.image_token_id)
+        geometry = Geometry(chunk=chunk, group=group)
+        groups = geometry.layer_groups(model.adapter.num_layers)
+        spans = geometry.token_chunks(inputs.num_tokens)
+        for _ in range(repeats):
+            stamps = []
+
+            def events(name, **fields):
+                if name == "prefill_block_done":
+                    stamps.append((fields["group"], fields["chunk"], time.perf_counter()))
+
+            engine = Engine(model, EngineOptions(geometry=geometry, policy="none", async_writes=False), events=events)
+            with tempfile.TemporaryDirectory(prefix="ow-calib-") as ckpt:
+                engine.run(inputs, ckpt, max_new_tokens=1)
+            for (g0, c0, t0), (g, c, t) in zip(stamps, stamps[1:]):
+                if c == 0 or (g, c) == (g0, c0):
+                    continue
+                (l0, l1), (s, e) = groups[g], spans[c]
+                samples.append((l1 - l0, e - s, s, t - t0))
+    feats = np.array([[L, L * T, L * (T * s + T * (T + 1) / 2.0)] for L, T, s, _ in samples])
+    secs = np.array([x[3] for x in samples])
+    scale = feats.max(axis=0)
+    scale[scale == 0] = 1.0
+    coef, _ = nnls(feats / scale, secs)
+    coef = coef / scale
+    return float(coef[0]), float(coef[1]), float(coef[2]), samples
+
+
+def model_bytes(model) -> dict:
+    """Byte counts of a loaded model (flight.model.loader.LoadedModel), as recovery reads them."""
+    a, w = model.adapter, model.weights
+    tc = a.text_config
+    itemsize = model.dtype.itemsize
+    heads = tc.num_attention_heads
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
+    return {"layer_weight_bytes": tuple(sum(w.module_nbytes(m) for m in a.layer_modules(l)) for l in range(a.num_layers)),
+            "embed_weight_bytes": sum(w.module_nbytes(m) for m in a.embed_modules()),
+            "head_weight_bytes": sum(w.module_nbytes(m) for m in a.head_modules()),
+            "kv_bytes_per_token_layer": 2 * tc.num_key_value_heads * head_dim * itemsize,
+            "hidden_bytes_per_token": tc.hidden_size * itemsize}
+
+
+def calibrate(model_dir: str | None = None, *, model=None, group: int = 2, device: str = "cpu",
+              dtype: str | None = None, scratch_dir: str | None = None, use_cache: bool = True) -> CostModel:
+    """Measure this machine's CostModel for a model (a directory, or an already loaded model).
+
+    Cached as JSON in $OW_CACHE_DIR/recovery-costs.json (default ~/.cache/orbitweaver), keyed by
+    the model's content hash, the CPU model and count, torch version and threads, the device, the
+    dtype and the filesystem of `scratch_dir` -- put that on the checkpoint device, since its read
+    bandwidth is what is measured (default: the system temp directory). A few seconds on the tiny
+    and small models; instant when cached."""
+    from flight.model.loader import load_model
+
+    if model is None:
+        if model_dir is None:
+            raise ValueError("calibrate needs a model directory or a loaded model")
+        model = load_model(model_dir, device=device, dtype=dtype)
+    scratch_dir = scratch_dir or tempfile.gettempdir()
+    dtype_name = str(model.dtype).removeprefix("torch.")
+    key = calibration_key(model.content_hash, model.device.type, dtype_name, scratch_dir)
+    if use_cache:
+        hit = _load_cache().get(key)
+        if hit is not None:
+            return CostModel.from_json(hit)
+    t0 = time.perf_counter()
+    bw, latency, read_samples = measure_reads(scratch_dir)
+    call_s, token_s, pair_s, compute_samples = measure_compute(model, group)
+    dims = ModelDims.from_text_config(model.adapter.text_config, name=os.path.basename(model.model_dir),
+                                      dtype_bytes=model.dtype.itemsize)
+    measured = CostModel(**model_bytes(model), read_bytes_per_s=bw, read_latency_s=latency, layer_call_s=call_s,
+                         token_layer_s=token_s, pair_layer_s=pair_s, reproject_share=dims.reproject_share,
+                         label="native",
+                         meta={"key": key, "model_hash": model.content_hash, "dims": asdict(dims),
+                               "machine": machine_identity(model.device.type), "dtype": dtype_name,
+                               "read_samples": len(read_samples), "compute_samples": len(compute_samples),
+                               "seconds": round(time.perf_counter() - t0, 3)})
+    _store_cache(key, measured.to_json())
+    return measured
+
+
+def native_and_emulated(calibrated: CostModel, dims: ModelDims | None = None, target: TargetDevice = ORIN_AGX_NVME,
+                        group: int = 4, chunk: int = REFERENCE_CHUNK) -> tuple[CostModel, CostModel]:
+    """The two benchmark columns for a model of dimensions `dims` (default: the calibrated one):
+    native (this machine's measured rates, compute scaled by FLOPs) and target-emulated (same
+    compute, reads at the target's read-to-compute ratio)."""
+    calibrated_dims = ModelDims(**calibrated.meta["dims"])
+    dims = dims or calibrated_dims
+    target_model = CostModel.for_target(dims, target)
+    native = target_model.with_rates_of(calibrated, calibrated_dims, dims, label="native")
+    return native, native.target_emulated(target_model, group, chunk)

@@ -1,0 +1,452 @@
+"""The `optimal` recovery planner: a subset dynamic programme over layer groups.
+
+Model and proof sketch: docs/recovery.md §3-§5. In short:
+
+* Reads never wait, so the reader finishes at the sum of all reads whatever the order; a read
+  that no compute needs (weights of a group with nothing to compute, KV of a group's chunks after
+  its last recomputed chunk, the final hidden state) goes last without loss.
+* The remaining ("gating") reads are issued group by group: a group's *bundle* is its weights,
+  then its KV and input hidden states in the order its computes need them. The decision is the
+  order of the groups that have something to compute.
+* Given the reads, ordering computes by release time (when their inputs, and their inputs'
+  inputs, are read), ties in (group, chunk) order, is optimal for one compute unit.
+* A block's dependencies span a contiguous range of groups [lo, g]. So after the bundles of a
+  set S, exactly the blocks whose range lies inside S are computable; reading group g next
+  releases those whose range contains g and lies inside the run of S + {g} around g, at offsets
+  inside g's bundle. The compute finish time obeys
+      f(S + g) = max(f(S) + P(a, g, b), R(S) + h(a, g, b))
+  where R(S) is the read time of S's bundles (order-independent), [a, b] the run around g,
+  P the compute time released and h the release-to-finish span of that batch -- both depend on
+  (a, g, b) only, so they are O(G^3) tables, and f needs no other state. The DP over the 2^G sets
+  is exact; the makespan is max(f(all), total read time).
+
+Above MAX_EXACT_GROUPS groups with something to compute, a beam search over the same recurrence
+plans instead (not exact; `Solution.exact` says which).
+"""
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cost import BlockCosts
+from .plan import PLANNERS, ComputeOp, PlanError, ReadOp, RecoveryPlan, RecoveryProblem
+from .simulate import read_timeline
+
+MAX_EXACT_GROUPS = 22      # 2^22 sets: ~1 s and ~100 MB; beyond, beam search
+BEAM_WIDTH = 4096
+_CACHED_TRANSITIONS_UP_TO = 20
+
+
+# ---------------------------------------------------------------------------------------------
+# The problem in planner terms
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Structure:
+    num_groups: int
+    num_chunks: int
+    kind: dict[tuple[int, int], str]          # every job: "block" (compute) or "reproject" (rebuild KV)
+    jobs: dict[int, list[int]]                # chunks of each group's jobs, ascending
+    active: list[int]                         # groups with jobs, ascending
+    bundles: dict[int, list[ReadOp]]          # gating reads of each active group, in need order
+    need: dict[ReadOp, int]                   # gating read -> chunk of the first job needing it
+    offsets: np.ndarray                       # (m, NC) bundle-relative time job (g, c)'s own inputs are read
+    bundle_s: np.ndarray                      # (m,) read time of each bundle
+    trailing: list[ReadOp]                    # reads no job waits for
+    costs: BlockCosts
+
+    @property
+    def total_read_s(self) -> float:
+        return float(self.bundle_s.sum()) + sum(self.costs.read_s(op) for op in self.trailing)
+
+    def job_s(self, g: int, c: int) -> float:
+        return self.costs.compute_s(g, c, self.kind[(g, c)])
+
+    @property
+    def total_job_s(self) -> float:
+        return float(sum(self.job_s(g, c) for (g, c) in self.kind))
+
+
+def analyse(problem: RecoveryProblem, costs: BlockCosts | None = None) -> Structure:
+    costs = costs if costs is not None else BlockCosts.for_problem(problem)
+    if costs.shape != (problem.num_groups, problem.num_chunks):
+        raise ValueError(f"costs are for a {costs.shape} grid, the problem is "
+                         f"{(problem.num_groups, problem.num_chunks)}")
+    NG, NC = problem.num_groups, problem.num_chunks
+    kind = {b: "block" for b in problem.must_compute()}
+    kind.update({b: "reproject" for b in problem.reprojections()})
+    kv_needed, hidden_needed = problem.needed_reads()
+    jobs = {g: sorted(c for (gg, c) in kind if gg == g) for g in range(NG)}
+    active = [g for g in range(NG) if jobs[g]]
+    bundles, need, trailing = {}, {}, []
+    offsets = np.zeros((len(active), NC))
+    bundle_s = np.zeros(len(active))
+    for i, g in enumerate(active):
+        blocks = [c for c in jobs[g] if kind[(g, c)] == "block"]
+        gating = []  # (chunk of the first job needing it, KV before hidden, op)
+        for c in range(NC):
+            later = [b for b in blocks if b > c]
+            if (g, c) in kv_needed and later:  # a block computed after c reads this KV
+                gating.append((later[0], 0, ReadOp("kv", g, c)))
+            if g > 0 and (g - 1, c) in hidden_needed and (g, c) in kind:
+                gating.append((c, 1, ReadOp("hidden", g - 1, c)))
+        gating.sort(key=lambda x: (x[0], x[1], x[2].chunk))
+        bundles[g] = [ReadOp("weights", g)] + [op for _, _, op in gating]
+        # Bundle-relative time each job's inputs are read: a block needs every read with need
+        # <= its chunk (a prefix, in this order); a re-projection only the weights and its own
+        # input hidden state, so its offset may be below an earlier block's.
+        ends, t = {}, costs.weights[g]
+        for _, _, op in gating:
+            t += costs.read_s(op)
+            ends[op] = t
+        prefix = costs.weights[g]
+        k = 0
+        for c in jobs[g]:
+            while k < len(gating) and gating[k][0] <= c:
+                prefix = ends[gating[k][2]]
+                k += 1
+            offsets[i, c] = prefix if kind[(g, c)] == "block" else ends.get(ReadOp("hidden", g - 1, c), costs.weights[g])
+        bundle_s[i] = costs.weights[g] + sum(costs.read_s(op) for _, _, op in gating)
+        need.update({op: ch for ch, _, op in gating})
+        need[ReadOp("weights", g)] = jobs[g][0]
+    for g in range(NG):
+        for op in [ReadOp("weights", g)] + [ReadOp("kv", g, c) for c in range(NC) if (g, c) in kv_needed]:
+            if op not in need:
+                trailing.append(op)
+    trailing += [ReadOp("hidden", g, c) for (g, c) in sorted(hidden_needed) if ReadOp("hidden", g, c) not in need]
+    return Structure(NG, NC, kind, jobs, active, bundles, need, offsets, bundle_s, trailing, costs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compute order for given reads, and plans for a group order
+# ---------------------------------------------------------------------------------------------
+def release_times(problem: RecoveryProblem, reads: list[ReadOp], costs: BlockCosts,
+                  kind: dict[tuple[int, int], str] | None = None) -> dict[tuple[int, int], float]:
+    """Earliest time each job could start if the compute unit were always free: its own inputs
+    read, and the jobs it waits for released (propagated along dependencies)."""
+    if kind is None:
+        kind = {b: "block" for b in problem.must_compute()} | {b: "reproject" for b in problem.reprojections()}
+    read_end, _, _ = read_timeline(reads, costs)
+    release: dict[tuple[int, int], float] = {}
+    for g in range(problem.num_groups):
+        weights = read_end.get(ReadOp("weights", g))
+        kv_ready, kv_unread, earlier_jobs = 0.0, None, 0.0
+        for c in range(problem.num_chunks):
+            k = kind.get((g, c))
+            if k is None:
+                end = read_end.get(ReadOp("kv", g, c))
+                if end is None:
+                    kv_unread = kv_unread or ReadOp("kv", g, c)
+                else:
+                    kv_ready = max(kv_ready, end)
+                continue
+            if weights is None:
+                raise PlanError(f"job g{g} c{c} waits for the weights of group {g}, never read")
+            r = weights
+            if k == "block":
+                if kv_unread is not None:
+                    raise PlanError(f"compute g{g} c{c} waits for '{kv_unread}', never read")
+                r = max(r, kv_ready, earlier_jobs)
+            if g > 0:
+                if kind.get((g - 1, c)) == "block":
+                    r = max(r, release[(g - 1, c)])
+                else:
+                    end = read_end.get(ReadOp("hidden", g - 1, c))
+                    if end is None:
+                        raise PlanError(f"job g{g} c{c} waits for hidden g{g - 1} c{c}, never read")
+                    r = max(r, end)
+            release[(g, c)] = r
+            earlier_jobs = max(earlier_jobs, r)
+    return release
+
+
+def best_compute_order(problem: RecoveryProblem, reads: list[ReadOp], costs: BlockCosts,
+                       kind: dict[tuple[int, int], str] | None = None) -> list[ComputeOp]:
+    """The job order with the least makespan for these reads: by release time, ties in
+    (group, chunk) order. One machine with release times and precedence: an order sorted by
+    precedence-propagated release that respects precedence meets the lower bound
+    max_t (t + work released at or after t) -- docs/recovery.md §4."""
+    if kind is None:
+        kind = {b: "block" for b in problem.must_compute()} | {b: "reproject" for b in problem.reprojections()}
+    release = release_times(problem, reads, costs, kind)
+    return [ComputeOp(g, c, kind[(g, c)]) for (g, c) in sorted(release, key=lambda b: (release[b], b))]
+
+
+def plan_for_group_order(problem: RecoveryProblem, order: list[int], costs: BlockCosts | None = None,
+                         structure: Structure | None = None, name: str = "optimal") -> RecoveryPlan:
+    """Bundles of the active groups in `order`, then the reads nothing waits for; best compute order."""
+    s = structure or analyse(problem, costs)
+    if sorted(order) != s.active:
+        raise ValueError(f"order {order} is not a permutation of the groups to compute {s.active}")
+    reads = [op for g in order for op in s.bundles[g]] + s.trailing
+    return RecoveryPlan(name, reads, best_compute_order(problem, reads, s.costs, s.kind))
+
+
+# ---------------------------------------------------------------------------------------------
+# The batch tables P(a, g, b), h(a, g, b)
+# ---------------------------------------------------------------------------------------------
+def batch_tables(s: Structure) -> tuple[np.ndarray, np.ndarray]:
+    """(P, h), each (m, m, m) indexed [g, b, a] over active-group positions, for a <= g <= b:
+    P = compute time of the blocks released when g's bundle is read while the run [a, b] minus g
+    is already read; h = bundle start to the end of those blocks if the compute unit were free."""
+    m, NC = len(s.active), s.num_chunks
+    act = np.array(s.active)
+    pos = {g: i for i, g in enumerate(s.active)}
+    T = np.zeros((m, NC), dtype=bool)      # jobs
+    B = np.zeros((m, NC), dtype=bool)      # ... of which block computes (they wait for earlier jobs)
+    p = np.zeros((m, NC))
+    for (g, c), k in s.kind.items():
+        T[pos[g], c] = True
+        B[pos[g], c] = k == "block"
+        p[pos[g], c] = s.job_s(g, c)
+    # Job (i, c) waits for (i-1, c) where group i-1 is the previous layer group and computes c.
+    V = np.zeros((m, NC), dtype=bool)
+    for i in range(1, m):
+        if act[i - 1] == act[i] - 1:
+            V[i] = T[i] & B[i - 1]
+    # lo[i, c]: lowest group (position) in the dependency range of job (i, c); a block also
+    # waits for every earlier job of its group (running minimum), a re-projection does not.
+    big = m + 1
+    lo = np.full((m, NC), big)
+    for i in range(m):
+        y = np.where(T[i], i, big)
+        if i > 0:
+            y = np.where(V[i], np.minimum(y, lo[i - 1]), y)
+        lo[i] = np.where(B[i], np.minimum.accumulate(y), y)
+    # Rank each group's jobs by offset: a job released by g's bundle starts no earlier than the
+    # latest-read g-job it waits for (directly or through other jobs).
+    rank = np.full((m, NC), -1, dtype=np.int64)
+    level = np.zeros((m, NC))  # level[g, r]: offset of g's r-th job by offset
+    for i, g in enumerate(s.active):
+        by_offset = sorted(s.jobs[g], key=lambda c: (s.offsets[i, c], c))
+        rank[i, by_offset] = np.arange(len(by_offset))
+        level[i, :len(by_offset)] = s.offsets[i, by_offset]
+    # K[g, i, c]: rank of the latest-read g-job that job (i, c) waits for (-1: none); a block
+    # also waits for every earlier job of its group (running maximum), a re-projection does not.
+    K = np.full((m, m, NC), -1, dtype=np.int64)
+    for i in range(m):
+        x = np.where(V[i][None, :], K[:, i - 1, :], -1) if i > 0 else np.full((m, NC), -1, dtype=np.int64)
+        x[i] = np.where(T[i], rank[i], -1)
+        K[:, i, :] = np.where(B[i][None, :], np.maximum.accumulate(x, axis=1), np.where(T[i][None, :], x, -1))
+    gi, ii, cc = np.nonzero(K >= 0)
+    kap = K[gi, ii, cc]
+    flat = ((gi * m + ii) * m + lo[ii, cc]) * NC + kap
+    size = m * m * m * NC
+    work = np.bincount(flat, weights=p[ii, cc], minlength=size).reshape(m, m, m, NC)  # [g, grp, lo, rank]
+    count = np.bincount(flat, minlength=size).reshape(m, m, m, NC)
+
+    def upto_b_from_a(x):  # sum over groups <= b (axis 1), over lo >= a (axis 2)
+        x = np.cumsum(x, axis=1)
+        return np.flip(np.cumsum(np.flip(x, axis=2), axis=2), axis=2)
+
+    work, count = upto_b_from_a(work), upto_b_from_a(count)
+    after = np.flip(np.cumsum(np.flip(work, axis=3), axis=3), axis=3)  # work released at rank' >= rank
+    spans = np.where(count > 0, level[:, None, None, :] + after, -np.inf)
+    return after[..., 0], spans.max(axis=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# The subset DP
+# ---------------------------------------------------------------------------------------------
+def _run_bounds(sets: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray]:
+    """For sets without bit g: (a, b) with bits a..g-1 and g+1..b set and a-1, b+1 clear."""
+    below = ~sets & ((1 << g) - 1)            # clear bits under g; the highest ends the run
+    # frexp gives exponent e with 2^(e-1) <= x < 2^e: e = highest set bit + 1, and 0 for x = 0.
+    a = np.frexp(_highest_bit(below).astype(np.float64))[1]
+    above = ~sets >> (g + 1)                  # has a set bit: sets are < 2^m
+    b = g + np.frexp((above & -above).astype(np.float64))[1] - 1
+    return a, b
+
+
+def _highest_bit(x: np.ndarray) -> np.ndarray:
+    """Isolate the highest set bit (exact in float64 for any int64, unlike x itself)."""
+    x = x.copy()
+    for shift in (1, 2, 4, 8, 16, 32):
+        x |= x >> shift
+    return x - (x >> 1)
+
+
+@functools.lru_cache(maxsize=2)
+def _transitions(m: int) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    """For each size k and group g: the sets of size k without g, and the (g, b, a) table index
+    of adding g to them. Problem-independent, so cached per group count."""
+    return [[_layer_transitions(m, k, g) for g in range(m)] for k in range(m)]
+
+
+@functools.lru_cache(maxsize=2)
+def _subsets_by_size(n: int) -> tuple[np.ndarray, np.ndarray]:
+    sets = np.arange(1 << n, dtype=np.int64)
+    size = np.bitwise_count(sets)
+    order = np.argsort(size, kind="stable")
+    return sets[order], np.searchsorted(size[order], np.arange(n + 2))
+
+
+def _layer_transitions(m: int, k: int, g: int) -> tuple[np.ndarray, np.ndarray]:
+    others, bounds = _subsets_by_size(m - 1)
+    sub = others[bounds[k]:bounds[k + 1]]
+    sets = ((sub >> g) << (g + 1)) | (sub & ((1 << g) - 1))  # insert a clear bit at g
+    a, b = _run_bounds(sets, g)
+    return sets, (g * m + b) * m + a
+
+
+def _exact_dp(m: int, P: np.ndarray, h: np.ndarray, bundle_s: np.ndarray) -> tuple[list[int], float]:
+    P, h = P.reshape(-1), h.reshape(-1)
+    n = 1 << m
+    finish = np.full(n, np.inf)
+    finish[0] = 0.0
+    last = np.full(n, -1, dtype=np.int8)
+    read = np.zeros(1)
+    for g in range(m):  # read[S] = sum of bundle times in S (bit g <-> upper half after step g)
+        read = np.concatenate([read, read + bundle_s[g]])
+    table = _transitions(m) if m <= _CACHED_TRANSITIONS_UP_TO else None
+    for k in range(m):
+        for g in range(m):
+            sets, tri = table[k][g] if table is not None else _layer_transitions(m, k, g)
+            cand = np.maximum(finish[sets] + P[tri], read[sets] + h[tri])
+            nxt = sets | (1 << g)
+            better = cand < finish[nxt]
+            upd = nxt[better]
+            finish[upd] = cand[better]
+            last[upd] = g
+    order, S = [], n - 1
+    while S:
+        g = int(last[S])
+        order.append(g)
+        S ^= 1 << g
+    return order[::-1], float(finish[n - 1])
+
+
+def _beam_dp(m: int, P: np.ndarray, h: np.ndarray, bundle_s: np.ndarray, total_work: float,
+             width: int) -> tuple[list[int], float]:
+    """Same recurrence, keeping per set size the `width` sets with the least
+    max(compute finish, read finish) + compute not yet released. Not exact."""
+    P, h = P.reshape(-1), h.reshape(-1)
+    sets, finish, read, work = (np.zeros(1, np.int64), np.zeros(1), np.zeros(1), np.zeros(1))
+    history = []
+    for _ in range(m):
+        cands = []
+        for g in range(m):
+            idx = np.nonzero(((sets >> g) & 1) == 0)[0]
+            s = sets[idx]
+            a, b = _run_bounds(s, g)
+            tri = (g * m + b) * m + a
+            cands.append((s | (1 << g), np.maximum(finish[idx] + P[tri], read[idx] + h[tri]),
+                          read[idx] + bundle_s[g], work[idx] + P[tri], idx, np.full(len(idx), g)))
+        nxt, f, r, w, parent, gs = (np.concatenate(x) for x in zip(*cands))
+        keep = np.lexsort((f, nxt))                      # per set, least finish first
+        first = np.ones(len(keep), bool)
+        first[1:] = nxt[keep][1:] != nxt[keep][:-1]
+        keep = keep[first]
+        score = np.maximum(f[keep], r[keep]) + (total_work - w[keep])
+        keep = keep[np.argsort(score, kind="stable")[:width]]
+        history.append((parent[keep], gs[keep]))
+        sets, finish, read, work = nxt[keep], f[keep], r[keep], w[keep]
+    best = int(np.argmin(finish))
+    order = []
+    for parent, gs in reversed(history):
+        order.append(int(gs[best]))
+        best = int(parent[best])
+    return order[::-1], float(finish.min())
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Solution:
+    plan: RecoveryPlan
+    makespan: float          # of `plan` (simulate() gives the same)
+    group_order_makespan: float  # the DP's: least makespan over group orders
+    group_order: list[int]   # active groups in bundle order (the DP's plan)
+    chosen: str              # "group order", or the fixed read order that beat it
+    exact: bool              # the DP covered every group order (else: beam search)
+    read_end: float
+    lower_bound: float
+    seconds: float           # planning time
+
+
+def solve(problem: RecoveryProblem, costs: BlockCosts | None = None) -> Solution:
+    """The DP over group orders, then the two fixed read orders (chunk-first, layer-first)
+    with the best compute order as a floor: a fixed order can interleave one group's reads
+    between another's, outside the family the DP searches (docs/recovery.md §5.4)."""
+    from .plan import chunk_first, layer_first
+    from .simulate import simulate
+
+    t0 = time.perf_counter()
+    s = analyse(problem, costs)
+    m = len(s.active)
+    if m == 0:
+        order_pos, compute_end, exact = [], 0.0, True
+    else:
+        P, h = batch_tables(s)
+        exact = m <= MAX_EXACT_GROUPS
+        if exact:
+            order_pos, compute_end = _exact_dp(m, P, h, s.bundle_s)
+        else:
+            order_pos, compute_end = _beam_dp(m, P, h, s.bundle_s, s.total_job_s, BEAM_WIDTH)
+    order = [s.active[i] for i in order_pos]
+    read_end = s.total_read_s
+    dp_makespan = max(compute_end, read_end)
+    plan, makespan, chosen = plan_for_group_order(problem, order, structure=s), dp_makespan, "group order"
+    for fixed in (chunk_first, layer_first):
+        reads = fixed(problem).reads
+        candidate = RecoveryPlan("optimal", reads, best_compute_order(problem, reads, s.costs, s.kind))
+        value = simulate(candidate, problem, s.costs).makespan
+        if value < makespan * (1 - 1e-12):
+            plan, makespan, chosen = candidate, value, f"{fixed.__name__.replace('_', '-')} reads"
+    return Solution(plan, makespan, dp_makespan, order, chosen, exact, read_end,
+                    lower_bound(problem, structure=s), time.perf_counter() - t0)
+
+
+def optimal(problem: RecoveryProblem) -> RecoveryPlan:
+    """The planner registered as "optimal": the least-makespan group order under problem.costs
+    (the reference payload's costs when the problem carries none)."""
+    return solve(problem).plan
+
+
+def lower_bound(problem: RecoveryProblem, costs: BlockCosts | None = None, structure: Structure | None = None) -> float:
+    """A bound no plan (in any read order) can beat:
+        total read time; total compute time;
+        earliest possible first compute (weights + own inputs of a block with no computed input)
+            + total compute time;
+        total gating-read time + the least compute that must follow any one gating read (the
+            rest of its group's blocks from the first one that needs it)."""
+    s = structure or analyse(problem, costs)
+    work = s.total_job_s
+    bound = max(s.total_read_s, work)
+    if not s.kind:
+        return bound
+    read_s = s.costs.read_s
+
+    def own_reads(g: int, c: int) -> float:  # what job (g, c) itself reads
+        t = read_s(ReadOp("weights", g))
+        if s.kind[(g, c)] == "block":
+            t += sum(read_s(ReadOp("kv", g, cc)) for cc in range(c))  # a source block has no earlier job
+        if g > 0 and s.kind.get((g - 1, c)) != "block":
+            t += read_s(ReadOp("hidden", g - 1, c))
+        return t
+
+    def is_source(g: int, c: int) -> bool:
+        earlier = s.kind[(g, c)] == "block" and s.jobs[g][0] < c
+        return not earlier and s.kind.get((g - 1, c)) != "block"
+
+    first_start = min(own_reads(g, c) for (g, c) in s.kind if is_source(g, c))
+
+    def work_after(op: ReadOp, need: int) -> float:  # least work that waits for `op` once read
+        g = op.group + 1 if op.what == "hidden" else op.group
+        if op.what == "weights":
+            return float(sum(s.job_s(g, c) for c in s.jobs[g]))
+        first = s.job_s(g, need)
+        return first + float(sum(s.job_s(g, c) for c in s.jobs[g] if c > need and s.kind[(g, c)] == "block"))
+
+    least_after = min(work_after(op, need) for op, need in s.need.items())
+    return max(bound, first_start + work, float(s.bundle_s.sum()) + least_after)
+
+
+def register(planners: dict = PLANNERS) -> None:
+    planners["optimal"] = optimal
+
+
+register()

@@ -1,0 +1,96 @@
+"""Score any recovery plan with the executor's semantics, in modelled time.
+
+The executor (flight/recovery/executor.py) runs `plan.reads` in order on one reader thread and
+`plan.computes` in order on the compute thread; a compute starts when the compute unit is free
+and its inputs are present:
+    weights of its group read;
+    a block compute: for every earlier chunk of its group, that chunk's compute or re-projection
+    done if the plan has one, else its KV read;
+    for g > 0: block (g-1, c) computed if the plan computes it, else its hidden state read.
+A re-projection (KV rebuilt from the input hidden state) needs only the weights and that input.
+Reads never wait (they depend on nothing), so the reader is busy from 0 to the sum of all reads.
+The makespan is when both are done: decode needs every layer's KV and weights.
+
+A plan whose compute would wait forever (an input the plan never provides, or a block computed
+after one that needs it) raises PlanError: the executor would deadlock or fail on it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cost import BlockCosts
+from .plan import ComputeOp, PlanError, ReadOp, RecoveryPlan, RecoveryProblem
+
+
+@dataclass
+class Schedule:
+    makespan: float
+    read_end: float                                   # the reader's last read ends
+    compute_end: float                                # the last compute ends
+    compute_busy: float                               # total compute time
+    stall: float                                      # compute unit idle before its last compute (waiting for reads)
+    reads: list[tuple[ReadOp, float, float]]          # (op, start, end)
+    computes: list[tuple[ComputeOp, float, float]]
+
+    @property
+    def exposed_io(self) -> float:
+        """Time the compute unit is not computing: read time the plan failed to hide."""
+        return self.makespan - self.compute_busy
+
+    @property
+    def tail(self) -> float:
+        """Reads still running after the last compute."""
+        return self.makespan - self.compute_end
+
+
+def read_timeline(reads: list[ReadOp], costs: BlockCosts) -> tuple[dict[ReadOp, float], list, float]:
+    """(end time of each read's first occurrence, [(op, start, end)], reader finish time)."""
+    ends: dict[ReadOp, float] = {}
+    spans, t = [], 0.0
+    for op in reads:
+        start, t = t, t + costs.read_s(op)
+        spans.append((op, start, t))
+        ends.setdefault(op, t)  # the executor marks an input present on its first read
+    return ends, spans, t
+
+
+def simulate(plan: RecoveryPlan, problem: RecoveryProblem, costs: BlockCosts | None = None) -> Schedule:
+    costs = costs if costs is not None else BlockCosts.for_problem(problem)
+    read_end, read_spans, reader_done = read_timeline(plan.reads, costs)
+    scheduled = {(op.group, op.chunk): op.kind for op in plan.computes}
+    computed: dict[tuple[int, int], float] = {}
+    free, busy, stall = 0.0, 0.0, 0.0
+    spans = []
+
+    def read_ready(op: ReadOp, needed_by: ComputeOp) -> float:
+        try:
+            return read_end[op]
+        except KeyError:
+            raise PlanError(f"{needed_by} waits for '{op}', which the plan never reads") from None
+
+    def computed_ready(block: tuple[int, int], needed_by: ComputeOp) -> float:
+        try:
+            return computed[block]
+        except KeyError:
+            raise PlanError(f"{needed_by} waits for g{block[0]} c{block[1]}, computed later or never") from None
+
+    for op in plan.computes:
+        g, c = op.group, op.chunk
+        if (g, c) in computed:
+            raise PlanError(f"{op} appears twice")
+        ready = read_ready(ReadOp("weights", g), op)
+        if op.kind == "block":
+            for cc in range(c):
+                ready = max(ready, computed_ready((g, cc), op) if (g, cc) in scheduled
+                            else read_ready(ReadOp("kv", g, cc), op))
+        if g > 0:
+            ready = max(ready, computed_ready((g - 1, c), op) if scheduled.get((g - 1, c)) == "block"
+                        else read_ready(ReadOp("hidden", g - 1, c), op))
+        start = max(free, ready)
+        stall += start - free
+        free = start + costs.compute_s(g, c, op.kind)
+        busy += free - start
+        computed[(g, c)] = free
+        spans.append((op, start, free))
+    return Schedule(makespan=max(free, reader_done), read_end=reader_done, compute_end=free, compute_busy=busy,
+                    stall=stall, reads=read_spans, computes=spans)
