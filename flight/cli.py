@@ -79,6 +79,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (default: the checkpoint's)")
     g.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation (sdpa)")
     g.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's; pinned per request)")
+    g.add_argument("--decode-kv-compression", choices=["none", "int8"], default="none",
+                   help="int8: quantise the KV in decode checkpoints (smaller, faster decode-phase recovery). "
+                        "GIVES UP BITWISE IDENTITY: after a resume in decode the answer may differ from an "
+                        "uninterrupted run. Off by default")
     g.add_argument("--pace-ms", type=float, default=0.0,
                    help="stretch each block/step to at least this many ms (emulates a slower payload)")
 
@@ -98,7 +102,8 @@ def engine_options(args):
     from flight.engine import EngineOptions
 
     return EngineOptions(geometry=Geometry(args.chunk, args.group, args.decode_every, args.vision_every),
-                         policy=args.policy, planner=args.planner, pace_ms=args.pace_ms, threads=args.threads)
+                         policy=args.policy, planner=args.planner, pace_ms=args.pace_ms, threads=args.threads,
+                         decode_kv_compression=args.decode_kv_compression)
 
 
 def cmd_build_tiny(args) -> int:

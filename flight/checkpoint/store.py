@@ -197,8 +197,12 @@ class CheckpointStore:
                       tokens: torch.Tensor) -> int:
         tensors = {}
         for layer, (k, v) in kv.items():
-            tensors[f"k.{layer}"] = k
-            tensors[f"v.{layer}"] = v
+            for kind, t in (("k", k), ("v", v)):
+                if isinstance(t, dict):  # quantised: values + per-channel scales
+                    tensors[f"{kind}.{layer}"] = t["q"]
+                    tensors[f"{kind}.{layer}.scale"] = t["scale"]
+                else:
+                    tensors[f"{kind}.{layer}"] = t
         tensors["tokens"] = tokens
         enc = encode(Kind.DECODE_STEPS, meta, tensors, salt=self.salt)
         n = self.fs.append(self.decode_log, enc.chunks)

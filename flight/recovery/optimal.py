@@ -434,12 +434,21 @@ def lower_bound(problem: RecoveryProblem, costs: BlockCosts | None = None, struc
 
     first_start = min(own_reads(g, c) for (g, c) in s.kind if is_source(g, c))
 
+    # blocks_after[g][c]: block work of group g after chunk c (it waits for everything before it)
+    blocks_after = {}
+    for g in s.active:
+        acc, after = 0.0, [0.0] * s.num_chunks
+        for c in reversed(range(s.num_chunks)):
+            after[c] = acc
+            if s.kind.get((g, c)) == "block":
+                acc += s.job_s(g, c)
+        blocks_after[g] = after
+
     def work_after(op: ReadOp, need: int) -> float:  # least work that waits for `op` once read
         g = op.group + 1 if op.what == "hidden" else op.group
         if op.what == "weights":
             return float(sum(s.job_s(g, c) for c in s.jobs[g]))
-        first = s.job_s(g, need)
-        return first + float(sum(s.job_s(g, c) for c in s.jobs[g] if c > need and s.kind[(g, c)] == "block"))
+        return s.job_s(g, need) + blocks_after[g][need]
 
     least_after = min(work_after(op, need) for op, need in s.need.items())
     return max(bound, first_start + work, float(s.bundle_s.sum()) + least_after)

@@ -58,6 +58,17 @@ def simulate(plan: RecoveryPlan, problem: RecoveryProblem, costs: BlockCosts | N
     costs = costs if costs is not None else BlockCosts.for_problem(problem)
     read_end, read_spans, reader_done = read_timeline(plan.reads, costs)
     scheduled = {(op.group, op.chunk): op.kind for op in plan.computes}
+    # Per group, over chunks: latest KV read end among the chunks the plan does not compute
+    # (inf where one was never read), and which chunks the plan does compute.
+    kv_ready_below, jobs_below = [], []
+    for g in range(problem.num_groups):
+        ready, t = [], 0.0
+        for c in range(problem.num_chunks):
+            ready.append(t)  # inputs from chunks < c
+            if (g, c) not in scheduled:
+                t = max(t, read_end.get(ReadOp("kv", g, c), float("inf")))
+        kv_ready_below.append(ready)
+        jobs_below.append(sorted(c for (gg, c) in scheduled if gg == g))
     computed: dict[tuple[int, int], float] = {}
     free, busy, stall = 0.0, 0.0, 0.0
     spans = []
@@ -80,9 +91,15 @@ def simulate(plan: RecoveryPlan, problem: RecoveryProblem, costs: BlockCosts | N
             raise PlanError(f"{op} appears twice")
         ready = read_ready(ReadOp("weights", g), op)
         if op.kind == "block":
-            for cc in range(c):
-                ready = max(ready, computed_ready((g, cc), op) if (g, cc) in scheduled
-                            else read_ready(ReadOp("kv", g, cc), op))
+            kv = kv_ready_below[g][c]
+            if kv == float("inf"):
+                missing = next(cc for cc in range(c) if (g, cc) not in scheduled and ReadOp("kv", g, cc) not in read_end)
+                read_ready(ReadOp("kv", g, missing), op)
+            ready = max(ready, kv)
+            for cc in jobs_below[g]:
+                if cc >= c:
+                    break
+                ready = max(ready, computed_ready((g, cc), op))
         if g > 0:
             ready = max(ready, computed_ready((g - 1, c), op) if scheduled.get((g - 1, c)) == "block"
                         else read_ready(ReadOp("hidden", g - 1, c), op))
