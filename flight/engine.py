@@ -334,6 +334,9 @@ class _RequestRun:
                 self.kv_chunks = [0] * self.a.num_layers
                 continue
             self.times["prefill"] += time.perf_counter() - t0
+            self.plan_summary.update(read_s=round(stats.read_seconds, 6), compute_s=round(stats.compute_seconds, 6),
+                                     stall_s=round(stats.stall_seconds, 6), wall_s=round(stats.wall_seconds, 6),
+                                     bytes_read=stats.bytes_read)
             if fr.blocks:
                 self.events("prefill_restored", stall_s=round(stats.stall_seconds, 4),
                             read_s=round(stats.read_seconds, 4), bytes_read=stats.bytes_read)
