@@ -234,9 +234,11 @@ class _RequestRun:
         self.visual_mask = (self.inputs.input_ids == self.a.image_token_id).to(self.device)
         self.visual_rows = (self.visual_mask[0].cumsum(0) - 1)
         # Weights stream in the order this request needs them, behind the compute.
-        needs_vision = not fr.vision_done and not fr.decode_records and self.inputs.image_grid_thw.shape[0] > 0
-        order = (self.a.all_vision_modules() if needs_vision else []) + self.a.all_lm_modules()
-        self.m.weights.prefetch(order)
+        needs_vision = not fr.vision_done and not fr.blocks and not fr.decode_records \
+            and self.inputs.image_grid_thw.shape[0] > 0
+        if needs_vision:
+            # The vision phase is next: stream its weights, then the LM's, behind its compute.
+            self.m.weights.prefetch(self.a.all_vision_modules() + self.a.all_lm_modules())
         try:
             self._vision_out = None
             self._frontier_at_open = fr
@@ -307,11 +309,19 @@ class _RequestRun:
         self.hidden: dict[tuple[int, int], torch.Tensor] = {}
         self.kv_chunks = [0] * self.a.num_layers  # chunks present in the cache, per layer
         have_decode = bool(fr.decode_records)
+        # From here on the plan's reader is the only weight stream (the prefetch overlapped the
+        # vision phase): the plan orders weight reads with checkpoint reads on one channel.
+        self.m.weights.stop_prefetch()
+        self.m.weights.ensure(f"{self.a.lm_prefix}.rotary_emb")  # no weights; every block needs it
         for attempt in range(MAX_REPLANS):
             problem = RecoveryProblem(len(self.groups), len(self.chunks), set(fr.blocks),
                                       {b for b, i in fr.blocks.items() if i.has_hidden},
                                       need_last_hidden=not have_decode,
                                       kv_missing={b for b, i in fr.blocks.items() if i.kv_bytes == 0})
+            if self.e.options.planner == "optimal":
+                from .recovery.cost import cost_model_for
+
+                problem.costs = cost_model_for(self.m).problem_costs(self.groups, self.chunks)
             plan = make_plan(self.e.options.planner, problem)
             self.scheduled = {(op.group, op.chunk) for op in plan.computes}
             self.plan_summary = plan.summary()

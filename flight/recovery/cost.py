@@ -414,12 +414,13 @@ def _drop_page_cache(path: str) -> None:
         os.close(fd)
 
 
-def measure_reads(scratch_dir: str, sizes_mib=(1, 2, 4, 8, 8), repeats: int = 2) -> tuple[float, float, list]:
+def measure_reads(scratch_dir: str, sizes_mib=(1, 2, 4, 8, 16), repeats: int = 3) -> tuple[float, float, list]:
     """(bytes/s, seconds per read, samples): write checkpoint records of several sizes with the
     durable writer, drop them from the page cache, read them back with the record reader (header,
-    commit footer, per-tensor CRC, exactly as recovery does) and fit time = latency + bytes/bw."""
+    commit footer, per-tensor CRC, exactly as recovery does) and fit time = latency + bytes/bw.
+    Shared disks are noisy (single reads vary 3x here), so the fit is Theil-Sen (median slopes)."""
     import torch
-    from scipy.optimize import nnls
+    from scipy.stats import theilslopes
 
     from common.durable import DurableFS
     from common.record import Kind, encode, read_partial
@@ -440,20 +441,23 @@ def measure_reads(scratch_dir: str, sizes_mib=(1, 2, 4, 8, 8), repeats: int = 2)
                 with fs.open_read(path) as f:
                     read_partial(f, {"k.0"}, os.fstat(f.fileno()).st_size)
                 samples.append((nbytes, time.perf_counter() - start))
-    a = np.array([[1.0, n] for n, _ in samples])
-    (latency, inv_bw), _ = nnls(a, np.array([s for _, s in samples]))
-    if inv_bw <= 0:  # cannot separate: attribute everything to bandwidth
-        inv_bw, latency = sum(s for _, s in samples) / sum(n for n, _ in samples), 0.0
-    return 1.0 / inv_bw, float(latency), samples
+    nbytes, secs = np.array([n for n, _ in samples], float), np.array([t for _, t in samples])
+    inv_bw, latency = theilslopes(secs, nbytes)[:2]
+    if inv_bw <= 0:  # no usable slope: attribute everything to bandwidth
+        inv_bw, latency = secs.sum() / nbytes.sum(), 0.0
+    return float(1.0 / inv_bw), float(max(latency, 0.0)), samples
 
 
-def measure_compute(model, group: int, chunk_sizes=(16, 48), chunks: float = 3.5, repeats: int = 2):
-    """(layer_call_s, token_layer_s, pair_layer_s, samples) from real blocks run by the engine.
+def measure_compute(model, group: int, dims: ModelDims, chunk_sizes=(16, 48), chunks: float = 3.5,
+                    repeats: int = 2) -> tuple[float, float, list]:
+    """(seconds per layer call, seconds per FLOP, samples) from real blocks run by the engine.
 
     A text-only prompt of `chunks` x C tokens is prefilled by `Engine` (no checkpoints) for each
     chunk size C; the time between consecutive `prefill_block_done` events is one block's compute.
-    Chunk 0 is left out (it includes the lazy weight loads). Two chunk sizes and a ragged last
-    chunk separate the per-call, per-token and per-pair terms (non-negative least squares)."""
+    Chunk 0 is left out (it includes the lazy weight loads). Block time is fitted as
+        layers * (call + FLOPs per layer / rate)        (non-negative least squares)
+    with attention FLOPs counted per (query, key) pair: prompts short enough to calibrate in
+    seconds cannot separate attention from the projections, so both run at the measured rate."""
     from scipy.optimize import nnls
 
     from flight.checkpoint.policies import Geometry
@@ -489,13 +493,16 @@ def measure_compute(model, group: int, chunk_sizes=(16, 48), chunks: float = 3.5
                     continue
                 (l0, l1), (s, e) = groups[g], spans[c]
                 samples.append((l1 - l0, e - s, s, t - t0))
-    feats = np.array([[L, L * T, L * (T * s + T * (T + 1) / 2.0)] for L, T, s, _ in samples])
-    secs = np.array([x[3] for x in samples])
+
+    def flops(tokens, start):
+        pairs = tokens * start + tokens * (tokens + 1) / 2
+        return tokens * dims.flops_per_token_layer + pairs * dims.flops_per_pair_layer
+
+    feats = np.array([[L, L * flops(T, s)] for L, T, s, _ in samples])
     scale = feats.max(axis=0)
-    scale[scale == 0] = 1.0
-    coef, _ = nnls(feats / scale, secs)
-    coef = coef / scale
-    return float(coef[0]), float(coef[1]), float(coef[2]), samples
+    coef, _ = nnls(feats / scale, np.array([x[3] for x in samples]))
+    call_s, s_per_flop = coef / scale
+    return float(call_s), float(s_per_flop), samples
 
 
 def model_bytes(model) -> dict:
@@ -505,7 +512,8 @@ def model_bytes(model) -> dict:
     itemsize = model.dtype.itemsize
     heads = tc.num_attention_heads
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
-    return {"layer_weight_bytes": tuple(sum(w.module_nbytes(m) for m in a.layer_modules(l)) for l in range(a.num_layers)),
+    layers = tuple(sum(w.module_nbytes(m) for m in a.layer_modules(layer)) for layer in range(a.num_layers))
+    return {"layer_weight_bytes": layers,
             "embed_weight_bytes": sum(w.module_nbytes(m) for m in a.embed_modules()),
             "head_weight_bytes": sum(w.module_nbytes(m) for m in a.head_modules()),
             "kv_bytes_per_token_layer": 2 * tc.num_key_value_heads * head_dim * itemsize,
@@ -535,15 +543,17 @@ def calibrate(model_dir: str | None = None, *, model=None, group: int = 2, devic
         if hit is not None:
             return CostModel.from_json(hit)
     t0 = time.perf_counter()
-    bw, latency, read_samples = measure_reads(scratch_dir)
-    call_s, token_s, pair_s, compute_samples = measure_compute(model, group)
     dims = ModelDims.from_text_config(model.adapter.text_config, name=os.path.basename(model.model_dir),
                                       dtype_bytes=model.dtype.itemsize)
+    bw, latency, read_samples = measure_reads(scratch_dir)
+    call_s, s_per_flop, compute_samples = measure_compute(model, group, dims)
     measured = CostModel(**model_bytes(model), read_bytes_per_s=bw, read_latency_s=latency, layer_call_s=call_s,
-                         token_layer_s=token_s, pair_layer_s=pair_s, reproject_share=dims.reproject_share,
+                         token_layer_s=s_per_flop * dims.flops_per_token_layer,
+                         pair_layer_s=s_per_flop * dims.flops_per_pair_layer, reproject_share=dims.reproject_share,
                          label="native",
                          meta={"key": key, "model_hash": model.content_hash, "dims": asdict(dims),
                                "machine": machine_identity(model.device.type), "dtype": dtype_name,
+                               "flops_per_s": 1.0 / s_per_flop if s_per_flop > 0 else None,
                                "read_samples": len(read_samples), "compute_samples": len(compute_samples),
                                "seconds": round(time.perf_counter() - t0, 3)})
     _store_cache(key, measured.to_json())
@@ -560,3 +570,26 @@ def native_and_emulated(calibrated: CostModel, dims: ModelDims | None = None, ta
     target_model = CostModel.for_target(dims, target)
     native = target_model.with_rates_of(calibrated, calibrated_dims, dims, label="native")
     return native, native.target_emulated(target_model, group, chunk)
+
+
+def cost_model_for(model, *, emulate: TargetDevice | None = None, group: int = 4, chunk: int = REFERENCE_CHUNK,
+                   scratch_dir: str | None = None, measure: bool = False) -> CostModel:
+    """The CostModel recovery should plan with for a loaded model, without delaying a boot: the
+    cached calibration of this model on this machine if there is one (or a fresh one when
+    `measure`), else the model's byte counts at the target device's rates. With `emulate`, the
+    target-emulated version (reads throttled to the target's read-to-compute ratio)."""
+    scratch_dir = scratch_dir or tempfile.gettempdir()
+    dtype_name = str(model.dtype).removeprefix("torch.")
+    key = calibration_key(model.content_hash, model.device.type, dtype_name, scratch_dir)
+    hit = _load_cache().get(key)
+    dims = ModelDims.from_text_config(model.adapter.text_config, dtype_bytes=model.dtype.itemsize)
+    if hit is not None:
+        native = CostModel.from_json(hit)
+    elif measure:
+        native = calibrate(model=model, group=group, scratch_dir=scratch_dir)
+    else:
+        target_model = replace(CostModel.for_target(dims, emulate or ORIN_AGX_NVME), **model_bytes(model))
+        return replace(target_model, label="uncalibrated:" + target_model.label)
+    if emulate is None:
+        return native
+    return native.target_emulated(replace(CostModel.for_target(dims, emulate), **model_bytes(model)), group, chunk)

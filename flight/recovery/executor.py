@@ -84,7 +84,7 @@ class PlanExecutor:
         """What must be present before `op` runs: reads done, and computes (blocks or
         re-projections, by (group, chunk)) done."""
         scheduled = {(c.group, c.chunk): c.kind for c in self.plan.computes}
-        reads, computed = [], []
+        reads, computed = [ReadOp("weights", op.group)], []  # weights come from the plan's reader alone
         if op.kind == "block":
             for c in range(op.chunk):  # this group's KV for every earlier chunk
                 if (op.group, c) in scheduled:

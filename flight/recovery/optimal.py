@@ -20,8 +20,9 @@ Model and proof sketch: docs/recovery.md §3-§5. In short:
   (a, g, b) only, so they are O(G^3) tables, and f needs no other state. The DP over the 2^G sets
   is exact; the makespan is max(f(all), total read time).
 
-Above MAX_EXACT_GROUPS groups with something to compute, a beam search over the same recurrence
-plans instead (not exact; `Solution.exact` says which).
+Above MAX_EXACT_GROUPS groups with something to compute (G = 1 on a 36-layer model), runs of k
+consecutive groups are merged into parts whose bundles are read back to back, and the same DP
+orders the parts -- exact over those orders, not over all group orders (`Solution.exact`).
 """
 from __future__ import annotations
 
@@ -35,9 +36,8 @@ from .cost import BlockCosts
 from .plan import PLANNERS, ComputeOp, PlanError, ReadOp, RecoveryPlan, RecoveryProblem
 from .simulate import read_timeline
 
-MAX_EXACT_GROUPS = 22      # 2^22 sets: ~1 s and ~100 MB; beyond, beam search
-BEAM_WIDTH = 4096
-_CACHED_TRANSITIONS_UP_TO = 20
+MAX_EXACT_GROUPS = 20      # 2^20 sets: ~0.15-0.25 s here; beyond, consecutive groups are merged into parts
+_CACHED_TRANSITIONS_UP_TO = 18  # problem-independent transitions kept in memory (~19 MB at 18)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,7 +107,8 @@ def analyse(problem: RecoveryProblem, costs: BlockCosts | None = None) -> Struct
             while k < len(gating) and gating[k][0] <= c:
                 prefix = ends[gating[k][2]]
                 k += 1
-            offsets[i, c] = prefix if kind[(g, c)] == "block" else ends.get(ReadOp("hidden", g - 1, c), costs.weights[g])
+            own_input = ends.get(ReadOp("hidden", g - 1, c), costs.weights[g])
+            offsets[i, c] = prefix if kind[(g, c)] == "block" else own_input
         bundle_s[i] = costs.weights[g] + sum(costs.read_s(op) for _, _, op in gating)
         need.update({op: ch for ch, _, op in gating})
         need[ReadOp("weights", g)] = jobs[g][0]
@@ -187,16 +188,22 @@ def plan_for_group_order(problem: RecoveryProblem, order: list[int], costs: Bloc
 # ---------------------------------------------------------------------------------------------
 # The batch tables P(a, g, b), h(a, g, b)
 # ---------------------------------------------------------------------------------------------
-def batch_tables(s: Structure) -> tuple[np.ndarray, np.ndarray]:
-    """(P, h), each (m, m, m) indexed [g, b, a] over active-group positions, for a <= g <= b:
-    P = compute time of the blocks released when g's bundle is read while the run [a, b] minus g
-    is already read; h = bundle start to the end of those blocks if the compute unit were free."""
+def batch_tables(s: Structure, parts: list[list[int]] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(P, h), each (n, n, n) indexed [x, b, a] over the n parts (runs of consecutive active
+    groups whose bundles are read back to back; default: one group each), for a <= x <= b:
+    P = compute time of the jobs released when x's bundle is read while parts a..b other than x
+    are already read; h = bundle start to the end of those jobs if the compute unit were free."""
     m, NC = len(s.active), s.num_chunks
+    parts = parts if parts is not None else [[i] for i in range(m)]
+    n = len(parts)
+    part_of = np.empty(m, dtype=np.int64)
+    for x, members in enumerate(parts):
+        part_of[members] = x
     act = np.array(s.active)
-    pos = {g: i for i, g in enumerate(s.active)}
     T = np.zeros((m, NC), dtype=bool)      # jobs
     B = np.zeros((m, NC), dtype=bool)      # ... of which block computes (they wait for earlier jobs)
     p = np.zeros((m, NC))
+    pos = {g: i for i, g in enumerate(s.active)}
     for (g, c), k in s.kind.items():
         T[pos[g], c] = True
         B[pos[g], c] = k == "block"
@@ -215,31 +222,35 @@ def batch_tables(s: Structure) -> tuple[np.ndarray, np.ndarray]:
         if i > 0:
             y = np.where(V[i], np.minimum(y, lo[i - 1]), y)
         lo[i] = np.where(B[i], np.minimum.accumulate(y), y)
-    # Rank each group's jobs by offset: a job released by g's bundle starts no earlier than the
-    # latest-read g-job it waits for (directly or through other jobs).
+    # Rank each part's jobs by the time their own inputs are read, from the start of the part's
+    # bundles: a job released by x's bundles starts no earlier than the latest-read x-job it
+    # waits for (directly or through other jobs).
     rank = np.full((m, NC), -1, dtype=np.int64)
-    level = np.zeros((m, NC))  # level[g, r]: offset of g's r-th job by offset
-    for i, g in enumerate(s.active):
-        by_offset = sorted(s.jobs[g], key=lambda c: (s.offsets[i, c], c))
-        rank[i, by_offset] = np.arange(len(by_offset))
-        level[i, :len(by_offset)] = s.offsets[i, by_offset]
-    # K[g, i, c]: rank of the latest-read g-job that job (i, c) waits for (-1: none); a block
+    width = max(sum(len(s.jobs[s.active[i]]) for i in members) for members in parts)
+    level = np.zeros((n, width))  # level[x, r]: read time of x's r-th job by read time
+    for x, members in enumerate(parts):
+        before = np.concatenate([[0.0], np.cumsum(s.bundle_s[members])[:-1]])
+        xjobs = sorted((before[k] + s.offsets[i, c], i, c) for k, i in enumerate(members) for c in s.jobs[s.active[i]])
+        for r, (t, i, c) in enumerate(xjobs):
+            rank[i, c] = r
+            level[x, r] = t
+    # K[x, i, c]: rank of the latest-read x-job that job (i, c) waits for (-1: none); a block
     # also waits for every earlier job of its group (running maximum), a re-projection does not.
-    K = np.full((m, m, NC), -1, dtype=np.int64)
+    K = np.full((n, m, NC), -1, dtype=np.int64)
     for i in range(m):
-        x = np.where(V[i][None, :], K[:, i - 1, :], -1) if i > 0 else np.full((m, NC), -1, dtype=np.int64)
-        x[i] = np.where(T[i], rank[i], -1)
+        x = np.where(V[i][None, :], K[:, i - 1, :], -1) if i > 0 else np.full((n, NC), -1, dtype=np.int64)
+        own = part_of[i]
+        x[own] = np.maximum(x[own], np.where(T[i], rank[i], -1))
         K[:, i, :] = np.where(B[i][None, :], np.maximum.accumulate(x, axis=1), np.where(T[i][None, :], x, -1))
-    gi, ii, cc = np.nonzero(K >= 0)
-    kap = K[gi, ii, cc]
-    flat = ((gi * m + ii) * m + lo[ii, cc]) * NC + kap
-    size = m * m * m * NC
-    work = np.bincount(flat, weights=p[ii, cc], minlength=size).reshape(m, m, m, NC)  # [g, grp, lo, rank]
-    count = np.bincount(flat, minlength=size).reshape(m, m, m, NC)
+    xi, ii, cc = np.nonzero(K >= 0)
+    flat = ((xi * n + part_of[ii]) * n + part_of[lo[ii, cc]]) * width + K[xi, ii, cc]
+    size = n * n * n * width
+    work = np.bincount(flat, weights=p[ii, cc], minlength=size).reshape(n, n, n, width)  # [x, part, lo, rank]
+    count = np.bincount(flat, minlength=size).reshape(n, n, n, width)
 
-    def upto_b_from_a(x):  # sum over groups <= b (axis 1), over lo >= a (axis 2)
-        x = np.cumsum(x, axis=1)
-        return np.flip(np.cumsum(np.flip(x, axis=2), axis=2), axis=2)
+    def upto_b_from_a(v):  # sum over parts <= b (axis 1), over lo >= a (axis 2)
+        v = np.cumsum(v, axis=1)
+        return np.flip(np.cumsum(np.flip(v, axis=2), axis=2), axis=2)
 
     work, count = upto_b_from_a(work), upto_b_from_a(count)
     after = np.flip(np.cumsum(np.flip(work, axis=3), axis=3), axis=3)  # work released at rank' >= rank
@@ -288,7 +299,7 @@ def _layer_transitions(m: int, k: int, g: int) -> tuple[np.ndarray, np.ndarray]:
     sub = others[bounds[k]:bounds[k + 1]]
     sets = ((sub >> g) << (g + 1)) | (sub & ((1 << g) - 1))  # insert a clear bit at g
     a, b = _run_bounds(sets, g)
-    return sets, (g * m + b) * m + a
+    return sets.astype(np.int32), ((g * m + b) * m + a).astype(np.int32)
 
 
 def _exact_dp(m: int, P: np.ndarray, h: np.ndarray, bundle_s: np.ndarray) -> tuple[list[int], float]:
@@ -318,39 +329,6 @@ def _exact_dp(m: int, P: np.ndarray, h: np.ndarray, bundle_s: np.ndarray) -> tup
     return order[::-1], float(finish[n - 1])
 
 
-def _beam_dp(m: int, P: np.ndarray, h: np.ndarray, bundle_s: np.ndarray, total_work: float,
-             width: int) -> tuple[list[int], float]:
-    """Same recurrence, keeping per set size the `width` sets with the least
-    max(compute finish, read finish) + compute not yet released. Not exact."""
-    P, h = P.reshape(-1), h.reshape(-1)
-    sets, finish, read, work = (np.zeros(1, np.int64), np.zeros(1), np.zeros(1), np.zeros(1))
-    history = []
-    for _ in range(m):
-        cands = []
-        for g in range(m):
-            idx = np.nonzero(((sets >> g) & 1) == 0)[0]
-            s = sets[idx]
-            a, b = _run_bounds(s, g)
-            tri = (g * m + b) * m + a
-            cands.append((s | (1 << g), np.maximum(finish[idx] + P[tri], read[idx] + h[tri]),
-                          read[idx] + bundle_s[g], work[idx] + P[tri], idx, np.full(len(idx), g)))
-        nxt, f, r, w, parent, gs = (np.concatenate(x) for x in zip(*cands))
-        keep = np.lexsort((f, nxt))                      # per set, least finish first
-        first = np.ones(len(keep), bool)
-        first[1:] = nxt[keep][1:] != nxt[keep][:-1]
-        keep = keep[first]
-        score = np.maximum(f[keep], r[keep]) + (total_work - w[keep])
-        keep = keep[np.argsort(score, kind="stable")[:width]]
-        history.append((parent[keep], gs[keep]))
-        sets, finish, read, work = nxt[keep], f[keep], r[keep], w[keep]
-    best = int(np.argmin(finish))
-    order = []
-    for parent, gs in reversed(history):
-        order.append(int(gs[best]))
-        best = int(parent[best])
-    return order[::-1], float(finish.min())
-
-
 # ---------------------------------------------------------------------------------------------
 # Public API
 # ---------------------------------------------------------------------------------------------
@@ -361,7 +339,7 @@ class Solution:
     group_order_makespan: float  # the DP's: least makespan over group orders
     group_order: list[int]   # active groups in bundle order (the DP's plan)
     chosen: str              # "group order", or the fixed read order that beat it
-    exact: bool              # the DP covered every group order (else: beam search)
+    exact: bool              # the DP covered every group order (else: orders of merged runs)
     read_end: float
     lower_bound: float
     seconds: float           # planning time
@@ -377,15 +355,16 @@ def solve(problem: RecoveryProblem, costs: BlockCosts | None = None) -> Solution
     t0 = time.perf_counter()
     s = analyse(problem, costs)
     m = len(s.active)
-    if m == 0:
-        order_pos, compute_end, exact = [], 0.0, True
-    else:
-        P, h = batch_tables(s)
-        exact = m <= MAX_EXACT_GROUPS
-        if exact:
-            order_pos, compute_end = _exact_dp(m, P, h, s.bundle_s)
-        else:
-            order_pos, compute_end = _beam_dp(m, P, h, s.bundle_s, s.total_job_s, BEAM_WIDTH)
+    exact = m <= MAX_EXACT_GROUPS
+    order_pos, compute_end = [], 0.0
+    if m:
+        best = (np.inf, [])
+        for parts in partitions(m, MAX_EXACT_GROUPS):
+            P, h = batch_tables(s, parts)
+            part_order, finish = _exact_dp(len(parts), P, h, _part_bundles(s, parts))
+            if finish < best[0]:
+                best = (finish, [i for x in part_order for i in parts[x]])
+        compute_end, order_pos = best
     order = [s.active[i] for i in order_pos]
     read_end = s.total_read_s
     dp_makespan = max(compute_end, read_end)
@@ -398,6 +377,25 @@ def solve(problem: RecoveryProblem, costs: BlockCosts | None = None) -> Solution
             plan, makespan, chosen = candidate, value, f"{fixed.__name__.replace('_', '-')} reads"
     return Solution(plan, makespan, dp_makespan, order, chosen, exact, read_end,
                     lower_bound(problem, structure=s), time.perf_counter() - t0)
+
+
+def partitions(m: int, limit: int) -> list[list[list[int]]]:
+    """Ways to cut m active groups into at most `limit` runs of consecutive groups: one group
+    each when m <= limit; else runs of k = ceil(m / limit), tried at every alignment."""
+    if m <= limit:
+        return [[[i] for i in range(m)]]
+    k = -(-m // limit)
+    out = []
+    for first in range(1, k + 1):
+        cuts = [0] + list(range(first, m, k)) + [m]
+        parts = [list(range(a, b)) for a, b in zip(cuts, cuts[1:])]
+        if len(parts) <= limit:
+            out.append(parts)
+    return out
+
+
+def _part_bundles(s: Structure, parts: list[list[int]]) -> np.ndarray:
+    return np.array([s.bundle_s[members].sum() for members in parts])
 
 
 def optimal(problem: RecoveryProblem) -> RecoveryPlan:

@@ -93,8 +93,9 @@ def simulate(plan: RecoveryPlan, problem: RecoveryProblem, costs: BlockCosts | N
         if op.kind == "block":
             kv = kv_ready_below[g][c]
             if kv == float("inf"):
-                missing = next(cc for cc in range(c) if (g, cc) not in scheduled and ReadOp("kv", g, cc) not in read_end)
-                read_ready(ReadOp("kv", g, missing), op)
+                unread = next(ReadOp("kv", g, cc) for cc in range(c)
+                              if (g, cc) not in scheduled and ReadOp("kv", g, cc) not in read_end)
+                read_ready(unread, op)
             ready = max(ready, kv)
             for cc in jobs_below[g]:
                 if cc >= c:

@@ -67,3 +67,22 @@ def test_many_cuts_in_a_row_on_one_directory(model_dirs, tmp_path):
             assert cuts < 3 * n_units, "no progress across cuts"
     assert cuts >= n_units // 3
     assert result.token_ids == ref.token_ids and torch.equal(result.logits, ref.logits)
+
+
+@pytest.mark.parametrize("policy", ["orbitweaver", "hcache"])
+def test_every_planner_resumes_bitwise_from_every_prefill_cut(model_dirs, tmp_path, policy):
+    arch = "qwen3-vl"
+    inputs, ref, _, _ = _uninterrupted(model_dirs[arch], tmp_path, policy)
+    vision_units = 4
+    prefill_units = 16 if policy == "hcache" else 8
+    for planner in ("chunk-first", "layer-first", "optimal"):
+        for n in range(vision_units + 1, vision_units + prefill_units + 1):
+            ckpt = tmp_path / f"{planner}-{n}"
+            with pytest.raises(SimulatedCut):
+                engine(load_model(model_dirs[arch], device="cpu"), policy=policy,
+                       events=CutAfter(n).event).run(inputs, str(ckpt), MAX_NEW)
+            resumed = run_to_completion(model_dirs[arch], inputs, ckpt, policy=policy, planner=planner)
+            assert resumed.resumed_from["phase"] == "prefill"
+            assert resumed.plan["planner"] == planner
+            assert resumed.token_ids == ref.token_ids and torch.equal(resumed.logits, ref.logits), (planner, n)
+            shutil.rmtree(ckpt)

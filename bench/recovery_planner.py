@@ -1,0 +1,232 @@
+"""Recovery planner benchmark: planning time, and the makespan of each planner's plan.
+
+    1. Planning time of `optimal` for Qwen3-VL-8B/4B (36 layers) and 2B (28 layers) with G = 1, 2,
+       4 on a 32K-token prompt (C = 1024), staircase frontier at 50 % (paper: < 100 ms, G >= 2).
+    2. Simulated makespan of chunk-first, layer-first and optimal over the lower bound, on
+       staircase / random-staircase / random frontiers at 25, 50, 75 % prefill progress, in two
+       cost columns (docs/recovery.md §7):
+           native           this machine: read bandwidth and bf16 FLOP rate calibrated on the
+                            `small` model, compute scaled to the model's FLOPs;
+           target-emulated  the same compute, reads at a Jetson AGX Orin + NVMe's
+                            read-to-compute ratio.
+    3. How often a read order that interleaves groups beats every group order (small random
+       instances, brute force over all read orders): the limit of the DP's family.
+
+    python -m bench.recovery_planner [--seeds 5] [--chunks 16] [--no-gap] [--json runs/bench/recovery.json]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+from flight.recovery import optimal as optimal_module  # noqa: E402
+from flight.recovery.cost import (MODELS, ORIN_AGX_NVME, CostModel, calibrate, even_chunks, even_groups,  # noqa: E402
+                                  native_and_emulated)
+from flight.recovery.optimal import analyse, best_compute_order, lower_bound, solve  # noqa: E402
+from flight.recovery.plan import PlanError, RecoveryPlan, RecoveryProblem, make_plan  # noqa: E402
+from flight.recovery.simulate import simulate  # noqa: E402
+
+PROGRESS = (0.25, 0.5, 0.75)
+
+
+def ensure_small_model() -> str:
+    """The `small` bf16 model, built once (the same directory the engine benchmark uses)."""
+    path = os.path.join(ROOT, "runs", "models", "qwen3-vl-small")
+    if not os.path.exists(os.path.join(path, "model.safetensors")):
+        from flight.model.tiny import build_tiny
+
+        print(f"building the small model in {path} ...", file=sys.stderr)
+        build_tiny("qwen3-vl", "small", 0, path, dtype="bfloat16")
+    return path
+
+
+# ---- frontiers --------------------------------------------------------------------------------
+def staircase(ng: int, nc: int, progress: float, rng: random.Random) -> set:
+    """What an uninterrupted prefill (chunk by chunk, groups in order) leaves after `progress`."""
+    n = int(round(progress * ng * nc))
+    return {(i % ng, i // ng) for i in range(n)}
+
+
+def random_staircase(ng: int, nc: int, progress: float, rng: random.Random) -> set:
+    """Non-increasing per-group progress f_0 >= f_1 >= ... with the given share done."""
+    target = int(round(progress * ng * nc))
+    f = sorted((rng.randint(0, nc) for _ in range(ng)), reverse=True)
+    while sum(f) != target:  # nudge a random step, keeping the order
+        g = rng.randrange(ng)
+        if sum(f) < target and f[g] < nc and (g == 0 or f[g] < f[g - 1]):
+            f[g] += 1
+        elif sum(f) > target and f[g] > 0 and (g == ng - 1 or f[g] > f[g + 1]):
+            f[g] -= 1
+    return {(g, c) for g in range(ng) for c in range(f[g])}
+
+
+def random_holes(ng: int, nc: int, progress: float, rng: random.Random) -> set:
+    """Blocks done independently (records lost or quarantined leave holes anywhere)."""
+    return {(g, c) for g in range(ng) for c in range(nc) if rng.random() < progress}
+
+
+FRONTIERS = {"staircase": staircase, "random-stair": random_staircase, "random": random_holes}
+
+
+def problem_for(done: set, ng: int, nc: int, rng: random.Random, costs: dict, holes: bool) -> RecoveryProblem:
+    # With holes, some boundary hidden states are missing too (a record without its hidden state).
+    with_hidden = {b for b in done if not holes or rng.random() < 0.9}
+    return RecoveryProblem(ng, nc, set(done), with_hidden, costs=costs)
+
+
+# ---- sections ---------------------------------------------------------------------------------
+def planner_times(chunks: int) -> list[dict]:
+    rows = []
+    for label, layers, group in (("36 layers (4B/8B), G=2", 36, 2), ("36 layers (4B/8B), G=4", 36, 4),
+                                 ("28 layers (2B), G=2", 28, 2), ("28 layers (2B), G=4", 28, 4),
+                                 ("36 layers, G=1", 36, 1)):
+        ng = -(-layers // group)
+        dims = MODELS["qwen3-vl-8b"] if layers == 36 else MODELS["qwen3-vl-2b"]
+        costs = CostModel.for_target(dims).problem_costs(even_groups(layers, ng), even_chunks(chunks * 1024, 1024))
+        p = RecoveryProblem(ng, chunks, staircase(ng, chunks, 0.5, None), set(), costs=costs)
+        p.with_hidden = set(p.done)
+        optimal_module._transitions.cache_clear()
+        optimal_module._subsets_by_size.cache_clear()
+        t0 = time.perf_counter()
+        sol = solve(p)
+        cold = time.perf_counter() - t0
+        warm = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            solve(p)
+            warm.append(time.perf_counter() - t0)
+        rows.append({"case": label, "groups": ng, "chunks": chunks, "cold_ms": cold * 1e3,
+                     "warm_ms": statistics.median(warm) * 1e3, "exact": sol.exact})
+    return rows
+
+
+def makespans(model_key: str, layers: int, group: int, chunks: int, calibrated: CostModel, seeds: int) -> list[dict]:
+    dims = MODELS[model_key]
+    ng = -(-layers // group)
+    groups, spans = even_groups(layers, ng), even_chunks(chunks * 1024, 1024)
+    native, emulated = native_and_emulated(calibrated, dims, ORIN_AGX_NVME, group=group, chunk=1024)
+    rows = []
+    for column, model in (("native", native), ("target-emulated", emulated)):
+        block = model.block_costs(groups, spans)
+        costs = block.as_dict()
+        # reading all weights and all KV vs computing the whole prefill: which side recovery hides
+        io_to_compute = float((block.weights.sum() + block.kv.sum()) / block.compute.sum())
+        for frontier, make in FRONTIERS.items():
+            for progress in PROGRESS:
+                ratios = {"chunk-first": [], "layer-first": [], "optimal": []}
+                speedup = []
+                for seed in range(seeds if frontier != "staircase" else 1):
+                    rng = random.Random(seed)
+                    p = problem_for(make(ng, chunks, progress, rng), ng, chunks, rng, costs, frontier == "random")
+                    bound = lower_bound(p)
+                    values = {name: simulate(make_plan(name, p), p).makespan for name in ratios}
+                    for name, v in values.items():
+                        ratios[name].append(v / bound)
+                    speedup.append(values["chunk-first"] / values["optimal"])
+                rows.append({"model": model_key, "G": group, "column": column, "frontier": frontier,
+                             "progress": progress, **{k: statistics.mean(v) for k, v in ratios.items()},
+                             "speedup_vs_chunk_first": statistics.mean(speedup), "io_to_compute": io_to_compute})
+    return rows
+
+
+def family_gap(instances: int) -> dict:
+    """Small random instances: best over all read orders vs the best group order."""
+    rng = random.Random(11)
+    n = better = 0
+    gaps = []
+    while n < instances:
+        ng, nc = rng.randint(2, 4), rng.randint(1, 3)
+        done = (random_holes if rng.random() < 0.5 else random_staircase)(ng, nc, rng.random(), rng)
+        costs = {"weights": [rng.uniform(0.2, 2) for _ in range(ng)],
+                 "kv": [[rng.uniform(0, 1) for _ in range(nc)] for _ in range(ng)],
+                 "hidden": [[rng.uniform(0, 0.5) for _ in range(nc)] for _ in range(ng)],
+                 "compute": [[rng.uniform(0.1, 2) for _ in range(nc)] for _ in range(ng)]}
+        p = problem_for(done, ng, nc, rng, costs, True)
+        s = analyse(p)
+        gating = [op for g in s.active for op in s.bundles[g]]
+        if not 2 <= len(gating) <= 6:
+            continue
+        n += 1
+        dp = solve(p).group_order_makespan
+        best = dp
+        for perm in itertools.permutations(gating):
+            reads = list(perm) + s.trailing
+            try:
+                plan = RecoveryPlan("any", reads, best_compute_order(p, reads, s.costs, s.kind))
+            except PlanError:
+                continue
+            best = min(best, simulate(plan, p).makespan)
+        if best < dp * (1 - 1e-12):
+            better += 1
+            gaps.append(dp / best - 1)
+    return {"instances": n, "interleaving_better": better, "max_gap": max(gaps, default=0.0),
+            "mean_gap_when_better": statistics.mean(gaps) if gaps else 0.0}
+
+
+# ---- main ---------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=int, default=5, help="random frontiers per cell")
+    ap.add_argument("--chunks", type=int, default=16, help="prompt chunks of 1024 tokens for the makespan tables")
+    ap.add_argument("--timing-chunks", type=int, default=32, help="prompt chunks for the planner-time table")
+    ap.add_argument("--gap-instances", type=int, default=150)
+    ap.add_argument("--no-gap", action="store_true")
+    ap.add_argument("--json", help="write all rows here")
+    args = ap.parse_args(argv)
+
+    out = {}
+    print(f"== planner time: optimal, staircase at 50 %, {args.timing_chunks} chunks of 1024 tokens ==")
+    out["planner_time"] = planner_times(args.timing_chunks)
+    print(f"{'case':<26}{'groups':>7}{'cold ms':>9}{'warm ms':>9}  search")
+    for r in out["planner_time"]:
+        print(f"{r['case']:<26}{r['groups']:>7}{r['cold_ms']:>9.1f}{r['warm_ms']:>9.1f}  "
+              f"{'exact DP' if r['exact'] else 'DP over merged runs'}")
+
+    calibrated = calibrate(ensure_small_model(), group=2)
+    rate = calibrated.meta.get("flops_per_s")
+    print(f"\nnative rates (calibrated on the small model, cached): reads {calibrated.read_bytes_per_s / 1e9:.2f} GB/s "
+          f"+ {calibrated.read_latency_s * 1e3:.2f} ms/read; "
+          f"compute {rate / 1e9 if rate else float('nan'):.0f} GFLOP/s "
+          f"+ {calibrated.layer_call_s * 1e3:.2f} ms/layer call")
+    print(f"target: {ORIN_AGX_NVME.name}: {ORIN_AGX_NVME.flops_per_s / 1e12:.1f} TFLOP/s achieved, "
+          f"{ORIN_AGX_NVME.read_bytes_per_s / 1e9:.1f} GB/s")
+    out["makespan"] = []
+    for model_key, layers, group in (("qwen3-vl-8b", 36, 2), ("qwen3-vl-2b", 28, 4)):
+        rows = makespans(model_key, layers, group, args.chunks, calibrated, args.seeds)
+        out["makespan"] += rows
+        print(f"\n== {model_key}, {layers} layers, G={group}, {args.chunks} x 1024 tokens: makespan / lower bound "
+              f"(mean of {args.seeds} random frontiers) ==")
+        for column in ("native", "target-emulated"):
+            r = next(r for r in rows if r["column"] == column)
+            print(f"  {column}: reading all weights + KV takes {r['io_to_compute']:.3g}x the full prefill compute")
+        print(f"{'column':<16}{'frontier':<13}{'done':>5}{'chunk-1st':>10}{'layer-1st':>10}{'optimal':>9}"
+              f"{'vs chunk-1st':>13}")
+        for r in rows:
+            print(f"{r['column']:<16}{r['frontier']:<13}{r['progress']:>5.0%}{r['chunk-first']:>10.3f}"
+                  f"{r['layer-first']:>10.3f}{r['optimal']:>9.3f}{r['speedup_vs_chunk_first']:>11.2f}x")
+
+    if not args.no_gap:
+        gap = family_gap(args.gap_instances)
+        out["family_gap"] = gap
+        print(f"\n== limit of the group-order family ({gap['instances']} small random instances, all read orders) ==")
+        print(f"an interleaved read order beats every group order in {gap['interleaving_better']} "
+              f"({gap['interleaving_better'] / gap['instances']:.1%}); by at most {gap['max_gap']:.1%}, "
+              f"{gap['mean_gap_when_better']:.1%} on average when it does")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
