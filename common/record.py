@@ -48,6 +48,7 @@ class Kind(enum.IntEnum):
     HIDDEN_LAYER = 7
     QUEUE_ENTRY = 16
     GUARD_STATE = 17
+    BUS_COMMAND = 32
 
 
 class RecordError(Exception):

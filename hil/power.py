@@ -1,0 +1,485 @@
+"""Power-switch drivers of the mock spacecraft bus: what "payload on" and "payload off" mean.
+
+One interface, three drivers (docs/bus.md §3):
+
+    LocalProcessSwitch   the payload is a child process of the bus, in its own process group;
+                         off = SIGKILL of the whole group (RAM gone, no chance to clean up).
+    SshSwitch            the payload runs on a board reached over SSH (a Jetson on a bench);
+                         on = an SSH session that execs the flight process; off = a remote
+                         SIGKILL of its process group, or a forced reboot of the board.
+    CommandSwitch        operator-given shell commands that drive a relay or a networked PDU;
+                         the board boots the flight process by itself when powered.
+
+A switch reports failures (PowerSwitchError) and never pretends an action worked: the bus
+retries a failed action and raises an FDIR fault.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import shlex
+import signal
+import subprocess
+import time
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from common import log
+
+_log = log.get("hil.power")
+
+#: How long a driver's shell command (ssh kill, relay command) may take before it counts as failed.
+COMMAND_TIMEOUT_S = 30.0
+#: ssh exits with 255 when the connection itself failed (host down, rebooting, refused key).
+SSH_TRANSPORT_FAILURE = 255
+
+_PR_SET_PDEATHSIG = 1
+try:
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _prctl = _libc.prctl
+except (OSError, AttributeError):  # not Linux: no parent-death signal
+    _prctl = None
+
+
+def _die_with_parent() -> None:
+    """Runs in the forked child before exec: SIGKILL it when the bus's thread that spawned it
+    exits, so a bus that is itself killed never leaves a powered payload behind (a restarted bus
+    would otherwise start a second flight process on the same data directory)."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+class PowerSwitchError(RuntimeError):
+    """A switch action failed: the payload's power state is not what was asked."""
+
+
+class PowerSwitch(ABC):
+    """The payload's power switch. `off` is a cut: no warning, no clean shutdown."""
+
+    #: driver name as given to `--power-driver`
+    driver = "abstract"
+
+    @abstractmethod
+    def on(self) -> None:
+        """Power the payload: a fresh flight process starts (RAM empty)."""
+
+    @abstractmethod
+    def off(self, cause: str) -> None:
+        """Cut the payload's power now. Raises PowerSwitchError if it could not."""
+
+    @abstractmethod
+    def is_on(self) -> bool:
+        """Whether the switch is closed (the payload is powered)."""
+
+    @property
+    def pid(self) -> int | None:
+        """Local process id of the payload (or of its SSH session), when there is one."""
+        return None
+
+    def poll(self) -> int | None:
+        """Called by the bus about every 100 ms while powered. Returns the exit status when the
+        payload process ended by itself (crash, exit) while the switch was on, else None."""
+        return None
+
+    def reset(self) -> None:
+        """Make sure nothing is left powered from a previous bus run (called once at start)."""
+
+    @abstractmethod
+    def describe(self) -> dict:
+        """What this switch is, for logs (no secrets)."""
+
+    def close(self) -> None:
+        """Bus shutdown: cut the payload (cause `commanded`)."""
+        if self.is_on():
+            self.off("commanded")
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _ChildSession:
+    """A local child process started in its own process group (session), whose output goes to
+    a log file. Shared by the local driver (the flight process itself) and the SSH driver (the
+    ssh client that runs it remotely)."""
+
+    def __init__(self, argv: Sequence[str], output_path: Path | None, env: Mapping[str, str] | None, cwd: str | None):
+        self.argv = list(argv)
+        self.output_path = output_path
+        self.env = dict(env) if env is not None else None
+        self.cwd = cwd
+        self.proc: subprocess.Popen | None = None
+        self.exit_status: int | None = None
+
+    def start(self, banner: str) -> int:
+        out = subprocess.DEVNULL
+        handle = None
+        if self.output_path is not None:
+            self.output_path.parent.mkdir(parents=True, exist_ok=True)
+            handle = open(self.output_path, "ab")
+            handle.write(f"\n==== {banner} {time.strftime('%Y-%m-%dT%H:%M:%S')} ====\n".encode())
+            handle.flush()
+            out = handle
+        env = dict(os.environ if self.env is None else self.env)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        try:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=self.cwd,
+                start_new_session=True,  # own session and process group: killpg reaches all of it
+                preexec_fn=_die_with_parent,
+                close_fds=True,
+            )
+        except OSError as exc:
+            raise PowerSwitchError(f"cannot start {self.argv[0]!r}: {exc}") from exc
+        finally:
+            if handle is not None:
+                handle.close()
+        self.exit_status = None
+        return self.proc.pid
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def kill(self) -> int | None:
+        """SIGKILL the whole process group and reap the leader. Returns its exit status."""
+        proc = self.proc
+        if proc is None:
+            return None
+        _kill_group(proc.pid)
+        try:
+            status = proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL cannot be ignored
+            raise PowerSwitchError(f"process {proc.pid} survived SIGKILL for 10 s") from None
+        # A member that left the group leader behind (double fork) is still in the group.
+        _kill_group(proc.pid)
+        self.proc = None
+        return status
+
+    def exited(self) -> int | None:
+        if self.proc is None:
+            return None
+        status = self.proc.poll()
+        if status is not None:
+            # Members of the group outlive their leader only as orphans of a dead payload.
+            _kill_group(self.proc.pid)
+            self.exit_status = status
+            self.proc = None
+        return status
+
+
+class LocalProcessSwitch(PowerSwitch):
+    """The payload is a local child process. `on` spawns `argv` in a new session (its own
+    process group); `off` SIGKILLs that group at once and reaps it. The child also gets
+    PR_SET_PDEATHSIG=SIGKILL, so it cannot outlive the bus.
+
+    `pidfile` (optional) remembers the running group so that a bus restarted after being killed
+    can make sure the previous payload is gone (`reset`)."""
+
+    driver = "local"
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        output_path: str | os.PathLike | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        pidfile: str | os.PathLike | None = None,
+    ):
+        if not argv:
+            raise ValueError("empty payload command")
+        self.session = _ChildSession(argv, Path(output_path) if output_path else None, env, cwd)
+        self.pidfile = Path(pidfile) if pidfile else None
+        self.boots = 0
+
+    def on(self) -> None:
+        if self.is_on():
+            return
+        self.boots += 1
+        pid = self.session.start(f"payload boot {self.boots}: {shlex.join(self.session.argv)}")
+        if self.pidfile is not None:
+            self.pidfile.write_text(f"{pid}\n")
+        _log.info("power_switch_on", driver=self.driver, pid=pid, boot=self.boots)
+
+    def off(self, cause: str) -> None:
+        pid = self.session.pid
+        status = self.session.kill()
+        if self.pidfile is not None:
+            self.pidfile.unlink(missing_ok=True)
+        if pid is not None:
+            _log.info("power_switch_off", driver=self.driver, pid=pid, cause=cause, status=status)
+
+    def is_on(self) -> bool:
+        return self.session.proc is not None
+
+    @property
+    def pid(self) -> int | None:
+        return self.session.pid
+
+    def poll(self) -> int | None:
+        status = self.session.exited()
+        if status is not None and self.pidfile is not None:
+            self.pidfile.unlink(missing_ok=True)
+        return status
+
+    def reset(self) -> None:
+        if self.pidfile is None or not self.pidfile.exists():
+            return
+        try:
+            pgid = int(self.pidfile.read_text().split()[0])
+        except (ValueError, IndexError, OSError):
+            pgid = 0
+        if pgid > 1 and _group_alive(pgid):
+            _log.warning("power_switch_stale_payload_killed", pgid=pgid)
+            _kill_group(pgid)
+        self.pidfile.unlink(missing_ok=True)
+
+    def describe(self) -> dict:
+        return {"driver": self.driver, "argv": list(self.session.argv), "pid": self.pid}
+
+
+def _run(argv: Sequence[str], what: str, timeout_s: float, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(
+            list(argv), stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout_s,
+            env=dict(env) if env is not None else None,
+        )
+    except subprocess.TimeoutExpired:
+        raise PowerSwitchError(f"{what}: no answer within {timeout_s:g} s") from None
+    except OSError as exc:
+        raise PowerSwitchError(f"{what}: cannot run {argv[0]!r}: {exc}") from None
+
+
+def _tail(data: bytes, limit: int = 300) -> str:
+    text = data.decode("utf-8", "replace").strip()
+    return text[-limit:]
+
+
+#: Remote kill used unless the operator gives one: SIGKILL the process group the start command
+#: recorded, then wait (up to 1 s) until no member of it is left but zombies, else exit 1.
+DEFAULT_SSH_KILL = (
+    'p=$(cat {pidfile} 2>/dev/null); '
+    'if [ -n "$p" ]; then kill -KILL -- -"$p" 2>/dev/null; i=0; '
+    "while ! cat /proc/[0-9]*/stat 2>/dev/null | "
+    "awk -v p=\"$p\" '{{sub(/.*\\) /, \"\"); if ($3 == p && $1 != \"Z\") n++}} END {{exit n > 0}}'; do "
+    'i=$((i+1)); if [ $i -ge 20 ]; then echo "payload group $p survived SIGKILL" >&2; exit 1; fi; sleep 0.05; '
+    'done; fi; rm -f {pidfile}'
+)
+#: Forced reboot unless the operator gives one. It is scheduled a moment later so that ssh can
+#: report whether it was accepted (a reboot that drops the connection would look like a board
+#: that never answered); the SIGKILL of the flight process runs first, so the cut is immediate.
+DEFAULT_SSH_REBOOT = "sudo -n true && { (sleep 0.5; sudo -n /sbin/reboot -f) >/dev/null 2>&1 & }"
+
+
+class SshSwitch(PowerSwitch):
+    """The payload runs on another machine reached over SSH.
+
+    on:  runs `transport + [remote script]`, where the remote script records its own pid (the
+         session leader sshd made for the command, hence the process group) in `pidfile` and then
+         execs `remote_command`. The local ssh client stays attached while the payload runs.
+    off: mode "kill"   — runs the kill script over a second SSH connection (SIGKILL of the
+                         payload's process group on the board, then a check that it is gone);
+         mode "reboot" — runs `reboot_command` (a forced reboot: the board loses all RAM state);
+                         the next `on` retries the SSH start until the board answers again.
+
+    `transport` is the argv prefix that reaches the board, by default
+    `ssh -o BatchMode=yes -o ConnectTimeout=5 [-p PORT] [-i KEY] [-o ...] [USER@]HOST --`.
+    Anything that runs its last argument as a shell script on the board works (tests use
+    `bash -c` on this machine)."""
+
+    driver = "ssh"
+    #: seconds between start attempts while the board does not answer (rebooting)
+    RETRY_S = 2.0
+
+    def __init__(
+        self,
+        remote_command: str,
+        *,
+        host: str | None = None,
+        user: str | None = None,
+        port: int | None = None,
+        identity: str | None = None,
+        ssh_options: Sequence[str] = (),
+        transport: Sequence[str] | None = None,
+        mode: str = "kill",
+        pidfile: str = "/tmp/orbitweaver-payload.pid",
+        kill_command: str | None = None,
+        reboot_command: str = DEFAULT_SSH_REBOOT,
+        output_path: str | os.PathLike | None = None,
+        timeout_s: float = COMMAND_TIMEOUT_S,
+    ):
+        if mode not in ("kill", "reboot"):
+            raise ValueError(f"ssh power-off mode must be 'kill' or 'reboot', not {mode!r}")
+        if transport is None:
+            if not host:
+                raise ValueError("SshSwitch needs a host (or an explicit transport)")
+            transport = self.ssh_argv(host, user=user, port=port, identity=identity, options=ssh_options)
+        self.transport = list(transport)
+        self.host = host
+        self.remote_command = remote_command
+        self.mode = mode
+        self.pidfile = pidfile
+        self.kill_command = kill_command or DEFAULT_SSH_KILL.format(pidfile=shlex.quote(pidfile))
+        self.reboot_command = reboot_command
+        self.output_path = Path(output_path) if output_path else None
+        self.timeout_s = timeout_s
+        self.session: _ChildSession | None = None
+        self._on = False
+        self._next_retry = 0.0
+        self.boots = 0
+
+    @staticmethod
+    def ssh_argv(host: str, *, user: str | None = None, port: int | None = None, identity: str | None = None,
+                 options: Sequence[str] = ()) -> list[str]:
+        argv = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "-o", "ServerAliveInterval=2",
+                "-o", "ServerAliveCountMax=3"]
+        if port is not None:
+            argv += ["-p", str(int(port))]
+        if identity:
+            argv += ["-i", identity]
+        for option in options:
+            argv += ["-o", option]
+        argv.append(f"{user}@{host}" if user else host)
+        argv.append("--")
+        return argv
+
+    def start_script(self) -> str:
+        return f"echo $$ > {shlex.quote(self.pidfile)} && exec {self.remote_command}"
+
+    def start_argv(self) -> list[str]:
+        return self.transport + [self.start_script()]
+
+    def kill_argv(self) -> list[str]:
+        return self.transport + [self.kill_command]
+
+    def reboot_argv(self) -> list[str]:
+        return self.transport + [f"{self.kill_command} && {self.reboot_command}"]
+
+    def _start_session(self) -> None:
+        self.boots += 1
+        self.session = _ChildSession(self.start_argv(), self.output_path, None, None)
+        pid = self.session.start(f"payload boot {self.boots} via {self.transport[0]}")
+        _log.info("power_switch_on", driver=self.driver, host=self.host, ssh_pid=pid, boot=self.boots)
+
+    def on(self) -> None:
+        if self._on:
+            return
+        self._on = True
+        self._start_session()
+
+    def off(self, cause: str) -> None:
+        argv = self.reboot_argv() if self.mode == "reboot" else self.kill_argv()
+        result = _run(argv, f"ssh power-off ({self.mode})", self.timeout_s)
+        if result.returncode != 0:
+            raise PowerSwitchError(
+                f"ssh power-off ({self.mode}) exited {result.returncode}: {_tail(result.stderr) or 'no output'}"
+            )
+        if self.session is not None:
+            self.session.kill()  # the local ssh client of the killed payload
+            self.session = None
+        self._on = False
+        _log.info("power_switch_off", driver=self.driver, host=self.host, cause=cause, mode=self.mode)
+
+    def is_on(self) -> bool:
+        return self._on
+
+    @property
+    def pid(self) -> int | None:
+        return self.session.pid if self.session is not None else None
+
+    def poll(self) -> int | None:
+        if not self._on:
+            return None
+        now = time.monotonic()
+        if self.session is None:  # waiting for the board to answer again
+            if now >= self._next_retry:
+                self._start_session()
+            return None
+        status = self.session.exited()
+        if status is None:
+            return None
+        self.session = None
+        if status == SSH_TRANSPORT_FAILURE:
+            # The board does not answer (still rebooting, network down): try again shortly.
+            self._next_retry = now + self.RETRY_S
+            _log.info("power_switch_ssh_unreachable", host=self.host, retry_in_s=self.RETRY_S)
+            return None
+        return status
+
+    def reset(self) -> None:
+        # Whatever a previous bus left running on the board goes first (a fresh start is a
+        # fresh process); a board that does not answer is off, which is what we want.
+        result = _run(self.kill_argv(), "ssh reset", self.timeout_s)
+        if result.returncode not in (0, SSH_TRANSPORT_FAILURE):
+            raise PowerSwitchError(f"ssh reset exited {result.returncode}: {_tail(result.stderr) or 'no output'}")
+
+    def describe(self) -> dict:
+        return {"driver": self.driver, "host": self.host, "mode": self.mode, "transport": self.transport[:1],
+                "remote_command": self.remote_command, "pid": self.pid}
+
+
+class CommandSwitch(PowerSwitch):
+    """Operator-given shell commands switch a relay or a networked PDU outlet (e.g. `snmpset`,
+    `curl` to a PDU, `usbrelay`). The board starts the flight process by itself at boot; the bus
+    only knows the switch state, not a process. A command that exits non-zero or hangs raises
+    PowerSwitchError and the state does not change."""
+
+    driver = "command"
+
+    def __init__(self, on_command: str, off_command: str, *, timeout_s: float = COMMAND_TIMEOUT_S,
+                 env: Mapping[str, str] | None = None):
+        if not on_command or not off_command:
+            raise ValueError("CommandSwitch needs both an on and an off command")
+        self.on_command = on_command
+        self.off_command = off_command
+        self.timeout_s = timeout_s
+        self.env = env
+        self._on = False
+
+    def _shell(self, command: str, what: str) -> None:
+        result = _run(["/bin/sh", "-c", command], what, self.timeout_s, self.env)
+        if result.returncode != 0:
+            raise PowerSwitchError(f"{what} exited {result.returncode}: {_tail(result.stderr) or 'no output'}")
+
+    def on(self) -> None:
+        if self._on:
+            return
+        self._shell(self.on_command, "power-on command")
+        self._on = True
+        _log.info("power_switch_on", driver=self.driver)
+
+    def off(self, cause: str) -> None:
+        self._shell(self.off_command, "power-off command")
+        self._on = False
+        _log.info("power_switch_off", driver=self.driver, cause=cause)
+
+    def is_on(self) -> bool:
+        return self._on
+
+    def reset(self) -> None:
+        # The relay's state after a bus restart is unknown: open it.
+        self._shell(self.off_command, "power-off command (reset)")
+        self._on = False
+
+    def describe(self) -> dict:
+        return {"driver": self.driver, "on_command": self.on_command, "off_command": self.off_command}

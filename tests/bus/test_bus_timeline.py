@@ -1,0 +1,198 @@
+"""The bus replays a trace against a real payload process: power-ups, warnings and SIGKILL cuts at
+the trace's scaled times, telemetry on the PUB, FDIR power cycles of a silent or dead payload.
+
+Times are checked two ways: against the bus's own run log, and against what the scripted test
+payload itself saw (its ticks stop when it is killed; it records each warning it received)."""
+from __future__ import annotations
+
+import psutil
+
+from bus_testkit import (
+    bus_config,
+    drain,
+    read_record,
+    scripted_payload_command,
+    telemetry_subscriber,
+    wait_for,
+    window,
+    write_trace,
+)
+from common.wire import FdirMode, PowerCause
+from common.wire import messages as m
+from hil import buslog as bl
+from hil.bus import BusThread, TraceClock, trace_actions
+from traces import CutCause
+
+# Wall-clock tolerances, generous: two cores shared with other tests.
+ON_TIME_S = 0.15
+PAYLOAD_SEES_CUT_S = 0.35
+
+
+def dead(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def by_kind(entries, kind):
+    return [e for e in entries if e.kind == kind]
+
+
+def test_cuts_warnings_and_power_ups_land_at_the_scaled_trace_times(tmp_path, keys):
+    scale = 0.1
+    # 0-10 s on (thermal cut announced 2 s ahead), 12-19 s on (unannounced FDIR reset), 21-28 s on.
+    trace = write_trace(tmp_path / "three.jsonl", 28, [
+        window(0, 10, CutCause.THERMAL, 2.0), window(12, 19, CutCause.FDIR), window(21, 28, None)])
+    record = tmp_path / "payload.jsonl"
+    config = bus_config(tmp_path, keys, trace, record, time_scale=scale, stop_at_end=True)
+    bus = BusThread(config).start()
+    try:
+        wait_for(lambda: not bus.is_alive(), 15, what="bus to stop at the trace end")
+    finally:
+        bus.stop()
+
+    log = bl.read_log(bus.log_path)
+    ons, offs, warnings = by_kind(log, bl.POWER_ON), by_kind(log, bl.POWER_OFF), by_kind(log, bl.WARNING)
+    assert [e["cause"] for e in offs] == ["thermal", "fdir", "trace"]
+    assert [e["origin"] for e in offs] == ["trace", "trace", "end"]
+    for entry, trace_s in zip(ons, [0, 12, 21]):
+        assert abs(entry.wall_s - trace_s * scale) < ON_TIME_S, (entry, trace_s)
+    for entry, trace_s in zip(offs, [10, 19, 28]):
+        assert abs(entry.wall_s - trace_s * scale) < ON_TIME_S, (entry, trace_s)
+    # One warning from the trace; a payload that connects during the lead gets it again then.
+    warning, *repeats = warnings
+    assert not warning["redelivered"] and all(w["redelivered"] for w in repeats)
+    assert warning["cause"] == "thermal" and warning["lead_trace_s"] == 2.0
+    assert abs((offs[0].wall_s - warning.wall_s) - 2.0 * scale) < ON_TIME_S
+
+    # The payload's own account: a fresh process per window, each killed where the trace cuts
+    # it. (On a heavily loaded machine a process may be cut before it gets to write anything.)
+    seen = read_record(record)
+    boot_of_pid = {r["pid"]: r["boot"] for r in seen if r["ev"] == "boot"}
+    assert len({e["pid"] for e in ons}) == 3 and set(boot_of_pid) <= {e["pid"] for e in ons}
+    assert ons[0]["pid"] in boot_of_pid
+    for cut in offs:
+        assert dead(cut["pid"])
+        if cut["pid"] in boot_of_pid:
+            last_tick = max(r["t"] for r in seen if r["boot"] == boot_of_pid[cut["pid"]])
+            assert cut.utc - PAYLOAD_SEES_CUT_S < last_tick <= cut.utc + 0.05, (cut, cut.utc - last_tick)
+    received = [r for r in seen if r["ev"] == "bus_tm" and r["type"] == "SHUTDOWN_WARNING"]
+    assert len(received) == 1 and received[0]["boot"] == 1
+    assert received[0]["cause"] == "thermal"
+    # The lead is in the payload's own (wall) seconds: it is how long it has left.
+    assert received[0]["lead_time_s"] <= 2.0 * scale + 0.01
+    assert abs((offs[0].utc - received[0]["t"]) - received[0]["lead_time_s"]) < ON_TIME_S
+    # Each boot that got to connect (on a loaded machine a short window may end before that)
+    # was told the power is on.
+    power_states = [r for r in seen if r["ev"] == "bus_tm" and r["type"] == "POWER_STATE"]
+    assert len(power_states) == len(by_kind(log, bl.PAYLOAD_CONNECTED)) >= 1
+    assert power_states[0]["boot"] == 1 and all(r["payload_on"] for r in power_states)
+
+
+def test_telemetry_is_published_at_trace_rate_and_decimated(tmp_path, keys, context):
+    scale = 0.01  # 100 trace seconds per wall second: 1 Hz telemetry must be thinned to 10 Hz
+    trace = write_trace(tmp_path / "long.jsonl", 400, [window(0, 150, CutCause.POWER, 30.0), window(200, 400, None)])
+    config = bus_config(tmp_path, keys, trace, tmp_path / "payload.jsonl", time_scale=scale)
+    with BusThread(config) as bus:
+        sub = telemetry_subscriber(context, keys, bus.endpoints.telemetry)
+        packets = drain(sub, 2.5)
+    bus_tm = [(h, msg) for h, msg in packets if h.source_id == 0x0100]
+    power = [msg for _, msg in bus_tm if isinstance(msg, m.PowerReport)]
+    thermal = [msg for _, msg in bus_tm if isinstance(msg, m.ThermalReport)]
+    fdir = [msg for _, msg in bus_tm if isinstance(msg, m.FdirReport)]
+    # ~2.5 s of subscription at 10 rounds per second, plus one POWER on each switch change.
+    assert 10 <= len(thermal) <= 30, len(thermal)
+    assert len(fdir) >= 10 and len(power) >= 10
+    times = [msg.trace_time_s for msg in thermal]
+    assert times == sorted(times)
+    # Bus clock = trace time × scale: consecutive rounds are ≥ 0.1 s of bus clock apart.
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert min(gaps) > 0.05
+    # Values come from the trace: the payload temperature there is 40 + (t mod 100).
+    for msg in thermal:
+        trace_s = msg.trace_time_s / scale
+        expected = 40 + int(trace_s + 1e-9) % 100
+        assert abs(msg.payload_temp_c - expected) <= 2.0 or expected <= 41, (trace_s, msg.payload_temp_c)
+    warnings = [msg for _, msg in bus_tm if isinstance(msg, m.ShutdownWarning)]
+    states = [msg for _, msg in bus_tm if isinstance(msg, m.PowerStateChange)]
+    if warnings:  # the subscription may miss the first ~0.1 s, not the warning at 1.2 s
+        assert warnings[0].cause == PowerCause.LOW_BATTERY and abs(warnings[0].lead_time_s - 0.3) < 0.05
+    assert len(warnings) == 1
+    assert [(s.payload_on, s.cause) for s in states][-2:] == [(False, PowerCause.LOW_BATTERY), (True, PowerCause.RESTORED)]
+    assert any(not p.payload_on for p in power) and any(p.payload_on for p in power)
+
+
+def test_silent_payload_is_power_cycled_by_fdir(tmp_path, keys, context):
+    trace = write_trace(tmp_path / "open.jsonl", 1000, [window(0, 1000, None)], telemetry=False)
+    record = tmp_path / "payload.jsonl"
+    config = bus_config(tmp_path, keys, trace, record, time_scale=1.0, payload_args=("--hang-after", "0.5"),
+                        heartbeat_timeout_s=1.0, heartbeat_gap_log_s=0.5, fdir_off_s=0.2)
+    with BusThread(config) as bus:
+        sub = telemetry_subscriber(context, keys, bus.endpoints.telemetry)
+        wait_for(lambda: any(r["ev"] == "boot" and r["boot"] == 2 for r in read_record(record)), 15,
+                 what="second boot after the FDIR power cycle")
+        wait_for(lambda: by_kind(bl.read_log(bus.log_path), bl.PAYLOAD_CONNECTED)[1:], 10, what="reconnect")
+        reports = [msg for _, msg in drain(sub, 1.5) if isinstance(msg, m.FdirReport)]
+    log = bl.read_log(bus.log_path)
+    gap = by_kind(log, bl.HEARTBEAT_GAP)
+    assert gap and gap[0]["action"] == "power_cycle" and gap[0]["gap_s"] >= 1.0
+    fdir = by_kind(log, bl.FDIR_ACTION)
+    assert len(fdir) == 1 and "no heartbeat" in fdir[0]["reason"]
+    offs = by_kind(log, bl.POWER_OFF)
+    assert offs[0]["cause"] == "fdir" and offs[0]["origin"] == "fdir"
+    assert dead(offs[0]["pid"]), "the hung payload was killed, not left running"
+    assert reports and reports[-1].fault_count == 1 and "no heartbeat" in reports[-1].last_fault
+    assert reports[-1].mode == FdirMode.NOMINAL, "back to nominal once the payload is up again"
+
+
+def test_payload_that_exits_by_itself_is_power_cycled(tmp_path, keys):
+    trace = write_trace(tmp_path / "open.jsonl", 1000, [window(0, 1000, None)], telemetry=False)
+    record = tmp_path / "payload.jsonl"
+    config = bus_config(tmp_path, keys, trace, record, time_scale=1.0, payload_args=("--exit-after", "0.3"),
+                        fdir_off_s=0.2)
+    with BusThread(config) as bus:
+        wait_for(lambda: any(r["ev"] == "boot" and r["boot"] == 2 for r in read_record(record)), 15,
+                 what="second boot")
+    log = bl.read_log(bus.log_path)
+    exited = by_kind(log, bl.PAYLOAD_EXITED)
+    assert exited and exited[0]["status"] == 3
+    assert by_kind(log, bl.FDIR_ACTION)[0]["reason"].endswith("status 3")
+
+
+def test_bus_drives_a_payload_through_the_ssh_driver(tmp_path, keys):
+    """The ssh driver end to end, with `bash -c` standing in for `ssh HOST` (no ssh server here)."""
+    scale = 0.1
+    trace = write_trace(tmp_path / "two.jsonl", 18, [window(0, 8, CutCause.THERMAL), window(10, 18, None)])
+    record = tmp_path / "payload.jsonl"
+    config = bus_config(tmp_path, keys, trace, record, time_scale=scale, stop_at_end=True, power_driver="ssh",
+                        ssh_transport=["bash", "-c"], ssh_pidfile=str(tmp_path / "remote.pid"),
+                        payload_command=scripted_payload_command(record))
+    bus = BusThread(config).start()
+    try:
+        wait_for(lambda: not bus.is_alive(), 15, what="bus to stop at the trace end")
+    finally:
+        bus.stop()
+    log = bl.read_log(bus.log_path)
+    offs = by_kind(log, bl.POWER_OFF)
+    assert [e["cause"] for e in offs] == ["thermal", "trace"]
+    assert abs(offs[0].wall_s - 8 * scale) < ON_TIME_S + 0.1  # the kill runs through a shell
+    assert len(by_kind(log, bl.POWER_ON)) == 2
+    seen = read_record(record)
+    pids = [r["pid"] for r in seen if r["ev"] == "boot"]
+    assert pids and all(dead(p) for p in pids)
+    first_boot_end = max(r["t"] for r in seen if r["boot"] == 1)
+    assert first_boot_end <= offs[0].utc + 0.3
+
+
+def test_trace_actions_from_a_start_offset():
+    import traces
+
+    trace = traces.Trace.from_windows("t", 30, [window(0, 10, CutCause.THERMAL, 4.0), window(15, 30, None)])
+    on, pending, actions = trace_actions(trace, 7.0)
+    assert on and pending == (10.0, CutCause.THERMAL, 4.0)
+    assert [(a.kind, a.trace_s) for a in actions] == [("cut", 10.0), ("power_on", 15.0), ("end", 30.0)]
+    on, pending, actions = trace_actions(trace, 12.0)
+    assert not on and pending is None
+    clock = TraceClock(0.5, 12.0, t0=100.0)
+    assert clock.at(15.0) == 101.5 and clock.trace_s(101.5) == 15.0 and clock.clock_s(101.5) == 7.5
