@@ -1,1 +1,3 @@
-"""Ground segment: operator CLI and the authenticated link client."""
+"""Ground segment: operator CLI (`ow ground ...`) and the authenticated link client.
+
+In-process use: `ground.client.GroundClient` (see docs/ground.md)."""

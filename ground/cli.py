@@ -1,0 +1,411 @@
+"""`ow ground ...`: the operator's commands. Each is a thin layer over ground.client.GroundClient.
+
+Exit status: 0 ok · 2 usage · 3 rejected or failed by the payload (code name and reason
+printed) · 4 no answer, or the bus refused this station's key · 5 local input error (nothing
+was sent).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from ground.errors import EXIT_OK
+
+_EPILOG = (
+    "exit status: 0 ok; 2 usage; 3 rejected or failed by the payload; 4 no answer (payload off, bus down) "
+    "or key refused; 5 local input error (nothing sent)"
+)
+
+
+def _common_options() -> argparse.ArgumentParser:
+    from common.wire.link import Endpoints
+
+    defaults = Endpoints.from_env()
+    common = argparse.ArgumentParser(add_help=False)
+    g = common.add_argument_group("link and station")
+    g.add_argument("--keys", metavar="DIR", default=None,
+                   help="keys directory (default: $OW_KEYS_DIR or ./keys); holds clients/<station>.key_secret, "
+                        "server/bus.key and the station state in state/")
+    g.add_argument("--state-dir", metavar="DIR", default=None,
+                   help="ground state (sequence counter, task list, results, telemetry archive); default <keys>/state")
+    g.add_argument("--station", metavar="NAME", default="ground",
+                   help="this station's client key name (default: ground)")
+    g.add_argument("--source-id", metavar="N", type=int, default=1,
+                   help="secondary-header source id, 1..255; give each ground station its own (default: 1)")
+    g.add_argument("--commands-endpoint", metavar="URL", default=defaults.commands,
+                   help=f"bus commands endpoint (default: $OW_COMMANDS_ENDPOINT or {Endpoints().commands})")
+    g.add_argument("--telemetry-endpoint", metavar="URL", default=defaults.telemetry,
+                   help=f"bus telemetry endpoint (default: $OW_TELEMETRY_ENDPOINT or {Endpoints().telemetry})")
+    g.add_argument("--timeout", metavar="S", type=float, default=10.0,
+                   help="seconds to wait for an answer (and for the link handshake) before calling it no answer (default: 10)")
+    g.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    g.add_argument("--log-level", default="error", choices=["debug", "info", "warning", "error"],
+                   help="structured log level on stderr (default: error)")
+    return common
+
+
+def register(subparsers) -> None:
+    common = _common_options()
+    ground = subparsers.add_parser(
+        "ground",
+        help="ground station: keys, uplink, status, results, telemetry",
+        description="Ground station tools: command the payload through the bus over CurveZMQ, upload images "
+                    "in resumable chunks, queue tasks, fetch results, watch telemetry.",
+        epilog=_EPILOG,
+    )
+    sub = ground.add_subparsers(dest="ground_command", metavar="ACTION")
+    sub.required = True
+
+    def leaf(name: str, help_text: str, description: str, handler, *, parents=(common,)) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=description, epilog=_EPILOG, parents=list(parents))
+        p.set_defaults(func=_guarded(handler))
+        return p
+
+    # keys -------------------------------------------------------------------------------------
+    keys = sub.add_parser("keys", help="create CurveZMQ keys", description="Manage the CurveZMQ keys of the ground link.",
+                          epilog=_EPILOG)
+    keys_sub = keys.add_subparsers(dest="keys_command", metavar="ACTION")
+    keys_sub.required = True
+    p = keys_sub.add_parser(
+        "init", parents=[common], epilog=_EPILOG,
+        help="create the key layout (bus server pair, client pairs, authorized keys, state/)",
+        description="Create the keys directory: the bus's server key pair, one client key pair per station "
+                    "(ground, payload, and any --client), the bus's list of authorized public keys, and state/. "
+                    "Existing pairs are kept unless --force. Prints which file goes where.",
+    )
+    p.add_argument("--force", action="store_true", help="replace existing key pairs (every client then needs the new bus key)")
+    p.add_argument("--client", action="append", default=[], metavar="NAME", help="another client key pair to create and authorize")
+    p.set_defaults(func=_guarded(cmd_keys_init))
+
+    # uplink -----------------------------------------------------------------------------------
+    p = leaf(
+        "uplink", "upload images and queue an inference task",
+        "Check the images and prompt locally, upload each image in chunks (only the chunks the payload does not "
+        "hold: IMAGE_QUERY first, CRC-32C per chunk, SHA-256 per file), then queue the task with UPLINK_TASK and "
+        "wait until the payload accepts it. If answers stop (link loss, bus restart, payload power cut) the upload "
+        "re-queries and resumes; running the same command again resumes too and reuses the task id, so no chunk "
+        "held on board is sent twice and no task is queued twice. Prints the task id.",
+        cmd_uplink,
+    )
+    p.add_argument("--image", action="append", required=True, metavar="FILE",
+                   help="picture file (PNG, JPEG, ...; <= 16 MiB); repeat for several (<= 8)")
+    p.add_argument("--prompt", required=True, metavar="TEXT", help="the question about the images (UTF-8, <= 8192 bytes)")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate, 1..1024 (default: 64)")
+    p.add_argument("--priority", type=int, default=0, metavar="P", help="0..255, higher runs first (default: 0)")
+    p.add_argument("--task-id", metavar="ID", help="task id (default: generated, or the id of an identical earlier uplink)")
+    p.add_argument("--new-task", action="store_true", help="queue a new task even if an identical one was uplinked before")
+    p.add_argument("--chunk-bytes", type=int, default=32 * 1024, metavar="B", help="image bytes per chunk (default: 32768)")
+    p.add_argument("--window", type=int, default=8, metavar="N", help="chunks in flight before waiting for acknowledgements (default: 8)")
+    p.add_argument("--retries", type=int, default=12, metavar="N",
+                   help="unanswered rounds (of --timeout each) tolerated before giving up with exit 4 (default: 12)")
+    bar = p.add_mutually_exclusive_group()
+    bar.add_argument("--progress", dest="progress", action="store_true", default=None, help="always show the progress bar")
+    bar.add_argument("--no-progress", dest="progress", action="store_false", help="never show the progress bar")
+
+    # status -----------------------------------------------------------------------------------
+    leaf("status", "payload housekeeping now",
+         "Send STATUS and print the payload's housekeeping: queue depth, current task and its progress, checkpoint "
+         "bytes, free disk, boot count, uptime, command and error counters.", cmd_status)
+
+    # results ----------------------------------------------------------------------------------
+    p = leaf(
+        "results", "fetch a task's result, or list this station's tasks",
+        "With TASK: send DOWNLINK_RESULT and print the generated text, token count, timings and the power cuts the "
+        "task survived (saved under <state>/results/). --wait waits for the task to finish (progress on stderr). "
+        "Without TASK: list the tasks uplinked from this station and their last known state.",
+        cmd_results,
+    )
+    p.add_argument("task", nargs="?", metavar="TASK", help="task id")
+    p.add_argument("--wait", action="store_true", help="wait until the task completes (or fails) instead of exit 3 RESULT_NOT_READY")
+    p.add_argument("--max-wait", type=float, default=None, metavar="S", help="with --wait: give up (exit 4) after S seconds (default: never)")
+    p.add_argument("--poll", type=float, default=30.0, metavar="S", help="with --wait: ask again every S seconds (default: 30)")
+
+    # events -----------------------------------------------------------------------------------
+    p = leaf(
+        "events", "watch telemetry: events, reports, power, thermal, FDIR",
+        "Subscribe to the bus's telemetry and print one line per packet: events with severity, verification reports "
+        "(ACCEPTED, REJECTED with code, PROGRESS, ...), housekeeping, power, thermal, FDIR, shutdown warnings, power "
+        "state. Heartbeats only with --heartbeats. While it runs it archives every packet to <state>/telemetry.jsonl "
+        "with a number (#n) (one recorder at a time); --since N first replays archived packets after #N.",
+        cmd_events,
+    )
+    p.add_argument("--follow", action="store_true", help="keep printing until Ctrl-C")
+    p.add_argument("--duration", type=float, default=10.0, metavar="S", help="without --follow: listen for S seconds (default: 10)")
+    p.add_argument("--since", type=int, default=None, metavar="N", help="first print archived packets numbered above N")
+    p.add_argument("--heartbeats", action="store_true", help="also print HEARTBEAT packets")
+
+    # ping, cancel, priority -------------------------------------------------------------------
+    p = leaf("ping", "PING the payload, print the round-trip time", "Send PING and wait for the PONG with the same key.", cmd_ping)
+    p.add_argument("--count", type=int, default=1, metavar="N", help="pings to send, one per second (default: 1)")
+    p = leaf("cancel", "cancel a queued or running task",
+             "Send CANCEL_TASK and wait for ACCEPTED and COMPLETED; the task then ends with FAILED(CANCELLED).", cmd_cancel)
+    p.add_argument("task", metavar="TASK")
+    p = leaf("priority", "change a queued task's priority", "Send SET_PRIORITY and wait for ACCEPTED and COMPLETED.", cmd_priority)
+    p.add_argument("task", metavar="TASK")
+    p.add_argument("priority", type=int, metavar="P", help="0..255, higher runs first")
+
+
+# --- plumbing ---------------------------------------------------------------------------------
+
+
+def _guarded(handler):
+    """Run a handler with logging on stderr; ground errors become one-line CLI errors."""
+
+    def run(args) -> int:
+        from common import log
+        from common.cli import CliError
+        from ground.errors import GroundError
+
+        log.setup(level=args.log_level, stream=sys.stderr, component="ground")
+        try:
+            return handler(args) or EXIT_OK
+        except GroundError as exc:
+            raise CliError(str(exc), exc.exit_code) from None
+
+    return run
+
+
+def _keys_dir(args) -> str:
+    return args.keys or os.environ.get("OW_KEYS_DIR") or "keys"
+
+
+def _notify(text: str) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(f"ow ground: {text}", file=sys.stderr)
+    sys.stderr.flush()
+
+
+def _client(args, **overrides):
+    from common.wire.link import Endpoints
+    from ground.client import GroundClient
+
+    endpoints = Endpoints.from_env()
+    endpoints = Endpoints(commands=args.commands_endpoint, payload=endpoints.payload, telemetry=args.telemetry_endpoint)
+    options = dict(
+        station=args.station, source_id=args.source_id, endpoints=endpoints, state_dir=args.state_dir,
+        timeout_s=args.timeout, notify=_notify,
+    )
+    options.update(overrides)
+    return GroundClient(_keys_dir(args), **options)
+
+
+def _print_json(data) -> None:
+    print(json.dumps(data, ensure_ascii=False, sort_keys=True), flush=True)
+
+
+# --- commands ---------------------------------------------------------------------------------
+
+
+def cmd_keys_init(args) -> int:
+    from pathlib import Path
+
+    from common.wire import WireError
+    from common.wire.link import DEFAULT_CLIENTS, KeyLayout, init_keys
+    from ground.errors import LocalInputError
+
+    root = _keys_dir(args)
+    clients = list(dict.fromkeys([*DEFAULT_CLIENTS, args.station, *args.client]))
+    before = KeyLayout(Path(root))
+    existed = {name: before.client_secret(name).exists() for name in clients}
+    server_existed = before.server_secret.exists()
+    try:
+        layout = init_keys(root, tuple(clients), force=args.force)
+    except WireError as exc:
+        raise LocalInputError(f"client name: {exc.reason}") from None
+    except OSError as exc:
+        raise LocalInputError(f"cannot create keys in {root}: {exc.strerror or exc}") from None
+
+    def state(existed_before: bool) -> str:
+        return "replaced" if existed_before and args.force else ("kept" if existed_before else "created")
+
+    if args.json:
+        _print_json({
+            "keys_dir": str(layout.root.resolve()),
+            "server": {"public": str(layout.server_public), "secret": str(layout.server_secret), "state": state(server_existed)},
+            "clients": {n: {"public": str(layout.client_public(n)), "secret": str(layout.client_secret(n)),
+                            "state": state(existed[n])} for n in clients},
+            "authorized": [str(layout.authorized_dir / f"{n}.key") for n in clients],
+            "state_dir": str(layout.state_dir),
+        })
+        return 0
+    r = layout.root
+    print(f"keys in {layout.root.resolve()}")
+    print(f"  bus server pair   {layout.server_public.relative_to(r)}, {layout.server_secret.relative_to(r)} ({state(server_existed)})")
+    for n in clients:
+        print(f"  client {n:<10} {layout.client_public(n).relative_to(r)}, {layout.client_secret(n).relative_to(r)} ({state(existed[n])})")
+    print(f"  bus admits        {', '.join(str((layout.authorized_dir / f'{n}.key').relative_to(r)) for n in clients)}")
+    print(f"  ground state      {layout.state_dir.relative_to(r)}/")
+    print("where each file goes:")
+    print(f"  bus:      {layout.server_dir.relative_to(r)}/ (both files) and {layout.authorized_dir.relative_to(r)}/")
+    print(f"  payload:  {layout.client_secret('payload').relative_to(r)}, {layout.client_public('payload').relative_to(r)} "
+          f"and {layout.server_public.relative_to(r)}")
+    print(f"  ground:   {layout.client_secret(args.station).relative_to(r)}, {layout.client_public(args.station).relative_to(r)}, "
+          f"{layout.server_public.relative_to(r)} and {layout.state_dir.relative_to(r)}/")
+    print("  secret keys (*.key_secret) never leave the machine they belong to")
+    return 0
+
+
+def cmd_uplink(args) -> int:
+    from ground.errors import LocalInputError
+    from ground.images import check_chunk_bytes
+
+    if args.window < 1 or args.retries < 0:
+        raise LocalInputError("--window must be >= 1 and --retries >= 0")
+    check_chunk_bytes(args.chunk_bytes)
+    client = _client(args, retries=args.retries, window=args.window, chunk_bytes=args.chunk_bytes, progress=args.progress)
+    # Everything local is checked before the link is even opened: bad input sends nothing.
+    _precheck_uplink(client, args)
+    with client:
+        result = client.uplink(
+            args.image, args.prompt, max_new_tokens=args.max_new_tokens, priority=args.priority,
+            task_id=args.task_id, new_task=args.new_task,
+        )
+    for image in result.images:
+        resumed = f", resumed {image.resumes} time(s)" if image.resumes else ""
+        _notify(f"image {image.name} ({image.path}): {image.chunks} chunk(s), {image.held_before} already on board, "
+                f"{image.chunks_sent} sent{resumed}; verified on board")
+    state = (client.state.task(result.task_id) or {}).get("state")
+    if state in ("completed", "failed", "cancelled"):
+        _notify(f"task {result.task_id} accepted again by the payload; it is already {state} (nothing new queued)")
+    elif result.reused_task_id:
+        _notify(f"task {result.task_id} accepted again by the payload (the same task; nothing new queued)")
+    else:
+        _notify(f"task {result.task_id} accepted by the payload (queued)")
+    if args.json:
+        _print_json(result.to_dict())
+    else:
+        print(result.task_id, flush=True)
+    return 0
+
+
+def _precheck_uplink(client, args) -> None:
+    from ground.images import check_max_new_tokens, check_operator_name, check_priority, check_prompt, prepare_images
+
+    check_prompt(args.prompt)
+    check_max_new_tokens(args.max_new_tokens)
+    check_priority(args.priority)
+    if args.task_id is not None:
+        check_operator_name(args.task_id, "task id")
+    prepare_images(args.image)
+
+
+def cmd_status(args) -> int:
+    from ground.report import housekeeping_text, to_jsonable
+
+    with _client(args) as client:
+        hk = client.status()
+    if args.json:
+        _print_json(to_jsonable(hk))
+    else:
+        print(housekeeping_text(hk), flush=True)
+    return 0
+
+
+def cmd_results(args) -> int:
+    from ground.report import result_text, tasks_table, to_jsonable
+
+    if args.task is None:
+        from ground.state import GroundState
+        from common.wire.link import KeyLayout
+        from pathlib import Path
+
+        state = GroundState(args.state_dir or KeyLayout(Path(_keys_dir(args))).state_dir)
+        tasks = state.tasks() if state.tasks_path.exists() else []
+        if args.json:
+            _print_json(tasks)
+        else:
+            print(tasks_table(tasks), flush=True)
+        return 0
+    with _client(args) as client:
+        result = client.result(args.task, wait=args.wait, max_wait_s=args.max_wait, poll_s=args.poll)
+    if args.json:
+        _print_json(to_jsonable(result))
+    else:
+        print(result_text(result), flush=True)
+    return 0
+
+
+def cmd_events(args) -> int:
+    from ground.report import archived_line, describe, packet_line, packet_record
+    from ground.state import file_lock
+
+    client = _client(args, commands=False)
+    state = client.state
+    state.ensure()
+    printed: set[str] = set()
+
+    def show_entry(entry: dict) -> None:
+        if entry.get("type") == "HEARTBEAT" and not args.heartbeats:
+            return
+        printed.add(entry.get("digest", ""))
+        if args.json:
+            _print_json(entry)
+        else:
+            print(archived_line(entry), flush=True)
+
+    with client, file_lock(state.recorder_lock_path, blocking=False) as recording:
+        number = state.last_archived_number() if recording else None
+        if args.since is not None:
+            # The live subscription is already up, so nothing falls between archive and live.
+            for entry in state.archived(args.since):
+                show_entry(entry)
+        try:
+            for packet in client.telemetry(None if args.follow else args.duration):
+                if packet.digest in printed:
+                    continue
+                if number is not None:
+                    number += 1
+                    record = packet_record(packet, number)
+                    record["text"] = describe(packet.message)
+                    state.append_archive(json.dumps(record, ensure_ascii=False))
+                if packet.message.TYPE.name == "HEARTBEAT" and not args.heartbeats:
+                    continue
+                if args.json:
+                    record = packet_record(packet, number)
+                    _print_json(record)
+                else:
+                    print(packet_line(packet, number), flush=True)
+        except KeyboardInterrupt:
+            return 0  # Ctrl-C is how --follow ends
+    return 0
+
+
+def cmd_ping(args) -> int:
+    from ground.errors import LocalInputError
+
+    if args.count < 1:
+        raise LocalInputError("--count must be >= 1")
+    with _client(args) as client:
+        for i in range(args.count):
+            if i:
+                time.sleep(1.0)
+            rtt = client.ping()
+            if args.json:
+                _print_json({"rtt_ms": round(rtt * 1000, 3)})
+            else:
+                print(f"PONG from payload: {rtt * 1000:.1f} ms", flush=True)
+    return 0
+
+
+def cmd_cancel(args) -> int:
+    with _client(args) as client:
+        client.cancel(args.task)
+    if args.json:
+        _print_json({"task_id": args.task, "cancelled": True})
+    else:
+        print(f"task {args.task}: cancel accepted and completed", flush=True)
+    return 0
+
+
+def cmd_priority(args) -> int:
+    with _client(args) as client:
+        client.set_priority(args.task, args.priority)
+    if args.json:
+        _print_json({"task_id": args.task, "priority": args.priority})
+    else:
+        print(f"task {args.task}: priority set to {args.priority}", flush=True)
+    return 0

@@ -1,0 +1,184 @@
+"""Readable text and JSON for what the ground receives: one line per packet, housekeeping and
+result summaries, the task list."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from types import MappingProxyType
+from typing import Any
+
+from common.wire import MessageType
+from common.wire import messages as m
+
+from ground.link import Telemetry
+
+
+def to_jsonable(value: Any) -> Any:
+    """Messages and field values as JSON-ready data: IntEnum codes by name, strings as is,
+    bytes as hex, tuples as lists."""
+    if isinstance(value, m.Message):
+        return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value if isinstance(value, str) else value.name
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).hex()
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, (dict, MappingProxyType)):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    return value
+
+
+def iso_time(seconds: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{int(seconds * 1000) % 1000:03d}Z"
+
+
+def packet_record(packet: Telemetry, number: int | None = None) -> dict:
+    """One JSON line of `ow ground events --json` (and of the telemetry archive)."""
+    h = packet.header
+    record = {
+        "n": number,
+        "received": iso_time(packet.received_at),
+        "sent": iso_time(h.time_us / 1e6),
+        "type": packet.message.TYPE.name,
+        "apid": h.apid,
+        "source_id": h.source_id,
+        "seq": h.seq,
+        "via": packet.via,
+        "digest": packet.digest,
+        "body": to_jsonable(packet.message),
+    }
+    if isinstance(packet.message, m.Event):
+        record["severity"] = packet.message.severity.name
+    return record
+
+
+def _type_name(value: int) -> str:
+    try:
+        return MessageType(value).name
+    except ValueError:
+        return f"{value:#06x}"
+
+
+def human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def describe(message: m.Message) -> str:
+    """The body of one packet in a few words (without time or type)."""
+    if isinstance(message, m.Event):
+        task = f" [{message.task_id}]" if message.task_id else ""
+        return f"{message.severity.name} {message.event_id.name}{task}: {message.text}"
+    if isinstance(message, m.Verification):
+        about = f"{_type_name(message.tc_type)} seq {message.tc_seq} from source {message.tc_source}"
+        task = f" task {message.task_id}" if message.task_id else ""
+        if isinstance(message, (m.Rejected, m.Failed)):
+            return f"{about}{task}: {message.code.name} ({int(message.code)}): {message.reason}"
+        if isinstance(message, m.Progress):
+            return f"{about}{task}: {message.phase} {message.done}/{message.total}"
+        return f"{about}{task}"
+    if isinstance(message, m.Housekeeping):
+        task = message.current_task or "-"
+        phase = f" {message.phase} {message.progress_done}/{message.progress_total}" if message.phase else ""
+        return (
+            f"queue {message.queue_depth}, task {task}{phase}, checkpoints {human_bytes(message.checkpoint_bytes)}, "
+            f"disk free {human_bytes(message.disk_free_bytes)}, boot {message.boot_count}, commands {message.command_count}, "
+            f"errors {message.error_count}, up {message.uptime_s:.1f} s"
+        )
+    if isinstance(message, m.Heartbeat):
+        task = f", task {message.current_task} {message.phase or ''}".rstrip() if message.current_task else ""
+        return f"boot {message.boot_count}, up {message.uptime_s:.1f} s{task}"
+    if isinstance(message, m.TaskResult):
+        return f"task {message.task_id}: {len(message.token_ids)} tokens, {message.interruptions} interruptions"
+    if isinstance(message, m.Pong):
+        return f"key {message.key}"
+    if isinstance(message, m.ImageStatus):
+        if message.total == 0:
+            return f"{message.image}: no chunk held"
+        held = message.total - len(message.missing())
+        return f"{message.image}: {held}/{message.total} chunks of {message.image_size} bytes{', verified' if message.verified else ''}"
+    if isinstance(message, m.PowerReport):
+        state = "on" if message.payload_on else "OFF"
+        return (f"payload {state}, bus {message.bus_voltage_v:.2f} V, payload {message.payload_power_w:.1f} W, "
+                f"battery {message.battery_soc * 100:.0f} % (t={message.trace_time_s:.1f} s)")
+    if isinstance(message, m.ThermalReport):
+        return f"payload {message.payload_temp_c:.1f} degC, bus {message.bus_temp_c:.1f} degC (t={message.trace_time_s:.1f} s)"
+    if isinstance(message, m.FdirReport):
+        last = f", last fault: {message.last_fault}" if message.last_fault else ""
+        return f"mode {message.mode}, {message.fault_count} faults{last} (t={message.trace_time_s:.1f} s)"
+    if isinstance(message, m.ShutdownWarning):
+        return f"payload power cut in {message.lead_time_s:.1f} s ({message.cause}) (t={message.trace_time_s:.1f} s)"
+    if isinstance(message, m.PowerStateChange):
+        state = "ON" if message.payload_on else "OFF"
+        return f"payload power {state} ({message.cause}) (t={message.trace_time_s:.1f} s)"
+    return str(to_jsonable(message))
+
+
+def packet_line(packet: Telemetry, number: int | None = None) -> str:
+    """`#n  2025-01-01T12:00:00.123Z  PAYLOAD  EVENT  WARNING_HI TASK_FAILED [t-x]: ...`"""
+    origin = {0x010: "BUS", 0x020: "PAYLOAD"}.get(packet.header.apid, f"APID{packet.header.apid:#05x}")
+    prefix = f"#{number} " if number is not None else ""
+    return f"{prefix}{iso_time(packet.header.time_us / 1e6)} {origin:<7} {packet.message.TYPE.name:<16} {describe(packet.message)}"
+
+
+def archived_line(entry: dict) -> str:
+    """The text line for an archived packet (`events --since`)."""
+    body = entry.get("body", {})
+    origin = {0x010: "BUS", 0x020: "PAYLOAD"}.get(entry.get("apid"), f"APID{entry.get('apid')}")
+    text = entry.get("text") or ", ".join(f"{k}={v}" for k, v in body.items())
+    return f"#{entry.get('n')} {entry.get('sent')} {origin:<7} {entry.get('type', '?'):<16} {text}"
+
+
+def housekeeping_text(hk: m.Housekeeping) -> str:
+    if hk.current_task:
+        phase = f" ({hk.phase} {hk.progress_done}/{hk.progress_total})" if hk.phase else ""
+        current = f"{hk.current_task}{phase}"
+    else:
+        current = "none"
+    rows = [
+        ("queue depth", f"{hk.queue_depth} task(s)"),
+        ("current task", current),
+        ("checkpoints", human_bytes(hk.checkpoint_bytes)),
+        ("disk free", human_bytes(hk.disk_free_bytes)),
+        ("boot count", str(hk.boot_count)),
+        ("uptime", f"{hk.uptime_s:.1f} s"),
+        ("commands", f"{hk.command_count} accepted, {hk.error_count} rejected or failed (since first boot)"),
+    ]
+    return "\n".join(f"{k:<14}{v}" for k, v in rows)
+
+
+def result_text(result: m.TaskResult) -> str:
+    lines = [
+        f"task          {result.task_id}",
+        f"tokens        {len(result.token_ids)}",
+        f"interruptions {result.interruptions} power cut(s) survived",
+    ]
+    if result.timings:
+        timing = ", ".join(f"{k} {v:.3f} s" for k, v in result.timings.items())
+        lines.append(f"timings       {timing}")
+    lines.append(f"logits sha256 {bytes(result.logits_sha256).hex()}")
+    lines.append("text:")
+    lines.append(result.text)
+    return "\n".join(lines)
+
+
+def tasks_table(tasks: list[dict]) -> str:
+    if not tasks:
+        return "no tasks uplinked from this station yet"
+    header = f"{'TASK':<14} {'STATE':<12} {'PRIO':>4} {'IMAGES':>6} {'CREATED (UTC)':<19} PROMPT"
+    rows = [header]
+    for t in tasks:
+        prompt = " ".join(str(t.get("prompt", "")).split())
+        if len(prompt) > 48:
+            prompt = prompt[:45] + "..."
+        rows.append(
+            f"{t['task_id']:<14} {t.get('state', '?'):<12} {t.get('priority', 0):>4} {len(t.get('images', [])):>6} "
+            f"{str(t.get('created', ''))[:19]:<19} {prompt}"
+        )
+    return "\n".join(rows)

@@ -1,0 +1,33 @@
+"""GroundClient used in-process, as a testbench or demo drives it (no CLI)."""
+from __future__ import annotations
+
+import pytest
+from ground_test_peer import RESULT_TEXT
+
+from common.wire import ResponseCode
+from common.wire.link import Endpoints
+from ground.client import GroundClient
+from ground.errors import CommandRejected, LocalInputError, NoAnswer
+
+
+def test_client_api_uplinks_waits_and_downlinks(keys, peer, pictures):
+    peer.task_run_s = 0.5
+    notices: list[str] = []
+    endpoints = Endpoints(commands=peer.commands_endpoint, telemetry=peer.telemetry_endpoint)
+    with GroundClient(keys.root, endpoints=endpoints, timeout_s=5, notify=notices.append, chunk_bytes=4096) as ground:
+        assert ground.ping() > 0
+        up = ground.uplink([str(p) for p in pictures], "count the ships", max_new_tokens=8, priority=3)
+        assert [i.verified for i in up.images] == [True, True] and up.images[0].chunks_sent == up.images[0].chunks
+        result = ground.result(up.task_id, wait=True, poll_s=10)
+        assert result.text == RESULT_TEXT and result.interruptions == 1
+        assert ground.tasks()[0]["state"] == "completed"
+        with pytest.raises(CommandRejected) as rejected:
+            ground.result("t-unknown")
+        assert rejected.value.code == ResponseCode.UNKNOWN_TASK and rejected.value.exit_code == 3
+        with pytest.raises(LocalInputError):
+            ground.uplink([str(pictures[0])], "")
+        peer.powered, peer.off_until = False, None
+        ground.timeout_s = 0.5
+        with pytest.raises(NoAnswer):
+            ground.status()
+    assert any("prefill 4/4" in n for n in notices)
