@@ -243,6 +243,10 @@ class FlightApp:
         task = self.queue.get(msg.task_id)
         if task is None:
             raise WireError(ResponseCode.UNKNOWN_TASK, f"no task {msg.task_id}")
+        if task.state in (FAILED, CANCELLED):
+            # Finished without a result: say why, so a waiting ground stops waiting.
+            code = ResponseCode.CANCELLED if task.state == CANCELLED else ResponseCode(task.code or ResponseCode.TASK_FINISHED)
+            raise WireError(code, f"task {msg.task_id} {task.state}: {task.reason}"[:400])
         if task.state != COMPLETED:
             raise WireError(ResponseCode.RESULT_NOT_READY, f"task {msg.task_id} is {task.state}")
         self._accept(request, task_id=msg.task_id)
@@ -402,6 +406,7 @@ class FlightApp:
         sock = client_socket(ctx, zmq.DEALER, self.layout, "payload", self.endpoint)
         self.log.info("flight_booted", boot=self.state.counters.boot_count, endpoint=self.endpoint,
                       pending=[t.task_id for t in self.queue.pending()])
+        self.send(m.Heartbeat(boot_count=self.state.counters.boot_count, uptime_s=0.0))  # first: the bus learns the boot
         self.event(EventId.BOOT, f"payload boot {self.state.counters.boot_count}; "
                                  f"{self.queue.depth()} task(s) pending")
         if self.state.corrupt:

@@ -15,7 +15,7 @@ from traces.cli import register_trace_commands
 from traces.format import dumps
 from traces.presets import generate
 
-from conftest import write_lines
+from trace_testkit import write_lines
 
 REPO = Path(__file__).resolve().parents[2]
 

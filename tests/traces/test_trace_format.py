@@ -15,7 +15,7 @@ import traces
 from traces import CutCause, PowerWindow, TelemetrySample, Trace, TraceError
 from traces.format import dumps, load, loads, validate, validate_lines
 
-from conftest import write_lines
+from trace_testkit import write_lines
 
 Mutation = Callable[[list[str]], list[str]]
 
