@@ -67,7 +67,7 @@ from common.wire.link import (
 )
 from hil import buslog as bl
 from hil.busstore import CommandStore, StoredCommand, request_key
-from hil.power import CommandSwitch, LocalProcessSwitch, PowerSwitch, PowerSwitchError, SshSwitch
+from hil.power import CommandSwitch, LocalProcessSwitch, PowerSwitch, PowerSwitchError, SshSwitch, process_write_bytes
 from traces import CutCause, EventKind
 
 _log = log.get("hil.bus")
@@ -637,6 +637,7 @@ class Bus:
     def _power_off(self, cause: PowerCause, origin: str) -> None:
         pid = self.switch.pid
         was_on = self.switch.is_on()
+        write_bytes = process_write_bytes(pid) if self.config.power_driver == "local" else None
         now = time.monotonic()  # the moment of the cut: SIGKILL goes out right after this
         try:
             self.switch.off(cause.value)
@@ -646,7 +647,7 @@ class Bus:
         self.payload_rid = None
         self.powered_at = None
         self.buslog.write(bl.POWER_OFF, **self._stamp(now), cause=cause.value, origin=origin, pid=pid,
-                          was_on=was_on, power_cycle=self.power_count)
+                          was_on=was_on, power_cycle=self.power_count, payload_write_bytes=write_bytes)
         _log.info("bus_power_off", trace_s=round(self.clock.trace_s(now), 3), cause=cause.value, origin=origin, pid=pid)
         self._publish(self._bus_packet(m.PowerStateChange(trace_time_s=self.clock.clock_s(now), payload_on=False,
                                                           cause=cause)))

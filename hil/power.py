@@ -483,3 +483,19 @@ class CommandSwitch(PowerSwitch):
 
     def describe(self) -> dict:
         return {"driver": self.driver, "on_command": self.on_command, "off_command": self.off_command}
+
+
+def process_write_bytes(pid: int | None) -> int | None:
+    """Bytes this process has caused to be written to storage so far (Linux /proc/<pid>/io
+    `write_bytes`: what reaches the block layer, fsync flushes included), or None if unknown.
+    Read just before a cut, it is the payload's device-level write volume for that power cycle."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            for line in f:
+                if line.startswith("write_bytes:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None

@@ -11,7 +11,9 @@ SUFFIX = ".jsonl"
 # imported from real telemetry (traces/importers/bupt1.py).
 GENERATED_NAMES = ("sat1-like", "sat2-like", "dellingr-like", "trace-a", "trace-b")
 IMPORTED_NAMES = ("bupt1",)
-SHIPPED_NAMES = GENERATED_NAMES + IMPORTED_NAMES
+# Written by hand (docs/trace-format.md): short windows for `make demo` and the end-to-end tests.
+HAND_WRITTEN_NAMES = ("demo",)
+SHIPPED_NAMES = GENERATED_NAMES + IMPORTED_NAMES + HAND_WRITTEN_NAMES
 
 
 def shipped_path(name: str) -> Path:

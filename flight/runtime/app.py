@@ -104,10 +104,25 @@ class FlightApp:
         }
 
     # ---- outbound ------------------------------------------------------------------------------
-    def send(self, message: m.Message) -> None:
-        """Queue a telemetry packet (thread-safe; the main thread sends)."""
+    def send(self, message: m.Message, on_sent=None) -> None:
+        """Queue a telemetry packet (thread-safe; the main thread sends). `on_sent` runs once the
+        packet has left for the bus."""
         packet = encode_packet(message, Apid.PAYLOAD, self.tm_counter.next(Apid.PAYLOAD), source_id=NodeId.PAYLOAD)
-        self.outbox.put(packet)
+        self.outbox.put((packet, on_sent))
+
+    def send_final_report(self, task) -> None:
+        """COMPLETED (+ TASK_RESULT) or FAILED for a finished task; once it has left, the journal
+        records it as reported. A cut before that makes the next boot send it again, so the ground
+        always hears how a task ended."""
+        request = RequestRef(*task.request)
+        mark = lambda: self.queue.mark_reported(task.task_id)  # noqa: E731
+        if task.state == COMPLETED:
+            self.send(m.Completed.about(request, task_id=task.task_id))
+            self.send(self._task_result(task), on_sent=mark)
+        else:
+            code = ResponseCode.CANCELLED if task.state == CANCELLED else ResponseCode(task.code or ResponseCode.INTERNAL_ERROR)
+            self.send(m.Failed.about(request, task_id=task.task_id, code=code, reason=task.reason[:400] or task.state),
+                      on_sent=mark)
 
     def event(self, event_id: EventId, text: str, task_id: str | None = None) -> None:
         self.log.info("event", event_id=event_id.name, text=text, task_id=task_id)
@@ -223,9 +238,8 @@ class FlightApp:
         self.send(m.Completed.about(request, task_id=msg.task_id))
 
     def _finish_cancel(self, task) -> None:
-        self.queue.cancel(task.task_id)
-        self.send(m.Failed.about(RequestRef(*task.request), task_id=task.task_id, code=ResponseCode.CANCELLED,
-                                 reason="cancelled by command"))
+        self.queue.cancel(task.task_id, code=int(ResponseCode.CANCELLED))
+        self.send_final_report(self.queue.get(task.task_id))
         self.event(EventId.TASK_CANCELLED, f"task {task.task_id} cancelled", task.task_id)
         shutil.rmtree(self._task_dir(task.task_id), ignore_errors=True)
 
@@ -345,14 +359,13 @@ class FlightApp:
                                                "logits_sha256": result.logits_sha256(), "timings": timings,
                                                "bytes_written": result.bytes_written})
             self.current.update(phase=TaskPhase.COMPLETED)
-            self.send(m.Completed.about(request, task_id=task.task_id))
             self.event(EventId.TASK_COMPLETED, f"task {task.task_id} completed: {len(result.token_ids)} tokens, "
                                                f"{task.interruptions} cut(s) survived", task.task_id)
-            self.send(self._task_result(self.queue.get(task.task_id)))
+            self.send_final_report(self.queue.get(task.task_id))
 
     def _fail(self, task, request, code: ResponseCode, reason: str) -> None:
         self.queue.fail(task.task_id, code, reason)
-        self.send(m.Failed.about(request, task_id=task.task_id, code=code, reason=reason[:400]))
+        self.send_final_report(self.queue.get(task.task_id))
         self.event(EventId.TASK_FAILED, f"task {task.task_id} failed: {code.name}", task.task_id)
 
     def _engine_events(self, task, request):
@@ -392,7 +405,7 @@ class FlightApp:
             changed = phase != self.current["phase"]
             self.current.update(phase=phase, done=done, total=total)
             now = time.monotonic()
-            if changed or done == total or now - last_sent["t"] > 0.5:
+            if changed or done == total or now - last_sent["t"] > 0.1:
                 last_sent["t"] = now
                 self.send(m.Progress.about(request, task_id=task.task_id, phase=phase, done=done, total=total))
 
@@ -414,10 +427,12 @@ class FlightApp:
         if self.queue.recovered_bytes_dropped:
             self.event(EventId.UNCLEAN_SHUTDOWN_DETECTED,
                        f"queue journal: dropped a torn tail of {self.queue.recovered_bytes_dropped} bytes")
+        for task in self.queue.unreported():
+            self.send_final_report(task)  # ended before the last cut, but its report never left
         worker = threading.Thread(target=self._worker_guarded, name="inference-worker", daemon=True)
         worker.start()
         next_heartbeat = next_hk = 0.0
-        unsent: list[bytes] = []
+        unsent: list[tuple[bytes, object]] = []
         try:
             while not self.stop.is_set():
                 now = time.monotonic()
@@ -431,12 +446,15 @@ class FlightApp:
                 while unsent or not self.outbox.empty():
                     if not unsent:
                         unsent.append(self.outbox.get_nowait())
+                    packet, on_sent = unsent[0]
                     try:
-                        send_packet(sock, unsent[0], timeout_s=0.2)
+                        send_packet(sock, packet, timeout_s=0.2)
                     except LinkError as exc:  # the bus is away: keep the packet, try again later
                         self.log.warning("send_failed", error=str(exc))
                         break
                     unsent.pop(0)
+                    if on_sent is not None:
+                        on_sent()
                 received = recv_packet(sock, timeout_s=0.05)
                 if received is not None:
                     self.handle_packet(received.packet)

@@ -36,6 +36,7 @@ class Task:
     code: int = 0
     reason: str = ""
     result: dict = field(default_factory=dict)
+    reported: bool = False               # the final report (COMPLETED/FAILED) has left for the bus
 
     @property
     def interruptions(self) -> int:
@@ -118,6 +119,8 @@ class TaskQueue:
         elif op == "complete":
             task.state = COMPLETED
             task.result = dict(e.get("result", {}))
+        elif op == "reported":
+            task.reported = True
         elif op in ("fail", "cancel"):
             task.state = FAILED if op == "fail" else CANCELLED
             task.code = int(e.get("code", 0))
@@ -143,6 +146,14 @@ class TaskQueue:
 
     def complete(self, task_id: str, result: dict) -> None:
         self._append({"op": "complete", "task_id": task_id, "result": result})
+
+    def mark_reported(self, task_id: str) -> None:
+        self._append({"op": "reported", "task_id": task_id})
+
+    def unreported(self) -> list[Task]:
+        """Finished tasks whose final report may not have reached the bus."""
+        with self._lock:
+            return [t for t in self.tasks.values() if t.state in FINISHED and not t.reported]
 
     def fail(self, task_id: str, code: int, reason: str) -> None:
         self._append({"op": "fail", "task_id": task_id, "code": int(code), "reason": reason[:400]})

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 
 from traces import SHIPPED_NAMES, load, shipped_path, validate
-from traces.catalog import GENERATED_NAMES
+from traces.catalog import GENERATED_NAMES, HAND_WRITTEN_NAMES
 from traces.format import dumps
 from traces.presets import PRESETS, generate
 
 MIB = 1024 * 1024
 
 
-@pytest.mark.parametrize("name", SHIPPED_NAMES)
+@pytest.mark.parametrize("name", [n for n in SHIPPED_NAMES if n not in HAND_WRITTEN_NAMES])
 def test_shipped_trace_is_valid_small_and_documented(name: str):
     path = shipped_path(name)
     assert validate(path) == []
@@ -66,3 +66,13 @@ def test_trace_b_mixes_all_four_causes():
     assert all(count > 0 for count in s.cuts_by_cause.values()), dict(s.cuts_by_cause)
     assert s.window_min_s < s.reference_request_s < s.window_max_s
     assert 0 < s.warned_cuts < s.cuts
+
+
+@pytest.mark.parametrize("name", HAND_WRITTEN_NAMES)
+def test_hand_written_trace_is_valid_and_documented(name: str):
+    path = shipped_path(name)
+    assert validate(path) == []
+    trace = load(path)
+    assert trace.name == name and trace.description and trace.assumptions
+    assert trace.source["kind"] == "manual"
+    assert set(trace.stats().cuts_by_cause) >= {"thermal", "fdir", "power", "contention"}

@@ -1,0 +1,404 @@
+"""The hardware-in-the-loop testbench: real bus, real payload process, real ground link, a trace.
+
+    Testbench(BenchConfig(trace="trace-a", policy="orbitweaver", model=DIR, out_dir=DIR, requests=3)).run()
+
+1. computes each request's uninterrupted reference in-process (tokens, logits hash);
+2. chooses the pace and time scale (`time_scale="auto"`: one uninterrupted request, boot included,
+   lasts `trace.reference_request_s` trace seconds -- the paper's three-minute missions);
+3. starts `ow bus run` on the trace (which spawns and SIGKILLs `ow flight run`), follows the
+   telemetry link, uplinks the workload through the ground client and waits for every result;
+4. measures per request: end-to-end time, cuts suffered, recovery latency (power-up -> first
+   useful compute), work lost, bytes written, energy (docs/hil.md power model), and checks every
+   output against its reference, bit for bit.
+
+A report (JSON) and a readable summary land in `out_dir`. Everything is real: processes, SIGKILL,
+ZeroMQ with CurveZMQ on loopback (or on the configured TCP addresses of a bench).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from common.wire import messages as m
+from common.wire.link import Endpoints, init_keys
+
+SAMPLES = Path(__file__).resolve().parent / "samples"
+PROMPTS = [
+    "count the ships near the coast and describe the harbor",
+    "describe the clouds and report what is visible below them",
+    "compare the two scenes and list any new damage to roads or fields",
+    "identify the coastline and estimate the area of the sand",
+    "report any fire smoke or flood in these images",
+]
+UNIT_ORDER = {"vision": 0, "prefill": 1, "decode": 2}
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    images: tuple[str, ...]
+    prompt: str
+    max_new_tokens: int = 24
+
+
+def default_workload(n: int, max_new_tokens: int = 24) -> list[RequestSpec]:
+    samples = sorted(str(p) for p in SAMPLES.glob("*.png"))
+    return [RequestSpec((samples[i % len(samples)], samples[(i + 1) % len(samples)]), PROMPTS[i % len(PROMPTS)],
+                        max_new_tokens) for i in range(n)]
+
+
+@dataclass
+class PowerModel:
+    """Payload power by state (docs/hil.md). Defaults: a Jetson AGX Orin module in its 30 W mode
+    running inference, idling when on without work, NVMe write power while checkpointing."""
+
+    compute_w: float = 30.0
+    idle_w: float = 9.0
+    boot_w: float = 15.0
+    ssd_write_w: float = 3.5
+    ssd_write_bytes_per_s: float = 1.5e9
+
+
+@dataclass
+class BenchConfig:
+    trace: str
+    model: str
+    out_dir: str
+    policy: str = "orbitweaver"
+    requests: int = 3
+    workload: list[RequestSpec] | None = None
+    time_scale: float | str = "auto"       # wall seconds per trace second, or "auto"
+    request_seconds: float = 20.0          # target uninterrupted request length, boot included (auto pace)
+    pace_ms: float | None = None           # per-unit pace of the payload; None: from request_seconds
+    chunk: int = 16
+    group: int = 2
+    decode_every: int = 4
+    vision_every: int = 1
+    planner: str = "chunk-first"
+    threads: int = 1
+    start_at_s: float = 0.0
+    timeout_s: float | None = None         # wall; default: the (scaled) rest of the trace
+    power: PowerModel = field(default_factory=PowerModel)
+    endpoints: Endpoints | None = None     # default: ephemeral loopback ports
+    extra_flight_args: tuple[str, ...] = ()
+
+
+@dataclass
+class RequestReport:
+    task_id: str
+    prompt: str
+    images: list[str]
+    completed: bool
+    correct: bool | None
+    e2e_s: float | None
+    e2e_trace_s: float | None
+    cuts: int
+    recovery_latency_s: list[float]
+    work_lost_units: list[int]
+    energy_j: float | None
+    tokens: int
+    failure: str | None = None
+
+
+@dataclass
+class BenchReport:
+    trace: str
+    policy: str
+    time_scale: float
+    pace_ms: float
+    boot_s: float
+    requests: list[RequestReport]
+    power_cycles: int
+    cuts_total: int
+    bytes_written: int
+    energy_j: float
+    wall_s: float
+    completion_rate: float
+    all_correct: bool
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        lines = [f"trace {self.trace}  policy {self.policy}  scale {self.time_scale:.4g} wall s per trace s  "
+                 f"pace {self.pace_ms:.0f} ms/unit  boot {self.boot_s:.1f} s",
+                 f"  {sum(r.completed for r in self.requests)}/{len(self.requests)} completed "
+                 f"({self.completion_rate:.0%}), outputs {'all bitwise equal to the references' if self.all_correct else 'MISMATCH'}; "
+                 f"{self.cuts_total} cuts, {self.power_cycles} power-ups, {self.bytes_written / 2**20:.1f} MiB written, "
+                 f"{self.energy_j:.0f} J, {self.wall_s:.0f} s wall"]
+        for r in self.requests:
+            rec = ", ".join(f"{x:.1f}" for x in r.recovery_latency_s) or "-"
+            lines.append(f"  {r.task_id}: {'done' if r.completed else 'NOT DONE'}"
+                         f"{'' if r.correct in (None, True) else ' WRONG OUTPUT'}  e2e "
+                         f"{'-' if r.e2e_s is None else f'{r.e2e_s:.1f} s ({r.e2e_trace_s:.0f} trace s)'}  "
+                         f"cuts {r.cuts}  recovery {rec} s  lost {sum(r.work_lost_units)} units")
+        return "\n".join(lines)
+
+
+def measure_boot_seconds() -> float:
+    """How long a payload process takes from exec to ready to compute (interpreter + imports)."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import flight.runtime.app, flight.engine, flight.model.loader"],
+                   check=True, capture_output=True)
+    return time.perf_counter() - start
+
+
+def reference_run(model_dir: str, spec: RequestSpec, cfg: BenchConfig, scratch: str) -> dict:
+    """The uninterrupted answer for `spec`, computed in this process (no checkpoints)."""
+    from flight.checkpoint.policies import Geometry
+    from flight.engine import Engine, EngineOptions
+    from flight.model.inputs import build_inputs, load_image
+    from flight.model.loader import load_model
+
+    model = load_model(model_dir, device="cpu")
+    inputs = build_inputs(model.tokenizer, model.image_processor, [load_image(p) for p in spec.images],
+                          spec.prompt, model.adapter.image_token_id)
+    units = {"n": 0}
+
+    def count(name, **_):
+        if name in ("vision_block_done", "prefill_block_done", "decode_step_done"):
+            units["n"] += 1
+
+    geometry = Geometry(cfg.chunk, cfg.group, cfg.decode_every, cfg.vision_every)
+    result = Engine(model, EngineOptions(geometry=geometry, policy="none", threads=cfg.threads),
+                    events=count).run(inputs, scratch, spec.max_new_tokens)
+    return {"token_ids": result.token_ids, "logits_sha256": result.logits_sha256(), "units": units["n"]}
+
+
+class _TelemetryRecorder(threading.Thread):
+    """Follows the telemetry link for the whole run: every packet, stamped with the wall clock."""
+
+    def __init__(self, keys_dir: str, endpoints: Endpoints, on_packet=None):
+        super().__init__(name="telemetry-recorder", daemon=True)
+        from ground.client import GroundClient
+
+        self.client = GroundClient(keys_dir, endpoints=endpoints, commands=False, station="ground",
+                                   state_dir=os.path.join(keys_dir, "state-recorder"), progress=False)
+        self.packets: list[tuple[float, m.Message]] = []
+        self.stop_flag = threading.Event()
+        self.on_packet = on_packet
+        self.lock = threading.Lock()
+
+    def run(self):
+        with self.client:
+            while not self.stop_flag.is_set():
+                for t in self.client.telemetry(0.5):
+                    with self.lock:
+                        self.packets.append((time.time(), t.message))
+                    if self.on_packet:
+                        self.on_packet(t.message)
+
+    def snapshot(self) -> list[tuple[float, m.Message]]:
+        with self.lock:
+            return list(self.packets)
+
+
+class Testbench:
+    def __init__(self, cfg: BenchConfig, say=None):
+        self.cfg = cfg
+        self.say = say or (lambda line: print(line, flush=True))
+        self.out = Path(cfg.out_dir)
+
+    # ---- set-up -----------------------------------------------------------------------------------
+    def _prepare(self):
+        import traces
+
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.keys = str(self.out / "keys")
+        init_keys(self.keys)
+        self.trace = traces.load(cfg.trace)
+        self.workload = cfg.workload or default_workload(cfg.requests)
+        refs_path = self.out / "references.json"
+        self.references = []
+        for i, spec in enumerate(self.workload):
+            self.references.append(reference_run(cfg.model, spec, cfg, str(self.out / "reference" / f"r{i}")))
+        refs_path.write_text(json.dumps(self.references))
+        self.boot_s = measure_boot_seconds()
+        units = statistics.mean(r["units"] for r in self.references)
+        if cfg.pace_ms is not None:
+            self.pace_ms = cfg.pace_ms
+        else:
+            self.pace_ms = max(1.0, (cfg.request_seconds - self.boot_s) * 1000.0 / units)
+        request_wall = self.boot_s + units * self.pace_ms / 1000.0
+        self.scale = request_wall / self.trace.reference_request_s if cfg.time_scale == "auto" else float(cfg.time_scale)
+
+    def _flight_args(self) -> list[str]:
+        c = self.cfg
+        return ["--policy", c.policy, "--chunk", str(c.chunk), "--group", str(c.group), "--decode-every",
+                str(c.decode_every), "--vision-every", str(c.vision_every), "--planner", c.planner,
+                "--threads", str(c.threads), "--pace-ms", f"{self.pace_ms:.3f}", "--device", "cpu",
+                *c.extra_flight_args]
+
+    # ---- the run --------------------------------------------------------------------------------------
+    def run(self) -> BenchReport:
+        from ground.client import GroundClient
+        from ground.errors import GroundError
+        from hil.bus import BusConfig, BusProcess
+
+        cfg = self.cfg
+        self._prepare()
+        self.say(f"[bench] trace {cfg.trace} ({self.trace.duration_s:.0f} trace s), policy {cfg.policy}, "
+                 f"{len(self.workload)} requests; time scale {self.scale:.4g} wall s per trace s, pace "
+                 f"{self.pace_ms:.0f} ms/unit, payload boot {self.boot_s:.1f} s")
+        endpoints = cfg.endpoints or Endpoints(commands="tcp://127.0.0.1:*", payload="tcp://127.0.0.1:*",
+                                               telemetry="tcp://127.0.0.1:*")
+        bus_cfg = BusConfig(trace=str(self._trace_path()), data_dir=str(self.out / "bus"), keys_dir=self.keys,
+                            time_scale=self.scale, start_at_s=cfg.start_at_s, endpoints=endpoints, model=cfg.model,
+                            flight_args=self._flight_args(), heartbeat_timeout_s=max(20.0, 4 * self.boot_s),
+                            boot_timeout_s=max(60.0, 10 * self.boot_s))
+        remaining_trace = self.trace.duration_s - cfg.start_at_s
+        timeout = cfg.timeout_s or remaining_trace * self.scale
+        started = time.time()
+        bus = BusProcess(bus_cfg).start()
+        recorder = _TelemetryRecorder(self.keys, bus.endpoints, on_packet=self._show)
+        recorder.start()
+        tasks: list[tuple[str, float | None]] = []
+        failures: dict[str, str] = {}
+        try:
+            with GroundClient(self.keys, endpoints=bus.endpoints, timeout_s=max(30.0, 6 * self.boot_s), retries=50,
+                              progress=False, notify=lambda s: None) as ground:
+                for i, spec in enumerate(self.workload):
+                    task_id = f"r{i:02d}"
+                    try:
+                        ground.uplink(list(spec.images), spec.prompt, max_new_tokens=spec.max_new_tokens,
+                                      task_id=task_id)
+                        tasks.append((task_id, time.time()))
+                        self.say(f"[ground] uplinked {task_id}: {spec.prompt!r} with {len(spec.images)} images")
+                    except GroundError as exc:
+                        tasks.append((task_id, None))
+                        failures[task_id] = f"uplink: {exc}"
+                        self.say(f"[ground] uplink of {task_id} failed: {exc}")
+                results = {}
+                for task_id, queued_at in tasks:
+                    if queued_at is None:
+                        continue
+                    left = timeout - (time.time() - started)
+                    if left <= 0:
+                        failures[task_id] = "timeout"
+                        continue
+                    try:
+                        results[task_id] = ground.result(task_id, wait=True, max_wait_s=left, poll_s=10.0)
+                    except GroundError as exc:
+                        failures[task_id] = str(exc)
+        finally:
+            time.sleep(0.5)
+            recorder.stop_flag.set()
+            bus.stop()
+            recorder.join(timeout=10)
+        wall = time.time() - started
+        report = self._analyse(tasks, results, failures, recorder.snapshot(), wall)
+        (self.out / "report.json").write_text(json.dumps(report.to_json(), indent=2))
+        (self.out / "summary.txt").write_text(report.summary() + "\n")
+        return report
+
+    def _trace_path(self) -> Path:
+        import traces
+
+        return Path(traces.resolve(self.cfg.trace)) if hasattr(traces, "resolve") else Path(self.cfg.trace)
+
+    def _show(self, msg: m.Message) -> None:
+        if isinstance(msg, m.PowerStateChange):
+            self.say(f"[bus] payload power {'ON' if msg.payload_on else 'OFF'} ({msg.cause})")
+        elif isinstance(msg, m.ShutdownWarning):
+            self.say(f"[bus] shutdown warning: cut in {msg.lead_time_s:.1f} s ({msg.cause})")
+        elif isinstance(msg, m.Event) and msg.event_id.name in (
+                "BOOT", "TASK_STARTED", "TASK_RESUMED", "RECOVERY_PLANNED", "TASK_COMPLETED", "TASK_FAILED",
+                "CHECKPOINT_CORRUPT", "CHECKPOINT_MANIFEST_MISMATCH", "DISK_FULL"):
+            self.say(f"[payload] {msg.text}")
+
+    # ---- analysis ---------------------------------------------------------------------------------------
+    def _analyse(self, tasks, results, failures, packets, wall) -> BenchReport:
+        from hil import buslog as bl
+
+        entries = bl.read_log(self.out / "bus" / bl.LOG_FILE)
+        ons = [e.utc for e in entries if e.kind == bl.POWER_ON]
+        offs = [e for e in entries if e.kind == bl.POWER_OFF]
+        bytes_written = sum(int(e.data.get("payload_write_bytes") or 0) for e in offs)
+        cuts_total = sum(1 for e in offs if e.data.get("origin") in ("trace", "fdir"))
+        intervals = _on_intervals(entries)
+        reports = []
+        busy_total = 0.0
+        for i, (task_id, queued_at) in enumerate(tasks):
+            spec, ref = self.workload[i], self.references[i]
+            res = results.get(task_id)
+            mine = [(t, msg) for t, msg in packets if getattr(msg, "task_id", None) == task_id]
+            completed_at = next((t for t, msg in mine if isinstance(msg, m.Completed) and msg.tc_type == 0x0110), None)
+            correct = None
+            if res is not None:
+                correct = list(res.token_ids) == ref["token_ids"] and bytes(res.logits_sha256).hex() == ref["logits_sha256"]
+            starts = [t for t, msg in mine if isinstance(msg, m.Started)]
+            progress = [(t, msg) for t, msg in mine if isinstance(msg, m.Progress)]
+            totals = {}
+            for _, p in progress:
+                totals[str(p.phase)] = max(totals.get(str(p.phase), 0), int(p.total))
+            recovery, lost = [], []
+            for k, start in enumerate(starts[1:], 1):
+                power_on = max((t for t in ons if t <= start), default=None)
+                first = next((t for t, p in progress if t > start), None)
+                if power_on is not None and first is not None:
+                    recovery.append(first - power_on)
+                before = [p for t, p in progress if starts[k - 1] < t < start]
+                after = [p for t, p in progress if t > start]
+                if before and after:
+                    lost.append(max(0, _unit_index(before[-1], totals) - (_unit_index(after[0], totals) - 1)))
+            busy = _busy_seconds(starts, completed_at, intervals)
+            busy_total += busy
+            p = self.cfg.power
+            energy = busy * p.compute_w if res is not None else None
+            e2e = (completed_at - queued_at) if (completed_at and queued_at) else None
+            reports.append(RequestReport(task_id, spec.prompt, [os.path.basename(x) for x in spec.images],
+                                         res is not None, correct, e2e, None if e2e is None else e2e / self.scale,
+                                         int(res.interruptions) if res is not None else max(0, len(starts) - 1),
+                                         recovery, lost, energy, len(res.token_ids) if res is not None else 0,
+                                         failures.get(task_id)))
+        p = self.cfg.power
+        on_time = sum(b - a for a, b in intervals)
+        boot_time = len(ons) * self.boot_s
+        energy_total = (busy_total * p.compute_w + max(0.0, on_time - busy_total - boot_time) * p.idle_w
+                        + boot_time * p.boot_w + bytes_written / p.ssd_write_bytes_per_s * p.ssd_write_w)
+        done = [r for r in reports if r.completed]
+        return BenchReport(self.cfg.trace, self.cfg.policy, self.scale, self.pace_ms, self.boot_s, reports,
+                           len(ons), cuts_total, bytes_written, energy_total, wall,
+                           len(done) / max(1, len(reports)), all(r.correct for r in done) and bool(done))
+
+
+def _unit_index(p: m.Progress, totals: dict[str, int]) -> int:
+    """Position of a PROGRESS report in the request's whole sequence of units: the units of the
+    earlier phases, then this phase's done count."""
+    phase = str(p.phase)
+    return int(p.done) + sum(totals.get(ph, 0) for ph, order in UNIT_ORDER.items() if order < UNIT_ORDER.get(phase, 0))
+
+
+def _on_intervals(entries) -> list[tuple[float, float]]:
+    from hil import buslog as bl
+
+    out, on = [], None
+    for e in entries:
+        if e.kind == bl.POWER_ON:
+            on = e.utc
+        elif e.kind == bl.POWER_OFF and on is not None:
+            out.append((on, e.utc))
+            on = None
+    if on is not None:
+        out.append((on, time.time()))
+    return out
+
+
+def _busy_seconds(starts, completed_at, intervals) -> float:
+    """Time the payload was on with this task running: from each STARTED to the end of that power
+    interval (or to completion)."""
+    total = 0.0
+    for s in starts:
+        end = next((b for a, b in intervals if a <= s <= b), s)
+        if completed_at is not None and s <= completed_at <= end:
+            end = completed_at
+        total += max(0.0, end - s)
+    return total
