@@ -324,6 +324,8 @@ class _RequestRun:
                 problem.costs = cost_model_for(self.m).problem_costs(self.groups, self.chunks)
             plan = make_plan(self.e.options.planner, problem)
             self.scheduled = {(op.group, op.chunk) for op in plan.computes}
+            total = len(self.groups) * len(self.chunks)
+            self.prefill_done = total - sum(op.kind == "block" for op in plan.computes)  # for progress reports
             self.plan_summary = plan.summary()
             if fr.blocks:
                 self.events("recovery_plan", **self.plan_summary)
@@ -443,7 +445,9 @@ class _RequestRun:
         if (g + 1, c) in self.scheduled or (g, c) == (len(self.groups) - 1, len(self.chunks) - 1):
             self.hidden[(g, c)] = h
         self.pacer.end()
-        self.events("prefill_block_done", group=g, chunk=c)
+        self.prefill_done += 1
+        self.events("prefill_block_done", group=g, chunk=c, done=self.prefill_done,
+                    of=len(self.groups) * len(self.chunks))
         persist = self.policy.prefill_block(g, c, len(self.groups), len(self.chunks))
         if persist is not None:
             kv = {layer: (self.cache.layers[layer].keys[:, :, s:e].clone(memory_format=torch.contiguous_format),

@@ -97,6 +97,10 @@ REPLY_EXPECTATION_S = 600.0
 ROUTES_KEPT = 100_000
 #: Longest the main loop sleeps in a poll, so that cuts land on time.
 POLL_MAX_S = 0.02
+#: skip-idle mode: how long the payload must report no task before idle time is skipped, and
+#: the smallest jump worth making (wall seconds)
+IDLE_CONFIRM_S = 0.5
+SKIP_MIN_S = 0.05
 SWITCH_RETRY_S = 1.0
 
 
@@ -111,6 +115,28 @@ REMOTE_PAYLOAD_COMMAND = ["ow", "flight", "run", "--data-dir", "{payload_data_di
                           "--keys", "{keys}", "--payload-endpoint", "{payload_endpoint}"]
 
 PLACEHOLDERS = ("python", "payload_data_dir", "bus_data_dir", "model", "keys", "payload_endpoint")
+
+
+def machine_fingerprint() -> dict:
+    """What decides the bits of a CPU inference: processor model, core count, library versions.
+    A replay on another fingerprint cannot expect identical logits."""
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    versions = {}
+    for name in ("torch", "transformers"):
+        try:
+            from importlib.metadata import version
+
+            versions[name] = version(name)
+        except Exception:  # a bus host without the inference stack
+            versions[name] = None
+    return {"cpu": cpu, "cpus": os.cpu_count(), **versions}
 
 
 class BusConfigError(ValueError):
@@ -176,6 +202,12 @@ class BusConfig:
     log_packets: bool = True
     #: write the bound endpoints here (JSON) once the sockets are up
     ready_file: str | os.PathLike | None = None
+    #: compressed long runs: jump the trace clock over spans where nothing can happen -- the
+    #: payload off until its next power-on, or on, connected and idle (no task, no command in
+    #: flight) until the next trace action -- never past a `hold_at_s` trace time (e.g. when the
+    #: ground will send something)
+    skip_idle: bool = False
+    hold_at_s: Sequence[float] = ()
 
     def validate(self) -> None:
         if isinstance(self.payload_command, str):
@@ -368,6 +400,7 @@ class Bus:
             switch=self.switch.describe(), heartbeat_timeout_s=cfg.heartbeat_timeout_s,
             boot_timeout_s=cfg.boot_timeout_s, fdir_off_s=cfg.fdir_off_s,
             stored_commands=len(self.store), bus_pid=os.getpid(),
+            model=cfg.model, flight_args=list(cfg.flight_args), machine=machine_fingerprint(),
         )
         _log.info("bus_started", trace=self.trace.name, time_scale=cfg.time_scale, start_at_s=cfg.start_at_s,
                   commands=self.endpoints.commands, payload=self.endpoints.payload,
@@ -438,6 +471,7 @@ class Bus:
         return CommandSwitch(cfg.power_on_command, cfg.power_off_command, timeout_s=cfg.switch_timeout_s)
 
     def _init_state(self) -> None:
+        self.payload_idle_since: float | None = None
         cfg = self.config
         self.clock = TraceClock(cfg.time_scale, cfg.start_at_s, self.buslog.started_monotonic)
         self.trace_on, self.pending_warning, actions = trace_actions(self.trace, cfg.start_at_s)
@@ -498,6 +532,9 @@ class Bus:
 
     def _step(self) -> None:
         now = time.monotonic()
+        if self.config.skip_idle:
+            self._skip_idle(now)
+            now = time.monotonic()
         self._run_due_actions(now)
         self._telemetry_tick(now)
         self._watch_payload(now)
@@ -506,6 +543,29 @@ class Bus:
         self.store.flush()
         timeout = self._next_due(time.monotonic())
         self._receive(timeout)
+
+    def _skip_idle(self, now: float) -> None:
+        """Jump the trace clock to the next trace action when nothing can happen before it."""
+        if not self.actions:
+            return
+        target = self.actions[0].trace_s
+        trace_now = self.clock.trace_s(now)
+        holds = [h for h in self.config.hold_at_s if h > trace_now]
+        if holds:
+            target = min(target, min(holds))
+        if target <= trace_now:
+            return
+        off_waiting = not self.switch.is_on() and not self.trace_on and self.actions[0].kind == "power_on"
+        idle = (self.switch.is_on() and self.payload_rid is not None and self.payload_idle_since is not None
+                and now - self.payload_idle_since > IDLE_CONFIRM_S and not len(self.store.pending()))
+        if not (off_waiting or idle):
+            return
+        delta = self.clock.at(target) - now
+        if delta < SKIP_MIN_S:
+            return
+        self.clock.t0 -= delta
+        self.buslog.write(bl.CLOCK_SKIP, **self._stamp(), from_trace_s=round(trace_now, 3), to_trace_s=round(target, 3),
+                          reason="payload off" if off_waiting else "payload idle")
 
     def _next_due(self, now: float) -> float:
         due = now + POLL_MAX_S
@@ -923,6 +983,10 @@ class Bus:
             self.gap_reported = False
             if isinstance(message, m.Heartbeat):
                 self._confirm_by_time(now)
+                if message.current_task is None:
+                    self.payload_idle_since = self.payload_idle_since or now
+                else:
+                    self.payload_idle_since = None
         self._publish(received.packet)
         self._route_payload_report(message, received.packet, now)
 
@@ -930,6 +994,7 @@ class Bus:
         self.link_id += 1
         self.payload_rid = rid
         self.last_seen = now
+        self.payload_idle_since = None
         boot_count = message.boot_count if isinstance(message, m.Heartbeat) else None
         self.buslog.write(bl.PAYLOAD_CONNECTED, **self._stamp(now), link=self.link_id, boot_count=boot_count,
                           after_power_on_s=round(now - self.powered_at, 3) if self.powered_at else None,
@@ -997,12 +1062,18 @@ class Bus:
         elif isinstance(message, m.TaskResult) and message.task_id in self.task_owner:
             key = self.task_owner[message.task_id]
             source = key[1]
+        # A task's answer goes into the run log in full (a replay compares it bit for bit).
+        result = ({"token_ids": list(message.token_ids), "logits_sha256": bytes(message.logits_sha256).hex(),
+                   "interruptions": message.interruptions} if isinstance(message, m.TaskResult) else {})
         if key is None:
+            if result:
+                self.buslog.write(bl.PAYLOAD_REPORT, **self._stamp(now), type=message.TYPE.name, request=None,
+                                  task_id=message.task_id, code=None, routed=False, **result)
             return  # periodic housekeeping: telemetry only
         routed = self._to_ground(packet, key, source)
         self.buslog.write(bl.PAYLOAD_REPORT, **self._stamp(now), type=message.TYPE.name,
                           request=_request_dict(RequestRef(*key)), task_id=getattr(message, "task_id", None),
-                          code=None, routed=routed)
+                          code=None, routed=routed, **result)
 
     # ------------------------------------------------------------------ shutdown
     def _shutdown(self) -> None:
@@ -1112,6 +1183,10 @@ def config_to_argv(config: BusConfig) -> list[str]:
             "--payload-client", c.payload_client, "--switch-timeout", repr(float(c.switch_timeout_s))]
     if c.stop_at_end:
         argv.append("--stop-at-end")
+    if c.skip_idle:
+        argv.append("--skip-idle")
+    for hold in c.hold_at_s:
+        argv += ["--hold-at", repr(float(hold))]
     if not c.log_packets:
         argv.append("--no-log-packets")
     optional = {

@@ -68,6 +68,12 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
                    help="start at trace second S (default 0)")
     g.add_argument("--stop-at-end", action="store_true",
                    help="cut the payload and exit at the trace's end (default: keep the payload on)")
+    g.add_argument("--skip-idle", action="store_true",
+                   help="compressed long runs: jump the trace clock over spans where nothing can happen (payload "
+                        "off until its next power-on; payload on, connected and idle until the next trace event)")
+    g.add_argument("--hold-at", action="append", type=float, default=[], metavar="TRACE_S",
+                   help="with --skip-idle, never jump past this trace second (repeatable; e.g. when the ground "
+                        "will uplink something)")
 
     g = run.add_argument_group("storage and keys")
     g.add_argument("--data-dir", required=True,
@@ -167,6 +173,7 @@ def config_from_args(args):
     return BusConfig(
         trace=args.trace, data_dir=args.data_dir, keys_dir=args.keys, time_scale=args.time_scale,
         start_at_s=args.start_at, stop_at_end=args.stop_at_end,
+        skip_idle=args.skip_idle, hold_at_s=tuple(args.hold_at),
         endpoints=Endpoints(commands=args.commands_endpoint, payload=args.payload_endpoint,
                             telemetry=args.telemetry_endpoint),
         payload_connect_endpoint=args.payload_connect_endpoint, power_driver=args.power_driver,

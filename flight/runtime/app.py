@@ -369,7 +369,6 @@ class FlightApp:
         self.event(EventId.TASK_FAILED, f"task {task.task_id} failed: {code.name}", task.task_id)
 
     def _engine_events(self, task, request):
-        totals = {}
         last_sent = {"t": 0.0}
 
         def on_event(name, **fields):
@@ -378,7 +377,6 @@ class FlightApp:
                 if phase not in (None, "start"):
                     self.event(EventId.RECOVERY_PLANNED, f"task {task.task_id} resumes in {phase} at "
                                                          f"{fields.get('position')}", task.task_id)
-                totals["prefill"] = fields.get("chunks", 0) * fields.get("groups", 0)
             elif name == "manifest_mismatch":
                 self.event(EventId.CHECKPOINT_MANIFEST_MISMATCH, f"task {task.task_id}: checkpoints from another "
                                                                  f"configuration, restarting", task.task_id)
@@ -396,10 +394,7 @@ class FlightApp:
             if phase == TaskPhase.VISION:
                 done, total = fields["block"], fields["of"]
             elif phase == TaskPhase.PREFILL:
-                self.current["prefill_done"] = self.current.get("prefill_done", 0) + 1 \
-                    if self.current["phase"] == TaskPhase.PREFILL else 1
-                done, total = self.current["prefill_done"], max(totals.get("prefill", 1), 1)
-                done = min(done, total)
+                done, total = fields["done"], fields["of"]
             else:
                 done, total = fields["step"], fields["of"]
             changed = phase != self.current["phase"]

@@ -1,0 +1,212 @@
+"""`ow hil run | campaign | replay | deploy`: the testbench from the command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_MODEL = os.path.join("runs", "models", "qwen3-vl-tiny")
+
+
+def register_testbench(hsub) -> None:
+    run = hsub.add_parser(
+        "run", help="run the real bus and payload against a trace with a workload; measure and check",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Start `ow bus run` on TRACE (it spawns and SIGKILLs `ow flight run`), uplink N requests through\n"
+                    "the ground link, wait for every result and measure per request: end-to-end time, cuts suffered,\n"
+                    "recovery latency, work lost, bytes written, energy. Every answer is checked bit for bit against\n"
+                    "an uninterrupted reference. Writes OUT/report.json and OUT/summary.txt.")
+    _common(run)
+    run.add_argument("--trace", required=True, help="trace file or shipped name (ow hil trace-info lists them)")
+    run.add_argument("--policy", default="orbitweaver", help="checkpoint policy (default orbitweaver)")
+    run.set_defaults(func=cmd_run)
+
+    camp = hsub.add_parser(
+        "campaign", help="a matrix of traces x policies x seeds; writes a markdown report with plots",
+        description="Run the testbench for every trace x policy x seed and write OUT/report.md (tables and PNG "
+                    "plots) and OUT/campaign.json. Seed 0 uses a shipped trace as is; other seeds generate another "
+                    "realisation of a generated trace kind.")
+    _common(camp)
+    camp.add_argument("--traces", required=True, help="comma-separated traces, e.g. trace-a,trace-b")
+    camp.add_argument("--policies", default="orbitweaver,none", help="comma-separated policies")
+    camp.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+    camp.set_defaults(func=cmd_campaign)
+
+    rep = hsub.add_parser(
+        "replay", help="re-drive a recorded bus run against this build; fail on any divergence",
+        description="Read a bus run log (a bus data dir's bus-log.jsonl), start a fresh bus and payload on the same "
+                    "trace and time scale, re-send every recorded telecommand at its recorded instant, and compare "
+                    "the power timeline, every command's outcome and every task's reports and answer. Exit 0 if "
+                    "identical, 1 on a divergence (listed).")
+    rep.add_argument("log", help="bus-log.jsonl of the run to replay")
+    rep.add_argument("--model", default=None, help="model directory (default: the recording's)")
+    rep.add_argument("--out", default=None, help="where the replay runs (default: a new directory under runs/)")
+    rep.add_argument("--json", action="store_true")
+    rep.set_defaults(func=cmd_replay)
+
+    dep = hsub.add_parser(
+        "deploy", help="the 72-hour two-satellite deployment in compressed time",
+        description="Two buses and payloads, one per satellite, on deployment traces (one payload window per orbit), "
+                    "REQUESTS arriving at random over HOURS; idle spans are skipped so 72 hours take minutes. Reports "
+                    "requests completed, shutdowns, interrupted requests and windows per request beside the paper's.")
+    dep.add_argument("--hours", type=float, default=72.0)
+    dep.add_argument("--requests", type=int, default=50)
+    dep.add_argument("--seed", type=int, default=1)
+    dep.add_argument("--scale", type=float, default=0.03, help="wall seconds per trace second while work runs")
+    dep.add_argument("--model", default=None, help=f"model directory (default: build the tiny model in {DEFAULT_MODEL})")
+    dep.add_argument("--out", default=os.path.join("runs", "deploy"))
+    dep.add_argument("--json", action="store_true")
+    dep.set_defaults(func=cmd_deploy)
+
+
+def _common(p) -> None:
+    p.add_argument("--requests", type=int, default=3, help="requests in the workload (sample images, rotating prompts)")
+    p.add_argument("--model", default=None, help=f"model directory (default: build the tiny model in {DEFAULT_MODEL})")
+    p.add_argument("--time-scale", default="auto",
+                   help="wall seconds per trace second, or auto: one uninterrupted request (boot included) lasts "
+                        "the trace's reference request (180 trace s: the paper's three-minute missions)")
+    p.add_argument("--request-seconds", type=float, default=20.0,
+                   help="with --pace-ms unset: pace the payload so one uninterrupted request takes this long (wall)")
+    p.add_argument("--pace-ms", type=float, default=None, help="per-unit pace of the payload (ms)")
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--chunk", type=int, default=16)
+    p.add_argument("--group", type=int, default=2)
+    p.add_argument("--decode-every", type=int, default=4)
+    p.add_argument("--planner", default="chunk-first")
+    p.add_argument("--start-at", type=float, default=0.0, help="trace second to start at")
+    p.add_argument("--timeout", type=float, default=None, help="wall seconds to wait for all results")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+
+def ensure_model(path: str | None) -> str:
+    if path:
+        from flight.model.loader import ModelError, read_model_type
+        from common.cli import CliError
+
+        try:
+            read_model_type(path)
+        except ModelError as exc:
+            raise CliError(str(exc), 3) from None
+        return path
+    if not os.path.exists(os.path.join(DEFAULT_MODEL, "model.safetensors")):
+        from flight.model.tiny import build_tiny
+
+        build_tiny("qwen3-vl", "tiny", 0, DEFAULT_MODEL)
+    return DEFAULT_MODEL
+
+
+def _config(args, trace: str, policy: str):
+    from common.cli import CliError
+    from hil.testbench import BenchConfig, default_workload
+
+    try:
+        scale = "auto" if args.time_scale == "auto" else float(args.time_scale)
+    except ValueError:
+        raise CliError(f"--time-scale must be a number or auto, not {args.time_scale!r}", 2) from None
+    if args.requests < 1:
+        raise CliError("--requests must be at least 1", 2)
+    return BenchConfig(trace=trace, model=ensure_model(args.model), out_dir=args.out, policy=policy,
+                       requests=args.requests, workload=default_workload(args.requests, args.max_new_tokens),
+                       time_scale=scale, request_seconds=args.request_seconds, pace_ms=args.pace_ms,
+                       chunk=args.chunk, group=args.group, decode_every=args.decode_every, planner=args.planner,
+                       start_at_s=args.start_at, timeout_s=args.timeout)
+
+
+def _check_trace(trace: str) -> None:
+    from common.cli import CliError
+    import traces
+
+    try:
+        traces.resolve(trace)
+    except FileNotFoundError as exc:
+        raise CliError(str(exc), 2) from None
+    problems = traces.validate(traces.resolve(trace))
+    if problems:
+        raise CliError(f"invalid trace: {problems[0]}", 2)
+
+
+def _check_policy(policy: str) -> None:
+    from common.cli import CliError
+    from flight.checkpoint.policies import POLICIES
+
+    if policy not in POLICIES:
+        raise CliError(f"unknown policy {policy!r}; choose from {', '.join(sorted(POLICIES))}", 2)
+
+
+def cmd_run(args) -> int:
+    from common import log as owlog
+    from hil.testbench import Testbench
+
+    owlog.setup(args.log_level, component="hil")
+    _check_trace(args.trace)
+    _check_policy(args.policy)
+    report = Testbench(_config(args, args.trace, args.policy)).run()
+    print(json.dumps(report.to_json(), indent=2) if args.json else report.summary())
+    return 0 if report.completion_rate == 1.0 and report.all_correct else 1
+
+
+def cmd_campaign(args) -> int:
+    from common import log as owlog
+    from common.cli import CliError
+    from hil.campaign import run_campaign
+
+    owlog.setup(args.log_level, component="hil")
+    traces_ = [t for t in args.traces.split(",") if t]
+    policies = [p for p in args.policies.split(",") if p]
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s]
+    except ValueError:
+        raise CliError("--seeds must be comma-separated integers", 2) from None
+    for t in traces_:
+        _check_trace(t)
+    for p in policies:
+        _check_policy(p)
+    cells = run_campaign(_config(args, traces_[0], policies[0]), traces_, policies, seeds)
+    print(f"report: {os.path.join(args.out, 'report.md')}")
+    return 0 if all(c.report.all_correct for c in cells if any(r.completed for r in c.report.requests)) else 1
+
+
+def cmd_replay(args) -> int:
+    import time
+
+    from common import log as owlog
+    from common.cli import CliError
+    from hil.replay import replay
+
+    owlog.setup("warning", component="hil")
+    if not os.path.isfile(args.log):
+        raise CliError(f"no such log: {args.log}", 2)
+    out = args.out or os.path.join("runs", f"replay-{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        report = replay(args.log, out, model=args.model)
+    except ValueError as exc:
+        raise CliError(str(exc), 2) from None
+    if args.json:
+        print(json.dumps({"passed": report.passed, "differences": report.differences, "notes": report.notes}, indent=2))
+    else:
+        for note in report.notes:
+            print(f"note: {note}")
+        if report.passed:
+            print(f"replay identical: {report.commands_sent} commands re-sent, no divergence ({out})")
+        else:
+            print(f"replay DIVERGED ({len(report.differences)} differences; {out}):")
+            for d in report.differences:
+                print(f"  - {d}")
+    return 0 if report.passed else 1
+
+
+def cmd_deploy(args) -> int:
+    from common import log as owlog
+    from common.cli import CliError
+    from hil.deploy import run_deploy
+
+    owlog.setup("warning", component="hil")
+    if args.hours <= 0 or args.requests < 2:
+        raise CliError("--hours must be positive and --requests at least 2", 2)
+    report = run_deploy(ensure_model(args.model), args.out, args.hours, args.requests, args.seed, args.scale)
+    print(json.dumps(report.__dict__, indent=2, default=str) if args.json else report.summary())
+    return 0 if report.completed == report.requests else 1
