@@ -29,7 +29,7 @@ ROOT = os.path.dirname(HERE)
 
 
 def ensure_model(size: str, arch: str = "qwen3-vl") -> str:
-    path = os.path.join(ROOT, "runs", "models", f"{arch}-{size}")
+    path = os.path.join(ROOT, "runs", "models", f"{arch}-{size}-bf16")
     if not os.path.exists(os.path.join(path, "model.safetensors")):
         from flight.model.tiny import build_tiny
 
