@@ -1,0 +1,97 @@
+"""Bad input to the real payload process: each class is rejected with its own code, the process
+keeps running, and the queue is intact."""
+import hashlib
+import os
+import signal
+
+import msgpack
+import pytest
+
+from buspeer import BusPeer, spawn_flight
+from common.wire import Apid, MessageType, NodeId, ResponseCode, encode
+from common.wire import messages as m
+from common.wire.packet import PacketType, frame
+
+
+@pytest.fixture
+def payload(tmp_path, model_dirs):
+    bus = BusPeer(str(tmp_path / "keys"))
+    proc = spawn_flight(tmp_path / "data", model_dirs["qwen3-vl"], tmp_path / "keys", bus.endpoint,
+                        log_path=tmp_path / "flight.log")
+    bus.wait_connected()
+    yield bus, proc
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    bus.close()
+
+
+def _tc(bus, message_type, body) -> tuple[bytes, int]:
+    seq = bus.counter.next(Apid.PAYLOAD)
+    raw = body if isinstance(body, bytes) else msgpack.packb(body, use_bin_type=True)
+    return frame(PacketType.TC, Apid.PAYLOAD, seq, message_type, raw, source_id=NodeId.GROUND, time_us=0), seq
+
+
+def _uplink(**changes):
+    body = {"task_id": "t9", "prompt": "describe", "images": ["a.png"], "max_new_tokens": 4, "priority": 0}
+    body.update(changes)
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def _chunk(data=b"\x00" * 10, **changes):
+    body = {"image": "x.png", "index": 0, "total": 1, "offset": 0, "image_size": len(data), "data": data,
+            "crc32c": m.crc32c(data), "sha256": hashlib.sha256(data).digest()}
+    body.update(changes)
+    return body
+
+
+def _bad_utf8_prompt():
+    raw = msgpack.packb(_uplink(prompt="PLACEHOLDER"), use_bin_type=True)
+    return raw.replace(b"PLACEHOLDER", b"\xff\xfeBAD\xc3(\xa0\xa1xx")
+
+
+CASES = [
+    ("malformed", lambda bus: (b"\x18\x20\x00", None), ResponseCode.MALFORMED_PACKET),
+    ("bad_crc", lambda bus: _flip_crc(bus), ResponseCode.BAD_CRC),
+    ("unknown_command", lambda bus: _tc(bus, 0x01EE, {}), ResponseCode.UNKNOWN_COMMAND),
+    ("missing_field", lambda bus: _tc(bus, MessageType.UPLINK_TASK, _uplink(prompt=None)), ResponseCode.MISSING_FIELD),
+    ("invalid_utf8", lambda bus: _tc(bus, MessageType.UPLINK_TASK, _bad_utf8_prompt()), ResponseCode.INVALID_UTF8),
+    ("path_like_name", lambda bus: _tc(bus, MessageType.UPLINK_TASK, _uplink(task_id="../etc")), ResponseCode.PATH_LIKE_NAME),
+    ("oversized_image", lambda bus: _tc(bus, MessageType.IMAGE_CHUNK, _chunk(image_size=64 << 20)),
+     ResponseCode.IMAGE_TOO_LARGE),
+    ("chunk_crc", lambda bus: _tc(bus, MessageType.IMAGE_CHUNK, _chunk(crc32c=123)), ResponseCode.CHUNK_CRC_MISMATCH),
+    ("undecodable_image", lambda bus: _tc(bus, MessageType.IMAGE_CHUNK, _chunk(data=b"not a picture at all")),
+     ResponseCode.IMAGE_UNDECODABLE),
+]
+
+
+def _flip_crc(bus):
+    seq = bus.counter.next(Apid.PAYLOAD)
+    packet = bytearray(encode(m.Ping(key=1), Apid.PAYLOAD, seq, source_id=NodeId.GROUND))
+    packet[-1] ^= 0xFF
+    return bytes(packet), seq
+
+
+def test_each_bad_input_has_its_own_code_and_nothing_is_lost(payload):
+    bus, proc = payload
+    seq = bus.command(m.UplinkTask(task_id="waiting", prompt="count the ships", images=["never.png"],
+                                   max_new_tokens=4, priority=1))
+    bus.wait_for(lambda h, x: isinstance(x, m.Accepted) and x.tc_seq == seq)
+    codes = {}
+    for name, make, expected in CASES:
+        packet, seq = make(bus)
+        mark = len(bus.received)
+        bus.raw(packet)
+        rejected = bus.wait_for(lambda h, x: isinstance(x, m.Rejected) and (seq is None or x.tc_seq == seq),
+                                timeout=30, start=mark)[1]
+        codes[name] = rejected.code
+        assert rejected.code == expected, (name, rejected.code.name, rejected.reason)
+        assert rejected.reason
+    assert len(set(codes.values())) == len(CASES)  # each class its own code
+    assert proc.poll() is None  # still running
+    seq = bus.command(m.Status())
+    hk = bus.wait_for(lambda h, x: isinstance(x, m.Housekeeping), start=len(bus.received) - 1)[1]
+    assert hk.queue_depth == 1  # the queued task is still there
+    assert hk.error_count >= len(CASES)
+    seq = bus.command(m.Ping(key=42))
+    assert bus.wait_for(lambda h, x: isinstance(x, m.Pong) and x.key == 42)
