@@ -40,13 +40,9 @@ PROGRESS = (0.25, 0.5, 0.75)
 
 def ensure_small_model() -> str:
     """The `small` bf16 model, built once (the same directory the engine benchmark uses)."""
-    path = os.path.join(ROOT, "runs", "models", "qwen3-vl-small")
-    if not os.path.exists(os.path.join(path, "model.safetensors")):
-        from flight.model.tiny import build_tiny
+    from bench.engine_overhead import ensure_model
 
-        print(f"building the small model in {path} ...", file=sys.stderr)
-        build_tiny("qwen3-vl", "small", 0, path, dtype="bfloat16")
-    return path
+    return ensure_model("small")
 
 
 # ---- frontiers --------------------------------------------------------------------------------

@@ -83,6 +83,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="int8: quantise the KV in decode checkpoints (smaller, faster decode-phase recovery). "
                         "GIVES UP BITWISE IDENTITY: after a resume in decode the answer may differ from an "
                         "uninterrupted run. Off by default")
+    g.add_argument("--emulate-read-mbps", type=float, default=None, metavar="MB/S",
+                   help="throttle weight and checkpoint reads to this bandwidth (emulate a target's storage)")
+    g.add_argument("--emulate-write-mbps", type=float, default=None, metavar="MB/S",
+                   help="throttle checkpoint writes to this bandwidth (emulate a target's storage)")
     g.add_argument("--pace-ms", type=float, default=0.0,
                    help="stretch each block/step to at least this many ms (emulates a slower payload)")
 
@@ -104,6 +108,21 @@ def engine_options(args):
     return EngineOptions(geometry=Geometry(args.chunk, args.group, args.decode_every, args.vision_every),
                          policy=args.policy, planner=args.planner, pace_ms=args.pace_ms, threads=args.threads,
                          decode_kv_compression=args.decode_kv_compression)
+
+
+def storage_for(args):
+    """The file layer: plain, or throttled to emulate a target device's storage bandwidth."""
+    from common.durable import DurableFS, ThrottledFS
+
+    from common.cli import CliError
+
+    read, write = getattr(args, "emulate_read_mbps", None), getattr(args, "emulate_write_mbps", None)
+    for name, value in (("--emulate-read-mbps", read), ("--emulate-write-mbps", write)):
+        if value is not None and value <= 0:
+            raise CliError(f"{name} must be positive", EXIT_USAGE)
+    if read is None and write is None:
+        return DurableFS()
+    return ThrottledFS(read * 1e6 if read else None, write * 1e6 if write else None)
 
 
 def cmd_build_tiny(args) -> int:
@@ -161,8 +180,10 @@ def cmd_infer(args) -> int:
         images = [load_image(p) for p in args.image]
     except InputError as exc:
         raise CliError(str(exc), EXIT_INPUT) from None
+    fs = storage_for(args)
     try:
-        model = load_model(args.model, device=args.device, dtype=args.dtype, attn_implementation=args.attn)
+        model = load_model(args.model, device=args.device, dtype=args.dtype, attn_implementation=args.attn,
+                           read_hook=fs.charge_read)
     except ModelError as exc:
         raise CliError(str(exc), EXIT_MODEL) from None
     try:
@@ -177,7 +198,7 @@ def cmd_infer(args) -> int:
 
     logger.info("engine_started", model=model.model_dir, arch=model.model_type, device=model.device.type,
                 prompt_tokens=inputs.num_tokens, images=len(images), policy=options.policy)
-    result = Engine(model, options, events=events).run(inputs, args.ckpt_dir, args.max_new_tokens)
+    result = Engine(model, options, fs=fs, events=events).run(inputs, args.ckpt_dir, args.max_new_tokens)
     if args.json:
         print(json.dumps({"token_ids": result.token_ids, "text": result.text, "finish_reason": result.finish_reason,
                           "resumed": result.resumed, "resumed_from": result.resumed_from,

@@ -33,6 +33,9 @@ from .recovery.executor import PlanExecutor, RecordRejected
 from .recovery.plan import ComputeOp, ReadOp, RecoveryProblem, make_plan
 
 MAX_REPLANS = 8
+# Share of a decoder layer's compute that KV re-projection costs (input norm + Q/K/V projections
+# of the attention's ~12 GEMM-equivalents per token, for the pace emulation only).
+REPROJECT_SHARE = 0.25
 
 
 class SimulatedCut(Exception):
@@ -76,7 +79,11 @@ class Result:
 
 
 class _Pacer:
-    """Stretches each unit of work to at least `ms` milliseconds (demo / testbench emulation)."""
+    """Stretches each unit of work to at least `ms` milliseconds (demo / testbench emulation).
+
+    The unit is one vision block, one decoder layer on one prefill chunk (a block of G layers
+    counts G), or one decode step, so policies with other block shapes take the same emulated
+    compute time."""
 
     def __init__(self, ms: float):
         self.s = ms / 1000.0
@@ -85,9 +92,9 @@ class _Pacer:
     def begin(self):
         self.start = time.perf_counter()
 
-    def end(self):
+    def end(self, units: float = 1.0):
         if self.s > 0:
-            left = self.s - (time.perf_counter() - self.start)
+            left = self.s * units - (time.perf_counter() - self.start)
             if left > 0:
                 time.sleep(left)
 
@@ -411,10 +418,12 @@ class _RequestRun:
         (l0, l1), (s, e) = self.groups[g], self.chunks[c]
         if l1 - l0 != 1:
             raise RuntimeError("KV re-projection needs one layer per block (G = 1)")
+        self.pacer.begin()
         self.m.weights.ensure(*self.a.layer_modules(l0))
         h = self._embed_chunk(c) if g == 0 else self.hidden.pop((g - 1, c))
         pe = self.a.rotary(h, self.pos4[1:, :, s:e])
         self.read_kv[(l0, c)] = self.a.reproject_kv(l0, h, self.pos4[0, :, s:e], pe)
+        self.pacer.end(units=REPROJECT_SHARE)
 
     def _compute_op(self, op: ComputeOp) -> None:
         if op.kind == "reproject":
@@ -444,7 +453,7 @@ class _RequestRun:
         self.kv_chunks[l0:l1] = [c + 1] * (l1 - l0)
         if (g + 1, c) in self.scheduled or (g, c) == (len(self.groups) - 1, len(self.chunks) - 1):
             self.hidden[(g, c)] = h
-        self.pacer.end()
+        self.pacer.end(units=l1 - l0)
         self.prefill_done += 1
         self.events("prefill_block_done", group=g, chunk=c, done=self.prefill_done,
                     of=len(self.groups) * len(self.chunks))

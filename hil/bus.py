@@ -472,6 +472,7 @@ class Bus:
 
     def _init_state(self) -> None:
         self.payload_idle_since: float | None = None
+        self.payload_queue_depth: int | None = None
         cfg = self.config
         self.clock = TraceClock(cfg.time_scale, cfg.start_at_s, self.buslog.started_monotonic)
         self.trace_on, self.pending_warning, actions = trace_actions(self.trace, cfg.start_at_s)
@@ -557,7 +558,8 @@ class Bus:
             return
         off_waiting = not self.switch.is_on() and not self.trace_on and self.actions[0].kind == "power_on"
         idle = (self.switch.is_on() and self.payload_rid is not None and self.payload_idle_since is not None
-                and now - self.payload_idle_since > IDLE_CONFIRM_S and not len(self.store.pending()))
+                and now - self.payload_idle_since > IDLE_CONFIRM_S and not len(self.store.pending())
+                and self.payload_queue_depth == 0)
         if not (off_waiting or idle):
             return
         delta = self.clock.at(target) - now
@@ -933,6 +935,7 @@ class Bus:
             batch.append(entry)
         if not batch:
             return
+        self.payload_queue_depth = None  # a command may add work: wait for the next housekeeping report
         for entry in batch:
             self.store.mark_forwarded(entry, self.link_id)
         self.store.flush()
@@ -981,6 +984,8 @@ class Bus:
                     self.fdir_mode = FdirMode.NOMINAL
             self.last_seen = now
             self.gap_reported = False
+            if isinstance(message, m.Housekeeping):
+                self.payload_queue_depth = message.queue_depth
             if isinstance(message, m.Heartbeat):
                 self._confirm_by_time(now)
                 if message.current_task is None:
@@ -995,6 +1000,7 @@ class Bus:
         self.payload_rid = rid
         self.last_seen = now
         self.payload_idle_since = None
+        self.payload_queue_depth = None  # unknown until its next housekeeping report
         boot_count = message.boot_count if isinstance(message, m.Heartbeat) else None
         self.buslog.write(bl.PAYLOAD_CONNECTED, **self._stamp(now), link=self.link_id, boot_count=boot_count,
                           after_power_on_s=round(now - self.powered_at, 3) if self.powered_at else None,

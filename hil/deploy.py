@@ -99,7 +99,8 @@ class DeployReport:
 
 
 def run_deploy(model: str, out_dir: str, hours: float = 72.0, requests: int = 50, seed: int = 1,
-               scale: float = 0.03, say=print) -> DeployReport:
+               scale: float = 0.03, say=None) -> DeployReport:
+    say = say or (lambda line: print(line, flush=True))
     import traces
     from hil.bus import BusConfig, BusProcess
     from hil.testbench import BenchConfig, default_workload, measure_boot_seconds, reference_run
@@ -161,7 +162,7 @@ def _drive(sat: DeploySatellite, assignments, workload, refs, model, keys, out: 
     cfg = BusConfig(trace=sat.trace_path, data_dir=str(out / sat.name), keys_dir=keys, time_scale=scale,
                     endpoints=Endpoints("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", "tcp://127.0.0.1:*"), model=model,
                     flight_args=flight_args, skip_idle=True, hold_at_s=tuple(a for _, a, _ in assignments),
-                    stop_at_end=True, heartbeat_timeout_s=30.0, boot_timeout_s=90.0)
+                    heartbeat_timeout_s=30.0, boot_timeout_s=90.0)
     bus = BusProcess(cfg).start()
     try:
         with GroundClient(keys, endpoints=bus.endpoints, station="ground", timeout_s=60.0, retries=200,
@@ -169,6 +170,8 @@ def _drive(sat: DeploySatellite, assignments, workload, refs, model, keys, out: 
             clock = {"trace_s": 0.0}
             for _, arrival, i in assignments:
                 while clock["trace_s"] < arrival:  # the bus clock, from its telemetry
+                    if bus.proc.poll() is not None:
+                        raise RuntimeError(f"{sat.name}: the bus exited ({bus.proc.returncode}); see {bus.log_path}")
                     for t in g.telemetry(0.5):
                         msg = t.message
                         if hasattr(msg, "trace_time_s"):

@@ -87,6 +87,9 @@ class BenchConfig:
     power: PowerModel = field(default_factory=PowerModel)
     endpoints: Endpoints | None = None     # default: ephemeral loopback ports
     extra_flight_args: tuple[str, ...] = ()
+    #: throttle the payload's storage so that reading/writing a layer-chunk of KV takes, relative
+    #: to computing it (the pace), what it takes on a Jetson AGX Orin with NVMe running Qwen3-VL-2B
+    emulate_target_storage: bool = False
 
 
 @dataclass
@@ -144,6 +147,34 @@ class BenchReport:
 
 _BOOT_SECONDS: list[float] = []
 _REFERENCES: dict = {}
+
+
+NVME_WRITE_BYTES_PER_S = 2.0e9  # sustained write of a Gen3 x4 class NVMe drive with fsync batches
+
+
+def target_storage_mbps(model_dir: str, chunk: int, pace_ms: float) -> tuple[float, float]:
+    """(read MB/s, write MB/s) that give the paced payload the Orin's storage-to-compute ratio.
+
+    On the target, reading one layer's KV for a 1,024-token chunk of Qwen3-VL-2B takes r times as
+    long as computing that layer on that chunk (flight/recovery/cost.py: Orin numbers). Here a
+    layer-chunk is paced to `pace_ms`, so its KV bytes must move in r x pace."""
+    import json as _json
+
+    from flight.recovery.cost import MODELS, ORIN_AGX_NVME, REFERENCE_CHUNK, CostModel
+
+    target = CostModel.for_target(MODELS["qwen3-vl-2b"], ORIN_AGX_NVME)
+    dims = MODELS["qwen3-vl-2b"]
+    kv_target = dims.kv_bytes_per_token_layer * REFERENCE_CHUNK
+    compute = target.compute_s(1, REFERENCE_CHUNK, REFERENCE_CHUNK)
+    read_ratio = kv_target / ORIN_AGX_NVME.read_bytes_per_s / compute
+    write_ratio = kv_target / NVME_WRITE_BYTES_PER_S / compute
+    with open(os.path.join(model_dir, "config.json")) as f:
+        text = _json.load(f)["text_config"]
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    dtype_bytes = 2 if str(text.get("dtype", "float32")) in ("bfloat16", "float16") else 4
+    kv_here = 2 * text["num_key_value_heads"] * head_dim * dtype_bytes * chunk
+    pace_s = pace_ms / 1000.0
+    return kv_here / (read_ratio * pace_s) / 1e6, kv_here / (write_ratio * pace_s) / 1e6
 
 
 def measure_boot_seconds() -> float:
@@ -244,14 +275,23 @@ class Testbench:
         else:
             self.pace_ms = max(1.0, (cfg.request_seconds - self.boot_s) * 1000.0 / units)
         request_wall = self.boot_s + units * self.pace_ms / 1000.0
+        if cfg.emulate_target_storage:  # every boot also reads the weights at the emulated bandwidth
+            from flight.model.weights import weight_files
+
+            read_mbps, _ = target_storage_mbps(cfg.model, cfg.chunk, self.pace_ms)
+            request_wall += sum(os.path.getsize(p) for p in weight_files(cfg.model)) / (read_mbps * 1e6)
+        self.request_wall = request_wall
         self.scale = request_wall / self.trace.reference_request_s if cfg.time_scale == "auto" else float(cfg.time_scale)
 
     def _flight_args(self) -> list[str]:
         c = self.cfg
-        return ["--policy", c.policy, "--chunk", str(c.chunk), "--group", str(c.group), "--decode-every",
+        args = ["--policy", c.policy, "--chunk", str(c.chunk), "--group", str(c.group), "--decode-every",
                 str(c.decode_every), "--vision-every", str(c.vision_every), "--planner", c.planner,
-                "--threads", str(c.threads), "--pace-ms", f"{self.pace_ms:.3f}", "--device", "cpu",
-                *c.extra_flight_args]
+                "--threads", str(c.threads), "--pace-ms", f"{self.pace_ms:.3f}", "--device", "cpu"]
+        if c.emulate_target_storage:
+            read, write = target_storage_mbps(c.model, c.chunk, self.pace_ms)
+            args += ["--emulate-read-mbps", f"{read:.6f}", "--emulate-write-mbps", f"{write:.6f}"]
+        return args + list(c.extra_flight_args)
 
     # ---- the run --------------------------------------------------------------------------------------
     def run(self) -> BenchReport:

@@ -193,6 +193,3 @@ def make_plan(name: str, problem: RecoveryProblem) -> RecoveryPlan:
     plan = planner(problem)
     plan.validate(problem)
     return plan
-
-
-from . import optimal as _optimal  # noqa: E402,F401  (registers "optimal"; it builds on this module)

@@ -222,6 +222,7 @@ class FlightApp:
                           (request.apid, request.source_id, request.seq, request.message_type), digest)
         self._accept(request, task_id=msg.task_id)
         self.event(EventId.TASK_QUEUED, f"task {msg.task_id} queued (priority {msg.priority})", msg.task_id)
+        self.send(self.housekeeping())
         self.work_available.set()
 
     def on_cancel_task(self, request, msg: m.CancelTask) -> None:
@@ -314,7 +315,7 @@ class FlightApp:
         from flight.model.inputs import InputError, build_inputs, load_image
         from flight.model.loader import load_model
 
-        model = load_model(self.model_dir, device=self.device, dtype=self.dtype)
+        model = load_model(self.model_dir, device=self.device, dtype=self.dtype, read_hook=self.fs.charge_read)
         while not self.stop.is_set():
             task = self._next_runnable()
             if task is None:
@@ -362,6 +363,7 @@ class FlightApp:
             self.event(EventId.TASK_COMPLETED, f"task {task.task_id} completed: {len(result.token_ids)} tokens, "
                                                f"{task.interruptions} cut(s) survived", task.task_id)
             self.send_final_report(self.queue.get(task.task_id))
+            self.send(self.housekeeping())  # the queue changed: say so at once
 
     def _fail(self, task, request, code: ResponseCode, reason: str) -> None:
         self.queue.fail(task.task_id, code, reason)

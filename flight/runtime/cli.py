@@ -57,7 +57,9 @@ def cmd_run(args) -> int:
         torch.set_num_threads(options.threads)
     from flight.runtime.app import FlightApp
 
+    from flight.cli import storage_for
+
     app = FlightApp(args.data_dir, args.model, args.keys, args.payload_endpoint, options,
-                    device=args.device, dtype=args.dtype)
+                    device=args.device, dtype=args.dtype, fs=storage_for(args))
     signal.signal(signal.SIGTERM, lambda *_: app.stop.set())
     return app.run()
