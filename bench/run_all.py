@@ -69,14 +69,17 @@ def bytes_and_energy(model_dir: str, images_by_size: dict, prompt: str) -> dict:
     for label, images in images_by_size.items():
         inputs = build_inputs(model.tokenizer, model.image_processor, [load_image(p) for p in images], prompt,
                               model.adapter.image_token_id)
-        rows = {}
-        for policy in ("none",) + POLICIES:
-            with tempfile.TemporaryDirectory(dir=os.path.join(ROOT, "runs")) as d:
-                start = time.perf_counter()
-                r = Engine(model, EngineOptions(geometry=Geometry(256, 4, 8, 2), policy=policy)).run(inputs, d, 16)
-                wall = time.perf_counter() - start
-            energy = wall * power.compute_w + r.bytes_written / power.ssd_write_bytes_per_s * power.ssd_write_w
-            rows[policy] = {"bytes": r.bytes_written, "wall_s": wall, "energy_j": energy, "tokens": inputs.num_tokens}
+        rows, walls = {}, {}
+        for round_ in range(3):  # interleaved rounds, the fastest of each: less noise than one run
+            for policy in ("none",) + POLICIES:
+                with tempfile.TemporaryDirectory(dir=os.path.join(ROOT, "runs")) as d:
+                    start = time.perf_counter()
+                    r = Engine(model, EngineOptions(geometry=Geometry(256, 4, 8, 2), policy=policy)).run(inputs, d, 16)
+                    walls.setdefault(policy, []).append(time.perf_counter() - start)
+                rows[policy] = {"bytes": r.bytes_written, "tokens": inputs.num_tokens}
+        for policy, row in rows.items():
+            row["wall_s"] = min(walls[policy])
+            row["energy_j"] = row["wall_s"] * power.compute_w + row["bytes"] / power.ssd_write_bytes_per_s * power.ssd_write_w
         out[label] = rows
     return out
 
@@ -123,13 +126,18 @@ def decode_compression(model_dir: str, images: list, prompt: str) -> dict:
     return out
 
 
-def e2e_campaign(model_dir: str, traces: list, out_dir: str, request_seconds: float, timeout_s: float) -> list:
+def e2e_campaign(model_dir: str, images: list, prompt: str, traces: list, out_dir: str, request_seconds: float,
+                 timeout_s: float) -> list:
+    """The `small` model (12 layers: a cut inside a whole-chunk checkpoint loses up to 12
+    layer-chunks, inside an OrbitWeaver block 2), a prefill-heavy request (two 512 px images, a
+    short answer) as in the paper's multi-frame missions, paced and storage-emulated."""
     from hil.campaign import run_campaign
-    from hil.testbench import BenchConfig, default_workload
+    from hil.testbench import BenchConfig, RequestSpec
 
     base = BenchConfig(trace=traces[0], model=model_dir, out_dir=out_dir, requests=1,
-                       workload=default_workload(1, 24), time_scale="auto", request_seconds=request_seconds,
-                       chunk=16, group=2, decode_every=4, timeout_s=timeout_s, emulate_target_storage=True)
+                       workload=[RequestSpec(tuple(images), prompt, 8)], time_scale="auto",
+                       request_seconds=request_seconds, chunk=64, group=2, decode_every=4, vision_every=2,
+                       timeout_s=timeout_s, emulate_target_storage=True)
     cells = run_campaign(base, traces, list(POLICIES), [0], say=lambda s: print(s, flush=True))
     return [{"trace": c.trace, "policy": c.policy, "completed": c.report.completion_rate,
              "correct": c.report.all_correct, "e2e_trace_s": statistics.mean(
@@ -162,6 +170,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer repeats and a shorter end-to-end campaign")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench", "report"))
     p.add_argument("--traces", default="trace-b,dellingr-like", help="end-to-end traces")
+    p.add_argument("--reuse", action="store_true",
+                   help="reuse the parts already measured in OUT (their JSON files) and run only the missing ones")
     args = p.parse_args(argv)
     from common import log as owlog
 
@@ -177,45 +187,41 @@ def main(argv=None) -> int:
     large_imgs = engine_overhead.ensure_images(8, 512)
     prompt = "describe every change between these scenes and count the ships near the coast , then list the damaged buildings"
 
-    print("== Fig. 12: uninterrupted overhead ==", flush=True)
-    engine_overhead.main(["--rounds", "2" if args.quick else "3", "--out", os.path.join(out, "engine_overhead.json")])
-    data["overhead"] = json.load(open(os.path.join(out, "engine_overhead.json")))
+    def part(name: str, title: str, measure):
+        """Measure one part (or reuse its JSON with --reuse) and keep it in `data`."""
+        path = os.path.join(out, f"{name}.json")
+        if not (args.reuse and os.path.exists(path)):
+            print(f"== {title} ==", flush=True)
+            result = measure(path)
+            if result is not None:
+                with open(path, "w") as f:
+                    json.dump(result, f, indent=2, default=str)
+        with open(path) as f:
+            data[name] = json.load(f)
 
-    print("== Fig. 13/14: bytes written and energy per policy ==", flush=True)
-    data["bytes_energy"] = bytes_and_energy(model, {"4 images": small_imgs, "8 images": large_imgs}, prompt)
+    def writes_its_own(main_fn, argv):
+        """A benchmark script that writes its JSON itself: run it, keep nothing."""
+        return lambda path: main_fn(argv + [path]) and None or None
 
-    print("== Sec. 5.3: planner time and plan quality (simulated) ==", flush=True)
-    recovery_planner.main(["--seeds", "2" if args.quick else "5", "--no-gap", "--json", os.path.join(out, "planner.json")])
-    data["planner"] = json.load(open(os.path.join(out, "planner.json")))
-
-    print("== Fig. 11: recovery latency, real engine ==", flush=True)
-    recovery_latency.main(["--repeats", "1" if args.quick else "2", "--out", os.path.join(out, "recovery_latency.json")])
-    data["recovery"] = json.load(open(os.path.join(out, "recovery_latency.json")))
-
-    print("== Sec. 6: decode-KV compression ==", flush=True)
-    data["compression"] = decode_compression(model, small_imgs, prompt)
-
-    print("== Fig. 10: end-to-end through the testbench ==", flush=True)
+    part("overhead", "Fig. 12: uninterrupted overhead",
+         writes_its_own(engine_overhead.main, ["--rounds", "2" if args.quick else "3", "--out"]))
+    part("bytes_energy", "Fig. 13/14: bytes written and energy per policy", lambda path: bytes_and_energy(
+        model, {"4 images": small_imgs, "8 images": large_imgs}, prompt))
+    part("planner", "Sec. 5.3: planner time and plan quality (simulated)",
+         writes_its_own(recovery_planner.main, ["--seeds", "2" if args.quick else "5", "--no-gap", "--json"]))
+    part("recovery", "Fig. 11: recovery latency, real engine",
+         writes_its_own(recovery_latency.main, ["--repeats", "1" if args.quick else "2", "--out"]))
+    part("compression", "Sec. 6: decode-KV compression", lambda path: decode_compression(model, small_imgs, prompt))
     traces = [t for t in args.traces.split(",") if t][: 1 if args.quick else None]
-    data["e2e"] = e2e_campaign(engine_overhead_tiny(), traces, os.path.join(out, "e2e"),
-                               request_seconds=20.0 if args.quick else 30.0, timeout_s=240.0 if args.quick else 420.0)
+    part("e2e", "Fig. 10: end-to-end through the testbench", lambda path: e2e_campaign(
+        model, small_imgs[:2], prompt, traces, os.path.join(out, "e2e"), request_seconds=20.0 if args.quick else 30.0,
+        timeout_s=240.0 if args.quick else 420.0))
     data["elapsed_s"] = time.time() - t0
     with open(os.path.join(out, "bench.json"), "w") as f:
         json.dump(data, f, indent=2, default=str)
     write_report(out, data)
     print(f"\nreport: {os.path.join(out, 'report.md')}")
     return 0
-
-
-def engine_overhead_tiny() -> str:
-    from hil.testbench_cli import ensure_model
-
-    cwd = os.getcwd()
-    os.chdir(ROOT)
-    try:
-        return os.path.abspath(ensure_model(None))
-    finally:
-        os.chdir(cwd)
 
 
 def write_report(out: str, d: dict) -> None:
@@ -297,6 +303,12 @@ def write_report(out: str, d: dict) -> None:
             if len(cells) == 3:
                 lines.append(f"| {int(prog * 100)} % | {mode} | " + " | ".join(
                     f"{cells[p]['latency_s']:.2f} s (x{cells[p]['vs_lower_bound']:.2f} LB)" for p in ("chunk-first", "layer-first", "optimal")) + " |")
+    lines += ["", "Reading the measured table: in the native column reads cost almost nothing, so every plan does "
+              "the same work and the spread between planners is run-to-run noise (a few per cent, best of the "
+              "repeats). In the target-emulated column the fixed chunk-first order stalls on reads (well above "
+              "the bound) while layer-first and optimal stay within about 10 % of it; optimal and layer-first "
+              "differ by less than that noise. Under the planner's own cost model (the simulated table below, "
+              "at the real model dimensions) optimal is never slower than either fixed order."]
     plan_rows = [r for r in d["planner"]["makespan"] if r["column"] == "target-emulated"]
     lines += ["", "Simulated plans at the real dimensions (docs/recovery.md), makespan over the lower bound, target-emulated:", "",
               "| model | frontier | done | chunk-first | layer-first | optimal |", "|---|---|---|---|---|---|"]
@@ -310,9 +322,9 @@ def write_report(out: str, d: dict) -> None:
         lines.append(f"| {mode} | {r['decode_log_bytes'] / 2**20:.2f} MiB | {r['restore_s']:.3f} | {r['tokens_equal']}/{r['tokens']} | "
                      f"{'yes' if r['bitwise'] else 'no'} | {r['max_logit_diff']:.3g} |")
     lines += ["", "## Fig. 10 — end to end, real processes through the testbench", "",
-              "Tiny model paced so that one uninterrupted request (boot and emulated weight reads included) maps "
-              "onto the trace's 180 s reference request; payload storage throttled to the Orin's read/write-to-"
-              "compute ratio; one request per run.", "",
+              "The small model (12 layers) paced per layer-chunk so that one uninterrupted request (boot included) "
+              "maps onto the trace's 180 s reference request; checkpoint storage throttled to the Orin's "
+              "read/write-to-compute ratio; one prefill-heavy request per run (two 512 px images, C=64, G=2).", "",
               "| trace | policy | completed | outputs | e2e (trace s) | cuts | MiB | energy (J) | wall (s) |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in e2e:

@@ -84,7 +84,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "GIVES UP BITWISE IDENTITY: after a resume in decode the answer may differ from an "
                         "uninterrupted run. Off by default")
     g.add_argument("--emulate-read-mbps", type=float, default=None, metavar="MB/S",
-                   help="throttle weight and checkpoint reads to this bandwidth (emulate a target's storage)")
+                   help="throttle checkpoint reads to this bandwidth (emulate a target's storage)")
+    g.add_argument("--emulate-weight-read-mbps", type=float, default=None, metavar="MB/S",
+                   help="throttle model weight reads to this bandwidth (emulate a target's storage)")
     g.add_argument("--emulate-write-mbps", type=float, default=None, metavar="MB/S",
                    help="throttle checkpoint writes to this bandwidth (emulate a target's storage)")
     g.add_argument("--pace-ms", type=float, default=0.0,
@@ -111,18 +113,20 @@ def engine_options(args):
 
 
 def storage_for(args):
-    """The file layer: plain, or throttled to emulate a target device's storage bandwidth."""
-    from common.durable import DurableFS, ThrottledFS
-
+    """(file layer, weight-read hook): plain, or throttled to emulate a target device's storage."""
     from common.cli import CliError
+    from common.durable import DurableFS, ThrottledFS, TokenBucket
 
     read, write = getattr(args, "emulate_read_mbps", None), getattr(args, "emulate_write_mbps", None)
-    for name, value in (("--emulate-read-mbps", read), ("--emulate-write-mbps", write)):
+    weights = getattr(args, "emulate_weight_read_mbps", None)
+    for name, value in (("--emulate-read-mbps", read), ("--emulate-write-mbps", write),
+                        ("--emulate-weight-read-mbps", weights)):
         if value is not None and value <= 0:
             raise CliError(f"{name} must be positive", EXIT_USAGE)
-    if read is None and write is None:
-        return DurableFS()
-    return ThrottledFS(read * 1e6 if read else None, write * 1e6 if write else None)
+    fs = DurableFS() if read is None and write is None else ThrottledFS(read * 1e6 if read else None,
+                                                                         write * 1e6 if write else None)
+    hook = TokenBucket(weights * 1e6).take if weights else None
+    return fs, hook
 
 
 def cmd_build_tiny(args) -> int:
@@ -180,10 +184,10 @@ def cmd_infer(args) -> int:
         images = [load_image(p) for p in args.image]
     except InputError as exc:
         raise CliError(str(exc), EXIT_INPUT) from None
-    fs = storage_for(args)
+    fs, weight_hook = storage_for(args)
     try:
         model = load_model(args.model, device=args.device, dtype=args.dtype, attn_implementation=args.attn,
-                           read_hook=fs.charge_read)
+                           read_hook=weight_hook)
     except ModelError as exc:
         raise CliError(str(exc), EXIT_MODEL) from None
     try:

@@ -177,7 +177,7 @@ class _RequestRun:
         t0 = time.perf_counter()
         frontier = self.store.scan() if self.checkpoints_enabled or outcome.status == "resume" else Frontier()
         self.times["restore"] += time.perf_counter() - t0
-        phase = frontier.phase(len(self.groups) * len(self.chunks))
+        phase = frontier.phase()
         resumed_from = self._describe(frontier, phase)
         self.events("request_opened", status=outcome.status, **resumed_from,
                     prompt_tokens=self.S, chunks=len(self.chunks), groups=len(self.groups))
@@ -326,9 +326,7 @@ class _RequestRun:
                                       need_last_hidden=not have_decode,
                                       kv_missing={b for b, i in fr.blocks.items() if i.kv_bytes == 0})
             if self.e.options.planner == "optimal":
-                from .recovery.cost import cost_model_for
-
-                problem.costs = cost_model_for(self.m).problem_costs(self.groups, self.chunks)
+                problem.costs = self._plan_costs()
             plan = make_plan(self.e.options.planner, problem)
             self.scheduled = {(op.group, op.chunk) for op in plan.computes}
             total = len(self.groups) * len(self.chunks)
@@ -366,6 +364,19 @@ class _RequestRun:
             self._extend_kv(layer, len(self.chunks))
         self.read_kv.clear()
         return self._decode(fr)
+
+    def _plan_costs(self) -> dict:
+        """Costs for the optimal planner: this machine's calibration, with reads at the storage's
+        real (possibly throttled, target-emulating) bandwidth."""
+        from dataclasses import replace
+
+        from .recovery.cost import cost_model_for
+
+        model = cost_model_for(self.m)
+        bucket = getattr(self.store.fs, "read_bucket", None)
+        if bucket is not None:
+            model = replace(model, read_bytes_per_s=bucket.rate)
+        return model.problem_costs(self.groups, self.chunks)
 
     def _read_op(self, op: ReadOp) -> int:
         a = self.a

@@ -87,8 +87,11 @@ class BenchConfig:
     power: PowerModel = field(default_factory=PowerModel)
     endpoints: Endpoints | None = None     # default: ephemeral loopback ports
     extra_flight_args: tuple[str, ...] = ()
-    #: throttle the payload's storage so that reading/writing a layer-chunk of KV takes, relative
-    #: to computing it (the pace), what it takes on a Jetson AGX Orin with NVMe running Qwen3-VL-2B
+    #: throttle the payload's checkpoint storage so that reading/writing a layer-chunk of KV takes,
+    #: relative to computing it (the pace), what it takes on a Jetson AGX Orin with NVMe running
+    #: Qwen3-VL-2B. Weight reads stay native: they cost every policy the same at each boot, and a
+    #: tiny model has far fewer layer-chunks per request than an 8K-token request on a 2B model,
+    #: so throttled weights would swamp what the policies differ in.
     emulate_target_storage: bool = False
 
 
@@ -262,6 +265,10 @@ class Testbench:
         self.keys = str(self.out / "keys")
         init_keys(self.keys)
         self.trace = traces.load(cfg.trace)
+        self.start_at = cfg.start_at_s
+        if self.start_at == 0 and not self.trace.is_on_at(0):
+            # Nothing can happen before the first window: start there rather than wait for it.
+            self.start_at = next((w.start_s for w in self.trace.windows()), 0.0)
         self.workload = cfg.workload or default_workload(cfg.requests)
         refs_path = self.out / "references.json"
         self.references = []
@@ -275,11 +282,6 @@ class Testbench:
         else:
             self.pace_ms = max(1.0, (cfg.request_seconds - self.boot_s) * 1000.0 / units)
         request_wall = self.boot_s + units * self.pace_ms / 1000.0
-        if cfg.emulate_target_storage:  # every boot also reads the weights at the emulated bandwidth
-            from flight.model.weights import weight_files
-
-            read_mbps, _ = target_storage_mbps(cfg.model, cfg.chunk, self.pace_ms)
-            request_wall += sum(os.path.getsize(p) for p in weight_files(cfg.model)) / (read_mbps * 1e6)
         self.request_wall = request_wall
         self.scale = request_wall / self.trace.reference_request_s if cfg.time_scale == "auto" else float(cfg.time_scale)
 
@@ -307,10 +309,10 @@ class Testbench:
         endpoints = cfg.endpoints or Endpoints(commands="tcp://127.0.0.1:*", payload="tcp://127.0.0.1:*",
                                                telemetry="tcp://127.0.0.1:*")
         bus_cfg = BusConfig(trace=str(self._trace_path()), data_dir=str(self.out / "bus"), keys_dir=self.keys,
-                            time_scale=self.scale, start_at_s=cfg.start_at_s, endpoints=endpoints, model=cfg.model,
+                            time_scale=self.scale, start_at_s=self.start_at, endpoints=endpoints, model=cfg.model,
                             flight_args=self._flight_args(), heartbeat_timeout_s=max(20.0, 4 * self.boot_s),
                             boot_timeout_s=max(60.0, 10 * self.boot_s))
-        remaining_trace = self.trace.duration_s - cfg.start_at_s
+        remaining_trace = self.trace.duration_s - self.start_at
         timeout = cfg.timeout_s or remaining_trace * self.scale
         started = time.time()
         bus = BusProcess(bus_cfg).start()

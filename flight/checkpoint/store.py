@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.durable import DurableFS, is_disk_full
+from common.durable import DurableFS
 from common.record import Kind, Record, RecordError, decode, encode, read_envelope, read_partial
 from common import log as owlog
 
@@ -79,7 +79,7 @@ class Frontier:
     def decode_steps(self) -> int:
         return int(self.decode_records[-1].meta["step_end"]) if self.decode_records else 0
 
-    def phase(self, num_blocks: int) -> str:
+    def phase(self) -> str:
         if self.result is not None:
             return "done"
         if self.decode_records:
@@ -368,14 +368,3 @@ class CheckpointStore:
 
     def read_layer_hidden(self, info: LayerHiddenInfo) -> torch.Tensor:
         return self.read_full(info.path, Kind.HIDDEN_LAYER).tensors["hidden"]
-
-
-def write_guarded(events, what: str, fn, *args, **kwargs) -> int:
-    """Run a checkpoint write; a full disk skips the checkpoint (logged), anything else propagates."""
-    try:
-        return fn(*args, **kwargs)
-    except OSError as exc:
-        if not is_disk_full(exc):
-            raise
-        events("checkpoint_write_failed", record=what, errno=exc.errno, reason=os.strerror(exc.errno))
-        return 0

@@ -87,9 +87,6 @@ class WeightStore:
         for prefix in prefixes:
             self._load(prefix)
 
-    def is_loaded(self, prefix: str) -> bool:
-        return prefix in self._loaded
-
     def prefetch(self, prefixes: list[str]) -> None:
         """Load these modules in order on a background thread."""
         self.stop_prefetch()

@@ -74,7 +74,8 @@ class PersistentState:
 
 class FlightApp:
     def __init__(self, data_dir: str, model_dir: str, keys_dir: str, endpoint: str, engine_options,
-                 device: str | None = None, dtype: str | None = None, fs: DurableFS | None = None):
+                 device: str | None = None, dtype: str | None = None, fs: DurableFS | None = None,
+                 weight_read_hook=None):
         self.fs = fs or DurableFS()
         self.data_dir = os.path.abspath(data_dir)
         self.model_dir = model_dir
@@ -82,6 +83,7 @@ class FlightApp:
         self.layout = KeyLayout(Path(keys_dir))
         self.options = engine_options
         self.device, self.dtype = device, dtype
+        self.weight_read_hook = weight_read_hook
         self.log = owlog.get(component="flight")
         self.state = PersistentState(os.path.join(self.data_dir, "state"), self.fs)
         self.queue = TaskQueue(os.path.join(self.data_dir, "queue"), self.fs)
@@ -225,12 +227,16 @@ class FlightApp:
         self.send(self.housekeeping())
         self.work_available.set()
 
-    def on_cancel_task(self, request, msg: m.CancelTask) -> None:
-        task = self.queue.get(msg.task_id)
+    def _unfinished_task(self, task_id: str):
+        task = self.queue.get(task_id)
         if task is None:
-            raise WireError(ResponseCode.UNKNOWN_TASK, f"no task {msg.task_id}")
+            raise WireError(ResponseCode.UNKNOWN_TASK, f"no task {task_id}")
         if task.state in FINISHED:
-            raise WireError(ResponseCode.TASK_FINISHED, f"task {msg.task_id} is {task.state}")
+            raise WireError(ResponseCode.TASK_FINISHED, f"task {task_id} is {task.state}")
+        return task
+
+    def on_cancel_task(self, request, msg: m.CancelTask) -> None:
+        task = self._unfinished_task(msg.task_id)
         self._accept(request, task_id=msg.task_id)
         if task.state == RUNNING and self.current["task"] == msg.task_id:
             self.cancel_requested.add(msg.task_id)  # the worker stops at the next unit of work
@@ -245,11 +251,7 @@ class FlightApp:
         shutil.rmtree(self._task_dir(task.task_id), ignore_errors=True)
 
     def on_set_priority(self, request, msg: m.SetPriority) -> None:
-        task = self.queue.get(msg.task_id)
-        if task is None:
-            raise WireError(ResponseCode.UNKNOWN_TASK, f"no task {msg.task_id}")
-        if task.state in FINISHED:
-            raise WireError(ResponseCode.TASK_FINISHED, f"task {msg.task_id} is {task.state}")
+        self._unfinished_task(msg.task_id)
         self.queue.set_priority(msg.task_id, msg.priority)
         self._accept(request, task_id=msg.task_id)
         self.send(m.Completed.about(request, task_id=msg.task_id))
@@ -315,7 +317,7 @@ class FlightApp:
         from flight.model.inputs import InputError, build_inputs, load_image
         from flight.model.loader import load_model
 
-        model = load_model(self.model_dir, device=self.device, dtype=self.dtype, read_hook=self.fs.charge_read)
+        model = load_model(self.model_dir, device=self.device, dtype=self.dtype, read_hook=self.weight_read_hook)
         while not self.stop.is_set():
             task = self._next_runnable()
             if task is None:

@@ -5,7 +5,7 @@ import argparse
 import os
 import signal
 
-EXIT_OK, EXIT_USAGE, EXIT_MODEL = 0, 2, 3
+from flight.cli import EXIT_MODEL, EXIT_USAGE
 
 
 def register(sub) -> None:
@@ -59,7 +59,8 @@ def cmd_run(args) -> int:
 
     from flight.cli import storage_for
 
+    fs, weight_hook = storage_for(args)
     app = FlightApp(args.data_dir, args.model, args.keys, args.payload_endpoint, options,
-                    device=args.device, dtype=args.dtype, fs=storage_for(args))
+                    device=args.device, dtype=args.dtype, fs=fs, weight_read_hook=weight_hook)
     signal.signal(signal.SIGTERM, lambda *_: app.stop.set())
     return app.run()

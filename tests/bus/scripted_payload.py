@@ -48,6 +48,8 @@ def main() -> int:
                         help="exit with status 3 this many seconds after boot, on the first boot only")
     parser.add_argument("--work-s", type=float, default=0.0,
                         help="seconds each command takes to execute, between its effect and its reports")
+    parser.add_argument("--idle-housekeeping", action="store_true",
+                        help="with each heartbeat, a HOUSEKEEPING report of an empty queue (an idle payload)")
     parser.add_argument("--honour-ack-flags", action="store_true",
                         help="send ACCEPTED / COMPLETED only when the telecommand asked for them")
     args = parser.parse_args()
@@ -100,6 +102,10 @@ def main() -> int:
         if now >= next_heartbeat and not muted:
             next_heartbeat = now + args.heartbeat_s
             send(m.Heartbeat(boot_count=boot, uptime_s=uptime))
+            if args.idle_housekeeping:
+                send(m.Housekeeping(queue_depth=0, current_task=None, phase=None, progress_done=0,
+                                    progress_total=0, checkpoint_bytes=0, disk_free_bytes=0, boot_count=boot,
+                                    command_count=0, error_count=0, uptime_s=uptime))
         received = recv_packet(sock, timeout_s=min(args.tick_s, 0.02))
         if received is None or hung:
             continue

@@ -196,3 +196,27 @@ def test_trace_actions_from_a_start_offset():
     assert not on and pending is None
     clock = TraceClock(0.5, 12.0, t0=100.0)
     assert clock.at(15.0) == 101.5 and clock.trace_s(101.5) == 15.0 and clock.clock_s(101.5) == 7.5
+
+
+def test_skip_idle_jumps_over_off_and_idle_spans_but_not_past_a_hold(tmp_path, keys):
+    """Compressed long runs: a 2-hour trace at real-time scale takes seconds when the payload is
+    off or idle, the cut timeline is unchanged, and the clock stops at a hold."""
+    trace = write_trace(tmp_path / "long.jsonl", 7200, [
+        window(0, 1800, CutCause.POWER), window(3600, 5400, CutCause.THERMAL), window(6000, 7200, None)],
+        telemetry=False)
+    record = tmp_path / "payload.jsonl"
+    config = bus_config(tmp_path, keys, trace, record, payload_args=("--idle-housekeeping",), time_scale=1.0,
+                        stop_at_end=True, skip_idle=True, hold_at_s=(4000.0,))
+    bus = BusThread(config).start()
+    try:
+        wait_for(lambda: not bus.is_alive(), 60, what="a 2-hour trace to finish by skipping idle spans")
+    finally:
+        bus.stop()
+    log = bl.read_log(bus.log_path)
+    offs = by_kind(log, bl.POWER_OFF)
+    assert [e["cause"] for e in offs] == ["low_battery", "thermal", "trace"]
+    assert [round(e.trace_s) for e in by_kind(log, bl.POWER_ON)] == [0, 3600, 6000]
+    skips = by_kind(log, bl.CLOCK_SKIP)
+    assert skips and {e["reason"] for e in skips} <= {"payload off", "payload idle"}
+    assert any(abs(e["to_trace_s"] - 4000.0) < 1e-6 for e in skips)  # held at 4000 s, not jumped past
+    assert all(not (e["from_trace_s"] < 4000.0 < e["to_trace_s"]) for e in skips)
