@@ -1,6 +1,7 @@
 """Ground -> bus -> flight, all real processes on loopback with CurveZMQ: three tasks through
-repeated SIGKILL cuts (landing in prefill and in decode), a payload killed in the middle of an
-image uplink, and the bus itself SIGKILLed and restarted mid-run. Every task completes with the
+repeated SIGKILL cuts -- the trace's, wherever they land, plus one made to land in prefill and one
+in decode -- a payload killed in the middle of an image uplink, and the bus itself SIGKILLed and
+restarted mid-run. Every task completes with the
 uninterrupted answer; no task is lost or run twice; the uplink resumes without re-sending a
 chunk."""
 from __future__ import annotations
@@ -106,6 +107,29 @@ def test_three_tasks_through_cuts_payload_reboot_mid_uplink_and_bus_restart(mode
                         heartbeat_timeout_s=30.0)
     bus = BusProcess(bus_cfg).start()
     uplinks, killed = {}, threading.Event()
+    phase_kills: list[str] = []
+    stop_watching = threading.Event()
+
+    def kill_in_phases():
+        """Besides the trace's cuts (wherever they land), SIGKILL the payload once while a task is in
+        prefill and once while one is in decode, so that both phases are certainly hit."""
+        wanted = ["prefill", "decode"]
+        while wanted and not stop_watching.is_set():
+            try:
+                entries = bl.read_log(data / bl.LOG_FILE)
+            except (OSError, ValueError):
+                entries = []
+            progress = [e for e in entries if e.kind == bl.PAYLOAD_REPORT and e.data.get("type") == "PROGRESS"]
+            if progress and progress[-1].data.get("phase") == wanted[0] and progress[-1].data.get("done", 0) >= 2:
+                pids = _flight_pids(str(data))
+                if pids:
+                    for pid in pids:
+                        os.kill(pid, signal.SIGKILL)
+                    phase_kills.append(wanted.pop(0))
+                    time.sleep(5)  # let the payload come back before the next one
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=kill_in_phases, daemon=True)
 
     def kill_payload_mid_uplink():
         """SIGKILL the payload once part of the big image is stored (a reboot mid-uplink)."""
@@ -128,11 +152,13 @@ def test_three_tasks_through_cuts_payload_reboot_mid_uplink_and_bus_restart(mode
                 uplinks[f"t{i}"] = ground.uplink(list(spec.images), spec.prompt, max_new_tokens=spec.max_new_tokens,
                                                  task_id=f"t{i}")
             assert killed.is_set(), "the payload was never killed during the big uplink"
+            watcher.start()
             time.sleep(6)
             bus.kill()  # the bus itself dies (its payload with it) ...
             bus = BusProcess(bus_cfg).start()  # ... and comes back on the same data directory
             results = {t: ground.result(t, wait=True, max_wait_s=240, poll_s=10) for t in ("t0", "t1", "t2")}
     finally:
+        stop_watching.set()
         bus.stop()
 
     # every answer is the uninterrupted one
@@ -168,10 +194,11 @@ def test_three_tasks_through_cuts_payload_reboot_mid_uplink_and_bus_restart(mode
                 last_phase = e.data.get("phase")
             elif e.kind in (bl.PAYLOAD_REPORT,) and e.data.get("type") == "COMPLETED":
                 last_phase = None
-            elif e.kind == bl.POWER_OFF and e.data.get("origin") == "trace":
+            elif (e.kind == bl.POWER_OFF and e.data.get("origin") == "trace") or e.kind == bl.PAYLOAD_EXITED:
                 if last_phase is not None:
                     phase_at_cut.append(last_phase)
                 last_phase = None
+    assert sorted(phase_kills) == ["decode", "prefill"], phase_kills
     assert len(phase_at_cut) >= 3, phase_at_cut
     assert {"prefill", "decode"} <= set(phase_at_cut), phase_at_cut
     assert sum(r.interruptions for r in results.values()) >= 3
