@@ -75,6 +75,16 @@ SAT1_THERMAL_ASSUMPTIONS = (
 )
 
 
+def _heat_sunk(rise_c: float, **structure) -> ThermalParams:
+    """A payload with Sat-1's heat capacity but better heat sinking: its loaded rise above the
+    structure is rise_c instead of Sat-1's, and tau shrinks by the same factor (tau = R_th x C)."""
+    return ThermalParams(
+        loaded_steady_c=SAT1_REFERENCE_ENV_C + rise_c,
+        tau_s=SAT1_TAU_S * rise_c / (SAT1_LOADED_STEADY_C - SAT1_REFERENCE_ENV_C),
+        **structure,
+    )
+
+
 def _sat1_like() -> SatelliteConfig:
     thermal = ThermalParams(
         structure_sun_c=30.0,
@@ -121,13 +131,7 @@ def _sat1_like() -> SatelliteConfig:
 def _sat2_like() -> SatelliteConfig:
     # Better heat sinking than Sat-1: same heat capacity, 2.5x lower thermal resistance, so the
     # loaded rise is 20 C instead of 50 C and tau shrinks by the same factor (tau = R_th x C).
-    rise_c = 20.0
-    thermal = ThermalParams(
-        loaded_steady_c=SAT1_REFERENCE_ENV_C + rise_c,
-        tau_s=SAT1_TAU_S * rise_c / (SAT1_LOADED_STEADY_C - SAT1_REFERENCE_ENV_C),
-        structure_sun_c=30.0,
-        structure_eclipse_c=18.0,
-    )
+    thermal = _heat_sunk(20.0, structure_sun_c=30.0, structure_eclipse_c=18.0)
     return SatelliteConfig(
         kind="sat2-like",
         description=(
@@ -170,13 +174,7 @@ def _sat2_like() -> SatelliteConfig:
 
 
 def _dellingr_like() -> SatelliteConfig:
-    rise_c = 20.0
-    thermal = ThermalParams(
-        loaded_steady_c=SAT1_REFERENCE_ENV_C + rise_c,
-        tau_s=SAT1_TAU_S * rise_c / (SAT1_LOADED_STEADY_C - SAT1_REFERENCE_ENV_C),
-        structure_sun_c=30.0,
-        structure_eclipse_c=18.0,
-    )
+    thermal = _heat_sunk(20.0, structure_sun_c=30.0, structure_eclipse_c=18.0)
     return SatelliteConfig(
         kind="dellingr-like",
         description=(
@@ -248,10 +246,8 @@ def _trace_a() -> SatelliteConfig:
 def _trace_b() -> SatelliteConfig:
     # Partial heat sinking: loaded rise 25 C; same heat capacity as Sat-1, so tau scales with the
     # thermal resistance. The limit binds only while the structure is above 30 C.
-    rise_c = 25.0
-    thermal = ThermalParams(
-        loaded_steady_c=SAT1_REFERENCE_ENV_C + rise_c,
-        tau_s=SAT1_TAU_S * rise_c / (SAT1_LOADED_STEADY_C - SAT1_REFERENCE_ENV_C),
+    thermal = _heat_sunk(
+        25.0,
         structure_sun_c=35.0,
         structure_eclipse_c=12.0,
         structure_tau_s=1800.0,
