@@ -208,6 +208,7 @@ def cmd_infer(args) -> int:
                           "resumed": result.resumed, "resumed_from": result.resumed_from,
                           "restarted_reason": result.restarted_reason, "bytes_written": result.bytes_written,
                           "records_written": result.records_written, "records_skipped": result.records_skipped,
+                          "records_deferred": result.records_deferred,
                           "phase_seconds": result.phase_seconds, "logits_sha256": result.logits_sha256(),
                           "prompt_tokens": inputs.num_tokens, "plan": result.plan}))
     else:

@@ -68,7 +68,8 @@ class Result:
     bytes_written: int
     phase_seconds: dict
     records_written: int = 0
-    records_skipped: int = 0
+    records_skipped: int = 0        # lost to a full disk
+    records_deferred: int = 0       # optional records dropped while the writer was busy
     write_seconds: float = 0.0      # time the checkpoint writer spent writing (in the background)
     restarted_reason: str | None = None
     plan: dict | None = None
@@ -195,7 +196,7 @@ class _RequestRun:
                       bytes_written=self.store.bytes_written,
                       phase_seconds={k: round(v, 6) for k, v in self.times.items()},
                       records_written=self.writer.records_committed, records_skipped=self.writer.records_skipped,
-                      write_seconds=self.writer.busy_seconds,
+                      records_deferred=self.writer.records_deferred, write_seconds=self.writer.busy_seconds,
                       restarted_reason=restarted, plan=self.plan_summary)
 
     def _describe(self, fr: Frontier, phase: str) -> dict:
@@ -229,9 +230,9 @@ class _RequestRun:
             self.events("checkpoint_write_failed", record="RESULT", errno=exc.errno, reason=str(exc.strerror))
         self.events("request_completed", tokens=len(tokens), finish_reason=finish)
 
-    def _submit(self, what: str, fn, *args) -> None:
+    def _submit(self, what: str, fn, *args, optional: bool = False) -> None:
         if self.checkpoints_enabled:
-            self.writer.submit(what, fn, *args)
+            self.writer.submit(what, fn, *args, optional=optional)
 
     # ---- phases ---------------------------------------------------------------------------------
     def _run_from(self, fr: Frontier):
@@ -296,7 +297,10 @@ class _RequestRun:
             urgent = self.e.checkpoint_soon.is_set() and i + 1 < V and self.policy.writes_checkpoints()
             if urgent or self.policy.vision_state_due(i + 1, V, self.g):
                 self.e.checkpoint_soon.clear()
-                self._submit(f"vision.state[{i + 1}]", self.store.put_vision_state, i + 1, h, dict(side))
+                # A cadence checkpoint is dropped while the previous record is still being
+                # written (the next one supersedes it); one the bus asked for is not.
+                self._submit(f"vision.state[{i + 1}]", self.store.put_vision_state, i + 1, h, dict(side),
+                             optional=not urgent)
         self.m.weights.ensure(*a.vision_epilogue_modules())
         embeds = a.vision_finish(ctx, h)
         if self.policy.persist_vision_out():

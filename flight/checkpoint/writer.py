@@ -4,6 +4,11 @@ The queue holds at most one record besides the one being written, so checkpointi
 more than two blocks' worth of state alive (a payload computer shares its RAM with the GPU).
 Records are committed in the order they were submitted. A full disk skips the record with an
 event; any other write error stops the request (it surfaces on the compute thread).
+
+A record submitted as optional (an intermediate vision state, which the next one supersedes) is
+dropped when the writer still has work outstanding, instead of making the compute thread wait
+behind it: on storage slower than the compute, a fixed cadence would otherwise turn every
+optional record into a stall.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ class CheckpointWriter:
         self.bytes_committed = 0
         self.records_committed = 0
         self.records_skipped = 0
+        self.records_deferred = 0  # optional records dropped because the writer was busy
         self.busy_seconds = 0.0  # time spent writing (for throughput figures)
         self._error: BaseException | None = None
         self._queue: queue.Queue | None = None
@@ -31,13 +37,19 @@ class CheckpointWriter:
             self._thread = threading.Thread(target=self._loop, name="checkpoint-writer", daemon=True)
             self._thread.start()
 
-    def submit(self, what: str, fn, *args, **kwargs) -> None:
-        """Write (sync) or enqueue (async) one record; `fn` performs the store call."""
+    def submit(self, what: str, fn, *args, optional: bool = False, **kwargs) -> bool:
+        """Write (sync) or enqueue (async) one record; `fn` performs the store call. An optional
+        record is dropped (False) when an earlier one is still queued or being written."""
         self._raise_pending()
+        if optional and self._queue is not None and self._queue.unfinished_tasks > 0:
+            self.records_deferred += 1
+            self.events("checkpoint_deferred", record=what, reason="writer busy")
+            return False
         if self._queue is None:
             self._execute(what, fn, args, kwargs)
         else:
             self._queue.put((what, fn, args, kwargs))
+        return True
 
     def drain(self) -> None:
         """Wait until everything submitted is durable (or skipped)."""
