@@ -303,15 +303,17 @@ class _RequestRun:
                              optional=not urgent)
         self.m.weights.ensure(*a.vision_epilogue_modules())
         embeds = a.vision_finish(ctx, h)
-        if self.policy.persist_vision_out():
-            self._submit("vision.out", self.store.put_vision_out, embeds, dict(side))
-            self._submit("vision.gc", self._drop_vision_states)
+        if self.policy.persist_vision_out() and self.checkpoints_enabled:
+            # Written behind the prefill blocks that follow (it is large, and its tensors stay in
+            # memory for the whole prefill anyway); the vision states go only once it is durable.
+            self.writer.submit_background("vision.out", self._persist_vision_out, embeds, dict(side))
         self.times["vision"] += time.perf_counter() - t0
         return {"embeds": embeds, **side}
 
-    def _drop_vision_states(self):
+    def _persist_vision_out(self, embeds, side, between_slices=None) -> int:
+        n = self.store.put_vision_out(embeds, side, between_slices=between_slices)
         self.store.remove_vision()
-        return None
+        return n
 
     # ---- prefill ----------------------------------------------------------------------------------
     def _prefill_and_decode(self, fr: Frontier):

@@ -9,6 +9,11 @@ A record submitted as optional (an intermediate vision state, which the next one
 dropped when the writer still has work outstanding, instead of making the compute thread wait
 behind it: on storage slower than the compute, a fixed cadence would otherwise turn every
 optional record into a stall.
+
+A background record (`vision.out`, whose tensors the request keeps in memory anyway) is written
+by a second thread that gives way to the ordered records between slices of its payload: the
+prefill blocks that follow it are not queued behind one large write. It may therefore commit
+after records submitted later; what it holds is also recomputable, so no order is needed.
 """
 from __future__ import annotations
 
@@ -32,6 +37,8 @@ class CheckpointWriter:
         self._error: BaseException | None = None
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
+        self._background: threading.Thread | None = None
+        self._counters = threading.Lock()
         if async_writes:
             self._queue = queue.Queue(maxsize=1)
             self._thread = threading.Thread(target=self._loop, name="checkpoint-writer", daemon=True)
@@ -51,13 +58,48 @@ class CheckpointWriter:
             self._queue.put((what, fn, args, kwargs))
         return True
 
+    def submit_background(self, what: str, fn, *args) -> None:
+        """Write one record behind the ordered ones: `fn(*args, between_slices=...)` must call
+        `between_slices()` before each slice of its payload, where it waits while ordered
+        records are outstanding. One background record at a time; synchronous writers write it
+        at once."""
+        self._raise_pending()
+        if self._queue is None:
+            self._execute(what, fn, args, {"between_slices": None})
+            return
+        self._join_background()
+        self._background = threading.Thread(target=self._background_loop, args=(what, fn, args),
+                                            name="checkpoint-writer-background", daemon=True)
+        self._background.start()
+
+    def _yield_to_ordered(self) -> None:
+        waited = time.perf_counter()
+        self._queue.join()
+        with self._counters:
+            self.busy_seconds -= time.perf_counter() - waited  # waiting is not writing
+
+    def _background_loop(self, what, fn, args) -> None:
+        try:
+            if self._error is None:
+                self._execute(what, fn, args, {"between_slices": self._yield_to_ordered})
+        except BaseException as exc:
+            self._error = exc
+
+    def _join_background(self) -> None:
+        if self._background is not None:
+            self._background.join()
+            self._background = None
+
     def drain(self) -> None:
         """Wait until everything submitted is durable (or skipped)."""
         if self._queue is not None:
             self._queue.join()
+            self._join_background()
+            self._queue.join()
         self._raise_pending()
 
     def close(self) -> None:
+        self._join_background()
         if self._queue is not None and self._thread is not None:
             self._queue.put(None)
             self._thread.join()
@@ -73,17 +115,19 @@ class CheckpointWriter:
         try:
             n = fn(*args, **kwargs)
         except OSError as exc:
-            self.busy_seconds += time.perf_counter() - start
-            if not is_disk_full(exc):
-                raise
-            self.records_skipped += 1
+            with self._counters:
+                self.busy_seconds += time.perf_counter() - start
+                if not is_disk_full(exc):
+                    raise
+                self.records_skipped += 1
             self.events("checkpoint_write_failed", record=what, errno=exc.errno, reason=str(exc.strerror))
             return
-        self.busy_seconds += time.perf_counter() - start
-        if n is None:
-            return
-        self.bytes_committed += n
-        self.records_committed += 1
+        with self._counters:
+            self.busy_seconds += time.perf_counter() - start
+            if n is None:
+                return
+            self.bytes_committed += n
+            self.records_committed += 1
         self.events("checkpoint_committed", record=what, bytes=n)
         if self.after_commit is not None:
             self.after_commit(what, n)

@@ -101,3 +101,91 @@ def test_a_requested_checkpoint_waits_for_the_writer_and_a_cut_resumes_from_it(m
     resumed = run_to_completion(model_dirs["qwen3-vl"], inputs, ckpt)
     assert resumed.resumed_from == {"phase": "vision", "position": 2}
     assert resumed.token_ids == ref.token_ids and torch.equal(resumed.logits, ref.logits)
+
+
+def test_a_background_record_gives_way_to_ordered_records_between_slices():
+    release, log = threading.Event(), []
+
+    def ordered(name, gate=None):
+        if gate is not None:
+            gate.wait(10)
+        log.append(name)
+        return 1
+
+    def background(between_slices=None):
+        for i in range(3):
+            between_slices()
+            log.append(f"slice{i}")
+        return 3
+
+    w = CheckpointWriter(lambda *a, **k: None)
+    try:
+        w.submit("block0", ordered, "block0", release)  # being written, held
+        w.submit_background("vision.out", background)
+        time.sleep(0.3)
+        assert log == []  # the background record waits while an ordered record is outstanding
+        release.set()
+        w.drain()
+    finally:
+        w.close()
+    assert log == ["block0", "slice0", "slice1", "slice2"]
+    assert w.records_committed == 2 and w.bytes_committed == 4
+
+
+class GatedVisionOut(DurableFS):
+    """vision.out takes until `gate` opens; if the power is gone by then, it never lands."""
+
+    def __init__(self):
+        self.gate, self.power_lost = threading.Event(), False
+
+    def write_atomic(self, path, chunks):
+        if str(path).endswith("vision.out"):
+            self.gate.wait(30)
+            if self.power_lost:
+                raise SimulatedCut("power lost while vision.out was being written")
+        return super().write_atomic(path, chunks)
+
+
+def test_prefill_blocks_commit_ahead_of_vision_out_and_a_cut_between_resumes_bitwise(model_dirs, tmp_path):
+    model = load_model(model_dirs["qwen3-vl"], device="cpu")
+    inputs = inputs_for(model)
+    ref = engine(model).run(inputs, str(tmp_path / "ref"), MAX_NEW)
+    ckpt = tmp_path / "ck"
+    disk, committed = GatedVisionOut(), []
+
+    def after_commit(what, n):
+        committed.append(what)
+        if what.startswith("prefill[g1,c0]"):
+            disk.power_lost = True
+            disk.gate.set()
+            raise SimulatedCut("cut after prefill[g1,c0]")
+
+    eng = engine(load_model(model_dirs["qwen3-vl"], device="cpu"), fs=disk, async_writes=True,
+                 after_commit=after_commit)
+    try:
+        eng.run(inputs, str(ckpt), MAX_NEW)
+        raise AssertionError("the cut did not happen")
+    except SimulatedCut:
+        pass
+    assert "vision.out" not in committed and any(c.startswith("prefill[g0,c0]") for c in committed)
+    assert not (ckpt / "vision.out").exists() and (ckpt / "prefill").is_dir()
+    assert (ckpt / "vision.A").exists() or (ckpt / "vision.B").exists()  # kept until vision.out lands
+    resumed = run_to_completion(model_dirs["qwen3-vl"], inputs, ckpt)
+    assert resumed.resumed_from["phase"] == "prefill"
+    assert resumed.token_ids == ref.token_ids and torch.equal(resumed.logits, ref.logits)
+
+
+def test_throttled_writes_are_charged_chunk_by_chunk(tmp_path):
+    from common.durable import ThrottledFS
+
+    fs, asked = ThrottledFS(None, 1_000_000), []
+
+    def chunks():
+        for _ in range(3):
+            asked.append(time.monotonic())
+            yield bytes(100_000)
+
+    start = time.monotonic()
+    assert fs.write_atomic(str(tmp_path / "r"), chunks()) == 300_000
+    assert time.monotonic() - start >= 0.29  # 300 kB at 1 MB/s, from an empty bucket
+    assert asked[1] - asked[0] >= 0.09 and asked[2] - asked[1] >= 0.09  # each chunk paid before the next
