@@ -209,6 +209,7 @@ def cmd_infer(args) -> int:
                           "restarted_reason": result.restarted_reason, "bytes_written": result.bytes_written,
                           "records_written": result.records_written, "records_skipped": result.records_skipped,
                           "records_deferred": result.records_deferred,
+                          "held_state_peak_bytes": result.held_state_peak_bytes,
                           "phase_seconds": result.phase_seconds, "logits_sha256": result.logits_sha256(),
                           "prompt_tokens": inputs.num_tokens, "plan": result.plan}))
     else:

@@ -70,6 +70,9 @@ class Result:
     records_written: int = 0
     records_skipped: int = 0        # lost to a full disk
     records_deferred: int = 0       # optional records dropped while the writer was busy
+    # Most tensor bytes that checkpointing kept alive at once, per phase ("vision", "prefill",
+    # "decode"; the prefill figure includes recovery reads' phase): what it adds to peak memory.
+    held_state_peak_bytes: dict = field(default_factory=dict)
     write_seconds: float = 0.0      # time the checkpoint writer spent writing (in the background)
     restarted_reason: str | None = None
     plan: dict | None = None
@@ -155,6 +158,7 @@ class _RequestRun:
         self.groups = self.g.layer_groups(self.a.num_layers)
         self.chunks = self.g.token_chunks(self.S)
         self.plan_summary = None
+        self.held_peaks: dict[str, int] = {}
 
     # ---- top level ----------------------------------------------------------------------------
     def execute(self) -> Result:
@@ -196,7 +200,8 @@ class _RequestRun:
                       bytes_written=self.store.bytes_written,
                       phase_seconds={k: round(v, 6) for k, v in self.times.items()},
                       records_written=self.writer.records_committed, records_skipped=self.writer.records_skipped,
-                      records_deferred=self.writer.records_deferred, write_seconds=self.writer.busy_seconds,
+                      records_deferred=self.writer.records_deferred,
+                      held_state_peak_bytes=self.held_peaks, write_seconds=self.writer.busy_seconds,
                       restarted_reason=restarted, plan=self.plan_summary)
 
     def _describe(self, fr: Frontier, phase: str) -> dict:
@@ -230,9 +235,12 @@ class _RequestRun:
             self.events("checkpoint_write_failed", record="RESULT", errno=exc.errno, reason=str(exc.strerror))
         self.events("request_completed", tokens=len(tokens), finish_reason=finish)
 
-    def _submit(self, what: str, fn, *args, optional: bool = False) -> None:
+    def _note_held_peak(self, phase: str) -> None:
+        self.held_peaks[phase] = max(self.held_peaks.get(phase, 0), self.writer.take_peak())
+
+    def _submit(self, what: str, fn, *args, optional: bool = False, make_args=None) -> None:
         if self.checkpoints_enabled:
-            self.writer.submit(what, fn, *args, optional=optional)
+            self.writer.submit(what, fn, *args, optional=optional, make_args=make_args)
 
     # ---- phases ---------------------------------------------------------------------------------
     def _run_from(self, fr: Frontier):
@@ -308,6 +316,7 @@ class _RequestRun:
             # memory for the whole prefill anyway); the vision states go only once it is durable.
             self.writer.submit_background("vision.out", self._persist_vision_out, embeds, dict(side))
         self.times["vision"] += time.perf_counter() - t0
+        self._note_held_peak("vision")
         return {"embeds": embeds, **side}
 
     def _persist_vision_out(self, embeds, side, between_slices=None) -> int:
@@ -357,6 +366,7 @@ class _RequestRun:
                 self.kv_chunks = [0] * self.a.num_layers
                 continue
             self.times["prefill"] += time.perf_counter() - t0
+            self._note_held_peak("prefill")
             self.plan_summary.update(read_s=round(stats.read_seconds, 6), compute_s=round(stats.compute_seconds, 6),
                                      stall_s=round(stats.stall_seconds, 6), wall_s=round(stats.wall_seconds, 6),
                                      bytes_read=stats.bytes_read)
@@ -476,11 +486,13 @@ class _RequestRun:
                     of=len(self.groups) * len(self.chunks))
         persist = self.policy.prefill_block(g, c, len(self.groups), len(self.chunks))
         if persist is not None:
-            kv = {layer: (self.cache.layers[layer].keys[:, :, s:e].clone(memory_format=torch.contiguous_format),
-                          self.cache.layers[layer].values[:, :, s:e].clone(memory_format=torch.contiguous_format))
-                  for layer in range(l0, l1)} if persist.kv else {}
-            hidden = h if persist.boundary_hidden else None
-            self._submit(f"prefill[g{g},c{c}]", self.store.put_prefill_block, g, c, (l0, l1), (s, e), kv, hidden)
+            def copy_block():  # called once the writer has room for one more record
+                kv = {layer: (self.cache.layers[layer].keys[:, :, s:e].clone(memory_format=torch.contiguous_format),
+                              self.cache.layers[layer].values[:, :, s:e].clone(memory_format=torch.contiguous_format))
+                      for layer in range(l0, l1)} if persist.kv else {}
+                return g, c, (l0, l1), (s, e), kv, h if persist.boundary_hidden else None
+
+            self._submit(f"prefill[g{g},c{c}]", self.store.put_prefill_block, make_args=copy_block)
         for layer, h_in in layer_inputs.items():
             self._submit(f"hidden[l{layer},c{c}]", self.store.put_layer_hidden, layer, c, (s, e), h_in)
 
@@ -537,6 +549,7 @@ class _RequestRun:
                 self._submit(f"decode[..{step}]", self._write_decode_record, step)
                 submitted = step
         self.times["decode"] += time.perf_counter() - t0
+        self._note_held_peak("decode")
         finish = "eos" if tokens[-1] in eos else "length"
         return tokens, logits, finish
 

@@ -1,7 +1,9 @@
 """Checkpoint writer: durable writes off the compute thread, in submission order.
 
-The queue holds at most one record besides the one being written, so checkpointing never keeps
-more than two blocks' worth of state alive (a payload computer shares its RAM with the GPU).
+At most two records are alive at once, the one being written and one waiting, so checkpointing
+never keeps more than two blocks' worth of state (a payload computer shares its RAM with the
+GPU). State copied for a record (`make_args`) is copied only once there is room for it.
+
 Records are committed in the order they were submitted. A full disk skips the record with an
 event; any other write error stops the request (it surfaces on the compute thread).
 
@@ -21,7 +23,20 @@ import queue
 import threading
 import time
 
+import torch
+
 from common.durable import is_disk_full
+
+
+def state_bytes(obj) -> int:
+    """Bytes of tensor data reachable from a record's arguments (tensors, dicts, sequences)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(state_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(state_bytes(v) for v in obj)
+    return 0
 
 
 class CheckpointWriter:
@@ -34,35 +49,65 @@ class CheckpointWriter:
         self.records_skipped = 0
         self.records_deferred = 0  # optional records dropped because the writer was busy
         self.busy_seconds = 0.0  # time spent writing (for throughput figures)
+        # Tensor bytes held by records submitted and not yet written, and its high-water mark:
+        # the state checkpointing keeps alive beyond what the computation itself holds.
+        self.held_bytes = 0
+        self.held_bytes_peak = 0
         self._error: BaseException | None = None
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._background: threading.Thread | None = None
         self._counters = threading.Lock()
         if async_writes:
-            self._queue = queue.Queue(maxsize=1)
+            self._queue = queue.Queue()
+            self._slots = threading.Semaphore(2)  # records alive: being written + waiting
             self._thread = threading.Thread(target=self._loop, name="checkpoint-writer", daemon=True)
             self._thread.start()
 
-    def submit(self, what: str, fn, *args, optional: bool = False, **kwargs) -> bool:
-        """Write (sync) or enqueue (async) one record; `fn` performs the store call. An optional
-        record is dropped (False) when an earlier one is still queued or being written."""
+    def submit(self, what: str, fn, *args, optional: bool = False, make_args=None) -> bool:
+        """Write (sync) or enqueue (async) one record; `fn(*args)` performs the store call. An
+        optional record is dropped (False) when an earlier one is still queued or being written.
+        `make_args`, instead of `args`, copies the record's state: it is called only once there is
+        room for one more record, so the copy never makes a third one alive."""
         self._raise_pending()
         if optional and self._queue is not None and self._queue.unfinished_tasks > 0:
             self.records_deferred += 1
             self.events("checkpoint_deferred", record=what, reason="writer busy")
             return False
+        held = state_bytes(args)  # arguments passed in are alive while this waits for room
+        self._hold(held)
+        if self._queue is not None:
+            self._slots.acquire()  # released by the writer thread once a record is written
+        if make_args is not None:
+            args = make_args()
+            self._hold(state_bytes(args) - held)
+            held = state_bytes(args)
         if self._queue is None:
-            self._execute(what, fn, args, kwargs)
+            try:
+                self._execute(what, fn, args, {})
+            finally:
+                self._hold(-held)
         else:
-            self._queue.put((what, fn, args, kwargs))
+            self._queue.put((what, fn, args, {}, held))
         return True
+
+    def take_peak(self) -> int:
+        """The high-water mark of held bytes so far; the next one starts from what is held now."""
+        with self._counters:
+            peak, self.held_bytes_peak = self.held_bytes_peak, self.held_bytes
+            return peak
+
+    def _hold(self, nbytes: int) -> None:
+        with self._counters:
+            self.held_bytes += nbytes
+            self.held_bytes_peak = max(self.held_bytes_peak, self.held_bytes)
 
     def submit_background(self, what: str, fn, *args) -> None:
         """Write one record behind the ordered ones: `fn(*args, between_slices=...)` must call
         `between_slices()` before each slice of its payload, where it waits while ordered
         records are outstanding. One background record at a time; synchronous writers write it
-        at once."""
+        at once. Its tensors must be ones the computation keeps anyway: they are not counted in
+        `held_bytes`."""
         self._raise_pending()
         if self._queue is None:
             self._execute(what, fn, args, {"between_slices": None})
@@ -138,11 +183,14 @@ class CheckpointWriter:
             if item is None:
                 self._queue.task_done()
                 return
-            what, fn, args, kwargs = item
+            what, fn, args, kwargs, held = item
             try:
                 if self._error is None:
                     self._execute(what, fn, args, kwargs)
             except BaseException as exc:
                 self._error = exc
             finally:
+                del args, kwargs, item  # the state goes before the record counts as written
+                self._hold(-held)
+                self._slots.release()
                 self._queue.task_done()
