@@ -375,6 +375,12 @@ def solve(problem: RecoveryProblem, costs: BlockCosts | None = None) -> Solution
         value = simulate(candidate, problem, s.costs).makespan
         if value < makespan * (1 - 1e-12):
             plan, makespan, chosen = candidate, value, f"{fixed.__name__.replace('_', '-')} reads"
+    # On a tie, run the plain layer-first plan: same makespan under the model, and an order that
+    # operators (and the measurements beside it) already know.
+    plain = layer_first(problem)
+    value = simulate(plain, problem, s.costs).makespan
+    if value <= makespan * (1 + 1e-9):
+        plan, makespan, chosen = RecoveryPlan("optimal", plain.reads, plain.computes), value, "layer-first (tie)"
     return Solution(plan, makespan, dp_makespan, order, chosen, exact, read_end,
                     lower_bound(problem, structure=s), time.perf_counter() - t0)
 

@@ -15,6 +15,8 @@ result. The fresh (uninterrupted) run is the special case with no durable blocks
 """
 from __future__ import annotations
 
+import hashlib
+
 from dataclasses import dataclass, field
 
 
@@ -96,8 +98,12 @@ class RecoveryPlan:
     reads: list[ReadOp]
     computes: list[ComputeOp]
 
+    def order_digest(self) -> str:
+        """Identifies the order of reads and computes (two plans with equal digests run alike)."""
+        return hashlib.sha256(repr((self.reads, self.computes)).encode()).hexdigest()[:16]
+
     def summary(self) -> dict:
-        return {"planner": self.planner, "reads": len(self.reads),
+        return {"planner": self.planner, "order": self.order_digest(), "reads": len(self.reads),
                 "computes": sum(op.kind == "block" for op in self.computes),
                 "reprojections": sum(op.kind == "reproject" for op in self.computes),
                 "kv_reads": sum(r.what == "kv" for r in self.reads),

@@ -202,3 +202,21 @@ def test_reprojection_is_released_by_its_own_input_alone():
     assert sol.group_order == [1, 0]
     assert sol.group_order_makespan == pytest.approx(10.0) and sol.makespan == pytest.approx(10.0)
     assert simulate(plan_for_group_order(p, [0, 1]), p).makespan == pytest.approx(13.0)
+
+
+def test_a_tie_with_layer_first_runs_layer_first_itself():
+    """Where no order beats layer-first under the model, optimal returns layer-first's own plan
+    (the same digest), and where one does, a different plan that is strictly faster."""
+    from flight.recovery.plan import layer_first
+
+    tie = staircase(6, 8, 0.5)  # a chunk-first staircase: layer-first already reaches the bound
+    sol = solve(tie)
+    plain = layer_first(tie)
+    assert sol.chosen == "layer-first (tie)"
+    assert sol.plan.order_digest() == plain.order_digest() and sol.plan.planner == "optimal"
+    better = RecoveryProblem(2, 2, {(0, 0), (1, 0), (0, 1)}, {(0, 0), (1, 0), (0, 1)}, costs={
+        "weights": [1.0, 1.0], "kv": [[6.0, 0.0], [0.5, 0.0]], "hidden": [[1.0, 1.0], [1.0, 1.0]],
+        "compute": [[1.0, 1.0], [1.0, 6.0]]})
+    sol = solve(better)
+    assert sol.chosen != "layer-first (tie)"
+    assert sol.makespan < simulate(layer_first(better), better).makespan - TOL
