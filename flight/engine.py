@@ -71,7 +71,8 @@ class Result:
     records_skipped: int = 0        # lost to a full disk
     records_deferred: int = 0       # optional records dropped while the writer was busy
     # Most tensor bytes that checkpointing kept alive at once, per phase ("vision", "prefill",
-    # "decode"; the prefill figure includes recovery reads' phase): what it adds to peak memory.
+    # "decode"; each peak is credited to the next phase to end, which matters only when recovery
+    # runs the vision phase inside prefill): what checkpointing adds to peak memory.
     held_state_peak_bytes: dict = field(default_factory=dict)
     write_seconds: float = 0.0      # time the checkpoint writer spent writing (in the background)
     restarted_reason: str | None = None
