@@ -5,6 +5,10 @@ with the first chunk), one file per received chunk `c<index>` (atomic writes), a
 chunk is present and the assembled file matches its SHA-256 and decodes as a picture, the file
 `image`. Its presence means "verified"; chunks are then removed. A chunk already held is
 accepted again (idempotent); one that disagrees with what is held is a CHUNK_CONFLICT.
+
+A cut after the last chunk is stored but before `image` is committed leaves every chunk held and
+nothing verified. Nothing new would arrive to finish it (the ground has sent every chunk), so a
+query or a re-sent chunk that finds every chunk held assembles and verifies the file then.
 """
 from __future__ import annotations
 
@@ -58,7 +62,14 @@ class ImageStore:
             meta = self._meta(name)
             if meta is None:
                 return m.ImageStatus.of(name, 0, 0, [], verified=False)
-            return m.ImageStatus.of(name, meta["size"], meta["total"], self._held(name), verified=False)
+            held = self._held(name)
+            if len(held) == meta["total"]:
+                try:
+                    self._assemble(name, meta)
+                    return m.ImageStatus.of(name, meta["size"], meta["total"], range(meta["total"]), verified=True)
+                except WireError:
+                    return m.ImageStatus.of(name, 0, 0, [], verified=False)  # dropped: the ground sends it again
+            return m.ImageStatus.of(name, meta["size"], meta["total"], held, verified=False)
 
     def put_chunk(self, chunk: m.ImageChunk) -> bool:
         """Store a chunk; returns True when this chunk completed and verified the image.
@@ -83,7 +94,9 @@ class ImageStore:
             if self.fs.exists(path):
                 if bytes(self.fs.read(path)) != bytes(chunk.data):
                     raise WireError(ResponseCode.CHUNK_CONFLICT, f"image {name}: chunk {chunk.index} differs from the one held")
-                return False
+                if len(self._held(name)) < chunk.total:
+                    return False
+                return self._assemble(name, mine)  # every chunk was held, the file never committed
             self.fs.write_atomic(path, [bytes(chunk.data)])
             if len(self._held(name)) < chunk.total:
                 return False
