@@ -80,8 +80,9 @@ class CheckpointWriter:
             self._slots.acquire()  # released by the writer thread once a record is written
         if make_args is not None:
             args = make_args()
-            self._hold(state_bytes(args) - held)
-            held = state_bytes(args)
+            copied = state_bytes(args)
+            self._hold(copied - held)
+            held = copied
         if self._queue is None:
             try:
                 self._execute(what, fn, args, {})
