@@ -119,7 +119,9 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
                    help="power-off on the board: SIGKILL of the flight process group (default) or a forced reboot")
     g.add_argument("--ssh-pidfile", default="/tmp/orbitweaver-payload.pid",
                    help="where the flight process's group id is kept on the board")
-    g.add_argument("--ssh-kill-command", default=None, help="remote power-off script for --ssh-mode kill")
+    g.add_argument("--ssh-kill-command", default=None,
+                   help="remote script that kills the payload (each cut, and before each start); must exit 0 "
+                        "once nothing of it is left, also when nothing ran")
     g.add_argument("--ssh-reboot-command", default=None,
                    help="remote command for --ssh-mode reboot (default `sudo -n /sbin/reboot -f`)")
     g.add_argument("--ssh-transport", default=None,

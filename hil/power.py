@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import secrets
 import shlex
 import signal
 import subprocess
+import tempfile
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -275,41 +277,60 @@ def _tail(data: bytes, limit: int = 300) -> str:
     return text[-limit:]
 
 
-#: Remote kill used unless the operator gives one: SIGKILL the process group the start command
-#: recorded, then wait (up to 1 s) until no member of it is left but zombies, else exit 1.
+#: Remote kill used unless the operator gives one. The pid file holds the payload's process group
+#: id and the start time of its leader (field 22 of /proc/PID/stat), written by the start script.
+#: A leader that is alive with another start time is a new process that reused the pid (a board
+#: that rebooted keeps /tmp on disk): nothing of ours is left and nothing is killed. Otherwise the
+#: group gets SIGKILL and the script waits (up to 2 s) until no member of it is left but zombies,
+#: else exits 1. (While any member of the group lives, Linux does not hand its id to a new
+#: process, so a dead leader means the members found are ours.) `kill -9 -PGID`, not
+#: `kill -KILL -- -PGID`: dash's kill, Debian's /bin/sh, takes no `--`.
 DEFAULT_SSH_KILL = (
-    'p=$(cat {pidfile} 2>/dev/null); '
-    'if [ -n "$p" ]; then kill -KILL -- -"$p" 2>/dev/null; i=0; '
+    'f={pidfile}; if [ -f "$f" ]; then read p s < "$f"; if [ -n "$p" ]; then '
+    'if [ -n "$s" ] && [ -r "/proc/$p/stat" ] && '
+    '[ "$(sed \'s/.*) //\' "/proc/$p/stat" | cut -d" " -f20)" != "$s" ]; then '
+    'echo "pid $p now belongs to another process: the recorded payload is gone" >&2; '
+    'else kill -9 -"$p" 2>/dev/null; i=0; '
     "while ! cat /proc/[0-9]*/stat 2>/dev/null | "
     "awk -v p=\"$p\" '{{sub(/.*\\) /, \"\"); if ($3 == p && $1 != \"Z\") n++}} END {{exit n > 0}}'; do "
-    'i=$((i+1)); if [ $i -ge 20 ]; then echo "payload group $p survived SIGKILL" >&2; exit 1; fi; sleep 0.05; '
-    'done; fi; rm -f {pidfile}'
+    'i=$((i+1)); if [ $i -ge 40 ]; then echo "payload group $p survived SIGKILL" >&2; exit 1; fi; sleep 0.05; '
+    'done; fi; fi; rm -f "$f"; fi'
 )
 #: Forced reboot unless the operator gives one. It is scheduled a moment later so that ssh can
 #: report whether it was accepted (a reboot that drops the connection would look like a board
 #: that never answered); the SIGKILL of the flight process runs first, so the cut is immediate.
 DEFAULT_SSH_REBOOT = "sudo -n true && { (sleep 0.5; sudo -n /sbin/reboot -f) >/dev/null 2>&1 & }"
+#: The start script prints this line, with the boot's nonce and its pid, after it has recorded the
+#: payload's process group and just before it execs the flight process: `on` returns only once it
+#: has seen it, so a refused key, an unknown host key or an unreachable board is a failed power-on.
+START_MARKER = "orbitweaver-payload-started"
 
 
 class SshSwitch(PowerSwitch):
     """The payload runs on another machine reached over SSH.
 
-    on:  runs `transport + [remote script]`, where the remote script records its own pid (the
-         session leader sshd made for the command, hence the process group) in `pidfile` and then
+    on:  runs `transport + [remote script]`: the script first kills whatever payload a previous
+         run left (the kill script below), records its own pid and start time (sshd made it a
+         session leader, so the pid is the process group) in `pidfile`, prints START_MARKER and
          execs `remote_command`. The local ssh client stays attached while the payload runs.
+         `on` waits (up to `timeout_s`) for the marker; an ssh that ends first (refused key,
+         unknown host key, board unreachable) or no marker in time raises PowerSwitchError.
     off: mode "kill"   — runs the kill script over a second SSH connection (SIGKILL of the
                          payload's process group on the board, then a check that it is gone);
-         mode "reboot" — runs `reboot_command` (a forced reboot: the board loses all RAM state);
-                         the next `on` retries the SSH start until the board answers again.
+         mode "reboot" — the same, then `reboot_command` (a forced reboot: the board loses all
+                         RAM state); power-on attempts fail, and are reported, until it is back.
+    poll: the ssh session ending is reported as the payload's exit (255: the connection was lost
+         or the payload was killed by a signal). The bus then power-cycles it, and the kill
+         makes sure no orphan of a lost connection survives (sshd does not signal a command
+         without a terminal when its connection drops).
 
     `transport` is the argv prefix that reaches the board, by default
-    `ssh -o BatchMode=yes -o ConnectTimeout=5 [-p PORT] [-i KEY] [-o ...] [USER@]HOST --`.
-    Anything that runs its last argument as a shell script on the board works (tests use
-    `bash -c` on this machine)."""
+    `ssh -o BatchMode=yes -o ConnectTimeout=5 ... [-p PORT] [-i KEY] [-o ...] [USER@]HOST --`.
+    Every script goes through `exec /bin/sh -c '...'`, so the login shell of the board's user
+    only has to understand that one line. Anything that runs its last argument as a shell
+    command on the board works (tests also use `bash -c` on this machine)."""
 
     driver = "ssh"
-    #: seconds between start attempts while the board does not answer (rebooting)
-    RETRY_S = 2.0
 
     def __init__(
         self,
@@ -344,61 +365,109 @@ class SshSwitch(PowerSwitch):
         self.output_path = Path(output_path) if output_path else None
         self.timeout_s = timeout_s
         self.session: _ChildSession | None = None
+        self.remote_pid: int | None = None
         self._on = False
-        self._next_retry = 0.0
         self.boots = 0
 
     @staticmethod
     def ssh_argv(host: str, *, user: str | None = None, port: int | None = None, identity: str | None = None,
                  options: Sequence[str] = ()) -> list[str]:
+        # BatchMode: never prompt. ConnectTimeout/ServerAlive*: a board that stops answering is
+        # noticed within seconds. ControlPath=none: every action is its own connection, even if
+        # the operator's ssh config multiplexes (a shared master would outlive our kill of the
+        # client). IdentitiesOnly: with a key given, offer only it (an agent's other keys would
+        # count against the server's MaxAuthTries).
         argv = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "-o", "ServerAliveInterval=2",
-                "-o", "ServerAliveCountMax=3"]
+                "-o", "ServerAliveCountMax=3", "-o", "ControlMaster=no", "-o", "ControlPath=none"]
         if port is not None:
             argv += ["-p", str(int(port))]
         if identity:
-            argv += ["-i", identity]
+            argv += ["-i", identity, "-o", "IdentitiesOnly=yes"]
         for option in options:
             argv += ["-o", option]
         argv.append(f"{user}@{host}" if user else host)
         argv.append("--")
         return argv
 
-    def start_script(self) -> str:
-        return f"echo $$ > {shlex.quote(self.pidfile)} && exec {self.remote_command}"
+    def start_script(self, nonce: str = "") -> str:
+        pidfile = shlex.quote(self.pidfile)
+        return (f"{self.kill_command} || exit 1; "
+                f"echo \"$$ $(sed 's/.*) //' /proc/$$/stat 2>/dev/null | cut -d' ' -f20)\" > {pidfile} || exit 1; "
+                f"echo {START_MARKER} {nonce or '-'} $$; "
+                f"exec {self.remote_command}")
 
-    def start_argv(self) -> list[str]:
-        return self.transport + [self.start_script()]
+    def _remote(self, script: str) -> list[str]:
+        return self.transport + [f"exec /bin/sh -c {shlex.quote(script)}"]
+
+    def start_argv(self, nonce: str = "") -> list[str]:
+        return self._remote(self.start_script(nonce))
 
     def kill_argv(self) -> list[str]:
-        return self.transport + [self.kill_command]
+        return self._remote(self.kill_command)
 
     def reboot_argv(self) -> list[str]:
-        return self.transport + [f"{self.kill_command} && {self.reboot_command}"]
+        return self._remote(f"{self.kill_command} && {self.reboot_command}")
 
-    def _start_session(self) -> None:
-        self.boots += 1
-        self.session = _ChildSession(self.start_argv(), self.output_path, None, None)
-        pid = self.session.start(f"payload boot {self.boots} via {self.transport[0]}")
-        _log.info("power_switch_on", driver=self.driver, host=self.host, ssh_pid=pid, boot=self.boots)
+    def _session_log(self) -> Path:
+        if self.output_path is None:  # the marker has to land somewhere we can read
+            fd, name = tempfile.mkstemp(prefix="orbitweaver-ssh-", suffix=".log")
+            os.close(fd)
+            self.output_path = Path(name)
+        return self.output_path
 
     def on(self) -> None:
         if self._on:
             return
+        self.boots += 1
+        nonce = secrets.token_hex(8)
+        log_path = self._session_log()
+        try:
+            offset = log_path.stat().st_size
+        except OSError:
+            offset = 0
+        session = _ChildSession(self.start_argv(nonce), log_path, None, None)
+        session.start(f"payload boot {self.boots} via {self.transport[0]}")
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            ended = session.proc.poll()  # read before the log: a marker then an exit is a start
+            text = _read_from(log_path, offset)
+            pid = _marker_pid(text, nonce)
+            if pid is not None:
+                break
+            if ended is not None:
+                session.kill()
+                raise PowerSwitchError(f"ssh power-on{self._where()} exited {ended} before the payload started: "
+                                       f"{_ssh_output(text) or 'no output'}")
+            if time.monotonic() >= deadline:
+                session.kill()
+                raise PowerSwitchError(f"ssh power-on{self._where()}: the payload did not start within "
+                                       f"{self.timeout_s:g} s: {_ssh_output(text) or 'no output'}")
+            time.sleep(0.02)
+        self.session = session
+        self.remote_pid = pid
         self._on = True
-        self._start_session()
+        _log.info("power_switch_on", driver=self.driver, host=self.host, ssh_pid=session.pid, remote_pid=pid,
+                  boot=self.boots)
+
+    def _where(self) -> str:
+        return f" to {self.host}" if self.host else ""
 
     def off(self, cause: str) -> None:
         argv = self.reboot_argv() if self.mode == "reboot" else self.kill_argv()
         result = _run(argv, f"ssh power-off ({self.mode})", self.timeout_s)
         if result.returncode != 0:
+            what = "could not reach the board, " if result.returncode == SSH_TRANSPORT_FAILURE else ""
             raise PowerSwitchError(
-                f"ssh power-off ({self.mode}) exited {result.returncode}: {_tail(result.stderr) or 'no output'}"
+                f"ssh power-off ({self.mode}){self._where()} {what}exited {result.returncode}: "
+                f"{_tail(result.stderr) or 'no output'}"
             )
         if self.session is not None:
             self.session.kill()  # the local ssh client of the killed payload
             self.session = None
+        killed, self.remote_pid = self.remote_pid, None
         self._on = False
-        _log.info("power_switch_off", driver=self.driver, host=self.host, cause=cause, mode=self.mode)
+        _log.info("power_switch_off", driver=self.driver, host=self.host, cause=cause, mode=self.mode,
+                  remote_pid=killed)
 
     def is_on(self) -> bool:
         return self._on
@@ -408,34 +477,56 @@ class SshSwitch(PowerSwitch):
         return self.session.pid if self.session is not None else None
 
     def poll(self) -> int | None:
-        if not self._on:
-            return None
-        now = time.monotonic()
-        if self.session is None:  # waiting for the board to answer again
-            if now >= self._next_retry:
-                self._start_session()
+        if self.session is None:
             return None
         status = self.session.exited()
         if status is None:
             return None
         self.session = None
-        if status == SSH_TRANSPORT_FAILURE:
-            # The board does not answer (still rebooting, network down): try again shortly.
-            self._next_retry = now + self.RETRY_S
-            _log.info("power_switch_ssh_unreachable", host=self.host, retry_in_s=self.RETRY_S)
-            return None
+        # The switch stays on: the bus cuts (and so kills whatever is left on the board) next.
+        _log.warning("power_switch_ssh_session_ended", host=self.host, status=status, remote_pid=self.remote_pid,
+                     meaning="connection lost or payload killed by a signal" if status == SSH_TRANSPORT_FAILURE
+                     else "payload exited")
         return status
 
     def reset(self) -> None:
         # Whatever a previous bus left running on the board goes first (a fresh start is a
-        # fresh process); a board that does not answer is off, which is what we want.
+        # fresh process). A board that does not answer may be off; `on` kills a leftover
+        # payload before starting anyway.
         result = _run(self.kill_argv(), "ssh reset", self.timeout_s)
-        if result.returncode not in (0, SSH_TRANSPORT_FAILURE):
+        if result.returncode == SSH_TRANSPORT_FAILURE:
+            _log.warning("power_switch_ssh_reset_unreachable", host=self.host, error=_tail(result.stderr))
+        elif result.returncode != 0:
             raise PowerSwitchError(f"ssh reset exited {result.returncode}: {_tail(result.stderr) or 'no output'}")
 
     def describe(self) -> dict:
         return {"driver": self.driver, "host": self.host, "mode": self.mode, "transport": self.transport[:1],
-                "remote_command": self.remote_command, "pid": self.pid}
+                "pidfile": self.pidfile, "remote_command": self.remote_command, "pid": self.pid,
+                "remote_pid": self.remote_pid}
+
+
+def _read_from(path: Path, offset: int) -> str:
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(offset)
+            return handle.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def _ssh_output(text: str) -> str:
+    """What ssh and the start script said, without the log's boot banner."""
+    lines = [line for line in text.splitlines() if not line.startswith("==== payload boot ")]
+    return _tail("\n".join(lines).encode())
+
+
+def _marker_pid(text: str, nonce: str) -> int | None:
+    """The pid on the start script's marker line for this boot's nonce, if it has arrived."""
+    for line in text.splitlines():
+        words = line.split()
+        if len(words) == 3 and words[0] == START_MARKER and words[1] == nonce and words[2].isdigit():
+            return int(words[2])
+    return None
 
 
 class CommandSwitch(PowerSwitch):

@@ -124,15 +124,24 @@ def test_ssh_argv_reaches_the_board_and_records_the_process_group():
                        port=2222, identity="/home/op/.ssh/bench", ssh_options=["StrictHostKeyChecking=accept-new"],
                        pidfile="/run/ow/payload.pid")
     prefix = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "-o", "ServerAliveInterval=2",
-              "-o", "ServerAliveCountMax=3", "-p", "2222", "-i", "/home/op/.ssh/bench",
+              "-o", "ServerAliveCountMax=3", "-o", "ControlMaster=no", "-o", "ControlPath=none", "-p", "2222",
+              "-i", "/home/op/.ssh/bench", "-o", "IdentitiesOnly=yes",
               "-o", "StrictHostKeyChecking=accept-new", "ow@jetson.local", "--"]
-    assert switch.start_argv() == prefix + [
-        "echo $$ > /run/ow/payload.pid && exec ow flight run --data-dir /var/lib/ow --model /opt/m"]
+    start = switch.start_argv("n0nce")
+    assert start[:-1] == prefix
+    # One shell line for the login shell: exec a POSIX shell on the quoted script.
+    assert start[-1].startswith("exec /bin/sh -c '")
+    script = shlex.split(start[-1])[-1]
+    assert script.startswith(switch.kill_command + " || exit 1; ")
+    assert "/proc/$$/stat" in script and "> /run/ow/payload.pid" in script
+    assert script.endswith("echo orbitweaver-payload-started n0nce $$; "
+                           "exec ow flight run --data-dir /var/lib/ow --model /opt/m")
     kill = switch.kill_argv()
     assert kill[:-1] == prefix
-    assert 'kill -KILL -- -"$p"' in kill[-1] and "/run/ow/payload.pid" in kill[-1]
+    assert shlex.split(kill[-1])[-1] == switch.kill_command
+    assert 'kill -9 -"$p"' in switch.kill_command and "/run/ow/payload.pid" in switch.kill_command
     reboot = SshSwitch("ow flight run", host="jetson.local", mode="reboot").reboot_argv()
-    assert reboot[-1].startswith(SshSwitch("x", host="h").kill_command)
+    assert shlex.split(reboot[-1])[-1].startswith(SshSwitch("x", host="h").kill_command + " && ")
     assert "/sbin/reboot -f" in reboot[-1]
     with pytest.raises(ValueError):
         SshSwitch("ow flight run", host="h", mode="unplug")
@@ -148,7 +157,8 @@ def test_ssh_switch_over_a_local_shell_kills_the_remote_group(tmp_path):
     switch.reset()  # nothing running: succeeds without killing anything
     switch.on()
     leader, child = family_pids(pids)
-    assert int((tmp_path / "remote.pid").read_text()) == leader, "exec keeps the recorded pid"
+    assert int((tmp_path / "remote.pid").read_text().split()[0]) == leader, "exec keeps the recorded pid"
+    assert switch.remote_pid == leader
     switch.off("thermal")
     wait_for(lambda: dead(leader) and dead(child), 2, what="remote group killed")
     assert not switch.is_on() and not (tmp_path / "remote.pid").exists()
@@ -157,8 +167,11 @@ def test_ssh_switch_over_a_local_shell_kills_the_remote_group(tmp_path):
 def test_ssh_switch_does_not_pretend_when_the_board_is_unreachable(tmp_path):
     # `ssh` exits 255 when it cannot reach the host; so does this transport.
     switch = SshSwitch("sleep 60", transport=["bash", "-c", "exit 255", "ssh"], pidfile=str(tmp_path / "p"))
-    with pytest.raises(PowerSwitchError, match="255"):
+    with pytest.raises(PowerSwitchError, match="could not reach the board, exited 255"):
         switch.off("thermal")
+    with pytest.raises(PowerSwitchError, match="exited 255 before the payload started"):
+        switch.on()
+    assert not switch.is_on(), "a power-on that never reached the board is not an on"
     reboot = SshSwitch("sleep 60", transport=["bash", "-c", "exit 255", "ssh"], mode="reboot")
     with pytest.raises(PowerSwitchError):
         reboot.off("fdir")
