@@ -22,7 +22,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python -m hil.demo
 
+# The SSH power-switch tests run a real sshd: Debian's openssh-server, installed when missing
+# (root and apt-get only; otherwise those tests skip and say why).
 test: $(STAMP)
+	$(BIN)/python tests/bus/sshd_testkit.py --install
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 bench: $(STAMP)
