@@ -23,7 +23,10 @@ Segment 2, trace time [7200, end]: an excerpt of the extreme-temperature (overhe
   segment's first `power_on` marks the start of the excerpt, not a switch-on in orbit. (The full
   553-minute test would not fit the 1 MiB budget of a shipped trace at 1 Hz.)
 
-How each quantity is derived (every number is a parameter of `Bupt1Import`):
+The import is a preset of the generic CSV importer (`traces.importers.csv_import`, the same as
+`ow hil trace-import-csv`): `preset(params)` gives its column mapping for each segment, and the
+two imported segments are joined. How each quantity is derived (every number is a parameter of
+`Bupt1Import`):
   - Payload on/off: on while `I_Atlas200DK-B` > 100 mA (readings are 0 when off and 440-680 mA
     when on, so any threshold in between gives the same windows). A switch happens at the first
     sample on the other side of the threshold.
@@ -38,7 +41,10 @@ How each quantity is derived (every number is a parameter of `Bupt1Import`):
     580 mA payload switches off at 5884 s, which matches 580 mA × 12 V = 7.0 W.
   - Battery state of charge: from `Battery_U` through the BUPT-1 pack's ground discharge curve
     (`traces.generator.BUPT1_PACK_OCV`). The telemetry quantizes the battery voltage to 0.2 V and
-    the voltage is read under load, so this estimate is coarse (steps of 0.03-0.08).
+    the voltage is read under load, so this estimate is coarse (steps of 0.03-0.08). Rows that
+    carry no battery reading (battery groups 1 and 3) hold 0, which is therefore not a reading.
+  - Time: the energy logs stamp their rows with the minute (60 rows, or 30 every 2 s, per
+    stamp), taken as evenly spaced samples within it; the overheating test's `TIME` is minutes.
   - 1 Hz resampling: each second takes the latest reading at or before it (what a bus publishing
     its housekeeping at 1 Hz would show); nothing is interpolated.
 """
@@ -46,14 +52,14 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
-from traces.generator import BUPT1_PACK_OCV, soc_from_voltage
-from traces.model import CutCause, Event, EventKind, TelemetrySample, Trace
+from traces.generator import BUPT1_PACK_OCV
+from traces.importers.csv_import import CsvImport, CsvImportError, Imported, import_csv
+from traces.model import Event, EventKind, Trace
 
 DATA_ENV_VAR = "OW_BUPT1_DATA"
 ENERGY_ALL = "energy_shortterm_all.csv"
@@ -64,7 +70,7 @@ INPUT_FILES = (ENERGY_ALL, ENERGY_PAYLOAD, OVERHEAT_POWER, OVERHEAT_TEMPERATURE)
 ENERGY_SEGMENT_S = 7200  # 2023-03-02 00:00-02:00, 120 minute stamps x 60 rows
 
 
-class Bupt1DataError(ValueError):
+class Bupt1DataError(CsvImportError):
     """Malformed or missing BUPT-1 input; str is `file:line: message`."""
 
 
@@ -87,159 +93,38 @@ class Bupt1Import:
     payload_on_threshold_ma: float = 100.0
     payload_rail_v: float = 12.0
     thermal_cut_c: float = 30.0
-    unexplained_cut_cause: str = CutCause.POWER.value
+    unexplained_cut_cause: str = "power"
     overheat_from_min: float = 420.0
     reference_request_s: float = 180.0
     name: str = "bupt1"
 
 
-# ------------------------------------------------------------------------------------ CSV input
+def preset(params: Bupt1Import = Bupt1Import()) -> list[tuple[tuple[str, ...], CsvImport]]:
+    """The generic importer's files and column mapping for each segment, in trace order (the
+    same as the `ow hil trace-import-csv` commands in docs/trace-format.md section 10)."""
+    common = dict(current="I_Atlas200DK-B", on_above_ma=params.payload_on_threshold_ma,
+                  payload_volts=params.payload_rail_v, other_cause=params.unexplained_cut_cause,
+                  reference_request_s=params.reference_request_s, name=params.name)
+    return [
+        ((ENERGY_ALL, ENERGY_PAYLOAD),
+         CsvImport(time="Time", time_unit="datetime", spread_repeats=True, voltage="Total_U", voltage_unit="mV",
+                   battery="Battery_U", battery_unit="mV", no_reading={"Battery_U": 0.0}, **common)),
+        ((OVERHEAT_POWER, OVERHEAT_TEMPERATURE),
+         CsvImport(time="TIME", time_unit="min", temperature="ATLAS_B_TEMP", thermal_at_c=params.thermal_cut_c,
+                   from_s=params.overheat_from_min * 60.0, **common)),
+    ]
 
 
-def _read_csv(path: Path, required: Sequence[str]) -> list[tuple[int, dict[str, str]]]:
-    """Rows with their file line numbers. Handles the UTF-8 byte-order mark of some files."""
+def _count_rows(path: Path) -> int:
     try:
-        handle = path.open(encoding="utf-8-sig", newline="")
-    except OSError as exc:
-        raise Bupt1DataError(f"{path}:0: cannot read: {exc.strerror or exc}") from exc
-    with handle:
-        reader = csv.DictReader(handle)
-        missing = [c for c in required if c not in (reader.fieldnames or [])]
-        if missing:
-            raise Bupt1DataError(f"{path}:1: missing column(s) {', '.join(missing)}")
-        return [(reader.line_num, row) for row in reader]
-
-
-def _number(path: Path, line: int, row: dict[str, str], column: str) -> float:
-    text = row.get(column)
-    try:
-        value = float(text)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise Bupt1DataError(f"{path}:{line}: column {column} is not a number: {text!r}") from None
-    if not math.isfinite(value):
-        raise Bupt1DataError(f"{path}:{line}: column {column} is not finite: {text!r}")
-    return value
+        with path.open(encoding="utf-8-sig", newline="") as handle:
+            return sum(1 for row in csv.reader(handle) if row) - 1
+    except (OSError, csv.Error) as exc:
+        raise Bupt1DataError(f"{path}:0: cannot read: {exc}") from None
 
 
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _hold(samples: Sequence[tuple[float, float]], times: Sequence[int]) -> list[float | None]:
-    """For each time, the latest sample value at or before it (None before the first sample).
-    `samples` is sorted by time; times are ascending."""
-    out: list[float | None] = []
-    index = -1
-    for t in times:
-        while index + 1 < len(samples) and samples[index + 1][0] <= t + 1e-6:
-            index += 1
-        out.append(samples[index][1] if index >= 0 else None)
-    return out
-
-
-def _switches(samples: Sequence[tuple[float, float]], threshold: float) -> list[tuple[float, bool]]:
-    """(time, on) at each crossing of the payload-current threshold, starting from off."""
-    out: list[tuple[float, bool]] = []
-    on = False
-    for t, current in samples:
-        now_on = current > threshold
-        if now_on != on:
-            out.append((t, now_on))
-            on = now_on
-    return out
-
-
-# ------------------------------------------------------------------------------------ segments
-
-
-@dataclass
-class _Segment:
-    duration_s: int  # samples at 0..duration_s-1 (the next segment starts at duration_s)
-    switches: list[tuple[float, bool]]
-    voltage: list[float | None]
-    soc: list[float | None]
-    temperature: list[float | None]
-    temperature_samples: list[tuple[float, float]]
-    payload_power: list[float | None]
-
-
-def _energy_segment(data_dir: Path, params: Bupt1Import) -> _Segment:
-    path_all = data_dir / ENERGY_ALL
-    path_payload = data_dir / ENERGY_PAYLOAD
-    rows = _read_csv(path_all, ("Time", "Total_U", "BATTERY_Group", "Battery_U"))
-    if len(rows) != ENERGY_SEGMENT_S:
-        raise Bupt1DataError(f"{path_all}:0: expected {ENERGY_SEGMENT_S} rows (2 h at 1 Hz), found {len(rows)}")
-    voltage: list[float | None] = []
-    battery: list[tuple[float, float]] = []
-    for second, (line, row) in enumerate(rows):
-        voltage.append(_number(path_all, line, row, "Total_U") / 1000.0)
-        group = _number(path_all, line, row, "BATTERY_Group")
-        reading = _number(path_all, line, row, "Battery_U")
-        if group in (0.0, 2.0) and reading > 0:  # groups 1 and 3 carry no battery reading
-            battery.append((float(second), reading / 1000.0))
-    payload_rows = _read_csv(path_payload, ("Time", "I_Atlas200DK-B"))
-    if len(payload_rows) != ENERGY_SEGMENT_S // 2:
-        raise Bupt1DataError(f"{path_payload}:0: expected {ENERGY_SEGMENT_S // 2} rows (2 h every 2 s), "
-                             f"found {len(payload_rows)}")
-    current = [
-        (2.0 * index, _number(path_payload, line, row, "I_Atlas200DK-B"))
-        for index, (line, row) in enumerate(payload_rows)
-    ]
-    times = list(range(ENERGY_SEGMENT_S))
-    battery_v = _hold(battery, times)
-    payload_ma = _hold(current, times)
-    return _Segment(
-        duration_s=ENERGY_SEGMENT_S,
-        switches=_switches(current, params.payload_on_threshold_ma),
-        voltage=voltage,
-        soc=[None if v is None else soc_from_voltage(v) for v in battery_v],
-        temperature=[None] * ENERGY_SEGMENT_S,
-        temperature_samples=[],
-        payload_power=[None if i is None else i * params.payload_rail_v / 1000.0 for i in payload_ma],
-    )
-
-
-def _overheat_segment(data_dir: Path, params: Bupt1Import) -> _Segment:
-    path_power = data_dir / OVERHEAT_POWER
-    path_temp = data_dir / OVERHEAT_TEMPERATURE
-    offset_s = params.overheat_from_min * 60.0
-
-    def timed(path: Path, column: str) -> list[tuple[float, float]]:
-        out = []
-        for line, row in _read_csv(path, ("TIME", column)):
-            # TIME is in minutes as a float; round to the millisecond to undo binary fractions.
-            t = round(_number(path, line, row, "TIME") * 60.0, 3) - offset_s
-            out.append((t, _number(path, line, row, column)))
-        if any(b[0] < a[0] for a, b in zip(out, out[1:])):
-            raise Bupt1DataError(f"{path}:0: TIME is not in ascending order")
-        return out
-
-    current_all = timed(path_power, "I_Atlas200DK-B")
-    temperature_all = timed(path_temp, "ATLAS_B_TEMP")
-    end_s = int(math.floor(min(current_all[-1][0], temperature_all[-1][0])))
-    if end_s <= 0:
-        raise Bupt1DataError(f"{path_power}:0: the log ends before overheat_from_min={params.overheat_from_min}")
-    times = list(range(end_s + 1))
-    payload_ma = _hold(current_all, times)
-    temperature = _hold(temperature_all, times)
-    # Switches inside the excerpt; the state at its start comes from the last sample before it.
-    before = [c for t, c in current_all if t <= 0.0]
-    inside = [(t, c) for t, c in current_all if 0.0 < t <= end_s]
-    switches = _switches(([(0.0, before[-1])] if before else []) + inside, params.payload_on_threshold_ma)
-    return _Segment(
-        duration_s=end_s,
-        switches=switches,
-        voltage=[None] * len(times),
-        soc=[None] * len(times),
-        temperature=temperature,
-        temperature_samples=[s for s in temperature_all if s[0] <= end_s],
-        payload_power=[None if i is None else i * params.payload_rail_v / 1000.0 for i in payload_ma],
-    )
-
-
-def _temperature_at(samples: Sequence[tuple[float, float]], t: float) -> float | None:
-    held = _hold(samples, [t]) if samples else [None]
-    return held[0]
 
 
 def _window_minutes(events: Sequence[Event], duration_s: float) -> tuple[float, float]:
@@ -258,60 +143,47 @@ def _window_minutes(events: Sequence[Event], duration_s: float) -> tuple[float, 
     return lengths[0], lengths[1]
 
 
-def _round(value: float | None, digits: int) -> float | None:
-    return None if value is None else round(value, digits)
-
-
 # ------------------------------------------------------------------------------------ import
 
 
 def import_bupt1(data_dir: str | os.PathLike[str] | None = None, params: Bupt1Import = Bupt1Import()) -> Trace:
     """Build the BUPT-1 trace from the four CSV files in `data_dir` (default: `default_data_dir()`)."""
+    return import_bupt1_reported(data_dir, params).trace
+
+
+def import_bupt1_reported(data_dir: str | os.PathLike[str] | None = None,
+                          params: Bupt1Import = Bupt1Import()) -> Imported:
+    """`import_bupt1`, with the generic importer's warnings and notes for each segment."""
     directory = Path(data_dir) if data_dir is not None else default_data_dir()
     if not directory.is_dir():
         raise Bupt1DataError(f"{directory}:0: BUPT-1 data folder not found (set ${DATA_ENV_VAR} or pass --data)")
-    unexplained = CutCause(params.unexplained_cut_cause)
-    energy = _energy_segment(directory, params)
-    overheat = _overheat_segment(directory, params)
-
-    events: list[Event] = []
-    telemetry: list[TelemetrySample] = []
-    offset = 0
-    segments = (energy, overheat)
-    for number, segment in enumerate(segments):
-        last = number == len(segments) - 1
-        on = False
-        for t, now_on in segment.switches:
-            at = offset + t
-            if now_on:
-                events.append(Event(float(at), EventKind.POWER_ON))
-            else:
-                temp = _temperature_at(segment.temperature_samples, t)
-                cause = CutCause.THERMAL if temp is not None and temp >= params.thermal_cut_c else unexplained
-                events.append(Event(float(at), EventKind.CUT, cause, 0.0))
-            on = now_on
-        if on and not last:
-            raise Bupt1DataError(
-                f"{directory}:0: the payload is still on at the end of segment {number + 1}; segments "
-                "can only be joined while it is off"
-            )
-        count = segment.duration_s + (1 if last else 0)
-        for k in range(count):
-            telemetry.append(
-                TelemetrySample(
-                    float(offset + k),
-                    _round(segment.voltage[k], 3),
-                    _round(segment.soc[k], 3),
-                    _round(segment.temperature[k], 1),
-                    _round(segment.payload_power[k], 2),
-                )
-            )
-        offset += segment.duration_s
-
+    segments: list[Imported] = []
+    for files, mapping in preset(params):
+        try:
+            segments.append(import_csv([directory / name for name in files], mapping))
+        except CsvImportError as exc:
+            raise Bupt1DataError(str(exc)) from None
+    for name, expected in ((ENERGY_ALL, ENERGY_SEGMENT_S), (ENERGY_PAYLOAD, ENERGY_SEGMENT_S // 2)):
+        rows = _count_rows(directory / name)
+        if rows != expected:
+            raise Bupt1DataError(f"{directory / name}:0: expected {expected} rows (2 h at "
+                                 f"{'1 Hz' if expected == ENERGY_SEGMENT_S else 'one row per 2 s'}), found {rows}")
+    energy, overheat = (segment.trace for segment in segments)
+    if energy.duration_s != ENERGY_SEGMENT_S:
+        raise Bupt1DataError(f"{directory / ENERGY_ALL}:0: the energy log covers {energy.duration_s:g} s, not "
+                             f"{ENERGY_SEGMENT_S} s")
+    if energy.windows() and energy.windows()[-1].is_open:
+        raise Bupt1DataError(
+            f"{directory}:0: the payload is still on at the end of segment 1; segments "
+            "can only be joined while it is off"
+        )
+    joined = energy.concat(overheat)
+    events, offset = joined.events, int(joined.duration_s)
     inputs = {name: {"sha256": _sha256(directory / name)} for name in INPUT_FILES}
     first_window_min, second_window_min = _window_minutes(events, offset)
     excerpt_min = overheat.duration_s / 60.0
-    return Trace(
+    trace = replace(
+        joined,
         name=params.name,
         description=(
             "Real in-orbit telemetry from the BUPT-1 12U CubeSat (TianSuan constellation, MobiCom'24 "
@@ -322,12 +194,6 @@ def import_bupt1(data_dir: str | os.PathLike[str] | None = None, params: Bupt1Im
             f"{params.thermal_cut_c:g} C and was switched off ({second_window_min:.1f} min into the excerpt), "
             "then cooled."
         ),
-        duration_s=float(offset),
-        events=tuple(events),
-        telemetry=tuple(telemetry),
-        telemetry_period_s=1.0,
-        reference_request_s=params.reference_request_s,
-        time_scale=1.0,
         source={
             "kind": "import",
             "importer": "traces.importers.bupt1.import_bupt1",
@@ -364,3 +230,5 @@ def import_bupt1(data_dir: str | os.PathLike[str] | None = None, params: Bupt1Im
             "minutes, over 10 requests each): BUPT-1 runs its payload in long sessions.",
         ),
     )
+    return Imported(trace, [w for segment in segments for w in segment.warnings],
+                    [n for segment in segments for n in segment.notes])
