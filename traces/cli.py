@@ -1,5 +1,5 @@
-"""Trace commands: `trace-info`, `trace-validate`, `trace-generate`, `trace-import-bupt1` and
-`trace-regenerate`. `register_trace_commands(subparsers)` adds them to any argparse subparsers
+"""Trace commands: `trace-info`, `trace-validate`, `trace-generate`, `trace-import-csv`,
+`trace-import-bupt1` and `trace-regenerate`. `register_trace_commands(subparsers)` adds them to any argparse subparsers
 object (`ow hil` uses it); `python -m traces COMMAND ...` runs them stand-alone.
 
 Each command returns an exit status; user errors raise `common.cli.CliError` (one line, no
@@ -142,17 +142,61 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report_import(imported, out: str) -> int:
+    """Warnings and notes to stderr, the trace to `out`, a summary line."""
+    for warning in imported.warnings:
+        print(warning, file=sys.stderr)
+    for note in imported.notes:
+        print(f"note: {note}", file=sys.stderr)
+    trace = imported.trace
+    where = _write(trace, out)
+    warned = f"; {len(imported.warnings)} warning line(s) above" if imported.warnings else ""
+    print(f"{where}: {trace.name}, {trace.duration_s:g} s, {_summary(trace)}{warned}",
+          file=sys.stderr if out == "-" else sys.stdout)
+    return 0
+
+
+def _no_reading(items: list[str]) -> dict[str, float]:
+    out = {}
+    for item in items:
+        column, sep, value = item.rpartition("=")
+        try:
+            out[column] = float(value)
+        except ValueError:
+            column = ""
+        if not sep or not column:
+            raise _cli_error(f"--no-reading wants COLUMN=VALUE, not {item!r}", 2)
+    return out
+
+
+def _cmd_import_csv(args: argparse.Namespace) -> int:
+    from traces.importers.csv_import import CsvImport, CsvImportError, CsvImportOptionsError, import_csv
+
+    try:
+        params = CsvImport(
+            time=args.time, time_unit=args.time_unit, spread_repeats=args.spread_repeats, current=args.current,
+            current_unit=args.current_unit, on_above_ma=args.on_above, temperature=args.temperature,
+            thermal_at_c=args.thermal_at, voltage=args.voltage, voltage_unit=args.voltage_unit, battery=args.battery,
+            battery_unit=args.battery_unit, battery_cells=args.battery_cells, payload_volts=args.payload_volts,
+            no_reading=_no_reading(args.no_reading), other_cause=args.other_cause, from_s=args.from_s,
+            to_s=args.to_s, max_gap_s=args.max_gap, name=args.name)
+        imported = import_csv(args.files, params)
+    except CsvImportOptionsError as exc:
+        raise _cli_error(str(exc), 2) from None
+    except CsvImportError as exc:
+        raise _cli_error(str(exc), 1) from None
+    return _report_import(imported, args.out)
+
+
 def _cmd_import_bupt1(args: argparse.Namespace) -> int:
-    from traces.importers.bupt1 import Bupt1DataError, Bupt1Import, import_bupt1
+    from traces.importers.bupt1 import Bupt1DataError, Bupt1Import, import_bupt1_reported
 
     params = Bupt1Import(overheat_from_min=args.overheat_from_min)
     try:
-        trace = import_bupt1(args.data, params)
+        imported = import_bupt1_reported(args.data, params)
     except Bupt1DataError as exc:
         raise _cli_error(str(exc), 1) from None
-    where = _write(trace, args.out)
-    print(f"{where}: {trace.name}, {_summary(trace)}", file=sys.stderr if args.out == "-" else sys.stdout)
-    return 0
+    return _report_import(imported, args.out)
 
 
 def _cmd_regenerate(args: argparse.Namespace) -> int:
@@ -226,10 +270,75 @@ def register_trace_commands(subparsers: Any) -> None:
     p.add_argument("--out", required=True, metavar="FILE", help="output file, or - for standard output")
     p.set_defaults(func=_cmd_generate)
 
+    from traces.importers.csv_import import BATTERY_UNITS, CURRENT_UNITS, TIME_UNITS, VOLTAGE_UNITS
+
+    p = subparsers.add_parser(
+        "trace-import-csv",
+        help="turn a telemetry CSV file into a trace",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Turn telemetry CSV files (bus housekeeping, a published data set) into a trace, with the "
+        "column mapping given here. The payload is on while its current is above --on-above; a cut is "
+        "thermal when the temperature at the switch-off is at or above --thermal-at, --other-cause "
+        "(power) otherwise. Telemetry is resampled to 1 Hz by the latest reading at or before each second; "
+        "nothing is interpolated. Missing columns, time going backward, cells that are not numbers and "
+        "readings outside the trace format's ranges stop the import with FILE:LINE: reason; time gaps, "
+        "repeated time stamps and empty cells are warnings (FILE:LINE: warning: ...) and it goes on. "
+        "Several files may be given when they share the time column (each mapped column in exactly one). "
+        "See docs/trace-format.md section 10.",
+        epilog="examples (the BUPT-1 files in ../shared/data/bupt1):\n"
+        "  ow hil trace-import-csv overheating_telemetry_power.csv overheating_telemetry_temperature.csv \\\n"
+        "      --time TIME --time-unit min --current I_Atlas200DK-B --on-above 100 \\\n"
+        "      --temperature ATLAS_B_TEMP --thermal-at 30 --payload-volts 12 --from 25200 --out overheat.jsonl\n"
+        "  ow hil trace-import-csv energy_shortterm_all.csv energy_shortterm_payload.csv \\\n"
+        "      --time Time --time-unit datetime --spread-repeats --current I_Atlas200DK-B --on-above 100 \\\n"
+        "      --voltage Total_U --voltage-unit mV --battery Battery_U --battery-unit mV \\\n"
+        "      --no-reading Battery_U=0 --payload-volts 12 --out energy.jsonl",
+    )
+    p.add_argument("files", metavar="FILE", nargs="+", help="CSV file(s) with a header line")
+    p.add_argument("--time", required=True, metavar="COLUMN", help="time column (in every file)")
+    p.add_argument("--time-unit", choices=TIME_UNITS, default="s",
+                   help="s, min or ms from the log's own zero; unix: seconds since 1970; datetime: "
+                   "YYYY-MM-DD HH:MM[:SS] or YYYY/M/D H:MM, UTC unless it has an offset (default s)")
+    p.add_argument("--spread-repeats", action="store_true",
+                   help="rows sharing a time stamp are evenly spaced samples within the stamp's resolution "
+                   "(60 rows under an HH:MM stamp: one per second); without it a repeated stamp is a warning")
+    p.add_argument("--current", required=True, metavar="COLUMN", help="the payload's supply current")
+    p.add_argument("--current-unit", choices=CURRENT_UNITS, default="mA", help="(default mA)")
+    p.add_argument("--on-above", required=True, type=float, metavar="MILLIAMPS",
+                   help="the payload is on while its current is above this")
+    p.add_argument("--temperature", default=None, metavar="COLUMN", help="payload temperature (C)")
+    p.add_argument("--thermal-at", type=float, default=None, metavar="CELSIUS",
+                   help="a cut with the temperature at or above this is thermal")
+    p.add_argument("--other-cause", choices=["power", "fdir", "contention"], default="power",
+                   help="cause of the other cuts, which the log does not explain (default power)")
+    p.add_argument("--voltage", default=None, metavar="COLUMN", help="bus voltage")
+    p.add_argument("--voltage-unit", choices=VOLTAGE_UNITS, default="V", help="(default V)")
+    p.add_argument("--battery", default=None, metavar="COLUMN",
+                   help="battery state of charge, or a battery voltage turned into one (--battery-unit)")
+    p.add_argument("--battery-unit", choices=BATTERY_UNITS, default="soc",
+                   help="soc: 0..1; percent; V or mV: through BUPT-1's Li-ion pack curve (default soc)")
+    p.add_argument("--battery-cells", type=int, default=4, metavar="N",
+                   help="cells in series of a pack given in volts (the curve's pack has 4; default 4)")
+    p.add_argument("--payload-volts", type=float, default=None, metavar="VOLTS",
+                   help="payload power = current x this supply voltage (default: payload power not in telemetry)")
+    p.add_argument("--no-reading", action="append", default=[], metavar="COLUMN=VALUE",
+                   help="this value in this column means no reading in the row (multiplexed channels; repeatable)")
+    p.add_argument("--from", dest="from_s", type=float, default=None, metavar="SECONDS",
+                   help="start of the excerpt on the log's time axis (for unix and datetime: seconds after the "
+                   "first time stamp); default the first current reading")
+    p.add_argument("--to", dest="to_s", type=float, default=None, metavar="SECONDS",
+                   help="end of the excerpt on the same axis (default: where the first mapped file ends)")
+    p.add_argument("--max-gap", type=float, default=None, metavar="SECONDS",
+                   help="a longer time step is reported as a gap (default twice the file's median step)")
+    p.add_argument("--name", default=None, help="trace name (default from the first file's name)")
+    p.add_argument("--out", required=True, metavar="TRACE", help="output file, or - for standard output")
+    p.set_defaults(func=_cmd_import_csv)
+
     p = subparsers.add_parser(
         "trace-import-bupt1",
         help="turn BUPT-1 in-orbit telemetry into a trace",
-        description="Import the BUPT-1 CubeSat telemetry CSV files (see traces/importers/bupt1.py).",
+        description="Import the BUPT-1 CubeSat telemetry CSV files (see traces/importers/bupt1.py): a preset "
+        "of trace-import-csv for the four files, two segments joined.",
     )
     p.add_argument("--data", default=None, metavar="DIR",
                    help="folder with the four BUPT-1 CSV files (default: $OW_BUPT1_DATA or "
