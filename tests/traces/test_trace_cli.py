@@ -1,7 +1,6 @@
 """Trace commands as registered into an argparse tree (as `ow hil` does) and via `python -m traces`."""
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -11,21 +10,12 @@ import pytest
 
 from common.cli import CliError
 from traces import load
-from traces.cli import register_trace_commands
 from traces.format import dumps
 from traces.presets import generate
 
-from trace_testkit import write_lines
+from trace_testkit import run, write_lines
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def run(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="ow hil")
-    sub = parser.add_subparsers(dest="command", required=True)
-    register_trace_commands(sub)
-    args = parser.parse_args(argv)
-    return args.func(args)
 
 
 @pytest.mark.parametrize("name", ["sat1-like", "sat2-like", "dellingr-like", "trace-a", "trace-b", "bupt1"])

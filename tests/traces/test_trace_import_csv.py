@@ -5,7 +5,6 @@ and line, stopping or warning as docs/trace-format.md section 10 says; the other
 plays an imported trace."""
 from __future__ import annotations
 
-import argparse
 import re
 from pathlib import Path
 
@@ -13,10 +12,11 @@ import pytest
 
 from common.cli import CliError
 from traces import CutCause, load, shipped_path
-from traces.cli import register_trace_commands
 from traces.format import validate
 from traces.importers import bupt1
 from traces.importers.bupt1 import default_data_dir
+
+from trace_testkit import run
 
 DATA = default_data_dir()
 needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"BUPT-1 data folder {DATA} is absent")
@@ -26,14 +26,6 @@ ENERGY = ["--time", "Time", "--time-unit", "datetime", "--spread-repeats", "--cu
           "--battery-unit", "mV", "--no-reading", "Battery_U=0", "--payload-volts", "12"]
 OVERHEAT = ["--time", "TIME", "--time-unit", "min", "--current", "I_Atlas200DK-B", "--on-above", "100",
             "--temperature", "ATLAS_B_TEMP", "--thermal-at", "30", "--payload-volts", "12"]
-
-
-def run(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="ow hil")
-    sub = parser.add_subparsers(dest="command", required=True)
-    register_trace_commands(sub)
-    args = parser.parse_args(argv)
-    return args.func(args)
 
 
 def import_csv_cli(files, options, out: Path, *extra: str) -> int:

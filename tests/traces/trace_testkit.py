@@ -1,6 +1,7 @@
 """Helpers shared by the trace tests (importable: pytest puts each test folder on sys.path)."""
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 # The 12-second example of docs/trace-format.md section 5, kept here independently so that the
@@ -33,3 +34,14 @@ EXAMPLE_LINES = [
 def write_lines(path: Path, lines: list[str]) -> Path:
     path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     return path
+
+
+def run(argv: list[str]) -> int:
+    """A trace command as `ow hil` registers it; returns its exit status (user errors raise CliError)."""
+    from traces.cli import register_trace_commands
+
+    parser = argparse.ArgumentParser(prog="ow hil")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register_trace_commands(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
