@@ -521,8 +521,9 @@ def _ssh_output(text: str) -> str:
 
 
 def _marker_pid(text: str, nonce: str) -> int | None:
-    """The pid on the start script's marker line for this boot's nonce, if it has arrived."""
-    for line in text.splitlines():
+    """The pid on the start script's marker line for this boot's nonce, once the whole line has
+    arrived (ssh may pass it on in pieces)."""
+    for line in text.split("\n")[:-1]:
         words = line.split()
         if len(words) == 3 and words[0] == START_MARKER and words[1] == nonce and words[2].isdigit():
             return int(words[2])
