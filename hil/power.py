@@ -278,7 +278,8 @@ def _tail(data: bytes, limit: int = 300) -> str:
 
 
 #: Remote kill used unless the operator gives one. The pid file holds the payload's process group
-#: id and the start time of its leader (field 22 of /proc/PID/stat), written by the start script.
+#: id and the start time of its leader (field 22 of /proc/PID/stat, read with shell builtins),
+#: written by the start script.
 #: A leader that is alive with another start time is a new process that reused the pid (a board
 #: that rebooted keeps /tmp on disk): nothing of ours is left and nothing is killed. Otherwise the
 #: group gets SIGKILL and the script waits (up to 2 s) until no member of it is left but zombies,
@@ -286,9 +287,9 @@ def _tail(data: bytes, limit: int = 300) -> str:
 #: process, so a dead leader means the members found are ours.) `kill -9 -PGID`, not
 #: `kill -KILL -- -PGID`: dash's kill, Debian's /bin/sh, takes no `--`.
 DEFAULT_SSH_KILL = (
-    'f={pidfile}; if [ -f "$f" ]; then read p s < "$f"; if [ -n "$p" ]; then '
-    'if [ -n "$s" ] && [ -r "/proc/$p/stat" ] && '
-    '[ "$(sed \'s/.*) //\' "/proc/$p/stat" | cut -d" " -f20)" != "$s" ]; then '
+    'f={pidfile}; if [ -f "$f" ]; then read p s < "$f"; if [ -n "$p" ]; then t=; '
+    'if [ -n "$s" ] && read -r t 2>/dev/null < "/proc/$p/stat"; then t=${{t##*") "}}; set -- $t; t=${{20}}; fi; '
+    'if [ -n "$t" ] && [ "$t" != "$s" ]; then '
     'echo "pid $p now belongs to another process: the recorded payload is gone" >&2; '
     'else kill -9 -"$p" 2>/dev/null; i=0; '
     "while ! cat /proc/[0-9]*/stat 2>/dev/null | "
@@ -391,8 +392,11 @@ class SshSwitch(PowerSwitch):
 
     def start_script(self, nonce: str = "") -> str:
         pidfile = shlex.quote(self.pidfile)
+        # The start time is field 22 of /proc/$$/stat, read with shell builtins only (no fork
+        # between power-on and the payload): fields after the command name's closing ") ".
         return (f"{self.kill_command} || exit 1; "
-                f"echo \"$$ $(sed 's/.*) //' /proc/$$/stat 2>/dev/null | cut -d' ' -f20)\" > {pidfile} || exit 1; "
+                f"read -r s < /proc/$$/stat; s=${{s##*\") \"}}; set -- $s; "
+                f"echo \"$$ ${{20}}\" > {pidfile} || exit 1; "
                 f"echo {START_MARKER} {nonce or '-'} $$; "
                 f"exec {self.remote_command}")
 
