@@ -85,7 +85,10 @@ def install_openssh_server() -> str | None:
             result = _apt_get(["install", "--no-install-recommends", PACKAGE], env)
             if result.returncode != 0:  # package lists missing or stale on a fresh machine
                 update = _apt_get(["update"], env)
-                result = _apt_get(["install", "--no-install-recommends", PACKAGE], env) if update.returncode == 0 else update
+                if update.returncode == 0:
+                    result = _apt_get(["install", "--no-install-recommends", PACKAGE], env)
+                else:
+                    result = update
         except (OSError, subprocess.TimeoutExpired) as exc:
             return f"apt-get install {PACKAGE} failed: {exc}"
         finally:

@@ -106,8 +106,8 @@ def kill_session_of(pid: int) -> None:
 def ssh_switch(sshd: SshServer, remote: str, tmp_path: Path, **kw) -> SshSwitch:
     kw.setdefault("identity", str(sshd.client_key))
     kw.setdefault("ssh_options", sshd.client_options())
-    return SshSwitch(remote, host="127.0.0.1", port=sshd.port, user=sshd.user, pidfile=str(tmp_path / "board" / "payload.pid"),
-                     output_path=tmp_path / "payload.log", **kw)
+    return SshSwitch(remote, host="127.0.0.1", port=sshd.port, user=sshd.user,
+                     pidfile=str(tmp_path / "board" / "payload.pid"), output_path=tmp_path / "payload.log", **kw)
 
 
 def entries(data_dir: Path) -> list[bl.BusLogEntry]:
@@ -115,7 +115,12 @@ def entries(data_dir: Path) -> list[bl.BusLogEntry]:
 
 
 def wait_log(data_dir: Path, predicate, what: str) -> list[bl.BusLogEntry]:
-    return wait_for(lambda: (lambda e: e if predicate(e) else None)(entries(data_dir)), HANG_S, 0.1, what)
+    """The bus's run log, once `predicate(log)` holds."""
+    def ready():
+        log = entries(data_dir)
+        return log if predicate(log) else None
+
+    return wait_for(ready, HANG_S, 0.1, what)
 
 
 def kinds(log: list[bl.BusLogEntry], kind: str, **match) -> list[bl.BusLogEntry]:
@@ -201,8 +206,7 @@ def test_power_on_kills_what_a_dead_bus_left_and_spares_a_reused_pid(sshd, tmp_p
     bystander = subprocess.Popen(["sleep", "600"], start_new_session=True)
     try:
         (tmp_path / "board" / "payload.pid").write_text(f"{bystander.pid} 1\n")
-        second._on = True
-        second.off("thermal")
+        second.reset()  # the kill script, as a bus runs it at its start
         assert bystander.poll() is None, "a process that reused the recorded pid was killed"
         assert not (tmp_path / "board" / "payload.pid").exists()
     finally:
@@ -341,7 +345,8 @@ def test_real_payload_over_ssh_resumes_bitwise_after_a_lost_connection_and_a_cut
     # The board's environment comes from its login, not from the bus: say what the payload needs.
     command = ["env", "OMP_NUM_THREADS=1", "HF_HUB_OFFLINE=1", "TOKENIZERS_PARALLELISM=false",
                f"OW_CACHE_DIR={os.environ.get('OW_CACHE_DIR', tmp_path / 'cache')}",
-               "{python}", "-m", "common.cli", "flight", "run", "--data-dir", "{payload_data_dir}", "--model", "{model}",
+               "{python}", "-m", "common.cli", "flight", "run", "--data-dir", "{payload_data_dir}",
+               "--model", "{model}",
                "--keys", "{keys}", "--payload-endpoint", "{payload_endpoint}"]
     trace = write_trace(tmp_path / "on.jsonl", 600.0, [window(0.0, 600.0, None)])
     cfg = ssh_bus_config(sshd, tmp_path, trace, command, model=model, flight_args=flight_args,

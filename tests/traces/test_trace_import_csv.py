@@ -144,7 +144,8 @@ def test_gaps_repeats_and_empty_cells_are_warnings_and_the_import_goes_on(overhe
 
 def test_an_excerpt_outside_the_data_is_refused(overheat_copy, tmp_path):
     files = overheat_copy()
-    assert "is after the end of the data (log time 596 s)" in str(failure(files, OVERHEAT, tmp_path / "o", "--to", "700"))
+    late = failure(files, OVERHEAT, tmp_path / "o", "--to", "700")
+    assert "is after the end of the data (log time 596 s)" in str(late)
     assert "has no reading at or before the start" in str(failure(files, OVERHEAT, tmp_path / "o", "--from", "-10"))
     wrong = failure(files, ["--time", "TIME", "--current", "I_Atlas200DK-B", "--on-above", "100",
                             "--thermal-at", "30"], tmp_path / "o")

@@ -176,7 +176,8 @@ class _Warnings:
     def finish(self) -> list[str]:
         for (path, kind), count in self._counts.items():
             if count > WARNINGS_LISTED:
-                self.lines.append(f"{path}:0: warning: {count - WARNINGS_LISTED} more {kind} not listed ({count} in all)")
+                self.lines.append(f"{path}:0: warning: {count - WARNINGS_LISTED} more {kind} not listed "
+                                  f"({count} in all)")
         return self.lines
 
 
@@ -207,7 +208,8 @@ def _parse_time(path: Path, line: int, column: str, text: str, unit: str) -> tup
             raise CsvImportError(f"{path}:{line}: column {column} is not a date-time (YYYY-MM-DD HH:MM[:SS]): {text!r}")
         year, month, day, hour, minute, second, fraction, zone = match.groups()
         try:
-            epoch = calendar.timegm((int(year), int(month), int(day), int(hour), int(minute), int(second or 0), 0, 0, 0))
+            epoch = calendar.timegm((int(year), int(month), int(day), int(hour), int(minute), int(second or 0),
+                                     0, 0, 0))
             if not (1 <= int(month) <= 12 and 1 <= int(day) <= 31 and int(hour) < 24 and int(minute) < 60
                     and int(second or 0) < 61):
                 raise ValueError
@@ -332,7 +334,9 @@ def _convert(channel: str, value: float, params: CsvImport) -> float:
         if params.battery_unit == "percent":
             return value / 100.0
         volts = value / 1000.0 if params.battery_unit == "mV" else value
-        return soc_from_voltage(volts if params.battery_cells == CURVE_CELLS else volts * CURVE_CELLS / params.battery_cells)
+        if params.battery_cells != CURVE_CELLS:  # the same state of charge per cell
+            volts = volts * CURVE_CELLS / params.battery_cells
+        return soc_from_voltage(volts)
     return value
 
 
@@ -502,8 +506,8 @@ def import_csv(files: Sequence[str | os.PathLike[str]], params: CsvImport) -> Im
         notes.append(f"log time 0 is the first time stamp, {origin:.0f} s after 1970-01-01 UTC "
                      f"({_utc(origin)}); the trace starts at log time {start:g} s")
     else:
-        notes.append(f"the trace starts at log time {start:g} s ({params.time} = {start / _unit_seconds(params.time_unit):g} "
-                     f"{params.time_unit})")
+        in_unit = start / _unit_seconds(params.time_unit)
+        notes.append(f"the trace starts at log time {start:g} s ({params.time} = {in_unit:g} {params.time_unit})")
     if at_start.value > threshold:
         notes.append(f"the payload is on at the start ({found['current']}:{at_start.line}): the trace's first "
                      "power_on marks the start of the excerpt, not a switch-on")
