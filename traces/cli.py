@@ -1,6 +1,7 @@
 """Trace commands: `trace-info`, `trace-validate`, `trace-generate`, `trace-import-csv`,
-`trace-import-bupt1` and `trace-regenerate`. `register_trace_commands(subparsers)` adds them to any argparse subparsers
-object (`ow hil` uses it); `python -m traces COMMAND ...` runs them stand-alone.
+`trace-import-bupt1` and `trace-regenerate`. `register_trace_commands(subparsers)` adds them to
+any argparse subparsers object (`ow hil` uses it); `python -m traces COMMAND ...` runs them
+stand-alone.
 
 Each command returns an exit status; user errors raise `common.cli.CliError` (one line, no
 traceback).
