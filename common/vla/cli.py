@@ -10,6 +10,7 @@ import json
 import sys
 
 DEFAULT_PROFILE = "rtx-pro-6000x4"
+DEFAULT_ILP_TIME_LIMIT_S = 2.0  # = management.DEFAULT_ILP_TIME_LIMIT_S (not imported: `ow --help` stays light)
 
 
 def _cli_error(message: str, code: int = 2):
@@ -29,6 +30,13 @@ def _ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(t) for t in _csv(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
 def _robot_mix(text: str) -> dict[str, int]:
     """'pi0=8,smolvla=4' -> {'pi0': 8, 'smolvla': 4}"""
     out = {}
@@ -40,6 +48,23 @@ def _robot_mix(text: str) -> dict[str, int]:
             raise argparse.ArgumentTypeError(f"expected MODEL=COUNT pairs, got {part!r}") from None
     if not out:
         raise argparse.ArgumentTypeError("no MODEL=COUNT pairs given")
+    return out
+
+
+def _limit_mix(text: str) -> dict[str, tuple[float, ...]]:
+    """'pi0=11/6/6,smolvla=51' -> {'pi0': (11, 6, 6), 'smolvla': (51,)}"""
+    out = {}
+    for part in _csv(text):
+        name, _, values = part.partition("=")
+        try:
+            limits = tuple(float(v) for v in values.split("/"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected MODEL=L or MODEL=L1/L2/..., got {part!r}") from None
+        if not limits or any(v <= 0 for v in limits[:1]):
+            raise argparse.ArgumentTypeError(f"{part!r}: the limit for one model alone must be positive")
+        out[name.strip()] = limits if len(limits) > 1 else limits[0]
+    if not out:
+        raise argparse.ArgumentTypeError("no MODEL=LIMIT pairs given")
     return out
 
 
@@ -126,10 +151,16 @@ def cmd_bench(args) -> int:
     bad = [e for e in experiments if e not in EXPERIMENTS]
     if bad:
         raise _cli_error(f"unknown experiment(s) {', '.join(bad)}; choose from {', '.join(EXPERIMENTS)}")
+    import dataclasses
+
     settings = BenchSettings.quick() if args.quick else BenchSettings()
-    if args.epochs or args.duration or args.seed is not None:
-        settings = BenchSettings(args.epochs or settings.epochs, args.duration or settings.duration_s,
-                                 settings.max_batches, settings.seed if args.seed is None else args.seed)
+    changes = {k: v for k, v in (("epochs", args.epochs), ("duration_s", args.duration), ("seed", args.seed),
+                                 ("seeds", args.seeds), ("slo_factors", args.slo_factors)) if v is not None}
+    if args.seed is not None and args.seeds is None:
+        changes["seeds"] = (args.seed,) + tuple(s for s in settings.seeds if s != args.seed)[: len(settings.seeds) - 1]
+    if args.ilp_time_limit is not None:
+        changes["controller"] = dataclasses.replace(settings.controller, time_limit_s=args.ilp_time_limit)
+    settings = dataclasses.replace(settings, **changes)
     report = run_bench(profile, settings, experiments, emit=lambda line: print(line, flush=True))
     if args.json:
         with open(args.json, "w") as f:
@@ -140,9 +171,24 @@ def cmd_bench(args) -> int:
 # ---------------------------------------------------------------- plan
 
 
+def _controller(args, profile, models):
+    """The traffic controller for `plan` and `serve`: given limits, or co-location limits measured now."""
+    from common.vla.controller import ControllerSettings, TrafficController
+
+    settings = ControllerSettings(epochs=args.check_epochs, time_limit_s=args.ilp_time_limit)
+    if getattr(args, "limits", None):
+        missing = [m for m in models if m not in args.limits]
+        if missing:
+            raise _cli_error(f"--limits lacks {', '.join(missing)}")
+        return TrafficController(profile, args.limits, args.max_batch, settings)
+    print(f"measuring co-location limits in the simulator ({settings.epochs} epochs per point) ...", flush=True)
+    return TrafficController.calibrate(profile, models, args.max_batch, settings, progress=print)
+
+
 def cmd_plan(args) -> int:
     from common.vla import sim
-    from common.vla.management import ASSIGNERS, Placement, format_assignment, robot_limits
+    from common.vla.controller import format_plan, write_plan
+    from common.vla.management import ASSIGNERS, Placement, format_assignment
 
     robots = args.robots
     models = _known_models(list(robots))
@@ -151,29 +197,29 @@ def cmd_plan(args) -> int:
     except ValueError as exc:
         raise _cli_error(str(exc)) from None
     profile = _load_profile(args.profile)
-    if args.limits:
-        limits = dict(args.limits)
-        missing = [m for m in models if m not in limits]
-        if missing:
-            raise _cli_error(f"--limits lacks {', '.join(missing)}")
-    else:
-        limits = robot_limits(profile, models, max_batch=args.max_batch)
-        print("robot limits per GPU (simulated, Robion alone at 98 %): "
-              + ", ".join(f"{m}={limits[m]}" for m in models))
-    methods = list(ASSIGNERS) if args.method == "all" else [args.method]
-    if "brute-force" in methods and args.method == "all":
-        methods.remove("brute-force")
+    controller = _controller(args, profile, models)
+    methods = [m for m in ASSIGNERS if m != "brute-force"] if args.method == "all" else [args.method]
     for method in methods:
+        print(f"placement {placement.name} on {placement.n_gpus} GPUs")
         try:
-            a = ASSIGNERS[method](placement, robots, limits)
+            if method == "ilp":  # the controller: the ILP with co-location limits, each GPU checked
+                plan = controller.plan(placement, robots)
+                a = plan.assignment
+                print(format_plan(plan, placement))
+                if args.json:
+                    write_plan(args.json, plan, placement, robots, profile.name)
+                    print(f"wrote {args.json}")
+            else:
+                a = ASSIGNERS[method](placement, robots, controller.limits)
+                print(format_assignment(a, placement))
         except (ValueError, RuntimeError) as exc:
             raise _cli_error(f"{method}: {exc}", 1) from None
-        print(f"placement {placement.name} on {placement.n_gpus} GPUs")
-        print(format_assignment(a, placement))
         if args.simulate:
-            r = sim.simulate(sim.robion(max_batch=args.max_batch), sim.Workload(robots, epochs=args.epochs),
+            r = sim.simulate(sim.robion(max_batch=args.max_batch), sim.Workload(robots, epochs=args.epochs, seed=args.seed),
                              profile, assignment=a.counts)
-            print(f"  simulated: SLO attainment {r.attainment:.3%}, p99 {r.p99_ms:.1f} ms over {r.requests} requests")
+            print(f"  simulated (seed {args.seed}): worst model {r.worst_attainment:.3%} ({r.worst_model}), "
+                  f"pooled {r.attainment:.3%}, p99 {r.p99_ms:.1f} ms over {r.requests} requests")
+            print(f"  per model: {r.per_model_text()}")
     return 0
 
 
@@ -284,6 +330,14 @@ def register(subparsers) -> None:
         p.add_argument("--max-batch", type=int, default=2,
                        help="largest fixed stage batch (one of the profile's batch sizes; default 2)")
 
+    def controller_opts(p):
+        p.add_argument("--ilp-time-limit", type=float, default=DEFAULT_ILP_TIME_LIMIT_S,
+                       help=f"seconds for all stages of the traffic ILP (default {DEFAULT_ILP_TIME_LIMIT_S:g}); when "
+                            "they run out the best assignment found so far is used, flagged as not proven optimal")
+        p.add_argument("--check-epochs", type=int, default=30,
+                       help="simulated 10 s epochs per point when measuring co-location limits and checking a "
+                            "plan (default 30)")
+
     # serve
     p = sub.add_parser("serve", help="run the robot policy endpoint (openpi websocket protocol, loopback only)",
                        description="Serve LIBERO-style observations (two 224x224 images, 8-d state, prompt) over "
@@ -321,7 +375,13 @@ def register(subparsers) -> None:
     p.add_argument("--quick", action="store_true", help="short setting: 5 epochs x 6 s per load point")
     p.add_argument("--epochs", type=int, help="epochs (resampled robot phases) per load point (default 20)")
     p.add_argument("--duration", type=float, help="simulated seconds per epoch (default 10)")
-    p.add_argument("--seed", type=int, help="random seed (default 0)")
+    p.add_argument("--seed", type=int, help="random seed of the single-seed parts (default 0)")
+    p.add_argument("--seeds", type=_ints, help="seeds of the bands (default 0,1,2; --quick: 0,1)")
+    p.add_argument("--slo-factors", type=_floats,
+                   help="SLO factors of the single-model bands (default 2,2.5,3,3.5; SLO = factor x batch-1 latency)")
+    p.add_argument("--ilp-time-limit", type=float,
+                   help=f"seconds for the traffic ILP's stages together (default {DEFAULT_ILP_TIME_LIMIT_S:g}); past it "
+                        "the best assignment found is used")
     p.add_argument("--experiments", help="comma-separated subset of: single, policies, traffic, ilp, multi, inter-gpu")
     p.add_argument("--json", help="also write the measured numbers to this JSON file")
     p.set_defaults(func=cmd_bench)
@@ -336,13 +396,19 @@ def register(subparsers) -> None:
                    help="'mix' (every model on every GPU) or disjoint groups 'GLOB[,GLOB]:GPU,GPU;...', "
                         "e.g. 'pi0*:0,1;smolvla*:2,3'")
     p.add_argument("--gpus", type=int, default=4, help="GPUs in the server (default 4)")
-    p.add_argument("--limits", type=_robot_mix, help="robot limit per GPU per model, e.g. pi0=15,smolvla=58")
+    p.add_argument("--limits", type=_limit_mix,
+                   help="robot limits per GPU instead of measuring them: MODEL=L or MODEL=L1/L2/L3 (L_k: k models "
+                        "share the GPU), e.g. pi0=11/6/6/4,smolvla=51/18")
     p.add_argument("--method", choices=("ilp", "smg", "eps", "brute-force", "all"), default="ilp",
                    help="ilp (Robion, default), smg (one GPU per model), eps (even split), brute-force, or all")
     p.add_argument("--profile", default=DEFAULT_PROFILE, help=f"profile for limits and --simulate (default {DEFAULT_PROFILE})")
     p.add_argument("--max-batch", type=int, default=2, help="max batch when simulating (default 2)")
-    p.add_argument("--simulate", action="store_true", help="also simulate the assignment and print SLO attainment")
-    p.add_argument("--epochs", type=int, default=5, help="epochs when simulating (default 5)")
+    p.add_argument("--simulate", action="store_true",
+                   help="also replay the assignment in the simulator and print every model's SLO attainment")
+    p.add_argument("--epochs", type=int, default=5, help="epochs when replaying (default 5)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the replay (default 0; the controller checks with its own)")
+    p.add_argument("--json", help="write the controller's plan to this file (input of `ow vla serve --plan`)")
+    controller_opts(p)
     p.set_defaults(func=cmd_plan)
 
     # profile
