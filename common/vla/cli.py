@@ -95,6 +95,57 @@ def _setup_log(args) -> None:
 # ---------------------------------------------------------------- serve
 
 
+def _robot_keys(args) -> dict[str, str] | None:
+    """key -> robot name from --token / --keys / OW_VLA_TOKEN (None: no authentication)."""
+    import os
+
+    from common.vla.server import load_keys
+
+    keys: dict[str, str] = {}
+    if args.keys:
+        try:
+            keys.update(load_keys(args.keys))
+        except (OSError, ValueError) as exc:
+            raise _cli_error(f"cannot read robot keys: {exc}") from None
+    token = args.token or os.environ.get("OW_VLA_TOKEN")
+    if token:
+        if len(token) < 16:
+            raise _cli_error("the shared token must have at least 16 characters")
+        keys[token] = "robot"
+    return keys or None
+
+
+def _gpu_layout(args, models: list[str]) -> tuple[list[list[str]], list[dict[str, int]] | None]:
+    """Which models each GPU (engine) serves and its robot places: from --plan, from the controller
+    (--robots), or every model on one GPU."""
+    from common.vla.controller import read_plan
+
+    if args.plan:
+        try:
+            gpus = read_plan(args.plan)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise _cli_error(f"cannot use plan {args.plan!r}: {exc}") from None
+        order = sorted(gpus)
+        return [sorted(gpus[g]) for g in order], [gpus[g] for g in order]
+    if args.robots:
+        from common.vla.controller import format_plan
+        from common.vla.management import Placement
+
+        robot_models = _known_models(list(args.robots))
+        try:
+            placement = Placement.parse(args.placement, robot_models, args.gpus)
+        except ValueError as exc:
+            raise _cli_error(str(exc)) from None
+        profile = _load_profile(args.plan_profile)
+        plan = _controller(args, profile, robot_models).plan(placement, args.robots)
+        print(format_plan(plan, placement), flush=True)
+        if not plan.feasible:
+            print(f"warning: serving a plan that is not within limits: {plan.note}", flush=True)
+        used = [g for g in range(placement.n_gpus) if plan.assignment.robots_on(g)]
+        return [sorted(plan.assignment.robots_on(g)) for g in used], [plan.assignment.robots_on(g) for g in used]
+    return [models], None
+
+
 def cmd_serve(args) -> int:
     import signal
     import threading
@@ -103,30 +154,45 @@ def cmd_serve(args) -> int:
     from common.vla.engine import ServingEngine
     from common.vla.server import PolicyServer, ServerConfig, require_loopback
 
-    try:
-        require_loopback(args.host)
-    except ValueError as exc:
-        raise _cli_error(str(exc)) from None
+    keys = _robot_keys(args)
+    if keys is None:
+        try:
+            require_loopback(args.host)
+        except ValueError as exc:
+            raise _cli_error(str(exc)) from None
     profile = _load_profile(args.profile) if args.profile else None
+    layout, quotas = _gpu_layout(args, models)
+    served = sorted({m for gpu in layout for m in gpu})
     _setup_log(args)
-    slo = {m: args.slo_ms for m in models} if args.slo_ms is not None else None
+    slo = {m: args.slo_ms for m in served} if args.slo_ms is not None else None
     if profile is None and slo is None:
-        slo = {m: 500.0 for m in models}
+        slo = {m: 500.0 for m in served}
+    threads = max(1, (args.threads or _cpu_threads()) // len(layout))
+    engines = []
     try:
-        engine = ServingEngine.build(models, system=args.system, policy=args.policy, max_batch=args.max_batch,
-                                     profile=profile, slo_ms=slo, backend=args.backend, threads=args.threads,
-                                     batch_sizes=args.batch_sizes)
+        for gpu_models in layout:
+            engines.append(ServingEngine.build(gpu_models, system=args.system, policy=args.policy,
+                                               max_batch=args.max_batch, profile=profile, slo_ms=slo,
+                                               backend=args.backend, threads=threads, batch_sizes=args.batch_sizes))
     except (ValueError, KeyError) as exc:
         raise _cli_error(str(exc)) from None
-    engine.start()
-    server = PolicyServer(engine, ServerConfig(args.host, args.port, models[0], args.max_request_bytes))
+    if not args.no_warm_up:
+        print(f"warming up {len(engines)} engine(s) ...", flush=True)
+        for e in engines:
+            e.warm_up()
+    for e in engines:
+        e.start()
+    default = models[0] if models[0] in served else served[0]
+    server = PolicyServer(engines, ServerConfig(args.host, args.port, default, args.max_request_bytes, keys), quotas)
     try:
         server.start()
     except OSError as exc:
-        engine.stop()
+        for e in engines:
+            e.stop()
         raise _cli_error(f"cannot listen on {args.host}:{args.port}: {exc}", 1) from None
-    print(f"serving {server.url} models={','.join(models)} system={args.system} policy={args.policy} "
-          f"backend={engine.backend.name}", flush=True)
+    print(f"serving {server.url} models={','.join(served)} gpus={len(engines)} system={args.system} "
+          f"policy={args.policy} backend={engines[0].backend.name} auth={'keys' if keys else 'none (loopback)'}",
+          flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -134,9 +200,48 @@ def cmd_serve(args) -> int:
         stop.wait()
     finally:
         server.stop()
-        engine.stop()
-        print(f"stopped: served={engine.stats.served} slo_met={engine.stats.slo_met} rejected={server.rejected}",
+        for e in engines:
+            e.stop()
+        served_n = sum(e.stats.served for e in engines)
+        met = sum(e.stats.slo_met for e in engines)
+        print(f"stopped: served={served_n} slo_met={met} rejected={server.rejected} refused={server.refused}",
               flush=True)
+    return 0
+
+
+def _cpu_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+# ---------------------------------------------------------------- load
+
+
+def cmd_load(args) -> int:
+    import os
+
+    from common.vla.load import run_load
+    from common.vla.sim import NetworkModel
+
+    robots = args.robots
+    _known_models([m for m in robots])
+    if not args.url.startswith(("ws://", "wss://")):
+        raise _cli_error(f"--url must be a ws:// or wss:// address, got {args.url!r}")
+    if args.rate <= 0 or args.duration <= 0:
+        raise _cli_error("--rate and --duration must be positive")
+    network = None if args.network == "none" else NetworkModel()
+    token = args.token or os.environ.get("OW_VLA_TOKEN")
+    report = run_load(args.url, robots, rate_hz=args.rate, duration_s=args.duration, warmup_s=args.warmup,
+                      network=network, seed=args.seed, token=token, slo_ms=args.slo_ms)
+    for line in report.lines():
+        print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.to_json(), f, indent=1)
+    if args.fail_below is not None and report.worst_attainment < args.fail_below:
+        print(f"worst model attainment {report.worst_attainment:.1%} is below {args.fail_below:.1%}")
+        return 1
     return 0
 
 
@@ -339,14 +444,33 @@ def register(subparsers) -> None:
                             "plan (default 30)")
 
     # serve
-    p = sub.add_parser("serve", help="run the robot policy endpoint (openpi websocket protocol, loopback only)",
+    p = sub.add_parser("serve", help="run the robot policy endpoint (openpi websocket protocol)",
                        description="Serve LIBERO-style observations (two 224x224 images, 8-d state, prompt) over "
-                                   "the openpi websocket policy protocol on a loopback address. Robots using "
+                                   "the openpi websocket policy protocol (loopback, or any address with robot "
+                                   "keys). Warms up, then accepts robots. Robots using "
                                    "openpi-client's WebsocketClientPolicy connect unchanged; choose a model with "
                                    "the URL path ws://HOST:PORT/MODEL (default: the first --models entry). "
                                    "Requests go through the lockstep scheduler. Stops on SIGINT/SIGTERM.")
-    p.add_argument("--models", default="pi0", help="comma-separated models to co-locate (default pi0); see `ow vla models`")
-    p.add_argument("--host", default="127.0.0.1", help="loopback address to bind (default 127.0.0.1; others refused)")
+    p.add_argument("--models", default="pi0", help="comma-separated models to co-locate on one GPU (default pi0); "
+                                                   "see `ow vla models`")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1); beyond loopback only with --token or --keys")
+    p.add_argument("--token", help="shared robot token (or env OW_VLA_TOKEN, at least 16 characters): robots send "
+                                   "'Authorization: Api-Key TOKEN' (openpi-client's api_key); others get HTTP 401")
+    p.add_argument("--keys", help="file of robot keys, one 'NAME KEY' per line: only these robots are served, "
+                                  "logged by name")
+    p.add_argument("--plan", help="serve this plan file (`ow vla plan --json`): one engine per GPU, robots "
+                                  "routed to the GPUs the controller chose for their model")
+    p.add_argument("--robots", type=_robot_mix,
+                   help="instead of --plan: plan now for this robot mix (with --placement, --gpus) and serve it")
+    p.add_argument("--placement", default="mix", help="with --robots: 'mix' or groups 'GLOB:GPU,GPU;...' (default mix)")
+    p.add_argument("--gpus", type=int, default=2, help="with --robots: GPUs (engines) to plan for (default 2)")
+    p.add_argument("--plan-profile", default=DEFAULT_PROFILE,
+                   help=f"with --robots: the profile the controller plans with (default {DEFAULT_PROFILE})")
+    p.add_argument("--limits", type=_limit_mix, help="with --robots: robot limits instead of measuring them")
+    controller_opts(p)
+    p.add_argument("--no-warm-up", action="store_true",
+                   help="accept robots at once instead of first running every stage at every batch size")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free port, printed)")
     p.add_argument("--system", choices=("robion", "monolithic"), default="robion",
                    help="robion: VLM and ADiT executors in lockstep (default); monolithic: one pipeline")
@@ -364,6 +488,26 @@ def register(subparsers) -> None:
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="JSON-lines log level on stderr (default info)")
     p.set_defaults(func=cmd_serve)
+
+    # load
+    p = sub.add_parser("load", help="drive a real endpoint with N robots at 2 Hz and report per-model SLO attainment",
+                       description="Robots as openpi clients: one websocket per robot to URL/MODEL, LIBERO "
+                                   "observations at --rate from a random phase, network delays emulated per "
+                                   "request; prints per model: requests, answered, errors, SLO attainment, p50, "
+                                   "p99 and the GPUs that served them.")
+    p.add_argument("--url", default="ws://127.0.0.1:8000", help="endpoint (default ws://127.0.0.1:8000)")
+    p.add_argument("--robots", type=_robot_mix, required=True, help="robots per model, e.g. pi0=4,smolvla=2")
+    p.add_argument("--rate", type=float, default=2.0, help="requests per robot per second (default 2)")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds of traffic (default 10)")
+    p.add_argument("--warmup", type=float, default=1.0, help="requests sent before this many seconds are not counted (default 1)")
+    p.add_argument("--network", choices=("wifi7", "none"), default="wifi7",
+                   help="emulated network delay per request and reply (default wifi7, the simulator's model)")
+    p.add_argument("--slo-ms", type=float, help="SLO for every model (default: the server's, from its metadata)")
+    p.add_argument("--token", help="robot key (or env OW_VLA_TOKEN), sent as 'Authorization: Api-Key KEY'")
+    p.add_argument("--seed", type=int, default=0, help="seed of phases, images and delays (default 0)")
+    p.add_argument("--json", help="also write the report to this JSON file")
+    p.add_argument("--fail-below", type=float, help="exit 1 when some model's attainment is below this (e.g. 0.98)")
+    p.set_defaults(func=cmd_load)
 
     # bench
     p = sub.add_parser("bench", help="load sweeps: max robots at 98%% SLO per system, beside the paper's numbers",

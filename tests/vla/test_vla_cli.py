@@ -34,17 +34,18 @@ def test_help_lists_every_command():
 
 def test_plan_prints_each_gpu(capsys):
     code, out, _ = run(capsys, "plan", "--robots", "pi0=8,pi0-ft1=8,pi0-ft2=8,pi0-ft3=24",
-                       "--limits", "pi0=15,pi0-ft1=15,pi0-ft2=15,pi0-ft3=15", "--method", "all")
+                       "--limits", "pi0=15,pi0-ft1=15,pi0-ft2=15,pi0-ft3=15", "--method", "all", "--check-epochs", "2")
     assert code == 0
-    for method in ("ilp:", "smg:", "eps:"):
+    for method in ("ilp:", "smg:", "eps:", "greedy:"):
         assert method in out
-    assert out.count("GPU 3:") == 3 and "within_limits=False" in out  # SMG overloads the 24-robot model
+    assert out.count("GPU 3: load") == 4 and "within_limits=False" in out  # SMG overloads the 24-robot model
+    assert "GPU 0 simulated:" in out and "controller:" in out  # the ILP's plan is checked per GPU
 
 
 def test_plan_with_groups_and_simulation(capsys):
     code, out, _ = run(capsys, "plan", "--robots", "pi0=6,smolvla=10", "--placement", "pi0*:0,1;smolvla*:2,3",
-                       "--limits", "pi0=15,smolvla=58", "--simulate", "--epochs", "1")
-    assert code == 0 and "simulated: SLO attainment" in out and "GPU 2: load" in out
+                       "--limits", "pi0=15,smolvla=58/20", "--simulate", "--epochs", "1", "--check-epochs", "2")
+    assert code == 0 and "worst model" in out and "per model: pi0" in out and "GPU 2: load" in out
 
 
 def test_simulate(capsys):
