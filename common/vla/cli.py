@@ -215,6 +215,77 @@ def _cpu_threads() -> int:
     return torch.get_num_threads()
 
 
+# ---------------------------------------------------------------- cluster
+
+
+def cmd_cluster(args) -> int:
+    import signal
+    import threading
+
+    try:
+        from common.vla import cluster
+    except ImportError as exc:
+        raise _cli_error(f"ow vla cluster needs Ray Serve ({exc.name} is missing): pip install 'orbitweaver[cluster]'") from None
+    from common.vla.server import require_loopback
+
+    models = _known_models(_csv(args.models))
+    keys = _robot_keys(args)
+    if keys is None:
+        try:
+            require_loopback(args.host)
+        except ValueError as exc:
+            raise _cli_error(str(exc)) from None
+    layout_models, quotas = _gpu_layout(args, models)
+    layout = {g: (quotas[g] if quotas else {m: 1 << 30 for m in ms}) for g, ms in enumerate(layout_models)}
+    profile = _load_profile(args.profile) if args.profile else None
+    served = sorted({m for ms in layout_models for m in ms})
+    slo = {m: args.slo_ms for m in served} if args.slo_ms is not None else None
+    if profile is None and slo is None:
+        slo = {m: 500.0 for m in served}
+    engine_options = {"system": args.system, "policy": args.policy, "max_batch": args.max_batch, "profile": profile,
+                      "slo_ms": slo, "backend": args.backend, "threads": args.threads_per_gpu,
+                      "batch_sizes": args.batch_sizes, "warm_up": not args.no_warm_up,
+                      "max_request_bytes": args.max_request_bytes}
+    gateway_resources = {args.gateway_resource: 0.001} if args.gateway_resource else None
+    default = models[0] if models[0] in served else served[0]
+    location = {"head": "HeadOnly", "every-node": "EveryNode"}[args.proxy_location]
+    print(f"deploying {len(layout)} GPU deployment(s) to the Ray cluster at {args.address} ...", flush=True)
+    try:
+        cluster.deploy(args.address, layout, host=args.host, port=args.port, proxy_location=location,
+                       node_ip_address=args.node_ip_address,
+                       engine_options=engine_options, keys=keys, default_model=default,
+                       gpu_resource=args.gpu_resource, gateway_resources=gateway_resources,
+                       request_timeout_s=args.request_timeout)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise _cli_error(f"cannot deploy to the Ray cluster at {args.address}: {exc}", 1) from None
+    seen = {}
+
+    def report():
+        now = cluster.placements()
+        for name, where in sorted(now.items()):
+            if seen.get(name) != (where.get("node"), where.get("pid")):
+                seen[name] = (where.get("node"), where.get("pid"))
+                place = f"node {where['node'][:12]} pid {where['pid']}" if "node" in where else where.get("error")
+                print(f"{name}: {','.join(where.get('models', layout_models[int(name[3:])]))} on {place}", flush=True)
+
+    report()
+    print(f"serving ws://{args.host}:{args.port} models={','.join(served)} gpus={len(layout)} via Ray Serve "
+          f"auth={'keys' if keys else 'none (loopback)'}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        while not stop.wait(args.watch_interval):
+            try:
+                report()
+            except Exception as exc:  # the cluster may be in the middle of losing a node
+                print(f"status unavailable: {type(exc).__name__}: {exc}", flush=True)
+    finally:
+        cluster.shutdown()
+        print("stopped: application deleted", flush=True)
+    return 0
+
+
 # ---------------------------------------------------------------- load
 
 
@@ -488,6 +559,52 @@ def register(subparsers) -> None:
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="JSON-lines log level on stderr (default info)")
     p.set_defaults(func=cmd_serve)
+
+    # cluster
+    p = sub.add_parser("cluster", help="serve robots from a Ray cluster of edge servers (Ray Serve), same endpoint",
+                       description="Deploy the controller's plan to a running Ray cluster: one Ray Serve deployment "
+                                   "per GPU of the plan, each with its models and their lockstep scheduler, and a "
+                                   "gateway that speaks the same openpi websocket protocol as `ow vla serve`. Ray "
+                                   "Serve restarts a lost server's deployments on free GPUs elsewhere. Prints where "
+                                   "each GPU runs, and every change. Stops (and deletes the application) on "
+                                   "SIGINT/SIGTERM.")
+    p.add_argument("--address", required=True, help="Ray cluster address (HEAD_IP:PORT, as given to `ray start --address`)")
+    p.add_argument("--node-ip-address",
+                   help="this machine's address in the Ray cluster, when Ray cannot tell (several nodes on one host)")
+    p.add_argument("--models", default="pi0", help="without --plan/--robots: models on one GPU (default pi0)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address Ray Serve's proxy binds (default 127.0.0.1); beyond loopback only with --token/--keys")
+    p.add_argument("--port", type=int, default=8000, help="proxy port (default 8000)")
+    p.add_argument("--token", help="shared robot token (or env OW_VLA_TOKEN); robots send 'Authorization: Api-Key TOKEN'")
+    p.add_argument("--keys", help="file of robot keys, one 'NAME KEY' per line")
+    p.add_argument("--plan", help="plan file from `ow vla plan --json`: one deployment per GPU in it")
+    p.add_argument("--robots", type=_robot_mix, help="instead of --plan: plan now for this robot mix")
+    p.add_argument("--placement", default="mix", help="with --robots: placement (default mix)")
+    p.add_argument("--gpus", type=int, default=2, help="with --robots: GPUs in the cluster to plan for (default 2)")
+    p.add_argument("--plan-profile", default=DEFAULT_PROFILE, help=f"with --robots: planning profile (default {DEFAULT_PROFILE})")
+    p.add_argument("--limits", type=_limit_mix, help="with --robots: robot limits instead of measuring them")
+    controller_opts(p)
+    p.add_argument("--system", choices=("robion", "monolithic"), default="robion", help="serving engine (default robion)")
+    policy_opts(p)
+    p.add_argument("--batch-sizes", type=_ints, default=(1, 2, 4), help="fixed batch sizes (default 1,2,4)")
+    p.add_argument("--profile", help="profile for SLOs and VLM shares inside each GPU deployment")
+    p.add_argument("--slo-ms", type=float, help="SLO for every model in ms (default: the profile's, else 500)")
+    p.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto", help="engine backend (default auto)")
+    p.add_argument("--threads-per-gpu", type=int, default=1,
+                   help="CPU backend: intra-op threads per GPU deployment (default 1)")
+    p.add_argument("--gpu-resource", default="GPU",
+                   help="Ray resource one GPU deployment takes one unit of (default GPU, i.e. num_gpus=1; a custom "
+                        "resource stands in on CPU-only clusters)")
+    p.add_argument("--gateway-resource", help="custom Ray resource to pin the gateway to (e.g. one on the head node)")
+    p.add_argument("--proxy-location", choices=("head", "every-node"), default="every-node",
+                   help="where Ray Serve runs HTTP proxies: every node (default; robots may use any server's "
+                        "address) or the head only")
+    p.add_argument("--request-timeout", type=float, default=60.0,
+                   help="seconds the gateway waits for a GPU deployment before answering an error (default 60)")
+    p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger requests are refused (default 1 MiB)")
+    p.add_argument("--no-warm-up", action="store_true", help="skip each GPU deployment's warm-up")
+    p.add_argument("--watch-interval", type=float, default=5.0, help="seconds between placement checks (default 5)")
+    p.set_defaults(func=cmd_cluster)
 
     # load
     p = sub.add_parser("load", help="drive a real endpoint with N robots at 2 Hz and report per-model SLO attainment",

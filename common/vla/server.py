@@ -102,20 +102,21 @@ class ServerConfig:
 
 
 class Router:
-    """Which engine (GPU) serves a new robot of a model: the one with the most unused places in the
-    plan; past the plan, the least overfilled one (and the server logs it)."""
+    """Which GPU serves a new robot of a model: the one with the most unused places in the plan;
+    past the plan, the least overfilled one (and the server logs it). `hosted[i]` are the models
+    GPU i serves, `quotas[i]` its robots per model (None: unlimited)."""
 
-    def __init__(self, engines: list[ServingEngine], quotas: list[dict[str, int]] | None = None):
-        self.engines = engines
-        self.quotas = quotas or [{m: 1 << 30 for m in e.policies} for e in engines]
-        self.connected = [dict.fromkeys(q, 0) for q in self.quotas]
+    def __init__(self, hosted: list, quotas: list[dict[str, int]] | None = None):
+        self.hosted = [set(h) for h in hosted]
+        self.quotas = quotas or [{m: 1 << 30 for m in h} for h in self.hosted]
+        self.connected = [dict.fromkeys(h, 0) for h in self.hosted]
 
     def models(self) -> list[str]:
-        return sorted({m for e in self.engines for m in e.policies})
+        return sorted(set().union(*self.hosted))
 
     def acquire(self, model: str) -> tuple[int, bool]:
-        """(engine index, within the plan)"""
-        hosts = [i for i, e in enumerate(self.engines) if model in e.policies]
+        """(GPU index, within the plan)"""
+        hosts = [i for i, h in enumerate(self.hosted) if model in h]
         i = max(hosts, key=lambda i: (self.quotas[i].get(model, 0) - self.connected[i][model],
                                       -self.connected[i][model] / max(1, self.quotas[i].get(model, 0))))
         within = self.connected[i][model] < self.quotas[i].get(model, 0)
@@ -181,7 +182,7 @@ class PolicyServer:
         if config.keys is None:
             require_loopback(config.host)
         engines = [engines] if isinstance(engines, ServingEngine) else list(engines)
-        self.router = Router(engines, quotas)
+        self.router = Router([e.policies for e in engines], quotas)
         self.engines, self.config = engines, config
         self.engine = engines[0]
         self.default_model = config.default_model or next(iter(self.engine.policies))
