@@ -246,14 +246,18 @@ def traffic(profile: ProfileTable, s: BenchSettings, rep: BenchReport, controlle
         out[str(dist)] = {k: {"miss": r.miss_rate, "worst_model": r.worst_attainment} for k, r in res.items()}
         out[str(dist)]["ilp_within_limits"] = plan.feasible
         floor = max(res["ilp"].miss_rate, 1e-3)  # below 0.1 % misses the ratio is reported against 0.1 %
-        smg_r.append(res["smg"].miss_rate / floor)
-        eps_r.append(res["eps"].miss_rate / floor)
+        ratios = ""
+        if max(r.miss_rate for r in res.values()) > 0:  # all-zero rows say nothing about the ratio
+            smg_r.append(res["smg"].miss_rate / floor)
+            eps_r.append(res["eps"].miss_rate / floor)
+            ratios = f"   {smg_r[-1]:7.1f}x {eps_r[-1]:7.1f}x"
         flag = "" if plan.feasible else " (over limits)"
         rep.add(f"{str(dist):20} " + " ".join(
             f"{res[k].miss_rate:8.3%}; {1 - res[k].worst_attainment:7.2%}" + (flag if k == "ilp" else "")
-            for k in ("ilp", "smg", "eps")) + f"   {smg_r[-1]:7.1f}x {eps_r[-1]:7.1f}x")
-    rep.add(f"mean: SMG misses {statistics.fmean(smg_r):.1f}x, EPS {statistics.fmean(eps_r):.1f}x Robion's "
-            f"(paper: {PAPER['smg_misses']}x and {PAPER['eps_misses']}x)")
+            for k in ("ilp", "smg", "eps")) + (ratios or "   (no misses)"))
+    if smg_r:
+        rep.add(f"mean over rows with misses: SMG misses {statistics.fmean(smg_r):.1f}x, EPS "
+                f"{statistics.fmean(eps_r):.1f}x Robion's (paper: {PAPER['smg_misses']}x and {PAPER['eps_misses']}x)")
     rep.add()
     return out
 

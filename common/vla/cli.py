@@ -222,10 +222,6 @@ def cmd_cluster(args) -> int:
     import signal
     import threading
 
-    try:
-        from common.vla import cluster
-    except ImportError as exc:
-        raise _cli_error(f"ow vla cluster needs Ray Serve ({exc.name} is missing): pip install 'orbitweaver[cluster]'") from None
     from common.vla.server import require_loopback
 
     models = _known_models(_csv(args.models))
@@ -235,6 +231,10 @@ def cmd_cluster(args) -> int:
             require_loopback(args.host)
         except ValueError as exc:
             raise _cli_error(str(exc)) from None
+    try:
+        from common.vla import cluster
+    except ImportError as exc:
+        raise _cli_error(f"ow vla cluster needs Ray Serve ({exc.name} is missing): pip install 'orbitweaver[cluster]'") from None
     layout_models, quotas = _gpu_layout(args, models)
     layout = {g: (quotas[g] if quotas else {m: 1 << 30 for m in ms}) for g, ms in enumerate(layout_models)}
     profile = _load_profile(args.profile) if args.profile else None
