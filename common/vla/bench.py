@@ -56,9 +56,12 @@ class BenchSettings:
 class BenchReport:
     lines: list[str] = field(default_factory=list)
     data: dict = field(default_factory=dict)
+    emit: Callable[[str], None] | None = None  # each line as soon as it is known (long runs show progress)
 
     def add(self, text: str = "") -> None:
         self.lines.append(text)
+        if self.emit:
+            self.emit(text)
 
 
 def _ratio(a: float, b: float) -> float:
@@ -364,31 +367,20 @@ def inter_gpu(profile: ProfileTable, s: BenchSettings, rep: BenchReport, control
 
 def run_bench(profile: ProfileTable, settings: BenchSettings, experiments=EXPERIMENTS,
               emit: Callable[[str], None] | None = None) -> BenchReport:
-    rep = BenchReport()
+    rep = BenchReport(emit=emit)
     start = time.perf_counter()
 
-    def flush():
-        if emit:
-            for line in rep.lines[flush.n:]:
-                emit(line)
-        flush.n = len(rep.lines)
-
-    flush.n = 0
     rep.add(f"profile {profile.name} ({profile.backend}; {profile.device.get('count', 1)} x {profile.device.get('name')}); "
             f"{settings.epochs} epochs x {settings.duration_s:g} s, robots at 2 Hz, target {TARGET:.0%} for every model")
     rep.add()
-    flush()
     best_mb = {}
     if "single" in experiments:
         rep.data["single"] = single_model(profile, settings, rep)
         best_mb = rep.data["single"]["best_max_batch"]
-        flush()
     if "policies" in experiments:
         rep.data["policies"] = policies(profile, settings, rep)
-        flush()
     if "ilp" in experiments:
         rep.data["ilp"] = ilp_timing(rep, time_limit_s=settings.controller.time_limit_s)
-        flush()
     need_controller = {"traffic", "multi", "inter-gpu"} & set(experiments)
     if need_controller:
         arch_mb = {}
@@ -397,26 +389,21 @@ def run_bench(profile: ProfileTable, settings: BenchSettings, experiments=EXPERI
                 lambda b: sim.robion(max_batch=b), lambda n, a=arch: {a: n}, profile, settings)[1]
         mb = {m: arch_mb[model_spec(m).arch] for m in EIGHT_MODELS}
         cs = settings.controller
-        rep.add(f"== Traffic controller: co-location limits at {cs.plan_target:.1%} for every model "
-                f"({cs.epochs} epochs x {cs.duration_s:g} s, seed {cs.seed}); plans checked the same way ==")
+        rep.add(f"== Traffic controller: co-location limits at {cs.plan_target:.1%} for every model, worst of "
+                f"{cs.check_draws} draws ({cs.epochs} epochs x {cs.duration_s:g} s in all, seeds from {cs.seed}); "
+                f"plans checked the same way ==")
         controller = TrafficController.calibrate(profile, EIGHT_MODELS, mb, cs, progress=rep.add)
         rep.add(f"max batch per architecture: " + ", ".join(f"{a} {b}" for a, b in arch_mb.items()))
         rep.add()
         rep.data["limits"] = {m: list(v) for m, v in controller.limits.items()}
-        flush()
         if "traffic" in experiments:
             rep.data["traffic"] = traffic(profile, settings, rep, controller, mb)
-            flush()
         if "multi" in experiments:
             rep.data["multi"] = multi_model(profile, settings, rep, controller, mb)
-            flush()
         if "inter-gpu" in experiments:
             rep.data["inter_gpu"] = inter_gpu(profile, settings, rep, controller, mb)
-            flush()
         if controller.derated:
             rep.add("limits the controller lowered after a failed check: " + "; ".join(controller.derated))
             rep.data["derated"] = controller.derated
-            flush()
     rep.add(f"bench took {time.perf_counter() - start:.1f} s")
-    flush()
     return rep
