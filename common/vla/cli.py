@@ -146,14 +146,12 @@ def _gpu_layout(args, models: list[str]) -> tuple[list[list[str]], list[dict[str
     return [models], None
 
 
-def cmd_serve(args) -> int:
-    import signal
-    import threading
+def _endpoint_setup(args):
+    """What `serve` and `cluster` share: models, robot keys (else loopback only), the GPU layout
+    and its robot places, the models served, the profile and the SLOs."""
+    from common.vla.server import require_loopback
 
     models = _known_models(_csv(args.models))
-    from common.vla.engine import ServingEngine
-    from common.vla.server import PolicyServer, ServerConfig, require_loopback
-
     keys = _robot_keys(args)
     if keys is None:
         try:
@@ -163,10 +161,21 @@ def cmd_serve(args) -> int:
     profile = _load_profile(args.profile) if args.profile else None
     layout, quotas = _gpu_layout(args, models)
     served = sorted({m for gpu in layout for m in gpu})
-    _setup_log(args)
     slo = {m: args.slo_ms for m in served} if args.slo_ms is not None else None
     if profile is None and slo is None:
         slo = {m: 500.0 for m in served}
+    return models, keys, layout, quotas, served, profile, slo
+
+
+def cmd_serve(args) -> int:
+    import signal
+    import threading
+
+    from common.vla.engine import ServingEngine
+    from common.vla.server import PolicyServer, ServerConfig
+
+    models, keys, layout, quotas, served, profile, slo = _endpoint_setup(args)
+    _setup_log(args)
     threads = max(1, (args.threads or _cpu_threads()) // len(layout))
     engines = []
     try:
@@ -222,26 +231,12 @@ def cmd_cluster(args) -> int:
     import signal
     import threading
 
-    from common.vla.server import require_loopback
-
-    models = _known_models(_csv(args.models))
-    keys = _robot_keys(args)
-    if keys is None:
-        try:
-            require_loopback(args.host)
-        except ValueError as exc:
-            raise _cli_error(str(exc)) from None
+    models, keys, layout_models, quotas, served, profile, slo = _endpoint_setup(args)
     try:
         from common.vla import cluster
     except ImportError as exc:
         raise _cli_error(f"ow vla cluster needs Ray Serve ({exc.name} is missing): pip install 'orbitweaver[cluster]'") from None
-    layout_models, quotas = _gpu_layout(args, models)
     layout = {g: (quotas[g] if quotas else {m: 1 << 30 for m in ms}) for g, ms in enumerate(layout_models)}
-    profile = _load_profile(args.profile) if args.profile else None
-    served = sorted({m for ms in layout_models for m in ms})
-    slo = {m: args.slo_ms for m in served} if args.slo_ms is not None else None
-    if profile is None and slo is None:
-        slo = {m: 500.0 for m in served}
     engine_options = {"system": args.system, "policy": args.policy, "max_batch": args.max_batch, "profile": profile,
                       "slo_ms": slo, "backend": args.backend, "threads": args.threads_per_gpu,
                       "batch_sizes": args.batch_sizes, "warm_up": not args.no_warm_up,

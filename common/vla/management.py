@@ -241,7 +241,10 @@ def assign_ilp(placement: Placement, robots: Mapping[str, int], limits: Limits,
     pairs = [(m, g) for (m, g) in placement.pairs() if m in robots]
     n, n_gpus = len(pairs), placement.n_gpus
     on_gpu = {g: [i for i, (_, gg) in enumerate(pairs) if gg == g] for g in range(n_gpus)}
-    aware = colocation_aware({m: limits[m] for m in robots})
+    # Per-k rows when limits vary with k, or when a GPU could hold more models than a table covers.
+    tables = [limits[m] for m in robots if not isinstance(limits[m], (int, float))]
+    most = max((len(v) for v in on_gpu.values()), default=0)
+    aware = colocation_aware({m: limits[m] for m in robots}) or any(len(t) < most for t in tables)
     # GPU g's possible model counts k, each with its own load row (one row when limits ignore k).
     ks = {g: (list(range(1, len(on_gpu[g]) + 1)) if aware else [0]) for g in range(n_gpus)}
     names: list[str] = []

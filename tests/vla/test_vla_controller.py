@@ -11,6 +11,9 @@ from common.vla.controller import ControllerSettings, TrafficController, read_pl
 from common.vla.management import Placement, gpu_load
 from common.vla.profiles import load_profile
 
+# One worker measures the limits once for the whole module (make test runs --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("vla-controller")
+
 SMOL = ["smolvla", "smolvla-ft1", "smolvla-ft2", "smolvla-ft3"]
 PI0 = ["pi0", "pi0-ft1", "pi0-ft2", "pi0-ft3"]
 SETTINGS = ControllerSettings(epochs=12, check_draws=3, duration_s=6.0, max_models_per_gpu=3, time_limit_s=60)

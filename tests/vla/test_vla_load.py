@@ -16,6 +16,7 @@ from common.vla.server import load_keys, robot_for_key
 
 from openpi_venv import REPO
 
+pytestmark = pytest.mark.xdist_group("vla-load")  # one server for the module's tests
 TOKEN = "load-test-shared-token-42"
 PLAN = {"format": "orbitweaver.vla.plan/1", "gpus": [{"gpu": 0, "robots": {"pi0": 2}},
                                                      {"gpu": 1, "robots": {"smolvla": 1}}]}

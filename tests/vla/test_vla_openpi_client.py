@@ -55,6 +55,8 @@ def served_port():
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
+        if line.startswith("warming up"):  # the server warms up before it accepts robots
+            line = proc.stdout.readline()
         if not line.startswith("serving ws://127.0.0.1:"):
             proc.kill()
             raise AssertionError(f"server did not start: {line!r} {proc.stderr.read()[-2000:]}")
