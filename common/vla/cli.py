@@ -10,6 +10,7 @@ import json
 import sys
 
 DEFAULT_PROFILE = "rtx-pro-6000x4"
+DEFAULT_ILP_TIME_LIMIT_S = 2.0  # = management.DEFAULT_ILP_TIME_LIMIT_S (not imported: `ow --help` stays light)
 
 
 def _cli_error(message: str, code: int = 2):
@@ -29,6 +30,13 @@ def _ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(t) for t in _csv(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
 def _robot_mix(text: str) -> dict[str, int]:
     """'pi0=8,smolvla=4' -> {'pi0': 8, 'smolvla': 4}"""
     out = {}
@@ -40,6 +48,23 @@ def _robot_mix(text: str) -> dict[str, int]:
             raise argparse.ArgumentTypeError(f"expected MODEL=COUNT pairs, got {part!r}") from None
     if not out:
         raise argparse.ArgumentTypeError("no MODEL=COUNT pairs given")
+    return out
+
+
+def _limit_mix(text: str) -> dict[str, tuple[float, ...]]:
+    """'pi0=11/6/6,smolvla=51' -> {'pi0': (11, 6, 6), 'smolvla': (51,)}"""
+    out = {}
+    for part in _csv(text):
+        name, _, values = part.partition("=")
+        try:
+            limits = tuple(float(v) for v in values.split("/"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected MODEL=L or MODEL=L1/L2/..., got {part!r}") from None
+        if not limits or any(v <= 0 for v in limits[:1]):
+            raise argparse.ArgumentTypeError(f"{part!r}: the limit for one model alone must be positive")
+        out[name.strip()] = limits if len(limits) > 1 else limits[0]
+    if not out:
+        raise argparse.ArgumentTypeError("no MODEL=LIMIT pairs given")
     return out
 
 
@@ -70,38 +95,113 @@ def _setup_log(args) -> None:
 # ---------------------------------------------------------------- serve
 
 
+def _robot_keys(args) -> dict[str, str] | None:
+    """key -> robot name from --token / --keys / OW_VLA_TOKEN (None: no authentication)."""
+    import os
+
+    from common.vla.server import load_keys
+
+    keys: dict[str, str] = {}
+    if args.keys:
+        try:
+            keys.update(load_keys(args.keys))
+        except (OSError, ValueError) as exc:
+            raise _cli_error(f"cannot read robot keys: {exc}") from None
+    token = args.token or os.environ.get("OW_VLA_TOKEN")
+    if token:
+        if len(token) < 16:
+            raise _cli_error("the shared token must have at least 16 characters")
+        keys[token] = "robot"
+    return keys or None
+
+
+def _gpu_layout(args, models: list[str]) -> tuple[list[list[str]], list[dict[str, int]] | None]:
+    """Which models each GPU (engine) serves and its robot places: from --plan, from the controller
+    (--robots), or every model on one GPU."""
+    from common.vla.controller import read_plan
+
+    if args.plan:
+        try:
+            gpus = read_plan(args.plan)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise _cli_error(f"cannot use plan {args.plan!r}: {exc}") from None
+        order = sorted(gpus)
+        return [sorted(gpus[g]) for g in order], [gpus[g] for g in order]
+    if args.robots:
+        from common.vla.controller import format_plan
+        from common.vla.management import Placement
+
+        robot_models = _known_models(list(args.robots))
+        try:
+            placement = Placement.parse(args.placement, robot_models, args.gpus)
+        except ValueError as exc:
+            raise _cli_error(str(exc)) from None
+        profile = _load_profile(args.plan_profile)
+        plan = _controller(args, profile, robot_models).plan(placement, args.robots)
+        print(format_plan(plan, placement), flush=True)
+        if not plan.feasible:
+            print(f"warning: serving a plan that is not within limits: {plan.note}", flush=True)
+        used = [g for g in range(placement.n_gpus) if plan.assignment.robots_on(g)]
+        return [sorted(plan.assignment.robots_on(g)) for g in used], [plan.assignment.robots_on(g) for g in used]
+    return [models], None
+
+
+def _endpoint_setup(args):
+    """What `serve` and `cluster` share: models, robot keys (else loopback only), the GPU layout
+    and its robot places, the models served, the profile and the SLOs."""
+    from common.vla.server import require_loopback
+
+    models = _known_models(_csv(args.models))
+    keys = _robot_keys(args)
+    if keys is None:
+        try:
+            require_loopback(args.host)
+        except ValueError as exc:
+            raise _cli_error(str(exc)) from None
+    profile = _load_profile(args.profile) if args.profile else None
+    layout, quotas = _gpu_layout(args, models)
+    served = sorted({m for gpu in layout for m in gpu})
+    slo = {m: args.slo_ms for m in served} if args.slo_ms is not None else None
+    if profile is None and slo is None:
+        slo = {m: 500.0 for m in served}
+    return models, keys, layout, quotas, served, profile, slo
+
+
 def cmd_serve(args) -> int:
     import signal
     import threading
 
-    models = _known_models(_csv(args.models))
     from common.vla.engine import ServingEngine
-    from common.vla.server import PolicyServer, ServerConfig, require_loopback
+    from common.vla.server import PolicyServer, ServerConfig
 
-    try:
-        require_loopback(args.host)
-    except ValueError as exc:
-        raise _cli_error(str(exc)) from None
-    profile = _load_profile(args.profile) if args.profile else None
+    models, keys, layout, quotas, served, profile, slo = _endpoint_setup(args)
     _setup_log(args)
-    slo = {m: args.slo_ms for m in models} if args.slo_ms is not None else None
-    if profile is None and slo is None:
-        slo = {m: 500.0 for m in models}
+    threads = max(1, (args.threads or _cpu_threads()) // len(layout))
+    engines = []
     try:
-        engine = ServingEngine.build(models, system=args.system, policy=args.policy, max_batch=args.max_batch,
-                                     profile=profile, slo_ms=slo, backend=args.backend, threads=args.threads,
-                                     batch_sizes=args.batch_sizes)
+        for gpu_models in layout:
+            engines.append(ServingEngine.build(gpu_models, system=args.system, policy=args.policy,
+                                               max_batch=args.max_batch, profile=profile, slo_ms=slo,
+                                               backend=args.backend, threads=threads, batch_sizes=args.batch_sizes))
     except (ValueError, KeyError) as exc:
         raise _cli_error(str(exc)) from None
-    engine.start()
-    server = PolicyServer(engine, ServerConfig(args.host, args.port, models[0], args.max_request_bytes))
+    if not args.no_warm_up:
+        print(f"warming up {len(engines)} engine(s) ...", flush=True)
+        for e in engines:
+            e.warm_up()
+    for e in engines:
+        e.start()
+    default = models[0] if models[0] in served else served[0]
+    server = PolicyServer(engines, ServerConfig(args.host, args.port, default, args.max_request_bytes, keys), quotas)
     try:
         server.start()
     except OSError as exc:
-        engine.stop()
+        for e in engines:
+            e.stop()
         raise _cli_error(f"cannot listen on {args.host}:{args.port}: {exc}", 1) from None
-    print(f"serving {server.url} models={','.join(models)} system={args.system} policy={args.policy} "
-          f"backend={engine.backend.name}", flush=True)
+    print(f"serving {server.url} models={','.join(served)} gpus={len(engines)} system={args.system} "
+          f"policy={args.policy} backend={engines[0].backend.name} auth={'keys' if keys else 'none (loopback)'}",
+          flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -109,9 +209,105 @@ def cmd_serve(args) -> int:
         stop.wait()
     finally:
         server.stop()
-        engine.stop()
-        print(f"stopped: served={engine.stats.served} slo_met={engine.stats.slo_met} rejected={server.rejected}",
+        for e in engines:
+            e.stop()
+        served_n = sum(e.stats.served for e in engines)
+        met = sum(e.stats.slo_met for e in engines)
+        print(f"stopped: served={served_n} slo_met={met} rejected={server.rejected} refused={server.refused}",
               flush=True)
+    return 0
+
+
+def _cpu_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+# ---------------------------------------------------------------- cluster
+
+
+def cmd_cluster(args) -> int:
+    import signal
+    import threading
+
+    models, keys, layout_models, quotas, served, profile, slo = _endpoint_setup(args)
+    try:
+        from common.vla import cluster
+    except ImportError as exc:
+        raise _cli_error(f"ow vla cluster needs Ray Serve ({exc.name} is missing): pip install 'orbitweaver[cluster]'") from None
+    layout = {g: (quotas[g] if quotas else {m: 1 << 30 for m in ms}) for g, ms in enumerate(layout_models)}
+    engine_options = {"system": args.system, "policy": args.policy, "max_batch": args.max_batch, "profile": profile,
+                      "slo_ms": slo, "backend": args.backend, "threads": args.threads_per_gpu,
+                      "batch_sizes": args.batch_sizes, "warm_up": not args.no_warm_up,
+                      "max_request_bytes": args.max_request_bytes}
+    gateway_resources = {args.gateway_resource: 0.001} if args.gateway_resource else None
+    default = models[0] if models[0] in served else served[0]
+    location = {"head": "HeadOnly", "every-node": "EveryNode"}[args.proxy_location]
+    print(f"deploying {len(layout)} GPU deployment(s) to the Ray cluster at {args.address} ...", flush=True)
+    try:
+        cluster.deploy(args.address, layout, host=args.host, port=args.port, proxy_location=location,
+                       node_ip_address=args.node_ip_address,
+                       engine_options=engine_options, keys=keys, default_model=default,
+                       gpu_resource=args.gpu_resource, gateway_resources=gateway_resources,
+                       request_timeout_s=args.request_timeout)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise _cli_error(f"cannot deploy to the Ray cluster at {args.address}: {exc}", 1) from None
+    seen = {}
+
+    def report():
+        now = cluster.placements()
+        for name, where in sorted(now.items()):
+            if seen.get(name) != (where.get("node"), where.get("pid")):
+                seen[name] = (where.get("node"), where.get("pid"))
+                place = f"node {where['node'][:12]} pid {where['pid']}" if "node" in where else where.get("error")
+                print(f"{name}: {','.join(where.get('models', layout_models[int(name[3:])]))} on {place}", flush=True)
+
+    report()
+    print(f"serving ws://{args.host}:{args.port} models={','.join(served)} gpus={len(layout)} via Ray Serve "
+          f"auth={'keys' if keys else 'none (loopback)'}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        while not stop.wait(args.watch_interval):
+            try:
+                report()
+            except Exception as exc:  # the cluster may be in the middle of losing a node
+                print(f"status unavailable: {type(exc).__name__}: {exc}", flush=True)
+    finally:
+        cluster.shutdown()
+        print("stopped: application deleted", flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------- load
+
+
+def cmd_load(args) -> int:
+    import os
+
+    from common.vla.load import run_load
+    from common.vla.sim import NetworkModel
+
+    robots = args.robots
+    _known_models([m for m in robots])
+    if not args.url.startswith(("ws://", "wss://")):
+        raise _cli_error(f"--url must be a ws:// or wss:// address, got {args.url!r}")
+    if args.rate <= 0 or args.duration <= 0:
+        raise _cli_error("--rate and --duration must be positive")
+    network = None if args.network == "none" else NetworkModel()
+    token = args.token or os.environ.get("OW_VLA_TOKEN")
+    report = run_load(args.url, robots, rate_hz=args.rate, duration_s=args.duration, warmup_s=args.warmup,
+                      network=network, seed=args.seed, token=token, slo_ms=args.slo_ms)
+    for line in report.lines():
+        print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.to_json(), f, indent=1)
+    if args.fail_below is not None and report.worst_attainment < args.fail_below:
+        print(f"worst model attainment {report.worst_attainment:.1%} is below {args.fail_below:.1%}")
+        return 1
     return 0
 
 
@@ -126,10 +322,16 @@ def cmd_bench(args) -> int:
     bad = [e for e in experiments if e not in EXPERIMENTS]
     if bad:
         raise _cli_error(f"unknown experiment(s) {', '.join(bad)}; choose from {', '.join(EXPERIMENTS)}")
+    import dataclasses
+
     settings = BenchSettings.quick() if args.quick else BenchSettings()
-    if args.epochs or args.duration or args.seed is not None:
-        settings = BenchSettings(args.epochs or settings.epochs, args.duration or settings.duration_s,
-                                 settings.max_batches, settings.seed if args.seed is None else args.seed)
+    changes = {k: v for k, v in (("epochs", args.epochs), ("duration_s", args.duration), ("seed", args.seed),
+                                 ("seeds", args.seeds), ("slo_factors", args.slo_factors)) if v is not None}
+    if args.seed is not None and args.seeds is None:
+        changes["seeds"] = (args.seed,) + tuple(s for s in settings.seeds if s != args.seed)[: len(settings.seeds) - 1]
+    if args.ilp_time_limit is not None:
+        changes["controller"] = dataclasses.replace(settings.controller, time_limit_s=args.ilp_time_limit)
+    settings = dataclasses.replace(settings, **changes)
     report = run_bench(profile, settings, experiments, emit=lambda line: print(line, flush=True))
     if args.json:
         with open(args.json, "w") as f:
@@ -140,9 +342,24 @@ def cmd_bench(args) -> int:
 # ---------------------------------------------------------------- plan
 
 
+def _controller(args, profile, models):
+    """The traffic controller for `plan` and `serve`: given limits, or co-location limits measured now."""
+    from common.vla.controller import ControllerSettings, TrafficController
+
+    settings = ControllerSettings(epochs=args.check_epochs, time_limit_s=args.ilp_time_limit)
+    if getattr(args, "limits", None):
+        missing = [m for m in models if m not in args.limits]
+        if missing:
+            raise _cli_error(f"--limits lacks {', '.join(missing)}")
+        return TrafficController(profile, args.limits, args.max_batch, settings)
+    print(f"measuring co-location limits in the simulator ({settings.epochs} epochs per point) ...", flush=True)
+    return TrafficController.calibrate(profile, models, args.max_batch, settings, progress=print)
+
+
 def cmd_plan(args) -> int:
     from common.vla import sim
-    from common.vla.management import ASSIGNERS, Placement, format_assignment, robot_limits
+    from common.vla.controller import format_plan, write_plan
+    from common.vla.management import ASSIGNERS, Placement, format_assignment
 
     robots = args.robots
     models = _known_models(list(robots))
@@ -151,29 +368,29 @@ def cmd_plan(args) -> int:
     except ValueError as exc:
         raise _cli_error(str(exc)) from None
     profile = _load_profile(args.profile)
-    if args.limits:
-        limits = dict(args.limits)
-        missing = [m for m in models if m not in limits]
-        if missing:
-            raise _cli_error(f"--limits lacks {', '.join(missing)}")
-    else:
-        limits = robot_limits(profile, models, max_batch=args.max_batch)
-        print("robot limits per GPU (simulated, Robion alone at 98 %): "
-              + ", ".join(f"{m}={limits[m]}" for m in models))
-    methods = list(ASSIGNERS) if args.method == "all" else [args.method]
-    if "brute-force" in methods and args.method == "all":
-        methods.remove("brute-force")
+    controller = _controller(args, profile, models)
+    methods = [m for m in ASSIGNERS if m != "brute-force"] if args.method == "all" else [args.method]
     for method in methods:
+        print(f"placement {placement.name} on {placement.n_gpus} GPUs")
         try:
-            a = ASSIGNERS[method](placement, robots, limits)
+            if method == "ilp":  # the controller: the ILP with co-location limits, each GPU checked
+                plan = controller.plan(placement, robots)
+                a = plan.assignment
+                print(format_plan(plan, placement))
+                if args.json:
+                    write_plan(args.json, plan, placement, robots, profile.name)
+                    print(f"wrote {args.json}")
+            else:
+                a = ASSIGNERS[method](placement, robots, controller.limits)
+                print(format_assignment(a, placement))
         except (ValueError, RuntimeError) as exc:
             raise _cli_error(f"{method}: {exc}", 1) from None
-        print(f"placement {placement.name} on {placement.n_gpus} GPUs")
-        print(format_assignment(a, placement))
         if args.simulate:
-            r = sim.simulate(sim.robion(max_batch=args.max_batch), sim.Workload(robots, epochs=args.epochs),
+            r = sim.simulate(sim.robion(max_batch=args.max_batch), sim.Workload(robots, epochs=args.epochs, seed=args.seed),
                              profile, assignment=a.counts)
-            print(f"  simulated: SLO attainment {r.attainment:.3%}, p99 {r.p99_ms:.1f} ms over {r.requests} requests")
+            print(f"  simulated (seed {args.seed}): worst model {r.worst_attainment:.3%} ({r.worst_model}), "
+                  f"pooled {r.attainment:.3%}, p99 {r.p99_ms:.1f} ms over {r.requests} requests")
+            print(f"  per model: {r.per_model_text()}")
     return 0
 
 
@@ -284,15 +501,42 @@ def register(subparsers) -> None:
         p.add_argument("--max-batch", type=int, default=2,
                        help="largest fixed stage batch (one of the profile's batch sizes; default 2)")
 
+    def controller_opts(p):
+        p.add_argument("--ilp-time-limit", type=float, default=DEFAULT_ILP_TIME_LIMIT_S,
+                       help=f"seconds for all stages of the traffic ILP (default {DEFAULT_ILP_TIME_LIMIT_S:g}); when "
+                            "they run out the best assignment found so far is used, flagged as not proven optimal")
+        p.add_argument("--check-epochs", type=int, default=30,
+                       help="simulated 10 s epochs per point when measuring co-location limits and checking a "
+                            "plan (default 30)")
+
     # serve
-    p = sub.add_parser("serve", help="run the robot policy endpoint (openpi websocket protocol, loopback only)",
+    p = sub.add_parser("serve", help="run the robot policy endpoint (openpi websocket protocol)",
                        description="Serve LIBERO-style observations (two 224x224 images, 8-d state, prompt) over "
-                                   "the openpi websocket policy protocol on a loopback address. Robots using "
+                                   "the openpi websocket policy protocol (loopback, or any address with robot "
+                                   "keys). Warms up, then accepts robots. Robots using "
                                    "openpi-client's WebsocketClientPolicy connect unchanged; choose a model with "
                                    "the URL path ws://HOST:PORT/MODEL (default: the first --models entry). "
                                    "Requests go through the lockstep scheduler. Stops on SIGINT/SIGTERM.")
-    p.add_argument("--models", default="pi0", help="comma-separated models to co-locate (default pi0); see `ow vla models`")
-    p.add_argument("--host", default="127.0.0.1", help="loopback address to bind (default 127.0.0.1; others refused)")
+    p.add_argument("--models", default="pi0", help="comma-separated models to co-locate on one GPU (default pi0); "
+                                                   "see `ow vla models`")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1); beyond loopback only with --token or --keys")
+    p.add_argument("--token", help="shared robot token (or env OW_VLA_TOKEN, at least 16 characters): robots send "
+                                   "'Authorization: Api-Key TOKEN' (openpi-client's api_key); others get HTTP 401")
+    p.add_argument("--keys", help="file of robot keys, one 'NAME KEY' per line: only these robots are served, "
+                                  "logged by name")
+    p.add_argument("--plan", help="serve this plan file (`ow vla plan --json`): one engine per GPU, robots "
+                                  "routed to the GPUs the controller chose for their model")
+    p.add_argument("--robots", type=_robot_mix,
+                   help="instead of --plan: plan now for this robot mix (with --placement, --gpus) and serve it")
+    p.add_argument("--placement", default="mix", help="with --robots: 'mix' or groups 'GLOB:GPU,GPU;...' (default mix)")
+    p.add_argument("--gpus", type=int, default=2, help="with --robots: GPUs (engines) to plan for (default 2)")
+    p.add_argument("--plan-profile", default=DEFAULT_PROFILE,
+                   help=f"with --robots: the profile the controller plans with (default {DEFAULT_PROFILE})")
+    p.add_argument("--limits", type=_limit_mix, help="with --robots: robot limits instead of measuring them")
+    controller_opts(p)
+    p.add_argument("--no-warm-up", action="store_true",
+                   help="accept robots at once instead of first running every stage at every batch size")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free port, printed)")
     p.add_argument("--system", choices=("robion", "monolithic"), default="robion",
                    help="robion: VLM and ADiT executors in lockstep (default); monolithic: one pipeline")
@@ -311,6 +555,72 @@ def register(subparsers) -> None:
                    help="JSON-lines log level on stderr (default info)")
     p.set_defaults(func=cmd_serve)
 
+    # cluster
+    p = sub.add_parser("cluster", help="serve robots from a Ray cluster of edge servers (Ray Serve), same endpoint",
+                       description="Deploy the controller's plan to a running Ray cluster: one Ray Serve deployment "
+                                   "per GPU of the plan, each with its models and their lockstep scheduler, and a "
+                                   "gateway that speaks the same openpi websocket protocol as `ow vla serve`. Ray "
+                                   "Serve restarts a lost server's deployments on free GPUs elsewhere. Prints where "
+                                   "each GPU runs, and every change. Stops (and deletes the application) on "
+                                   "SIGINT/SIGTERM.")
+    p.add_argument("--address", required=True, help="Ray cluster address (HEAD_IP:PORT, as given to `ray start --address`)")
+    p.add_argument("--node-ip-address",
+                   help="this machine's address in the Ray cluster, when Ray cannot tell (several nodes on one host)")
+    p.add_argument("--models", default="pi0", help="without --plan/--robots: models on one GPU (default pi0)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address Ray Serve's proxy binds (default 127.0.0.1); beyond loopback only with --token/--keys")
+    p.add_argument("--port", type=int, default=8000, help="proxy port (default 8000)")
+    p.add_argument("--token", help="shared robot token (or env OW_VLA_TOKEN); robots send 'Authorization: Api-Key TOKEN'")
+    p.add_argument("--keys", help="file of robot keys, one 'NAME KEY' per line")
+    p.add_argument("--plan", help="plan file from `ow vla plan --json`: one deployment per GPU in it")
+    p.add_argument("--robots", type=_robot_mix, help="instead of --plan: plan now for this robot mix")
+    p.add_argument("--placement", default="mix", help="with --robots: placement (default mix)")
+    p.add_argument("--gpus", type=int, default=2, help="with --robots: GPUs in the cluster to plan for (default 2)")
+    p.add_argument("--plan-profile", default=DEFAULT_PROFILE, help=f"with --robots: planning profile (default {DEFAULT_PROFILE})")
+    p.add_argument("--limits", type=_limit_mix, help="with --robots: robot limits instead of measuring them")
+    controller_opts(p)
+    p.add_argument("--system", choices=("robion", "monolithic"), default="robion", help="serving engine (default robion)")
+    policy_opts(p)
+    p.add_argument("--batch-sizes", type=_ints, default=(1, 2, 4), help="fixed batch sizes (default 1,2,4)")
+    p.add_argument("--profile", help="profile for SLOs and VLM shares inside each GPU deployment")
+    p.add_argument("--slo-ms", type=float, help="SLO for every model in ms (default: the profile's, else 500)")
+    p.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto", help="engine backend (default auto)")
+    p.add_argument("--threads-per-gpu", type=int, default=1,
+                   help="CPU backend: intra-op threads per GPU deployment (default 1)")
+    p.add_argument("--gpu-resource", default="GPU",
+                   help="Ray resource one GPU deployment takes one unit of (default GPU, i.e. num_gpus=1; a custom "
+                        "resource stands in on CPU-only clusters)")
+    p.add_argument("--gateway-resource", help="custom Ray resource to pin the gateway to (e.g. one on the head node)")
+    p.add_argument("--proxy-location", choices=("head", "every-node"), default="every-node",
+                   help="where Ray Serve runs HTTP proxies: every node (default; robots may use any server's "
+                        "address) or the head only")
+    p.add_argument("--request-timeout", type=float, default=60.0,
+                   help="seconds the gateway waits for a GPU deployment before answering an error (default 60)")
+    p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger requests are refused (default 1 MiB)")
+    p.add_argument("--no-warm-up", action="store_true", help="skip each GPU deployment's warm-up")
+    p.add_argument("--watch-interval", type=float, default=5.0, help="seconds between placement checks (default 5)")
+    p.set_defaults(func=cmd_cluster)
+
+    # load
+    p = sub.add_parser("load", help="drive a real endpoint with N robots at 2 Hz and report per-model SLO attainment",
+                       description="Robots as openpi clients: one websocket per robot to URL/MODEL, LIBERO "
+                                   "observations at --rate from a random phase, network delays emulated per "
+                                   "request; prints per model: requests, answered, errors, SLO attainment, p50, "
+                                   "p99 and the GPUs that served them.")
+    p.add_argument("--url", default="ws://127.0.0.1:8000", help="endpoint (default ws://127.0.0.1:8000)")
+    p.add_argument("--robots", type=_robot_mix, required=True, help="robots per model, e.g. pi0=4,smolvla=2")
+    p.add_argument("--rate", type=float, default=2.0, help="requests per robot per second (default 2)")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds of traffic (default 10)")
+    p.add_argument("--warmup", type=float, default=1.0, help="requests sent before this many seconds are not counted (default 1)")
+    p.add_argument("--network", choices=("wifi7", "none"), default="wifi7",
+                   help="emulated network delay per request and reply (default wifi7, the simulator's model)")
+    p.add_argument("--slo-ms", type=float, help="SLO for every model (default: the server's, from its metadata)")
+    p.add_argument("--token", help="robot key (or env OW_VLA_TOKEN), sent as 'Authorization: Api-Key KEY'")
+    p.add_argument("--seed", type=int, default=0, help="seed of phases, images and delays (default 0)")
+    p.add_argument("--json", help="also write the report to this JSON file")
+    p.add_argument("--fail-below", type=float, help="exit 1 when some model's attainment is below this (e.g. 0.98)")
+    p.set_defaults(func=cmd_load)
+
     # bench
     p = sub.add_parser("bench", help="load sweeps: max robots at 98%% SLO per system, beside the paper's numbers",
                        description="Run the paper's experiments on the simulator with a profile: single-model "
@@ -321,7 +631,13 @@ def register(subparsers) -> None:
     p.add_argument("--quick", action="store_true", help="short setting: 5 epochs x 6 s per load point")
     p.add_argument("--epochs", type=int, help="epochs (resampled robot phases) per load point (default 20)")
     p.add_argument("--duration", type=float, help="simulated seconds per epoch (default 10)")
-    p.add_argument("--seed", type=int, help="random seed (default 0)")
+    p.add_argument("--seed", type=int, help="random seed of the single-seed parts (default 0)")
+    p.add_argument("--seeds", type=_ints, help="seeds of the bands (default 0,1,2; --quick: 0,1)")
+    p.add_argument("--slo-factors", type=_floats,
+                   help="SLO factors of the single-model bands (default 2,2.5,3,3.5; SLO = factor x batch-1 latency)")
+    p.add_argument("--ilp-time-limit", type=float,
+                   help=f"seconds for the traffic ILP's stages together (default {DEFAULT_ILP_TIME_LIMIT_S:g}); past it "
+                        "the best assignment found is used")
     p.add_argument("--experiments", help="comma-separated subset of: single, policies, traffic, ilp, multi, inter-gpu")
     p.add_argument("--json", help="also write the measured numbers to this JSON file")
     p.set_defaults(func=cmd_bench)
@@ -336,13 +652,19 @@ def register(subparsers) -> None:
                    help="'mix' (every model on every GPU) or disjoint groups 'GLOB[,GLOB]:GPU,GPU;...', "
                         "e.g. 'pi0*:0,1;smolvla*:2,3'")
     p.add_argument("--gpus", type=int, default=4, help="GPUs in the server (default 4)")
-    p.add_argument("--limits", type=_robot_mix, help="robot limit per GPU per model, e.g. pi0=15,smolvla=58")
+    p.add_argument("--limits", type=_limit_mix,
+                   help="robot limits per GPU instead of measuring them: MODEL=L or MODEL=L1/L2/L3 (L_k: k models "
+                        "share the GPU), e.g. pi0=11/6/6/4,smolvla=51/18")
     p.add_argument("--method", choices=("ilp", "smg", "eps", "brute-force", "all"), default="ilp",
                    help="ilp (Robion, default), smg (one GPU per model), eps (even split), brute-force, or all")
     p.add_argument("--profile", default=DEFAULT_PROFILE, help=f"profile for limits and --simulate (default {DEFAULT_PROFILE})")
     p.add_argument("--max-batch", type=int, default=2, help="max batch when simulating (default 2)")
-    p.add_argument("--simulate", action="store_true", help="also simulate the assignment and print SLO attainment")
-    p.add_argument("--epochs", type=int, default=5, help="epochs when simulating (default 5)")
+    p.add_argument("--simulate", action="store_true",
+                   help="also replay the assignment in the simulator and print every model's SLO attainment")
+    p.add_argument("--epochs", type=int, default=5, help="epochs when replaying (default 5)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the replay (default 0; the controller checks with its own)")
+    p.add_argument("--json", help="write the controller's plan to this file (input of `ow vla serve --plan`)")
+    controller_opts(p)
     p.set_defaults(func=cmd_plan)
 
     # profile

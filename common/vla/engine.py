@@ -120,6 +120,37 @@ class ServingEngine:
         return fut
 
     # ---- lifecycle ----
+    def warm_up(self) -> float:
+        """Run every model's stages once at every fixed batch size, alone and side by side, before
+        robots arrive: the first lockstep of a cold engine pays for allocator growth and thread-pool
+        start-up (754 ms against ~50 ms warm). Bypasses the scheduler. Returns the seconds it took."""
+        from common.vla.models import example_observation
+        from common.vla.scheduler import Stage, StageBatch
+
+        if self._thread is not None:
+            raise RuntimeError("warm up before start()")
+        t0 = time.perf_counter()
+        sequential = isinstance(self.scheduler, SequentialScheduler)
+        for model, policy in self.policies.items():
+            arch = model_spec(model).arch
+            for size in self.scheduler.batch_sizes:
+                def batch(stage):
+                    reqs = tuple(VlaRequest(model, 0.0, 0.0, 1.0, payload=policy.prepare(example_observation(i)))
+                                 for i in range(size))
+                    return StageBatch(stage, model, arch, reqs, size)
+
+                first = batch(Stage.VLM)
+                if sequential:
+                    self.backend.run(LockstepPlan(-1, first, StageBatch(Stage.ADIT, model, arch, first.requests, size),
+                                                  1.0, True), self.policies)
+                    continue
+                self.backend.run(LockstepPlan(-1, first, None, 1.0), self.policies)
+                adit = StageBatch(Stage.ADIT, model, arch, first.requests, size)  # their prefixes exist now
+                self.backend.run(LockstepPlan(-1, batch(Stage.VLM), adit, 0.5), self.policies)  # both at once
+        seconds = time.perf_counter() - t0
+        self._log.info("vla_engine_warmed_up", seconds=round(seconds, 3), batch_sizes=list(self.scheduler.batch_sizes))
+        return seconds
+
     def start(self) -> "ServingEngine":
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="vla-coordinator", daemon=True)

@@ -4,25 +4,31 @@ Placement says which GPUs host which models: co-locate ("mix": every model on ev
 replicate one model over GPUs, or partition the GPUs into disjoint groups each serving a subset
 (e.g. the fine-tuned variants of one architecture).
 
-The traffic controller assigns each model's robots to the GPUs hosting it. With L_m the robot
-limit of model m on one GPU (the most robots one GPU serves alone at the target SLO attainment,
-found by benchmarking — here by simulation with the profile), GPU g's load is
-sum_m x[m,g] / L_m and must stay <= 1. Among assignments within that bound, the integer program
-maximises per-model batching by splitting each model over as few GPUs as possible, then
-(our addition) keeps as many GPUs in use as possible — for a fixed number of splits that is
-the fewest models sharing a GPU — and then minimises the most loaded GPU's load:
+The traffic controller assigns each model's robots to the GPUs hosting it. With L_m(k) the robot
+limit of model m on one GPU shared by k models (the most robots of m's architecture one GPU serves
+at the target SLO attainment for every model when k variants share it — found by simulating the
+lockstep engine with the profile; co-located models batch separately and wait behind each other's
+locksteps, so L(k) falls fast with k), GPU g's load is sum_m x[m,g] / L_m(k_g), with k_g the
+number of models on g, and must stay <= 1. Among assignments within that bound, the integer
+program maximises per-model batching by splitting each model over as few GPUs as possible, then
+(our addition) keeps as many GPUs in use as possible — for a fixed number of splits that is the
+fewest models sharing a GPU — then minimises the most loaded GPU's load, then evens out the
+GPUs below the peak:
 
-    minimise   (overload,  sum_{m,g} y[m,g],  -sum_g u[g],  z)   (lexicographically; the middle
-                                                                two only count when overload = 0)
-    subject to sum_g x[m,g] = R_m                        (every robot placed)
-               x[m,g] <= R_m * y[m,g]                    (y: model m uses GPU g)
-               sum_m x[m,g] / L_m <= z                   (z: the peak load)
-               sum_m x[m,g] / L_m <= 1 + overload        (only > 0 when no assignment fits)
-               u[g] <= sum_m y[m,g]                      (u: GPU g in use)
-               x integer >= 0, y, u binary, z, overload >= 0
+    minimise   (overload,  sum y,  -sum_g u[g],  z,  sum_g pen(l[g]))   (lexicographically)
+    subject to sum_g x[m,g] = R_m                                 (every robot placed)
+               x[m,g] <= R_m * y[m,g]                             (y: model m uses GPU g)
+               sum_k k w[g,k] = sum_m y[m,g],  sum_k w[g,k] <= 1  (w: g hosts exactly k models)
+               sum_m x[m,g] / L_m(k) <= z, 1 + overload, l[g]     (rows active where w[g,k] = 1)
+               u[g] <= sum_m y[m,g]                               (u: GPU g in use)
+               pen(l) >= tangents of l^2                          (convex: spreads the load)
 
-solved as up to four MILPs in sequence with scipy.optimize.milp (HiGHS). A brute-force enumeration
-over the same lexicographic objective checks it on small instances.
+solved as up to five MILPs in sequence with scipy.optimize.milp (HiGHS) within one time budget;
+when the budget runs out, the best assignment found so far is returned and flagged. With one
+limit per model (co-location-blind, as in the paper's description) the w rows collapse to one.
+A brute-force enumeration over the same lexicographic objective checks it on small instances.
+`TrafficController` (controller.py) adds the co-location limits and checks every plan in the
+simulator before it emits it.
 
 Baselines, as the paper names them (our reading, see docs/vla.md):
   SMG — single model per GPU: all robots of a model go to one GPU (its home among its hosts);
@@ -33,10 +39,9 @@ Baselines, as the paper names them (our reading, see docs/vla.md):
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -120,29 +125,63 @@ class TrafficAssignment:
     feasible: bool  # every GPU within its robot limit
     solve_ms: float = 0.0
     loads: dict[int, float] = field(default_factory=dict)
-    optimal: bool = True  # False: the solver's time limit hit first; this is its best assignment
+    optimal: bool = True  # False: the time budget ran out first; this is the best assignment found by then
+    note: str = ""  # what stopped the search early, when something did
 
     def robots_on(self, gpu: int) -> dict[str, int]:
         return {m: n for (m, g), n in self.counts.items() if g == gpu and n}
 
 
 TOL = 1e-9
+DEFAULT_ILP_TIME_LIMIT_S = 2.0  # all stages together; an expired budget returns the best found
+# A composition the limits say nothing about (more co-located models than were measured) costs
+# this many GPUs per robot: never chosen while anything else fits, and flagged when it is.
+UNMEASURED_LOAD_PER_ROBOT = 4.0
+
+# Robot limits: one number per model (co-location-blind: the same limit whatever shares the GPU)
+# or a sequence per model whose k-th entry (k = 1, 2, ...) is the most robots of this model's
+# architecture one GPU serves when k models share it (see `colocation_limits`).
+Limits = Mapping[str, "float | Sequence[float]"]
 
 
-def _check(robots: Mapping[str, int], limits: Mapping[str, float], placement: Placement) -> None:
+def limit_for(limits: Limits, model: str, k: int) -> float:
+    """Robot limit of `model` on a GPU shared by k models; 0 when unknown (more models than measured)."""
+    lim = limits[model]
+    if isinstance(lim, (int, float)):
+        return float(lim)
+    return float(lim[k - 1]) if k <= len(lim) else 0.0
+
+
+def _per_robot(limits: Limits, model: str, k: int) -> float:
+    lim = limit_for(limits, model, k)
+    return 1.0 / lim if lim > 0 else UNMEASURED_LOAD_PER_ROBOT
+
+
+def colocation_aware(limits: Limits) -> bool:
+    return any(not isinstance(v, (int, float)) and len(set(v)) > 1 for v in limits.values())
+
+
+def gpu_load(robots_on_gpu: Mapping[str, int], limits: Limits) -> float:
+    """Load of one GPU: sum over its models of robots / limit at its number of co-located models."""
+    on = {m: n for m, n in robots_on_gpu.items() if n > 0}
+    return sum(n * _per_robot(limits, m, len(on)) for m, n in on.items())
+
+
+def _check(robots: Mapping[str, int], limits: Limits, placement: Placement) -> None:
     for m in robots:
         if m not in placement.hosts:
             raise ValueError(f"model {m} has robots but no GPU in placement {placement.name!r}")
-        if limits.get(m, 0) <= 0:
+        if m not in limits or limit_for(limits, m, 1) <= 0:
             raise ValueError(f"model {m} has no positive robot limit")
 
 
 def _evaluate(method: str, counts: dict[tuple[str, int], int], robots, limits, placement, solve_ms=0.0,
-              optimal: bool = True) -> TrafficAssignment:
+              optimal: bool = True, note: str = "") -> TrafficAssignment:
     _check(robots, limits, placement)
-    loads = {g: 0.0 for g in range(placement.n_gpus)}
+    per_gpu: dict[int, dict[str, int]] = {g: {} for g in range(placement.n_gpus)}
     for (m, g), n in counts.items():
-        loads[g] += n / limits[m]
+        per_gpu[g][m] = per_gpu[g].get(m, 0) + n
+    loads = {g: gpu_load(on, limits) for g, on in per_gpu.items()}
     peak = max(loads.values()) if loads else 0.0
     overload = max(0.0, peak - 1.0)
     splits = sum(1 for n in counts.values() if n > 0)
@@ -151,109 +190,188 @@ def _evaluate(method: str, counts: dict[tuple[str, int], int], robots, limits, p
     fits = overload <= TOL
     key = (round(overload, 9), splits if fits else 0, -used if fits else 0, round(peak, 9))
     return TrafficAssignment(method, {k: v for k, v in counts.items() if v}, key, splits, peak,
-                             overload <= TOL, solve_ms, loads, optimal)
+                             overload <= TOL, solve_ms, loads, optimal, note)
 
 
-def assign_ilp(placement: Placement, robots: Mapping[str, int], limits: Mapping[str, float],
-               time_limit_s: float = 1.0) -> TrafficAssignment:
-    """Lexicographic optimum of (overload, splits, -GPUs in use, peak load), one MILP per criterion.
+def assign_greedy(placement: Placement, robots: Mapping[str, int], limits: Limits) -> TrafficAssignment:
+    """Each model whole on the host GPU that leaves the least peak load (the biggest models first).
+
+    Instant; the ILP falls back to it when its time budget ends before HiGHS finds any assignment."""
+    robots = {m: int(n) for m, n in robots.items() if n > 0}
+    _check(robots, limits, placement)
+    on: dict[int, dict[str, int]] = {g: {} for g in range(placement.n_gpus)}
+    for m in sorted(robots, key=lambda m: -robots[m] * _per_robot(limits, m, 1)):
+        def cost(g):
+            after = {**on[g], m: robots[m]}
+            return gpu_load(after, limits), len(after)
+        best = min(placement.hosts[m], key=cost)
+        on[best][m] = robots[m]
+    counts = {(m, g): n for g, ms in on.items() for m, n in ms.items()}
+    return _evaluate("greedy", counts, robots, limits, placement)
+
+
+# Tangents of load^2 every 1/16 up to 2: the balance stage minimises the sum of this convex
+# piecewise-linear penalty, which spreads load evenly over the GPUs below the peak (a coarser
+# grid ties uneven splits whose loads fall between two tangent points).
+_BALANCE_POINTS = tuple(i / 16 for i in range(33))
+
+
+def assign_ilp(placement: Placement, robots: Mapping[str, int], limits: Limits,
+               time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S) -> TrafficAssignment:
+    """Lexicographic optimum of (overload, splits, -GPUs in use, peak load, balance), one MILP each.
 
     Solving the criteria in sequence (each later MILP constrained to the earlier optima) gives
     HiGHS integral objectives with tight bounds, instead of one weighted objective whose tiny
-    tie-break weights make optimality slow to prove. `time_limit_s` bounds all solves together;
-    if it runs out (in practice only when the robots do not fit: a makespan problem whose optimum
-    is slow to prove) the best assignment found is returned with `optimal=False`.
+    tie-break weights make optimality slow to prove. `time_limit_s` bounds all solves together
+    and the answer never depends on it being enough: when it runs out, the best assignment found
+    so far is returned with `optimal=False` (the stage's incumbent, else the previous stage's
+    solution, else, before any, the greedy assignment).
+
+    With co-location-aware limits (a sequence per model), binaries w[g,k] say that GPU g hosts
+    exactly k models and switch on that GPU's load row for k (big-M rows for the other k).
     """
     from scipy.optimize import Bounds, LinearConstraint, milp
 
     robots = {m: int(n) for m, n in robots.items() if n > 0}
     t0 = time.perf_counter()
+    deadline = t0 + time_limit_s
     _check(robots, limits, placement)
     if not robots:
         return _evaluate("ilp", {}, {}, {}, placement)
     pairs = [(m, g) for (m, g) in placement.pairs() if m in robots]
     n, n_gpus = len(pairs), placement.n_gpus
-    # variables: x (n robots per pair), y (n pair in use), z (peak load), o (overload), u (GPU in use)
-    ix, iy, iz, io, iu = 0, n, 2 * n, 2 * n + 1, 2 * n + 2
-    nv = 2 * n + 2 + n_gpus
-    rows, lo, hi = [], [], []
+    on_gpu = {g: [i for i, (_, gg) in enumerate(pairs) if gg == g] for g in range(n_gpus)}
+    # Per-k rows when limits vary with k, or when a GPU could hold more models than a table covers.
+    tables = [limits[m] for m in robots if not isinstance(limits[m], (int, float))]
+    most = max((len(v) for v in on_gpu.values()), default=0)
+    aware = colocation_aware({m: limits[m] for m in robots}) or any(len(t) < most for t in tables)
+    # GPU g's possible model counts k, each with its own load row (one row when limits ignore k).
+    ks = {g: (list(range(1, len(on_gpu[g]) + 1)) if aware else [0]) for g in range(n_gpus)}
+    names: list[str] = []
 
-    def add(row, low, high):
+    def var(name):
+        names.append(name)
+        return len(names) - 1
+
+    ix = [var(f"x{i}") for i in range(n)]
+    iy = [var(f"y{i}") for i in range(n)]
+    iz, io = var("z"), var("o")
+    iu = [var(f"u{g}") for g in range(n_gpus)]
+    il = [var(f"l{g}") for g in range(n_gpus)]  # >= GPU g's load (tight once the balance stage runs)
+    it = [var(f"t{g}") for g in range(n_gpus)]  # balance penalty of GPU g
+    iw = {(g, k): var(f"w{g},{k}") for g in range(n_gpus) for k in ks[g] if aware}
+    nv = len(names)
+    rows, lo, hi = [], [], []
+    balance = []  # rows only the balance stage needs (they slow the earlier stages down)
+
+    def add(entries: dict[int, float], low, high):
+        row = np.zeros(nv)
+        for j, v in entries.items():
+            row[j] += v
         rows.append(row), lo.append(low), hi.append(high)
 
-    def vec(**entries):
-        row = np.zeros(nv)
-        for k, v in entries.items():
-            row[int(k[1:])] = v
-        return row
-
     for m, r in robots.items():  # every robot placed
-        row = np.zeros(nv)
-        row[[ix + i for i, (mm, _) in enumerate(pairs) if mm == m]] = 1.0
-        add(row, r, r)
+        add({ix[i]: 1.0 for i, (mm, _) in enumerate(pairs) if mm == m}, r, r)
     for i, (m, _) in enumerate(pairs):  # x <= R y
-        add(vec(**{f"v{ix + i}": 1.0, f"v{iy + i}": -robots[m]}), -np.inf, 0.0)
-    loads = {}
+        add({ix[i]: 1.0, iy[i]: -robots[m]}, -np.inf, 0.0)
     for g in range(n_gpus):
-        load = np.zeros(nv)
-        on_g = [i for i, (_, gg) in enumerate(pairs) if gg == g]
-        for i in on_g:
-            load[ix + i] = 1.0 / limits[pairs[i][0]]
-        loads[g] = load
-        used = np.zeros(nv)
-        used[iu + g] = 1.0
-        used[[iy + i for i in on_g]] = -1.0
-        add(used, -np.inf, 0.0)  # u_g <= sum of y on g: a GPU counts as used only with a model on it
-        if not on_g:
+        add({iu[g]: 1.0, **{iy[i]: -1.0 for i in on_gpu[g]}}, -np.inf, 0.0)  # u_g <= models on g
+        if not on_gpu[g]:
             continue
-        add(load - vec(**{f"v{iz}": 1.0}), -np.inf, 0.0)  # load <= z
-        add(load - vec(**{f"v{io}": 1.0}), -np.inf, 1.0)  # load <= 1 + o
-    # Symmetry breaking: GPUs hosting the same models are interchangeable, so order their loads.
-    # This removes equivalent solutions from the search without changing any optimum.
+        if aware:  # exactly one k is active on a used GPU, and it counts the models there
+            add({iw[g, k]: float(k) for k in ks[g]} | {iy[i]: -1.0 for i in on_gpu[g]}, 0.0, 0.0)
+            add({iw[g, k]: 1.0 for k in ks[g]}, 0.0, 1.0)
+        for k in ks[g]:
+            load = {ix[i]: _per_robot(limits, pairs[i][0], max(k, 1)) for i in on_gpu[g]}
+            big = sum(robots[pairs[i][0]] * c for i, c in zip(on_gpu[g], load.values())) if aware else 0.0
+            off = {iw[g, k]: big} if aware else {}  # the row binds only where w[g,k] = 1
+            add(load | off | {io: -1.0}, -np.inf, 1.0 + big)  # load <= 1 + o
+            add(load | off | {iz: -1.0}, -np.inf, big)  # load <= z
+            balance.append((load | off | {il[g]: -1.0}, -np.inf, big))  # load <= l_g
+        for p in _BALANCE_POINTS:  # t_g >= tangent of l_g^2 at p
+            balance.append(({it[g]: 1.0, il[g]: -2.0 * p}, -p * p, np.inf))
+    # Symmetry breaking: GPUs hosting the same models are interchangeable, so order their robot
+    # counts. This removes equivalent solutions from the search without changing any optimum.
     for g in range(n_gpus - 1):
-        if loads[g].any() and placement.models_on(g) == placement.models_on(g + 1):
-            add(loads[g] - loads[g + 1], 0.0, np.inf)
-    integrality = np.r_[np.ones(2 * n), 0, 0, np.ones(n_gpus)]
-    upper = np.r_[[robots[m] for m, _ in pairs], np.ones(n), np.inf, np.inf, np.ones(n_gpus)]
+        if on_gpu[g] and placement.models_on(g) == placement.models_on(g + 1):
+            if aware:
+                add({**{ix[i]: 1.0 for i in on_gpu[g]}, **{ix[i]: -1.0 for i in on_gpu[g + 1]}}, 0.0, np.inf)
+            else:
+                add({**{ix[i]: _per_robot(limits, pairs[i][0], 1) for i in on_gpu[g]},
+                     **{ix[i]: -_per_robot(limits, pairs[i][0], 1) for i in on_gpu[g + 1]}}, 0.0, np.inf)
+    integrality = np.zeros(nv)
+    integrality[ix + iy + iu + list(iw.values())] = 1
+    upper = np.full(nv, np.inf)
+    upper[ix] = [robots[m] for m, _ in pairs]
+    upper[iy + iu + list(iw.values())] = 1.0
     bounds = Bounds(np.zeros(nv), upper)
-    deadline = t0 + time_limit_s
-    proven = [True]
+    proven, notes = [True], []
 
-    def solve(c, extra=()):
+    def solve(c: dict[int, float], fixed=()):
+        """The stage's solution, or None when the budget ended before HiGHS found one."""
+        left = deadline - time.perf_counter()
+        if left < 0.01:
+            proven[0] = False
+            notes.append("time budget spent before this stage")
+            return None
+        cost = np.zeros(nv)
+        for j, v in c.items():
+            cost[j] = v
+        extra = [(np.array([cc.get(j, 0.0) for j in range(nv)]), a, b) for cc, a, b in fixed]
         A = np.array(rows + [e[0] for e in extra])
-        opts = {"time_limit": max(0.05, deadline - time.perf_counter()), "mip_rel_gap": 1e-7}
-        res = milp(c, constraints=LinearConstraint(A, lo + [e[1] for e in extra], hi + [e[2] for e in extra]),
-                   integrality=integrality, bounds=bounds, options=opts)
-        if res.x is None:
-            raise RuntimeError(f"traffic ILP found no solution: {res.message}")
-        proven[0] &= res.status == 0  # 1: time limit reached, with an incumbent
-        return res
+        res = milp(cost, constraints=LinearConstraint(A, lo + [e[1] for e in extra], hi + [e[2] for e in extra]),
+                   integrality=integrality, bounds=bounds, options={"time_limit": left, "mip_rel_gap": 1e-7})
+        if res.status != 0:  # 1: limit reached (with or without an incumbent); others: solver trouble
+            proven[0] = False
+            notes.append(f"HiGHS: {res.message}")
+        return res if res.x is not None else None
 
-    def done(res):
-        counts = {p: int(round(res.x[ix + i])) for i, p in enumerate(pairs)}
-        return _evaluate("ilp", counts, robots, limits, placement, (time.perf_counter() - t0) * 1e3, proven[0])
+    def done(res, method="ilp"):
+        ms = (time.perf_counter() - t0) * 1e3
+        if res is None:  # nothing from HiGHS at all: the greedy assignment, flagged
+            g = assign_greedy(placement, robots, limits)
+            return _evaluate(method, g.counts, robots, limits, placement, ms, False,
+                             "; ".join(notes + ["greedy assignment (no ILP incumbent in time)"]))
+        counts = {p: int(round(res.x[ix[i]])) for i, p in enumerate(pairs)}
+        return _evaluate(method, counts, robots, limits, placement, ms, proven[0], "; ".join(notes))
 
-    c_over = vec(**{f"v{io}": 1.0})
-    c_splits = np.zeros(nv)
-    c_splits[iy:iy + n] = 1.0
-    c_unused = np.zeros(nv)
-    c_unused[iu:iu + n_gpus] = -1.0
-    c_peak = vec(**{f"v{iz}": 1.0})
-    # 1. least overload: zero whenever the robots fit within every GPU's limit. When they do not,
-    #    no assignment meets the SLOs and balancing matters more than batching: the least-overload
-    #    solution (which also has the least peak load) is the answer.
-    res = solve(c_over)
-    if res.fun > TOL:
-        return done(res)
-    fixed = [(c_over, -np.inf, 0.0)]
-    # 2. fewest (model, GPU) splits: concentrate each model's robots, for batching
-    splits = round(solve(c_splits, fixed).fun)
-    fixed.append((c_splits, -np.inf, splits + 0.5))
-    # 3. as many GPUs in use as possible: with the splits fixed, the fewest models sharing a GPU
-    unused = round(solve(c_unused, fixed).fun)
-    fixed.append((c_unused, -np.inf, unused + 0.5))
-    # 4. lowest peak load
-    return done(solve(c_peak, fixed))
+    c_over = {io: 1.0}
+    c_splits = {j: 1.0 for j in iy}
+    c_unused = {j: -1.0 for j in iu}
+    c_peak = {iz: 1.0}
+    c_balance = {j: 1.0 for j in it}
+    stages = [
+        # 1. least overload: zero whenever the robots fit within every GPU's limit. When they do
+        #    not, no assignment meets the SLOs and balancing matters more than batching: the
+        #    least-overload solution (which also has the least peak load) is the answer.
+        c_over,
+        # 2. fewest (model, GPU) splits: concentrate each model's robots, for batching
+        c_splits,
+        # 3. as many GPUs in use as possible: with the splits fixed, the fewest models sharing a GPU
+        c_unused,
+        # 4. lowest peak load
+        c_peak,
+        # 5. balance: the sum of a convex penalty of each GPU's load (GPUs below the peak even out)
+        c_balance,
+    ]
+    best, fixed = None, []
+    for stage, c in enumerate(stages):
+        res = solve(c, fixed)
+        if res is None:
+            return done(best)
+        best = res
+        value = float(res.fun)
+        if stage == 3:
+            fixed.extend(balance)
+        if stage == 0 and value > TOL:
+            return done(best)
+        if stage == 0:
+            fixed.append((c, -np.inf, 0.0))
+        elif stage in (1, 2):
+            fixed.append((c, -np.inf, round(value) + 0.5))
+        elif stage == 3:
+            fixed.append((c, -np.inf, value + 1e-6))
+    return done(best)
 
 
 def _compositions(total: int, parts: int):
@@ -314,7 +432,8 @@ def assign_eps(placement: Placement, robots: Mapping[str, int], limits: Mapping[
     return _evaluate("eps", counts, {m: r for m, r in robots.items() if r}, limits, placement)
 
 
-ASSIGNERS = {"ilp": assign_ilp, "smg": assign_smg, "eps": assign_eps, "brute-force": assign_brute_force}
+ASSIGNERS = {"ilp": assign_ilp, "smg": assign_smg, "eps": assign_eps, "greedy": assign_greedy,
+             "brute-force": assign_brute_force}
 
 
 def robot_limits(profile, models: Iterable[str], *, target: float = 0.98, max_batch: int | Mapping[str, int] = 2,
@@ -347,7 +466,3 @@ def format_assignment(a: TrafficAssignment, placement: Placement) -> str:
         desc = ", ".join(f"{m}={n}" for m, n in sorted(on.items())) or "-"
         lines.append(f"  GPU {g}: load {a.loads.get(g, 0.0):.3f}  {desc}")
     return "\n".join(lines)
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b) if b else math.inf

@@ -94,16 +94,3 @@ def measure_cpu_profile(archs: Iterable[str] = ("pi0", "smolvla"), batch_sizes: 
 
 def _fmt(times: dict[int, float]) -> str:
     return "{" + ", ".join(f"{b}: {t:.1f}" for b, t in times.items()) + "}"
-
-
-def write_shipped_profiles(directory=None) -> list:
-    """Regenerate the analytic GPU profiles shipped in common/vla/profiles/."""
-    from common.vla import analytic
-    from common.vla.profiles import PROFILE_DIR
-
-    out = []
-    for key in analytic.GPUS:
-        prof = analytic.derive_profile(key)
-        out.append(prof.save((directory or PROFILE_DIR) / f"{prof.name}.json"))
-    return out
-

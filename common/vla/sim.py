@@ -135,11 +135,26 @@ class SimResult:
 
     @property
     def attainment(self) -> float:
+        """Pooled over every model's requests (for miss rates; targets use `worst_attainment`)."""
         return self.met / self.requests if self.requests else 1.0
+
+    @property
+    def worst_attainment(self) -> float:
+        """The least SLO attainment of any model: a load meets the target only if every model does."""
+        if not self.per_model:
+            return self.attainment
+        return min(s.attainment for s in self.per_model.values())
+
+    @property
+    def worst_model(self) -> str | None:
+        return min(self.per_model.values(), key=lambda s: s.attainment).model if self.per_model else None
 
     @property
     def miss_rate(self) -> float:
         return 1.0 - self.attainment
+
+    def per_model_text(self) -> str:
+        return ", ".join(f"{m} {s.attainment:.1%}" for m, s in self.per_model.items())
 
 
 class EventLoop:
@@ -472,16 +487,16 @@ def _pct(lat_s: np.ndarray, q: float) -> float:
 
 def max_robots(run: Callable[[int], SimResult], target: float = 0.98, cap: int = 128,
                probe: int = 2) -> tuple[int, dict[int, SimResult]]:
-    """Largest load n with SLO attainment >= target: doubling, then bisection, then probing the
-    next `probe` loads above the answer (attainment falls with load, but random robot phases
-    make the curve noisy, so one unlucky load must not end the search). Returns n and every
-    result it simulated."""
+    """Largest load n at which every model's SLO attainment is >= target: doubling, then
+    bisection, then probing the next `probe` loads above the answer (attainment falls with load,
+    but random robot phases make the curve noisy, so one unlucky load must not end the search).
+    Returns n and every result it simulated."""
     seen: dict[int, SimResult] = {}
 
     def ok(n: int) -> bool:
         if n not in seen:
             seen[n] = run(n)
-        return seen[n].attainment >= target
+        return seen[n].worst_attainment >= target
 
     if not ok(1):
         return 0, seen

@@ -4,8 +4,8 @@ import random
 import pytest
 
 from common.vla.config import EIGHT_MODELS
-from common.vla.management import (Placement, assign_brute_force, assign_eps, assign_ilp, assign_smg,
-                                   robot_limits)
+from common.vla.management import (Placement, assign_brute_force, assign_eps, assign_greedy, assign_ilp,
+                                   assign_smg, gpu_load, robot_limits)
 
 
 def _instances(n):
@@ -35,6 +35,62 @@ def test_ilp_equals_brute_force_on_small_instances(case):
     for m, r in robots.items():  # every robot placed, only on GPUs that host its model
         assert sum(n for (mm, g), n in ilp.counts.items() if mm == m) == r
     assert all(g in pl.hosts[m] for (m, g) in ilp.counts)
+
+
+def _colocation_instances(n):
+    """Like _instances, with limits that fall as models share a GPU (k-th entry: k models)."""
+    rng = random.Random(99)
+    for pl, robots, limits in _instances(n):
+        yield pl, robots, {m: tuple(max(1, round(lim * f)) for f in (1.0, 0.6, 0.35)[: rng.randint(2, 3)])
+                           for m, lim in limits.items()}
+
+
+@pytest.mark.parametrize("case", list(range(20)))
+def test_colocation_aware_ilp_equals_brute_force(case):
+    pl, robots, limits = list(_colocation_instances(20))[case]
+    ilp = assign_ilp(pl, robots, limits, time_limit_s=30)
+    brute = assign_brute_force(pl, robots, limits)
+    assert ilp.optimal and ilp.objective[:3] == brute.objective[:3]
+    assert ilp.objective[3] == pytest.approx(brute.objective[3], abs=1e-6)
+    for g, load in ilp.loads.items():  # the reported load is the co-location-aware one
+        assert load == pytest.approx(gpu_load(ilp.robots_on(g), limits))
+
+
+def _random_8x4(rng):
+    pl = Placement.colocate(EIGHT_MODELS, 4) if rng.random() < 0.5 else Placement.parse(
+        "pi0*:0,1;smolvla*:2,3", list(EIGHT_MODELS), 4)
+    return pl, {m: rng.randint(0, 12) for m in EIGHT_MODELS}, {m: rng.randint(8, 40) for m in EIGHT_MODELS}
+
+
+@pytest.mark.parametrize("time_limit", [0.1, 0.3, 0.5])
+def test_ilp_returns_an_assignment_whatever_the_time_budget(time_limit):
+    # A busy machine stretches every solve: the budget must end the search, never the answer.
+    rng = random.Random(int(time_limit * 10))
+    for _ in range(3):
+        pl, robots, limits = _random_8x4(rng)
+        a = assign_ilp(pl, robots, limits, time_limit_s=time_limit)
+        for m, r in robots.items():
+            assert sum(n for (mm, _), n in a.counts.items() if mm == m) == r
+        assert all(g in pl.hosts[m] for (m, g) in a.counts)
+        assert a.optimal or a.note  # an early stop says why
+
+
+def test_no_time_at_all_gives_the_greedy_assignment_flagged():
+    pl, robots, limits = _random_8x4(random.Random(5))
+    a = assign_ilp(pl, robots, limits, time_limit_s=0.0)
+    assert not a.optimal and "greedy" in a.note
+    assert a.counts == assign_greedy(pl, robots, limits).counts
+
+
+def test_gpus_below_the_peak_are_balanced():
+    # Four variants with the same limit on two GPUs: 2 + 2, not 3 + 1 (the peak alone allows both
+    # when a third GPU carries a bigger model).
+    pl = Placement.colocate(["a", "b", "c", "d", "big"], 3)
+    robots = {"a": 4, "b": 4, "c": 4, "d": 4, "big": 30}
+    a = assign_ilp(pl, robots, {m: 32 for m in robots}, time_limit_s=30)
+    assert a.optimal and a.splits == 5
+    small = sorted(len(a.robots_on(g)) for g in range(3) if "big" not in a.robots_on(g))
+    assert small == [2, 2]
 
 
 def test_eight_models_on_four_gpus_solves_within_limits():

@@ -5,24 +5,15 @@ environment, built once from the package registry and cached in `.venv-openpi/` 
 repository root (override with OW_OPENPI_VENV); the registry is reached only to build it. The client runs there, the server is a real
 `ow vla serve` process here, and they talk over 127.0.0.1.
 """
-import fcntl
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-OPENPI_CLIENT = "openpi-client==0.1.2"
-# openpi-client 0.1.2 imports typing_extensions without declaring it as a dependency.
-UNDECLARED = ["typing_extensions"]
-NETWORK_ERRORS = ("NewConnectionError", "Temporary failure in name resolution", "Network is unreachable",
-                  "Could not fetch URL", "No matching distribution found", "ConnectTimeout", "ReadTimeout",
-                  "Connection refused", "ProxyError")
+from openpi_venv import REPO, openpi_python
 
 CLIENT = r'''
 import json, sys
@@ -55,30 +46,6 @@ print(json.dumps(out))
 '''
 
 
-def openpi_python() -> Path:
-    root = Path(os.environ.get("OW_OPENPI_VENV", REPO / ".venv-openpi"))
-    marker = root / f".installed-{OPENPI_CLIENT}"
-    py = root / "bin" / "python"
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with open(root.parent / f"{root.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time (parallel test workers)
-        if marker.exists() and py.exists():
-            return py
-        shutil.rmtree(root, ignore_errors=True)
-        subprocess.run([sys.executable, "-m", "venv", str(root)], check=True)
-        pip = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", OPENPI_CLIENT,
-                              *UNDECLARED],
-                             capture_output=True, text=True, timeout=600)
-        if pip.returncode != 0:
-            shutil.rmtree(root, ignore_errors=True)
-            text = pip.stdout + pip.stderr
-            if any(e in text for e in NETWORK_ERRORS):
-                pytest.skip(f"pip cannot reach the package registry to install {OPENPI_CLIENT}: {text[-300:]}")
-            raise AssertionError(f"installing {OPENPI_CLIENT} failed:\n{text}")
-        marker.touch()
-        return py
-
-
 @pytest.fixture
 def served_port():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -88,6 +55,8 @@ def served_port():
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
+        if line.startswith("warming up"):  # the server warms up before it accepts robots
+            line = proc.stdout.readline()
         if not line.startswith("serving ws://127.0.0.1:"):
             proc.kill()
             raise AssertionError(f"server did not start: {line!r} {proc.stderr.read()[-2000:]}")
