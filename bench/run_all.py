@@ -39,6 +39,7 @@ PAPER = {
     "recovery_speedup": "1.22-6.97x",
 }
 POLICIES = ("orbitweaver", "sonic-layer", "sonic-chunk", "hcache")
+STRENGTHENED = ("sonic-layer+", "sonic-chunk+", "hcache+")  # the same records with OrbitWeaver's writer and planner
 
 
 def machine() -> dict:
@@ -138,8 +139,9 @@ def e2e_campaign(model_dir: str, images: list, prompt: str, traces: list, out_di
                        workload=[RequestSpec(tuple(images), prompt, 8)], time_scale="auto",
                        request_seconds=request_seconds, chunk=64, group=2, decode_every=4, vision_every=2,
                        timeout_s=timeout_s, emulate_target_storage=True)
-    cells = run_campaign(base, traces, list(POLICIES), [0], say=lambda s: print(s, flush=True))
+    cells = run_campaign(base, traces, list(POLICIES + STRENGTHENED), [0], say=lambda s: print(s, flush=True))
     return [{"trace": c.trace, "policy": c.policy, "completed": c.report.completion_rate,
+             "run_dir": os.path.relpath(c.report_dir, out_dir) if getattr(c, "report_dir", None) else None,
              "correct": c.report.all_correct, "e2e_trace_s": statistics.mean(
                  [q.e2e_trace_s for q in c.report.requests if q.e2e_trace_s is not None] or [float("nan")]),
              "cuts": c.report.cuts_total, "mib": c.report.bytes_written / 2**20, "energy_j": c.report.energy_j,

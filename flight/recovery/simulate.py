@@ -55,7 +55,13 @@ def read_timeline(reads: list[ReadOp], costs: BlockCosts) -> tuple[dict[ReadOp, 
     return ends, spans, t
 
 
-def simulate(plan: RecoveryPlan, problem: RecoveryProblem, costs: BlockCosts | None = None) -> Schedule:
+def simulate(plan: RecoveryPlan, problem: RecoveryProblem, costs: BlockCosts | None = None, *,
+             compute_from: float = 0.0, after_compute=None) -> Schedule:
+    """The schedule of `plan` (reads from time 0). `compute_from`: the compute unit starts no
+    earlier (e.g. the reader's finish, for a restore that reads everything before computing).
+    `after_compute(op, end) -> free`: when the compute unit is free again after `op` ended at
+    `end` (a synchronous checkpoint write, or waiting for room in the writer's queue); the
+    lifecycle simulator (hil/sim) uses both."""
     costs = costs if costs is not None else BlockCosts.for_problem(problem)
     read_end, read_spans, reader_done = read_timeline(plan.reads, costs)
     scheduled = {(op.group, op.chunk): op.kind for op in plan.computes}
@@ -73,7 +79,7 @@ def simulate(plan: RecoveryPlan, problem: RecoveryProblem, costs: BlockCosts | N
     for (g, c) in sorted(scheduled):
         jobs_below[g].append(c)
     computed: dict[tuple[int, int], float] = {}
-    free, busy, stall = 0.0, 0.0, 0.0
+    free, busy, stall = compute_from, 0.0, 0.0
     spans = []
 
     def read_ready(op: ReadOp, needed_by: ComputeOp) -> float:
@@ -120,10 +126,11 @@ def simulate(plan: RecoveryPlan, problem: RecoveryProblem, costs: BlockCosts | N
                 ready = dep
         start = free if free > ready else ready
         stall += start - free
-        free = start + compute_s(g, c, kind)
-        busy += free - start
-        computed[(g, c)] = free
-        job_end[g][job_pos[(g, c)]] = free
-        spans.append((op, start, free))
+        end = start + compute_s(g, c, kind)
+        busy += end - start
+        computed[(g, c)] = end
+        job_end[g][job_pos[(g, c)]] = end
+        spans.append((op, start, end))
+        free = end if after_compute is None else after_compute(op, end)
     return Schedule(makespan=max(free, reader_done), read_end=reader_done, compute_end=free, compute_busy=busy,
                     stall=stall, reads=read_spans, computes=spans)
