@@ -128,7 +128,8 @@ def decode_compression(model_dir: str, images: list, prompt: str) -> dict:
 
 
 def e2e_campaign(model_dir: str, images: list, prompt: str, traces: list, out_dir: str, request_seconds: float,
-                 timeout_s: float) -> list:
+                 timeout_s: float, pace_ms: float | None = None, time_scale: float | str = "auto",
+                 policies=None) -> list:
     """The `small` model (12 layers: a cut inside a whole-chunk checkpoint loses up to 12
     layer-chunks, inside an OrbitWeaver block 2), a prefill-heavy request (two 512 px images, a
     short answer) as in the paper's multi-frame missions, paced and storage-emulated."""
@@ -136,10 +137,11 @@ def e2e_campaign(model_dir: str, images: list, prompt: str, traces: list, out_di
     from hil.testbench import BenchConfig, RequestSpec
 
     base = BenchConfig(trace=traces[0], model=model_dir, out_dir=out_dir, requests=1,
-                       workload=[RequestSpec(tuple(images), prompt, 8)], time_scale="auto",
-                       request_seconds=request_seconds, chunk=64, group=2, decode_every=4, vision_every=2,
-                       timeout_s=timeout_s, emulate_target_storage=True)
-    cells = run_campaign(base, traces, list(POLICIES + STRENGTHENED), [0], say=lambda s: print(s, flush=True))
+                       workload=[RequestSpec(tuple(images), prompt, 8)], time_scale=time_scale,
+                       request_seconds=request_seconds, pace_ms=pace_ms, chunk=64, group=2, decode_every=4,
+                       vision_every=2, timeout_s=timeout_s, emulate_target_storage=True)
+    cells = run_campaign(base, traces, list(policies or POLICIES + STRENGTHENED), [0],
+                         say=lambda s: print(s, flush=True))
     return [{"trace": c.trace, "policy": c.policy, "completed": c.report.completion_rate,
              "run_dir": os.path.relpath(c.report_dir, out_dir) if getattr(c, "report_dir", None) else None,
              "correct": c.report.all_correct, "e2e_trace_s": statistics.mean(

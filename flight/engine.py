@@ -345,6 +345,8 @@ class _RequestRun:
                                       need_last_hidden=not have_decode,
                                       kv_missing={b for b, i in fr.blocks.items() if i.kv_bytes == 0})
             planner, overlap = self.policy.recovery(self.e.options.planner, self.e.options.overlap_recovery)
+            if not fr.blocks:  # nothing to restore: weights stream behind the compute, as in any fresh run
+                overlap = self.e.options.overlap_recovery
             if planner == "optimal":
                 problem.costs = self._plan_costs()
             plan = make_plan(planner, problem)

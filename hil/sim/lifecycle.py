@@ -224,7 +224,7 @@ class RequestModel:
         if vision_fresh:
             start_block = d.vision_block if d.vision_block else 0
             if start_block:
-                t += self._read_s(self.sizes.vision_state)
+                t += self._read_s(self.sizes.vision_state(start_block))
             else:
                 t += p.vision_extra_s / 2
             for i in range(start_block, self.V):
@@ -233,7 +233,7 @@ class RequestModel:
                     res.first_unit_at = t
                 u = urgent(t) and i + 1 < self.V
                 if u or pol.vision_state_due(i + 1, self.V, g):
-                    t = w.submit(t, Commit(0, "vision", value=i + 1, nbytes=self.sizes.vision_state), optional=not u)
+                    t = w.submit(t, Commit(0, "vision", value=i + 1, nbytes=self.sizes.vision_state(i + 1)), optional=not u)
             t += p.vision_extra_s / 2
             if pol.persist_vision_out() and self.writes:
                 t = w.submit_background(t, Commit(0, "vision_out", nbytes=self.sizes.vision_out))
@@ -244,6 +244,7 @@ class RequestModel:
                                   need_last_hidden=d.decode_records == 0,
                                   kv_missing={b for b, (kv, _) in d.blocks.items() if not kv})
         planner, overlap = pol.recovery(self.planner, True)
+        overlap = overlap or not d.blocks  # a fresh prefill streams its weights behind the compute
         if planner == "optimal":
             problem.costs = self.costs.as_dict()
         plan = make_plan(planner, problem)

@@ -25,7 +25,7 @@ class VisionDims:
     intermediate: int
     patch: int                 # pixels per patch side
     merge: int                 # spatial merge (2: 2x2 patches -> one LM token)
-    deepstack: int = 0         # DeepStack feature sets (Qwen3-VL)
+    deepstack: tuple = ()      # vision blocks whose output feeds a DeepStack merger (Qwen3-VL)
 
     @property
     def block_params(self) -> int:
@@ -60,15 +60,15 @@ def _text(name, layers, hidden, heads, kv_heads, head_dim, inter, vocab=151936):
 # Public config.json values (text_config / vision_config) of the released checkpoints.
 REAL_MODELS = {
     "qwen3-vl-2b": ModelSpec("qwen3-vl-2b", _text("qwen3-vl-2b", 28, 2048, 16, 8, 128, 6144),
-                             VisionDims(24, 1024, 4096, 16, 2, 3)),
+                             VisionDims(24, 1024, 4096, 16, 2, (5, 11, 17))),
     "qwen3-vl-4b": ModelSpec("qwen3-vl-4b", _text("qwen3-vl-4b", 36, 2560, 32, 8, 128, 9728),
-                             VisionDims(24, 1024, 4096, 16, 2, 3)),
+                             VisionDims(24, 1024, 4096, 16, 2, (5, 11, 17))),
     "qwen3-vl-8b": ModelSpec("qwen3-vl-8b", _text("qwen3-vl-8b", 36, 4096, 32, 8, 128, 12288),
-                             VisionDims(27, 1152, 4304, 16, 2, 3)),
+                             VisionDims(27, 1152, 4304, 16, 2, (8, 16, 24))),
     "qwen2.5-vl-3b": ModelSpec("qwen2.5-vl-3b", _text("qwen2.5-vl-3b", 36, 2048, 16, 2, 128, 11008),
-                               VisionDims(32, 1280, 3420, 14, 2, 0)),
+                               VisionDims(32, 1280, 3420, 14, 2, ())),
     "qwen2.5-vl-7b": ModelSpec("qwen2.5-vl-7b", _text("qwen2.5-vl-7b", 28, 3584, 28, 4, 128, 18944, 152064),
-                               VisionDims(32, 1280, 3420, 14, 2, 0)),
+                               VisionDims(32, 1280, 3420, 14, 2, ())),
 }
 
 
@@ -83,7 +83,7 @@ def spec_from_dir(model_dir: str) -> ModelSpec:
                      t["num_attention_heads"], t["num_key_value_heads"], head_dim, t["intermediate_size"],
                      t["vocab_size"], 4 if dtype == "float32" else 2)
     vision = VisionDims(v["depth"], v["hidden_size"], v["intermediate_size"], v["patch_size"],
-                        v.get("spatial_merge_size", 2), len(v.get("deepstack_visual_indexes") or []))
+                        v.get("spatial_merge_size", 2), tuple(v.get("deepstack_visual_indexes") or ()))
     return ModelSpec(text.name, text, vision, dtype)
 
 
@@ -145,15 +145,20 @@ class RecordSizes:
                                             decode_record_tensors(kvs, TensorSpec("int64", (steps,))))
         return self._cache[key]
 
-    def _side(self) -> dict:
+    def _side(self, blocks_done: int | None = None) -> dict:
+        """DeepStack features held so far: those of the vision blocks already run."""
         v = self.request.visual_tokens
-        return {f"deepstack.{j}": TensorSpec(self.dt, (v, self.spec.text.hidden)) for j in range(self.spec.vision.deepstack)}
+        return {f"deepstack.{j}": TensorSpec(self.dt, (v, self.spec.text.hidden))
+                for j, index in enumerate(self.spec.vision.deepstack) if blocks_done is None or index < blocks_done}
 
-    @property
-    def vision_state(self) -> int:
-        p = self.request.patches(self.spec)
-        return encoded_size(Kind.VISION_STATE, {"block": 1 << 20},
-                            {"hidden": TensorSpec(self.dt, (p, self.spec.vision.hidden)), **self._side()})
+    def vision_state(self, blocks_done: int) -> int:
+        key = ("vis", blocks_done)
+        if key not in self._cache:
+            p = self.request.patches(self.spec)
+            self._cache[key] = encoded_size(Kind.VISION_STATE, {"block": blocks_done},
+                                            {"hidden": TensorSpec(self.dt, (p, self.spec.vision.hidden)),
+                                             **self._side(blocks_done)})
+        return self._cache[key]
 
     @property
     def vision_out(self) -> int:
