@@ -8,9 +8,10 @@ Two kinds of platform:
   the optimal planner itself plans with.
 * `testbench_platform(...)`: the real-process testbench's emulation -- every unit paced to
   `pace_ms` (a prefill block of G layers is G units, a re-projection a quarter of one, as
-  flight/engine.py paces them), checkpoint storage throttled by token buckets of the given
-  rates with the engine's 4 MiB burst, plus this machine's own per-record commit latency, and
-  boot as measured. It exists to check the simulator against the real processes.
+  flight/engine.py paces them) or slower where the machine's real compute is slower than the
+  pace, checkpoint storage throttled by token buckets of the given rates with the engine's 4 MiB
+  burst, plus this machine's own per-record commit latency, and boot as measured. It exists to
+  check the simulator against the real processes.
 """
 from __future__ import annotations
 
@@ -66,7 +67,6 @@ class Platform:
     weights_read_s: float = 0.0     # all LM weights (read by the plan, per group share)
     vision_weights_read_s: float = 0.0
     result_s: float = 0.0           # RESULT commit + GC + report, beyond the record write
-    unit_overhead_s: float = 0.0    # per unit of work, outside the paced compute
     meta: dict = field(default_factory=dict)
 
     def block_costs(self, groups, chunks) -> BlockCosts:
@@ -81,7 +81,7 @@ class Platform:
             return costs
         layers = np.array([l1 - l0 for l0, l1 in groups], dtype=float)[:, None]
         shape = (len(groups), len(chunks))
-        compute = np.broadcast_to(layers * self.pace_s + self.unit_overhead_s, shape).copy()
+        compute = np.broadcast_to(layers * self.pace_s, shape).copy()
         reproject = np.broadcast_to(layers * self.pace_s * self.reproject_units, shape).copy()
         zeros = np.zeros(shape)
         weights = np.full(len(groups), self.weights_read_s / len(groups))
@@ -123,12 +123,15 @@ def target_platform(spec: ModelSpec, request: Request, target_name: str = "orin-
 
 def testbench_platform(pace_ms: float, *, read_mbps: float | None, write_mbps: float | None, boot_s: float,
                        first_start_s: float, setup_s: float, commit_latency_s: float, native_write_bytes_per_s: float = 1.0e9,
-                       unit_overhead_s: float = 0.0, result_s: float = 0.0, burst_bytes: float = 4 << 20) -> Platform:
+                       unit_s: dict | None = None, result_s: float = 0.0, burst_bytes: float = 4 << 20) -> Platform:
+    """`unit_s`: seconds per unit of work by phase ("vision", "prefill" per layer-chunk, "decode")
+    where the payload's real compute is slower than the pace (a loaded machine); default: the pace."""
     pace = pace_ms / 1000.0
+    unit = {"vision": pace, "prefill": pace, "decode": pace, **{k: max(pace, v) for k, v in (unit_s or {}).items()}}
     write = write_mbps * 1e6 if write_mbps else native_write_bytes_per_s
     read = read_mbps * 1e6 if read_mbps else 1.5e9
     storage = Storage(write, commit_latency_s, read, 0.0, burst_bytes if (read_mbps or write_mbps) else 0.0)
     return Platform("testbench", storage, boot_s=boot_s, first_start_s=first_start_s, setup_s=setup_s,
-                    vision_block_s=pace + unit_overhead_s, vision_extra_s=0.0, decode_step_s=pace + unit_overhead_s,
-                    pace_s=pace, unit_overhead_s=unit_overhead_s, result_s=result_s,
-                    meta={"pace_ms": pace_ms, "read_mbps": read_mbps, "write_mbps": write_mbps})
+                    vision_block_s=unit["vision"], vision_extra_s=0.0, decode_step_s=unit["decode"],
+                    pace_s=unit["prefill"], result_s=result_s,
+                    meta={"pace_ms": pace_ms, "read_mbps": read_mbps, "write_mbps": write_mbps, "unit_s": unit})

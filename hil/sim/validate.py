@@ -68,6 +68,20 @@ def run_facts(run_dir: str) -> dict:
             boots.append(s - on)
     progress = [e.trace_s for e in mine if e.get("type") == "PROGRESS"]
     first_progress = next((t for t in progress if started and t > started[0]), None)
+    # Seconds per unit of work by phase, as the payload ran them: consecutive PROGRESS reports of
+    # one phase in one session, one unit apart (a prefill report counts blocks: G units each).
+    group = int(_flight_arg(flight_args, "--group", 1))
+    gaps: dict[str, list[float]] = {}
+    last = None
+    for e in mine:
+        if e.get("type") == "STARTED":
+            last = None
+        elif e.get("type") == "PROGRESS":
+            here = (e.get("phase"), int(e.get("done")), e.trace_s)
+            if last and last[0] == here[0] and here[1] == last[1] + 1:
+                gaps.setdefault(here[0], []).append((here[2] - last[2]) / (group if here[0] == "prefill" else 1))
+            last = here
+    unit_s = {phase: statistics.median(v) for phase, v in gaps.items() if v}
     return {"run_dir": str(run), "trace": report["trace"], "policy": report["policy"],
             "time_scale": report["time_scale"], "pace_ms": report["pace_ms"], "start_at_s": start.get("start_at_s", 0.0),
             "trace_path": start.get("trace_path"), "flight_args": flight_args,
@@ -75,6 +89,7 @@ def run_facts(run_dir: str) -> dict:
             "boot_trace_s": statistics.median(boots) if boots else None,
             "first_start_trace_s": (started[0] - accepted) if started and accepted is not None else 0.0,
             "first_unit_trace_s": (first_progress - started[0]) if first_progress and started else None,
+            "unit_trace_s": unit_s,
             "e2e_trace_s": (completed - accepted) if completed is not None and accepted is not None else None,
             "report_e2e_trace_s": report["requests"][0]["e2e_trace_s"] if report["requests"] else None,
             "completed": bool(report["requests"] and report["requests"][0]["completed"]),
@@ -104,12 +119,13 @@ def simulate_run(facts: dict, model_dir: str, request: Request, geometry: Geomet
     boot = boot_trace_s if boot_trace_s is not None else (facts["boot_trace_s"] or facts["first_start_trace_s"])
     pace_trace_ms = facts["pace_ms"] / scale
     # the first unit starts after the task's setup (inputs, store scan): what the first
-    # progress report shows beyond one paced unit
-    setup = max(0.0, (facts["first_unit_trace_s"] or 0.0) - pace_trace_ms / 1000.0)
+    # progress report shows beyond one unit
+    unit = facts.get("unit_trace_s") or {}
+    setup = max(0.0, (facts["first_unit_trace_s"] or 0.0) - max(pace_trace_ms / 1000.0, unit.get("vision", 0.0)))
     platform = testbench_platform(pace_trace_ms, read_mbps=read * scale if read else None,
                                   write_mbps=write * scale if write else None, boot_s=boot,
                                   first_start_s=facts["first_start_trace_s"], setup_s=setup,
-                                  commit_latency_s=commit_latency_s / scale,
+                                  commit_latency_s=commit_latency_s / scale, unit_s=unit,
                                   burst_bytes=4 << 20)
     spec = spec_from_dir(model_dir)
     model = RequestModel(spec, request, platform, facts["policy"], geometry, planner="optimal")
@@ -118,7 +134,7 @@ def simulate_run(facts: dict, model_dir: str, request: Request, geometry: Geomet
     windows = [(max(a, facts["start_at_s"]), b) for a, b in windows if b > facts["start_at_s"]]
     outcome = model.run(windows, facts["accepted_s"], warns)
     return {"predicted_e2e_trace_s": outcome.e2e_s, "predicted_completed": outcome.completed,
-            "predicted_cuts": outcome.cuts, "boot_trace_s": boot, "setup_trace_s": setup}
+            "predicted_cuts": outcome.cuts, "boot_trace_s": boot, "setup_trace_s": setup, "unit_trace_s": unit}
 
 
 def validate(run_dirs: list[str], model_dir: str, images, prompt: str, max_new_tokens: int, geometry: Geometry,
