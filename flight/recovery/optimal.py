@@ -62,12 +62,20 @@ class Structure:
     def total_read_s(self) -> float:
         return float(self.bundle_s.sum()) + sum(self.costs.read_s(op) for op in self.trailing)
 
+    def job_times(self) -> dict:
+        """Every job's time, looked up once (the bound and the tables ask for each many times)."""
+        times = self.__dict__.get("_job_times")
+        if times is None:
+            compute_s = self.costs.compute_s
+            times = self.__dict__["_job_times"] = {b: compute_s(b[0], b[1], k) for b, k in self.kind.items()}
+        return times
+
     def job_s(self, g: int, c: int) -> float:
-        return self.costs.compute_s(g, c, self.kind[(g, c)])
+        return self.job_times()[(g, c)]
 
     @property
     def total_job_s(self) -> float:
-        return float(sum(self.job_s(g, c) for (g, c) in self.kind))
+        return float(sum(self.job_times().values()))
 
 
 def analyse(problem: RecoveryProblem, costs: BlockCosts | None = None) -> Structure:
@@ -95,13 +103,14 @@ def analyse(problem: RecoveryProblem, costs: BlockCosts | None = None) -> Struct
             next_block[c] = nxt
             if kind.get((g, c)) == "block":
                 nxt = c
-        gating = []  # (chunk of the first job needing it, KV before hidden, op)
+        gating = []  # (chunk of the first job needing it, KV before hidden, chunk, op)
         for c in range(NC):
             if next_block[c] < NC and (g, c) in kv_needed:  # a block computed after c reads this KV
-                gating.append((next_block[c], 0, ReadOp("kv", g, c)))
+                gating.append((next_block[c], 0, c, ReadOp("kv", g, c)))
             if g > 0 and (g, c) in kind and (g - 1, c) in hidden_needed:
-                gating.append((c, 1, ReadOp("hidden", g - 1, c)))
-        gating.sort(key=lambda x: (x[0], x[1], x[2].chunk))
+                gating.append((c, 1, c, ReadOp("hidden", g - 1, c)))
+        gating.sort()  # the first three fields are unique per read: ops are never compared
+        gating = [(need, order, op) for need, order, _, op in gating]
         bundles[g] = [ReadOp("weights", g)] + [op for _, _, op in gating]
         # Bundle-relative time each job's inputs are read: a block needs every read with need
         # <= its chunk (a prefix, in this order); a re-projection only the weights and its own
