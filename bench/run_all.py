@@ -56,7 +56,7 @@ def machine() -> dict:
             "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
-def bytes_and_energy(model_dir: str, images_by_size: dict, prompt: str) -> dict:
+def bytes_and_energy(model_dir: str, images_by_size: dict, prompt: str, rounds: int = 3) -> dict:
     """Uninterrupted run of every policy; bytes written and the power-model energy."""
     from flight.checkpoint.policies import Geometry
     from flight.engine import Engine, EngineOptions
@@ -71,7 +71,7 @@ def bytes_and_energy(model_dir: str, images_by_size: dict, prompt: str) -> dict:
         inputs = build_inputs(model.tokenizer, model.image_processor, [load_image(p) for p in images], prompt,
                               model.adapter.image_token_id)
         rows, walls = {}, {}
-        for round_ in range(3):  # interleaved rounds, the fastest of each: less noise than one run
+        for round_ in range(rounds):  # interleaved rounds, the fastest of each: less noise than one run
             for policy in ("none",) + POLICIES + STRENGTHENED:
                 with tempfile.TemporaryDirectory(dir=os.path.join(ROOT, "runs")) as d:
                     start = time.perf_counter()
@@ -210,7 +210,7 @@ def main(argv=None) -> int:
     part("overhead", "Fig. 12: uninterrupted overhead",
          writes_its_own(engine_overhead.main, ["--rounds", "2" if args.quick else "3", "--out"]))
     part("bytes_energy", "Fig. 13/14: bytes written and energy per policy", lambda path: bytes_and_energy(
-        model, {"4 images": small_imgs, "8 images": large_imgs}, prompt))
+        model, {"4 images": small_imgs, "8 images": large_imgs}, prompt, rounds=1 if args.quick else 3))
     part("planner", "Sec. 5.3: planner time and plan quality (simulated)",
          writes_its_own(recovery_planner.main, ["--seeds", "2" if args.quick else "5", "--no-gap", "--json"]))
     part("recovery", "Fig. 11: recovery latency, real engine",
