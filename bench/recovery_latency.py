@@ -130,6 +130,8 @@ def main(argv=None) -> int:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--planner", help=argparse.SUPPRESS)
     p.add_argument("--policy", default="orbitweaver", help=argparse.SUPPRESS)
+    p.add_argument("--progress", default="0.25,0.5,0.75", help="prefill fractions to cut at (comma-separated)")
+    p.add_argument("--modes", default="native,target-emulated", help="columns to measure (comma-separated)")
     p.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True,
                    help="also cut and resume the paper-defined baselines (each with its own restore)")
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -155,6 +157,8 @@ def main(argv=None) -> int:
     dims = ModelDims.from_text_config(model.adapter.text_config, dtype_bytes=model.dtype.itemsize)
     _, emulated = native_and_emulated(calibrated, dims, group=args.group, chunk=args.chunk)
     modes = {"native": None, "target-emulated": emulated.read_bytes_per_s}
+    modes = {k: v for k, v in modes.items() if k in args.modes.split(",")}
+    progress = [float(x) for x in args.progress.split(",") if x]
     print(f"target-emulated read bandwidth: {emulated.read_bytes_per_s / 2**20:.1f} MiB/s "
           f"(this CPU's compute is {emulated.meta.get('compute_slowdown_vs_target', 0):.0f}x slower than the Orin's)",
           file=sys.stderr)
@@ -188,7 +192,7 @@ def main(argv=None) -> int:
             # without a cut (restart latency = resumed time to finish prefill - that).
             reference = min(resume(None, policy, "chunk-first", None, fresh=True), key=lambda x: x["latency_s"])
             times = reference["block_times"]
-            for fraction in PROGRESS:
+            for fraction in progress:
                 template = os.path.join(scratch, f"ckpt-{policy}-{int(fraction * 100)}")
                 info = make_checkpoint(model_dir, images, args.prompt, geometry, fraction, template, policy)
                 remaining = times[-1] - times[info["done"] - 1] if len(times) >= info["done"] else 0.0

@@ -349,12 +349,13 @@ class RequestModel:
         for start, end in windows:
             if end <= arrival or start >= horizon:
                 continue
+            boot = p.boot_at(start)
             if start <= arrival:
                 t_ready = arrival + (p.first_start_s if first else 0.0)
-                if arrival < start + p.boot_s:
-                    t_ready = max(t_ready, start + p.boot_s)
+                if arrival < start + boot:
+                    t_ready = max(t_ready, start + boot)
             else:
-                t_ready = start + p.boot_s
+                t_ready = start + boot
             first = False
             if t_ready >= end:
                 continue

@@ -67,7 +67,15 @@ class Platform:
     weights_read_s: float = 0.0     # all LM weights (read by the plan, per group share)
     vision_weights_read_s: float = 0.0
     result_s: float = 0.0           # RESULT commit + GC + report, beyond the record write
+    boot_by_power_up: dict = field(default_factory=dict)  # measured boot of particular power-ups (validation)
     meta: dict = field(default_factory=dict)
+
+    def boot_at(self, power_up: float) -> float:
+        """Boot of the power-up at `power_up`: as measured there if known, else `boot_s`."""
+        for t, boot in self.boot_by_power_up.items():
+            if abs(t - power_up) < 1.0:
+                return boot
+        return self.boot_s
 
     def block_costs(self, groups, chunks) -> BlockCosts:
         """Compute and read costs of the prefill grid (the planner's BlockCosts shape); reads at

@@ -5,7 +5,8 @@ simulator is given what the testbench was given -- the trace and where it starte
 scale, the pace per unit, the storage throttle, the model (its config and the request's real
 token counts) and the geometry -- plus the payload's boot as the bus measured it in that run
 (power-up to the task's STARTED report; acceptance to STARTED in the window the task arrived
-in) and this disk's commit latency (measured here, `commit_latency`). It predicts the request's
+in; each power-up's own boot where the bus saw the task restart after it, the median elsewhere)
+and this disk's commit latency (measured here, `commit_latency`). It predicts the request's
 end-to-end time (accepted -> COMPLETED, in trace seconds), which is compared with the run's.
 Nothing else is taken from the run.
 """
@@ -62,13 +63,21 @@ def run_facts(run_dir: str) -> dict:
     started = [e.trace_s for e in mine if e.get("type") == "STARTED"]
     completed = next((e.trace_s for e in reversed(mine) if e.get("type") == "COMPLETED"), None)
     ons = [e.trace_s for e in entries if e.kind == bl.POWER_ON]
-    boots = []
+    boots, boot_by_power_up = [], {}
     for s in started[1:]:
         on = max((t for t in ons if t <= s), default=None)
         if on is not None:
             boots.append(s - on)
-    progress = [e.trace_s for e in mine if e.get("type") == "PROGRESS"]
-    first_progress = next((t for t in progress if started and t > started[0]), None)
+            boot_by_power_up[on] = s - on
+    # The task's setup before its first unit (images, inputs, store scan): the first session that
+    # reports a vision unit, from its STARTED to that report, less one unit (below).
+    first_progress, first_unit = None, None
+    for i, s in enumerate(started):
+        end = started[i + 1] if i + 1 < len(started) else float("inf")
+        first = next((e for e in mine if e.get("type") == "PROGRESS" and s < e.trace_s < end), None)
+        if first is not None and first.get("phase") == "vision":
+            first_progress, first_unit = first.trace_s, first.trace_s - s
+            break
     # A vision block of the small model on two 512 px images computes for longer than the pace on
     # a loaded machine: its time is measured as the payload ran it, from consecutive vision
     # PROGRESS reports of one session. The gap after a block also holds that block's vision-state
@@ -90,7 +99,7 @@ def run_facts(run_dir: str) -> dict:
             "accepted_s": accepted, "completed_s": completed, "started_s": started,
             "boot_trace_s": statistics.median(boots) if boots else None,
             "first_start_trace_s": (started[0] - accepted) if started and accepted is not None else 0.0,
-            "first_unit_trace_s": (first_progress - started[0]) if first_progress and started else None,
+            "first_unit_trace_s": first_unit, "boot_by_power_up": boot_by_power_up,
             "unit_trace_s": unit_s,
             "e2e_trace_s": (completed - accepted) if completed is not None and accepted is not None else None,
             "report_e2e_trace_s": report["requests"][0]["e2e_trace_s"] if report["requests"] else None,
@@ -129,6 +138,7 @@ def simulate_run(facts: dict, model_dir: str, request: Request, geometry: Geomet
                                   first_start_s=facts["first_start_trace_s"], setup_s=setup,
                                   commit_latency_s=commit_latency_s / scale, unit_s=unit,
                                   burst_bytes=4 << 20)
+    platform.boot_by_power_up = {float(k): v for k, v in (facts.get("boot_by_power_up") or {}).items()}
     spec = spec_from_dir(model_dir)
     model = RequestModel(spec, request, platform, facts["policy"], geometry, planner="optimal")
     trace = traces.load(facts["trace_path"] or facts["trace"])
