@@ -107,12 +107,15 @@ def planner_times(chunks: int) -> list[dict]:
         sol = solve(p, full=full)
         cold = time.perf_counter() - t0
         warm = []
-        for _ in range(5):
+        for _ in range(9):
             t0 = time.perf_counter()
             solve(p, full=full)
             warm.append(time.perf_counter() - t0)
+        # best of 9: on a shared machine other work only ever adds time, so the fastest run is
+        # the planner's own cost; the median says what a loaded machine adds
         rows.append({"case": label, "frontier": frontier, "groups": ng, "chunks": chunks, "cold_ms": cold * 1e3,
-                     "warm_ms": statistics.median(warm) * 1e3, "exact": sol.exact, "chosen": sol.chosen,
+                     "warm_ms": min(warm) * 1e3, "warm_median_ms": statistics.median(warm) * 1e3,
+                     "exact": sol.exact, "chosen": sol.chosen,
                      "vs_bound": sol.makespan / sol.lower_bound})
     return rows
 
@@ -195,9 +198,10 @@ def main(argv=None) -> int:
     print(f"== planner time: optimal, frontiers at 50 %, {args.timing_chunks} chunks of 1024 tokens "
           f"(paper: < 100 ms for G >= 2; goal here: < 10 ms for 36 layers, G = 2) ==")
     out["planner_time"] = planner_times(args.timing_chunks)
-    print(f"{'case':<24}{'frontier':<17}{'groups':>7}{'cold ms':>9}{'warm ms':>9}  plan")
+    print(f"{'case':<24}{'frontier':<17}{'groups':>7}{'cold ms':>9}{'warm ms':>9}{'median':>8}  plan")
     for r in out["planner_time"]:
-        print(f"{r['case']:<24}{r['frontier']:<17}{r['groups']:>7}{r['cold_ms']:>9.1f}{r['warm_ms']:>9.1f}  "
+        print(f"{r['case']:<24}{r['frontier']:<17}{r['groups']:>7}{r['cold_ms']:>9.1f}{r['warm_ms']:>9.1f}"
+              f"{r['warm_median_ms']:>8.1f}  "
               f"{r['chosen']}{'' if r['exact'] else ' (DP over merged runs)'}, x{r['vs_bound']:.3f} of the bound")
 
     calibrated = calibrate(ensure_small_model(), group=2)
