@@ -81,27 +81,42 @@ def problem_for(done: set, ng: int, nc: int, rng: random.Random, costs: dict, ho
 
 # ---- sections ---------------------------------------------------------------------------------
 def planner_times(chunks: int) -> list[dict]:
+    """Planning time of `optimal` per model shape and frontier. `staircase` is what an
+    interrupted prefill leaves (layer-first meets the lower bound: the planner returns without
+    the DP); `random` has holes and missing hidden states (the pruned DP runs); `random, full DP`
+    runs the whole DP without either shortcut. Cold = the first call in this process (for the DP:
+    loading the compiled kernel from numba's on-disk cache, or compiling it the very first time)."""
     rows = []
-    for label, layers, group in (("36 layers (4B/8B), G=2", 36, 2), ("36 layers (4B/8B), G=4", 36, 4),
-                                 ("28 layers (2B), G=2", 28, 2), ("28 layers (2B), G=4", 28, 4),
-                                 ("36 layers, G=1", 36, 1)):
+    cases = (("36 layers (4B/8B), G=2", 36, 2, "staircase"), ("36 layers (4B/8B), G=2", 36, 2, "random"),
+             ("36 layers (4B/8B), G=2", 36, 2, "random, full DP"),
+             ("36 layers (4B/8B), G=4", 36, 4, "staircase"), ("36 layers (4B/8B), G=4", 36, 4, "random"),
+             ("28 layers (2B), G=2", 28, 2, "staircase"), ("28 layers (2B), G=2", 28, 2, "random"),
+             ("28 layers (2B), G=4", 28, 4, "staircase"), ("36 layers, G=1", 36, 1, "staircase"),
+             ("36 layers, G=1", 36, 1, "random"))
+    for label, layers, group, frontier in cases:
         ng = -(-layers // group)
         dims = MODELS["qwen3-vl-8b"] if layers == 36 else MODELS["qwen3-vl-2b"]
         costs = CostModel.for_target(dims).problem_costs(even_groups(layers, ng), even_chunks(chunks * 1024, 1024))
-        p = RecoveryProblem(ng, chunks, staircase(ng, chunks, 0.5, None), set(), costs=costs)
-        p.with_hidden = set(p.done)
+        rng = random.Random(1)
+        make = staircase if frontier == "staircase" else random_holes
+        p = problem_for(make(ng, chunks, 0.5, rng), ng, chunks, rng, costs, frontier != "staircase")
+        full = frontier.endswith("full DP")
         optimal_module._transitions.cache_clear()
         optimal_module._subsets_by_size.cache_clear()
         t0 = time.perf_counter()
-        sol = solve(p)
+        sol = solve(p, full=full)
         cold = time.perf_counter() - t0
         warm = []
-        for _ in range(5):
+        for _ in range(9):
             t0 = time.perf_counter()
-            solve(p)
+            solve(p, full=full)
             warm.append(time.perf_counter() - t0)
-        rows.append({"case": label, "groups": ng, "chunks": chunks, "cold_ms": cold * 1e3,
-                     "warm_ms": statistics.median(warm) * 1e3, "exact": sol.exact})
+        # best of 9: on a shared machine other work only ever adds time, so the fastest run is
+        # the planner's own cost; the median says what a loaded machine adds
+        rows.append({"case": label, "frontier": frontier, "groups": ng, "chunks": chunks, "cold_ms": cold * 1e3,
+                     "warm_ms": min(warm) * 1e3, "warm_median_ms": statistics.median(warm) * 1e3,
+                     "exact": sol.exact, "chosen": sol.chosen,
+                     "vs_bound": sol.makespan / sol.lower_bound})
     return rows
 
 
@@ -152,7 +167,7 @@ def family_gap(instances: int) -> dict:
         if not 2 <= len(gating) <= 6:
             continue
         n += 1
-        dp = solve(p).group_order_makespan
+        dp = solve(p, full=True).group_order_makespan
         best = dp
         for perm in itertools.permutations(gating):
             reads = list(perm) + s.trailing
@@ -180,12 +195,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     out = {}
-    print(f"== planner time: optimal, staircase at 50 %, {args.timing_chunks} chunks of 1024 tokens ==")
+    print(f"== planner time: optimal, frontiers at 50 %, {args.timing_chunks} chunks of 1024 tokens "
+          f"(paper: < 100 ms for G >= 2; goal here: < 10 ms for 36 layers, G = 2) ==")
     out["planner_time"] = planner_times(args.timing_chunks)
-    print(f"{'case':<26}{'groups':>7}{'cold ms':>9}{'warm ms':>9}  search")
+    print(f"{'case':<24}{'frontier':<17}{'groups':>7}{'cold ms':>9}{'warm ms':>9}{'median':>8}  plan")
     for r in out["planner_time"]:
-        print(f"{r['case']:<26}{r['groups']:>7}{r['cold_ms']:>9.1f}{r['warm_ms']:>9.1f}  "
-              f"{'exact DP' if r['exact'] else 'DP over merged runs'}")
+        print(f"{r['case']:<24}{r['frontier']:<17}{r['groups']:>7}{r['cold_ms']:>9.1f}{r['warm_ms']:>9.1f}"
+              f"{r['warm_median_ms']:>8.1f}  "
+              f"{r['chosen']}{'' if r['exact'] else ' (DP over merged runs)'}, x{r['vs_bound']:.3f} of the bound")
 
     calibrated = calibrate(ensure_small_model(), group=2)
     rate = calibrated.meta.get("flops_per_s")

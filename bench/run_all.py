@@ -39,6 +39,7 @@ PAPER = {
     "recovery_speedup": "1.22-6.97x",
 }
 POLICIES = ("orbitweaver", "sonic-layer", "sonic-chunk", "hcache")
+STRENGTHENED = ("sonic-layer+", "sonic-chunk+", "hcache+")  # the same records with OrbitWeaver's writer and planner
 
 
 def machine() -> dict:
@@ -55,7 +56,7 @@ def machine() -> dict:
             "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
-def bytes_and_energy(model_dir: str, images_by_size: dict, prompt: str) -> dict:
+def bytes_and_energy(model_dir: str, images_by_size: dict, prompt: str, rounds: int = 3) -> dict:
     """Uninterrupted run of every policy; bytes written and the power-model energy."""
     from flight.checkpoint.policies import Geometry
     from flight.engine import Engine, EngineOptions
@@ -70,8 +71,8 @@ def bytes_and_energy(model_dir: str, images_by_size: dict, prompt: str) -> dict:
         inputs = build_inputs(model.tokenizer, model.image_processor, [load_image(p) for p in images], prompt,
                               model.adapter.image_token_id)
         rows, walls = {}, {}
-        for round_ in range(3):  # interleaved rounds, the fastest of each: less noise than one run
-            for policy in ("none",) + POLICIES:
+        for round_ in range(rounds):  # interleaved rounds, the fastest of each: less noise than one run
+            for policy in ("none",) + POLICIES + STRENGTHENED:
                 with tempfile.TemporaryDirectory(dir=os.path.join(ROOT, "runs")) as d:
                     start = time.perf_counter()
                     r = Engine(model, EngineOptions(geometry=Geometry(256, 4, 8, 2), policy=policy)).run(inputs, d, 16)
@@ -127,7 +128,8 @@ def decode_compression(model_dir: str, images: list, prompt: str) -> dict:
 
 
 def e2e_campaign(model_dir: str, images: list, prompt: str, traces: list, out_dir: str, request_seconds: float,
-                 timeout_s: float) -> list:
+                 timeout_s: float, pace_ms: float | None = None, time_scale: float | str = "auto",
+                 policies=None) -> list:
     """The `small` model (12 layers: a cut inside a whole-chunk checkpoint loses up to 12
     layer-chunks, inside an OrbitWeaver block 2), a prefill-heavy request (two 512 px images, a
     short answer) as in the paper's multi-frame missions, paced and storage-emulated."""
@@ -135,11 +137,13 @@ def e2e_campaign(model_dir: str, images: list, prompt: str, traces: list, out_di
     from hil.testbench import BenchConfig, RequestSpec
 
     base = BenchConfig(trace=traces[0], model=model_dir, out_dir=out_dir, requests=1,
-                       workload=[RequestSpec(tuple(images), prompt, 8)], time_scale="auto",
-                       request_seconds=request_seconds, chunk=64, group=2, decode_every=4, vision_every=2,
-                       timeout_s=timeout_s, emulate_target_storage=True)
-    cells = run_campaign(base, traces, list(POLICIES), [0], say=lambda s: print(s, flush=True))
+                       workload=[RequestSpec(tuple(images), prompt, 8)], time_scale=time_scale,
+                       request_seconds=request_seconds, pace_ms=pace_ms, chunk=64, group=2, decode_every=4,
+                       vision_every=2, timeout_s=timeout_s, emulate_target_storage=True)
+    cells = run_campaign(base, traces, list(policies or POLICIES + STRENGTHENED), [0],
+                         say=lambda s: print(s, flush=True))
     return [{"trace": c.trace, "policy": c.policy, "completed": c.report.completion_rate,
+             "run_dir": os.path.relpath(c.report_dir, os.path.dirname(out_dir)) if c.report_dir else None,
              "correct": c.report.all_correct, "e2e_trace_s": statistics.mean(
                  [q.e2e_trace_s for q in c.report.requests if q.e2e_trace_s is not None] or [float("nan")]),
              "cuts": c.report.cuts_total, "mib": c.report.bytes_written / 2**20, "energy_j": c.report.energy_j,
@@ -172,17 +176,19 @@ def main(argv=None) -> int:
     p.add_argument("--traces", default="trace-b,dellingr-like", help="end-to-end traces")
     p.add_argument("--reuse", action="store_true",
                    help="reuse the parts already measured in OUT (their JSON files) and run only the missing ones")
+    p.add_argument("--report-only", action="store_true",
+                   help="measure nothing: write the report from the parts in OUT (missing parts are left out)")
     args = p.parse_args(argv)
     from common import log as owlog
 
     owlog.setup("error")
-    from bench import engine_overhead, recovery_latency, recovery_planner
+    from bench import engine_overhead, recovery_latency, recovery_planner, sim_figures
 
     out = args.out
     os.makedirs(out, exist_ok=True)
     data: dict = {"machine": machine(), "paper": PAPER, "quick": args.quick}
     t0 = time.time()
-    model = engine_overhead.ensure_model("small")
+    model = engine_overhead.ensure_model("small") if not args.report_only else ""
     small_imgs = engine_overhead.ensure_images(4, 512)
     large_imgs = engine_overhead.ensure_images(8, 512)
     prompt = "describe every change between these scenes and count the ships near the coast , then list the damaged buildings"
@@ -190,6 +196,11 @@ def main(argv=None) -> int:
     def part(name: str, title: str, measure):
         """Measure one part (or reuse its JSON with --reuse) and keep it in `data`."""
         path = os.path.join(out, f"{name}.json")
+        if args.report_only:
+            if os.path.exists(path):
+                with open(path) as f:
+                    data[name] = json.load(f)
+            return
         if not (args.reuse and os.path.exists(path)):
             print(f"== {title} ==", flush=True)
             result = measure(path)
@@ -206,16 +217,26 @@ def main(argv=None) -> int:
     part("overhead", "Fig. 12: uninterrupted overhead",
          writes_its_own(engine_overhead.main, ["--rounds", "2" if args.quick else "3", "--out"]))
     part("bytes_energy", "Fig. 13/14: bytes written and energy per policy", lambda path: bytes_and_energy(
-        model, {"4 images": small_imgs, "8 images": large_imgs}, prompt))
+        model, {"4 images": small_imgs, "8 images": large_imgs}, prompt, rounds=1 if args.quick else 3))
     part("planner", "Sec. 5.3: planner time and plan quality (simulated)",
          writes_its_own(recovery_planner.main, ["--seeds", "2" if args.quick else "5", "--no-gap", "--json"]))
     part("recovery", "Fig. 11: recovery latency, real engine",
          writes_its_own(recovery_latency.main, ["--repeats", "1" if args.quick else "2", "--out"]))
     part("compression", "Sec. 6: decode-KV compression", lambda path: decode_compression(model, small_imgs, prompt))
     traces = [t for t in args.traces.split(",") if t][: 1 if args.quick else None]
-    part("e2e", "Fig. 10: end-to-end through the testbench", lambda path: e2e_campaign(
-        model, small_imgs[:2], prompt, traces, os.path.join(out, "e2e"), request_seconds=20.0 if args.quick else 30.0,
-        timeout_s=240.0 if args.quick else 420.0))
+    # The real processes, paced: 600 ms per unit of work (a prefill block of G layers is G units)
+    # and 0.6 wall s per trace s, fixed rather than derived from a measured boot, so that a slow
+    # boot on a loaded machine does not change the pace (docs/benchmarks.md).
+    for name, pols in (("e2e", POLICIES), ("e2e_plus", STRENGTHENED)):
+        part(name, f"Fig. 10: end-to-end through the testbench ({', '.join(pols)})", lambda path, pols=pols, name=name:
+             e2e_campaign(model, small_imgs[:2], prompt, traces, os.path.join(out, name), request_seconds=100.0,
+                          timeout_s=1500.0, pace_ms=300.0 if args.quick else 600.0, time_scale=0.3 if args.quick else 0.6,
+                          policies=list(pols)))
+    part("validation", "Simulator validation against the testbench runs", lambda path: sim_figures.validation(
+        [os.path.join(out, r["run_dir"]) for r in data.get("e2e", []) + data.get("e2e_plus", []) if r.get("run_dir")],
+        model, small_imgs[:2], prompt, path) and None)
+    part("sim", "Figures 10-14 at the real model sizes (simulated)",
+         writes_its_own(sim_figures.main, (["--quick"] if args.quick else []) + ["--out"]))
     data["elapsed_s"] = time.time() - t0
     with open(os.path.join(out, "bench.json"), "w") as f:
         json.dump(data, f, indent=2, default=str)
@@ -231,129 +252,130 @@ def write_report(out: str, d: dict) -> None:
              f"torch {m['torch']}. **These are CPU timings on this machine, not Jetson timings**: read the ratios. "
              f"Where I/O matters, a *target-emulated* column throttles storage to the read-to-compute ratio of a "
              f"Jetson AGX Orin with NVMe (docs/recovery.md §7).", ""]
-    # summary table
-    ov = d["overhead"]
-    be = d["bytes_energy"]
-    ratios_bytes = {lab: rows["sonic-layer"]["bytes"] / rows["orbitweaver"]["bytes"] for lab, rows in be.items()}
-    energy_over = {lab: rows["orbitweaver"]["energy_j"] / rows["none"]["energy_j"] - 1 for lab, rows in be.items()}
-    e2e = d["e2e"]
-    speedups = {}
-    for base in ("sonic-layer", "sonic-chunk", "hcache"):
-        vals = []
-        for trace in sorted({r["trace"] for r in e2e}):
-            ow = next((r for r in e2e if r["trace"] == trace and r["policy"] == "orbitweaver"), None)
-            b = next((r for r in e2e if r["trace"] == trace and r["policy"] == base), None)
-            if ow and b and ow["completed"] and b["completed"] and ow["e2e_trace_s"] == ow["e2e_trace_s"]:
-                vals.append(b["e2e_trace_s"] / ow["e2e_trace_s"])
-        speedups[base] = statistics.geometric_mean(vals) if vals else None
-    rec = d["recovery"]["rows"]
-    pt = next((r for r in d["planner"]["planner_time"] if "36" in r["case"] and r["groups"] == 18), None)
-    lines += ["## Summary beside the paper", "",
-              "| measure | ours | paper |", "|---|---|---|"]
-    lines.append(f"| E2E speedup over SONIC-layer / SONIC-chunk / HCache (geo-mean over traces) | "
-                 + " / ".join(f"{speedups[b]:.2f}x" if speedups[b] else "n/a" for b in ("sonic-layer", "sonic-chunk", "hcache"))
-                 + " | 2.95x / 1.98x / 1.65x |")
-    lines.append(f"| uninterrupted overhead vs no checkpoints (median) | {100 * (ov['overhead_ratio_median'] - 1):+.1f} % | < 5 % |")
-    lines.append(f"| bytes written, SONIC-layer / OrbitWeaver | "
-                 + ", ".join(f"{v:.2f}x ({k})" for k, v in ratios_bytes.items()) + " | 2.33-3.56x |")
-    lines.append(f"| energy overhead, uninterrupted (power model) | "
-                 + ", ".join(f"{100 * v:+.1f} % ({k})" for k, v in energy_over.items()) + " | 3.75-4.74 % |")
-    if pt:
-        lines.append(f"| optimal planner time, 36 layers, G = 2 | {pt['cold_ms']:.0f} ms cold, {pt['warm_ms']:.0f} ms warm | < 100 ms |")
-    from bench.recovery_latency import optimal_vs_fixed
+    from bench import report as rep
 
-    comp = {}
-    for r in rec:
-        if r["planner"] == "optimal":
-            cells = {x["planner"]: x for x in rec if x["progress"] == r["progress"] and x["mode"] == r["mode"]}
-            comp[(r["progress"], r["mode"])] = optimal_vs_fixed(cells)
-    lines.append("| recovery, best fixed order / optimal (real engine) | "
-                 + ", ".join(f"{v} ({int(k[0] * 100)} % {k[1]})" for k, v in sorted(comp.items())) + " | 1.22-6.97x |")
-    lines.append(f"| completion rate per trace (orbitweaver) | "
-                 + ", ".join(f"{r['trace']}: {r['completed']:.0%}" for r in e2e if r["policy"] == "orbitweaver") + " | 100 % |")
-    lines += ["", "## Fig. 12 — uninterrupted overhead", "",
-              f"{ov['model']}, {ov['prompt_tokens']} prompt tokens, C={ov['geometry']['chunk']} G={ov['geometry']['group']} "
-              f"D={ov['geometry']['decode_every']}: none {ov['wall_s_median']['none']:.2f} s, orbitweaver "
-              f"{ov['wall_s_median']['orbitweaver']:.2f} s (median), ratio {ov['overhead_ratio_median']:.3f}; per round "
-              f"{', '.join(f'{x:.3f}' for x in ov['overhead_ratios'])}. Checkpoints: {ov['bytes_written'] / 2**20:.1f} MiB, "
-              f"written at {ov['checkpoint_write_bytes_per_s'] / 2**20:.0f} MiB/s in the background (dd with fsync: "
-              f"{ov['dd_write_bytes_per_s'] / 2**20:.0f} MiB/s). Peak RSS delta {ov['peak_rss_delta_bytes'] / 2**20:+.1f} MiB = "
-              f"{ov['peak_rss_delta_blocks']:+.2f} prefill blocks (median of the runs; allocator noise is a few MiB). "
-              f"State held by checkpointing at its peak (exact, from the writer): "
-              + ", ".join(f"{ph} {n:.2f}" for ph, n in ov.get('held_state_peak_blocks', {}).items())
-              + " prefill blocks (goal <= 2; in the vision phase one optional vision state at a time).", ""]
-    labels = list(be)
-    plot_bars(os.path.join(out, "bytes.png"), "Fig. 13: bytes written, uninterrupted", labels,
-              {pol: [be[l][pol]["bytes"] / 2**20 for l in labels] for pol in POLICIES}, "MiB")
-    plot_bars(os.path.join(out, "energy.png"), "Fig. 14: energy (power model), uninterrupted", labels,
-              {pol: [be[l][pol]["energy_j"] for l in labels] for pol in ("none",) + POLICIES}, "J")
-    lines += ["## Fig. 13 / 14 — bytes written and energy, uninterrupted", "",
-              "| prompt | policy | tokens | MiB written | vs orbitweaver | wall (s) | energy (J) |", "|---|---|---|---|---|---|---|"]
-    for l in labels:
-        for pol in ("none",) + POLICIES:
-            r = be[l][pol]
-            rel = r["bytes"] / be[l]["orbitweaver"]["bytes"] if be[l]["orbitweaver"]["bytes"] else 0
-            lines.append(f"| {l} | {pol} | {r['tokens']} | {r['bytes'] / 2**20:.1f} | {rel:.2f}x | {r['wall_s']:.2f} | {r['energy_j']:.0f} |")
-    lines += ["", "![bytes](bytes.png) ![energy](energy.png)", "",
-              "Energy = 30 W x wall + 3.5 W x bytes / 1.5 GB/s (docs/hil.md power model).", ""]
-    lines += ["## Fig. 11 — recovery latency (real engine, cold page cache)", "",
-              f"{d['recovery']['model']}, {d['recovery']['prompt_tokens']} prompt tokens; latency = resumed run start to "
-              f"prefill complete; x LB = over max(total read, total compute) of that run. Target-emulated reads: "
-              f"{d['recovery']['emulated_read_bytes_per_s'] / 2**20:.1f} MiB/s.", "",
-              "| progress | column | chunk-first | layer-first | optimal |", "|---|---|---|---|---|"]
-    for prog in (0.25, 0.5, 0.75):
-        for mode in ("native", "target-emulated"):
-            cells = {r["planner"]: r for r in rec if r["progress"] == prog and r["mode"] == mode}
-            if len(cells) == 3:
-                lines.append(f"| {int(prog * 100)} % | {mode} | " + " | ".join(
-                    f"{cells[p]['latency_s']:.2f} s (x{cells[p]['vs_lower_bound']:.2f} LB)" for p in ("chunk-first", "layer-first", "optimal")) + " |")
-    lines += ["", "Reading the measured table: in the native column reads cost almost nothing, so every plan does "
-              "the same work and the spread between planners is run-to-run noise (a few per cent, best of the "
-              "repeats). In the target-emulated column the fixed chunk-first order stalls on reads (well above "
-              "the bound) while layer-first and optimal stay within about 10 % of it; where optimal "
-              "finds no better order than layer-first it runs layer-first's plan itself (a tie goes to the known "
-              "order), so the summary says 'same plan' instead of comparing two noisy runs of one plan. Under the "
-              "planner's own cost model (the simulated table below, "
-              "at the real model dimensions) optimal is never slower than either fixed order."]
-    plan_rows = [r for r in d["planner"]["makespan"] if r["column"] == "target-emulated"]
-    lines += ["", "Simulated plans at the real dimensions (docs/recovery.md), makespan over the lower bound, target-emulated:", "",
-              "| model | frontier | done | chunk-first | layer-first | optimal |", "|---|---|---|---|---|---|"]
-    for r in plan_rows:
-        lines.append(f"| {r.get('model', '')} | {r['frontier']} | {r['progress']:.0%} | {r['chunk-first']:.3f} | "
-                     f"{r['layer-first']:.3f} | {r['optimal']:.3f} |")
-    c = d["compression"]
-    lines += ["", "## Sec. 6 — decode-KV compression (int8, off by default)", "",
-              "| decode records | log bytes | restore (s) | tokens equal | bitwise | max logit diff |", "|---|---|---|---|---|---|"]
-    for mode, r in c.items():
-        lines.append(f"| {mode} | {r['decode_log_bytes'] / 2**20:.2f} MiB | {r['restore_s']:.3f} | {r['tokens_equal']}/{r['tokens']} | "
-                     f"{'yes' if r['bitwise'] else 'no'} | {r['max_logit_diff']:.3g} |")
-    lines += ["", "## Fig. 10 — end to end, real processes through the testbench", "",
-              "The small model (12 layers) paced per layer-chunk so that one uninterrupted request (boot included) "
-              "maps onto the trace's 180 s reference request; checkpoint storage throttled to the Orin's "
-              "read/write-to-compute ratio; one prefill-heavy request per run (two 512 px images, C=64, G=2).", "",
+    e2e = d.get("e2e", []) + d.get("e2e_plus", [])
+    lines += rep.summary_lines(d)
+    lines += rep.validation_lines(d)
+    lines += rep.sim_lines(d)
+    missing = [k for k in ("overhead", "bytes_energy", "recovery", "compression", "planner", "e2e", "sim", "validation")
+               if k not in d]
+    if missing:
+        lines += [f"Not measured in this run (their sections are left out): {', '.join(missing)}.", ""]
+    lines += _engine_sections(out, d)
+    lines += _e2e_section(out, e2e)
+    lines += ["## Where ours differs from the paper, and why", "",
+              "- Compute here is a CPU running a ~100 M-parameter model (benchmarks) or a paced small model (testbench); "
+              "the Jetson runs 2-8 B models on a GPU. The real-size columns are simulated (docs/sim.md), checked "
+              "against the real processes in the validation table.",
+              "- The end-to-end traces are played with real payload boots (interpreter and library imports: "
+              "seconds to tens of seconds on this shared machine) inside each window; the shortest-window traces "
+              "(trace-a, sat1-like) would need requests of many minutes to keep that boot small against a window, "
+              "so the real-process campaign uses trace-b and dellingr-like (`--traces` takes any). The real-size "
+              "simulation runs all five.",
+              "- Bytes written compare policies on the same engine and record format; the paper's ratios are for "
+              "2K-32K-token prompts on 2-8 B models: the simulated columns, from the record encoder's sizes.",
+              "", f"Total benchmark time {d.get('elapsed_s', 0) / 60:.1f} min."]
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def _engine_sections(out: str, d: dict) -> list:
+    lines = []
+    ov, be = d.get("overhead"), d.get("bytes_energy")
+    rec = d["recovery"]["rows"] if "recovery" in d else []
+    if ov:
+        lines += ["## Fig. 12 — uninterrupted overhead (real engine, this CPU)", "",
+                  f"{ov['model']}, {ov['prompt_tokens']} prompt tokens, C={ov['geometry']['chunk']} G={ov['geometry']['group']} "
+                  f"D={ov['geometry']['decode_every']}: none {ov['wall_s_median']['none']:.2f} s, orbitweaver "
+                  f"{ov['wall_s_median']['orbitweaver']:.2f} s (median), ratio {ov['overhead_ratio_median']:.3f}; per round "
+                  f"{', '.join(f'{x:.3f}' for x in ov['overhead_ratios'])}. Checkpoints: {ov['bytes_written'] / 2**20:.1f} MiB, "
+                  f"written at {ov['checkpoint_write_bytes_per_s'] / 2**20:.0f} MiB/s in the background (dd with fsync: "
+                  f"{ov['dd_write_bytes_per_s'] / 2**20:.0f} MiB/s). Peak RSS delta {ov['peak_rss_delta_bytes'] / 2**20:+.1f} MiB = "
+                  f"{ov['peak_rss_delta_blocks']:+.2f} prefill blocks (median of the runs; allocator noise is a few MiB). "
+                  f"State held by checkpointing at its peak (exact, from the writer): "
+                  + ", ".join(f"{ph} {n:.2f}" for ph, n in ov.get('held_state_peak_blocks', {}).items())
+                  + " prefill blocks (goal <= 2; in the vision phase one optional vision state at a time).", ""]
+    if be:
+        labels = list(be)
+        plot_bars(os.path.join(out, "bytes.png"), "Fig. 13: bytes written, uninterrupted", labels,
+                  {pol: [be[l][pol]["bytes"] / 2**20 for l in labels] for pol in POLICIES + STRENGTHENED if pol in be[labels[0]]},
+                  "MiB")
+        plot_bars(os.path.join(out, "energy.png"), "Fig. 14: energy (power model), uninterrupted", labels,
+                  {pol: [be[l][pol]["energy_j"] for l in labels] for pol in ("none",) + POLICIES + STRENGTHENED
+                   if pol in be[labels[0]]}, "J")
+        lines += ["## Fig. 13 / 14 — bytes written and energy, uninterrupted (real engine, this CPU, native storage)", "",
+                  "| prompt | policy | tokens | MiB written | vs orbitweaver | wall (s) | energy (J) |", "|---|---|---|---|---|---|---|"]
+        for l in labels:
+            for pol in [p for p in ("none",) + POLICIES + STRENGTHENED if p in be[l]]:
+                r = be[l][pol]
+                rel = r["bytes"] / be[l]["orbitweaver"]["bytes"] if be[l]["orbitweaver"]["bytes"] else 0
+                lines.append(f"| {l} | {pol} | {r['tokens']} | {r['bytes'] / 2**20:.1f} | {rel:.2f}x | {r['wall_s']:.2f} | {r['energy_j']:.0f} |")
+        lines += ["", "![bytes](bytes.png) ![energy](energy.png)", "",
+                  "Energy = 30 W x wall + 3.5 W x bytes / 1.5 GB/s (docs/hil.md power model).", ""]
+    if rec:
+        names = list(dict.fromkeys(r["planner"] for r in rec))
+        lines += ["## Fig. 11 — recovery latency (real engine, cold page cache)", "",
+                  f"{d['recovery']['model']}, {d['recovery']['prompt_tokens']} prompt tokens. Each cell: time to finish "
+                  f"prefill (resumed run start to prefill complete) / restart latency (that minus the uninterrupted "
+                  f"run's time for the same rest of prefill: what the cut itself cost). OrbitWeaver with each planner; "
+                  f"the paper-defined baselines with their own restore. Target-emulated reads: "
+                  f"{d['recovery']['emulated_read_bytes_per_s'] / 2**20:.1f} MiB/s.", "",
+                  "| progress | column | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+        for prog in (0.25, 0.5, 0.75):
+            for mode in ("native", "target-emulated"):
+                cells = {r["planner"]: r for r in rec if r["progress"] == prog and r["mode"] == mode}
+                if cells:
+                    lines.append(f"| {int(prog * 100)} % | {mode} | " + " | ".join(
+                        f"{cells[p]['latency_s']:.2f} / {cells[p].get('restart_latency_s', float('nan')):.2f} s"
+                        if p in cells else "-" for p in names) + " |")
+        lines += ["", "Reading the measured table: in the native column reads cost almost nothing, so every plan does "
+                  "the same work and the spread between planners is run-to-run noise (a few per cent, best of the "
+                  "repeats). In the target-emulated column the fixed chunk-first order stalls on reads (well above "
+                  "the bound) while layer-first and optimal stay within about 10 % of it; where optimal "
+                  "finds no better order than layer-first it runs layer-first's plan itself (a tie goes to the known "
+                  "order), so the summary says 'same plan' instead of comparing two noisy runs of one plan. Under the "
+                  "planner's own cost model (the simulated table below, "
+                  "at the real model dimensions) optimal is never slower than either fixed order."]
+    if "planner" in d:
+        plan_rows = [r for r in d["planner"]["makespan"] if r["column"] == "target-emulated"]
+        lines += ["", "Simulated plans at the real dimensions (docs/recovery.md), makespan over the lower bound, target-emulated:", "",
+                  "| model | frontier | done | chunk-first | layer-first | optimal |", "|---|---|---|---|---|---|"]
+        for r in plan_rows:
+            lines.append(f"| {r.get('model', '')} | {r['frontier']} | {r['progress']:.0%} | {r['chunk-first']:.3f} | "
+                         f"{r['layer-first']:.3f} | {r['optimal']:.3f} |")
+    if "compression" in d:
+        c = d["compression"]
+        lines += ["", "## Sec. 6 — decode-KV compression (int8, off by default)", "",
+                  "| decode records | log bytes | restore (s) | tokens equal | bitwise | max logit diff |", "|---|---|---|---|---|---|"]
+        for mode, r in c.items():
+            lines.append(f"| {mode} | {r['decode_log_bytes'] / 2**20:.2f} MiB | {r['restore_s']:.3f} | {r['tokens_equal']}/{r['tokens']} | "
+                         f"{'yes' if r['bitwise'] else 'no'} | {r['max_logit_diff']:.3g} |")
+    return lines
+
+
+def _e2e_section(out: str, e2e: list) -> list:
+    lines = []
+    if not e2e:
+        return lines
+    lines += ["## Fig. 10 — end to end, real processes through the testbench", "",
+              "The small model (12 layers), every unit of work paced to 600 ms (a prefill block of G layers is G "
+              "units) at 0.6 wall s per trace s; checkpoint storage throttled to the Orin's read/write-to-compute "
+              "ratio; one prefill-heavy request per run (two 512 px images, C=64, G=2). The payload's boot is this "
+              "machine's real process start (its length in trace seconds is in the validation table). Paper-defined "
+              "baselines and the strengthened ones (`+`).", "",
               "| trace | policy | completed | outputs | e2e (trace s) | cuts | MiB | energy (J) | wall (s) |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in e2e:
+        e2e_s = "-" if r["e2e_trace_s"] != r["e2e_trace_s"] else f"{r['e2e_trace_s']:.0f}"
         lines.append(f"| {r['trace']} | {r['policy']} | {r['completed']:.0%} | {'bitwise' if r['correct'] else '-'} | "
-                     f"{r['e2e_trace_s']:.0f} | {r['cuts']} | {r['mib']:.1f} | {r['energy_j']:.0f} | {r['wall_s']:.0f} |")
+                     f"{e2e_s} | {r['cuts']} | {r['mib']:.1f} | {r['energy_j']:.0f} | {r['wall_s']:.0f} |")
     traces = sorted({r["trace"] for r in e2e})
     plot_bars(os.path.join(out, "e2e.png"), "Fig. 10: end-to-end time per trace (trace s)", traces,
               {pol: [next((r["e2e_trace_s"] for r in e2e if r["trace"] == t and r["policy"] == pol), 0) for t in traces]
-               for pol in POLICIES}, "trace seconds")
-    lines += ["", "![e2e](e2e.png)", "", "## Where ours differs from the paper, and why", "",
-              "- Compute here is a CPU running a ~100 M-parameter model (benchmarks) or a paced tiny model (testbench); "
-              "the Jetson runs 2-8 B models on a GPU. In the native column reading all weights and KV costs well under "
-              "1 % of the prefill compute, so recovery plans hardly differ; the target-emulated column restores the "
-              "Orin's ratio and is where the planner's ordering shows.",
-              "- The end-to-end traces are played with real payload boots (~3 s of interpreter and library imports) "
-              "inside each window; the shortest-window traces (trace-a, sat1-like) would need requests of minutes "
-              "to keep that boot small against a window, so the default campaign uses trace-b and dellingr-like "
-              "(`--traces` takes any).",
-              "- Bytes written compare policies on the same engine and record format; the paper's ratios are for "
-              "2K-32K-token prompts on 2-8 B models, ours for ~1-2K tokens on the small model.",
-              "", f"Total benchmark time {d['elapsed_s'] / 60:.1f} min."]
-    with open(os.path.join(out, "report.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+               for pol in POLICIES + STRENGTHENED}, "trace seconds")
+    lines += ["", "![e2e](e2e.png)", ""]
+    return lines
 
 
 if __name__ == "__main__":

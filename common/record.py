@@ -139,25 +139,70 @@ class Encoded:
         return b"".join(bytes(c) for c in self.chunks)
 
 
-def encode(kind: Kind, meta: dict | None = None, tensors: dict[str, torch.Tensor] | None = None,
-           salt: int = 0) -> Encoded:
-    """Lay out a record. Tensor bytes are referenced, not copied (keep tensors alive until written)."""
+def _layout(meta: dict | None, tensors: dict, salt: int, crc_of) -> tuple[dict, list, int, bytes]:
+    """The record's metadata, (offset, tensor) pairs, payload length and packed metadata:
+    shared by `encode` and `encoded_size`, so sizes are those of the records written."""
     meta = dict(meta or {})
-    tensors = tensors or {}
-    table, views, offset = [], [], 0
+    table, placed, offset = [], [], 0
     for name, t in tensors.items():
-        view = tensor_bytes(t)
+        nbytes = _nbytes(t)
         offset = align(offset)
-        table.append({"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape),
-                      "offset": offset, "nbytes": view.nbytes, "crc": masked_crc(view)})
-        views.append((offset, view))
-        offset += view.nbytes
-    payload_len = offset
+        table.append({"name": name, "dtype": _dtype_of(t), "shape": list(t.shape),
+                      "offset": offset, "nbytes": nbytes, "crc": crc_of(t)})
+        placed.append((offset, t))
+        offset += nbytes
     meta["salt"] = int(salt)
     meta["tensors"] = table
     meta_bytes = msgpack.packb(meta, use_bin_type=True)
     if len(meta_bytes) > MAX_META:
         raise ValueError("record metadata too large")
+    return meta, placed, offset, meta_bytes
+
+
+def _nbytes(t) -> int:
+    if isinstance(t, TensorSpec):
+        return t.nbytes
+    return t.numel() * t.element_size()
+
+
+def _dtype_of(t) -> str:
+    return t.dtype if isinstance(t, TensorSpec) else dtype_name(t.dtype)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor's dtype name and shape, without its data: for sizing records not written."""
+
+    dtype: str
+    shape: tuple
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= int(d)
+        return n * _DTYPE_SIZES[self.dtype]
+
+
+_DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int8": 1, "uint8": 1,
+                "bool": 1, "float64": 8}
+
+
+def encoded_size(kind: Kind, meta: dict | None, tensors: dict[str, TensorSpec]) -> int:
+    """Bytes `encode` produces for a record with this metadata and these tensors (specs), with
+    the largest salt and checksums the metadata can hold (msgpack sizes integers by value, so
+    a real record is at most a few bytes smaller before the 64-byte alignment absorbs them)."""
+    _, _, payload_len, meta_bytes = _layout(meta, tensors, (1 << 63) - 1, lambda t: 0xFFFFFFFF)
+    return align(HEADER_LEN + len(meta_bytes)) + payload_len + FOOTER_LEN
+
+
+def encode(kind: Kind, meta: dict | None = None, tensors: dict[str, torch.Tensor] | None = None,
+           salt: int = 0) -> Encoded:
+    """Lay out a record. Tensor bytes are referenced, not copied (keep tensors alive until written)."""
+    tensors = tensors or {}
+    view_of = {id(t): tensor_bytes(t) for t in tensors.values()}
+    meta, placed, payload_len, meta_bytes = _layout(meta, tensors, salt, lambda t: masked_crc(view_of[id(t)]))
+    views = [(off, view_of[id(t)]) for off, t in placed]
     head = FIXED_HEADER.pack(MAGIC, FORMAT_VERSION, int(kind), len(meta_bytes), payload_len, 0)[:20]
     header_crc = masked_crc(meta_bytes, crc32c(head))
     head += struct.pack("<I", header_crc)

@@ -189,7 +189,10 @@ class _RequestRun:
                     prompt_tokens=self.S, chunks=len(self.chunks), groups=len(self.groups))
         if frontier.result is not None:
             return self._result_from_record(frontier.result, resumed_from)
-        self.writer = CheckpointWriter(self.events, self.e.options.async_writes, self.e.after_commit)
+        # A policy that commits on the compute path (an intermittent-computing task runtime)
+        # gets a synchronous writer: each record is durable before the next unit of work.
+        asynchronous = self.e.options.async_writes and not self.policy.synchronous_commits()
+        self.writer = CheckpointWriter(self.events, asynchronous, self.e.after_commit)
         try:
             tokens, logits, finish = self._run_from(frontier)
             self.writer.drain()
@@ -341,9 +344,12 @@ class _RequestRun:
                                       {b for b, i in fr.blocks.items() if i.has_hidden},
                                       need_last_hidden=not have_decode,
                                       kv_missing={b for b, i in fr.blocks.items() if i.kv_bytes == 0})
-            if self.e.options.planner == "optimal":
+            planner, overlap = self.policy.recovery(self.e.options.planner, self.e.options.overlap_recovery)
+            if not fr.blocks:  # nothing to restore: weights stream behind the compute, as in any fresh run
+                overlap = self.e.options.overlap_recovery
+            if planner == "optimal":
                 problem.costs = self._plan_costs()
-            plan = make_plan(self.e.options.planner, problem)
+            plan = make_plan(planner, problem)
             self.scheduled = {(op.group, op.chunk) for op in plan.computes}
             total = len(self.groups) * len(self.chunks)
             self.prefill_done = total - sum(op.kind == "block" for op in plan.computes)  # for progress reports
@@ -352,7 +358,7 @@ class _RequestRun:
                 self.events("recovery_plan", **self.plan_summary)
             t0 = time.perf_counter()
             self.fr = fr
-            executor = PlanExecutor(plan, self._read_op, self._compute_op, overlap=self.e.options.overlap_recovery)
+            executor = PlanExecutor(plan, self._read_op, self._compute_op, overlap=overlap)
             try:
                 stats = executor.run()
             except RecordRejected as exc:

@@ -16,6 +16,7 @@ class CampaignCell:
     policy: str
     seed: int
     report: BenchReport
+    report_dir: str = ""
 
 
 def trace_for_seed(trace: str, seed: int, out_dir: Path) -> str:
@@ -47,7 +48,7 @@ def run_campaign(base: BenchConfig, traces_: list[str], policies: list[str], see
                 cfg = replace(base, trace=trace_arg, policy=policy, out_dir=str(cell_dir))
                 report = Testbench(cfg, say=lambda line: None).run()
                 say("  " + report.summary().replace("\n", "\n  "))
-                cells.append(CampaignCell(trace, policy, seed, report))
+                cells.append(CampaignCell(trace, policy, seed, report, str(cell_dir)))
     write_report(out, cells)
     return cells
 

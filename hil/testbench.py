@@ -80,7 +80,7 @@ class BenchConfig:
     group: int = 2
     decode_every: int = 4
     vision_every: int = 1
-    planner: str = "chunk-first"
+    planner: str = "optimal"               # every comparison runs OrbitWeaver with its own planner
     threads: int = 1
     start_at_s: float = 0.0
     timeout_s: float | None = None         # wall; default: the (scaled) rest of the trace
@@ -211,12 +211,17 @@ def _reference_run(model_dir: str, spec: RequestSpec, cfg: BenchConfig, scratch:
     inputs = build_inputs(model.tokenizer, model.image_processor, [load_image(p) for p in spec.images],
                           spec.prompt, model.adapter.image_token_id)
     units = {"n": 0}
+    geometry = Geometry(cfg.chunk, cfg.group, cfg.decode_every, cfg.vision_every)
+    groups = geometry.layer_groups(model.adapter.num_layers)
 
-    def count(name, **_):
-        if name in ("vision_block_done", "prefill_block_done", "decode_step_done"):
+    def count(name, **fields):
+        # Paced units, as the engine's pacer counts them: a prefill block of G layers is G units.
+        if name == "prefill_block_done":
+            l0, l1 = groups[fields["group"]]
+            units["n"] += l1 - l0
+        elif name in ("vision_block_done", "decode_step_done"):
             units["n"] += 1
 
-    geometry = Geometry(cfg.chunk, cfg.group, cfg.decode_every, cfg.vision_every)
     result = Engine(model, EngineOptions(geometry=geometry, policy="none", threads=cfg.threads),
                     events=count).run(inputs, scratch, spec.max_new_tokens)
     return {"token_ids": result.token_ids, "logits_sha256": result.logits_sha256(), "units": units["n"]}

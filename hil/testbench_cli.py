@@ -74,7 +74,8 @@ def _common(p) -> None:
     p.add_argument("--chunk", type=int, default=16)
     p.add_argument("--group", type=int, default=2)
     p.add_argument("--decode-every", type=int, default=4)
-    p.add_argument("--planner", default="chunk-first")
+    p.add_argument("--planner", default="optimal",
+                   help="OrbitWeaver's recovery planner (default optimal; baselines restore with their own scheduler)")
     p.add_argument("--start-at", type=float, default=0.0, help="trace second to start at")
     p.add_argument("--timeout", type=float, default=None, help="wall seconds to wait for all results")
     p.add_argument("--out", required=True, help="output directory")

@@ -52,6 +52,33 @@ def hidden_name(layer: int, chunk: int) -> str:
     return f"l{layer}.c{chunk}{HIDDEN_SUFFIX}"
 
 
+def prefill_block_parts(group: int, chunk: int, layers: tuple[int, int], tokens: tuple[int, int], kv: dict,
+                        hidden) -> tuple[dict, dict]:
+    """(meta, tensors) of a prefill block record: the layout `put_prefill_block` writes and
+    `record_sizes` sizes (tensors may be common.record.TensorSpec)."""
+    tensors = {}
+    for layer, (k, v) in kv.items():
+        tensors[f"k.{layer}"] = k
+        tensors[f"v.{layer}"] = v
+    if hidden is not None:
+        tensors["hidden"] = hidden  # last, so a KV-only read stops before it
+    return {"group": group, "chunk": chunk, "layers": list(layers), "tokens": list(tokens)}, tensors
+
+
+def decode_record_tensors(kv: dict, tokens) -> dict:
+    """Tensors of a decode record (KV slices of every layer, then the new token ids)."""
+    tensors = {}
+    for layer, (k, v) in kv.items():
+        for kind, t in (("k", k), ("v", v)):
+            if isinstance(t, dict):  # quantised: values + per-channel scales
+                tensors[f"{kind}.{layer}"] = t["q"]
+                tensors[f"{kind}.{layer}.scale"] = t["scale"]
+            else:
+                tensors[f"{kind}.{layer}"] = t
+    tensors["tokens"] = tokens
+    return tensors
+
+
 @dataclass
 class BlockInfo:
     group: int
@@ -197,13 +224,7 @@ class CheckpointStore:
 
     def put_prefill_block(self, group: int, chunk: int, layers: tuple[int, int], tokens: tuple[int, int],
                           kv: dict[int, tuple[torch.Tensor, torch.Tensor]], hidden: torch.Tensor | None) -> int:
-        tensors = {}
-        for layer, (k, v) in kv.items():
-            tensors[f"k.{layer}"] = k
-            tensors[f"v.{layer}"] = v
-        if hidden is not None:
-            tensors["hidden"] = hidden  # last, so a KV-only read stops before it
-        meta = {"group": group, "chunk": chunk, "layers": list(layers), "tokens": list(tokens)}
+        meta, tensors = prefill_block_parts(group, chunk, layers, tokens, kv, hidden)
         return self._write(os.path.join(self.prefill_dir, block_name(group, chunk)), Kind.PREFILL_BLOCK, meta, tensors)
 
     def put_layer_hidden(self, layer: int, chunk: int, tokens: tuple[int, int], hidden: torch.Tensor) -> int:
@@ -218,16 +239,7 @@ class CheckpointStore:
 
     def append_decode(self, meta: dict, kv: dict[int, tuple[torch.Tensor, torch.Tensor]],
                       tokens: torch.Tensor) -> int:
-        tensors = {}
-        for layer, (k, v) in kv.items():
-            for kind, t in (("k", k), ("v", v)):
-                if isinstance(t, dict):  # quantised: values + per-channel scales
-                    tensors[f"{kind}.{layer}"] = t["q"]
-                    tensors[f"{kind}.{layer}.scale"] = t["scale"]
-                else:
-                    tensors[f"{kind}.{layer}"] = t
-        tensors["tokens"] = tokens
-        enc = encode(Kind.DECODE_STEPS, meta, tensors, salt=self.salt)
+        enc = encode(Kind.DECODE_STEPS, meta, decode_record_tensors(kv, tokens), salt=self.salt)
         n = self.fs.append(self.decode_log, enc.chunks)
         self._count(n)
         return n

@@ -54,22 +54,26 @@ class BlockCosts:
     def __post_init__(self):
         if self.reproject is None:
             object.__setattr__(self, "reproject", self.compute * REPROJECT_SHARE)
+        # Plain-float copies for the planners' per-operation lookups (numpy scalar indexing
+        # costs several times a list's, and planning looks up every operation many times).
+        object.__setattr__(self, "_tables", {"weights": self.weights.tolist(), "kv": self.kv.tolist(),
+                                             "hidden": self.hidden.tolist(), "block": self.compute.tolist(),
+                                             "reproject": self.reproject.tolist()})
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.kv.shape
 
     def read_s(self, op: ReadOp) -> float:
-        if op.what == "weights":
-            return float(self.weights[op.group])
-        if op.what == "kv":
-            return float(self.kv[op.group, op.chunk])
-        if op.what == "hidden":
-            return float(self.hidden[op.group, op.chunk])
-        raise ValueError(f"unknown read {op.what!r}")
+        what, group, chunk = op
+        if what == "weights":
+            return self._tables["weights"][group]
+        if what == "kv" or what == "hidden":
+            return self._tables[what][group][chunk]
+        raise ValueError(f"unknown read {what!r}")
 
     def compute_s(self, group: int, chunk: int, kind: str = "block") -> float:
-        return float((self.compute if kind == "block" else self.reproject)[group, chunk])
+        return self._tables["block" if kind == "block" else "reproject"][group][chunk]
 
     def as_dict(self) -> dict:
         """The JSON-able form stored in `RecoveryProblem.costs`."""

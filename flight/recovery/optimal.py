@@ -27,6 +27,7 @@ orders the parts -- exact over those orders, not over all group orders (`Solutio
 from __future__ import annotations
 
 import functools
+import os
 import time
 from dataclasses import dataclass
 
@@ -61,12 +62,20 @@ class Structure:
     def total_read_s(self) -> float:
         return float(self.bundle_s.sum()) + sum(self.costs.read_s(op) for op in self.trailing)
 
+    def job_times(self) -> dict:
+        """Every job's time, looked up once (the bound and the tables ask for each many times)."""
+        times = self.__dict__.get("_job_times")
+        if times is None:
+            compute_s = self.costs.compute_s
+            times = self.__dict__["_job_times"] = {b: compute_s(b[0], b[1], k) for b, k in self.kind.items()}
+        return times
+
     def job_s(self, g: int, c: int) -> float:
-        return self.costs.compute_s(g, c, self.kind[(g, c)])
+        return self.job_times()[(g, c)]
 
     @property
     def total_job_s(self) -> float:
-        return float(sum(self.job_s(g, c) for (g, c) in self.kind))
+        return float(sum(self.job_times().values()))
 
 
 def analyse(problem: RecoveryProblem, costs: BlockCosts | None = None) -> Structure:
@@ -78,45 +87,57 @@ def analyse(problem: RecoveryProblem, costs: BlockCosts | None = None) -> Struct
     kind = {b: "block" for b in problem.must_compute()}
     kind.update({b: "reproject" for b in problem.reprojections()})
     kv_needed, hidden_needed = problem.needed_reads()
-    jobs = {g: sorted(c for (gg, c) in kind if gg == g) for g in range(NG)}
+    jobs = {g: [] for g in range(NG)}
+    for (g, c) in sorted(kind):
+        jobs[g].append(c)
     active = [g for g in range(NG) if jobs[g]]
     bundles, need, trailing = {}, {}, []
-    offsets = np.zeros((len(active), NC))
-    bundle_s = np.zeros(len(active))
+    offsets = [[0.0] * NC for _ in active]
+    bundle_s = [0.0] * len(active)
+    weights = costs.weights.tolist()
+    read_s = costs.read_s
     for i, g in enumerate(active):
-        blocks = [c for c in jobs[g] if kind[(g, c)] == "block"]
-        gating = []  # (chunk of the first job needing it, KV before hidden, op)
+        # next_block[c]: the first block compute of g after chunk c (NC if none)
+        next_block, nxt = [NC] * NC, NC
+        for c in range(NC - 1, -1, -1):
+            next_block[c] = nxt
+            if kind.get((g, c)) == "block":
+                nxt = c
+        gating = []  # (chunk of the first job needing it, KV before hidden, chunk, op)
         for c in range(NC):
-            later = [b for b in blocks if b > c]
-            if (g, c) in kv_needed and later:  # a block computed after c reads this KV
-                gating.append((later[0], 0, ReadOp("kv", g, c)))
-            if g > 0 and (g - 1, c) in hidden_needed and (g, c) in kind:
-                gating.append((c, 1, ReadOp("hidden", g - 1, c)))
-        gating.sort(key=lambda x: (x[0], x[1], x[2].chunk))
+            if next_block[c] < NC and (g, c) in kv_needed:  # a block computed after c reads this KV
+                gating.append((next_block[c], 0, c, ReadOp("kv", g, c)))
+            if g > 0 and (g, c) in kind and (g - 1, c) in hidden_needed:
+                gating.append((c, 1, c, ReadOp("hidden", g - 1, c)))
+        gating.sort()  # the first three fields are unique per read: ops are never compared
+        gating = [(need, order, op) for need, order, _, op in gating]
         bundles[g] = [ReadOp("weights", g)] + [op for _, _, op in gating]
         # Bundle-relative time each job's inputs are read: a block needs every read with need
         # <= its chunk (a prefix, in this order); a re-projection only the weights and its own
         # input hidden state, so its offset may be below an earlier block's.
-        ends, t = {}, costs.weights[g]
+        ends, t = {}, weights[g]
         for _, _, op in gating:
-            t += costs.read_s(op)
+            t += read_s(op)
             ends[op] = t
-        prefix = costs.weights[g]
+        prefix = weights[g]
         k = 0
+        row = offsets[i]
         for c in jobs[g]:
             while k < len(gating) and gating[k][0] <= c:
                 prefix = ends[gating[k][2]]
                 k += 1
-            own_input = ends.get(ReadOp("hidden", g - 1, c), costs.weights[g])
-            offsets[i, c] = prefix if kind[(g, c)] == "block" else own_input
-        bundle_s[i] = costs.weights[g] + sum(costs.read_s(op) for _, _, op in gating)
-        need.update({op: ch for ch, _, op in gating})
+            row[c] = prefix if kind[(g, c)] == "block" else ends.get(ReadOp("hidden", g - 1, c), weights[g])
+        bundle_s[i] = t
+        for ch, _, op in gating:
+            need[op] = ch
         need[ReadOp("weights", g)] = jobs[g][0]
     for g in range(NG):
         for op in [ReadOp("weights", g)] + [ReadOp("kv", g, c) for c in range(NC) if (g, c) in kv_needed]:
             if op not in need:
                 trailing.append(op)
     trailing += [ReadOp("hidden", g, c) for (g, c) in sorted(hidden_needed) if ReadOp("hidden", g, c) not in need]
+    offsets = np.array(offsets, dtype=np.float64).reshape(len(active), NC)
+    bundle_s = np.array(bundle_s, dtype=np.float64)
     return Structure(NG, NC, kind, jobs, active, bundles, need, offsets, bundle_s, trailing, costs)
 
 
@@ -302,8 +323,34 @@ def _layer_transitions(m: int, k: int, g: int) -> tuple[np.ndarray, np.ndarray]:
     return sets.astype(np.int32), ((g * m + b) * m + a).astype(np.int32)
 
 
-def _exact_dp(m: int, P: np.ndarray, h: np.ndarray, bundle_s: np.ndarray) -> tuple[list[int], float]:
-    P, h = P.reshape(-1), h.reshape(-1)
+def _exact_dp(m: int, P: np.ndarray, h: np.ndarray, bundle_s: np.ndarray,
+              bound: float = np.inf) -> tuple[list[int], float]:
+    """Least compute finish over all orders of the m parts, and one order reaching it.
+
+    With a finite `bound` (the makespan of a plan already in hand), a set S whose jobs cannot
+    finish before the bound -- f(S) + the work still to release >= bound -- is not extended: no
+    order through S beats what is in hand. Returns ([], inf) when nothing beats the bound."""
+    kernel = _compiled_kernel()
+    P, h = np.ascontiguousarray(P.reshape(-1), dtype=np.float64), np.ascontiguousarray(h.reshape(-1), dtype=np.float64)
+    bundle_s = np.ascontiguousarray(bundle_s, dtype=np.float64)
+    if kernel is not None:
+        finish, last = kernel(m, P, h, bundle_s, float(bound))
+    else:
+        finish, last = _numpy_dp(m, P, h, bundle_s)
+    full = (1 << m) - 1
+    if not np.isfinite(finish[full]):
+        return [], float("inf")
+    order, S = [], full
+    while S:
+        g = int(last[S])
+        order.append(g)
+        S ^= 1 << g
+    return order[::-1], float(finish[full])
+
+
+def _numpy_dp(m: int, P: np.ndarray, h: np.ndarray, bundle_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The same DP vectorised per set size with numpy (no pruning): the fallback where the
+    compiled kernel is unavailable, and the cross-check of the tests."""
     n = 1 << m
     finish = np.full(n, np.inf)
     finish[0] = 0.0
@@ -321,12 +368,24 @@ def _exact_dp(m: int, P: np.ndarray, h: np.ndarray, bundle_s: np.ndarray) -> tup
             upd = nxt[better]
             finish[upd] = cand[better]
             last[upd] = g
-    order, S = [], n - 1
-    while S:
-        g = int(last[S])
-        order.append(g)
-        S ^= 1 << g
-    return order[::-1], float(finish[n - 1])
+    return finish, last
+
+
+_KERNEL: list = []
+
+
+def _compiled_kernel():
+    """The DP as a compiled loop (flight/recovery/dp_kernel.py, numba), or None where numba is
+    unavailable or OW_PLANNER_NO_JIT is set (then the numpy version runs)."""
+    if not _KERNEL:
+        kernel = None
+        if not os.environ.get("OW_PLANNER_NO_JIT"):
+            try:
+                from .dp_kernel import subset_dp as kernel
+            except ImportError:  # pragma: no cover - numba is a dependency; plan without it anyway
+                kernel = None
+        _KERNEL.append(kernel)
+    return _KERNEL[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,44 +404,66 @@ class Solution:
     seconds: float           # planning time
 
 
-def solve(problem: RecoveryProblem, costs: BlockCosts | None = None) -> Solution:
-    """The DP over group orders, then the two fixed read orders (chunk-first, layer-first)
-    with the best compute order as a floor: a fixed order can interleave one group's reads
-    between another's, outside the family the DP searches (docs/recovery.md §5.4)."""
+def solve(problem: RecoveryProblem, costs: BlockCosts | None = None, *, full: bool = False) -> Solution:
+    """The fixed read orders (chunk-first, layer-first) with the best compute order, then the DP
+    over group orders: a fixed order can interleave one group's reads between another's, outside
+    the family the DP searches (docs/recovery.md §3), so the best of all three is kept.
+
+    Fast paths (default): when layer-first's own plan meets the lower bound nothing can beat it
+    and the DP is skipped (the common case: an interrupted prefill leaves a staircase); otherwise
+    the DP prunes every set that cannot finish before the best fixed plan. `full=True` runs the
+    whole DP without either shortcut, so that `group_order_makespan` is the exact optimum over
+    group orders (tests, the family-gap benchmark)."""
     from .plan import chunk_first, layer_first
     from .simulate import simulate
 
     t0 = time.perf_counter()
     s = analyse(problem, costs)
+    bound = lower_bound(problem, structure=s)
+    read_end = s.total_read_s
+    plain = layer_first(problem)
+    plain_value = simulate(plain, problem, s.costs).makespan
+    as_optimal = RecoveryPlan("optimal", plain.reads, plain.computes)
+    if not full and plain_value <= bound * (1 + 1e-9):
+        # Layer-first's read order is dominated by the group order 0, 1, ... (§3), which
+        # therefore meets the bound too: that is the best group order's makespan.
+        return Solution(as_optimal, plain_value, plain_value, list(s.active), "layer-first (meets the bound)",
+                        True, read_end, bound, time.perf_counter() - t0)
+    fixed_best = (np.inf, None, "")
+    for fixed in (chunk_first, layer_first):
+        reads = fixed(problem).reads
+        candidate = RecoveryPlan("optimal", reads, best_compute_order(problem, reads, s.costs, s.kind))
+        value = simulate(candidate, problem, s.costs).makespan
+        if value < fixed_best[0] * (1 - 1e-12):
+            fixed_best = (value, candidate, f"{fixed.__name__.replace('_', '-')} reads")
     m = len(s.active)
     exact = m <= MAX_EXACT_GROUPS
     order_pos, compute_end = [], 0.0
     if m:
         best = (np.inf, [])
+        prune_at = np.inf if full else min(fixed_best[0], plain_value)
         for parts in partitions(m, MAX_EXACT_GROUPS):
             P, h = batch_tables(s, parts)
-            part_order, finish = _exact_dp(len(parts), P, h, _part_bundles(s, parts))
+            part_order, finish = _exact_dp(len(parts), P, h, _part_bundles(s, parts), prune_at)
             if finish < best[0]:
                 best = (finish, [i for x in part_order for i in parts[x]])
         compute_end, order_pos = best
-    order = [s.active[i] for i in order_pos]
-    read_end = s.total_read_s
-    dp_makespan = max(compute_end, read_end)
-    plan, makespan, chosen = plan_for_group_order(problem, order, structure=s), dp_makespan, "group order"
-    for fixed in (chunk_first, layer_first):
-        reads = fixed(problem).reads
-        candidate = RecoveryPlan("optimal", reads, best_compute_order(problem, reads, s.costs, s.kind))
-        value = simulate(candidate, problem, s.costs).makespan
-        if value < makespan * (1 - 1e-12):
-            plan, makespan, chosen = candidate, value, f"{fixed.__name__.replace('_', '-')} reads"
+    if np.isfinite(compute_end):
+        order = [s.active[i] for i in order_pos]
+        dp_makespan = max(compute_end, read_end)
+        plan, makespan, chosen = plan_for_group_order(problem, order, structure=s), dp_makespan, "group order"
+    else:  # pruned: no group order beats the fixed plans; report the ascending order's value
+        order = list(s.active)
+        plan = plan_for_group_order(problem, order, structure=s)
+        dp_makespan = makespan = simulate(plan, problem, s.costs).makespan
+        chosen = "group order"
+    if fixed_best[0] < makespan * (1 - 1e-12):
+        makespan, plan, chosen = fixed_best
     # On a tie, run the plain layer-first plan: same makespan under the model, and an order that
     # operators (and the measurements beside it) already know.
-    plain = layer_first(problem)
-    value = simulate(plain, problem, s.costs).makespan
-    if value <= makespan * (1 + 1e-9):
-        plan, makespan, chosen = RecoveryPlan("optimal", plain.reads, plain.computes), value, "layer-first (tie)"
-    return Solution(plan, makespan, dp_makespan, order, chosen, exact, read_end,
-                    lower_bound(problem, structure=s), time.perf_counter() - t0)
+    if plain_value <= makespan * (1 + 1e-9):
+        plan, makespan, chosen = as_optimal, plain_value, "layer-first (tie)"
+    return Solution(plan, makespan, dp_makespan, order, chosen, exact, read_end, bound, time.perf_counter() - t0)
 
 
 def partitions(m: int, limit: int) -> list[list[list[int]]]:

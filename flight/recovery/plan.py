@@ -16,16 +16,18 @@ result. The fresh (uninterrupted) run is the special case with no durable blocks
 from __future__ import annotations
 
 import hashlib
-
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 class PlanError(ValueError):
     pass
 
 
-@dataclass(frozen=True)
-class ReadOp:
+class ReadOp(NamedTuple):
+    """One read of a plan. A named tuple, not a dataclass: planners build and hash tens of
+    thousands of these, and a tuple's construction and hash are several times cheaper."""
+
     what: str          # "weights" | "kv" | "hidden"
     group: int
     chunk: int = -1
@@ -34,8 +36,7 @@ class ReadOp:
         return f"read {self.what} g{self.group}" + (f" c{self.chunk}" if self.chunk >= 0 else "")
 
 
-@dataclass(frozen=True)
-class ComputeOp:
+class ComputeOp(NamedTuple):
     group: int
     chunk: int
     kind: str = "block"   # "block": run the group's layers on the chunk; "reproject": rebuild the
@@ -63,9 +64,22 @@ class RecoveryProblem:
     def last(self) -> tuple[int, int]:
         return (self.num_groups - 1, self.num_chunks - 1)
 
+    def _key(self) -> tuple:
+        return (self.num_groups, self.num_chunks, frozenset(self.done), frozenset(self.with_hidden),
+                self.need_last_hidden, frozenset(self.kv_missing))
+
     def must_compute(self) -> set[tuple[int, int]]:
         """Blocks to compute: those without a record, plus any done block whose boundary hidden
-        state is needed by a computed successor (or by the first-token logits) but not stored."""
+        state is needed by a computed successor (or by the first-token logits) but not stored.
+        (Remembered for the problem's current content: planners ask for it many times.)"""
+        key = self._key()
+        memo = self.__dict__.get("_must_compute_memo")
+        if memo is None or memo[0] != key:
+            memo = (key, frozenset(self._must_compute()))
+            self.__dict__["_must_compute_memo"] = memo
+        return set(memo[1])
+
+    def _must_compute(self) -> set[tuple[int, int]]:
         todo = {(g, c) for g in range(self.num_groups) for c in range(self.num_chunks)} - self.done
         if self.need_last_hidden and self.last not in self.with_hidden:
             todo.add(self.last)

@@ -16,6 +16,7 @@ after one that needs it) raises PlanError: the executor would deadlock or fail o
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 from .cost import BlockCosts
@@ -54,7 +55,13 @@ def read_timeline(reads: list[ReadOp], costs: BlockCosts) -> tuple[dict[ReadOp, 
     return ends, spans, t
 
 
-def simulate(plan: RecoveryPlan, problem: RecoveryProblem, costs: BlockCosts | None = None) -> Schedule:
+def simulate(plan: RecoveryPlan, problem: RecoveryProblem, costs: BlockCosts | None = None, *,
+             compute_from: float = 0.0, after_compute=None) -> Schedule:
+    """The schedule of `plan` (reads from time 0). `compute_from`: the compute unit starts no
+    earlier (e.g. the reader's finish, for a restore that reads everything before computing).
+    `after_compute(op, end) -> free`: when the compute unit is free again after `op` ended at
+    `end` (a synchronous checkpoint write, or waiting for room in the writer's queue); the
+    lifecycle simulator (hil/sim) uses both."""
     costs = costs if costs is not None else BlockCosts.for_problem(problem)
     read_end, read_spans, reader_done = read_timeline(plan.reads, costs)
     scheduled = {(op.group, op.chunk): op.kind for op in plan.computes}
@@ -68,9 +75,11 @@ def simulate(plan: RecoveryPlan, problem: RecoveryProblem, costs: BlockCosts | N
             if (g, c) not in scheduled:
                 t = max(t, read_end.get(ReadOp("kv", g, c), float("inf")))
         kv_ready_below.append(ready)
-        jobs_below.append(sorted(c for (gg, c) in scheduled if gg == g))
+        jobs_below.append([])
+    for (g, c) in sorted(scheduled):
+        jobs_below[g].append(c)
     computed: dict[tuple[int, int], float] = {}
-    free, busy, stall = 0.0, 0.0, 0.0
+    free, busy, stall = compute_from, 0.0, 0.0
     spans = []
 
     def read_ready(op: ReadOp, needed_by: ComputeOp) -> float:
@@ -85,30 +94,43 @@ def simulate(plan: RecoveryPlan, problem: RecoveryProblem, costs: BlockCosts | N
         except KeyError:
             raise PlanError(f"{needed_by} waits for g{block[0]} c{block[1]}, computed later or never") from None
 
+    # finish times of each group's jobs, aligned with jobs_below (None: not computed yet)
+    job_end = [[None] * len(chunks) for chunks in jobs_below]
+    job_pos = {(g, c): i for g, chunks in enumerate(jobs_below) for i, c in enumerate(chunks)}
+    compute_s = costs.compute_s
     for op in plan.computes:
-        g, c = op.group, op.chunk
+        g, c, kind = op
         if (g, c) in computed:
             raise PlanError(f"{op} appears twice")
         ready = read_ready(ReadOp("weights", g), op)
-        if op.kind == "block":
+        if kind == "block":
             kv = kv_ready_below[g][c]
             if kv == float("inf"):
                 unread = next(ReadOp("kv", g, cc) for cc in range(c)
                               if (g, cc) not in scheduled and ReadOp("kv", g, cc) not in read_end)
                 read_ready(unread, op)
-            ready = max(ready, kv)
-            for cc in jobs_below[g]:
-                if cc >= c:
-                    break
-                ready = max(ready, computed_ready((g, cc), op))
+            if kv > ready:
+                ready = kv
+            earlier = job_end[g][:bisect.bisect_left(jobs_below[g], c)]
+            if earlier:
+                if None in earlier:
+                    cc = jobs_below[g][earlier.index(None)]
+                    computed_ready((g, cc), op)
+                latest = max(earlier)
+                if latest > ready:
+                    ready = latest
         if g > 0:
-            ready = max(ready, computed_ready((g - 1, c), op) if scheduled.get((g - 1, c)) == "block"
-                        else read_ready(ReadOp("hidden", g - 1, c), op))
-        start = max(free, ready)
+            dep = computed_ready((g - 1, c), op) if scheduled.get((g - 1, c)) == "block" \
+                else read_ready(ReadOp("hidden", g - 1, c), op)
+            if dep > ready:
+                ready = dep
+        start = free if free > ready else ready
         stall += start - free
-        free = start + costs.compute_s(g, c, op.kind)
-        busy += free - start
-        computed[(g, c)] = free
-        spans.append((op, start, free))
+        end = start + compute_s(g, c, kind)
+        busy += end - start
+        computed[(g, c)] = end
+        job_end[g][job_pos[(g, c)]] = end
+        spans.append((op, start, end))
+        free = end if after_compute is None else after_compute(op, end)
     return Schedule(makespan=max(free, reader_done), read_end=reader_done, compute_end=free, compute_busy=busy,
                     stall=stall, reads=read_spans, computes=spans)

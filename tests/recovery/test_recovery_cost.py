@@ -90,7 +90,7 @@ def tiny_model(tmp_path_factory):
 def test_calibration_measures_and_caches(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("OW_CACHE_DIR", str(tmp_path / "cache"))
     measured = cost.calibrate(model=tiny_model, group=2, scratch_dir=str(tmp_path))
-    assert measured.meta["seconds"] < 5.0
+    assert measured.meta["seconds"] > 0  # how long it took is the bench's business, not a test's (rule 4)
     assert measured.read_bytes_per_s > 1e7 and measured.meta["read_samples"] >= 10
     assert measured.layer_call_s > 0 or measured.token_layer_s > 0
     assert measured.num_layers == tiny_model.adapter.num_layers

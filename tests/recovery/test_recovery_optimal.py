@@ -26,7 +26,7 @@ def brute_force_group_orders(problem):
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(problems(), problems(reprojections=True)))
 def test_dp_equals_brute_force_over_group_orders(problem):
-    sol = solve(problem)
+    sol = solve(problem, full=True)
     sol.plan.validate(problem)
     assert sol.exact
     assert sol.group_order_makespan == pytest.approx(brute_force_group_orders(problem), rel=TOL, abs=TOL)
@@ -34,6 +34,11 @@ def test_dp_equals_brute_force_over_group_orders(problem):
     # the DP's own plan scores what the DP says
     dp_plan = plan_for_group_order(problem, sol.group_order)
     assert simulate(dp_plan, problem).makespan == pytest.approx(sol.group_order_makespan, rel=TOL, abs=TOL)
+    # the fast paths (early exit at the bound, pruned DP) find a plan exactly as good
+    fast = solve(problem)
+    fast.plan.validate(problem)
+    assert fast.makespan == pytest.approx(sol.makespan, rel=TOL, abs=TOL)
+    assert simulate(fast.plan, problem).makespan == pytest.approx(fast.makespan, rel=TOL, abs=TOL)
 
 
 @settings(max_examples=200, deadline=None)
@@ -95,7 +100,7 @@ def test_bundle_order_and_trailing_reads_are_dominant(problem, rnd):
     if problem.kv_missing:
         return
     s = analyse(problem)
-    sol = solve(problem)
+    sol = solve(problem, full=True)
     order = list(sol.group_order)
     for _ in range(5):
         reads = []
@@ -158,9 +163,11 @@ def test_36_layers_in_groups_of_two_plan_exactly():
 
 def test_many_groups_plan_over_merged_runs():
     p = staircase(36, 6, 0.5)  # G = 1 on a 36-layer model: 2^36 sets is out of reach
-    sol = solve(p)
+    sol = solve(p, full=True)
     sol.plan.validate(p)
     assert not sol.exact
+    fast = solve(p)  # a staircase: layer-first meets the bound, provably optimal, no DP run
+    assert fast.chosen == "layer-first (meets the bound)" and fast.makespan == pytest.approx(fast.lower_bound)
     assert sol.makespan <= simulate(make_plan("chunk-first", p), p).makespan + TOL
     assert all(len(parts) <= 20 and sorted(sum(parts, [])) == list(range(36)) for parts in partitions(36, 20))
     assert partitions(5, 20) == [[[0], [1], [2], [3], [4]]]
