@@ -24,6 +24,7 @@ from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from common import log
+from common.wire.ids import MAX_PACKET_BYTES
 
 SERVER_NAME = "bus"
 DEFAULT_CLIENTS = ("ground", "payload")
@@ -31,6 +32,10 @@ DEFAULT_CLIENTS = ("ground", "payload")
 ZAP_DOMAIN = "orbitweaver"
 #: How long close() may keep trying to deliver queued packets.
 LINGER_MS = 500
+#: Largest ZeroMQ message a socket takes (ZMQ_MAXMSGSIZE): one packet plus headroom. A peer that
+#: sends more is disconnected by libzmq before the message is buffered, so even an authorized
+#: client cannot make a bus or payload allocate more than this per message.
+MAX_MESSAGE_BYTES = MAX_PACKET_BYTES + 1024
 
 _log = log.get("wire.link")
 
@@ -230,6 +235,7 @@ def start_authenticator(context: zmq.Context, layout: KeyLayout) -> CurveAuthent
 
 def _common_options(sock: zmq.Socket) -> None:
     sock.linger = LINGER_MS
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
     # Detect a dead peer (a payload killed by a power cut) within seconds, not at TCP timeout.
     sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
