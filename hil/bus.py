@@ -489,6 +489,9 @@ class Bus:
         self.last_seen: float | None = None
         self.gap_reported = False
         self.power_count = 0
+        #: whether the payload's last power-off was FDIR's answer to a payload failure (told to the
+        #: next boot: its health and safety counts only such exits against what it was handling)
+        self.last_off_fault = False
         # FDIR telemetry channels
         self.fdir_mode = FdirMode.NOMINAL
         self.fault_count = 0
@@ -708,6 +711,7 @@ class Bus:
             return
         self.payload_rid = None
         self.powered_at = None
+        self.last_off_fault = origin == "fdir"
         self.buslog.write(bl.POWER_OFF, **self._stamp(now), cause=cause.value, origin=origin, pid=pid,
                           was_on=was_on, power_cycle=self.power_count, payload_write_bytes=write_bytes)
         _log.info("bus_power_off", trace_s=round(self.clock.trace_s(now), 3), cause=cause.value, origin=origin, pid=pid)
@@ -1007,7 +1011,8 @@ class Bus:
                           queued=len(self.store))
         _log.info("bus_payload_connected", link=self.link_id, boot_count=boot_count, queued=len(self.store))
         self._to_payload(self._bus_packet(m.PowerStateChange(trace_time_s=self.clock.clock_s(now), payload_on=True,
-                                                             cause=PowerCause.RESTORED)))
+                                                             cause=PowerCause.RESTORED,
+                                                             after_fault=self.last_off_fault)))
         if self.pending_warning is not None:
             self._warn(redelivered=True)
 
