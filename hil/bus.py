@@ -232,15 +232,30 @@ class BusConfig:
 
 
 class TraceClock:
-    """Trace time against the monotonic clock: trace second t is at t0 + (t - start_at) × scale."""
+    """Trace time against the monotonic clock: trace second t is at t0 + (t - start_at) × scale.
+
+    `hold` stops trace time (a replay waiting for the payload to reach the point the recording
+    had reached by then, hil/replay.py); `release` lets it run on from where it stopped."""
 
     def __init__(self, time_scale: float, start_at_s: float, t0: float | None = None):
         self.scale = float(time_scale)
         self.start_at_s = float(start_at_s)
         self.t0 = time.monotonic() if t0 is None else t0
+        self.held_at: float | None = None
+
+    def hold(self, now: float) -> None:
+        if self.held_at is None:
+            self.held_at = now
+
+    def release(self, now: float) -> None:
+        if self.held_at is not None:
+            self.t0 += now - self.held_at
+            self.held_at = None
 
     def trace_s(self, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
+        if self.held_at is not None:
+            now = min(now, self.held_at)
         return self.start_at_s + (now - self.t0) / self.scale
 
     def clock_s(self, now: float | None = None) -> float:
@@ -248,8 +263,9 @@ class TraceClock:
         return self.trace_s(now) * self.scale
 
     def at(self, trace_s: float) -> float:
-        """Monotonic time at which trace second `trace_s` happens."""
-        return self.t0 + (trace_s - self.start_at_s) * self.scale
+        """Monotonic time at which trace second `trace_s` happens (never, while held past it)."""
+        t = self.t0 + (trace_s - self.start_at_s) * self.scale
+        return math.inf if self.held_at is not None and t > self.held_at else t
 
 
 @dataclass(frozen=True)
@@ -329,9 +345,12 @@ class Bus:
     """The mock spacecraft bus. Not thread-safe: one thread calls start() and run(); any thread
     may call request_stop()."""
 
-    def __init__(self, config: BusConfig, switch: PowerSwitch | None = None):
+    def __init__(self, config: BusConfig, switch: PowerSwitch | None = None, pacer=None):
         config.validate()
         self.config = config
+        #: replays only: an object whose `step(bus, now)` runs every loop and whose
+        #: `payload_message(bus, message, now)` sees every payload packet; it may hold the clock
+        self.pacer = pacer
         self.data_dir = Path(config.data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.layout = KeyLayout(Path(config.keys_dir))
@@ -536,6 +555,8 @@ class Bus:
 
     def _step(self) -> None:
         now = time.monotonic()
+        if self.pacer is not None:
+            self.pacer.step(self, now)
         if self.config.skip_idle:
             self._skip_idle(now)
             now = time.monotonic()
@@ -980,6 +1001,8 @@ class Bus:
             return
         if self.switch.is_on() and received.routing_id != self.payload_rid:
             self._payload_connected(received.routing_id, message, now)
+        if self.pacer is not None:
+            self.pacer.payload_message(self, message, now)
         if received.routing_id == self.payload_rid:
             if self.last_seen is not None and now - self.last_seen > self.config.heartbeat_gap_log_s:
                 self.buslog.write(bl.HEARTBEAT_GAP, **self._stamp(now), gap_s=round(now - self.last_seen, 3),
@@ -1133,8 +1156,8 @@ class BusThread:
             bus.endpoints.commands ...
     """
 
-    def __init__(self, config: BusConfig, switch: PowerSwitch | None = None):
-        self.bus = Bus(config, switch)
+    def __init__(self, config: BusConfig, switch: PowerSwitch | None = None, pacer=None):
+        self.bus = Bus(config, switch, pacer)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name="mock-bus", daemon=True)
 
