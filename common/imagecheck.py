@@ -141,6 +141,8 @@ def open_reduced(source, name: str, limits: ProcessorLimits | None):
     from PIL import Image
 
     fp = io.BytesIO(source) if isinstance(source, (bytes, bytearray, memoryview)) else source
+    # PIL's own bomb guard warns from 89 megapixels; `plan` holds the payload's limits instead.
+    Image.MAX_IMAGE_PIXELS = max(Image.MAX_IMAGE_PIXELS or 0, MAX_IMAGE_PIXELS)
     with DECODE_LOCK:
         try:
             with Image.open(fp) as im:

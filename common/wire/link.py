@@ -236,9 +236,15 @@ def start_authenticator(context: zmq.Context, layout: KeyLayout) -> CurveAuthent
 def _common_options(sock: zmq.Socket) -> None:
     sock.linger = LINGER_MS
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-    # Detect a dead peer (a payload killed by a power cut) within seconds, not at TCP timeout.
-    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+    # Detect a dead peer (a board whose power was cut: no FIN ever comes) within seconds, not at
+    # the TCP timeout -- with the kernel's TCP keepalive, not ZMTP heartbeats: libzmq 4.3.5 aborts
+    # (`_input_stopped`, stream_engine_base.cpp) or drops the connection when a heartbeat timer
+    # fires while a flood has filled the receive queue, so a peer that outpaces a slow reader
+    # (one fsync per command) could crash the bus or the payload (docs/wire-protocol.md §7).
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 2)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
 
 
 def server_socket(context: zmq.Context, socket_type: int, layout: KeyLayout, endpoint: str) -> zmq.Socket:
