@@ -153,7 +153,7 @@ class AnchorPacer:
     there first. An anchor not reached within `hold_limit_s` of wall time is given up (the run
     diverges; the comparison will say where)."""
 
-    def __init__(self, anchors: list[Anchor], hold_limit_s: float = 120.0):
+    def __init__(self, anchors: list[Anchor], hold_limit_s: float = 600.0):
         self.pending = deque(anchors)
         self.hold_limit_s = hold_limit_s
         self.seen: set[tuple] = set()
