@@ -55,6 +55,8 @@ from common.wire import (
 )
 from common.wire import messages as m
 from common.wire.errors import RequestRef
+from common.wire.ids import MAX_EVENT_TEXT_BYTES
+from common.wire.text import clip_utf8
 from common.wire.link import (
     Endpoints,
     KeyLayout,
@@ -694,7 +696,7 @@ class Bus:
     def _switch_failed(self, action: str, exc: Exception) -> None:
         self.next_switch_attempt = time.monotonic() + SWITCH_RETRY_S
         self.fault_count += 1
-        self.last_fault = f"power switch {action} failed: {exc}"[:500]
+        self.last_fault = clip_utf8(f"power switch {action} failed: {exc}", MAX_EVENT_TEXT_BYTES)
         self.buslog.write(bl.SWITCH_ERROR, **self._stamp(), action=action, error=str(exc)[:500])
         _log.error("bus_power_switch_failed", action=action, error=str(exc))
         self._publish_fdir()
@@ -744,7 +746,7 @@ class Bus:
         """Power-cycle the payload: cut it now, power it again after fdir_off_s (if the trace
         still has it on then)."""
         self.fault_count += 1
-        self.last_fault = reason[:500]
+        self.last_fault = clip_utf8(reason, MAX_EVENT_TEXT_BYTES)
         self.fdir_mode = FdirMode.SAFE
         self.buslog.write(bl.FDIR_ACTION, **self._stamp(now), action="power_cycle", reason=reason,
                           off_s=self.config.fdir_off_s, fault_count=self.fault_count)

@@ -480,6 +480,7 @@ class FlightApp(CommandHandlers):
 
     # ---- main loop ------------------------------------------------------------------------------------
     def run(self) -> int:
+        self.health.arm_crash_record()
         self.state.counters.boot_count += 1
         self.state.save()
         ctx = zmq.Context.instance()

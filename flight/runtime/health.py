@@ -110,7 +110,6 @@ class Health:
         self._inflight_fd = os.open(self.inflight_path, os.O_RDWR | os.O_CREAT, 0o644)
         for slot in range(SLOTS):
             self._write_slot(slot, None)
-        self._arm_crash_record()
         if previous:
             if crash:
                 self._count(previous, f"boot {boot - 1} crashed: {crash}")
@@ -198,9 +197,10 @@ class Health:
         lines = [line for line in text.splitlines() if line.strip()]
         return lines[0] if lines else ""
 
-    def _arm_crash_record(self) -> None:
-        """faulthandler writes a fatal signal's traceback here; the exception hooks write one
-        line for an exception that escaped everything else."""
+    def arm_crash_record(self) -> None:
+        """From now on faulthandler writes a fatal signal's traceback to `crash.log` and the
+        exception hooks one line for an exception that escaped everything else (called by the
+        payload process as it starts; process-wide, so not by an in-process test's Health)."""
         self._crash_file = open(self.crash_path, "a", buffering=1)
         faulthandler.enable(file=self._crash_file, all_threads=True)
         previous_hook, previous_thread_hook = sys.excepthook, threading.excepthook
