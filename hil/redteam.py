@@ -159,6 +159,16 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _finished(report, frames: int, codes: Counter, rss_start: int | None, start: float):
+    """Fill in a fuzzer report's totals: frames, rejections by code, memory growth after the
+    warm-up, time."""
+    report.frames = frames
+    report.rejected = dict(codes.most_common())
+    report.rss_growth_bytes = _rss_bytes() - (rss_start or _rss_bytes())
+    report.seconds = time.perf_counter() - start
+    return report
+
+
 # --- the decoder ---------------------------------------------------------------------------------
 
 
@@ -201,11 +211,7 @@ def fuzz_decoder(frames: int, seed: int = 0, progress=None) -> DecoderFuzzReport
             rss_start = _rss_bytes()  # after warm-up: growth past here is a leak
         if progress and i and i % 100_000 == 0:
             progress(f"decoder: {i} frames, {len(report.defects)} defects")
-    report.frames = frames
-    report.rejected = dict(codes.most_common())
-    report.rss_growth_bytes = _rss_bytes() - (rss_start or _rss_bytes())
-    report.seconds = time.perf_counter() - start
-    return report
+    return _finished(report, frames, codes, rss_start, start)
 
 
 # --- the payload's dispatch ----------------------------------------------------------------------
@@ -295,11 +301,7 @@ def fuzz_dispatch(frames: int, seed: int, workdir: str, progress=None) -> Dispat
             rss_start = _rss_bytes()
         if progress and i and i % 50_000 == 0:
             progress(f"dispatch: {i} frames, {len(report.verdict_violations) + len(report.escaped)} defects")
-    report.frames = frames
-    report.rejected = dict(codes.most_common())
-    report.rss_growth_bytes = _rss_bytes() - (rss_start or _rss_bytes())
-    report.seconds = time.perf_counter() - start
-    return report
+    return _finished(report, frames, codes, rss_start, start)
 
 
 def to_dict(report) -> dict:

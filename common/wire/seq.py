@@ -159,8 +159,8 @@ class DurableSequenceCounter(SequenceCounter):
     def rebase(self, apid: int, seq: int) -> None:
         with self._lock:
             super().rebase(apid, seq)
-            # Numbers from here on are handed out again: reserve afresh before the first one.
-            self._reserved_until.pop(apid, None)
+            # Numbers from here on are handed out again: the reservation on disk moves back too.
+            self._persist(apid, (self.peek(apid) + self.reserve) % SEQ_MODULUS)
 
     def _persist(self, apid: int, reserved_until: int) -> None:
         state = {**self._reserved_until, apid: reserved_until}
