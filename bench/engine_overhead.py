@@ -63,13 +63,12 @@ def worker(args) -> None:
 
     from flight.checkpoint.policies import Geometry
     from flight.engine import Engine, EngineOptions
-    from flight.model.inputs import build_inputs, load_image
+    from flight.model.inputs import inputs_from_files
     from flight.model.loader import load_model
 
     torch.set_num_threads(args.threads)
     model = load_model(args.model, device="cpu")
-    inputs = build_inputs(model.tokenizer, model.image_processor, [load_image(p) for p in args.image],
-                          args.prompt, model.adapter.image_token_id)
+    inputs = inputs_from_files(model, args.image, args.prompt)
     geometry = Geometry(chunk=args.chunk, group=args.group, decode_every=args.decode_every,
                         vision_every=args.vision_every)
     start = time.perf_counter()

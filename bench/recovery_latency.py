@@ -55,10 +55,9 @@ def drop_cache(paths) -> None:
 
 
 def _inputs(model, images, prompt):
-    from flight.model.inputs import build_inputs, load_image
+    from flight.model.inputs import inputs_from_files
 
-    return build_inputs(model.tokenizer, model.image_processor, [load_image(p) for p in images], prompt,
-                        model.adapter.image_token_id)
+    return inputs_from_files(model, images, prompt)
 
 
 def make_checkpoint(model_dir, images, prompt, geometry, fraction, out, policy="orbitweaver") -> dict:

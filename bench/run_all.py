@@ -60,7 +60,7 @@ def bytes_and_energy(model_dir: str, images_by_size: dict, prompt: str, rounds: 
     """Uninterrupted run of every policy; bytes written and the power-model energy."""
     from flight.checkpoint.policies import Geometry
     from flight.engine import Engine, EngineOptions
-    from flight.model.inputs import build_inputs, load_image
+    from flight.model.inputs import inputs_from_files
     from flight.model.loader import load_model
     from hil.testbench import PowerModel
 
@@ -68,8 +68,7 @@ def bytes_and_energy(model_dir: str, images_by_size: dict, prompt: str, rounds: 
     out = {}
     model = load_model(model_dir, device="cpu")
     for label, images in images_by_size.items():
-        inputs = build_inputs(model.tokenizer, model.image_processor, [load_image(p) for p in images], prompt,
-                              model.adapter.image_token_id)
+        inputs = inputs_from_files(model, images, prompt)
         rows, walls = {}, {}
         for round_ in range(rounds):  # interleaved rounds, the fastest of each: less noise than one run
             for policy in ("none",) + POLICIES + STRENGTHENED:
@@ -90,14 +89,13 @@ def decode_compression(model_dir: str, images: list, prompt: str) -> dict:
     and how far the answer moves."""
     from flight.checkpoint.policies import Geometry
     from flight.engine import Engine, EngineOptions, SimulatedCut
-    from flight.model.inputs import build_inputs, load_image
+    from flight.model.inputs import inputs_from_files
     from flight.model.loader import load_model
 
     geometry = Geometry(256, 4, 16, 2)
     n = 64
     model = load_model(model_dir, device="cpu")
-    inputs = build_inputs(model.tokenizer, model.image_processor, [load_image(p) for p in images], prompt,
-                          model.adapter.image_token_id)
+    inputs = inputs_from_files(model, images, prompt)
     with tempfile.TemporaryDirectory(dir=os.path.join(ROOT, "runs")) as d:
         ref = Engine(model, EngineOptions(geometry=geometry)).run(inputs, d, n)
     out = {}

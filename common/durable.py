@@ -8,10 +8,32 @@ that benchmarks can emulate a target device's storage bandwidth (see docs/benchm
 from __future__ import annotations
 
 import errno
+import itertools
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
+
+#: Temporary files of write_atomic: `.<name>.<pid>.<thread>.<n>.tmp`, unique per writer, so two
+#: threads (or processes) replacing the same file never write, rename or remove each other's.
+_TEMP_RE = re.compile(r"^\..+\.(\d+)\.\d+\.\d+\.tmp$")
+_temp_numbers = itertools.count()
+
+
+def temp_name(path: str) -> str:
+    directory, name = os.path.split(path)
+    return os.path.join(directory, f".{name}.{os.getpid()}.{threading.get_ident()}.{next(_temp_numbers)}.tmp")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _write_all(fd: int, chunks) -> int:
@@ -29,10 +51,13 @@ class DurableFS:
     """Plain POSIX files with explicit fsync of files and directories."""
 
     def write_atomic(self, path: str, chunks) -> int:
-        """write(tmp); fsync(tmp); rename(tmp, path); fsync(dir). Returns bytes written."""
-        directory, name = os.path.split(path)
-        tmp = os.path.join(directory, f".{name}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        """write(tmp); fsync(tmp); rename(tmp, path); fsync(dir). Returns bytes written.
+
+        The temporary file's name is unique to this call (temp_name), so concurrent writers of
+        one path each rename a complete file of their own: the last rename wins, none fails."""
+        directory = os.path.dirname(path)
+        tmp = temp_name(path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             n = _write_all(fd, chunks)
             os.fsync(fd)
@@ -119,6 +144,22 @@ class DurableFS:
 
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
+
+    def remove_stale_temps(self, directory: str) -> int:
+        """Remove write_atomic temporaries left in `directory` by processes that no longer run
+        (a cut between write and rename). Returns how many were removed."""
+        removed = 0
+        for name in self.listdir(directory):
+            found = _TEMP_RE.match(name)
+            if found is None and not (name.startswith(".") and name.endswith(".tmp")):
+                continue
+            if found is not None and int(found.group(1)) != os.getpid() and _pid_alive(int(found.group(1))):
+                continue  # another live process is writing it
+            if found is not None and int(found.group(1)) == os.getpid():
+                continue
+            self.remove(os.path.join(directory, name), sync=False)
+            removed += 1
+        return removed
 
     def listdir(self, path: str) -> list[str]:
         try:

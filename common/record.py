@@ -48,6 +48,8 @@ class Kind(enum.IntEnum):
     HIDDEN_LAYER = 7
     QUEUE_ENTRY = 16
     GUARD_STATE = 17
+    FINISHED_TASK = 18
+    HEALTH_STATE = 19
     BUS_COMMAND = 32
 
 

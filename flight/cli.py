@@ -180,8 +180,10 @@ def cmd_infer(args) -> int:
 
     if options.threads:
         torch.set_num_threads(options.threads)
-    try:
-        images = [load_image(p) for p in args.image]
+    from common.imagecheck import ProcessorLimits
+
+    try:  # decoded as the payload decodes uploads, before the model loads: bad input fails fast
+        images = [load_image(p, ProcessorLimits.of_model_dir(args.model)) for p in args.image]
     except InputError as exc:
         raise CliError(str(exc), EXIT_INPUT) from None
     fs, weight_hook = storage_for(args)

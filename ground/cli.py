@@ -137,6 +137,23 @@ def register(subparsers) -> None:
     p.add_argument("--since", type=int, default=None, metavar="N", help="first print archived packets numbered above N")
     p.add_argument("--heartbeats", action="store_true", help="also print HEARTBEAT packets")
 
+    # health and safety -------------------------------------------------------------------------
+    p = leaf("quarantine", "list quarantined items, or release one",
+             "Without ITEM: send LIST_QUARANTINE and print the commands, tasks and reports the payload holds back "
+             "because boots ended abnormally (or their handler failed) while handling them, with the count and "
+             "the last reason. With --release ITEM: send RELEASE_QUARANTINE; a task is queued again, a report "
+             "sent again, a command handled the next time it arrives.", cmd_quarantine)
+    p.add_argument("--release", metavar="ITEM", help="item id as listed (task:<id>, report:<id>, command:<TYPE>:<digest>)")
+    leaf("lost", "list tasks the payload lost to storage damage",
+         "Send LIST_LOST_TASKS and print the tasks whose state the payload's journal or result store lost (a bit "
+         "flip, a damaged file), and how many damaged bytes its reader skipped. A lost task that never finished "
+         "can be sent again with `ow ground resend TASK`; a finished one answers TASK_LOST.", cmd_lost)
+    p = leaf("resend", "upload a task's images again and re-send the task",
+             "For a task uplinked from this station: upload its images where the payload no longer holds them (an "
+             "image found damaged on board: IMAGE_CORRUPT) and send the same UPLINK_TASK again (the payload takes "
+             "it once). Uses the image files recorded at uplink.", cmd_resend)
+    p.add_argument("task", metavar="TASK")
+
     # ping, cancel, priority -------------------------------------------------------------------
     p = leaf("ping", "PING the payload, print the round-trip time", "Send PING and wait for the PONG with the same key.", cmd_ping)
     p.add_argument("--count", type=int, default=1, metavar="N", help="pings to send, one per second (default: 1)")
@@ -408,4 +425,51 @@ def cmd_priority(args) -> int:
         _print_json({"task_id": args.task, "priority": args.priority})
     else:
         print(f"task {args.task}: priority set to {args.priority}", flush=True)
+    return 0
+
+
+def cmd_quarantine(args) -> int:
+    with _client(args) as client:
+        if args.release:
+            client.release(args.release)
+            if args.json:
+                _print_json({"released": args.release})
+            else:
+                print(f"{args.release}: released from quarantine", flush=True)
+            return 0
+        listing = client.quarantine()
+    if args.json:
+        _print_json({"total": listing.total, "items": [{"item": i, "exits": n, "reason": r} for i, n, r in
+                                                       zip(listing.items, listing.exits, listing.reasons)]})
+    elif not listing.items:
+        print("nothing quarantined", flush=True)
+    else:
+        for item, exits, reason in zip(listing.items, listing.exits, listing.reasons):
+            print(f"{item}  {exits} exit(s)  {reason}", flush=True)
+        if listing.total > len(listing.items):
+            print(f"... {listing.total - len(listing.items)} more", flush=True)
+    return 0
+
+
+def cmd_lost(args) -> int:
+    with _client(args) as client:
+        lost = client.lost_tasks()
+    if args.json:
+        _print_json({"task_ids": list(lost.task_ids), "total": lost.total, "bytes_dropped": lost.bytes_dropped,
+                     "records_dropped": lost.records_dropped, "unnamed": lost.unnamed})
+    else:
+        print(f"{lost.total} task(s) lost: {', '.join(lost.task_ids) or '-'}", flush=True)
+        print(f"journal reader skipped {lost.bytes_dropped} damaged bytes in {lost.records_dropped} region(s); "
+              f"{lost.unnamed} region(s) named no task", flush=True)
+    return 0
+
+
+def cmd_resend(args) -> int:
+    with _client(args, progress=None) as client:
+        result = client.resend(args.task)
+    if args.json:
+        _print_json(result.to_dict())
+    else:
+        sent = sum(i.chunks_sent for i in result.images)
+        print(f"task {result.task_id}: images on board ({sent} chunk(s) sent again), task re-sent", flush=True)
     return 0

@@ -55,6 +55,8 @@ DEFAULT_MAX_NEW_TOKENS = 64
 #: Reports remembered per client (a long campaign must not grow memory without bound).
 REPORT_MEMORY = 65536
 _FINAL_TASK_STATES = ("completed", "failed", "cancelled")
+#: Rejections that mean "our sequence counter is off", fixed by resynchronising and resending.
+_RESYNC_CODES = (ResponseCode.REPLAYED_SEQUENCE, ResponseCode.SEQUENCE_TOO_FAR_AHEAD)
 
 
 def request_dict(ref: RequestRef) -> dict:
@@ -152,6 +154,8 @@ class GroundClient:
         self._pongs: dict[int, tuple[int, float]] = {}
         self._housekeeping: tuple[int, m.Housekeeping] | None = None
         self._results: dict[str, tuple[int, m.TaskResult]] = {}
+        self._quarantine: tuple[int, m.QuarantineList] | None = None
+        self._lost: tuple[int, m.LostTasks] | None = None
         self._task_final: dict[str, tuple[int, m.Verification]] = {}
         self._task_requests: dict[RequestRef, str] = {}
         self._refused_by_bus: set[RequestRef] = set()
@@ -210,6 +214,10 @@ class GroundClient:
             self._housekeeping = (n, msg)
         elif isinstance(msg, m.TaskResult):
             self._results[msg.task_id] = (n, msg)
+        elif isinstance(msg, m.QuarantineList):
+            self._quarantine = (n, msg)
+        elif isinstance(msg, m.LostTasks):
+            self._lost = (n, msg)
         elif isinstance(msg, (m.PowerReport, m.PowerStateChange)):
             self.payload_on = msg.payload_on
             if isinstance(msg, m.PowerStateChange):
@@ -261,7 +269,14 @@ class GroundClient:
 
     def _resync(self, report: m.Rejected) -> None:
         """REPLAYED_SEQUENCE: our counter is behind what the payload has seen from this source
-        (lost state, or another ground process using the same source id). Move past it (§6.4)."""
+        (lost state, or another ground process using the same source id). Move past it (§6.4).
+        SEQUENCE_TOO_FAR_AHEAD: it ran beyond the payload's forward window; continue just after
+        the payload's highest accepted number instead."""
+        if report.code == ResponseCode.SEQUENCE_TOO_FAR_AHEAD:
+            self.state.counter.rebase(Apid.PAYLOAD, report.highest_seq)
+            self._notify(f"payload reports sequence {report.tc_seq} as too far ahead of its highest accepted "
+                         f"{report.highest_seq}; sequence counter rebased, sending again")
+            return
         self.state.counter.advance_past(Apid.PAYLOAD, report.highest_seq)
         self._notify(
             f"payload reports sequence {report.tc_seq} as already used (highest accepted {report.highest_seq}); "
@@ -331,7 +346,7 @@ class GroundClient:
                 self._notify(f"{self._silence(what, self.timeout_s)}; sending again ({stalls}/{retries})")
                 continue
             if isinstance(result, m.Rejected):
-                if result.code == ResponseCode.REPLAYED_SEQUENCE and result.highest_seq is not None and resyncs < 3:
+                if result.code in _RESYNC_CODES and result.highest_seq is not None and resyncs < 3:
                     resyncs += 1
                     refs.remove(result.request)
                     self._resync(result)
@@ -371,6 +386,32 @@ class GroundClient:
         self._transact(m.SetPriority(task_id=task_id, priority=priority), f"SET_PRIORITY {task_id}", completion=True)
         if self.state.task(task_id) is not None:
             self.state.update_task(task_id, priority=priority)
+
+    # --- health and safety ---------------------------------------------------------------------
+    def quarantine(self) -> m.QuarantineList:
+        """LIST_QUARANTINE -> the items the payload holds back after repeated abnormal exits."""
+        _, listing = self._transact(m.ListQuarantine(), "LIST_QUARANTINE",
+                                    reply=lambda mark: self._after(self._quarantine, mark))
+        return listing
+
+    def release(self, item: str) -> None:
+        """RELEASE_QUARANTINE: the payload handles `item` again (a task is queued again)."""
+        self._transact(m.ReleaseQuarantine(item=item), f"RELEASE_QUARANTINE {item}", completion=True)
+
+    def lost_tasks(self) -> m.LostTasks:
+        """LIST_LOST_TASKS -> the tasks the payload lost to storage damage."""
+        _, lost = self._transact(m.ListLostTasks(), "LIST_LOST_TASKS", reply=lambda mark: self._after(self._lost, mark))
+        return lost
+
+    def resend(self, task_id: str) -> UplinkResult:
+        """Upload a known task's images again where the payload lacks them (one found damaged on
+        board, IMAGE_CORRUPT) and send its UPLINK_TASK again (idempotent on the payload)."""
+        task_id = check_operator_name(task_id, "task id")
+        known = self.state.task(task_id)
+        if known is None or not known.get("image_files"):
+            raise LocalInputError(f"task {task_id} was not uplinked from this station (no image files recorded)")
+        return self.uplink(known["image_files"], known["prompt"], max_new_tokens=known["max_new_tokens"],
+                           priority=known.get("priority", 0), task_id=task_id)
 
     # --- images -------------------------------------------------------------------------------
     def query_image(self, name: str) -> m.ImageStatus:
@@ -499,7 +540,7 @@ class GroundClient:
                 if isinstance(verdict, m.Accepted):
                     acked += 1
                     bar.update(len(chunk.data))
-                elif verdict.code == ResponseCode.REPLAYED_SEQUENCE and verdict.highest_seq is not None and resyncs < 3:
+                elif verdict.code in _RESYNC_CODES and verdict.highest_seq is not None and resyncs < 3:
                     resyncs += 1
                     self._resync(verdict)
                     queue.appendleft(chunk.index)

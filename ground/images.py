@@ -21,6 +21,7 @@ from common.wire.ids import (
     MAX_CHUNK_DATA_BYTES,
     MAX_IMAGE_BYTES,
     MAX_IMAGE_CHUNKS,
+    MAX_IMAGE_PIXELS,
     MAX_IMAGES_PER_TASK,
     MAX_NAME_CHARS,
     MAX_NEW_TOKENS,
@@ -35,7 +36,7 @@ from ground.errors import LocalInputError
 NAME_HASH_HEX = 16
 _STEM_CHARS = 32
 # Same pixel budget as the payload's decoder check: larger would be refused on board.
-MAX_PIXELS = 100_000_000
+MAX_PIXELS = MAX_IMAGE_PIXELS
 
 
 @dataclass(frozen=True)
@@ -97,14 +98,15 @@ def prepare_image(path: str) -> PreparedImage:
         raise LocalInputError(f"image {shown}: size changed while reading ({len(content)} bytes)")
     from PIL import Image
 
+    from common.imagecheck import ImageRejected, plan
+
     try:
         with Image.open(io.BytesIO(content)) as im:
             width, height, image_format = im.width, im.height, im.format or "img"
-            if width * height > MAX_PIXELS:
-                raise LocalInputError(f"image {shown}: {width}x{height} pixels, more than the payload decodes ({MAX_PIXELS})")
+            plan(im, f"image {shown}", None)  # the payload's own header checks: pixels, decode budget, shape
             im.load()
-    except LocalInputError:
-        raise
+    except ImageRejected as exc:
+        raise LocalInputError(f"{exc} ({exc.code.name})") from None
     except Exception as exc:  # PIL raises many kinds for bad data (and DecompressionBombError)
         raise LocalInputError(f"image {shown}: not a decodable picture ({type(exc).__name__})") from None
     sha256 = hashlib.sha256(content).digest()

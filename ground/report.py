@@ -117,6 +117,12 @@ def describe(message: m.Message) -> str:
     if isinstance(message, m.PowerStateChange):
         state = "ON" if message.payload_on else "OFF"
         return f"payload power {state} ({message.cause}) (t={message.trace_time_s:.1f} s)"
+    if isinstance(message, m.QuarantineList):
+        items = ", ".join(f"{i} ({n})" for i, n in zip(message.items, message.exits)) or "nothing"
+        return f"{message.total} quarantined: {items}"
+    if isinstance(message, m.LostTasks):
+        return (f"{message.total} task(s) lost: {', '.join(message.task_ids) or '-'}; {message.bytes_dropped} damaged "
+                f"bytes skipped in {message.records_dropped} region(s), {message.unnamed} unnamed")
     return str(to_jsonable(message))
 
 

@@ -80,6 +80,11 @@ class SharedSequenceCounter(DurableSequenceCounter):
             return super().next(apid)
 
 
+    def rebase(self, apid: int, seq: int) -> None:
+        with file_lock(self.lock_path):
+            super().rebase(apid, seq)
+
+
 def _now_iso() -> str:
     now = time.time()
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now * 1000) % 1000:03d}Z"

@@ -55,6 +55,8 @@ from common.wire import (
 )
 from common.wire import messages as m
 from common.wire.errors import RequestRef
+from common.wire.ids import MAX_EVENT_TEXT_BYTES
+from common.wire.text import clip_utf8
 from common.wire.link import (
     Endpoints,
     KeyLayout,
@@ -232,15 +234,30 @@ class BusConfig:
 
 
 class TraceClock:
-    """Trace time against the monotonic clock: trace second t is at t0 + (t - start_at) × scale."""
+    """Trace time against the monotonic clock: trace second t is at t0 + (t - start_at) × scale.
+
+    `hold` stops trace time (a replay waiting for the payload to reach the point the recording
+    had reached by then, hil/replay.py); `release` lets it run on from where it stopped."""
 
     def __init__(self, time_scale: float, start_at_s: float, t0: float | None = None):
         self.scale = float(time_scale)
         self.start_at_s = float(start_at_s)
         self.t0 = time.monotonic() if t0 is None else t0
+        self.held_at: float | None = None
+
+    def hold(self, now: float) -> None:
+        if self.held_at is None:
+            self.held_at = now
+
+    def release(self, now: float) -> None:
+        if self.held_at is not None:
+            self.t0 += now - self.held_at
+            self.held_at = None
 
     def trace_s(self, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
+        if self.held_at is not None:
+            now = min(now, self.held_at)
         return self.start_at_s + (now - self.t0) / self.scale
 
     def clock_s(self, now: float | None = None) -> float:
@@ -248,8 +265,9 @@ class TraceClock:
         return self.trace_s(now) * self.scale
 
     def at(self, trace_s: float) -> float:
-        """Monotonic time at which trace second `trace_s` happens."""
-        return self.t0 + (trace_s - self.start_at_s) * self.scale
+        """Monotonic time at which trace second `trace_s` happens (never, while held past it)."""
+        t = self.t0 + (trace_s - self.start_at_s) * self.scale
+        return math.inf if self.held_at is not None and t > self.held_at else t
 
 
 @dataclass(frozen=True)
@@ -329,9 +347,12 @@ class Bus:
     """The mock spacecraft bus. Not thread-safe: one thread calls start() and run(); any thread
     may call request_stop()."""
 
-    def __init__(self, config: BusConfig, switch: PowerSwitch | None = None):
+    def __init__(self, config: BusConfig, switch: PowerSwitch | None = None, pacer=None):
         config.validate()
         self.config = config
+        #: replays only: an object whose `step(bus, now)` runs every loop and whose
+        #: `payload_message(bus, message, now)` sees every payload packet; it may hold the clock
+        self.pacer = pacer
         self.data_dir = Path(config.data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.layout = KeyLayout(Path(config.keys_dir))
@@ -489,6 +510,9 @@ class Bus:
         self.last_seen: float | None = None
         self.gap_reported = False
         self.power_count = 0
+        #: whether the payload's last power-off was FDIR's answer to a payload failure (told to the
+        #: next boot: its health and safety counts only such exits against what it was handling)
+        self.last_off_fault = False
         # FDIR telemetry channels
         self.fdir_mode = FdirMode.NOMINAL
         self.fault_count = 0
@@ -533,6 +557,8 @@ class Bus:
 
     def _step(self) -> None:
         now = time.monotonic()
+        if self.pacer is not None:
+            self.pacer.step(self, now)
         if self.config.skip_idle:
             self._skip_idle(now)
             now = time.monotonic()
@@ -670,7 +696,7 @@ class Bus:
     def _switch_failed(self, action: str, exc: Exception) -> None:
         self.next_switch_attempt = time.monotonic() + SWITCH_RETRY_S
         self.fault_count += 1
-        self.last_fault = f"power switch {action} failed: {exc}"[:500]
+        self.last_fault = clip_utf8(f"power switch {action} failed: {exc}", MAX_EVENT_TEXT_BYTES)
         self.buslog.write(bl.SWITCH_ERROR, **self._stamp(), action=action, error=str(exc)[:500])
         _log.error("bus_power_switch_failed", action=action, error=str(exc))
         self._publish_fdir()
@@ -708,6 +734,7 @@ class Bus:
             return
         self.payload_rid = None
         self.powered_at = None
+        self.last_off_fault = origin == "fdir"
         self.buslog.write(bl.POWER_OFF, **self._stamp(now), cause=cause.value, origin=origin, pid=pid,
                           was_on=was_on, power_cycle=self.power_count, payload_write_bytes=write_bytes)
         _log.info("bus_power_off", trace_s=round(self.clock.trace_s(now), 3), cause=cause.value, origin=origin, pid=pid)
@@ -719,7 +746,7 @@ class Bus:
         """Power-cycle the payload: cut it now, power it again after fdir_off_s (if the trace
         still has it on then)."""
         self.fault_count += 1
-        self.last_fault = reason[:500]
+        self.last_fault = clip_utf8(reason, MAX_EVENT_TEXT_BYTES)
         self.fdir_mode = FdirMode.SAFE
         self.buslog.write(bl.FDIR_ACTION, **self._stamp(now), action="power_cycle", reason=reason,
                           off_s=self.config.fdir_off_s, fault_count=self.fault_count)
@@ -976,6 +1003,8 @@ class Bus:
             return
         if self.switch.is_on() and received.routing_id != self.payload_rid:
             self._payload_connected(received.routing_id, message, now)
+        if self.pacer is not None:
+            self.pacer.payload_message(self, message, now)
         if received.routing_id == self.payload_rid:
             if self.last_seen is not None and now - self.last_seen > self.config.heartbeat_gap_log_s:
                 self.buslog.write(bl.HEARTBEAT_GAP, **self._stamp(now), gap_s=round(now - self.last_seen, 3),
@@ -1007,7 +1036,8 @@ class Bus:
                           queued=len(self.store))
         _log.info("bus_payload_connected", link=self.link_id, boot_count=boot_count, queued=len(self.store))
         self._to_payload(self._bus_packet(m.PowerStateChange(trace_time_s=self.clock.clock_s(now), payload_on=True,
-                                                             cause=PowerCause.RESTORED)))
+                                                             cause=PowerCause.RESTORED,
+                                                             after_fault=self.last_off_fault)))
         if self.pending_warning is not None:
             self._warn(redelivered=True)
 
@@ -1128,8 +1158,8 @@ class BusThread:
             bus.endpoints.commands ...
     """
 
-    def __init__(self, config: BusConfig, switch: PowerSwitch | None = None):
-        self.bus = Bus(config, switch)
+    def __init__(self, config: BusConfig, switch: PowerSwitch | None = None, pacer=None):
+        self.bus = Bus(config, switch, pacer)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name="mock-bus", daemon=True)
 

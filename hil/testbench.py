@@ -204,12 +204,11 @@ def reference_run(model_dir: str, spec: RequestSpec, cfg: "BenchConfig", scratch
 def _reference_run(model_dir: str, spec: RequestSpec, cfg: BenchConfig, scratch: str) -> dict:
     from flight.checkpoint.policies import Geometry
     from flight.engine import Engine, EngineOptions
-    from flight.model.inputs import build_inputs, load_image
+    from flight.model.inputs import inputs_from_files
     from flight.model.loader import load_model
 
     model = load_model(model_dir, device="cpu")
-    inputs = build_inputs(model.tokenizer, model.image_processor, [load_image(p) for p in spec.images],
-                          spec.prompt, model.adapter.image_token_id)
+    inputs = inputs_from_files(model, list(spec.images), spec.prompt)
     units = {"n": 0}
     geometry = Geometry(cfg.chunk, cfg.group, cfg.decode_every, cfg.vision_every)
     groups = geometry.layer_groups(model.adapter.num_layers)

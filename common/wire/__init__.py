@@ -19,7 +19,8 @@ from common.wire.ids import (
     TlmChannel,
 )
 from common.wire.packet import PacketHeader, decode, decode_header, encode
-from common.wire.seq import DurableSequenceCounter, ReplayGuard, SequenceCounter, SequenceStateError
+from common.wire.seq import DurableSequenceCounter, ReplayGuard, SequenceAheadError, SequenceCounter, SequenceStateError
+from common.wire.text import clip_utf8
 
 __all__ = [
     "AckFlags",
@@ -35,12 +36,14 @@ __all__ = [
     "ReplayGuard",
     "RequestRef",
     "ResponseCode",
+    "SequenceAheadError",
     "SequenceCounter",
     "SequenceStateError",
     "Severity",
     "TaskPhase",
     "TlmChannel",
     "WireError",
+    "clip_utf8",
     "decode",
     "decode_header",
     "encode",

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from common.wire.ids import MAX_REASON_BYTES, ResponseCode
+from common.wire.text import clip_utf8
 
 if TYPE_CHECKING:
     from common.wire.packet import PacketHeader
@@ -26,9 +27,7 @@ def clip_reason(text: str) -> str:
     bytes the offending input contained."""
     safe = text.encode("ascii", "backslashreplace").decode("ascii")
     safe = "".join(ch if 32 <= ord(ch) < 127 else "?" for ch in safe)
-    if len(safe) > MAX_REASON_BYTES:
-        safe = safe[: MAX_REASON_BYTES - 3] + "..."
-    return safe
+    return clip_utf8(safe, MAX_REASON_BYTES)
 
 
 class WireError(Exception):
@@ -62,6 +61,6 @@ class ReplayError(WireError):
     `highest` is the highest sequence number accepted from that (APID, source); the ground may
     advance its counter past it (docs/wire-protocol.md §6.4)."""
 
-    def __init__(self, reason: str, *, highest: int):
-        super().__init__(ResponseCode.REPLAYED_SEQUENCE, reason)
+    def __init__(self, reason: str, *, highest: int, code: ResponseCode = ResponseCode.REPLAYED_SEQUENCE):
+        super().__init__(code, reason)
         self.highest = highest

@@ -58,6 +58,26 @@ MAX_EVENT_TEXT_BYTES: Final[int] = 512
 MAX_REASON_BYTES: Final[int] = 256
 MAX_TIMINGS: Final[int] = 32
 
+# --- health and safety, journal integrity, image and sequence limits (one block) ----------------
+
+#: Telecommand sequence numbers more than this far ahead of the highest accepted one are refused
+#: (SEQUENCE_TOO_FAR_AHEAD, docs/wire-protocol.md §6.3): an old frame can come back as "fresh"
+#: only after 2^30 / FORWARD_WINDOW accepted commands, never after one forward jump.
+SEQ_FORWARD_WINDOW: Final[int] = 4096
+#: Pixels an uploaded picture may declare in its header (width x height), any format.
+MAX_IMAGE_PIXELS: Final[int] = 100_000_000
+#: Bytes the payload may spend decoding one picture at the resolution it decodes it (JPEG
+#: decodes at a reduced scale, other formats at full size), checked from the header before
+#: decoding. 160 MiB: a 40-megapixel RGBA picture.
+MAX_DECODE_BYTES: Final[int] = 160 * 1024 * 1024
+#: Longest side over shortest side that the Qwen-VL image processors accept (smart_resize).
+MAX_ASPECT_RATIO: Final[int] = 200
+#: Quarantine item ids ("task:<id>", "report:<id>", "command:<TYPE>:<digest>").
+MAX_ITEM_BYTES: Final[int] = 128
+#: Entries one QUARANTINE_LIST or LOST_TASKS report carries (the most recent first).
+MAX_LISTED_ITEMS: Final[int] = 64
+MAX_LISTED_TASKS: Final[int] = 256
+
 
 # --- addressing -------------------------------------------------------------------------------
 
@@ -132,6 +152,13 @@ class MessageType(enum.IntEnum):
     SHUTDOWN_WARNING = 0x0404
     POWER_STATE = 0x0405
 
+    # health and safety, journal integrity
+    LIST_QUARANTINE = 0x0114
+    RELEASE_QUARANTINE = 0x0115
+    LIST_LOST_TASKS = 0x0116
+    QUARANTINE_LIST = 0x0307
+    LOST_TASKS = 0x0308
+
     @property
     def is_command(self) -> bool:
         return 0x0100 <= self.value < 0x0200
@@ -202,6 +229,17 @@ class ResponseCode(enum.IntEnum):
     CHECKPOINT_ERROR = 602, "checkpoint store failed"
     INTERNAL_ERROR = 699, "unexpected internal error"
 
+    # health and safety, journal integrity, uplink checks
+    EMPTY_PROMPT = 211, "prompt is empty or only whitespace"
+    SEQUENCE_TOO_FAR_AHEAD = 303, "sequence number further ahead of the highest accepted than the forward window"
+    IMAGE_SHAPE_UNSUPPORTED = 408, "image dimensions or aspect ratio the model's image processor cannot take"
+    IMAGE_CORRUPT = 409, "a stored image no longer matches its SHA-256; the ground must send it again"
+    QUARANTINED = 507, "command, task or report quarantined after repeated abnormal exits"
+    NOT_QUARANTINED = 508, "no quarantined item with this id"
+    TASK_LOST = 509, "task state lost to storage damage; the task is not run again silently"
+    RESULT_EVICTED = 510, "result removed under the payload's results retention budget"
+    HANDLER_FAULT = 603, "the command's handler failed unexpectedly; the payload kept running"
+
 
 # --- events -----------------------------------------------------------------------------------
 
@@ -259,6 +297,19 @@ class EventId(enum.IntEnum):
     DISK_FULL = 0x0501, Severity.WARNING_HI
     THERMAL_LIMIT = 0x0502, Severity.WARNING_HI
     FATAL_ERROR = 0x05FF, Severity.FATAL
+
+    # health and safety, journal integrity
+    COMMAND_FAULT = 0x0600, Severity.WARNING_HI
+    MAIN_LOOP_FAULT = 0x0601, Severity.WARNING_HI
+    WORKER_FAULT = 0x0602, Severity.WARNING_HI
+    REPORT_FAULT = 0x0603, Severity.WARNING_HI
+    ABNORMAL_EXIT = 0x0604, Severity.WARNING_HI
+    ITEM_QUARANTINED = 0x0605, Severity.WARNING_HI
+    QUARANTINE_RELEASED = 0x0606, Severity.ACTIVITY_HI
+    JOURNAL_CORRUPT = 0x0607, Severity.WARNING_HI
+    TASKS_LOST = 0x0608, Severity.WARNING_HI
+    RESULT_EVICTED = 0x0609, Severity.ACTIVITY_LO
+    IMAGE_CORRUPT = 0x060A, Severity.WARNING_HI
 
 
 # --- telemetry channels -----------------------------------------------------------------------

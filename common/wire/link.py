@@ -24,6 +24,7 @@ from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from common import log
+from common.wire.ids import MAX_PACKET_BYTES
 
 SERVER_NAME = "bus"
 DEFAULT_CLIENTS = ("ground", "payload")
@@ -31,6 +32,10 @@ DEFAULT_CLIENTS = ("ground", "payload")
 ZAP_DOMAIN = "orbitweaver"
 #: How long close() may keep trying to deliver queued packets.
 LINGER_MS = 500
+#: Largest ZeroMQ message a socket takes (ZMQ_MAXMSGSIZE): one packet plus headroom. A peer that
+#: sends more is disconnected by libzmq before the message is buffered, so even an authorized
+#: client cannot make a bus or payload allocate more than this per message.
+MAX_MESSAGE_BYTES = MAX_PACKET_BYTES + 1024
 
 _log = log.get("wire.link")
 
@@ -230,9 +235,16 @@ def start_authenticator(context: zmq.Context, layout: KeyLayout) -> CurveAuthent
 
 def _common_options(sock: zmq.Socket) -> None:
     sock.linger = LINGER_MS
-    # Detect a dead peer (a payload killed by a power cut) within seconds, not at TCP timeout.
-    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    # Detect a dead peer (a board whose power was cut: no FIN ever comes) within seconds, not at
+    # the TCP timeout -- with the kernel's TCP keepalive, not ZMTP heartbeats: libzmq 4.3.5 aborts
+    # (`_input_stopped`, stream_engine_base.cpp) or drops the connection when a heartbeat timer
+    # fires while a flood has filled the receive queue, so a peer that outpaces a slow reader
+    # (one fsync per command) could crash the bus or the payload (docs/wire-protocol.md §7).
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 2)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
 
 
 def server_socket(context: zmq.Context, socket_type: int, layout: KeyLayout, endpoint: str) -> zmq.Socket:

@@ -26,6 +26,9 @@ from common.wire.ids import (
     MAX_IMAGE_BYTES,
     MAX_IMAGE_CHUNKS,
     MAX_IMAGES_PER_TASK,
+    MAX_ITEM_BYTES,
+    MAX_LISTED_ITEMS,
+    MAX_LISTED_TASKS,
     MAX_NEW_TOKENS,
     MAX_PRIORITY,
     MAX_PROMPT_BYTES,
@@ -149,6 +152,11 @@ class UplinkTask(Message):
     images: tuple[str, ...] = wire(f.ListOf(f.Name(), MAX_IMAGES_PER_TASK, unique=True))
     max_new_tokens: int = wire(f.UInt(MAX_NEW_TOKENS, minimum=1))
     priority: int = wire(f.UInt(MAX_PRIORITY))
+
+    def _validate(self) -> None:
+        if not self.prompt.strip():
+            # Checked here, at uplink, so that it never fails later as something else.
+            raise WireError(ResponseCode.EMPTY_PROMPT, "prompt is empty or only whitespace", field="prompt")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -504,10 +512,79 @@ class ShutdownWarning(Message):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PowerStateChange(Message):
+    """Power went off or on. Sent to the payload when it connects after a power-up, with
+    `after_fault`: whether the bus cut its previous power because the payload itself failed
+    (exited on its own, stopped its heartbeat, never finished booting) rather than for a
+    trace cut, a command or a bus restart. The payload's health and safety counts only such
+    exits against the item it was handling (docs/flight.md)."""
+
     TYPE = MessageType.POWER_STATE
     trace_time_s: float = wire(f.Float(0.0))
     payload_on: bool = wire(f.Bool(), channel=TlmChannel.PAYLOAD_ON)
     cause: PowerCause = wire(f.Choice(PowerCause))
+    after_fault: bool | None = wire(f.Optional(f.Bool()), default=None)
+
+
+# --- health and safety, journal integrity -----------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ListQuarantine(Message):
+    """Which commands, tasks and reports has the payload quarantined? Answered by QUARANTINE_LIST."""
+
+    TYPE = MessageType.LIST_QUARANTINE
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReleaseQuarantine(Message):
+    """Take an item out of quarantine: a task is queued again, a report is sent again, a
+    command is handled again the next time it arrives. NOT_QUARANTINED if it is not held."""
+
+    TYPE = MessageType.RELEASE_QUARANTINE
+    item: str = wire(f.Text(MAX_ITEM_BYTES, min_chars=1))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ListLostTasks(Message):
+    """Which tasks did the payload lose to storage damage? Answered by LOST_TASKS."""
+
+    TYPE = MessageType.LIST_LOST_TASKS
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuarantineList(Message):
+    """Quarantined items, most recent first: `items[i]` died `exits[i]` times, `reasons[i]` says
+    where. `total` counts every quarantined item (the list holds at most 64)."""
+
+    TYPE = MessageType.QUARANTINE_LIST
+    items: tuple[str, ...] = wire(f.ListOf(f.Text(MAX_ITEM_BYTES), MAX_LISTED_ITEMS))
+    exits: tuple[int, ...] = wire(f.ListOf(f.UInt(U32), MAX_LISTED_ITEMS))
+    reasons: tuple[str, ...] = wire(f.ListOf(f.Text(MAX_REASON_BYTES), MAX_LISTED_ITEMS))
+    total: int = wire(f.UInt(U32))
+
+    def _validate(self) -> None:
+        if not len(self.items) == len(self.exits) == len(self.reasons):
+            raise WireError(ResponseCode.BAD_FIELD_VALUE, "items, exits and reasons differ in length", field="items")
+        if self.total < len(self.items):
+            raise WireError(ResponseCode.BAD_FIELD_VALUE, "total below the items listed", field="total")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LostTasks(Message):
+    """Tasks whose state the payload lost to storage damage, most recent first (at most 256 of
+    `total`), with what its journal reader dropped: `bytes_dropped` in `records_dropped`
+    damaged regions, of which `unnamed` held tasks it could not name."""
+
+    TYPE = MessageType.LOST_TASKS
+    task_ids: tuple[str, ...] = wire(f.ListOf(f.Name(), MAX_LISTED_TASKS))
+    total: int = wire(f.UInt(U32))
+    bytes_dropped: int = wire(f.UInt(U64))
+    records_dropped: int = wire(f.UInt(U32))
+    unnamed: int = wire(f.UInt(U32))
+
+    def _validate(self) -> None:
+        if self.total < len(self.task_ids):
+            raise WireError(ResponseCode.BAD_FIELD_VALUE, "total below the tasks listed", field="total")
 
 
 _missing = set(MessageType) - set(_REGISTRY)

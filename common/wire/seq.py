@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 import zlib
 from typing import Iterable
 
 from common.durable import DurableFS
 from common.wire.errors import ReplayError
-from common.wire.ids import SEQ_MAX, SEQ_MODULUS
+from common.wire.ids import SEQ_FORWARD_WINDOW, SEQ_MAX, SEQ_MODULUS, ResponseCode
 
 _HALF = SEQ_MODULUS // 2
 
@@ -78,10 +79,13 @@ def _unseal(magic: bytes, data: bytes, entry: struct.Struct) -> Iterable[tuple]:
 
 
 class SequenceCounter:
-    """Next sequence number per APID for one sender (in memory; see DurableSequenceCounter)."""
+    """Next sequence number per APID for one sender (in memory; see DurableSequenceCounter).
+    Thread-safe: a process's threads may share one counter (the payload numbers its telemetry
+    from its main and its worker thread)."""
 
     def __init__(self, next_seq: dict[int, int] | None = None):
         self._next: dict[int, int] = {}
+        self._lock = threading.RLock()
         for apid, seq in (next_seq or {}).items():
             self._next[_check_apid(apid)] = _check_seq(seq)
 
@@ -90,16 +94,26 @@ class SequenceCounter:
         return self._next.get(_check_apid(apid), 0)
 
     def next(self, apid: int) -> int:
-        seq = self.peek(apid)
-        self._next[apid] = (seq + 1) % SEQ_MODULUS
-        return seq
+        with self._lock:
+            seq = self.peek(apid)
+            self._next[apid] = (seq + 1) % SEQ_MODULUS
+            return seq
 
     def advance_past(self, apid: int, seq: int) -> None:
         """Make the next number follow `seq` (resynchronisation after REPLAYED_SEQUENCE, using the
         REJECTED report's highest_seq). Never moves the counter backwards."""
         _check_seq(seq)
-        if serial_distance(self.peek(apid), seq) >= 0:
-            self._next[apid] = (seq + 1) % SEQ_MODULUS
+        with self._lock:
+            if serial_distance(self.peek(apid), seq) >= 0:
+                self._next[apid] = (seq + 1) % SEQ_MODULUS
+
+    def rebase(self, apid: int, seq: int) -> None:
+        """Make the next number follow `seq`, backwards too: after SEQUENCE_TOO_FAR_AHEAD the
+        receiver's highest accepted number is the truth, and numbers above it were never
+        accepted, so using them is safe."""
+        _check_seq(seq)
+        with self._lock:
+            self._next[_check_apid(apid)] = (seq + 1) % SEQ_MODULUS
 
     def to_bytes(self) -> bytes:
         return _seal(_COUNTER_MAGIC, [_COUNTER_ENTRY.pack(a, s) for a, s in sorted(self._next.items())])
@@ -135,11 +149,18 @@ class DurableSequenceCounter(SequenceCounter):
         self._reserved_until = dict(self._next)
 
     def next(self, apid: int) -> int:
-        seq = self.peek(apid)
-        limit = self._reserved_until.get(apid)
-        if limit is None or serial_distance(seq, limit) <= 0:
-            self._persist(apid, (seq + self.reserve) % SEQ_MODULUS)
-        return super().next(apid)
+        with self._lock:
+            seq = self.peek(apid)
+            limit = self._reserved_until.get(apid)
+            if limit is None or serial_distance(seq, limit) <= 0:
+                self._persist(apid, (seq + self.reserve) % SEQ_MODULUS)
+            return super().next(apid)
+
+    def rebase(self, apid: int, seq: int) -> None:
+        with self._lock:
+            super().rebase(apid, seq)
+            # Numbers from here on are handed out again: the reservation on disk moves back too.
+            self._persist(apid, (self.peek(apid) + self.reserve) % SEQ_MODULUS)
 
     def _persist(self, apid: int, reserved_until: int) -> None:
         state = {**self._reserved_until, apid: reserved_until}
@@ -149,19 +170,34 @@ class DurableSequenceCounter(SequenceCounter):
         self._reserved_until = state
 
 
+class SequenceAheadError(ReplayError):
+    """A telecommand's number is further ahead of the highest accepted one than the forward
+    window: refused (SEQUENCE_TOO_FAR_AHEAD), so that no single jump can move the window far
+    enough for old frames to look new. `highest` lets an honest sender rebase its counter."""
+
+    def __init__(self, reason: str, *, highest: int):
+        super().__init__(reason, highest=highest, code=ResponseCode.SEQUENCE_TOO_FAR_AHEAD)
+
+
 class ReplayGuard:
     """Rejects telecommands whose sequence number was already accepted.
 
     State per (APID, source id): the highest accepted number and a bitmap of the WINDOW numbers
-    below it (the anti-replay window of IPsec, RFC 4303 §3.4.3). A number ahead of the highest is
-    fresh; one inside the window is fresh once; one behind the window is rejected, because the
-    guard can no longer tell whether it was seen. The first number from an unknown sender is
-    accepted and starts its window.
+    below it (the anti-replay window of IPsec, RFC 4303 §3.4.3). A number at most
+    `forward_window` ahead of the highest is fresh; one inside the window is fresh once; one
+    behind the window is rejected, because the guard can no longer tell whether it was seen;
+    one further ahead than the forward window is refused too (SEQUENCE_TOO_FAR_AHEAD). Without
+    that bound a single jump of 2^29 - 1 would make every older number look ahead again
+    (serial-number arithmetic), and a captured frame could be replayed. The first number from
+    an unknown sender is accepted and starts its window.
     """
 
     WINDOW = 64
 
-    def __init__(self) -> None:
+    def __init__(self, forward_window: int = SEQ_FORWARD_WINDOW) -> None:
+        if not 1 <= forward_window < SEQ_MODULUS // 2:
+            raise ValueError(f"forward window {forward_window} outside 1..2^29-1")
+        self.forward_window = forward_window
         self._state: dict[tuple[int, int], tuple[int, int]] = {}
 
     def highest(self, apid: int, source_id: int) -> int | None:
@@ -187,6 +223,12 @@ class ReplayGuard:
             return seq, 1
         highest, bitmap = entry
         ahead = serial_distance(highest, seq)
+        if ahead > self.forward_window:
+            raise SequenceAheadError(
+                f"apid {apid:#05x} source {source_id}: seq {seq} is {ahead} ahead of {highest}, beyond the "
+                f"forward window of {self.forward_window}",
+                highest=highest,
+            )
         if ahead > 0:
             shifted = (bitmap << ahead) & ((1 << self.WINDOW) - 1) if ahead < self.WINDOW else 0
             return seq, shifted | 1

@@ -4,6 +4,15 @@ The stock `Qwen3VLProcessor` wants a video processor (torchvision); this builds 
 from the tokenizer and the PIL image processor: the chat-formatted prompt with one
 `<|vision_start|><|image_pad|>…<|vision_end|>` run per image, each pad expanded to the image's
 merged token count, `mm_token_type_ids`, `pixel_values` and `image_grid_thw`.
+
+The user's prompt is plain text: the chat template's control tokens are placed by id, and the
+prompt is tokenized with `split_special_tokens`, so `<|image_pad|>` or `<|im_end|>` typed in a
+prompt are words, never an image slot or a turn boundary. For a prompt without such strings the
+ids are exactly those of tokenizing the whole chat text (the tokenizer splits at special tokens
+first; tests/flight/test_prompt_text.py).
+
+Images are decoded by `common.imagecheck.open_reduced`: checked from their header, decoded no
+larger than the processor needs, one at a time.
 """
 from __future__ import annotations
 
@@ -13,12 +22,19 @@ from dataclasses import dataclass
 
 import torch
 
+from common.imagecheck import ImageRejected, ProcessorLimits, open_reduced
+from common.wire.ids import MAX_IMAGE_PIXELS, ResponseCode  # noqa: F401  (MAX_IMAGE_PIXELS: re-exported)
+
 MAX_IMAGE_BYTES = 64 << 20
-MAX_IMAGE_PIXELS = 100_000_000
 
 
 class InputError(ValueError):
-    """Bad request input (unreadable image, empty prompt, ...). The message is one line."""
+    """Bad request input (unreadable image, empty prompt, ...). The message is one line;
+    `code` is the response code a task failing on it reports."""
+
+    def __init__(self, message: str, code: ResponseCode = ResponseCode.IMAGE_UNDECODABLE):
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
@@ -45,34 +61,64 @@ class RequestInputs:
         return h.hexdigest()
 
 
-def load_image(path: str):
-    """Open an image file, fully decoded as RGB, or raise InputError with the reason."""
-    from PIL import Image, UnidentifiedImageError
+def load_image(path: str, limits: ProcessorLimits | None = None, name: str | None = None):
+    """Open an image file as an RGB picture, or raise InputError with the reason and code.
 
+    With `limits` (the model's image processor, `ProcessorLimits.of_processor`), the picture is
+    decoded no larger than about twice the size the processor resizes it to; without, at full
+    size (still within the payload's decode budget)."""
+    name = name or path
     if not os.path.isfile(path):
-        raise InputError(f"image not found: {path}")
+        raise InputError(f"image not found: {name}")
     size = os.path.getsize(path)
     if size > MAX_IMAGE_BYTES:
-        raise InputError(f"image too large: {path} is {size} bytes (limit {MAX_IMAGE_BYTES})")
+        raise InputError(f"image too large: {name} is {size} bytes (limit {MAX_IMAGE_BYTES})", ResponseCode.IMAGE_TOO_LARGE)
     try:
-        with Image.open(path) as im:
-            if im.width * im.height > MAX_IMAGE_PIXELS:
-                raise InputError(f"image too large: {path} is {im.width}x{im.height} pixels")
-            return im.convert("RGB")
-    except InputError:
-        raise
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise InputError(f"unreadable image: {path} ({type(exc).__name__}: {exc})") from None
+        return open_reduced(path, name, limits)
+    except ImageRejected as exc:
+        raise InputError(str(exc), exc.code) from None
+
+
+def decode_image(content: bytes, name: str, image_processor=None):
+    """An uploaded picture's bytes as an RGB picture, decoded no larger than `image_processor`
+    needs (see load_image); InputError with the reason and code if it cannot be."""
+    limits = ProcessorLimits.of_processor(image_processor) if image_processor is not None else None
+    try:
+        return open_reduced(content, name, limits)
+    except ImageRejected as exc:
+        raise InputError(str(exc), exc.code) from None
+
+
+def inputs_from_files(model, image_paths: list[str], prompt: str) -> "RequestInputs":
+    """A loaded model's inputs for picture files and a prompt, decoded exactly as the payload
+    decodes uploads (so references computed here match its answers bit for bit)."""
+    limits = ProcessorLimits.of_processor(model.image_processor)
+    images = [load_image(p, limits) for p in image_paths]
+    return build_inputs(model.tokenizer, model.image_processor, images, prompt, model.adapter.image_token_id)
 
 
 def chat_text(prompt: str, num_images: int) -> str:
+    """The chat template as text (for reading; the ids come from `chat_ids`)."""
     vision = "<|vision_start|><|image_pad|><|vision_end|>" * num_images
     return f"<|im_start|>user\n{vision}{prompt}<|im_end|>\n<|im_start|>assistant\n"
 
 
+def chat_ids(tokenizer, prompt: str, num_images: int) -> list[int]:
+    """Token ids of `chat_text(prompt, num_images)` with the prompt as plain text."""
+    special = tokenizer.convert_tokens_to_ids
+
+    def text(s: str) -> list[int]:
+        return tokenizer(s, add_special_tokens=False, split_special_tokens=True)["input_ids"] if s else []
+
+    vision = [special("<|vision_start|>"), special("<|image_pad|>"), special("<|vision_end|>")] * num_images
+    head = text("user\n") + vision + text(prompt) if num_images else text("user\n" + prompt)
+    return ([special("<|im_start|>")] + head + [special("<|im_end|>")] + text("\n") + [special("<|im_start|>")]
+            + text("assistant\n"))
+
+
 def build_inputs(tokenizer, image_processor, images: list, prompt: str, image_token_id: int) -> RequestInputs:
     if not prompt or not prompt.strip():
-        raise InputError("prompt is empty")
+        raise InputError("prompt is empty or only whitespace", ResponseCode.EMPTY_PROMPT)
     if images:
         processed = image_processor(images=images, return_tensors="pt")
         pixel_values = processed["pixel_values"].to(torch.float32)
@@ -81,10 +127,10 @@ def build_inputs(tokenizer, image_processor, images: list, prompt: str, image_to
         pixel_values = torch.zeros(0, 1, dtype=torch.float32)
         grid = torch.zeros(0, 3, dtype=torch.int64)
     merge = image_processor.merge_size
-    ids = tokenizer(chat_text(prompt, len(images)), add_special_tokens=False)["input_ids"]
+    ids = chat_ids(tokenizer, prompt, len(images))
     expanded, image_index = [], 0
     for tok in ids:
-        if tok == image_token_id:
+        if tok == image_token_id and image_index < len(images):
             n = int(grid[image_index].prod()) // (merge * merge)
             expanded.extend([image_token_id] * n)
             image_index += 1

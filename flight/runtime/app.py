@@ -1,14 +1,21 @@
 """The onboard process: command dispatch, the inference worker, telemetry.
 
     main thread    the payload link (ZeroMQ DEALER to the bus): receive telecommands, decode,
-                   replay-check, dispatch to one handler per opcode (cFS style: every handler
-                   bumps the command or the error counter), send reports, heartbeat, housekeeping
+                   replay-check, dispatch to one handler per opcode (handlers.py; cFS style: every
+                   handler bumps the command or the error counter), send reports, heartbeat,
+                   housekeeping
     worker thread  takes the next task from the persistent queue and runs the resumable engine;
                    its progress becomes PUS-1 PROGRESS reports
 
 Everything that must survive a power cut is on disk before it is acknowledged: the replay guard
-and counters (state/), the queue journal (queue/), image chunks (images/), each task's
-checkpoints (tasks/<id>/). On boot the interrupted task resumes first.
+and counters (state/), the queue journal (queue/), finished tasks (results/), image chunks
+(images/), each task's checkpoints (tasks/<id>/), health and safety (health/). On boot the
+interrupted task resumes first.
+
+Nothing a command, a stored task or a report holds may stop the process: the main loop, each
+handler, the worker and each report catch whatever they raise, report it with an event of its
+own and carry on; health.py counts such faults and the boots that ended while an item was being
+handled, and quarantines an item that keeps killing the payload.
 """
 from __future__ import annotations
 
@@ -20,23 +27,33 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import msgpack
 import zmq
 
 from common import log as owlog
 from common.durable import DurableFS, is_disk_full
+from common.imagecheck import ProcessorLimits
 from common.record import Kind, RecordError, decode, encode
 from common.wire import (Apid, DurableSequenceCounter, EventId, MessageType, NodeId, ReplayError, ReplayGuard,
                          RequestRef, ResponseCode, TaskPhase, WireError, messages as m)
 from common.wire import encode as encode_packet, decode as decode_packet
+from common.wire.errors import clip_reason
+from common.wire.ids import MAX_EVENT_TEXT_BYTES, MAX_RESULT_TEXT_BYTES, MAX_TIMINGS
 from common.wire.link import KeyLayout, LinkError, client_socket, recv_packet, send_packet
+from common.wire.text import clip_utf8
 
-from .images import ImageStore, content_hash
-from .queue import CANCELLED, COMPLETED, FAILED, FINISHED, QUEUED, RUNNING, TaskQueue
+from .handlers import MAX_QUEUED, CommandHandlers  # noqa: F401  (MAX_QUEUED: re-exported)
+from .health import ENGINE_ITEM, MAIN, WORKER, Health, command_item, item_task_id, report_item, task_item
+from .images import ImageCorrupt, ImageStore
+from .queue import CANCELLED, COMPLETED, RUNNING, TaskQueue
 
-MAX_QUEUED = 256
 HEARTBEAT_S = 1.0
 HOUSEKEEPING_S = 5.0
+#: Fault events of one kind at most this often (a fault that repeats must not flood the link).
+FAULT_EVENT_EVERY_S = 5.0
+#: Pause after an unexpected fault in a loop, so a fault that repeats cannot spin the CPU.
+FAULT_BACKOFF_S = 0.5
+#: Pause between attempts to load the engine when it fails.
+ENGINE_RETRY_S = 10.0
 UNIT_EVENTS = {"vision_block_done": TaskPhase.VISION, "prefill_block_done": TaskPhase.PREFILL,
                "decode_step_done": TaskPhase.DECODE}
 
@@ -53,11 +70,13 @@ class Counters:
 
 
 class PersistentState:
-    """Boot count, command/error counters and the replay guard, in one record (atomic replace)."""
+    """Boot count, command/error counters and the replay guard, in one record (atomic replace).
+    Saved from the main thread only."""
 
     def __init__(self, directory: str, fs: DurableFS):
         self.fs, self.path = fs, os.path.join(directory, "state.rec")
         fs.makedirs(directory)
+        fs.remove_stale_temps(directory)
         self.counters, self.guard, self.corrupt = Counters(), ReplayGuard(), False
         if fs.exists(self.path):
             try:
@@ -72,10 +91,10 @@ class PersistentState:
         self.fs.write_atomic(self.path, encode(Kind.GUARD_STATE, meta).chunks)
 
 
-class FlightApp:
+class FlightApp(CommandHandlers):
     def __init__(self, data_dir: str, model_dir: str, keys_dir: str, endpoint: str, engine_options,
                  device: str | None = None, dtype: str | None = None, fs: DurableFS | None = None,
-                 weight_read_hook=None):
+                 weight_read_hook=None, results_budget_bytes: int | None = None, compact_after: int | None = None):
         self.fs = fs or DurableFS()
         self.data_dir = os.path.abspath(data_dir)
         self.model_dir = model_dir
@@ -85,25 +104,27 @@ class FlightApp:
         self.device, self.dtype = device, dtype
         self.weight_read_hook = weight_read_hook
         self.log = owlog.get(component="flight")
-        self.state = PersistentState(os.path.join(self.data_dir, "state"), self.fs)
-        self.queue = TaskQueue(os.path.join(self.data_dir, "queue"), self.fs)
-        self.images = ImageStore(os.path.join(self.data_dir, "images"), self.fs)
-        self.tm_counter = DurableSequenceCounter(os.path.join(self.data_dir, "state", "tm-sequence.bin"))
-        self.outbox: queue.Queue[bytes] = queue.Queue()
+        self.outbox: queue.Queue = queue.Queue()
         self.started = time.monotonic()
         self.current = {"task": None, "phase": None, "done": 0, "total": 0}
         self.stop = threading.Event()
         self.work_available = threading.Event()
         self.cancel_requested: set[str] = set()
+        self.corrupt_images: dict[str, str] = {}  # task id -> image found damaged, waiting to be sent again
         self.engine = None
-        self._engine_lock = threading.Lock()
-        self.handlers = {
-            MessageType.PING: self.on_ping, MessageType.STATUS: self.on_status,
-            MessageType.UPLINK_TASK: self.on_uplink_task, MessageType.CANCEL_TASK: self.on_cancel_task,
-            MessageType.SET_PRIORITY: self.on_set_priority, MessageType.DOWNLINK_RESULT: self.on_downlink_result,
-            MessageType.IMAGE_CHUNK: self.on_image_chunk, MessageType.IMAGE_QUERY: self.on_image_query,
-            MessageType.SHUTDOWN_WARNING: self.on_shutdown_warning, MessageType.POWER_STATE: self.on_power_state,
-        }
+        self._last_fault_event: dict[EventId, float] = {}
+        self.state = PersistentState(os.path.join(self.data_dir, "state"), self.fs)
+        self.tm_counter = DurableSequenceCounter(os.path.join(self.data_dir, "state", "tm-sequence.bin"))
+        queue_options = {} if compact_after is None else {"compact_after": compact_after}
+        self.queue = TaskQueue(os.path.join(self.data_dir, "queue"), self.fs,
+                               results_dir=os.path.join(self.data_dir, "results"),
+                               results_budget_bytes=results_budget_bytes, on_evict=self._on_evict, **queue_options)
+        self.images = ImageStore(os.path.join(self.data_dir, "images"), self.fs, ProcessorLimits.of_model_dir(model_dir))
+        self.health = Health(os.path.join(self.data_dir, "health"), self.fs, boot=self.state.counters.boot_count + 1,
+                             on_event=self._health_event, log=self.log)
+        self._name_orphaned_tasks()
+        self._deferred_reports: set[str] = set()
+        self.handlers = self._handler_table()
 
     # ---- outbound ------------------------------------------------------------------------------
     def send(self, message: m.Message, on_sent=None) -> None:
@@ -113,22 +134,67 @@ class FlightApp:
         self.outbox.put((packet, on_sent))
 
     def send_final_report(self, task) -> None:
-        """COMPLETED (+ TASK_RESULT) or FAILED for a finished task; once it has left, the journal
-        records it as reported. A cut before that makes the next boot send it again, so the ground
-        always hears how a task ended."""
+        """COMPLETED (+ TASK_RESULT) or FAILED for a finished task; once it has left, the result
+        store records it as reported. A cut before that makes the next boot send it again, so the
+        ground always hears how a task ended. A report that cannot be built is a REPORT_FAULT
+        (counted by health and safety), never a reason to stop."""
+        if task is None:
+            return
+        item = report_item(task.task_id)
+        if self.health.is_quarantined(item):
+            return
+        if self.health.held(item):
+            self._deferred_reports.add(task.task_id)  # sent once the bus says how the last boot ended
+            return
         request = RequestRef(*task.request)
         mark = lambda: self.queue.mark_reported(task.task_id)  # noqa: E731
-        if task.state == COMPLETED:
-            self.send(m.Completed.about(request, task_id=task.task_id))
-            self.send(self._task_result(task), on_sent=mark)
-        else:
-            code = ResponseCode.CANCELLED if task.state == CANCELLED else ResponseCode(task.code or ResponseCode.INTERNAL_ERROR)
-            self.send(m.Failed.about(request, task_id=task.task_id, code=code, reason=task.reason[:400] or task.state),
-                      on_sent=mark)
+        try:
+            with self.health.handling(item, self._slot()):
+                if task.state == COMPLETED:
+                    result = self._task_result(task)
+                    self.send(m.Completed.about(request, task_id=task.task_id))
+                    self.send(result, on_sent=mark)
+                else:
+                    code = ResponseCode.CANCELLED if task.state == CANCELLED else ResponseCode(task.code or ResponseCode.INTERNAL_ERROR)
+                    self.send(m.Failed.about(request, task_id=task.task_id, code=code,
+                                             reason=clip_reason(task.reason or task.state)), on_sent=mark)
+        except Exception as exc:  # noqa: BLE001 - whatever a stored task holds, the payload goes on
+            self._fault(EventId.REPORT_FAULT, f"final report of task {task.task_id} failed", exc, item)
+
+    def _task_result(self, task) -> m.TaskResult:
+        r = task.result
+        timings = {k: float(v) for k, v in list(r.get("timings", {}).items())[:MAX_TIMINGS]}
+        return m.TaskResult(task_id=task.task_id, token_ids=list(r["token_ids"]),
+                            text=clip_utf8(str(r.get("text", "")), MAX_RESULT_TEXT_BYTES),
+                            logits_sha256=bytes.fromhex(r["logits_sha256"]), timings=timings,
+                            interruptions=task.interruptions)
 
     def event(self, event_id: EventId, text: str, task_id: str | None = None) -> None:
+        text = clip_utf8(text, MAX_EVENT_TEXT_BYTES)
         self.log.info("event", event_id=event_id.name, text=text, task_id=task_id)
-        self.send(m.Event(event_id=event_id, text=text[:500], task_id=task_id))
+        self.send(m.Event(event_id=event_id, text=text, task_id=task_id))
+
+    def _fault(self, event_id: EventId, what: str, exc: BaseException, item: str | None = None) -> None:
+        """An unexpected exception, contained: logged in full, an event (at most one per kind
+        every FAULT_EVENT_EVERY_S), and one count against `item` for health and safety."""
+        reason = f"{what}: {type(exc).__name__}: {exc}"
+        self.log.error("fault", event_id=event_id.name, item=item, error=reason, exc_info=exc)
+        now = time.monotonic()
+        if now - self._last_fault_event.get(event_id, -1e9) >= FAULT_EVENT_EVERY_S:
+            self._last_fault_event[event_id] = now
+            try:
+                task_id = item_task_id(item) if item else None
+                self.event(event_id, reason, task_id if task_id and self._is_name(task_id) else None)
+            except Exception:  # noqa: BLE001 - the fault report itself must not fail the caller
+                self.log.exception("fault_event_failed")
+        if item is not None:
+            try:
+                self.health.fault(item, clip_reason(reason))
+            except Exception:  # noqa: BLE001 - e.g. a full disk: counting is best effort
+                self.log.exception("fault_count_failed")
+
+    def _slot(self) -> int:
+        return WORKER if threading.current_thread().name == "inference-worker" else MAIN
 
     def housekeeping(self) -> m.Housekeeping:
         c = self.state.counters
@@ -153,6 +219,41 @@ class FlightApp:
                     pass
         return total
 
+    # ---- health and safety hooks ------------------------------------------------------------------
+    def _health_event(self, kind: str, item: str, text: str) -> None:
+        task_id = item_task_id(item)
+        task_id = task_id if task_id and self._is_name(task_id) else None
+        if kind == "abnormal_exit":
+            self.event(EventId.ABNORMAL_EXIT, text, task_id)
+            return
+        self.event(EventId.ITEM_QUARANTINED, text, task_id)
+        if task_id is not None and item == task_item(task_id):
+            task = self.queue.tasks.get(task_id)
+            if task is not None:  # the ground waits on this task: tell it, with the code
+                self.send(m.Failed.about(RequestRef(*task.request), task_id=task_id, code=ResponseCode.QUARANTINED,
+                                         reason=clip_reason(f"task quarantined; RELEASE_QUARANTINE task:{task_id} "
+                                                            "to run it again")))
+
+    def _on_evict(self, entry) -> None:
+        shutil.rmtree(self._task_dir(entry.task_id), ignore_errors=True)
+        self.event(EventId.RESULT_EVICTED, f"result of task {entry.task_id} ({entry.state}) removed under the results "
+                                           f"retention budget", entry.task_id if self._is_name(entry.task_id) else None)
+
+    def _name_orphaned_tasks(self) -> None:
+        """A task directory whose task neither the journal nor the result store knows belongs
+        to a task the journal lost: name it. One whose task finished is garbage."""
+        root = os.path.join(self.data_dir, "tasks")
+        orphans = []
+        for name in self.fs.listdir(root):
+            if name in self.queue.tasks:
+                continue
+            if self.queue.finished(name) is not None:
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            elif not self.queue.is_lost(name):
+                orphans.append(name)
+        if orphans:
+            self.queue.note_lost(orphans)
+
     # ---- dispatch ----------------------------------------------------------------------------------
     def handle_packet(self, data: bytes) -> None:
         try:
@@ -168,21 +269,33 @@ class FlightApp:
         try:
             self.state.guard.accept(request.apid, request.source_id, request.seq)
         except ReplayError as err:
-            self.event(EventId.REPLAY_DETECTED, f"replayed {MessageType(request.message_type).name} seq {request.seq}")
-            self._reject(m.Rejected.from_error(err, request), ResponseCode.REPLAYED_SEQUENCE)
+            what = "replayed" if err.code == ResponseCode.REPLAYED_SEQUENCE else "far-ahead"
+            self.event(EventId.REPLAY_DETECTED, f"{what} {MessageType(request.message_type).name} seq {request.seq}")
+            self._reject(m.Rejected.from_error(err, request), err.code)
             return
         handler = self.handlers.get(message.TYPE)
-        try:
-            if handler is None:
-                raise WireError(ResponseCode.UNKNOWN_COMMAND, f"no handler for {message.TYPE.name}")
-            handler(request, message)
-        except WireError as err:
-            self._reject(m.Rejected.from_error(err, request, getattr(message, "task_id", None)), err.code)
+        item = command_item(message)
+        task_id = getattr(message, "task_id", None)
+        if self.health.is_quarantined(item):
+            self._reject(m.Rejected.about(request, code=ResponseCode.QUARANTINED, task_id=task_id,
+                                          reason=clip_reason(f"{item} is quarantined after repeated abnormal exits")),
+                         ResponseCode.QUARANTINED)
             return
+        try:
+            with self.health.handling(item, MAIN):
+                if handler is None:
+                    raise WireError(ResponseCode.UNKNOWN_COMMAND, f"no handler for {message.TYPE.name}")
+                handler(request, message)
+        except WireError as err:
+            self._reject(m.Rejected.from_error(err, request, task_id), err.code)
         except OSError as exc:
             code = ResponseCode.STORAGE_FULL if is_disk_full(exc) else ResponseCode.INTERNAL_ERROR
-            self._reject(m.Rejected.about(request, code=code, reason=f"{type(exc).__name__}: {exc}"[:400]), code)
-            return
+            self._reject(m.Rejected.about(request, code=code, reason=clip_reason(f"{type(exc).__name__}: {exc}"),
+                                          task_id=task_id), code)
+        except Exception as exc:  # noqa: BLE001 - a handler defect rejects this command, nothing more
+            self._fault(EventId.COMMAND_FAULT, f"{message.TYPE.name} handler failed", exc, item)
+            self._reject(m.Rejected.about(request, code=ResponseCode.HANDLER_FAULT, task_id=task_id,
+                                          reason=clip_reason(f"{type(exc).__name__}: {exc}")), ResponseCode.HANDLER_FAULT)
 
     def _accept(self, request: RequestRef, **fields) -> None:
         """The command is valid: count it, persist guard + counters, then acknowledge."""
@@ -199,132 +312,82 @@ class FlightApp:
         self.log.warning("command_rejected", code=ResponseCode(code).name, reason=report.reason)
         self.send(report)
 
-    # ---- handlers ------------------------------------------------------------------------------------
-    def on_ping(self, request, msg: m.Ping) -> None:
-        self._accept(request)
-        self.send(m.Pong(key=msg.key))
-        self.send(m.Completed.about(request))
-
-    def on_status(self, request, msg) -> None:
-        self._accept(request)
-        self.send(self.housekeeping())
-        self.send(m.Completed.about(request))
-
-    def on_uplink_task(self, request, msg: m.UplinkTask) -> None:
-        digest = content_hash(msg.prompt, list(msg.images), msg.max_new_tokens)
-        existing = self.queue.get(msg.task_id)
-        if existing is not None:
-            if existing.content_hash != digest:
-                raise WireError(ResponseCode.DUPLICATE_TASK, f"task {msg.task_id} exists with other content")
-            self._accept(request, task_id=msg.task_id)  # the same uplink again: idempotent
-            return
-        if self.queue.depth() >= MAX_QUEUED:
-            raise WireError(ResponseCode.QUEUE_FULL, f"{MAX_QUEUED} tasks queued")
-        self.queue.submit(msg.task_id, msg.prompt, list(msg.images), msg.max_new_tokens, msg.priority,
-                          (request.apid, request.source_id, request.seq, request.message_type), digest)
-        self._accept(request, task_id=msg.task_id)
-        self.event(EventId.TASK_QUEUED, f"task {msg.task_id} queued (priority {msg.priority})", msg.task_id)
-        self.send(self.housekeeping())
-        self.work_available.set()
-
-    def _unfinished_task(self, task_id: str):
-        task = self.queue.get(task_id)
-        if task is None:
-            raise WireError(ResponseCode.UNKNOWN_TASK, f"no task {task_id}")
-        if task.state in FINISHED:
-            raise WireError(ResponseCode.TASK_FINISHED, f"task {task_id} is {task.state}")
-        return task
-
-    def on_cancel_task(self, request, msg: m.CancelTask) -> None:
-        task = self._unfinished_task(msg.task_id)
-        self._accept(request, task_id=msg.task_id)
-        if task.state == RUNNING and self.current["task"] == msg.task_id:
-            self.cancel_requested.add(msg.task_id)  # the worker stops at the next unit of work
-        else:
-            self._finish_cancel(task)
-        self.send(m.Completed.about(request, task_id=msg.task_id))
-
-    def _finish_cancel(self, task) -> None:
-        self.queue.cancel(task.task_id, code=int(ResponseCode.CANCELLED))
-        self.send_final_report(self.queue.get(task.task_id))
-        self.event(EventId.TASK_CANCELLED, f"task {task.task_id} cancelled", task.task_id)
-        shutil.rmtree(self._task_dir(task.task_id), ignore_errors=True)
-
-    def on_set_priority(self, request, msg: m.SetPriority) -> None:
-        self._unfinished_task(msg.task_id)
-        self.queue.set_priority(msg.task_id, msg.priority)
-        self._accept(request, task_id=msg.task_id)
-        self.send(m.Completed.about(request, task_id=msg.task_id))
-
-    def on_downlink_result(self, request, msg: m.DownlinkResult) -> None:
-        task = self.queue.get(msg.task_id)
-        if task is None:
-            raise WireError(ResponseCode.UNKNOWN_TASK, f"no task {msg.task_id}")
-        if task.state in (FAILED, CANCELLED):
-            # Finished without a result: say why, so a waiting ground stops waiting.
-            code = ResponseCode.CANCELLED if task.state == CANCELLED else ResponseCode(task.code or ResponseCode.TASK_FINISHED)
-            raise WireError(code, f"task {msg.task_id} {task.state}: {task.reason}"[:400])
-        if task.state != COMPLETED:
-            raise WireError(ResponseCode.RESULT_NOT_READY, f"task {msg.task_id} is {task.state}")
-        self._accept(request, task_id=msg.task_id)
-        self.send(self._task_result(task))
-        self.send(m.Completed.about(request, task_id=msg.task_id))
-
-    def _task_result(self, task) -> m.TaskResult:
-        r = task.result
-        return m.TaskResult(task_id=task.task_id, token_ids=list(r["token_ids"]), text=r["text"][:30000],
-                            logits_sha256=bytes.fromhex(r["logits_sha256"]),
-                            timings={k: float(v) for k, v in r.get("timings", {}).items()},
-                            interruptions=task.interruptions)
-
-    def on_image_chunk(self, request, msg: m.ImageChunk) -> None:
-        try:
-            completed = self.images.put_chunk(msg)
-        except WireError as err:
-            if err.code in (ResponseCode.FILE_HASH_MISMATCH, ResponseCode.IMAGE_UNDECODABLE, ResponseCode.IMAGE_TOO_LARGE):
-                self.event(EventId.IMAGE_REJECTED, f"image {msg.image}: {err.reason}")
-            raise
-        self._accept(request)
-        if completed:
-            self.event(EventId.IMAGE_COMPLETE, f"image {msg.image} verified ({msg.image_size} bytes)")
-            self.work_available.set()
-
-    def on_image_query(self, request, msg: m.ImageQuery) -> None:
-        self._accept(request)
-        self.send(self.images.status(msg.image))
-        self.send(m.Completed.about(request))
-
-    def on_shutdown_warning(self, header, msg: m.ShutdownWarning) -> None:
-        self.event(EventId.SHUTDOWN_WARNING_RECEIVED, f"bus warns of a cut in {msg.lead_time_s:.1f} s ({msg.cause})")
-        if self.engine is not None:
-            self.engine.checkpoint_soon.set()
-
-    def on_power_state(self, header, msg) -> None:
-        self.log.info("power_state", **{k: str(v) for k, v in msg.pack().items()})
-
     # ---- worker ----------------------------------------------------------------------------------------
     def _task_dir(self, task_id: str) -> str:
         return os.path.join(self.data_dir, "tasks", task_id)
 
     def _next_runnable(self):
-        for task in self.queue.pending():
+        pending = self.queue.pending()
+        if any(self.health.held(task_item(t.task_id)) for t in pending):
+            return None  # until the bus says how the last boot ended (at most health.VERDICT_WAIT_S)
+        for task in pending:
+            if self.health.is_quarantined(task_item(task.task_id)):
+                continue
             if all(self.images.is_verified(name) for name in task.images):
                 return task
         return None
 
-    def worker(self) -> None:
-        from flight.engine import Engine
-        from flight.model.inputs import InputError, build_inputs, load_image
+    def _load_engine(self):
+        """The model, loaded once; a load that raises is retried (an event each time), one that
+        kills the process is counted like any other item (`engine:load`)."""
         from flight.model.loader import load_model
 
-        model = load_model(self.model_dir, device=self.device, dtype=self.dtype, read_hook=self.weight_read_hook)
         while not self.stop.is_set():
-            task = self._next_runnable()
-            if task is None:
-                self.current.update(task=None, phase=None, done=0, total=0)
-                self.work_available.wait(0.5)
-                self.work_available.clear()
+            if self.health.is_quarantined(ENGINE_ITEM):
+                self.stop.wait(ENGINE_RETRY_S)  # safe mode: commands only, until the ground releases it
                 continue
+            try:
+                with self.health.handling(ENGINE_ITEM, WORKER):
+                    return load_model(self.model_dir, device=self.device, dtype=self.dtype,
+                                      read_hook=self.weight_read_hook)
+            except Exception as exc:  # noqa: BLE001
+                self._fault(EventId.WORKER_FAULT, "engine load failed", exc, ENGINE_ITEM)
+                self.stop.wait(ENGINE_RETRY_S)
+        return None
+
+    def worker(self) -> None:
+        model = self._load_engine()
+        while model is not None and not self.stop.is_set():
+            task = None
+            try:
+                task = self._next_runnable()
+                if task is None:
+                    self.current.update(task=None, phase=None, done=0, total=0)
+                    self.work_available.wait(0.5)
+                    self.work_available.clear()
+                    continue
+                self._run_task(model, task)
+            except Exception as exc:  # noqa: BLE001 - a fault around one task stops that task, not the payload
+                self._fault(EventId.WORKER_FAULT, f"worker failed{f' on task {task.task_id}' if task else ''}", exc,
+                            task_item(task.task_id) if task else None)
+                self.engine = None
+                self.stop.wait(FAULT_BACKOFF_S)
+
+    def _task_images(self, task) -> list[bytes] | None:
+        """The task's images, each checked against its SHA-256; None (the task waits for the
+        ground to send a damaged one again) if one no longer matches."""
+        contents = []
+        for name in task.images:
+            try:
+                contents.append(self.images.read_verified(name))
+            except ImageCorrupt as exc:
+                self.corrupt_images[task.task_id] = name
+                self.event(EventId.IMAGE_CORRUPT, f"task {task.task_id} waits: image {name} {exc.reason}; removed, "
+                                                  f"the ground must send it again ({ResponseCode.IMAGE_CORRUPT.name})",
+                           task.task_id)
+                return None
+        self.corrupt_images.pop(task.task_id, None)
+        return contents
+
+    def _run_task(self, model, task) -> None:
+        from flight.engine import Engine
+        from flight.model.inputs import InputError, build_inputs, decode_image
+
+        item = task_item(task.task_id)
+        with self.health.handling(item, WORKER):
+            contents = self._task_images(task)
+            if contents is None:
+                return
             resumed = task.state == RUNNING
             self.queue.start(task.task_id)
             request = RequestRef(*task.request)
@@ -335,9 +398,11 @@ class FlightApp:
                        f"task {task.task_id} {'resumed after ' + str(task.interruptions) + ' cut(s)' if resumed else 'started'}",
                        task.task_id)
             try:
-                images = [load_image(self.images.image_path(n)) for n in task.images]
+                images = [decode_image(content, name, model.image_processor) for name, content in zip(task.images, contents)]
+                del contents
                 inputs = build_inputs(model.tokenizer, model.image_processor, images, task.prompt,
                                       model.adapter.image_token_id)
+                del images
                 engine = Engine(model, self.options, fs=self.fs, events=self._engine_events(task, request))
                 self.engine = engine
                 t0 = time.monotonic()
@@ -345,15 +410,15 @@ class FlightApp:
             except TaskCancelled:
                 self.cancel_requested.discard(task.task_id)
                 self._finish_cancel(task)
-                continue
+                return
             except InputError as exc:
-                self._fail(task, request, ResponseCode.IMAGE_UNDECODABLE, str(exc))
-                continue
-            except Exception as exc:  # a failed task must not stop the payload
+                self._fail(task, request, exc.code, str(exc))
+                return
+            except Exception as exc:  # noqa: BLE001 - a failed task must not stop the payload
                 self.log.exception("task_failed", task_id=task.task_id)
                 code = ResponseCode.STORAGE_FULL if is_disk_full(exc) else ResponseCode.INFERENCE_ERROR
                 self._fail(task, request, code, f"{type(exc).__name__}: {exc}")
-                continue
+                return
             finally:
                 self.engine = None
             timings = dict(result.phase_seconds)
@@ -361,19 +426,21 @@ class FlightApp:
             self.queue.complete(task.task_id, {"token_ids": result.token_ids, "text": result.text,
                                                "logits_sha256": result.logits_sha256(), "timings": timings,
                                                "bytes_written": result.bytes_written})
-            self.current.update(phase=TaskPhase.COMPLETED)
-            self.event(EventId.TASK_COMPLETED, f"task {task.task_id} completed: {len(result.token_ids)} tokens, "
-                                               f"{task.interruptions} cut(s) survived", task.task_id)
-            self.send_final_report(self.queue.get(task.task_id))
-            self.send(self.housekeeping())  # the queue changed: say so at once
+        shutil.rmtree(self._task_dir(task.task_id), ignore_errors=True)  # finished and durable: checkpoints go
+        self.current.update(phase=TaskPhase.COMPLETED)
+        self.event(EventId.TASK_COMPLETED, f"task {task.task_id} completed: {len(result.token_ids)} tokens, "
+                                           f"{task.interruptions} cut(s) survived", task.task_id)
+        self.send_final_report(self.queue.get(task.task_id))
+        self.send(self.housekeeping())  # the queue changed: say so at once
 
     def _fail(self, task, request, code: ResponseCode, reason: str) -> None:
         self.queue.fail(task.task_id, code, reason)
         self.send_final_report(self.queue.get(task.task_id))
-        self.event(EventId.TASK_FAILED, f"task {task.task_id} failed: {code.name}", task.task_id)
+        self.event(EventId.TASK_FAILED, f"task {task.task_id} failed: {ResponseCode(code).name}", task.task_id)
 
     def _engine_events(self, task, request):
         last_sent = {"t": 0.0}
+        item = task_item(task.task_id)
 
         def on_event(name, **fields):
             if name == "request_opened":
@@ -393,6 +460,7 @@ class FlightApp:
             phase = UNIT_EVENTS.get(name)
             if phase is None:
                 return
+            self.health.progress(item)  # a unit done: whatever killed this task before is behind it
             if task.task_id in self.cancel_requested:
                 raise TaskCancelled(task.task_id)
             if phase == TaskPhase.VISION:
@@ -412,6 +480,7 @@ class FlightApp:
 
     # ---- main loop ------------------------------------------------------------------------------------
     def run(self) -> int:
+        self.health.arm_crash_record()
         self.state.counters.boot_count += 1
         self.state.save()
         ctx = zmq.Context.instance()
@@ -421,52 +490,82 @@ class FlightApp:
         self.send(m.Heartbeat(boot_count=self.state.counters.boot_count, uptime_s=0.0))  # first: the bus learns the boot
         self.event(EventId.BOOT, f"payload boot {self.state.counters.boot_count}; "
                                  f"{self.queue.depth()} task(s) pending")
-        if self.state.corrupt:
-            self.event(EventId.STATE_CORRUPT, "replay-guard/counter state unreadable; started afresh")
-        if self.queue.recovered_bytes_dropped:
-            self.event(EventId.UNCLEAN_SHUTDOWN_DETECTED,
-                       f"queue journal: dropped a torn tail of {self.queue.recovered_bytes_dropped} bytes")
+        self._boot_events()
         for task in self.queue.unreported():
             self.send_final_report(task)  # ended before the last cut, but its report never left
         worker = threading.Thread(target=self._worker_guarded, name="inference-worker", daemon=True)
         worker.start()
-        next_heartbeat = next_hk = 0.0
+        timers = {"heartbeat": 0.0, "housekeeping": 0.0}
         unsent: list[tuple[bytes, object]] = []
         try:
             while not self.stop.is_set():
-                now = time.monotonic()
-                if now >= next_heartbeat:
-                    next_heartbeat = now + HEARTBEAT_S
-                    self.send(m.Heartbeat(boot_count=self.state.counters.boot_count, uptime_s=now - self.started,
-                                          current_task=self.current["task"], phase=self.current["phase"]))
-                if now >= next_hk:
-                    next_hk = now + HOUSEKEEPING_S
-                    self.send(self.housekeeping())
-                while unsent or not self.outbox.empty():
-                    if not unsent:
-                        unsent.append(self.outbox.get_nowait())
-                    packet, on_sent = unsent[0]
-                    try:
-                        send_packet(sock, packet, timeout_s=0.2)
-                    except LinkError as exc:  # the bus is away: keep the packet, try again later
-                        self.log.warning("send_failed", error=str(exc))
-                        break
-                    unsent.pop(0)
-                    if on_sent is not None:
-                        on_sent()
-                received = recv_packet(sock, timeout_s=0.05)
-                if received is not None:
-                    self.handle_packet(received.packet)
+                try:
+                    self._loop_once(sock, timers, unsent)
+                except Exception as exc:  # noqa: BLE001 - the loop itself never ends on a fault
+                    self._fault(EventId.MAIN_LOOP_FAULT, "main loop", exc)
+                    self.stop.wait(FAULT_BACKOFF_S)
         finally:
             self.stop.set()
             sock.close(linger=200)
         return 0
 
+    def _boot_events(self) -> None:
+        if self.state.corrupt:
+            self.event(EventId.STATE_CORRUPT, "replay-guard/counter state unreadable; started afresh")
+        if self.health.corrupt:
+            self.event(EventId.STATE_CORRUPT, "health and safety state unreadable; abnormal-exit counts started afresh")
+        damage = self.queue.damage
+        if damage.tail_bytes:
+            self.event(EventId.UNCLEAN_SHUTDOWN_DETECTED, f"queue journal: dropped a torn tail of {damage.tail_bytes} bytes")
+        if damage.records_dropped:
+            self.event(EventId.JOURNAL_CORRUPT, f"queue journal: skipped {damage.bytes_dropped} damaged bytes in "
+                                                f"{damage.records_dropped} region(s), kept every valid record after them")
+        if damage.named or damage.unnamed:
+            names = ", ".join(damage.named[:20]) + (" ..." if len(damage.named) > 20 else "")
+            unnamed = f"; {damage.unnamed} more could not be named" if damage.unnamed else ""
+            self.event(EventId.TASKS_LOST, f"{len(damage.named)} task(s) lost to storage damage: {names or '-'}{unnamed}; "
+                                           "LIST_LOST_TASKS lists them, a re-sent one is recognised")
+
+    def _loop_once(self, sock, timers: dict, unsent: list) -> None:
+        now = time.monotonic()
+        if now >= timers["heartbeat"]:
+            timers["heartbeat"] = now + HEARTBEAT_S
+            self.send(m.Heartbeat(boot_count=self.state.counters.boot_count, uptime_s=now - self.started,
+                                  current_task=self.current["task"], phase=self.current["phase"]))
+        if now >= timers["housekeeping"]:
+            timers["housekeeping"] = now + HOUSEKEEPING_S
+            self.send(self.housekeeping())
+        self.health.expire()
+        if self._deferred_reports and not self.health.suspects:
+            deferred, self._deferred_reports = self._deferred_reports, set()
+            for task_id in sorted(deferred):
+                self.send_final_report(self.queue.get(task_id))
+        while unsent or not self.outbox.empty():
+            if not unsent:
+                unsent.append(self.outbox.get_nowait())
+            packet, on_sent = unsent[0]
+            try:
+                send_packet(sock, packet, timeout_s=0.2)
+            except LinkError as exc:  # the bus is away: keep the packet, try again later
+                self.log.warning("send_failed", error=str(exc))
+                break
+            unsent.pop(0)
+            if on_sent is not None:
+                try:
+                    on_sent()
+                except Exception as exc:  # noqa: BLE001 - e.g. a full disk: the report goes again next boot
+                    self._fault(EventId.MAIN_LOOP_FAULT, "recording a sent report", exc)
+        received = recv_packet(sock, timeout_s=0.05)
+        if received is not None:
+            self.handle_packet(received.packet)
+
     def _worker_guarded(self) -> None:
-        try:
-            self.worker()
-        except Exception:
-            self.log.exception("worker_crashed")
-            self.event(EventId.FATAL_ERROR, "inference worker crashed; restarting the payload process")
-            time.sleep(0.5)
-            os._exit(70)  # let the bus's heartbeat watchdog / respawn bring us back clean
+        """The worker catches everything itself; this is the last line, which keeps the process
+        (and its command handling) alive if something escapes anyway."""
+        while not self.stop.is_set():
+            try:
+                self.worker()
+                return
+            except BaseException as exc:  # noqa: BLE001
+                self._fault(EventId.FATAL_ERROR, "inference worker", exc)
+                self.stop.wait(ENGINE_RETRY_S)

@@ -32,6 +32,11 @@ def register(sub) -> None:
     run.add_argument("--payload-endpoint", default=os.environ.get("OW_PAYLOAD_ENDPOINT", "tcp://127.0.0.1:5551"),
                      help="the bus's payload link (default $OW_PAYLOAD_ENDPOINT or tcp://127.0.0.1:5551)")
     run.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    run.add_argument("--results-budget-mb", type=float, default=256.0, metavar="MB",
+                     help="disk kept for finished tasks' results (default 256); beyond it the oldest results "
+                          "already reported are evicted (RESULT_EVICTED event), their tasks still recognised")
+    run.add_argument("--compact-after", type=int, default=512, metavar="N",
+                     help="queue journal entries between compactions (default 512)")
     add_engine_arguments(run)
     run.set_defaults(func=cmd_run)
 
@@ -59,8 +64,11 @@ def cmd_run(args) -> int:
 
     from flight.cli import storage_for
 
+    if args.results_budget_mb < 0 or args.compact_after < 1:
+        raise CliError("--results-budget-mb must be >= 0 and --compact-after >= 1", EXIT_USAGE)
     fs, weight_hook = storage_for(args)
     app = FlightApp(args.data_dir, args.model, args.keys, args.payload_endpoint, options,
-                    device=args.device, dtype=args.dtype, fs=fs, weight_read_hook=weight_hook)
+                    device=args.device, dtype=args.dtype, fs=fs, weight_read_hook=weight_hook,
+                    results_budget_bytes=int(args.results_budget_mb * 2**20), compact_after=args.compact_after)
     signal.signal(signal.SIGTERM, lambda *_: app.stop.set())
     return app.run()

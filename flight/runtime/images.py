@@ -9,25 +9,40 @@ accepted again (idempotent); one that disagrees with what is held is a CHUNK_CON
 A cut after the last chunk is stored but before `image` is committed leaves every chunk held and
 nothing verified. Nothing new would arrive to finish it (the ground has sent every chunk), so a
 query or a re-sent chunk that finds every chunk held assembles and verifies the file then.
+
+The checks when the file is complete are the ones a task would otherwise fail on later
+(common.imagecheck): pixel count, decode budget and aspect ratio from the header, then a decode
+no larger than the model needs. `meta` stays beside the verified file: every use of the image
+(`read_verified`) checks its SHA-256 again, and a file that no longer matches is removed with its
+meta (ImageCorrupt), so that IMAGE_QUERY reports it missing and the ground sends it again.
 """
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import threading
 
 import msgpack
 
 from common.durable import DurableFS
+from common.imagecheck import ImageRejected, ProcessorLimits, open_reduced
 from common.wire import ResponseCode, WireError
 from common.wire import messages as m
 
 
+class ImageCorrupt(Exception):
+    """A verified image no longer matches its SHA-256 (or lost its meta): it was removed."""
+
+    def __init__(self, name: str, reason: str):
+        super().__init__(f"image {name}: {reason}")
+        self.name, self.reason = name, reason
+
+
 class ImageStore:
-    def __init__(self, directory: str, fs: DurableFS | None = None):
+    def __init__(self, directory: str, fs: DurableFS | None = None, limits: ProcessorLimits | None = None):
         self.fs = fs or DurableFS()
         self.directory = directory
+        self.limits = limits
         self.fs.makedirs(directory)
         self._lock = threading.Lock()
 
@@ -109,7 +124,7 @@ class ImageStore:
             if len(content) != meta["size"]:
                 raise WireError(ResponseCode.FILE_HASH_MISMATCH, f"{name}: assembled {len(content)} bytes, declared {meta['size']}")
             m.check_file_hash(content, meta["sha256"], name)
-            _check_picture(name, content)
+            _check_picture(name, content, self.limits)
         except WireError:
             self._drop_chunks(name, keep_meta=False)  # let the ground send a correct file again
             raise
@@ -117,11 +132,41 @@ class ImageStore:
         self._drop_chunks(name, keep_meta=True)
         return True
 
+    def read_verified(self, name: str) -> bytes:
+        """The verified image's bytes, checked against the SHA-256 it was uploaded with. A
+        mismatch (storage damage) removes the image, so that the ground can send it again, and
+        raises ImageCorrupt."""
+        with self._lock:
+            meta = self._meta(name)
+            try:
+                content = bytes(self.fs.read(self.image_path(name)))
+            except OSError as exc:
+                reason = f"unreadable ({type(exc).__name__})"
+            else:
+                if meta is None or "sha256" not in meta:
+                    reason = "its SHA-256 record is missing or damaged"
+                elif hashlib.sha256(content).digest() != bytes(meta["sha256"]):
+                    reason = (f"{len(content)} bytes on board no longer match the SHA-256 they were uploaded with "
+                              f"({bytes(meta['sha256']).hex()[:16]}...)")
+                else:
+                    return content
+            self.drop(name)
+        raise ImageCorrupt(name, reason)
+
+    def drop(self, name: str) -> None:
+        """Forget an image entirely (file, meta, chunks): the ground's next upload sends it anew."""
+        d = self._dir(name)
+        for n in self.fs.listdir(d):
+            self.fs.remove(os.path.join(d, n), sync=False)
+        if os.path.isdir(d):
+            self.fs.fsync_dir(d)
+
     def _drop_chunks(self, name: str, keep_meta: bool) -> None:
         d = self._dir(name)
         for n in self.fs.listdir(d):
             if (n.startswith("c") and n[1:].isdigit()) or (n == "meta" and not keep_meta):
                 self.fs.remove(os.path.join(d, n), sync=False)
+        self.fs.remove_stale_temps(d)  # chunks whose write a cut interrupted
         self.fs.fsync_dir(d)
 
     def bytes_held(self) -> int:
@@ -131,18 +176,12 @@ class ImageStore:
         return total
 
 
-def _check_picture(name: str, content: bytes) -> None:
-    from PIL import Image
-
+def _check_picture(name: str, content: bytes, limits: ProcessorLimits | None) -> None:
+    """Everything a task would later fail on, checked now: header limits, shape, decodability."""
     try:
-        with Image.open(io.BytesIO(content)) as im:
-            if im.width * im.height > 100_000_000:
-                raise WireError(ResponseCode.IMAGE_TOO_LARGE, f"{name}: {im.width}x{im.height} pixels")
-            im.load()
-    except WireError:
-        raise
-    except Exception as exc:  # PIL raises many kinds for bad data
-        raise WireError(ResponseCode.IMAGE_UNDECODABLE, f"{name}: not a decodable picture ({type(exc).__name__})") from None
+        open_reduced(content, name, limits or ProcessorLimits())
+    except ImageRejected as exc:
+        raise WireError(exc.code, str(exc)) from None
 
 
 def content_hash(prompt: str, images: list[str], max_new_tokens: int) -> str:

@@ -45,6 +45,21 @@ def _chunk(data=b"\x00" * 10, **changes):
     return body
 
 
+def _thin_png() -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (300, 1), (200, 30, 30)).save(buf, "PNG")  # accepted once, failed later on its aspect ratio
+    return buf.getvalue()
+
+
+def _far_ahead(bus):
+    seq = (bus.counter.peek(Apid.PAYLOAD) + 100_000) % (1 << 30)
+    return encode(m.Ping(key=1), Apid.PAYLOAD, seq, source_id=NodeId.GROUND), seq
+
+
 def _bad_utf8_prompt():
     raw = msgpack.packb(_uplink(prompt="PLACEHOLDER"), use_bin_type=True)
     return raw.replace(b"PLACEHOLDER", b"\xff\xfeBAD\xc3(\xa0\xa1xx")
@@ -62,6 +77,13 @@ CASES = [
     ("chunk_crc", lambda bus: _tc(bus, MessageType.IMAGE_CHUNK, _chunk(crc32c=123)), ResponseCode.CHUNK_CRC_MISMATCH),
     ("undecodable_image", lambda bus: _tc(bus, MessageType.IMAGE_CHUNK, _chunk(data=b"not a picture at all")),
      ResponseCode.IMAGE_UNDECODABLE),
+    # checked at uplink, each with its own code, instead of failing later as something else
+    ("blank_prompt", lambda bus: _tc(bus, MessageType.UPLINK_TASK, _uplink(prompt=" \n\t ")), ResponseCode.EMPTY_PROMPT),
+    ("thin_image", lambda bus: _tc(bus, MessageType.IMAGE_CHUNK, _chunk(data=_thin_png(), image="thin.png")),
+     ResponseCode.IMAGE_SHAPE_UNSUPPORTED),
+    ("far_ahead_sequence", _far_ahead, ResponseCode.SEQUENCE_TOO_FAR_AHEAD),
+    ("release_unknown", lambda bus: _tc(bus, MessageType.RELEASE_QUARANTINE, {"item": "task:nope"}),
+     ResponseCode.NOT_QUARANTINED),
 ]
 
 

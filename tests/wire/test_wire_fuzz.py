@@ -125,3 +125,12 @@ def test_arbitrary_bodies_for_every_type(cls, body, as_tc):
 def test_arbitrary_body_bytes(cls, raw):
     packet_type = PacketType.TC if cls.TYPE.is_command else PacketType.TM
     assert_decodes_or_rejects(frame(packet_type, Apid.PAYLOAD, 1, cls.TYPE, raw, time_us=0))
+
+
+def test_the_red_team_frame_source():
+    """The frames `python -m bench.redteam` feeds the decoder a million of, at a test's size."""
+    from hil.redteam import fuzz_decoder
+
+    report = fuzz_decoder(5000, seed=3)
+    assert report.passed, report.defects[:5]
+    assert report.decoded > 500 and len(report.rejected) > 10

@@ -125,3 +125,35 @@ def test_messages_are_immutable(all_samples):
         for field in sample.pack():
             with pytest.raises(AttributeError):
                 setattr(sample, field, None)
+
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=400), st.integers(0, 600))
+def test_clip_utf8_bounds_bytes_without_splitting_a_character(text, limit):
+    """Finding 2: reasons and texts were cut by characters and overflowed their byte fields (a
+    FAILED report then failed its own encoding, at every boot). One helper cuts by bytes."""
+    from common.wire.text import clip_utf8
+
+    clipped = clip_utf8(text, limit)
+    data = clipped.encode("utf-8")  # never a lone surrogate, never a split character
+    assert len(data) <= limit
+    if len(text.encode("utf-8", "replace")) <= limit:
+        assert clipped == text.encode("utf-8", "replace").decode("utf-8")
+    elif limit >= 3:
+        assert clipped.endswith("...") and text.encode("utf-8", "replace").decode().startswith(clipped[:-3])
+
+
+def test_every_bounded_text_field_takes_a_clipped_value():
+    from common.wire.ids import MAX_EVENT_TEXT_BYTES, MAX_REASON_BYTES, MAX_RESULT_TEXT_BYTES
+    from common.wire.text import clip_utf8
+
+    long = "é☁" * 40000
+    m.Event(event_id=1, text=clip_utf8(long, MAX_EVENT_TEXT_BYTES))
+    m.Failed(tc_apid=32, tc_source=1, tc_seq=1, tc_type=272, code=600, reason=clip_utf8(long, MAX_REASON_BYTES))
+    m.TaskResult(task_id="t", token_ids=[], text=clip_utf8(long, MAX_RESULT_TEXT_BYTES), logits_sha256=b"\0" * 32,
+                 timings={})
+    m.FdirReport(trace_time_s=0.0, mode="safe", fault_count=1, last_fault=clip_utf8(long, MAX_EVENT_TEXT_BYTES))

@@ -43,4 +43,10 @@ def sample_messages() -> list[m.Message]:
         m.FdirReport(trace_time_s=100.0, mode=FdirMode.NOMINAL, fault_count=0),
         m.ShutdownWarning(trace_time_s=100.0, lead_time_s=2.5, cause=PowerCause.ECLIPSE),
         m.PowerStateChange(trace_time_s=102.5, payload_on=False, cause=PowerCause.ECLIPSE),
+        m.ListQuarantine(),
+        m.ReleaseQuarantine(item="task:task-001"),
+        m.ListLostTasks(),
+        m.QuarantineList(items=["task:task-001", "command:PING:0123456789abcdef"], exits=[3, 3],
+                         reasons=["boot 4 ended by itself", "injected fault"], total=2),
+        m.LostTasks(task_ids=["task-002"], total=1, bytes_dropped=336, records_dropped=1, unnamed=0),
     ]

@@ -1,0 +1,99 @@
+"""The red team at full size: the decoder and dispatch fuzzers (1,000,000 frames each by default)
+and the whole-system kill campaign (1,000 payload SIGKILLs at random instants of its working life,
+the bus SIGKILLed every 40 cuts). Prints the numbers and writes runs/redteam/report.json.
+
+    python -m bench.redteam [--frames N] [--kills N] [--bus-kill-every N] [--skip-fuzz] [--skip-campaign]
+                            [--model DIR] [--out runs/redteam] [--nice 10]
+
+Tasks lost, run twice, answered wrong and crash loops must each be 0 (exit status 1 otherwise).
+A run this size takes hours here (every payload power-up pays the interpreter and library
+imports); run it in the background with nice. docs/hil.md "Red team" explains what is counted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--frames", type=int, default=1_000_000, help="frames for each fuzzer (default 1,000,000)")
+    p.add_argument("--kills", type=int, default=1000, help="payload cuts in the kill campaign (default 1000)")
+    p.add_argument("--bus-kill-every", type=int, default=40, help="SIGKILL the bus after every N cuts (default 40)")
+    p.add_argument("--tasks", type=int, default=None, help="tasks uplinked during the campaign (default kills / 5)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None, help="model directory (default: build the tiny Qwen3-VL under --out)")
+    p.add_argument("--out", default=os.path.join(ROOT, "runs", "redteam"))
+    p.add_argument("--nice", type=int, default=0, help="niceness of the campaign's bus and payload processes")
+    p.add_argument("--skip-fuzz", action="store_true")
+    p.add_argument("--skip-campaign", action="store_true")
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    from common import log
+
+    log.setup("error", component="redteam")
+    from hil.redteam import KillCampaign, fuzz_decoder, fuzz_dispatch, to_dict
+
+    say = lambda s: print(s, flush=True)  # noqa: E731
+    report: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "frames": args.frames, "seed": args.seed}
+    path = os.path.join(args.out, "report.json")
+
+    def save():
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+
+    ok = True
+    if not args.skip_fuzz:
+        say(f"[redteam] decoder fuzzer: {args.frames} frames")
+        decoder = fuzz_decoder(args.frames, seed=args.seed, progress=say)
+        report["decoder"] = to_dict(decoder)
+        say(f"[redteam] decoder: {decoder.frames} frames, {decoder.decoded} decoded, {len(decoder.defects)} defects, "
+            f"slowest {decoder.slowest_frame_ms:.1f} ms, RSS growth {decoder.rss_growth_bytes >> 10} KiB, "
+            f"{decoder.seconds:.0f} s")
+        save()
+        say(f"[redteam] dispatch fuzzer: {args.frames} frames")
+        with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as work:
+            dispatch = fuzz_dispatch(args.frames, seed=args.seed + 1, workdir=work, progress=say)
+        report["dispatch"] = to_dict(dispatch)
+        say(f"[redteam] dispatch: {dispatch.frames} frames ({dispatch.command_frames} telecommands or undecodable), "
+            f"{dispatch.accepted} accepted, {sum(dispatch.rejected.values())} rejected in {len(dispatch.rejected)} codes, "
+            f"{len(dispatch.verdict_violations)} verdict violations, {len(dispatch.escaped)} escaped, "
+            f"{dispatch.command_faults} handler faults, RSS growth {dispatch.rss_growth_bytes >> 10} KiB, "
+            f"{dispatch.seconds:.0f} s")
+        save()
+        ok = ok and decoder.passed and dispatch.passed
+    if not args.skip_campaign:
+        model = args.model
+        if model is None:
+            model = os.path.join(args.out, "model")
+            if not os.path.exists(os.path.join(model, "config.json")):
+                from flight.model.tiny import build_tiny
+
+                build_tiny("qwen3-vl", "tiny", 0, model)
+        say(f"[redteam] kill campaign: {args.kills} payload cuts, the bus killed every {args.bus_kill_every}")
+        campaign = KillCampaign(os.path.join(args.out, "campaign"), model, kills=args.kills,
+                                bus_kill_every=args.bus_kill_every, seed=args.seed, tasks=args.tasks, say=say,
+                                nice=args.nice).run()
+        report["campaign"] = {**json.load(open(os.path.join(args.out, "campaign", "campaign-report.json")))}
+        say(f"[redteam] campaign: {campaign.payload_kills} payload SIGKILLs ({campaign.kills_by_activity}), "
+            f"{campaign.bus_kills} bus SIGKILLs, {campaign.tasks} tasks ({campaign.completed} answered): "
+            f"lost {len(campaign.lost)}, run twice {len(campaign.run_twice)}, answered wrong "
+            f"{len(campaign.answered_wrong)}, crash loops {campaign.crash_loops}; {campaign.wall_s / 3600:.1f} h")
+        save()
+        ok = ok and campaign.passed
+    report["passed"] = ok
+    save()
+    say(f"[redteam] {'PASSED' if ok else 'FAILED'}: {path}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

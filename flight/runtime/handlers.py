@@ -1,0 +1,219 @@
+"""One handler per telecommand (cFS sample_app style: dispatch in app.py, handlers here).
+
+Every handler either accepts -- `_accept` counts the command and persists the replay guard and
+counters before ACCEPTED leaves -- or raises WireError with the code for the class of problem,
+which dispatch turns into REJECTED. Handlers run on the main thread.
+"""
+from __future__ import annotations
+
+import shutil
+
+from common.wire import EventId, ResponseCode, WireError, messages as m
+from common.wire.ids import MAX_LISTED_ITEMS, MAX_LISTED_TASKS, MAX_REASON_BYTES
+from common.wire.text import clip_utf8
+
+from .health import item_task_id, report_item, task_item
+from .images import content_hash
+from .queue import CANCELLED, COMPLETED, FAILED, FINISHED
+from .results import DAMAGED, EVICTED
+
+MAX_QUEUED = 256
+
+
+class CommandHandlers:
+    """Mixed into FlightApp; uses its queue, images, health, send, event, _accept."""
+
+    def _handler_table(self) -> dict:
+        from common.wire import MessageType
+
+        return {
+            MessageType.PING: self.on_ping, MessageType.STATUS: self.on_status,
+            MessageType.UPLINK_TASK: self.on_uplink_task, MessageType.CANCEL_TASK: self.on_cancel_task,
+            MessageType.SET_PRIORITY: self.on_set_priority, MessageType.DOWNLINK_RESULT: self.on_downlink_result,
+            MessageType.IMAGE_CHUNK: self.on_image_chunk, MessageType.IMAGE_QUERY: self.on_image_query,
+            MessageType.LIST_QUARANTINE: self.on_list_quarantine,
+            MessageType.RELEASE_QUARANTINE: self.on_release_quarantine,
+            MessageType.LIST_LOST_TASKS: self.on_list_lost_tasks,
+            MessageType.SHUTDOWN_WARNING: self.on_shutdown_warning, MessageType.POWER_STATE: self.on_power_state,
+        }
+
+    # ---- simple commands ---------------------------------------------------------------------------
+    def on_ping(self, request, msg: m.Ping) -> None:
+        self._accept(request)
+        self.send(m.Pong(key=msg.key))
+        self.send(m.Completed.about(request))
+
+    def on_status(self, request, msg) -> None:
+        self._accept(request)
+        self.send(self.housekeeping())
+        self.send(m.Completed.about(request))
+
+    # ---- tasks -------------------------------------------------------------------------------------------
+    def on_uplink_task(self, request, msg: m.UplinkTask) -> None:
+        digest = content_hash(msg.prompt, list(msg.images), msg.max_new_tokens)
+        live = self.queue.tasks.get(msg.task_id)
+        finished = self.queue.finished(msg.task_id)
+        if live is not None or finished is not None:
+            if finished is not None and finished.gone == DAMAGED:
+                raise WireError(ResponseCode.TASK_LOST, f"task {msg.task_id} finished but its record on board is "
+                                                        "damaged; it is not run again (uplink it under a new id)")
+            known = live.content_hash if live is not None else finished.content_hash
+            if known != digest:
+                raise WireError(ResponseCode.DUPLICATE_TASK, f"task {msg.task_id} exists with other content")
+            self._accept(request, task_id=msg.task_id)  # the same uplink again: idempotent
+            return
+        if self.queue.depth() >= MAX_QUEUED:
+            raise WireError(ResponseCode.QUEUE_FULL, f"{MAX_QUEUED} tasks queued")
+        relost = self.queue.is_lost(msg.task_id)
+        self.queue.submit(msg.task_id, msg.prompt, list(msg.images), msg.max_new_tokens, msg.priority,
+                          (request.apid, request.source_id, request.seq, request.message_type), digest)
+        self._accept(request, task_id=msg.task_id)
+        if relost:
+            # It never finished (the result store would know), so this is not a second run: it
+            # resumes from whatever checkpoints it had. Said out loud all the same.
+            self.queue.forget_lost(msg.task_id)
+            self.event(EventId.TASKS_LOST, f"task {msg.task_id}, lost to journal damage, queued again as the ground "
+                                           "sent it again", msg.task_id)
+        self.event(EventId.TASK_QUEUED, f"task {msg.task_id} queued (priority {msg.priority})", msg.task_id)
+        self.send(self.housekeeping())
+        self.work_available.set()
+
+    def _unknown_or_gone(self, task_id: str) -> WireError:
+        finished = self.queue.finished(task_id)
+        if finished is not None and finished.gone == EVICTED:
+            return WireError(ResponseCode.RESULT_EVICTED, f"task {task_id} finished ({finished.state}); its result was "
+                                                          "removed under the results retention budget")
+        if (finished is not None and finished.gone == DAMAGED) or self.queue.is_lost(task_id):
+            return WireError(ResponseCode.TASK_LOST, f"task {task_id}: its state on board was lost to storage damage")
+        if finished is not None:
+            return WireError(ResponseCode.TASK_FINISHED, f"task {task_id} is {finished.state}")
+        return WireError(ResponseCode.UNKNOWN_TASK, f"no task {task_id}")
+
+    def _unfinished_task(self, task_id: str):
+        task = self.queue.tasks.get(task_id)
+        if task is None:
+            error = self._unknown_or_gone(task_id)
+            if error.code == ResponseCode.RESULT_EVICTED:
+                error = WireError(ResponseCode.TASK_FINISHED, error.reason)
+            raise error
+        return task
+
+    def on_cancel_task(self, request, msg: m.CancelTask) -> None:
+        task = self._unfinished_task(msg.task_id)
+        self._accept(request, task_id=msg.task_id)
+        if self.current["task"] == msg.task_id:
+            self.cancel_requested.add(msg.task_id)  # the worker stops at the next unit of work
+        else:
+            self._finish_cancel(task)
+        self.send(m.Completed.about(request, task_id=msg.task_id))
+
+    def _finish_cancel(self, task) -> None:
+        self.queue.cancel(task.task_id, code=int(ResponseCode.CANCELLED))
+        self.health.release(task_item(task.task_id))  # a cancelled task is no longer held back
+        self.send_final_report(self.queue.get(task.task_id))
+        self.event(EventId.TASK_CANCELLED, f"task {task.task_id} cancelled", task.task_id)
+        shutil.rmtree(self._task_dir(task.task_id), ignore_errors=True)
+
+    def on_set_priority(self, request, msg: m.SetPriority) -> None:
+        self._unfinished_task(msg.task_id)
+        self.queue.set_priority(msg.task_id, msg.priority)
+        self._accept(request, task_id=msg.task_id)
+        self.send(m.Completed.about(request, task_id=msg.task_id))
+
+    def on_downlink_result(self, request, msg: m.DownlinkResult) -> None:
+        live = self.queue.tasks.get(msg.task_id)
+        if live is not None:
+            if self.health.is_quarantined(task_item(msg.task_id)):
+                raise WireError(ResponseCode.QUARANTINED, f"task {msg.task_id} is quarantined (RELEASE_QUARANTINE "
+                                                          f"{task_item(msg.task_id)} to run it again)")
+            corrupt = self.corrupt_images.get(msg.task_id)
+            if corrupt:
+                raise WireError(ResponseCode.IMAGE_CORRUPT, f"task {msg.task_id} waits for image {corrupt}, found "
+                                                            "damaged on board: send it again")
+            raise WireError(ResponseCode.RESULT_NOT_READY, f"task {msg.task_id} is {live.state}")
+        task = self.queue.get(msg.task_id)
+        if task is None:
+            raise self._unknown_or_gone(msg.task_id)
+        if task.state in (FAILED, CANCELLED):
+            # Finished without a result: say why, so a waiting ground stops waiting.
+            code = ResponseCode.CANCELLED if task.state == CANCELLED else ResponseCode(task.code or ResponseCode.TASK_FINISHED)
+            raise WireError(code, f"task {msg.task_id} {task.state}: {task.reason}")
+        self._accept(request, task_id=msg.task_id)
+        self.send(self._task_result(task))
+        self.send(m.Completed.about(request, task_id=msg.task_id))
+
+    # ---- images ------------------------------------------------------------------------------------
+    def on_image_chunk(self, request, msg: m.ImageChunk) -> None:
+        try:
+            completed = self.images.put_chunk(msg)
+        except WireError as err:
+            if err.code in (ResponseCode.FILE_HASH_MISMATCH, ResponseCode.IMAGE_UNDECODABLE, ResponseCode.IMAGE_TOO_LARGE,
+                            ResponseCode.IMAGE_SHAPE_UNSUPPORTED):
+                self.event(EventId.IMAGE_REJECTED, f"image {msg.image}: {err.reason}")
+            raise
+        self._accept(request)
+        if completed:
+            self.event(EventId.IMAGE_COMPLETE, f"image {msg.image} verified ({msg.image_size} bytes)")
+            self.work_available.set()
+
+    def on_image_query(self, request, msg: m.ImageQuery) -> None:
+        self._accept(request)
+        self.send(self.images.status(msg.image))
+        self.send(m.Completed.about(request))
+
+    # ---- health and safety, journal integrity ------------------------------------------------------------
+    def on_list_quarantine(self, request, msg) -> None:
+        listing = self.health.listing()
+        shown = listing[:MAX_LISTED_ITEMS]
+        self._accept(request)
+        self.send(m.QuarantineList(items=[i for i, _, _ in shown], exits=[n for _, n, _ in shown],
+                                   reasons=[clip_utf8(r, MAX_REASON_BYTES) for _, _, r in shown], total=len(listing)))
+        self.send(m.Completed.about(request))
+
+    def on_release_quarantine(self, request, msg: m.ReleaseQuarantine) -> None:
+        if not self.health.release(msg.item):
+            raise WireError(ResponseCode.NOT_QUARANTINED, f"{msg.item} is not quarantined")
+        task_id = item_task_id(msg.item)
+        self._accept(request, task_id=task_id if task_id and self._is_name(task_id) else None)
+        self.event(EventId.QUARANTINE_RELEASED, f"{msg.item} released from quarantine by command",
+                   task_id if task_id and self._is_name(task_id) else None)
+        if msg.item.startswith("task:"):
+            self.work_available.set()
+        elif msg.item.startswith("report:") and task_id:
+            task = self.queue.get(task_id)
+            if task is not None and task.state in FINISHED:
+                self.send_final_report(task)
+        self.send(m.Completed.about(request))
+
+    def on_list_lost_tasks(self, request, msg) -> None:
+        lost = self.queue.lost
+        self._accept(request)
+        self.send(m.LostTasks(task_ids=lost.task_ids[:MAX_LISTED_TASKS], total=len(lost.task_ids),
+                              bytes_dropped=lost.bytes_dropped, records_dropped=lost.records_dropped,
+                              unnamed=lost.unnamed))
+        self.send(m.Completed.about(request))
+
+    # ---- from the bus --------------------------------------------------------------------------------
+    def on_shutdown_warning(self, header, msg: m.ShutdownWarning) -> None:
+        self.event(EventId.SHUTDOWN_WARNING_RECEIVED, f"bus warns of a cut in {msg.lead_time_s:.1f} s ({msg.cause})")
+        if self.engine is not None:
+            self.engine.checkpoint_soon.set()
+
+    def on_power_state(self, header, msg: m.PowerStateChange) -> None:
+        self.log.info("power_state", **{k: str(v) for k, v in msg.pack().items()})
+        if msg.payload_on and msg.after_fault is not None:
+            self.health.verdict(msg.after_fault)  # how the previous boot ended, in the bus's words
+            self.work_available.set()
+
+    @staticmethod
+    def _is_name(value: str) -> bool:
+        from common.wire.fields import check_name
+
+        try:
+            check_name(value, "task_id")
+            return True
+        except WireError:
+            return False
+
+
+__all__ = ["COMPLETED", "CommandHandlers", "MAX_QUEUED", "report_item"]

@@ -1,0 +1,95 @@
+"""Health and safety in-process: boots that end while an item is handled, faults, the bus's word
+on how a boot ended, quarantine and release. (tests/flight/test_red_team.py has the real crash
+loop, with the real bus power-cycling a payload that dies.)"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from flight.runtime.health import EXIT_BOUND, MAIN, WORKER, Health, command_item, task_item
+
+
+def _boot(directory, boot, **kw):
+    events = []
+    health = Health(str(directory), boot=boot, on_event=lambda kind, item, text: events.append((kind, item)), **kw)
+    return health, events
+
+
+def _die_while_handling(directory, boot, item, slot=WORKER):
+    """A boot that ends (SIGKILL, as a power cut or a native crash) while handling `item`."""
+    code = (f"from flight.runtime.health import Health\n"
+            f"h = Health({str(directory)!r}, boot={boot}, fault_spec='kill:{item}')\n"
+            f"with h.handling({item!r}, {slot}):\n    pass\n")
+    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == -9
+
+
+def test_boots_that_die_at_one_item_quarantine_it_once_the_bus_calls_them_faults(tmp_path):
+    for boot in range(1, EXIT_BOUND + 1):
+        _die_while_handling(tmp_path, boot, "task:t-bad")
+        health, events = _boot(tmp_path, boot + 1)
+        assert health.held("task:t-bad")  # nothing decided until the bus says how the boot ended
+        health.verdict(after_fault=True)
+        assert not health.held("task:t-bad")
+    assert health.is_quarantined("task:t-bad")
+    assert events[-1] == ("quarantined", "task:t-bad")
+    assert health.listing()[0][:2] == ("task:t-bad", EXIT_BOUND)
+    rebooted, _ = _boot(tmp_path, 10)
+    assert rebooted.is_quarantined("task:t-bad")  # durable
+    assert rebooted.release("task:t-bad") and not rebooted.is_quarantined("task:t-bad")
+    assert not _boot(tmp_path, 11)[0].is_quarantined("task:t-bad")
+
+
+def test_power_cuts_count_for_nothing(tmp_path):
+    for boot in range(1, EXIT_BOUND + 2):
+        _die_while_handling(tmp_path, boot, "task:t-long")
+        health, events = _boot(tmp_path, boot + 1)
+        health.verdict(after_fault=False)  # the bus cut the power: a trace cut
+    assert not health.is_quarantined("task:t-long") and not events
+
+
+def test_without_a_word_from_the_bus_an_exit_is_not_counted(tmp_path, monkeypatch):
+    import flight.runtime.health as h
+
+    _die_while_handling(tmp_path, 1, "report:t1", MAIN)
+    health, events = _boot(tmp_path, 2)
+    assert health.held("report:t1")
+    monkeypatch.setattr(h, "VERDICT_WAIT_S", 0.0)
+    assert not health.held("report:t1") and not events and "report:t1" not in health.exits
+
+
+def test_progress_resets_the_count(tmp_path):
+    _die_while_handling(tmp_path, 1, "task:t2")
+    health, _ = _boot(tmp_path, 2)
+    health.verdict(True)
+    assert health.exits["task:t2"][0] == 1
+    health.progress("task:t2")  # a unit of work done: it was not stuck there
+    assert "task:t2" not in _boot(tmp_path, 3)[0].exits
+
+
+def test_a_crash_record_counts_without_the_bus(tmp_path):
+    health, _ = _boot(tmp_path, 1)
+    with open(health.crash_path, "a") as f:
+        f.write("Fatal Python error: Segmentation fault\n")
+    health._write_slot(WORKER, "command:STATUS:0011223344556677")
+    again, events = _boot(tmp_path, 2)
+    assert not again.suspects and events == [("abnormal_exit", "command:STATUS:0011223344556677")]
+    assert os.path.exists(again.crash_path + ".previous")
+
+
+def test_caught_faults_count_toward_quarantine_too(tmp_path):
+    health, events = _boot(tmp_path, 1)
+    for _ in range(EXIT_BOUND - 1):
+        assert not health.fault("command:PING:00", "RuntimeError")
+    assert health.fault("command:PING:00", "RuntimeError")
+    assert [k for k, _ in events] == ["abnormal_exit"] * (EXIT_BOUND - 1) + ["quarantined"]
+
+
+def test_command_items_name_the_content_not_the_sequence_number():
+    from common.wire import messages as m
+
+    a = m.UplinkTask(task_id="t1", prompt="p", images=[], max_new_tokens=1, priority=0)
+    b = m.UplinkTask(task_id="t1", prompt="p", images=[], max_new_tokens=1, priority=0)
+    assert command_item(a) == command_item(b) != command_item(m.CancelTask(task_id="t1"))
+    assert task_item("t1") == "task:t1"
