@@ -75,6 +75,11 @@ def _common(p) -> None:
     p.add_argument("--group", type=int, default=2)
     p.add_argument("--decode-every", type=int, default=4)
     p.add_argument("--planner", default="chunk-first")
+    p.add_argument("--boot-trace-s", default=None, metavar="S|real",
+                   help="the payload's boot in trace seconds, emulated: each payload is forked from a process that "
+                        "has imported its libraries and waits S trace seconds (scaled like the compute) after "
+                        "power-on; `real`: exec it and pay this machine's start-up inside the window (default "
+                        "15 trace s: a Jetson Orin's boot, hil.testbench.TARGET_BOOT_TRACE_S; docs/hil.md)")
     p.add_argument("--start-at", type=float, default=0.0, help="trace second to start at")
     p.add_argument("--timeout", type=float, default=None, help="wall seconds to wait for all results")
     p.add_argument("--out", required=True, help="output directory")
@@ -109,11 +114,30 @@ def _config(args, trace: str, policy: str):
         raise CliError(f"--time-scale must be a number or auto, not {args.time_scale!r}", 2) from None
     if args.requests < 1:
         raise CliError("--requests must be at least 1", 2)
+    boot = parse_boot(args.boot_trace_s)
     return BenchConfig(trace=trace, model=ensure_model(args.model), out_dir=args.out, policy=policy,
                        requests=args.requests, workload=default_workload(args.requests, args.max_new_tokens),
                        time_scale=scale, request_seconds=args.request_seconds, pace_ms=args.pace_ms,
                        chunk=args.chunk, group=args.group, decode_every=args.decode_every, planner=args.planner,
-                       start_at_s=args.start_at, timeout_s=args.timeout)
+                       start_at_s=args.start_at, timeout_s=args.timeout, boot_trace_s=boot)
+
+
+def parse_boot(text: str | None):
+    """--boot-trace-s: None (default: the target's), `real`, or a number of trace seconds."""
+    from common.cli import CliError
+    from hil.testbench import TARGET_BOOT_TRACE_S
+
+    if text is None:
+        return TARGET_BOOT_TRACE_S
+    if text == "real":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise CliError(f"--boot-trace-s must be a number of trace seconds >= 0 or `real`, not {text!r}", 2)
+    return value
 
 
 def _check_trace(trace: str) -> None:

@@ -125,6 +125,20 @@ def resolve_dtype(config, dtype: str | None) -> torch.dtype:
     return torch.float32
 
 
+def import_model_classes() -> None:
+    """Import everything `load_model` resolves lazily (transformers' model, configuration,
+    tokenizer and image-processor classes of every supported architecture), without reading any
+    model directory: the payload's boot image (flight/runtime/preload.py)."""
+    import transformers
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast  # noqa: F401
+    from transformers.models.auto import tokenization_auto  # noqa: F401
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil  # noqa: F401
+
+    for model_type, class_name in _MODEL_CLASSES.items():
+        getattr(transformers, class_name)
+        transformers.models.auto.configuration_auto.CONFIG_MAPPING[model_type]
+
+
 def load_model(model_dir: str, device: torch.device | str | None = None, dtype: str | None = None,
                attn_implementation: str = "sdpa", read_hook=None) -> LoadedModel:
     import transformers

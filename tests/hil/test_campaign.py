@@ -1,4 +1,6 @@
-"""A short campaign (2 traces x 2 policies) end to end with real processes, and its report."""
+"""A short campaign (2 traces x 2 policies) end to end with real processes, and its report. The
+payloads are forked from the bus's zygote with an emulated boot (hil/zygote.py): every output is
+still checked bit for bit against its uninterrupted reference."""
 import json
 
 import pytest
@@ -8,12 +10,13 @@ from hil.testbench import BenchConfig, default_workload
 
 
 def _short_trace(path):
-    """One early FDIR cut, then a long window: at this pace the cut lands inside the request."""
+    """One early FDIR cut, then a long window. The cut lands before the request can end: the
+    emulated boot (1 s) plus the request's paced units (over 40 x 80 ms) take longer than 3 s."""
     import traces
     from traces.model import CutCause, PowerWindow
 
-    traces.dump(traces.Trace.from_windows("short", 60, [PowerWindow(0, 5.5, CutCause.FDIR, 0.0),
-                                                        PowerWindow(7, 60, None, 0.0)],
+    traces.dump(traces.Trace.from_windows("short", 60, [PowerWindow(0, 3.0, CutCause.FDIR, 0.0),
+                                                        PowerWindow(4.5, 60, None, 0.0)],
                                           reference_request_s=10, description="test trace",
                                           source={"kind": "manual"}, assumptions=["for the campaign test"]), path)
     return str(path)
@@ -22,7 +25,7 @@ def _short_trace(path):
 @pytest.mark.slow
 def test_short_campaign_end_to_end(model_dirs, tmp_path):
     base = BenchConfig(trace="demo", model=model_dirs["qwen3-vl"], out_dir=str(tmp_path / "campaign"), requests=1,
-                       workload=default_workload(1, 12), time_scale=1.0, pace_ms=80)
+                       workload=default_workload(1, 12), time_scale=1.0, pace_ms=80, boot_trace_s=1.0)
     short = _short_trace(tmp_path / "short.jsonl")
     cells = run_campaign(base, [short, "demo"], ["orbitweaver", "none"], [0], say=lambda s: None)
     assert len(cells) == 4
