@@ -24,6 +24,7 @@ from transformers.cache_utils import DynamicCache
 from common.durable import DurableFS, is_disk_full
 from common.record import Kind, RecordError
 
+from .checkpoint.cadence import Cadence
 from .checkpoint.policies import Geometry, Policy, get_policy
 from .checkpoint.store import CheckpointStore, Frontier, OpenOutcome
 from .checkpoint.writer import CheckpointWriter
@@ -55,6 +56,11 @@ class EngineOptions:
     # quarter in fp32, so faster decode-phase recovery) -- the one option that gives up bitwise
     # identity after a resume in decode. Off by default.
     decode_kv_compression: str = "none"
+    # "fixed": the policy's cadence (a decode record every D steps, a vision state every k
+    # blocks); "adaptive": also early records when a cut is likely before the next one
+    # (flight/checkpoint/cadence.py). Only orbitweaver adapts: the baselines keep the cadence
+    # their definitions give. Not in the MANIFEST: records are the same either way.
+    cadence: str = "fixed"
 
 
 @dataclass
@@ -106,12 +112,16 @@ class _Pacer:
 
 class Engine:
     def __init__(self, model: LoadedModel, options: EngineOptions | None = None, fs: DurableFS | None = None,
-                 events=None, after_commit=None):
+                 events=None, after_commit=None, cadence: Cadence | None = None):
         self.m = model
         self.a = model.adapter
         self.options = options or EngineOptions()
         self.policy: Policy = get_policy(self.options.policy)
         self.geometry = self.policy.geometry(self.options.geometry, self.a.num_layers)
+        # What the payload knows about its windows (warnings, telemetry, history); the caller's
+        # when it has one (the onboard process), else one that knows only this engine's timings.
+        self.cadence = cadence or Cadence(self.options.cadence)
+        self.adaptive = self.cadence.mode == "adaptive" and self.policy.name == "orbitweaver"
         self.fs = fs
         self.events = events or (lambda name, **kw: None)
         self.after_commit = after_commit
@@ -239,9 +249,29 @@ class _RequestRun:
     def _note_held_peak(self, phase: str) -> None:
         self.held_peaks[phase] = max(self.held_peaks.get(phase, 0), self.writer.take_peak())
 
-    def _submit(self, what: str, fn, *args, optional: bool = False, make_args=None) -> None:
-        if self.checkpoints_enabled:
-            self.writer.submit(what, fn, *args, optional=optional, make_args=make_args)
+    def _submit(self, what: str, fn, *args, optional: bool = False, make_args=None, phase: str | None = None) -> bool:
+        """Hand a record to the writer; False if it was an optional one the writer dropped.
+        `phase`: time the write for the cadence (what a record of this phase costs)."""
+        if not self.checkpoints_enabled:
+            return False
+        if phase is not None:
+            fn = self._timed(phase, fn)
+        return self.writer.submit(what, fn, *args, optional=optional, make_args=make_args)
+
+    def _timed(self, phase: str, fn):
+        cadence = self.e.cadence
+
+        def write(*args):
+            start = time.perf_counter()
+            n = fn(*args)
+            cadence.observe_write(phase, time.perf_counter() - start)
+            return n
+
+        return write
+
+    def _early(self, phase: str, since: int, every: int) -> bool:
+        """An adaptive-cadence record before the fixed cadence's next one (cadence.py)."""
+        return self.e.adaptive and self.checkpoints_enabled and self.e.cadence.early_record(phase, since, every)
 
     # ---- phases ---------------------------------------------------------------------------------
     def _run_from(self, fr: Frontier):
@@ -296,20 +326,31 @@ class _RequestRun:
             self.events("vision_restored", block=start)
         else:
             h = a.vision_embed(ctx, self.inputs.pixel_values.to(self.device))
+        last_state, deferred = start, 0  # the newest vision state handed to the writer; states dropped since
         for i in range(start, V):
             self.pacer.begin()
+            unit_start = time.perf_counter()
             self.m.weights.ensure(*a.vision_block_modules(i))
             h, extra = a.vision_block(ctx, i, h)
             side.update(extra)
             self.pacer.end()
+            self.e.cadence.observe_unit("vision", time.perf_counter() - unit_start)
             self.events("vision_block_done", block=i + 1, of=V)
             urgent = self.e.checkpoint_soon.is_set() and i + 1 < V and self.policy.writes_checkpoints()
-            if urgent or self.policy.vision_state_due(i + 1, V, self.g):
+            due = self.policy.vision_state_due(i + 1, V, self.g) or (
+                i + 1 < V and self._early("vision", i + 1 - last_state, self.g.vision_every))
+            if urgent or due:
                 self.e.checkpoint_soon.clear()
                 # A cadence checkpoint is dropped while the previous record is still being
-                # written (the next one supersedes it); one the bus asked for is not.
-                self._submit(f"vision.state[{i + 1}]", self.store.put_vision_state, i + 1, h, dict(side),
-                             optional=not urgent)
+                # written (the next one supersedes it); one the bus asked for is not, and
+                # neither is one after a dropped one: progress never waits on an idle writer
+                # forever, and a window that can only write every other state still keeps one.
+                kept = self._submit(f"vision.state[{i + 1}]", self.store.put_vision_state, i + 1, h, dict(side),
+                                    optional=not urgent and deferred == 0, phase="vision")
+                if kept:
+                    last_state, deferred = i + 1, 0
+                else:
+                    deferred += 1
         self.m.weights.ensure(*a.vision_epilogue_modules())
         embeds = a.vision_finish(ctx, h)
         if self.policy.persist_vision_out() and self.checkpoints_enabled:
@@ -537,18 +578,27 @@ class _RequestRun:
         submitted = step
         while len(tokens) < N and tokens[-1] not in eos:
             self.pacer.begin()
+            unit_start = time.perf_counter()
             logits = self._decode_step(tokens[-1], S + step)
             tokens.append(int(logits.argmax(-1)))
             step += 1
             self.pacer.end()
+            self.e.cadence.observe_unit("decode", time.perf_counter() - unit_start)
             self.events("decode_step_done", step=step, of=N - 1)
             finished = len(tokens) >= N or tokens[-1] in eos
-            # The final step is covered by RESULT, which also holds its logits.
+            if finished:
+                continue  # the final step is covered by RESULT, which also holds its logits
             urgent = self.e.checkpoint_soon.is_set() and self.policy.writes_checkpoints()
-            if not finished and (urgent or self.policy.decode_record_due(step - submitted, self.g, finished)):
+            if urgent or self.policy.decode_record_due(step - submitted, self.g, finished):
                 self.e.checkpoint_soon.clear()
-                self._submit(f"decode[..{step}]", self._write_decode_record, step)
+                self._submit(f"decode[..{step}]", self._write_decode_record, step, phase="decode")
                 submitted = step
+            elif self._early("decode", step - submitted, self.g.decode_every):
+                # Optional: a record covers every step since the last durable one, so one the
+                # busy writer drops is covered by the next.
+                if self._submit(f"decode[..{step}]", self._write_decode_record, step, optional=True,
+                                phase="decode"):
+                    submitted = step
         self.times["decode"] += time.perf_counter() - t0
         self._note_held_peak("decode")
         finish = "eos" if tokens[-1] in eos else "length"

@@ -789,13 +789,16 @@ class Bus:
         except LinkError as exc:  # a PUB socket drops rather than blocks; this is not expected
             _log.warning("bus_publish_failed", error=str(exc))
 
-    def _publish_power_report(self, now: float) -> None:
+    def _publish_power_report(self, now: float, to_payload: bool = False) -> None:
         sample = self.last_sample
         if sample is None or None in (sample.bus_voltage_v, sample.battery_soc, sample.payload_power_w):
             return  # the trace did not measure these channels: nothing honest to report
-        self._publish(self._bus_packet(m.PowerReport(
+        packet = self._bus_packet(m.PowerReport(
             trace_time_s=self.clock.clock_s(now), payload_on=self.switch.is_on(), bus_voltage_v=sample.bus_voltage_v,
-            payload_power_w=sample.payload_power_w, battery_soc=sample.battery_soc)))
+            payload_power_w=sample.payload_power_w, battery_soc=sample.battery_soc))
+        self._publish(packet)
+        if to_payload:
+            self._to_payload(packet)
 
     def _publish_fdir(self) -> None:
         self._publish(self._bus_packet(m.FdirReport(
@@ -818,12 +821,16 @@ class Bus:
             sample = self.trace.telemetry_at(min(trace_s, self.trace.duration_s))
             if sample is not None:
                 self.last_sample = sample
-        self._publish_power_report(now)
+        # Power and thermal rounds also go to a connected payload: the trends towards the limits
+        # that end its windows are what its checkpoint cadence plans with (docs/engine.md).
+        self._publish_power_report(now, to_payload=True)
         sample = self.last_sample
         if sample is not None and sample.payload_temp_c is not None:
-            self._publish(self._bus_packet(m.ThermalReport(
+            packet = self._bus_packet(m.ThermalReport(
                 trace_time_s=self.clock.clock_s(now), payload_temp_c=sample.payload_temp_c,
-                bus_temp_c=self.config.bus_temp_c)))
+                bus_temp_c=self.config.bus_temp_c))
+            self._publish(packet)
+            self._to_payload(packet)
         self._publish_fdir()
 
     # ------------------------------------------------------------------ ground link

@@ -75,7 +75,7 @@ class PersistentState:
 class FlightApp:
     def __init__(self, data_dir: str, model_dir: str, keys_dir: str, endpoint: str, engine_options,
                  device: str | None = None, dtype: str | None = None, fs: DurableFS | None = None,
-                 weight_read_hook=None):
+                 weight_read_hook=None, cadence=None):
         self.fs = fs or DurableFS()
         self.data_dir = os.path.abspath(data_dir)
         self.model_dir = model_dir
@@ -97,6 +97,13 @@ class FlightApp:
         self.cancel_requested: set[str] = set()
         self.engine = None
         self._engine_lock = threading.Lock()
+        # Checkpoint cadence: fed with warnings, bus telemetry and the windows lived through
+        # (flight/checkpoint/cadence.py); shared by every task of this boot.
+        from flight.checkpoint.cadence import Cadence, WindowLog
+
+        self.cadence = cadence or Cadence(getattr(engine_options, "cadence", "fixed"))
+        self.cadence.started = self.started  # uptime counts from here, as the window log's does
+        self.windows = WindowLog(os.path.join(self.data_dir, "state"), started=self.started)
         self.handlers = {
             MessageType.PING: self.on_ping, MessageType.STATUS: self.on_status,
             MessageType.UPLINK_TASK: self.on_uplink_task, MessageType.CANCEL_TASK: self.on_cancel_task,
@@ -163,6 +170,10 @@ class FlightApp:
         if not message.is_command():
             if isinstance(message, (m.ShutdownWarning, m.PowerStateChange)):
                 self.handlers[message.TYPE](header, message)
+            elif isinstance(message, m.ThermalReport):
+                self.cadence.thermal(message.trace_time_s, message.payload_temp_c)
+            elif isinstance(message, m.PowerReport):
+                self.cadence.power(message.trace_time_s, message.battery_soc)
             return
         request = header.request
         try:
@@ -296,6 +307,7 @@ class FlightApp:
 
     def on_shutdown_warning(self, header, msg: m.ShutdownWarning) -> None:
         self.event(EventId.SHUTDOWN_WARNING_RECEIVED, f"bus warns of a cut in {msg.lead_time_s:.1f} s ({msg.cause})")
+        self.cadence.warning(msg.lead_time_s)
         if self.engine is not None:
             self.engine.checkpoint_soon.set()
 
@@ -338,7 +350,8 @@ class FlightApp:
                 images = [load_image(self.images.image_path(n)) for n in task.images]
                 inputs = build_inputs(model.tokenizer, model.image_processor, images, task.prompt,
                                       model.adapter.image_token_id)
-                engine = Engine(model, self.options, fs=self.fs, events=self._engine_events(task, request))
+                engine = Engine(model, self.options, fs=self.fs, events=self._engine_events(task, request),
+                                cadence=self.cadence)
                 self.engine = engine
                 t0 = time.monotonic()
                 result = engine.run(inputs, self._task_dir(task.task_id), task.max_new_tokens)
@@ -414,6 +427,7 @@ class FlightApp:
     def run(self) -> int:
         self.state.counters.boot_count += 1
         self.state.save()
+        self._start_window_log()
         ctx = zmq.Context.instance()
         sock = client_socket(ctx, zmq.DEALER, self.layout, "payload", self.endpoint)
         self.log.info("flight_booted", boot=self.state.counters.boot_count, endpoint=self.endpoint,
@@ -461,6 +475,15 @@ class FlightApp:
             self.stop.set()
             sock.close(linger=200)
         return 0
+
+    def _start_window_log(self) -> None:
+        """Log the window the last boot lived through and keep this one's length on disk."""
+        try:
+            self.cadence.set_windows(self.windows.open(self.state.counters.boot_count))
+        except OSError as exc:  # the history is advice: without it the cadence is the fixed one
+            self.log.warning("window_log_unavailable", error=str(exc))
+            return
+        threading.Thread(target=self.windows.keep_marking, args=(self.stop,), name="window-log", daemon=True).start()
 
     def _worker_guarded(self) -> None:
         try:

@@ -57,10 +57,11 @@ def cmd_run(args) -> int:
         torch.set_num_threads(options.threads)
     from flight.runtime.app import FlightApp
 
-    from flight.cli import storage_for
+    from flight.cli import cadence_for, storage_for
 
     fs, weight_hook = storage_for(args)
     app = FlightApp(args.data_dir, args.model, args.keys, args.payload_endpoint, options,
-                    device=args.device, dtype=args.dtype, fs=fs, weight_read_hook=weight_hook)
+                    device=args.device, dtype=args.dtype, fs=fs, weight_read_hook=weight_hook,
+                    cadence=cadence_for(args))
     signal.signal(signal.SIGTERM, lambda *_: app.stop.set())
     return app.run()
