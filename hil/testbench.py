@@ -95,6 +95,8 @@ class BenchConfig:
     decode_every: int = 4
     vision_every: int = 1
     planner: str = "chunk-first"
+    #: orbitweaver's checkpoint cadence: "fixed" (the paper's) or "adaptive" (docs/engine.md)
+    cadence: str = "fixed"
     threads: int = 1
     start_at_s: float = 0.0
     timeout_s: float | None = None         # wall; default: the (scaled) rest of the trace
@@ -319,6 +321,8 @@ class Testbench:
         args = ["--policy", c.policy, "--chunk", str(c.chunk), "--group", str(c.group), "--decode-every",
                 str(c.decode_every), "--vision-every", str(c.vision_every), "--planner", c.planner,
                 "--threads", str(c.threads), "--pace-ms", f"{self.pace_ms:.3f}", "--device", "cpu"]
+        if c.cadence != "fixed":
+            args += ["--cadence", c.cadence]
         if c.emulate_target_storage:
             read, write = target_storage_mbps(c.model, c.chunk, self.pace_ms)
             args += ["--emulate-read-mbps", f"{read:.6f}", "--emulate-write-mbps", f"{write:.6f}"]

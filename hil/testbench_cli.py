@@ -75,6 +75,8 @@ def _common(p) -> None:
     p.add_argument("--group", type=int, default=2)
     p.add_argument("--decode-every", type=int, default=4)
     p.add_argument("--planner", default="chunk-first")
+    p.add_argument("--cadence", choices=["fixed", "adaptive"], default="fixed",
+                   help="orbitweaver's checkpoint cadence (docs/engine.md); baselines keep their own")
     p.add_argument("--boot-trace-s", default=None, metavar="S|real",
                    help="the payload's boot in trace seconds, emulated: each payload is forked from a process that "
                         "has imported its libraries and waits S trace seconds (scaled like the compute) after "
@@ -119,7 +121,7 @@ def _config(args, trace: str, policy: str):
                        requests=args.requests, workload=default_workload(args.requests, args.max_new_tokens),
                        time_scale=scale, request_seconds=args.request_seconds, pace_ms=args.pace_ms,
                        chunk=args.chunk, group=args.group, decode_every=args.decode_every, planner=args.planner,
-                       start_at_s=args.start_at, timeout_s=args.timeout, boot_trace_s=boot)
+                       start_at_s=args.start_at, timeout_s=args.timeout, boot_trace_s=boot, cadence=args.cadence)
 
 
 def parse_boot(text: str | None):
