@@ -48,6 +48,7 @@ class Kind(enum.IntEnum):
     HIDDEN_LAYER = 7
     QUEUE_ENTRY = 16
     GUARD_STATE = 17
+    TASK_INPUTS = 24  # 18-23 left for other payload records
     BUS_COMMAND = 32
 
 

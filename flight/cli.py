@@ -119,7 +119,7 @@ def engine_options(args):
                        f"definition gives (docs/baselines.md)", EXIT_USAGE)
     if args.soc_cutoff is not None and not 0 <= args.soc_cutoff <= 1:
         raise CliError("--soc-cutoff must be a fraction between 0 and 1", EXIT_USAGE)
-    from flight.engine import EngineOptions
+    from flight.options import EngineOptions
 
     return EngineOptions(geometry=Geometry(args.chunk, args.group, args.decode_every, args.vision_every),
                          policy=args.policy, planner=args.planner, pace_ms=args.pace_ms, threads=args.threads,

@@ -25,11 +25,12 @@ from common.durable import DurableFS, is_disk_full
 from common.record import Kind, RecordError
 
 from .checkpoint.cadence import Cadence
-from .checkpoint.policies import Geometry, Policy, get_policy
+from .checkpoint.policies import Geometry, Policy, get_policy  # noqa: F401  (Geometry: re-exported)
 from .checkpoint.store import CheckpointStore, Frontier, OpenOutcome
 from .checkpoint.writer import CheckpointWriter
 from .model.inputs import RequestInputs
 from .model.loader import LoadedModel
+from .options import EngineOptions  # noqa: F401  (defined apart so `ow flight run` parses options without torch)
 from .recovery.executor import RecordRejected
 from .recovery.phases import VISION_OUT, PhaseExecutor, ReadAhead, StepOp
 from .recovery.plan import ComputeOp, ReadOp, RecoveryProblem, make_plan
@@ -42,26 +43,6 @@ REPROJECT_SHARE = 0.25
 
 class SimulatedCut(Exception):
     """Raised by a test hook to stop a request as a power cut would (nothing after it runs)."""
-
-
-@dataclass
-class EngineOptions:
-    geometry: Geometry = field(default_factory=Geometry)
-    policy: str = "orbitweaver"
-    planner: str = "chunk-first"
-    overlap_recovery: bool = True
-    async_writes: bool = True
-    pace_ms: float = 0.0          # minimum wall time per block / step (emulates a slower payload)
-    threads: int | None = None    # intra-op threads; pinned in the MANIFEST
-    # "int8": decode records hold KV quantised per channel (about half the bytes in bf16, a
-    # quarter in fp32, so faster decode-phase recovery) -- the one option that gives up bitwise
-    # identity after a resume in decode. Off by default.
-    decode_kv_compression: str = "none"
-    # "fixed": the policy's cadence (a decode record every D steps, a vision state every k
-    # blocks); "adaptive": also early records when a cut is likely before the next one
-    # (flight/checkpoint/cadence.py). Only orbitweaver adapts: the baselines keep the cadence
-    # their definitions give. Not in the MANIFEST: records are the same either way.
-    cadence: str = "fixed"
 
 
 @dataclass

@@ -91,7 +91,7 @@ def _common(p) -> None:
 
 def ensure_model(path: str | None) -> str:
     if path:
-        from flight.model.loader import ModelError, read_model_type
+        from flight.model.config import ModelError, read_model_type
         from common.cli import CliError
 
         try:

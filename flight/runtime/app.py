@@ -325,11 +325,17 @@ class FlightApp:
         return None
 
     def worker(self) -> None:
+        # The engine's libraries load here, behind a link that is already up (run()).
+        import torch
+
+        if getattr(self.options, "threads", None):
+            torch.set_num_threads(self.options.threads)  # before any tensor op: pinned per request
         from flight.engine import Engine
-        from flight.model.inputs import InputError, build_inputs, load_image
+        from flight.model.inputs import InputError
         from flight.model.loader import load_model
 
-        model = load_model(self.model_dir, device=self.device, dtype=self.dtype, read_hook=self.weight_read_hook)
+        model = load_model(self.model_dir, device=self.device, dtype=self.dtype, read_hook=self.weight_read_hook,
+                           lazy_processors=True)
         while not self.stop.is_set():
             task = self._next_runnable()
             if task is None:
@@ -347,14 +353,12 @@ class FlightApp:
                        f"task {task.task_id} {'resumed after ' + str(task.interruptions) + ' cut(s)' if resumed else 'started'}",
                        task.task_id)
             try:
-                images = [load_image(self.images.image_path(n)) for n in task.images]
-                inputs = build_inputs(model.tokenizer, model.image_processor, images, task.prompt,
-                                      model.adapter.image_token_id)
+                inputs = self._task_inputs(task, model)
                 engine = Engine(model, self.options, fs=self.fs, events=self._engine_events(task, request),
                                 cadence=self.cadence)
                 self.engine = engine
                 t0 = time.monotonic()
-                result = engine.run(inputs, self._task_dir(task.task_id), task.max_new_tokens)
+                result = engine.run(inputs, os.path.join(self._task_dir(task.task_id), "ckpt"), task.max_new_tokens)
             except TaskCancelled:
                 self.cancel_requested.discard(task.task_id)
                 self._finish_cancel(task)
@@ -374,11 +378,46 @@ class FlightApp:
             self.queue.complete(task.task_id, {"token_ids": result.token_ids, "text": result.text,
                                                "logits_sha256": result.logits_sha256(), "timings": timings,
                                                "bytes_written": result.bytes_written})
+            self._drop_inputs(task.task_id)
             self.current.update(phase=TaskPhase.COMPLETED)
             self.event(EventId.TASK_COMPLETED, f"task {task.task_id} completed: {len(result.token_ids)} tokens, "
                                                f"{task.interruptions} cut(s) survived", task.task_id)
             self.send_final_report(self.queue.get(task.task_id))
             self.send(self.housekeeping())  # the queue changed: say so at once
+
+    def _inputs_path(self, task_id: str) -> str:
+        return os.path.join(self._task_dir(task_id), "inputs.rec")
+
+    def _task_inputs(self, task, model):
+        """The task's preprocessed inputs: built (tokenizer, image decoding and processing) at its
+        first start and stored (TASK_INPUTS, docs/record-format.md), read back on every later
+        boot -- a resumed task needs no tokenizer, image processor or PIL before its last step."""
+        from flight.model.config import processors_hash
+        from flight.model.inputs import build_inputs, load_image, load_inputs, save_inputs
+
+        path = self._inputs_path(task.task_id)
+        key = {"task": task.content_hash, "model": model.content_hash, "processors": processors_hash(model.model_dir)}
+        inputs, why = load_inputs(self.fs, path, key)
+        if inputs is not None:
+            return inputs
+        if why is not None:
+            self.log.warning("task_inputs_rebuilt", task_id=task.task_id, reason=why)
+        images = [load_image(self.images.image_path(n)) for n in task.images]
+        inputs = build_inputs(model.tokenizer, model.image_processor, images, task.prompt, model.adapter.image_token_id)
+        try:
+            self.fs.makedirs(self._task_dir(task.task_id))
+            save_inputs(self.fs, path, inputs, key)
+        except OSError as exc:  # a full disk costs the shortcut, not the task
+            if not is_disk_full(exc):
+                raise
+            self.log.warning("task_inputs_not_stored", task_id=task.task_id, reason=str(exc.strerror))
+        return inputs
+
+    def _drop_inputs(self, task_id: str) -> None:
+        try:
+            os.remove(self._inputs_path(task_id))
+        except OSError:
+            pass  # gone already, or left for the next boot to find finished
 
     def _fail(self, task, request, code: ResponseCode, reason: str) -> None:
         self.queue.fail(task.task_id, code, reason)
