@@ -236,7 +236,7 @@ class _ForkedSession:
         from hil.zygote import ZygoteError
 
         try:
-            return self.zygote.reap(self._pid, block)
+            return self.zygote.reap(self._pid, block, timeout_s=10.0 if block else 5.0)
         except ZygoteError as exc:
             raise PowerSwitchError(f"zygote could not reap payload {self._pid}: {exc}") from exc
 
@@ -244,7 +244,7 @@ class _ForkedSession:
         if self._pid is None:
             return None
         _kill_group(self._pid)
-        status = self._reap(block=True)
+        status = self._reap(block=True)  # SIGKILL cannot be ignored: a process stuck in I/O ends soon
         _kill_group(self._pid)
         self._pid = None
         return status
@@ -252,7 +252,11 @@ class _ForkedSession:
     def exited(self) -> int | None:
         if self._pid is None:
             return None
-        status = self._reap(block=False)
+        try:
+            status = self._reap(block=False)
+        except PowerSwitchError as exc:  # asked again at the next poll; a cut still works without the zygote
+            _log.warning("power_switch_poll_failed", pid=self._pid, error=str(exc))
+            return None
         if status is not None:
             _kill_group(self._pid)
             self.exit_status = status

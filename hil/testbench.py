@@ -99,10 +99,13 @@ class BenchConfig:
     cadence: str = "fixed"
     threads: int = 1
     start_at_s: float = 0.0
-    timeout_s: float | None = None         # wall; default: the (scaled) rest of the trace
+    timeout_s: float | None = None         # wall; default: until the trace ends (bus clock)
     power: PowerModel = field(default_factory=PowerModel)
     endpoints: Endpoints | None = None     # default: ephemeral loopback ports
     extra_flight_args: tuple[str, ...] = ()
+    #: jump the bus clock over spans where nothing can happen (payload off until its next power-on):
+    #: the trace's off time costs no wall time; times are reported in trace seconds either way
+    skip_idle: bool = True
     #: throttle the payload's checkpoint storage so that reading/writing a layer-chunk of KV takes,
     #: relative to computing it (the pace), what it takes on a Jetson AGX Orin with NVMe running
     #: Qwen3-VL-2B. Weight reads stay native: they cost every policy the same at each boot, and a
@@ -262,15 +265,28 @@ class _TelemetryRecorder(threading.Thread):
         self.stop_flag = threading.Event()
         self.on_packet = on_packet
         self.lock = threading.Lock()
+        self.finals: dict[str, m.Message] = {}       # task id -> its COMPLETED (of the uplink) or FAILED
+        self.results: dict[str, m.TaskResult] = {}   # task id -> the TASK_RESULT the payload sent
 
     def run(self):
         with self.client:
             while not self.stop_flag.is_set():
                 for t in self.client.telemetry(0.5):
+                    msg = t.message
                     with self.lock:
-                        self.packets.append((time.time(), t.message))
+                        self.packets.append((time.time(), msg))
+                        task_id = getattr(msg, "task_id", None)
+                        if isinstance(msg, m.TaskResult):
+                            self.results.setdefault(task_id, msg)
+                        elif task_id is not None and (isinstance(msg, m.Failed) or (
+                                isinstance(msg, m.Completed) and msg.tc_type == 0x0110)):
+                            self.finals.setdefault(task_id, msg)
                     if self.on_packet:
-                        self.on_packet(t.message)
+                        self.on_packet(msg)
+
+    def final(self, task_id: str):
+        with self.lock:
+            return self.finals.get(task_id), self.results.get(task_id)
 
     def snapshot(self) -> list[tuple[float, m.Message]]:
         with self.lock:
@@ -346,11 +362,11 @@ class Testbench:
         bus_cfg = BusConfig(trace=str(self._trace_path()), data_dir=str(self.out / "bus"), keys_dir=self.keys,
                             time_scale=self.scale, start_at_s=self.start_at, endpoints=endpoints, model=cfg.model,
                             flight_args=self._flight_args(), heartbeat_timeout_s=max(20.0, 4 * self.boot_s),
-                            boot_timeout_s=max(60.0, 10 * self.boot_s), boot_trace_s=cfg.boot_trace_s)
-        remaining_trace = self.trace.duration_s - self.start_at
-        timeout = cfg.timeout_s or remaining_trace * self.scale
+                            boot_timeout_s=max(60.0, 10 * self.boot_s), boot_trace_s=cfg.boot_trace_s,
+                            skip_idle=cfg.skip_idle)
         started = time.time()
         bus = BusProcess(bus_cfg).start()
+        self.log_tail = _LogTail(self.out / "bus" / "bus-log.jsonl")
         recorder = _TelemetryRecorder(self.keys, bus.endpoints, on_packet=self._show)
         recorder.start()
         tasks: list[tuple[str, float | None]] = []
@@ -369,18 +385,8 @@ class Testbench:
                         tasks.append((task_id, None))
                         failures[task_id] = f"uplink: {exc}"
                         self.say(f"[ground] uplink of {task_id} failed: {exc}")
-                results = {}
-                for task_id, queued_at in tasks:
-                    if queued_at is None:
-                        continue
-                    left = timeout - (time.time() - started)
-                    if left <= 0:
-                        failures[task_id] = "timeout"
-                        continue
-                    try:
-                        results[task_id] = ground.result(task_id, wait=True, max_wait_s=left, poll_s=10.0)
-                    except GroundError as exc:
-                        failures[task_id] = str(exc)
+                results = self._wait_for_results(ground, tasks, recorder, failures, started,
+                                                 bus_alive=lambda: bus.proc.poll() is None)
         finally:
             time.sleep(0.5)
             recorder.stop_flag.set()
@@ -391,6 +397,44 @@ class Testbench:
         (self.out / "report.json").write_text(json.dumps(report.to_json(), indent=2))
         (self.out / "summary.txt").write_text(report.summary() + "\n")
         return report
+
+    def _wait_for_results(self, ground, tasks, recorder, failures, started, bus_alive=lambda: True) -> dict:
+        """Until every task has ended or the trace has (a request finishing in the open window
+        after the trace does not count): results as the payload sent them, else downlinked."""
+        from ground.errors import GroundError
+
+        cfg = self.cfg
+        deadline = started + cfg.timeout_s if cfg.timeout_s else None
+        pending = [task_id for task_id, queued_at in tasks if queued_at is not None]
+        results = {}
+        while pending:
+            for task_id in list(pending):
+                final, result = recorder.final(task_id)
+                if final is None:
+                    continue
+                pending.remove(task_id)
+                if isinstance(final, m.Failed):
+                    failures[task_id] = f"failed: {final.code.name}: {final.reason}"
+                    continue
+                if result is None:
+                    try:
+                        result = ground.result(task_id, wait=True, max_wait_s=120.0, poll_s=5.0)
+                    except GroundError as exc:
+                        failures[task_id] = f"result: {exc}"
+                        continue
+                results[task_id] = result
+            if not pending:
+                break
+            if self.log_tail.trace_ended() or (deadline is not None and time.time() > deadline):
+                for task_id in pending:
+                    failures[task_id] = "not finished when the trace ended"
+                break
+            if not bus_alive():
+                for task_id in pending:
+                    failures[task_id] = "the bus stopped (see bus/bus-stderr.log)"
+                break
+            time.sleep(0.25)
+        return results
 
     def _trace_path(self) -> Path:
         import traces
@@ -412,6 +456,7 @@ class Testbench:
         from hil import buslog as bl
 
         entries = bl.read_log(self.out / "bus" / bl.LOG_FILE)
+        to_trace = _trace_clock(entries, self.scale, self.start_at)
         ons = [e.utc for e in entries if e.kind == bl.POWER_ON]
         offs = [e for e in entries if e.kind == bl.POWER_OFF]
         bytes_written = sum(int(e.data.get("payload_write_bytes") or 0) for e in offs)
@@ -447,8 +492,11 @@ class Testbench:
             p = self.cfg.power
             energy = busy * p.compute_w if res is not None else None
             e2e = (completed_at - queued_at) if (completed_at and queued_at) else None
+            # In trace seconds, from the later of the uplink and the trace's start (the bus
+            # stores commands while the clock has not started) to COMPLETED; skipped spans count.
+            e2e_trace = (to_trace(completed_at) - to_trace(queued_at)) if e2e is not None else None
             reports.append(RequestReport(task_id, spec.prompt, [os.path.basename(x) for x in spec.images],
-                                         res is not None, correct, e2e, None if e2e is None else e2e / self.scale,
+                                         res is not None, correct, e2e, e2e_trace,
                                          int(res.interruptions) if res is not None else max(0, len(starts) - 1),
                                          recovery, lost, energy, len(res.token_ids) if res is not None else 0,
                                          failures.get(task_id)))
@@ -468,6 +516,49 @@ class Testbench:
                            len(ons), cuts_total, bytes_written, energy_total, wall,
                            len(done) / max(1, len(reports)), all(r.correct for r in done) and bool(done),
                            boot_trace_s=self.cfg.boot_trace_s, connect_s=connect, start_residual_s=residual)
+
+
+class _LogTail:
+    """Reads a bus run log as it grows; says when the trace has ended."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.ended = path, 0, False
+
+    def trace_ended(self) -> bool:
+        if not self.ended:
+            try:
+                with open(self.path, "rb") as f:
+                    f.seek(self.offset)
+                    chunk = f.read()
+            except OSError:
+                return False
+            complete = chunk[: chunk.rfind(b"\n") + 1]
+            self.offset += len(complete)
+            self.ended = b'"kind":"trace_end"' in complete
+        return self.ended
+
+
+def _trace_clock(entries, scale: float, start_at: float):
+    """utc -> trace seconds, from the bus log (its entries carry both; clock skips are entries)."""
+    import bisect
+
+    stamped = [(e.utc, e.trace_s) for e in entries if e.trace_s is not None and e.kind != "run_start"]
+    if not stamped:
+        return lambda utc: start_at
+    first_utc, first_trace = stamped[0]
+    start_utc = first_utc - (first_trace - start_at) * scale  # the trace clock's start
+    times = [u for u, _ in stamped]
+
+    def to_trace(utc: float) -> float:
+        if utc <= start_utc:
+            return start_at
+        i = bisect.bisect_right(times, utc) - 1
+        if i < 0:
+            return start_at + (utc - start_utc) / scale
+        u, t = stamped[i]
+        return t + (utc - u) / scale
+
+    return to_trace
 
 
 def _unit_index(p: m.Progress, totals: dict[str, int]) -> int:

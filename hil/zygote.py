@@ -131,11 +131,13 @@ def _run_as_main(argv: Sequence[str]) -> int:
     return 0
 
 
-def _payload_main(request: dict, zygote_pid: int, control: socket.socket) -> None:
+def _payload_main(request: dict, zygote_pid: int, control: socket.socket, started_fd: int) -> None:
     """The forked payload: never returns."""
     code = 1
     try:
         os.setsid()  # own session and process group: the bus's killpg reaches all of it
+        os.write(started_fd, b"1")  # only now does the zygote hand out the pid (a cut may follow at once)
+        os.close(started_fd)
         _die_with(zygote_pid)
         control.close()
         _redirect_stdio(request.get("output"))
@@ -176,9 +178,16 @@ def _handle(request: dict, control: socket.socket) -> dict:
             return {"error": f"zygote is not single-threaded ({threads} threads); refusing to fork"}
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
+        started_r, started_w = os.pipe()
         pid = os.fork()
         if pid == 0:
-            _payload_main(request, os.getppid(), control)
+            os.close(started_r)
+            _payload_main(request, os.getppid(), control, started_w)
+        os.close(started_w)
+        try:
+            os.read(started_r, 1)  # the child leads its own process group from here on
+        finally:
+            os.close(started_r)
         return {"pid": pid}
     if op == "reap":
         pid = int(request["pid"])
@@ -213,10 +222,13 @@ def serve(fd: int, preload: Sequence[str]) -> int:
             return 0
         if not data:  # the bus is gone
             return 0
+        request = {}
         try:
-            reply = _handle(json.loads(data), control)
+            request = json.loads(data)
+            reply = _handle(request, control)
         except Exception as exc:  # a bad request must not end the zygote
             reply = {"error": f"{type(exc).__name__}: {exc}"}
+        reply["id"] = request.get("id")
         control.send(json.dumps(reply).encode())
 
 
@@ -251,6 +263,7 @@ class Zygote:
         self.info: dict | None = None
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
+        self._next_id = 0
 
     def start(self) -> "Zygote":
         from hil.power import _die_with_parent
@@ -300,20 +313,27 @@ class Zygote:
             self.info = info
             return info
 
-    def _request(self, **request) -> dict:
+    def _request(self, timeout_s: float = 30.0, **request) -> dict:
         self.wait_ready()
         with self._lock:
+            self._next_id += 1
+            request["id"] = self._next_id
+            deadline = time.monotonic() + timeout_s
             try:
                 self._sock.sendall(json.dumps(request).encode())
-                self._sock.settimeout(30.0)
-                data = self._sock.recv(_MAX_MESSAGE)
+                while True:  # replies to requests that timed out earlier are skipped
+                    self._sock.settimeout(max(0.001, deadline - time.monotonic()))
+                    data = self._sock.recv(_MAX_MESSAGE)
+                    if not data:
+                        raise ZygoteError("the zygote has exited")
+                    reply = json.loads(data)
+                    if reply.get("id") == request["id"]:
+                        break
             except OSError as exc:
                 raise ZygoteError(f"zygote link: {exc}") from None
             finally:
-                self._sock.settimeout(None)
-        if not data:
-            raise ZygoteError("the zygote has exited")
-        reply = json.loads(data)
+                if self._sock is not None:
+                    self._sock.settimeout(None)
         if "error" in reply:
             raise ZygoteError(reply["error"])
         return reply
@@ -326,8 +346,8 @@ class Zygote:
         return int(self._request(op="spawn", argv=list(argv), env=env, cwd=cwd or self.cwd,
                                  output=str(output) if output else None, boot_deadline=boot_deadline)["pid"])
 
-    def reap(self, pid: int, block: bool) -> int | None:
-        return self._request(op="reap", pid=pid, block=block)["status"]
+    def reap(self, pid: int, block: bool, timeout_s: float = 30.0) -> int | None:
+        return self._request(timeout_s=timeout_s, op="reap", pid=pid, block=block)["status"]
 
     def close(self) -> None:
         with self._lock:

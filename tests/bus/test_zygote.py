@@ -94,3 +94,22 @@ def test_a_zygote_that_started_a_thread_refuses_to_fork(tmp_path):
 def test_an_emulated_boot_needs_a_zygote():
     with pytest.raises(ValueError, match="zygote"):
         LocalProcessSwitch([sys.executable, "-c", "pass"], boot_s=1.0)
+
+
+def test_a_cut_right_after_power_on_kills_the_fork(tmp_path):
+    """The zygote hands out a payload's pid only once the payload leads its own process group,
+    so a cut in the first instant after power-on (a one-second window at a compressed scale)
+    still kills it, and the zygote reaps it."""
+    record = tmp_path / "probe.jsonl"
+    zygote = Zygote(["hil.power"], env=_env(), cwd=str(ROOT)).start()
+    switch = LocalProcessSwitch([sys.executable, "-m", "zygote_probe", str(record)], zygote=zygote, boot_s=0.0)
+    try:
+        switch.prepare(120)
+        for _ in range(10):
+            switch.on()
+            pid = switch.pid
+            switch.off("fdir")
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        switch.close()

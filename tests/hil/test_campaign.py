@@ -27,7 +27,7 @@ def test_short_campaign_end_to_end(model_dirs, tmp_path):
     base = BenchConfig(trace="demo", model=model_dirs["qwen3-vl"], out_dir=str(tmp_path / "campaign"), requests=1,
                        workload=default_workload(1, 12), time_scale=1.0, pace_ms=80, boot_trace_s=1.0)
     short = _short_trace(tmp_path / "short.jsonl")
-    cells = run_campaign(base, [short, "demo"], ["orbitweaver", "none"], [0], say=lambda s: None)
+    cells = run_campaign(base, [short, "demo"], ["orbitweaver", "none"], [0], say=lambda s: None, jobs=2)
     assert len(cells) == 4
     for cell in cells:
         r = cell.report
@@ -37,8 +37,9 @@ def test_short_campaign_end_to_end(model_dirs, tmp_path):
     # orbitweaver finishes its request on both traces
     assert all(c.report.completion_rate == 1.0 for c in cells if c.policy == "orbitweaver")
     report = (tmp_path / "campaign" / "report.md").read_text()
-    assert "| demo | orbitweaver |" in report and f"| {short} | none |" in report
-    for png in ("e2e.png", "completion.png", "bytes.png", "recovery.png"):
+    assert "| demo | paper | orbitweaver |" in report and "| short | paper | none |" in report
+    assert "| paper | demo | 1/1 (100%)" in report  # the summary: orbitweaver's completion first
+    for png in ("e2e.png", "completion.png", "bytes.png"):
         assert (tmp_path / "campaign" / png).stat().st_size > 1000
     rows = json.loads((tmp_path / "campaign" / "campaign.json").read_text())["rows"]
     assert {(r["trace"], r["policy"]) for r in rows} == {(t, p) for t in (short, "demo") for p in ("orbitweaver", "none")}
