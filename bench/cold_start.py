@@ -53,18 +53,6 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def _drop_from_cache(paths: list[str]) -> None:
-    for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def timed_peer(keys_dir: str):
     """The payload tests' scripted bus, stamping each packet with its arrival time."""
     from buspeer import BusPeer
@@ -145,9 +133,9 @@ def measure_boot(bus, snapshot: str, work: str, model: str, keys: str, cold: boo
     shutil.rmtree(data, ignore_errors=True)
     shutil.copytree(snapshot, data)
     if cold:
-        from flight.model.config import weight_files
+        from bench.recovery_latency import drop_cache
 
-        _drop_from_cache(weight_files(model) + glob.glob(os.path.join(data, "**", "*"), recursive=True))
+        drop_cache([model, data])
     payload = Payload(bus, data, model, keys, os.path.join(work, "boots.log"))
     try:
         link = payload.wait(lambda h, msg: isinstance(msg, m.Heartbeat))

@@ -414,6 +414,7 @@ class Bus:
             boot_timeout_s=cfg.boot_timeout_s, fdir_off_s=cfg.fdir_off_s,
             stored_commands=len(self.store), bus_pid=os.getpid(),
             model=cfg.model, flight_args=list(cfg.flight_args), machine=machine_fingerprint(),
+            boot_trace_s=cfg.boot_trace_s, skip_idle=cfg.skip_idle,
         )
         _log.info("bus_started", trace=self.trace.name, time_scale=cfg.time_scale, start_at_s=cfg.start_at_s,
                   commands=self.endpoints.commands, payload=self.endpoints.payload,

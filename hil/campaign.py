@@ -156,6 +156,12 @@ def summarise(cells: list[CampaignCell]) -> list[dict]:
     return rows
 
 
+def _outputs(run: dict) -> str:
+    if run["completed"].startswith("0/"):
+        return "none completed"
+    return "bitwise equal" if run["correct"] else "MISMATCH"
+
+
 def completion_text(row: dict) -> str:
     if row["completed"] == 0:
         return f"**none completed** (0/{row['requests']})"
@@ -265,7 +271,7 @@ def write_report(out: Path, cells: list[CampaignCell]) -> Path:
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in runs:
         lines.append(f"| {Path(row['trace']).stem} | {row['workload']} | {row['policy']} | {row['seed']} | "
-                     f"{row['completed']} | {'bitwise equal' if row['correct'] else 'MISMATCH or none'} | "
+                     f"{row['completed']} | {_outputs(row)} | "
                      f"{_fmt(row['e2e_trace_s'], '.0f')} | {row['cuts']} | {_fmt(row['recovery_s'], '.2f')} | "
                      f"{row['lost_units']} | {row['mib_written']:.1f} | {_fmt(row['start_residual_s'], '.2f')} | "
                      f"{row['wall_s']:.0f} |")

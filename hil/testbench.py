@@ -157,6 +157,11 @@ class BenchReport:
     def to_json(self) -> dict:
         return asdict(self)
 
+    def _outputs(self) -> str:
+        if not any(r.completed for r in self.requests):
+            return "none to check (nothing completed)"
+        return "all bitwise equal to the references" if self.all_correct else "MISMATCH"
+
     def summary(self) -> str:
         boot = (f"emulated boot {self.boot_trace_s:g} trace s ({self.boot_s:.2f} s)" if self.boot_trace_s is not None
                 else f"real boot {self.boot_s:.1f} s")
@@ -166,7 +171,7 @@ class BenchReport:
         lines = [f"trace {self.trace}  policy {self.policy}  scale {self.time_scale:.4g} wall s per trace s  "
                  f"pace {self.pace_ms:.0f} ms/unit  {boot}",
                  f"  {sum(r.completed for r in self.requests)}/{len(self.requests)} completed "
-                 f"({self.completion_rate:.0%}), outputs {'all bitwise equal to the references' if self.all_correct else 'MISMATCH'}; "
+                 f"({self.completion_rate:.0%}), outputs {self._outputs()}; "
                  f"{self.cuts_total} cuts, {self.power_cycles} power-ups, {self.bytes_written / 2**20:.1f} MiB written, "
                  f"{self.energy_j:.0f} J, {self.wall_s:.0f} s wall"]
         for r in self.requests:

@@ -89,6 +89,10 @@ def _common(p) -> None:
     p.add_argument("--group", type=int, default=2)
     p.add_argument("--decode-every", type=int, default=4)
     p.add_argument("--planner", default="chunk-first")
+    p.add_argument("--storage", choices=["native", "target"], default="native",
+                   help="native (default): this machine's disk; target: throttle the payload's checkpoint storage "
+                        "to a Jetson Orin NVMe's read/write-to-compute ratio against the pace -- meant for models "
+                        "with real proportions, not the tiny one (docs/hil.md, Storage)")
     p.add_argument("--boot-trace-s", default=None, metavar="S|real",
                    help="the payload's boot in trace seconds, emulated: each payload is forked from a process that "
                         "has imported its libraries and waits S trace seconds (scaled like the compute) after "
@@ -134,6 +138,7 @@ def _config(args, trace: str, policy: str):
                        time_scale=scale, request_seconds=args.request_seconds, pace_ms=args.pace_ms,
                        chunk=args.chunk, group=args.group, decode_every=args.decode_every, planner=args.planner,
                        start_at_s=args.start_at, timeout_s=args.timeout, boot_trace_s=boot,
+                       emulate_target_storage=args.storage == "target",
                        cadence=getattr(args, "cadence", "fixed"))
 
 
