@@ -46,3 +46,31 @@ def test_short_campaign_end_to_end(model_dirs, tmp_path):
     # the cut in the short trace lands inside the request: orbitweaver resumes, none starts over
     by_policy = {c.policy: c.report for c in cells if c.trace == short}
     assert by_policy["orbitweaver"].cuts_total >= 1
+
+
+def _report(policy, trace, completed: list[bool], e2e=100.0):
+    from hil.testbench import BenchReport, RequestReport
+
+    requests = [RequestReport(f"r{i}", "p", [], done, True if done else None, e2e if done else None,
+                              e2e if done else None, 1, [], [], None, 5 if done else 0) for i, done in enumerate(completed)]
+    return BenchReport(trace, policy, 0.1, 100.0, 1.0, requests, 3, 2, 2**20, 1.0, 10.0,
+                       sum(completed) / len(completed), all(completed) and bool(completed))
+
+
+def test_report_says_when_a_policy_completes_nothing_and_forms_no_ratio_then(tmp_path):
+    from hil.campaign import CampaignCell, load_cells, speedups, summarise, write_report
+
+    cells = [CampaignCell("trace-a", "orbitweaver (fixed)", 0, _report("orbitweaver", "trace-a", [True, True], 900.0)),
+             CampaignCell("trace-a", "sonic-layer", 0, _report("sonic-layer", "trace-a", [False, False])),
+             CampaignCell("trace-a", "hcache", 0, _report("hcache", "trace-a", [True, False], 2000.0)),
+             CampaignCell("trace-b", "orbitweaver (fixed)", 0, _report("orbitweaver", "trace-b", [True, True], 300.0)),
+             CampaignCell("trace-b", "sonic-layer", 0, _report("sonic-layer", "trace-b", [True, True], 600.0))]
+    rows = summarise(cells)
+    ratios = {(r["trace"], r["policy"]): r for r in speedups(rows, "orbitweaver (fixed)")}
+    assert ratios[("trace-b", "sonic-layer")]["ratio"] == 2.0
+    assert ratios[("trace-a", "sonic-layer")]["ratio"] is None and ratios[("trace-a", "hcache")]["ratio"] is None
+    report = write_report(tmp_path, cells).read_text()
+    assert "**none completed** (0/2)" in report and "1/2 (50%)" in report
+    assert "The claim holds here" in report
+    again = write_report(tmp_path / "again", load_cells(tmp_path)).read_text()
+    assert again == report.replace(str(tmp_path), str(tmp_path / "again"))
