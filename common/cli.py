@@ -21,14 +21,19 @@ COMPONENTS = [
 from common.errors import CliError  # noqa: F401  (re-exported: components raise common.cli.CliError)
 
 
-def build_parser() -> argparse.ArgumentParser:
+#: Commands whose start-up time matters, with the one component they need: `ow flight run` is
+#: what the bus powers on, and it must answer the bus within a fraction of a second of exec.
+FAST_PATHS = {("flight", "run"): "flight.runtime.cli"}
+
+
+def build_parser(components: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ow",
         description="OrbitWeaver: VLM inference on satellite payloads that survives power cuts.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for module_name, _ in COMPONENTS:
+    for module_name in components or [name for name, _ in COMPONENTS]:
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
@@ -40,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    fast = FAST_PATHS.get(tuple(argv[:2]))
+    parser = build_parser([fast] if fast else None)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

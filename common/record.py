@@ -50,6 +50,7 @@ class Kind(enum.IntEnum):
     GUARD_STATE = 17
     FINISHED_TASK = 18
     HEALTH_STATE = 19
+    TASK_INPUTS = 24  # 20-23 left for other payload records
     BUS_COMMAND = 32
 
 

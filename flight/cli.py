@@ -91,6 +91,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="throttle checkpoint writes to this bandwidth (emulate a target's storage)")
     g.add_argument("--pace-ms", type=float, default=0.0,
                    help="stretch each block/step to at least this many ms (emulates a slower payload)")
+    g.add_argument("--cadence", choices=["fixed", "adaptive"], default="fixed",
+                   help="fixed: a decode record every D steps, a vision state every K blocks (the paper's); "
+                        "adaptive: also a record early when a cut is likely before the next one, from bus "
+                        "warnings, telemetry trends and the window lengths seen since launch (orbitweaver only; "
+                        "docs/engine.md)")
+    g.add_argument("--thermal-limit-c", type=float, default=None, metavar="C",
+                   help="adaptive cadence: payload temperature at which the bus cuts (default 55)")
+    g.add_argument("--soc-cutoff", type=float, default=None, metavar="FRACTION",
+                   help="adaptive cadence: battery state of charge at which the bus cuts (default 0.40)")
 
 
 def engine_options(args):
@@ -105,11 +114,25 @@ def engine_options(args):
         raise CliError(f"unknown --planner {args.planner!r}; choose from {', '.join(sorted(PLANNERS))}", EXIT_USAGE)
     if args.threads is not None and args.threads < 1:
         raise CliError("--threads must be at least 1", EXIT_USAGE)
-    from flight.engine import EngineOptions
+    if args.cadence == "adaptive" and args.policy != "orbitweaver":
+        raise CliError(f"--cadence adaptive is orbitweaver's; the {args.policy} baseline keeps the cadence its "
+                       f"definition gives (docs/baselines.md)", EXIT_USAGE)
+    if args.soc_cutoff is not None and not 0 <= args.soc_cutoff <= 1:
+        raise CliError("--soc-cutoff must be a fraction between 0 and 1", EXIT_USAGE)
+    from flight.options import EngineOptions
 
     return EngineOptions(geometry=Geometry(args.chunk, args.group, args.decode_every, args.vision_every),
                          policy=args.policy, planner=args.planner, pace_ms=args.pace_ms, threads=args.threads,
-                         decode_kv_compression=args.decode_kv_compression)
+                         decode_kv_compression=args.decode_kv_compression, cadence=args.cadence)
+
+
+def cadence_for(args, windows: list[float] | None = None, started: float | None = None):
+    """The cadence of a process run with these arguments (limits from the command line)."""
+    from flight.checkpoint import cadence as c
+
+    return c.Cadence(args.cadence, windows, started=started,
+                     thermal_limit_c=c.DEFAULT_THERMAL_LIMIT_C if args.thermal_limit_c is None else args.thermal_limit_c,
+                     soc_cutoff=c.DEFAULT_SOC_CUTOFF if args.soc_cutoff is None else args.soc_cutoff)
 
 
 def storage_for(args):

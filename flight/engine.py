@@ -24,12 +24,15 @@ from transformers.cache_utils import DynamicCache
 from common.durable import DurableFS, is_disk_full
 from common.record import Kind, RecordError
 
-from .checkpoint.policies import Geometry, Policy, get_policy
+from .checkpoint.cadence import Cadence
+from .checkpoint.policies import Geometry, Policy, get_policy  # noqa: F401  (Geometry: re-exported)
 from .checkpoint.store import CheckpointStore, Frontier, OpenOutcome
 from .checkpoint.writer import CheckpointWriter
 from .model.inputs import RequestInputs
 from .model.loader import LoadedModel
-from .recovery.executor import PlanExecutor, RecordRejected
+from .options import EngineOptions  # noqa: F401  (defined apart so `ow flight run` parses options without torch)
+from .recovery.executor import RecordRejected
+from .recovery.phases import VISION_OUT, PhaseExecutor, ReadAhead, StepOp
 from .recovery.plan import ComputeOp, ReadOp, RecoveryProblem, make_plan
 
 MAX_REPLANS = 8
@@ -40,21 +43,6 @@ REPROJECT_SHARE = 0.25
 
 class SimulatedCut(Exception):
     """Raised by a test hook to stop a request as a power cut would (nothing after it runs)."""
-
-
-@dataclass
-class EngineOptions:
-    geometry: Geometry = field(default_factory=Geometry)
-    policy: str = "orbitweaver"
-    planner: str = "chunk-first"
-    overlap_recovery: bool = True
-    async_writes: bool = True
-    pace_ms: float = 0.0          # minimum wall time per block / step (emulates a slower payload)
-    threads: int | None = None    # intra-op threads; pinned in the MANIFEST
-    # "int8": decode records hold KV quantised per channel (about half the bytes in bf16, a
-    # quarter in fp32, so faster decode-phase recovery) -- the one option that gives up bitwise
-    # identity after a resume in decode. Off by default.
-    decode_kv_compression: str = "none"
 
 
 @dataclass
@@ -77,6 +65,8 @@ class Result:
     write_seconds: float = 0.0      # time the checkpoint writer spent writing (in the background)
     restarted_reason: str | None = None
     plan: dict | None = None
+    # What each restarted phase read ahead of its compute ("vision", "decode"; prefill's is `plan`).
+    phase_plans: dict = field(default_factory=dict)
 
     def logits_sha256(self) -> str:
         import hashlib
@@ -106,12 +96,16 @@ class _Pacer:
 
 class Engine:
     def __init__(self, model: LoadedModel, options: EngineOptions | None = None, fs: DurableFS | None = None,
-                 events=None, after_commit=None):
+                 events=None, after_commit=None, cadence: Cadence | None = None):
         self.m = model
         self.a = model.adapter
         self.options = options or EngineOptions()
         self.policy: Policy = get_policy(self.options.policy)
         self.geometry = self.policy.geometry(self.options.geometry, self.a.num_layers)
+        # What the payload knows about its windows (warnings, telemetry, history); the caller's
+        # when it has one (the onboard process), else one that knows only this engine's timings.
+        self.cadence = cadence or Cadence(self.options.cadence)
+        self.adaptive = self.cadence.mode == "adaptive" and self.policy.name == "orbitweaver"
         self.fs = fs
         self.events = events or (lambda name, **kw: None)
         self.after_commit = after_commit
@@ -159,7 +153,9 @@ class _RequestRun:
         self.groups = self.g.layer_groups(self.a.num_layers)
         self.chunks = self.g.token_chunks(self.S)
         self.plan_summary = None
+        self.phase_plans: dict[str, dict] = {}
         self.held_peaks: dict[str, int] = {}
+        self._vision_reads: ReadAhead | None = None
 
     # ---- top level ----------------------------------------------------------------------------
     def execute(self) -> Result:
@@ -206,7 +202,7 @@ class _RequestRun:
                       records_written=self.writer.records_committed, records_skipped=self.writer.records_skipped,
                       records_deferred=self.writer.records_deferred,
                       held_state_peak_bytes=self.held_peaks, write_seconds=self.writer.busy_seconds,
-                      restarted_reason=restarted, plan=self.plan_summary)
+                      restarted_reason=restarted, plan=self.plan_summary, phase_plans=self.phase_plans)
 
     def _describe(self, fr: Frontier, phase: str) -> dict:
         if phase == "done":
@@ -242,9 +238,29 @@ class _RequestRun:
     def _note_held_peak(self, phase: str) -> None:
         self.held_peaks[phase] = max(self.held_peaks.get(phase, 0), self.writer.take_peak())
 
-    def _submit(self, what: str, fn, *args, optional: bool = False, make_args=None) -> None:
-        if self.checkpoints_enabled:
-            self.writer.submit(what, fn, *args, optional=optional, make_args=make_args)
+    def _submit(self, what: str, fn, *args, optional: bool = False, make_args=None, phase: str | None = None) -> bool:
+        """Hand a record to the writer; False if it was an optional one the writer dropped.
+        `phase`: time the write for the cadence (what a record of this phase costs)."""
+        if not self.checkpoints_enabled:
+            return False
+        if phase is not None:
+            fn = self._timed(phase, fn)
+        return self.writer.submit(what, fn, *args, optional=optional, make_args=make_args)
+
+    def _timed(self, phase: str, fn):
+        cadence = self.e.cadence
+
+        def write(*args):
+            start = time.perf_counter()
+            n = fn(*args)
+            cadence.observe_write(phase, time.perf_counter() - start)
+            return n
+
+        return write
+
+    def _early(self, phase: str, since: int, every: int) -> bool:
+        """An adaptive-cadence record before the fixed cadence's next one (cadence.py)."""
+        return self.e.adaptive and self.checkpoints_enabled and self.e.cadence.early_record(phase, since, every)
 
     # ---- phases ---------------------------------------------------------------------------------
     def _run_from(self, fr: Frontier):
@@ -253,12 +269,11 @@ class _RequestRun:
         self.pos4 = self.pos4.to(self.device)
         self.visual_mask = (self.inputs.input_ids == self.a.image_token_id).to(self.device)
         self.visual_rows = (self.visual_mask[0].cumsum(0) - 1)
-        # Weights stream in the order this request needs them, behind the compute.
+        # Reads stream in the order this request needs them, behind the compute.
         needs_vision = not fr.vision_done and not fr.blocks and not fr.decode_records \
             and self.inputs.image_grid_thw.shape[0] > 0
         if needs_vision:
-            # The vision phase is next: stream its weights, then the LM's, behind its compute.
-            self.m.weights.prefetch(self.a.all_vision_modules() + self.a.all_lm_modules())
+            self._vision_reads = self._plan_vision_reads(fr).start()
         try:
             self._vision_out = None
             self._frontier_at_open = fr
@@ -266,7 +281,43 @@ class _RequestRun:
                 self.vision_out()  # the vision phase is the next work: run it now
             return self._prefill_and_decode(fr)
         finally:
-            self.m.weights.stop_prefetch()
+            self._stop_vision_reads()
+
+    def _plan_vision_reads(self, fr: Frontier) -> ReadAhead:
+        """The vision phase's reads in the order it needs them (flight/recovery/phases.py): the
+        newest vision state, the weights of the blocks still to run, the merger, then the
+        language model's weights layer by layer for the prefill that follows."""
+        a, start = self.a, fr.vision_block
+        reads = []
+        if start:
+            def state():
+                rec = self.store.read_vision_state(fr)
+                return rec, _tensor_bytes(rec)
+
+            reads.append(("vision.state", state))
+        modules = a.vision_prologue_modules() + [m for i in range(start, a.num_vision_blocks)
+                                                 for m in a.vision_block_modules(i)]
+        for module in modules + a.vision_epilogue_modules() + a.all_lm_modules():
+            reads.append((module, lambda module=module: (None, self._load_weights(module))))
+        if start:
+            self.phase_plans["vision"] = {"resume_block": start, "reads": len(reads),
+                                          "order": [name for name, _ in reads]}
+            self.events("recovery_plan", phase="vision", block=start, reads=len(reads))
+        return ReadAhead(reads)
+
+    def _load_weights(self, *modules: str) -> int:
+        before = self.m.weights.stats.bytes_read
+        self.m.weights.ensure(*modules)
+        return self.m.weights.stats.bytes_read - before
+
+    def _stop_vision_reads(self) -> None:
+        """From here on one read stream is the prefill plan's: the vision phase's reads stop."""
+        if self._vision_reads is not None:
+            self._vision_reads.stop()
+            if "vision" in self.phase_plans:
+                self.phase_plans["vision"].update(self._vision_reads.summary())
+            self._vision_reads = None
+        self.m.weights.stop_prefetch()
 
     def vision_out(self) -> dict:
         """Merged visual tokens and DeepStack features: computed, or read from vision.out, once.
@@ -291,7 +342,10 @@ class _RequestRun:
         self.m.weights.ensure(*a.vision_prologue_modules())
         ctx = a.vision_context(self.inputs.image_grid_thw, self.device)
         start, side = 0, {}
-        rec = self.store.read_vision_state(fr) if fr.vision_block else None
+        rec = None
+        if fr.vision_block:
+            reads = self._vision_reads
+            rec = reads.result("vision.state") if reads is not None else self.store.read_vision_state(fr)
         if rec is not None:
             start = int(rec.meta["block"])
             h = rec.tensors["hidden"].to(self.device)
@@ -299,20 +353,31 @@ class _RequestRun:
             self.events("vision_restored", block=start)
         else:
             h = a.vision_embed(ctx, self.inputs.pixel_values.to(self.device))
+        last_state, deferred = start, 0  # the newest vision state handed to the writer; states dropped since
         for i in range(start, V):
             self.pacer.begin()
+            unit_start = time.perf_counter()
             self.m.weights.ensure(*a.vision_block_modules(i))
             h, extra = a.vision_block(ctx, i, h)
             side.update(extra)
             self.pacer.end()
+            self.e.cadence.observe_unit("vision", time.perf_counter() - unit_start)
             self.events("vision_block_done", block=i + 1, of=V)
             urgent = self.e.checkpoint_soon.is_set() and i + 1 < V and self.policy.writes_checkpoints()
-            if urgent or self.policy.vision_state_due(i + 1, V, self.g):
+            due = self.policy.vision_state_due(i + 1, V, self.g) or (
+                i + 1 < V and self._early("vision", i + 1 - last_state, self.g.vision_every))
+            if urgent or due:
                 self.e.checkpoint_soon.clear()
                 # A cadence checkpoint is dropped while the previous record is still being
-                # written (the next one supersedes it); one the bus asked for is not.
-                self._submit(f"vision.state[{i + 1}]", self.store.put_vision_state, i + 1, h, dict(side),
-                             optional=not urgent)
+                # written (the next one supersedes it); one the bus asked for is not, and
+                # neither is one after a dropped one: progress never waits on an idle writer
+                # forever, and a window that can only write every other state still keeps one.
+                kept = self._submit(f"vision.state[{i + 1}]", self.store.put_vision_state, i + 1, h, dict(side),
+                                    optional=not urgent and deferred == 0, phase="vision")
+                if kept:
+                    last_state, deferred = i + 1, 0
+                else:
+                    deferred += 1
         self.m.weights.ensure(*a.vision_epilogue_modules())
         embeds = a.vision_finish(ctx, h)
         if self.policy.persist_vision_out() and self.checkpoints_enabled:
@@ -335,30 +400,47 @@ class _RequestRun:
         self.hidden: dict[tuple[int, int], torch.Tensor] = {}
         self.kv_chunks = [0] * self.a.num_layers  # chunks present in the cache, per layer
         have_decode = bool(fr.decode_records)
-        # From here on the plan's reader is the only weight stream (the prefetch overlapped the
-        # vision phase): the plan orders weight reads with checkpoint reads on one channel.
-        self.m.weights.stop_prefetch()
+        # From here on the plan's reader is the only weight stream (the vision reads overlapped
+        # the vision phase): the plan orders weight reads with checkpoint reads on one channel.
+        self._stop_vision_reads()
         self.m.weights.ensure(f"{self.a.lm_prefix}.rotary_emb")  # no weights; every block needs it
+        visual_chunks = frozenset(c for c, (s, e) in enumerate(self.chunks) if bool(self.visual_mask[0, s:e].any()))
         for attempt in range(MAX_REPLANS):
             problem = RecoveryProblem(len(self.groups), len(self.chunks), set(fr.blocks),
                                       {b for b, i in fr.blocks.items() if i.has_hidden},
                                       need_last_hidden=not have_decode,
                                       kv_missing={b for b, i in fr.blocks.items() if i.kv_bytes == 0})
             planner, overlap = self.policy.recovery(self.e.options.planner, self.e.options.overlap_recovery)
+            operator_planner = (planner, overlap) == (self.e.options.planner, self.e.options.overlap_recovery)
             if not fr.blocks:  # nothing to restore: weights stream behind the compute, as in any fresh run
                 overlap = self.e.options.overlap_recovery
-            if planner == "optimal":
+            if operator_planner and have_decode and not problem.must_compute() and not problem.reprojections():
+                # A decode restart: its first step needs the layer groups in order, each with its
+                # weights and all its KV -- exactly layer-first's reads. (Baselines keep their own.)
+                planner = "layer-first"
+            elif planner == "optimal":
                 problem.costs = self._plan_costs()
             plan = make_plan(planner, problem)
             self.scheduled = {(op.group, op.chunk) for op in plan.computes}
             total = len(self.groups) * len(self.chunks)
             self.prefill_done = total - sum(op.kind == "block" for op in plan.computes)  # for progress reports
+            if self._vision_out is None and fr.vision_done and any(
+                    op.kind == "block" and op.group == 0 and op.chunk in visual_chunks for op in plan.computes):
+                plan.reads.insert(0, VISION_OUT)  # read once, first, not inside the block that needs it
             self.plan_summary = plan.summary()
+            self.plan_summary["vision_out_read"] = VISION_OUT in plan.reads
+            self.decode_restart = None
+            if have_decode:
+                self.decode_restart = self._decode_restart(fr)
+                plan.computes = plan.computes + [StepOp(g) for g in range(len(self.groups))]
+                self.phase_plans["decode"] = {"step": self.decode_restart["step"], "planner": planner,
+                                              "reads": len(plan.reads), "groups": len(self.groups)}
             if fr.blocks:
                 self.events("recovery_plan", **self.plan_summary)
             t0 = time.perf_counter()
             self.fr = fr
-            executor = PlanExecutor(plan, self._read_op, self._compute_op, overlap=overlap)
+            executor = PhaseExecutor(plan, self._read_op, self._compute_op, overlap=overlap,
+                                     visual_chunks=visual_chunks, num_chunks=len(self.chunks))
             try:
                 stats = executor.run()
             except RecordRejected as exc:
@@ -373,6 +455,10 @@ class _RequestRun:
                 self.kv_chunks = [0] * self.a.num_layers
                 continue
             self.times["prefill"] += time.perf_counter() - t0
+            if have_decode:
+                self.phase_plans["decode"].update(read_s=round(stats.read_seconds, 6),
+                                                  stall_s=round(stats.stall_seconds, 6),
+                                                  wall_s=round(stats.wall_seconds, 6), bytes_read=stats.bytes_read)
             self._note_held_peak("prefill")
             self.plan_summary.update(read_s=round(stats.read_seconds, 6), compute_s=round(stats.compute_seconds, 6),
                                      stall_s=round(stats.stall_seconds, 6), wall_s=round(stats.wall_seconds, 6),
@@ -403,6 +489,12 @@ class _RequestRun:
 
     def _read_op(self, op: ReadOp) -> int:
         a = self.a
+        if op.what == VISION_OUT.what:
+            rec = self.store.read_vision_out()
+            if rec is None:
+                return 0  # damaged (quarantined): the block that needs it recomputes the vision phase
+            self._vision_out = {k: v.to(self.device) for k, v in rec.tensors.items()}
+            return _tensor_bytes(rec)
         if op.what == "weights":
             l0, l1 = self.groups[op.group]
             mods = (a.embed_modules() if op.group == 0 else []) + [m for l in range(l0, l1)
@@ -460,6 +552,8 @@ class _RequestRun:
         self.pacer.end(units=REPROJECT_SHARE)
 
     def _compute_op(self, op: ComputeOp) -> None:
+        if op.kind == "decode":
+            return self._first_step_group(op)
         if op.kind == "reproject":
             return self._reproject_op(op)
         self.pacer.begin()
@@ -509,30 +603,22 @@ class _RequestRun:
         a, N, S = self.a, self.max_new_tokens, self.S
         eos = set(self.m.eos_token_ids)
         self.m.weights.ensure(*a.head_modules())
-        logits = None
+        logits = pending = None
         if fr.decode_records:
-            tokens = [int(fr.decode_records[0].meta["first_token"])]
-            for rec in fr.decode_records:
-                tokens += rec.tensors["tokens"].tolist()
-                for layer in range(a.num_layers):
-                    cl = self.cache.layers[layer]
-                    k, v = (_dequantize(rec.tensors, f"{kind}.{layer}", cl.keys.dtype) for kind in ("k", "v"))
-                    cl.keys = torch.cat([cl.keys, k.to(self.device)], dim=-2)
-                    cl.values = torch.cat([cl.values, v.to(self.device)], dim=-2)
-            step = len(tokens) - 1
+            # The restart's first step already ran, layer group by layer group, behind the reads
+            # (_first_step_group); its KV and the decode records' are in the cache.
+            restart = self.decode_restart
+            tokens, step = list(restart["tokens"]), restart["step"]
             self.decode_durable_step = step
             self.store.prepare_decode_log(fr.decode_log_end)
             self.events("decode_restored", step=step)
-            if len(tokens) >= N or tokens[-1] in eos:
-                # Finished, but the final logits never reached RESULT: redo the last step.
+            if restart["finished"]:
+                # Finished, but the final logits never reached RESULT: the step redid the last one.
                 tokens.pop()
-                step -= 1
-                for layer in range(a.num_layers):
-                    cl = self.cache.layers[layer]
-                    cl.keys, cl.values = cl.keys[:, :, :-1], cl.values[:, :, :-1]
-                logits = self._decode_step(tokens[-1], S + step)
+                logits = restart["logits"]
                 tokens.append(int(logits.argmax(-1)))
-                step += 1
+            else:
+                pending = restart
         else:
             self.store.prepare_decode_log(0)
             self.decode_durable_step = 0
@@ -542,23 +628,85 @@ class _RequestRun:
         self.tokens = tokens
         submitted = step
         while len(tokens) < N and tokens[-1] not in eos:
-            self.pacer.begin()
-            logits = self._decode_step(tokens[-1], S + step)
+            if pending is not None:  # computed (and paced) during the restart's reads
+                logits, unit_start, pending = pending["logits"], pending["started"], None
+            else:
+                self.pacer.begin()
+                unit_start = time.perf_counter()
+                logits = self._decode_step(tokens[-1], S + step)
+                self.pacer.end()
             tokens.append(int(logits.argmax(-1)))
             step += 1
-            self.pacer.end()
+            self.e.cadence.observe_unit("decode", time.perf_counter() - unit_start)
             self.events("decode_step_done", step=step, of=N - 1)
             finished = len(tokens) >= N or tokens[-1] in eos
-            # The final step is covered by RESULT, which also holds its logits.
+            if finished:
+                continue  # the final step is covered by RESULT, which also holds its logits
             urgent = self.e.checkpoint_soon.is_set() and self.policy.writes_checkpoints()
-            if not finished and (urgent or self.policy.decode_record_due(step - submitted, self.g, finished)):
+            if urgent or self.policy.decode_record_due(step - submitted, self.g, finished):
                 self.e.checkpoint_soon.clear()
-                self._submit(f"decode[..{step}]", self._write_decode_record, step)
+                self._submit(f"decode[..{step}]", self._write_decode_record, step, phase="decode")
                 submitted = step
+            elif self._early("decode", step - submitted, self.g.decode_every):
+                # Optional: a record covers every step since the last durable one, so one the
+                # busy writer drops is covered by the next.
+                if self._submit(f"decode[..{step}]", self._write_decode_record, step, optional=True,
+                                phase="decode"):
+                    submitted = step
         self.times["decode"] += time.perf_counter() - t0
         self._note_held_peak("decode")
         finish = "eos" if tokens[-1] in eos else "length"
         return tokens, logits, finish
+
+    def _decode_restart(self, fr: Frontier) -> dict:
+        """Where a restart in decode stands: the tokens of the decode records, the durable step,
+        and whether the request had already produced all its tokens (then the first step redoes
+        the last one, whose logits never reached RESULT)."""
+        tokens = [int(fr.decode_records[0].meta["first_token"])]
+        for rec in fr.decode_records:
+            tokens += rec.tensors["tokens"].tolist()
+        finished = len(tokens) >= self.max_new_tokens or tokens[-1] in set(self.m.eos_token_ids)
+        return {"tokens": tokens, "step": len(tokens) - 1, "finished": finished, "logits": None}
+
+    def _first_step_group(self, op: StepOp) -> None:
+        """The restart's first decode step through layer group `op.group`, once that group's
+        weights and KV are in (PhaseExecutor orders it): its prefill KV and the decode records'
+        KV join the cache, then its layers run."""
+        a, r = self.a, self.decode_restart
+        (l0, l1) = self.groups[op.group]
+        for layer in range(l0, l1):
+            self._extend_kv(layer, len(self.chunks))
+            cl = self.cache.layers[layer]
+            for rec in self.fr.decode_records:
+                k, v = (_dequantize(rec.tensors, f"{kind}.{layer}", cl.keys.dtype) for kind in ("k", "v"))
+                cl.keys = torch.cat([cl.keys, k.to(self.device)], dim=-2)
+                cl.values = torch.cat([cl.values, v.to(self.device)], dim=-2)
+            if r["finished"]:
+                cl.keys, cl.values = cl.keys[:, :, :-1], cl.values[:, :, :-1]
+        if op.group == 0:
+            self.pacer.begin()
+            r["started"] = time.perf_counter()
+            step = r["step"] - 1 if r["finished"] else r["step"]
+            token = r["tokens"][step]
+            position = self.S + step
+            h = a.embed(torch.tensor([[token]], device=self.device))
+            r["text_pos"] = torch.tensor([[position]], device=self.device)
+            mrope = (r["text_pos"] + self.rope_deltas.to(self.device))[None].expand(3, 1, 1)
+            # The mask looks at layer 0's cache only, which is complete now (as in _decode_step).
+            r["mask"] = a.mask(h, torch.ones(1, position + 1, dtype=torch.long, device=self.device), self.cache,
+                               r["text_pos"])
+            r["pe"] = a.rotary(h, mrope)
+        else:
+            h = r.pop("h")
+        for layer in range(l0, l1):
+            self.m.weights.ensure(*a.layer_modules(layer))
+            h = a.layer(layer, h, r["mask"], r["text_pos"], self.cache, r["pe"])
+        if op.group == len(self.groups) - 1:
+            self.m.weights.ensure(*a.head_modules())
+            r["logits"] = a.logits(h)
+            self.pacer.end()
+        else:
+            r["h"] = h
 
     def _decode_step(self, token: int, position: int) -> torch.Tensor:
         a = self.a
@@ -591,6 +739,10 @@ class _RequestRun:
         n = self.store.append_decode(meta, kv, new_tokens)
         self.decode_durable_step = step_end
         return n
+
+
+def _tensor_bytes(rec) -> int:
+    return sum(t.numel() * t.element_size() for t in rec.tensors.values()) if rec is not None else 0
 
 
 def _quantize(x: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -210,6 +210,13 @@ class BusConfig:
     #: ground will send something)
     skip_idle: bool = False
     hold_at_s: Sequence[float] = ()
+    #: emulated payload boot in trace seconds (local driver): the payload is forked from a
+    #: zygote that has imported its libraries, and waits boot_trace_s x time_scale wall seconds
+    #: after each power-on before it runs (the target's boot, scaled like everything else;
+    #: docs/hil.md). None: exec the payload at each power-on (this machine's real start-up).
+    boot_trace_s: float | None = None
+    #: what the zygote imports ("module" or "module:function"); default: the flight payload's
+    zygote_preload: Sequence[str] | None = None
 
     def validate(self) -> None:
         if isinstance(self.payload_command, str):
@@ -228,6 +235,12 @@ class BusConfig:
             raise BusConfigError("--power-driver ssh needs --ssh-host")
         if self.max_in_flight < 1:
             raise BusConfigError("max_in_flight must be >= 1")
+        if self.boot_trace_s is not None:
+            if not (math.isfinite(self.boot_trace_s) and self.boot_trace_s >= 0):
+                raise BusConfigError(f"--boot-trace-s must be >= 0, got {self.boot_trace_s}")
+            if self.power_driver != "local":
+                raise BusConfigError("--boot-trace-s (emulated boot) needs --power-driver local; a real board "
+                                     "boots in real time")
         for name in ("heartbeat_timeout_s", "boot_timeout_s", "fdir_off_s", "confirm_after_s"):
             if getattr(self, name) < 0:
                 raise BusConfigError(f"{name} must be >= 0")
@@ -422,6 +435,7 @@ class Bus:
             boot_timeout_s=cfg.boot_timeout_s, fdir_off_s=cfg.fdir_off_s,
             stored_commands=len(self.store), bus_pid=os.getpid(),
             model=cfg.model, flight_args=list(cfg.flight_args), machine=machine_fingerprint(),
+            boot_trace_s=cfg.boot_trace_s, skip_idle=cfg.skip_idle,
         )
         _log.info("bus_started", trace=self.trace.name, time_scale=cfg.time_scale, start_at_s=cfg.start_at_s,
                   commands=self.endpoints.commands, payload=self.endpoints.payload,
@@ -477,8 +491,14 @@ class Bus:
     def _build_switch(self) -> PowerSwitch:
         cfg = self.config
         if cfg.power_driver == "local":
+            zygote, boot_s = None, 0.0
+            if cfg.boot_trace_s is not None:
+                from hil.zygote import FLIGHT_PRELOAD, Zygote
+
+                zygote = Zygote(cfg.zygote_preload or FLIGHT_PRELOAD, log_path=self.data_dir / "zygote.log").start()
+                boot_s = cfg.boot_trace_s * cfg.time_scale
             return LocalProcessSwitch(self.payload_argv(), output_path=self.data_dir / "payload.log",
-                                      pidfile=self.data_dir / "payload.pid")
+                                      pidfile=self.data_dir / "payload.pid", zygote=zygote, boot_s=boot_s)
         if cfg.power_driver == "ssh":
             kwargs = {}
             if cfg.ssh_reboot_command:
@@ -542,6 +562,12 @@ class Bus:
         """Run until request_stop() (or the trace end with stop_at_end). Returns 0."""
         if not self._started:
             self.start()
+        try:
+            self.switch.prepare()  # a zygote imports the payload's libraries before time starts
+        except PowerSwitchError as exc:
+            self._switch_failed("prepare", exc)
+            self._shutdown()
+            raise
         # Trace time starts now, not when the sockets were bound.
         self.clock.t0 = self.buslog.restart_clock()
         try:
@@ -791,13 +817,16 @@ class Bus:
         except LinkError as exc:  # a PUB socket drops rather than blocks; this is not expected
             _log.warning("bus_publish_failed", error=str(exc))
 
-    def _publish_power_report(self, now: float) -> None:
+    def _publish_power_report(self, now: float, to_payload: bool = False) -> None:
         sample = self.last_sample
         if sample is None or None in (sample.bus_voltage_v, sample.battery_soc, sample.payload_power_w):
             return  # the trace did not measure these channels: nothing honest to report
-        self._publish(self._bus_packet(m.PowerReport(
+        packet = self._bus_packet(m.PowerReport(
             trace_time_s=self.clock.clock_s(now), payload_on=self.switch.is_on(), bus_voltage_v=sample.bus_voltage_v,
-            payload_power_w=sample.payload_power_w, battery_soc=sample.battery_soc)))
+            payload_power_w=sample.payload_power_w, battery_soc=sample.battery_soc))
+        self._publish(packet)
+        if to_payload:
+            self._to_payload(packet)
 
     def _publish_fdir(self) -> None:
         self._publish(self._bus_packet(m.FdirReport(
@@ -820,12 +849,16 @@ class Bus:
             sample = self.trace.telemetry_at(min(trace_s, self.trace.duration_s))
             if sample is not None:
                 self.last_sample = sample
-        self._publish_power_report(now)
+        # Power and thermal rounds also go to a connected payload: the trends towards the limits
+        # that end its windows are what its checkpoint cadence plans with (docs/engine.md).
+        self._publish_power_report(now, to_payload=True)
         sample = self.last_sample
         if sample is not None and sample.payload_temp_c is not None:
-            self._publish(self._bus_packet(m.ThermalReport(
+            packet = self._bus_packet(m.ThermalReport(
                 trace_time_s=self.clock.clock_s(now), payload_temp_c=sample.payload_temp_c,
-                bus_temp_c=self.config.bus_temp_c)))
+                bus_temp_c=self.config.bus_temp_c))
+            self._publish(packet)
+            self._to_payload(packet)
         self._publish_fdir()
 
     # ------------------------------------------------------------------ ground link
@@ -1125,6 +1158,10 @@ class Bus:
                     self._power_off(cause, origin)
         finally:
             try:
+                self.switch.close()  # drivers with helpers (a zygote) release them
+            except PowerSwitchError as exc:
+                _log.error("bus_power_switch_close_failed", error=str(exc))
+            try:
                 self.store.flush()
             finally:
                 self.buslog.write(bl.RUN_STOP, **self._stamp(), reason=self.stop_reason, stored_commands=len(self.store))
@@ -1247,6 +1284,10 @@ def config_to_argv(config: BusConfig) -> list[str]:
         argv += ["--ground-client", client]
     for arg in c.flight_args:
         argv.append(f"--flight-arg={arg}")
+    if c.boot_trace_s is not None:
+        argv += ["--boot-trace-s", repr(float(c.boot_trace_s))]
+    for entry in c.zygote_preload or ():
+        argv += ["--zygote-preload", entry]
     return argv
 
 

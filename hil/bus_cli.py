@@ -105,6 +105,13 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
     g.add_argument("--payload-data-dir", default=None,
                    help="payload data directory as the payload sees it (default DATA_DIR/payload)")
     g.add_argument("--payload-keys", default=None, help="keys directory as the payload sees it (default --keys)")
+    g.add_argument("--boot-trace-s", type=_non_negative, default=None, metavar="S",
+                   help="emulate the target's boot (local driver): fork each payload from a process that has "
+                        "imported its libraries and let it wait S trace seconds (S x --time-scale wall seconds) "
+                        "after power-on; default: exec it, with this machine's real start-up (docs/hil.md)")
+    g.add_argument("--zygote-preload", action="append", default=None, metavar="MODULE[:FUNCTION]",
+                   help="with --boot-trace-s: what the forking process imports (repeatable; default the flight "
+                        "payload's boot image, flight.runtime.preload:boot_image)")
 
     g = run.add_argument_group("power switch")
     g.add_argument("--power-driver", choices=["local", "ssh", "command"], default="local",
@@ -191,7 +198,7 @@ def config_from_args(args):
         heartbeat_gap_log_s=args.heartbeat_gap_log, fdir_off_s=args.fdir_off, confirm_after_s=args.confirm_after,
         max_in_flight=args.max_in_flight, telemetry_max_hz=args.telemetry_max_hz, bus_temp_c=args.bus_temp_c,
         payload_client=args.payload_client, ground_clients=args.ground_client, log_packets=args.log_packets,
-        ready_file=args.ready_file,
+        ready_file=args.ready_file, boot_trace_s=args.boot_trace_s, zygote_preload=args.zygote_preload,
     )
 
 

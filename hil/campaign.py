@@ -1,22 +1,59 @@
-"""Campaigns: a matrix of traces x policies x seeds through the testbench, and the report an
-operator reads after a test day (markdown with tables, PNG plots)."""
+"""Campaigns: traces x workloads x seeds x policies through the testbench, and the report an
+operator reads after a test day (markdown with tables, PNG plots).
+
+By default every shipped generated trace (trace-a, trace-b, sat1-like, sat2-like,
+dellingr-like), two workloads -- the paper's two specified requests per trace, and four requests
+served back to back -- and OrbitWeaver with its fixed and its adaptive checkpoint cadence beside
+the three baselines. The report puts each policy's completion rate beside its end-to-end times,
+and says so where a policy completes nothing: a ratio is only formed where both sides finished
+every request.
+"""
 from __future__ import annotations
 
 import json
 import statistics
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from hil.testbench import BenchConfig, BenchReport, Testbench
+from hil.testbench import BenchConfig, BenchReport, Testbench, default_workload, reference_run
+
+DEFAULT_TRACES = ("trace-a", "trace-b", "sat1-like", "sat2-like", "dellingr-like")
+DEFAULT_POLICIES = ("orbitweaver", "sonic-layer", "sonic-chunk", "hcache")
+#: requests uplinked together at the trace's start and served in order: the paper's "two specified
+#: requests" per trace (Sec. 7.2), and a back-to-back queue twice as long
+WORKLOADS = {"paper": 2, "back-to-back": 4}
 
 
 @dataclass
 class CampaignCell:
     trace: str
-    policy: str
+    policy: str          # the label: a policy, or orbitweaver with its cadence
     seed: int
     report: BenchReport
-    report_dir: str = ""
+    workload: str = "paper"
+    cadence: str = "fixed"
+    report_dir: str = ""  # the run's own directory (its logs), for the report to link
+
+
+def variants(policies: list[str], cadences: list[str]) -> list[tuple[str, str, str]]:
+    """(label, policy, cadence): orbitweaver once per cadence, each baseline with its own."""
+    out = []
+    for policy in policies:
+        if policy == "orbitweaver":
+            out += [(policy if cadence == "fixed" and len(cadences) == 1 else f"{policy} ({cadence})", policy, cadence)
+                    for cadence in cadences]
+        else:
+            out.append((policy, policy, "fixed"))
+    return out
+
+
+def workload_requests(base: BenchConfig, n: int, max_new_tokens: int | None = None) -> list:
+    """n requests: the base configuration's own requests repeated in turn, or the sample scenes."""
+    if base.workload:
+        return [base.workload[i % len(base.workload)] for i in range(n)]
+    return default_workload(n, max_new_tokens or 24)
 
 
 def trace_for_seed(trace: str, seed: int, out_dir: Path) -> str:
@@ -34,23 +71,89 @@ def trace_for_seed(trace: str, seed: int, out_dir: Path) -> str:
     return str(path)
 
 
-def run_campaign(base: BenchConfig, traces_: list[str], policies: list[str], seeds: list[int], say=print) -> list[CampaignCell]:
+def run_campaign(base: BenchConfig, traces_: list[str], policies: list[str], seeds: list[int], say=print,
+                 workloads: list[str] | None = None, cadences: list[str] | None = None, jobs: int = 1,
+                 max_new_tokens: int | None = None) -> list[CampaignCell]:
+    """Every trace x workload x seed x policy variant; `jobs` runs at once (each is a bus, a
+    payload and a ground link of its own). Without `workloads`, `base.workload` (or its request
+    count) is the only one."""
     out = Path(base.out_dir)
-    cells = []
-    total = len(traces_) * len(policies) * len(seeds)
+    cadences = cadences or [base.cadence]
+    plan = []
     for trace in traces_:
-        for seed in seeds:
-            trace_arg = trace_for_seed(trace, seed, out)
-            for policy in policies:
-                n = len(cells) + 1
-                cell_dir = out / "runs" / f"{Path(trace).stem}-s{seed}-{policy}"
-                say(f"[campaign] {n}/{total}: trace {trace} seed {seed} policy {policy}")
-                cfg = replace(base, trace=trace_arg, policy=policy, out_dir=str(cell_dir))
-                report = Testbench(cfg, say=lambda line: None).run()
-                say("  " + report.summary().replace("\n", "\n  "))
-                cells.append(CampaignCell(trace, policy, seed, report, str(cell_dir)))
-    write_report(out, cells)
+        for workload in workloads or [None]:
+            for seed in seeds:
+                trace_arg = trace_for_seed(trace, seed, out)
+                for label, policy, cadence in variants(policies, cadences):
+                    cfg = replace(base, trace=trace_arg, policy=policy, cadence=cadence)
+                    if workload is not None:
+                        cfg = replace(cfg, requests=WORKLOADS[workload],
+                                      workload=workload_requests(base, WORKLOADS[workload], max_new_tokens))
+                    slug = label.replace(" (", "-").replace(")", "")
+                    name = f"{Path(trace).stem}-{workload or 'w'}-s{seed}-{slug}"
+                    plan.append((trace, workload or "paper", seed, label, cadence,
+                                 replace(cfg, out_dir=str(out / "runs" / name))))
+    # References once, before any run (computed in this process and cached; runs share them).
+    for n, (*_, cfg) in enumerate(plan):
+        for i, spec in enumerate(cfg.workload or default_workload(cfg.requests)):
+            reference_run(cfg.model, spec, cfg, str(out / "reference" / f"{n}-{i}"))
+    lock = threading.Lock()
+    cells: list[CampaignCell | None] = [None] * len(plan)
+
+    def run_one(index: int) -> None:
+        trace, workload, seed, label, cadence, cfg = plan[index]
+        with lock:
+            say(f"[campaign] {index + 1}/{len(plan)}: trace {trace} workload {workload} seed {seed} policy {label}")
+        report = Testbench(cfg, say=lambda line: None).run()
+        with lock:
+            say("  " + report.summary().replace("\n", "\n  "))
+            cells[index] = CampaignCell(trace, label, seed, report, workload, cadence, cfg.out_dir)
+            write_report(out, [c for c in cells if c is not None])  # partial results survive a stop
+
+    if jobs <= 1:
+        for index in range(len(plan)):
+            run_one(index)
+    else:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            for future in [pool.submit(run_one, i) for i in range(len(plan))]:
+                future.result()
+    done = [c for c in cells if c is not None]
+    write_report(out, done)
+    return done
+
+
+def load_cells(out: Path) -> list[CampaignCell]:
+    """The cells of a campaign from its campaign.json (to rewrite the report of a finished or
+    stopped campaign)."""
+    from hil.testbench import RequestReport
+
+    data = json.loads((Path(out) / "campaign.json").read_text())
+    cells = []
+    for row, run in zip(data["rows"], data["runs"]):
+        run = dict(run)
+        run["requests"] = [RequestReport(**q) for q in run["requests"]]
+        cells.append(CampaignCell(row["trace"], row["policy"], row["seed"], BenchReport(**run), row["workload"],
+                                  row.get("cadence", "fixed")))
     return cells
+
+
+def trace_a_claim(rows: list[dict]) -> list[str]:
+    """The paper's Sec. 7.2 claim, checked on the runs of trace-a with the paper's workload."""
+    mine = [r for r in rows if Path(r["trace"]).stem == "trace-a" and r["workload"] == "paper"]
+    if not mine:
+        return []
+    complete = [r["policy"] for r in mine if r["runs_all_completed"] == r["runs"]]
+    partial = [f"{r['policy']} ({r['completed']}/{r['requests']})" for r in mine if r["runs_all_completed"] < r["runs"]]
+    ours = [p for p in complete if p.startswith("orbitweaver")]
+    others = [p for p in complete if not p.startswith("orbitweaver")]
+    verdict = ("holds here" if ours and not others else
+               "does not hold here: baselines complete too" if others else
+               "does not hold here: orbitweaver does not complete both requests in every seed")
+    return ["## The paper's Trace A claim", "",
+            "Paper, Sec. 7.2: \"in short Trace A, only OrbitWeaver completes two specified requests\". Trace-a, the "
+            "paper's workload, every seed: completed both requests in every seed: "
+            + (", ".join(complete) or "nobody") + "; did not: " + (", ".join(partial) or "nobody")
+            + f". The claim {verdict}.", ""]
 
 
 def _mean(values):
@@ -62,6 +165,65 @@ def _fmt(value, spec=".1f", none="-"):
     return none if value is None else format(value, spec)
 
 
+def summarise(cells: list[CampaignCell]) -> list[dict]:
+    """One row per workload x trace x policy, over seeds: requests completed, outputs, end-to-end
+    (mean over completed requests; mean of the per-seed maxima for seeds that completed all)."""
+    groups: dict[tuple, list[CampaignCell]] = {}
+    for c in cells:
+        groups.setdefault((c.workload, c.trace, c.policy), []).append(c)
+    rows = []
+    for (workload, trace, policy), group in groups.items():
+        requests = [q for c in group for q in c.report.requests]
+        done = [q for q in requests if q.completed]
+        complete_runs = [c for c in group if all(q.completed for q in c.report.requests)]
+        rows.append({
+            "workload": workload, "trace": trace, "policy": policy, "seeds": sorted(c.seed for c in group),
+            "requests": len(requests), "completed": len(done),
+            "completion_rate": len(done) / len(requests) if requests else 0.0,
+            "runs_all_completed": len(complete_runs), "runs": len(group),
+            "bitwise": all(q.correct for q in done) if done else None,
+            "e2e_mean_trace_s": _mean(q.e2e_trace_s for q in done),
+            "makespan_trace_s": _mean(max(q.e2e_trace_s for q in c.report.requests) for c in complete_runs),
+            "cuts": sum(c.report.cuts_total for c in group), "lost_units": sum(sum(sum(q.work_lost_units) for q in
+                                                                               c.report.requests) for c in group),
+            "mib_written": sum(c.report.bytes_written for c in group) / 2**20,
+        })
+    return rows
+
+
+def _outputs(run: dict) -> str:
+    if run["completed"].startswith("0/"):
+        return "none completed"
+    return "bitwise equal" if run["correct"] else "MISMATCH"
+
+
+def completion_text(row: dict) -> str:
+    if row["completed"] == 0:
+        return f"**none completed** (0/{row['requests']})"
+    text = f"{row['completed']}/{row['requests']} ({row['completion_rate']:.0%})"
+    return text if row["bitwise"] else text + " **MISMATCH**"
+
+
+def speedups(rows: list[dict], reference: str) -> list[dict]:
+    """Baseline makespan / `reference`'s, per workload and trace, only where both completed every
+    request in every seed; otherwise the reason."""
+    by = {(r["workload"], r["trace"], r["policy"]): r for r in rows}
+    out = []
+    for (workload, trace, policy), row in by.items():
+        if policy == reference:
+            continue
+        ref = by.get((workload, trace, reference))
+        if ref is None:
+            continue
+        both = (row["runs_all_completed"] == row["runs"] and ref["runs_all_completed"] == ref["runs"]
+                and row["makespan_trace_s"] and ref["makespan_trace_s"])
+        out.append({"workload": workload, "trace": trace, "policy": policy,
+                    "ratio": row["makespan_trace_s"] / ref["makespan_trace_s"] if both else None,
+                    "why_not": None if both else (f"{policy} completed {row['completed']}/{row['requests']}, "
+                                                  f"{reference} {ref['completed']}/{ref['requests']}")})
+    return out
+
+
 def write_report(out: Path, cells: list[CampaignCell]) -> Path:
     import matplotlib
 
@@ -69,62 +231,103 @@ def write_report(out: Path, cells: list[CampaignCell]) -> Path:
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    runs = []
     for c in cells:
         r = c.report
         done = [q for q in r.requests if q.completed]
-        rows.append({
-            "trace": c.trace, "policy": c.policy, "seed": c.seed,
+        runs.append({
+            "trace": c.trace, "workload": c.workload, "policy": c.policy, "cadence": c.cadence, "seed": c.seed,
             "completed": f"{len(done)}/{len(r.requests)}", "completion_rate": r.completion_rate,
             "correct": r.all_correct, "e2e_trace_s": _mean(q.e2e_trace_s for q in done),
             "cuts": r.cuts_total, "recovery_s": _mean(x for q in r.requests for x in q.recovery_latency_s),
             "lost_units": sum(sum(q.work_lost_units) for q in r.requests), "mib_written": r.bytes_written / 2**20,
-            "energy_j": r.energy_j, "wall_s": r.wall_s})
-    (out / "campaign.json").write_text(json.dumps({"rows": rows, "runs": [c.report.to_json() for c in cells]}, indent=2))
-    traces_ = sorted({c.trace for c in cells})
+            "energy_j": r.energy_j, "wall_s": r.wall_s, "start_residual_s": r.start_residual_s})
+    rows = summarise(cells)
+    reference = next((r["policy"] for r in rows if r["policy"].startswith("orbitweaver")), None)
+    ratios = speedups(rows, reference) if reference else []
+    (out / "campaign.json").write_text(json.dumps({"summary": rows, "ratios": ratios, "rows": runs,
+                                                   "runs": [c.report.to_json() for c in cells]}, indent=2))
+    workloads = list(dict.fromkeys(c.workload for c in cells))
+    traces_ = list(dict.fromkeys(c.trace for c in cells))
     policies = list(dict.fromkeys(c.policy for c in cells))
     plots = []
-    for metric, label, fname in (("e2e_trace_s", "mean end-to-end time (trace s)", "e2e.png"),
+    keys = [(w, t) for w in workloads for t in traces_]
+    for metric, label, fname in (("e2e_mean_trace_s", "mean end-to-end time of completed requests (trace s)", "e2e.png"),
                                  ("completion_rate", "requests completed (fraction)", "completion.png"),
-                                 ("mib_written", "MiB written by the payload", "bytes.png"),
-                                 ("recovery_s", "mean recovery latency (wall s, power-up to first compute)", "recovery.png")):
-        fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(traces_), 3.2))
+                                 ("mib_written", "MiB written by the payload (all seeds)", "bytes.png")):
+        fig, ax = plt.subplots(figsize=(2.0 + 1.3 * len(keys), 3.4))
         width = 0.8 / max(1, len(policies))
         for i, policy in enumerate(policies):
-            vals = []
-            for trace in traces_:
-                v = [row[metric] for row in rows if row["trace"] == trace and row["policy"] == policy and row[metric] is not None]
-                vals.append(statistics.mean(v) if v else 0.0)
-            ax.bar([t + i * width for t in range(len(traces_))], vals, width, label=policy)
-        ax.set_xticks([t + width * (len(policies) - 1) / 2 for t in range(len(traces_))], traces_)
-        ax.set_ylabel(label)
-        ax.legend(fontsize=8)
+            vals = [next((r[metric] or 0.0 for r in rows if (r["workload"], r["trace"], r["policy"]) == (w, t, policy)),
+                         0.0) for w, t in keys]
+            ax.bar([k + i * width for k in range(len(keys))], vals, width, label=policy)
+        ax.set_xticks([k + width * (len(policies) - 1) / 2 for k in range(len(keys))],
+                      [f"{Path(t).stem}\n{w}" for w, t in keys], fontsize=7)
+        ax.set_ylabel(label, fontsize=8)
+        ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out / fname, dpi=110)
         plt.close(fig)
         plots.append((label, fname))
+    seeds = sorted({c.seed for c in cells})
     lines = ["# Testbench campaign", "",
-             f"{len(cells)} runs: traces {', '.join(traces_)}; policies {', '.join(policies)}; "
-             f"seeds {', '.join(str(s) for s in sorted({c.seed for c in cells}))}.",
-             "Real bus and payload processes (SIGKILL at every cut), real ZeroMQ/CurveZMQ link, tiny model on "
-             "this machine's CPU, paced and time-scaled as each run's line says. Every output is checked bit "
-             "for bit against an uninterrupted reference.", "",
-             "| trace | policy | seed | completed | outputs | mean e2e (trace s) | cuts | mean recovery (s) | "
-             "units lost | MiB written | energy (J) | wall (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for row in rows:
-        lines.append(f"| {row['trace']} | {row['policy']} | {row['seed']} | {row['completed']} | "
-                     f"{'bitwise equal' if row['correct'] else 'MISMATCH or none'} | {_fmt(row['e2e_trace_s'], '.0f')} | "
-                     f"{row['cuts']} | {_fmt(row['recovery_s'], '.2f')} | {row['lost_units']} | "
-                     f"{row['mib_written']:.1f} | {row['energy_j']:.0f} | {row['wall_s']:.0f} |")
-    lines += ["", "Per-run details: `runs/<trace>-s<seed>-<policy>/summary.txt` and `report.json`.", ""]
+             f"{len(cells)} runs: traces {', '.join(traces_)}; workloads {', '.join(workloads)}; policies "
+             f"{', '.join(policies)}; seeds {', '.join(str(s) for s in seeds)}.",
+             "Real bus and payload processes (SIGKILL at every cut), real ZeroMQ/CurveZMQ link, this machine's CPU, "
+             "paced and time-scaled as each run's line says, the payload's boot emulated (docs/hil.md). A request "
+             "counts as completed when its COMPLETED report comes within the trace; every output is checked bit for "
+             "bit against an uninterrupted reference.", "",
+             "## Completion and end-to-end time", "",
+             "Per workload and trace, over the seeds: requests completed, and the mean end-to-end time (trace s) "
+             "of the completed ones.", "",
+             "| workload | trace | " + " | ".join(policies) + " |", "|---|---|" + "---|" * len(policies)]
+    for w, t in keys:
+        cells_text = []
+        for policy in policies:
+            row = next((r for r in rows if (r["workload"], r["trace"], r["policy"]) == (w, t, policy)), None)
+            if row is None:
+                cells_text.append("-")
+            else:
+                e2e = f", {row['e2e_mean_trace_s']:.0f} s" if row["e2e_mean_trace_s"] else ""
+                cells_text.append(completion_text(row) + e2e)
+        lines.append(f"| {w} | {Path(t).stem} | " + " | ".join(cells_text) + " |")
+    if ratios:
+        lines += ["", f"## Speed-up of {reference}", "",
+                  f"Baseline makespan (the last request of a run to complete) / {reference}'s, mean over seeds. Formed "
+                  "only where both completed every request of every seed: a policy that completes less is not "
+                  "slower by some ratio, it fails.", "",
+                  "| workload | trace | policy | makespan ratio |", "|---|---|---|---|"]
+        for r in ratios:
+            lines.append(f"| {r['workload']} | {Path(r['trace']).stem} | {r['policy']} | "
+                         + (f"{r['ratio']:.2f}x" if r["ratio"] else f"n/a: {r['why_not']}") + " |")
+    lines += [""] + trace_a_claim(rows)
+    lines += ["## Every run", "",
+              "| trace | workload | policy | seed | completed | outputs | mean e2e (trace s) | cuts | "
+              "mean recovery (wall s) | units lost | MiB written | start-up after boot (s) | wall (s) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in runs:
+        lines.append(f"| {Path(row['trace']).stem} | {row['workload']} | {row['policy']} | {row['seed']} | "
+                     f"{row['completed']} | {_outputs(row)} | "
+                     f"{_fmt(row['e2e_trace_s'], '.0f')} | {row['cuts']} | {_fmt(row['recovery_s'], '.2f')} | "
+                     f"{row['lost_units']} | {row['mib_written']:.1f} | {_fmt(row['start_residual_s'], '.2f')} | "
+                     f"{row['wall_s']:.0f} |")
+    lines += ["", "Per-run details: `runs/<trace>-<workload>-s<seed>-<policy>/summary.txt` and `report.json`.", ""]
     for label, fname in plots:
         lines += [f"## {label[0].upper() + label[1:]}", "", f"![{label}]({fname})", ""]
-    lines += ["Definitions (docs/hil.md): end-to-end = task accepted to COMPLETED; recovery latency = payload "
-              "power-up to the first progress report of the resumed task (boot included); units lost = work "
-              "units (vision blocks, prefill blocks, decode steps) done before a cut and done again after it; "
-              "bytes written = the payload process's device-level writes (/proc write_bytes) summed over power "
-              "cycles; energy = the documented power model times the time in each state.", ""]
+    lines += ["Definitions (docs/hil.md): end-to-end = task accepted (or the trace's start, if later) to "
+              "COMPLETED, in trace seconds; recovery latency = payload power-up to the first progress report of "
+              "the resumed task (emulated boot included); units lost = work units (vision blocks, prefill blocks, "
+              "decode steps) done before a cut and done again after it; bytes written = the payload process's "
+              "device-level writes (/proc write_bytes) summed over power cycles.", ""]
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[1] != "report":
+        sys.exit("usage: python -m hil.campaign report CAMPAIGN_DIR   (rewrite report.md from campaign.json)")
+    print(write_report(Path(sys.argv[2]), load_cells(Path(sys.argv[2]))))
+

@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     shutil.rmtree(args.out, ignore_errors=True)
     cfg = BenchConfig(trace="demo", model=model, out_dir=args.out, requests=args.requests,
                       workload=default_workload(args.requests, 24), time_scale=1.0, pace_ms=args.pace_ms, chunk=8,
-                      group=2, decode_every=4)
+                      group=2, decode_every=4, boot_trace_s=None)  # real time: this machine's real boot
     bench = Testbench(cfg, say=view.say)
     original_show = bench._show
 

@@ -87,6 +87,10 @@ class PowerSwitch(ABC):
     def reset(self) -> None:
         """Make sure nothing is left powered from a previous bus run (called once at start)."""
 
+    def prepare(self, timeout_s: float = 600.0) -> None:
+        """Get ready to power the payload without delay (called once before the trace clock
+        starts; the local driver's zygote imports the payload's libraries here)."""
+
     @abstractmethod
     def describe(self) -> dict:
         """What this switch is, for logs (no secrets)."""
@@ -189,13 +193,91 @@ class _ChildSession:
         return status
 
 
+class _ForkedSession:
+    """A payload forked by a zygote (hil/zygote.py) in its own session and process group, with
+    the same interface as _ChildSession. The zygote is its parent, so the zygote reaps it; a cut
+    is still this process's immediate killpg(SIGKILL)."""
+
+    def __init__(self, zygote, argv: Sequence[str], output_path: Path | None, env: Mapping[str, str] | None,
+                 cwd: str | None, boot_s: float):
+        self.zygote = zygote
+        self.argv = list(argv)
+        self.output_path = output_path
+        self.env = dict(env) if env is not None else None
+        self.cwd = cwd
+        self.boot_s = boot_s
+        self._pid: int | None = None
+        self.exit_status: int | None = None
+
+    def start(self, banner: str) -> int:
+        from hil.zygote import ZygoteError
+
+        deadline = time.monotonic() + self.boot_s  # power is applied now; the boot ends then
+        if self.output_path is not None:
+            self.output_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.output_path, "ab") as handle:
+                handle.write(f"\n==== {banner} (forked, emulated boot {self.boot_s:.3f} s) "
+                             f"{time.strftime('%Y-%m-%dT%H:%M:%S')} ====\n".encode())
+        try:
+            self._pid = self.zygote.spawn(self.argv, output=self.output_path, env=self.env, cwd=self.cwd,
+                                          boot_deadline=deadline)
+        except ZygoteError as exc:
+            raise PowerSwitchError(f"zygote could not fork the payload: {exc}") from exc
+        self.exit_status = None
+        return self._pid
+
+    @property
+    def pid(self) -> int | None:
+        return self._pid
+
+    @property
+    def proc(self):  # running or not, as _ChildSession.proc says
+        return self._pid
+
+    def _reap(self, block: bool) -> int | None:
+        from hil.zygote import ZygoteError
+
+        try:
+            return self.zygote.reap(self._pid, block, timeout_s=10.0 if block else 5.0)
+        except ZygoteError as exc:
+            raise PowerSwitchError(f"zygote could not reap payload {self._pid}: {exc}") from exc
+
+    def kill(self) -> int | None:
+        if self._pid is None:
+            return None
+        _kill_group(self._pid)
+        status = self._reap(block=True)  # SIGKILL cannot be ignored: a process stuck in I/O ends soon
+        _kill_group(self._pid)
+        self._pid = None
+        return status
+
+    def exited(self) -> int | None:
+        if self._pid is None:
+            return None
+        try:
+            status = self._reap(block=False)
+        except PowerSwitchError as exc:  # asked again at the next poll; a cut still works without the zygote
+            _log.warning("power_switch_poll_failed", pid=self._pid, error=str(exc))
+            return None
+        if status is not None:
+            _kill_group(self._pid)
+            self.exit_status = status
+            self._pid = None
+        return status
+
+
 class LocalProcessSwitch(PowerSwitch):
     """The payload is a local child process. `on` spawns `argv` in a new session (its own
     process group); `off` SIGKILLs that group at once and reaps it. The child also gets
     PR_SET_PDEATHSIG=SIGKILL, so it cannot outlive the bus.
 
     `pidfile` (optional) remembers the running group so that a bus restarted after being killed
-    can make sure the previous payload is gone (`reset`)."""
+    can make sure the previous payload is gone (`reset`).
+
+    `zygote` (optional, hil/zygote.py): instead of exec'ing `argv` at each power-on, fork it from
+    a process that has already imported the payload's libraries, and let the fork wait `boot_s`
+    wall seconds (the target's boot, scaled like the compute) before it runs. A cut is the same
+    killpg(SIGKILL); the fork keeps nothing from an earlier payload."""
 
     driver = "local"
 
@@ -207,12 +289,33 @@ class LocalProcessSwitch(PowerSwitch):
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
         pidfile: str | os.PathLike | None = None,
+        zygote=None,
+        boot_s: float = 0.0,
     ):
         if not argv:
             raise ValueError("empty payload command")
-        self.session = _ChildSession(argv, Path(output_path) if output_path else None, env, cwd)
+        if boot_s < 0:
+            raise ValueError(f"boot_s must be >= 0, got {boot_s}")
+        if boot_s and zygote is None:
+            raise ValueError("an emulated boot (boot_s) needs a zygote to fork from")
+        output = Path(output_path) if output_path else None
+        self.zygote = zygote
+        self.boot_s = boot_s
+        if zygote is not None:
+            self.session = _ForkedSession(zygote, argv, output, env, cwd, boot_s)
+        else:
+            self.session = _ChildSession(argv, output, env, cwd)
         self.pidfile = Path(pidfile) if pidfile else None
         self.boots = 0
+
+    def prepare(self, timeout_s: float = 600.0) -> None:
+        if self.zygote is not None:
+            from hil.zygote import ZygoteError
+
+            try:
+                self.zygote.wait_ready(timeout_s)
+            except ZygoteError as exc:
+                raise PowerSwitchError(str(exc)) from exc
 
     def on(self) -> None:
         if self.is_on():
@@ -257,7 +360,15 @@ class LocalProcessSwitch(PowerSwitch):
         self.pidfile.unlink(missing_ok=True)
 
     def describe(self) -> dict:
-        return {"driver": self.driver, "argv": list(self.session.argv), "pid": self.pid}
+        info = {"driver": self.driver, "argv": list(self.session.argv), "pid": self.pid}
+        if self.zygote is not None:
+            info.update(zygote=self.zygote.describe(), emulated_boot_s=self.boot_s)
+        return info
+
+    def close(self) -> None:
+        super().close()
+        if self.zygote is not None:
+            self.zygote.close()
 
 
 def _run(argv: Sequence[str], what: str, timeout_s: float, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:

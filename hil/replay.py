@@ -255,7 +255,7 @@ def replay(log_path: str, out_dir: str, model: str | None = None, say=print, set
                     model=model, flight_args=list(d.get("flight_args") or []), payload_command=command,
                     heartbeat_timeout_s=d.get("heartbeat_timeout_s", 10.0),
                     boot_timeout_s=max(d.get("boot_timeout_s", 60.0), 60.0 + payload_start_delay_s),
-                    fdir_off_s=d.get("fdir_off_s", 2.0))
+                    fdir_off_s=d.get("fdir_off_s", 2.0), boot_trace_s=d.get("boot_trace_s"))
     say(f"[replay] {len(commands)} telecommands over {stop.wall_s:.0f} s on trace {d['trace']} "
         f"(scale {d['time_scale']:g}), re-timed at {len(anchors_of(recorded))} anchors")
     pacer = AnchorPacer(anchors_of(recorded))

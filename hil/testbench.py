@@ -65,6 +65,14 @@ class PowerModel:
     ssd_write_bytes_per_s: float = 1.5e9
 
 
+#: The target payload's boot, power-on to the flight process ready to compute, in trace seconds
+#: (docs/hil.md "Boot"): 12 s from cold power-on to the log-in prompt for Jetson Linux in its
+#: default configuration (NVIDIA Jetson Linux Developer Guide r35, "Boot Time Optimization"; about
+#: 3 s once optimised), plus 3 s for the flight process's interpreter and library imports on the
+#: Orin's CPU (assumed; bench/cold_start.py measures this machine's).
+TARGET_BOOT_TRACE_S = 15.0
+
+
 @dataclass
 class BenchConfig:
     trace: str
@@ -74,19 +82,30 @@ class BenchConfig:
     requests: int = 3
     workload: list[RequestSpec] | None = None
     time_scale: float | str = "auto"       # wall seconds per trace second, or "auto"
-    request_seconds: float = 20.0          # target uninterrupted request length, boot included (auto pace)
+    #: target uninterrupted request length in wall seconds (auto pace): the compute alone with an
+    #: emulated boot; boot included with the real one (boot_trace_s None)
+    request_seconds: float = 20.0
+    #: emulated target boot in trace seconds: each payload is forked from a pre-loaded zygote and
+    #: waits this long (scaled like the compute) after power-on; None: exec it and pay this
+    #: machine's real start-up inside the window (docs/hil.md)
+    boot_trace_s: float | None = TARGET_BOOT_TRACE_S
     pace_ms: float | None = None           # per-unit pace of the payload; None: from request_seconds
     chunk: int = 16
     group: int = 2
     decode_every: int = 4
     vision_every: int = 1
     planner: str = "optimal"               # every comparison runs OrbitWeaver with its own planner
+    #: orbitweaver's checkpoint cadence: "fixed" (the paper's) or "adaptive" (docs/engine.md)
+    cadence: str = "fixed"
     threads: int = 1
     start_at_s: float = 0.0
-    timeout_s: float | None = None         # wall; default: the (scaled) rest of the trace
+    timeout_s: float | None = None         # wall; default: until the trace ends (bus clock)
     power: PowerModel = field(default_factory=PowerModel)
     endpoints: Endpoints | None = None     # default: ephemeral loopback ports
     extra_flight_args: tuple[str, ...] = ()
+    #: jump the bus clock over spans where nothing can happen (payload off until its next power-on):
+    #: the trace's off time costs no wall time; times are reported in trace seconds either way
+    skip_idle: bool = True
     #: throttle the payload's checkpoint storage so that reading/writing a layer-chunk of KV takes,
     #: relative to computing it (the pace), what it takes on a Jetson AGX Orin with NVMe running
     #: Qwen3-VL-2B. Weight reads stay native: they cost every policy the same at each boot, and a
@@ -128,15 +147,31 @@ class BenchReport:
     completion_rate: float
     all_correct: bool
     notes: list[str] = field(default_factory=list)
+    #: emulated boot (trace s), or None for this machine's real start-up
+    boot_trace_s: float | None = None
+    #: median wall seconds from power-on to the payload's first heartbeat, and what of it came
+    #: after the emulated boot (real start-up work of the flight process on this machine)
+    connect_s: float | None = None
+    start_residual_s: float | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
 
+    def _outputs(self) -> str:
+        if not any(r.completed for r in self.requests):
+            return "none to check (nothing completed)"
+        return "all bitwise equal to the references" if self.all_correct else "MISMATCH"
+
     def summary(self) -> str:
+        boot = (f"emulated boot {self.boot_trace_s:g} trace s ({self.boot_s:.2f} s)" if self.boot_trace_s is not None
+                else f"real boot {self.boot_s:.1f} s")
+        if self.start_residual_s is not None:
+            boot += (f", then {self.start_residual_s:.2f} s real start-up "
+                     f"({self.start_residual_s / self.time_scale:.1f} trace s) to the first heartbeat")
         lines = [f"trace {self.trace}  policy {self.policy}  scale {self.time_scale:.4g} wall s per trace s  "
-                 f"pace {self.pace_ms:.0f} ms/unit  boot {self.boot_s:.1f} s",
+                 f"pace {self.pace_ms:.0f} ms/unit  {boot}",
                  f"  {sum(r.completed for r in self.requests)}/{len(self.requests)} completed "
-                 f"({self.completion_rate:.0%}), outputs {'all bitwise equal to the references' if self.all_correct else 'MISMATCH'}; "
+                 f"({self.completion_rate:.0%}), outputs {self._outputs()}; "
                  f"{self.cuts_total} cuts, {self.power_cycles} power-ups, {self.bytes_written / 2**20:.1f} MiB written, "
                  f"{self.energy_j:.0f} J, {self.wall_s:.0f} s wall"]
         for r in self.requests:
@@ -239,15 +274,28 @@ class _TelemetryRecorder(threading.Thread):
         self.stop_flag = threading.Event()
         self.on_packet = on_packet
         self.lock = threading.Lock()
+        self.finals: dict[str, m.Message] = {}       # task id -> its COMPLETED (of the uplink) or FAILED
+        self.results: dict[str, m.TaskResult] = {}   # task id -> the TASK_RESULT the payload sent
 
     def run(self):
         with self.client:
             while not self.stop_flag.is_set():
                 for t in self.client.telemetry(0.5):
+                    msg = t.message
                     with self.lock:
-                        self.packets.append((time.time(), t.message))
+                        self.packets.append((time.time(), msg))
+                        task_id = getattr(msg, "task_id", None)
+                        if isinstance(msg, m.TaskResult):
+                            self.results.setdefault(task_id, msg)
+                        elif task_id is not None and (isinstance(msg, m.Failed) or (
+                                isinstance(msg, m.Completed) and msg.tc_type == 0x0110)):
+                            self.finals.setdefault(task_id, msg)
                     if self.on_packet:
-                        self.on_packet(t.message)
+                        self.on_packet(msg)
+
+    def final(self, task_id: str):
+        with self.lock:
+            return self.finals.get(task_id), self.results.get(task_id)
 
     def snapshot(self) -> list[tuple[float, m.Message]]:
         with self.lock:
@@ -279,21 +327,27 @@ class Testbench:
         for i, spec in enumerate(self.workload):
             self.references.append(reference_run(cfg.model, spec, cfg, str(self.out / "reference" / f"r{i}")))
         refs_path.write_text(json.dumps(self.references))
-        self.boot_s = measure_boot_seconds()
         units = statistics.mean(r["units"] for r in self.references)
+        emulated = cfg.boot_trace_s is not None
+        real_boot = 0.0 if emulated else measure_boot_seconds()
         if cfg.pace_ms is not None:
             self.pace_ms = cfg.pace_ms
         else:
-            self.pace_ms = max(1.0, (cfg.request_seconds - self.boot_s) * 1000.0 / units)
-        request_wall = self.boot_s + units * self.pace_ms / 1000.0
+            self.pace_ms = max(1.0, (cfg.request_seconds - real_boot) * 1000.0 / units)
+        # With the real boot, the boot is part of the request mapped onto the reference request;
+        # an emulated boot is the target's own, outside the request's compute, like on orbit.
+        request_wall = real_boot + units * self.pace_ms / 1000.0
         self.request_wall = request_wall
         self.scale = request_wall / self.trace.reference_request_s if cfg.time_scale == "auto" else float(cfg.time_scale)
+        self.boot_s = cfg.boot_trace_s * self.scale if emulated else real_boot
 
     def _flight_args(self) -> list[str]:
         c = self.cfg
         args = ["--policy", c.policy, "--chunk", str(c.chunk), "--group", str(c.group), "--decode-every",
                 str(c.decode_every), "--vision-every", str(c.vision_every), "--planner", c.planner,
                 "--threads", str(c.threads), "--pace-ms", f"{self.pace_ms:.3f}", "--device", "cpu"]
+        if c.cadence != "fixed":
+            args += ["--cadence", c.cadence]
         if c.emulate_target_storage:
             read, write = target_storage_mbps(c.model, c.chunk, self.pace_ms)
             args += ["--emulate-read-mbps", f"{read:.6f}", "--emulate-write-mbps", f"{write:.6f}"]
@@ -307,19 +361,21 @@ class Testbench:
 
         cfg = self.cfg
         self._prepare()
+        boot = (f"emulated boot {cfg.boot_trace_s:g} trace s = {self.boot_s:.2f} s" if cfg.boot_trace_s is not None
+                else f"real payload boot {self.boot_s:.1f} s")
         self.say(f"[bench] trace {cfg.trace} ({self.trace.duration_s:.0f} trace s), policy {cfg.policy}, "
                  f"{len(self.workload)} requests; time scale {self.scale:.4g} wall s per trace s, pace "
-                 f"{self.pace_ms:.0f} ms/unit, payload boot {self.boot_s:.1f} s")
+                 f"{self.pace_ms:.0f} ms/unit, {boot}")
         endpoints = cfg.endpoints or Endpoints(commands="tcp://127.0.0.1:*", payload="tcp://127.0.0.1:*",
                                                telemetry="tcp://127.0.0.1:*")
         bus_cfg = BusConfig(trace=str(self._trace_path()), data_dir=str(self.out / "bus"), keys_dir=self.keys,
                             time_scale=self.scale, start_at_s=self.start_at, endpoints=endpoints, model=cfg.model,
                             flight_args=self._flight_args(), heartbeat_timeout_s=max(20.0, 4 * self.boot_s),
-                            boot_timeout_s=max(60.0, 10 * self.boot_s))
-        remaining_trace = self.trace.duration_s - self.start_at
-        timeout = cfg.timeout_s or remaining_trace * self.scale
+                            boot_timeout_s=max(60.0, 10 * self.boot_s), boot_trace_s=cfg.boot_trace_s,
+                            skip_idle=cfg.skip_idle)
         started = time.time()
         bus = BusProcess(bus_cfg).start()
+        self.log_tail = _LogTail(self.out / "bus" / "bus-log.jsonl")
         recorder = _TelemetryRecorder(self.keys, bus.endpoints, on_packet=self._show)
         recorder.start()
         tasks: list[tuple[str, float | None]] = []
@@ -338,18 +394,8 @@ class Testbench:
                         tasks.append((task_id, None))
                         failures[task_id] = f"uplink: {exc}"
                         self.say(f"[ground] uplink of {task_id} failed: {exc}")
-                results = {}
-                for task_id, queued_at in tasks:
-                    if queued_at is None:
-                        continue
-                    left = timeout - (time.time() - started)
-                    if left <= 0:
-                        failures[task_id] = "timeout"
-                        continue
-                    try:
-                        results[task_id] = ground.result(task_id, wait=True, max_wait_s=left, poll_s=10.0)
-                    except GroundError as exc:
-                        failures[task_id] = str(exc)
+                results = self._wait_for_results(ground, tasks, recorder, failures, started,
+                                                 bus_alive=lambda: bus.proc.poll() is None)
         finally:
             time.sleep(0.5)
             recorder.stop_flag.set()
@@ -360,6 +406,44 @@ class Testbench:
         (self.out / "report.json").write_text(json.dumps(report.to_json(), indent=2))
         (self.out / "summary.txt").write_text(report.summary() + "\n")
         return report
+
+    def _wait_for_results(self, ground, tasks, recorder, failures, started, bus_alive=lambda: True) -> dict:
+        """Until every task has ended or the trace has (a request finishing in the open window
+        after the trace does not count): results as the payload sent them, else downlinked."""
+        from ground.errors import GroundError
+
+        cfg = self.cfg
+        deadline = started + cfg.timeout_s if cfg.timeout_s else None
+        pending = [task_id for task_id, queued_at in tasks if queued_at is not None]
+        results = {}
+        while pending:
+            for task_id in list(pending):
+                final, result = recorder.final(task_id)
+                if final is None:
+                    continue
+                pending.remove(task_id)
+                if isinstance(final, m.Failed):
+                    failures[task_id] = f"failed: {final.code.name}: {final.reason}"
+                    continue
+                if result is None:
+                    try:
+                        result = ground.result(task_id, wait=True, max_wait_s=120.0, poll_s=5.0)
+                    except GroundError as exc:
+                        failures[task_id] = f"result: {exc}"
+                        continue
+                results[task_id] = result
+            if not pending:
+                break
+            if self.log_tail.trace_ended() or (deadline is not None and time.time() > deadline):
+                for task_id in pending:
+                    failures[task_id] = "not finished when the trace ended"
+                break
+            if not bus_alive():
+                for task_id in pending:
+                    failures[task_id] = "the bus stopped (see bus/bus-stderr.log)"
+                break
+            time.sleep(0.25)
+        return results
 
     def _trace_path(self) -> Path:
         import traces
@@ -381,6 +465,7 @@ class Testbench:
         from hil import buslog as bl
 
         entries = bl.read_log(self.out / "bus" / bl.LOG_FILE)
+        to_trace = _trace_clock(entries, self.scale, self.start_at)
         ons = [e.utc for e in entries if e.kind == bl.POWER_ON]
         offs = [e for e in entries if e.kind == bl.POWER_OFF]
         bytes_written = sum(int(e.data.get("payload_write_bytes") or 0) for e in offs)
@@ -416,8 +501,11 @@ class Testbench:
             p = self.cfg.power
             energy = busy * p.compute_w if res is not None else None
             e2e = (completed_at - queued_at) if (completed_at and queued_at) else None
+            # In trace seconds, from the later of the uplink and the trace's start (the bus
+            # stores commands while the clock has not started) to COMPLETED; skipped spans count.
+            e2e_trace = (to_trace(completed_at) - to_trace(queued_at)) if e2e is not None else None
             reports.append(RequestReport(task_id, spec.prompt, [os.path.basename(x) for x in spec.images],
-                                         res is not None, correct, e2e, None if e2e is None else e2e / self.scale,
+                                         res is not None, correct, e2e, e2e_trace,
                                          int(res.interruptions) if res is not None else max(0, len(starts) - 1),
                                          recovery, lost, energy, len(res.token_ids) if res is not None else 0,
                                          failures.get(task_id)))
@@ -427,9 +515,59 @@ class Testbench:
         energy_total = (busy_total * p.compute_w + max(0.0, on_time - busy_total - boot_time) * p.idle_w
                         + boot_time * p.boot_w + bytes_written / p.ssd_write_bytes_per_s * p.ssd_write_w)
         done = [r for r in reports if r.completed]
+        connects = [float(e.data["after_power_on_s"]) for e in entries
+                    if e.kind == bl.PAYLOAD_CONNECTED and e.data.get("after_power_on_s") is not None]
+        connect = statistics.median(connects) if connects else None
+        residual = None
+        if connect is not None and self.cfg.boot_trace_s is not None:
+            residual = max(0.0, connect - self.boot_s)
         return BenchReport(self.cfg.trace, self.cfg.policy, self.scale, self.pace_ms, self.boot_s, reports,
                            len(ons), cuts_total, bytes_written, energy_total, wall,
-                           len(done) / max(1, len(reports)), all(r.correct for r in done) and bool(done))
+                           len(done) / max(1, len(reports)), all(r.correct for r in done) and bool(done),
+                           boot_trace_s=self.cfg.boot_trace_s, connect_s=connect, start_residual_s=residual)
+
+
+class _LogTail:
+    """Reads a bus run log as it grows; says when the trace has ended."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.ended = path, 0, False
+
+    def trace_ended(self) -> bool:
+        if not self.ended:
+            try:
+                with open(self.path, "rb") as f:
+                    f.seek(self.offset)
+                    chunk = f.read()
+            except OSError:
+                return False
+            complete = chunk[: chunk.rfind(b"\n") + 1]
+            self.offset += len(complete)
+            self.ended = b'"kind":"trace_end"' in complete
+        return self.ended
+
+
+def _trace_clock(entries, scale: float, start_at: float):
+    """utc -> trace seconds, from the bus log (its entries carry both; clock skips are entries)."""
+    import bisect
+
+    stamped = [(e.utc, e.trace_s) for e in entries if e.trace_s is not None and e.kind != "run_start"]
+    if not stamped:
+        return lambda utc: start_at
+    first_utc, first_trace = stamped[0]
+    start_utc = first_utc - (first_trace - start_at) * scale  # the trace clock's start
+    times = [u for u, _ in stamped]
+
+    def to_trace(utc: float) -> float:
+        if utc <= start_utc:
+            return start_at
+        i = bisect.bisect_right(times, utc) - 1
+        if i < 0:
+            return start_at + (utc - start_utc) / scale
+        u, t = stamped[i]
+        return t + (utc - u) / scale
+
+    return to_trace
 
 
 def _unit_index(p: m.Progress, totals: dict[str, int]) -> int:

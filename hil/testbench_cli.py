@@ -21,17 +21,31 @@ def register_testbench(hsub) -> None:
     _common(run)
     run.add_argument("--trace", required=True, help="trace file or shipped name (ow hil trace-info lists them)")
     run.add_argument("--policy", default="orbitweaver", help="checkpoint policy (default orbitweaver)")
+    run.add_argument("--cadence", choices=["fixed", "adaptive"], default="fixed",
+                     help="orbitweaver's checkpoint cadence (docs/engine.md); baselines keep their own")
     run.set_defaults(func=cmd_run)
 
     camp = hsub.add_parser(
-        "campaign", help="a matrix of traces x policies x seeds; writes a markdown report with plots",
-        description="Run the testbench for every trace x policy x seed and write OUT/report.md (tables and PNG "
-                    "plots) and OUT/campaign.json. Seed 0 uses a shipped trace as is; other seeds generate another "
-                    "realisation of a generated trace kind.")
+        "campaign", help="a matrix of traces x workloads x seeds x policies; writes a markdown report with plots",
+        description="Run the testbench for every trace x workload x seed x policy (orbitweaver once per cadence) and "
+                    "write OUT/report.md (completion per policy and trace beside end-to-end times, speed-ups only "
+                    "where both sides completed everything, every run, PNG plots) and OUT/campaign.json. Seed 0 uses "
+                    "a shipped trace as is; other seeds generate another realisation of a generated trace kind. "
+                    "The defaults run everything: 5 traces x 2 workloads x 2 seeds x 5 policy variants = 100 runs "
+                    "(hours; --jobs runs several at once).")
     _common(camp)
-    camp.add_argument("--traces", required=True, help="comma-separated traces, e.g. trace-a,trace-b")
-    camp.add_argument("--policies", default="orbitweaver,none", help="comma-separated policies")
-    camp.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+    camp.add_argument("--traces", default="trace-a,trace-b,sat1-like,sat2-like,dellingr-like",
+                      help="comma-separated traces (default: the five shipped generated ones)")
+    camp.add_argument("--policies", default="orbitweaver,sonic-layer,sonic-chunk,hcache",
+                      help="comma-separated policies (default orbitweaver and the three baselines)")
+    camp.add_argument("--cadences", default="fixed,adaptive",
+                      help="orbitweaver's checkpoint cadences, side by side (default fixed,adaptive)")
+    camp.add_argument("--workloads", default="paper,back-to-back",
+                      help="paper: the two specified requests per trace; back-to-back: four requests in one queue "
+                           "(default both)")
+    camp.add_argument("--seeds", default="0,1",
+                      help="comma-separated seeds; seed 0 plays the shipped trace, others regenerate it (default 0,1)")
+    camp.add_argument("--jobs", type=int, default=1, help="runs at once (each a bus, a payload and a ground link)")
     camp.set_defaults(func=cmd_campaign)
 
     rep = hsub.add_parser(
@@ -76,6 +90,15 @@ def _common(p) -> None:
     p.add_argument("--decode-every", type=int, default=4)
     p.add_argument("--planner", default="optimal",
                    help="OrbitWeaver's recovery planner (default optimal; baselines restore with their own scheduler)")
+    p.add_argument("--storage", choices=["native", "target"], default="native",
+                   help="native (default): this machine's disk; target: throttle the payload's checkpoint storage "
+                        "to a Jetson Orin NVMe's read/write-to-compute ratio against the pace -- meant for models "
+                        "with real proportions, not the tiny one (docs/hil.md, Storage)")
+    p.add_argument("--boot-trace-s", default=None, metavar="S|real",
+                   help="the payload's boot in trace seconds, emulated: each payload is forked from a process that "
+                        "has imported its libraries and waits S trace seconds (scaled like the compute) after "
+                        "power-on; `real`: exec it and pay this machine's start-up inside the window (default "
+                        "15 trace s: a Jetson Orin's boot, hil.testbench.TARGET_BOOT_TRACE_S; docs/hil.md)")
     p.add_argument("--start-at", type=float, default=0.0, help="trace second to start at")
     p.add_argument("--timeout", type=float, default=None, help="wall seconds to wait for all results")
     p.add_argument("--out", required=True, help="output directory")
@@ -85,7 +108,7 @@ def _common(p) -> None:
 
 def ensure_model(path: str | None) -> str:
     if path:
-        from flight.model.loader import ModelError, read_model_type
+        from flight.model.config import ModelError, read_model_type
         from common.cli import CliError
 
         try:
@@ -110,11 +133,32 @@ def _config(args, trace: str, policy: str):
         raise CliError(f"--time-scale must be a number or auto, not {args.time_scale!r}", 2) from None
     if args.requests < 1:
         raise CliError("--requests must be at least 1", 2)
+    boot = parse_boot(args.boot_trace_s)
     return BenchConfig(trace=trace, model=ensure_model(args.model), out_dir=args.out, policy=policy,
                        requests=args.requests, workload=default_workload(args.requests, args.max_new_tokens),
                        time_scale=scale, request_seconds=args.request_seconds, pace_ms=args.pace_ms,
                        chunk=args.chunk, group=args.group, decode_every=args.decode_every, planner=args.planner,
-                       start_at_s=args.start_at, timeout_s=args.timeout)
+                       start_at_s=args.start_at, timeout_s=args.timeout, boot_trace_s=boot,
+                       emulate_target_storage=args.storage == "target",
+                       cadence=getattr(args, "cadence", "fixed"))
+
+
+def parse_boot(text: str | None):
+    """--boot-trace-s: None (default: the target's), `real`, or a number of trace seconds."""
+    from common.cli import CliError
+    from hil.testbench import TARGET_BOOT_TRACE_S
+
+    if text is None:
+        return TARGET_BOOT_TRACE_S
+    if text == "real":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise CliError(f"--boot-trace-s must be a number of trace seconds >= 0 or `real`, not {text!r}", 2)
+    return value
 
 
 def _check_trace(trace: str) -> None:
@@ -153,11 +197,13 @@ def cmd_run(args) -> int:
 def cmd_campaign(args) -> int:
     from common import log as owlog
     from common.cli import CliError
-    from hil.campaign import run_campaign
+    from hil.campaign import WORKLOADS, run_campaign
 
     owlog.setup(args.log_level, component="hil")
     traces_ = [t for t in args.traces.split(",") if t]
     policies = [p for p in args.policies.split(",") if p]
+    cadences = [c for c in args.cadences.split(",") if c]
+    workloads = [w for w in args.workloads.split(",") if w]
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s]
     except ValueError:
@@ -166,7 +212,17 @@ def cmd_campaign(args) -> int:
         _check_trace(t)
     for p in policies:
         _check_policy(p)
-    cells = run_campaign(_config(args, traces_[0], policies[0]), traces_, policies, seeds)
+    if not traces_ or not policies or not seeds or not cadences or not workloads:
+        raise CliError("--traces, --policies, --cadences, --workloads and --seeds each need at least one value", 2)
+    if bad := [c for c in cadences if c not in ("fixed", "adaptive")]:
+        raise CliError(f"unknown cadence {bad[0]!r} (fixed, adaptive)", 2)
+    if bad := [w for w in workloads if w not in WORKLOADS]:
+        raise CliError(f"unknown workload {bad[0]!r} ({', '.join(WORKLOADS)})", 2)
+    if args.jobs < 1:
+        raise CliError("--jobs must be at least 1", 2)
+    cells = run_campaign(_config(args, traces_[0], policies[0]), traces_, policies, seeds, workloads=workloads,
+                         cadences=cadences, jobs=args.jobs, max_new_tokens=args.max_new_tokens,
+                         say=lambda line: print(line, flush=True))
     print(f"report: {os.path.join(args.out, 'report.md')}")
     return 0 if all(c.report.all_correct for c in cells if any(r.completed for r in c.report.requests)) else 1
 

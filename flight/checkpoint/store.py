@@ -356,11 +356,14 @@ class CheckpointStore:
         fr.decode_log_end = pos
 
     def read_vision_state(self, fr: Frontier) -> Record | None:
-        """The newest valid vision state, falling back to the other buffer."""
+        """The newest valid vision state (the one the scan found), falling back to the other
+        buffer only if it fails its checks: one state read in the normal case, not two."""
         candidates = []
+        if fr.vision_state_path:
+            candidates.append(fr.vision_state_path)
         for slot in ("A", "B"):
             p = self.path(f"vision.{slot}")
-            if self.fs.exists(p):
+            if p not in candidates and self.fs.exists(p):
                 candidates.append(p)
         records = []
         for p in candidates:
@@ -368,9 +371,10 @@ class CheckpointStore:
                 records.append(self.read_full(p, Kind.VISION_STATE))
             except RecordError as exc:
                 self.quarantine(p, exc.reason)
-        if not records:
-            return None
-        return max(records, key=lambda r: r.meta["block"])
+                continue
+            if fr.vision_state_path:
+                break  # newest first: the first that checks out is the one
+        return max(records, key=lambda r: r.meta["block"]) if records else None
 
     def read_vision_out(self) -> Record | None:
         p = self.path("vision.out")

@@ -141,3 +141,39 @@ def build_inputs(tokenizer, image_processor, images: list, prompt: str, image_to
     input_ids = torch.tensor([expanded], dtype=torch.int64)
     mm = (input_ids == image_token_id).to(torch.int32)
     return RequestInputs(input_ids, mm, pixel_values, grid, prompt)
+
+
+def save_inputs(fs, path: str, inputs: RequestInputs, key: dict) -> int:
+    """Persist preprocessed inputs (record kind TASK_INPUTS, docs/record-format.md) with the
+    `key` they were built under (task, model and processor hashes). Atomic and durable."""
+    from common.record import Kind, encode
+
+    meta = {"prompt": inputs.prompt, "digest": inputs.digest(), **key}
+    tensors = {"input_ids": inputs.input_ids, "mm_token_type_ids": inputs.mm_token_type_ids,
+               "pixel_values": inputs.pixel_values, "image_grid_thw": inputs.image_grid_thw}
+    return fs.write_atomic(path, encode(Kind.TASK_INPUTS, meta, tensors).chunks)
+
+
+def load_inputs(fs, path: str, key: dict) -> tuple[RequestInputs | None, str | None]:
+    """Stored inputs if present, intact and built under `key`; else (None, why not) -- the
+    caller rebuilds them (a damaged record is never used)."""
+    from common.record import Kind, RecordError, decode
+
+    if not fs.exists(path):
+        return None, None
+    try:
+        rec, _ = decode(fs.read(path), expect_kind=Kind.TASK_INPUTS)
+    except (RecordError, OSError) as exc:
+        return None, getattr(exc, "reason", type(exc).__name__)
+    if any(rec.meta.get(k) != v for k, v in key.items()):
+        return None, "built_with_other_model_or_task"
+    t = rec.tensors
+    try:
+        inputs = RequestInputs(t["input_ids"], t["mm_token_type_ids"], t["pixel_values"], t["image_grid_thw"],
+                               rec.meta["prompt"])
+    except KeyError:
+        return None, "bad_meta"
+    if inputs.digest() != rec.meta.get("digest"):
+        return None, "digest_mismatch"
+    return inputs, None
+

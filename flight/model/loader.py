@@ -15,35 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .adapters import ADAPTERS, SUPPORTED, Adapter
+from .adapters import ADAPTERS, Adapter
+from .config import MODEL_CLASSES as _MODEL_CLASSES, ModelError, read_model_type  # noqa: F401  (re-exported)
 from .weights import WeightStore, weight_files
-
-
-class ModelError(ValueError):
-    """The model directory cannot be used (missing, wrong architecture, incomplete). One line."""
-
-
-_MODEL_CLASSES = {
-    "qwen3_vl": "Qwen3VLForConditionalGeneration",
-    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-}
-
-
-def read_model_type(model_dir: str) -> str:
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.isdir(model_dir):
-        raise ModelError(f"model directory not found: {model_dir}")
-    if not os.path.isfile(path):
-        raise ModelError(f"not a model directory (no config.json): {model_dir}")
-    try:
-        with open(path) as f:
-            model_type = json.load(f).get("model_type")
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelError(f"unreadable config.json in {model_dir}: {exc}") from None
-    if model_type not in ADAPTERS:
-        raise ModelError(f"{model_dir} holds a {model_type!r} model; supported architectures: "
-                         f"{', '.join(SUPPORTED)}")
-    return model_type
 
 
 def _hash_cache_path() -> str:
@@ -90,6 +64,45 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+class Processors:
+    """A model directory's tokenizer and image processor, loaded on first use (thread-safe): a
+    resumed task whose inputs are stored (flight/model/inputs.py) needs neither before its last
+    step, so the onboard process does not load them -- nor import their code -- on its way to
+    the first unit of work."""
+
+    def __init__(self, model_dir: str):
+        self.model_dir = model_dir
+        self._lock = threading.Lock()
+        self._tokenizer = None
+        self._image_processor = None
+
+    def tokenizer(self):
+        with self._lock:
+            if self._tokenizer is None:
+                from transformers import AutoTokenizer
+
+                try:
+                    self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+                except Exception as exc:  # tokenizers raise many types; the user needs the one line
+                    raise ModelError(f"cannot load the tokenizer from {self.model_dir}: {exc}") from None
+            return self._tokenizer
+
+    def image_processor(self):
+        with self._lock:
+            if self._image_processor is None:
+                from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+                try:
+                    self._image_processor = Qwen2VLImageProcessorPil.from_pretrained(self.model_dir)
+                except Exception as exc:
+                    raise ModelError(f"cannot load the image-processor config from {self.model_dir}: {exc}") from None
+            return self._image_processor
+
+    def load_all(self) -> None:
+        self.tokenizer()
+        self.image_processor()
+
+
 @dataclass
 class LoadedModel:
     model_dir: str
@@ -98,13 +111,20 @@ class LoadedModel:
     model: torch.nn.Module
     adapter: Adapter
     weights: WeightStore
-    tokenizer: object
-    image_processor: object
+    processors: Processors
     dtype: torch.dtype
     device: torch.device
     attn_implementation: str
     content_hash: str
     eos_token_ids: tuple[int, ...]
+
+    @property
+    def tokenizer(self):
+        return self.processors.tokenizer()
+
+    @property
+    def image_processor(self):
+        return self.processors.image_processor()
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -125,11 +145,27 @@ def resolve_dtype(config, dtype: str | None) -> torch.dtype:
     return torch.float32
 
 
-def load_model(model_dir: str, device: torch.device | str | None = None, dtype: str | None = None,
-               attn_implementation: str = "sdpa", read_hook=None) -> LoadedModel:
+def import_model_classes() -> None:
+    """Import everything `load_model` resolves lazily (transformers' model, configuration,
+    tokenizer and image-processor classes of every supported architecture), without reading any
+    model directory: the payload's boot image (flight/runtime/preload.py)."""
     import transformers
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast  # noqa: F401
+    from transformers.models.auto import tokenization_auto  # noqa: F401
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil  # noqa: F401
+
+    for model_type, class_name in _MODEL_CLASSES.items():
+        getattr(transformers, class_name)
+        transformers.models.auto.configuration_auto.CONFIG_MAPPING[model_type]
+
+
+def load_model(model_dir: str, device: torch.device | str | None = None, dtype: str | None = None,
+               attn_implementation: str = "sdpa", read_hook=None, lazy_processors: bool = False) -> LoadedModel:
+    """Open a model directory: configuration, the model skeleton on the meta device, its weight
+    store (weights are read per module on demand). The tokenizer and image processor are loaded
+    now, or on first use with `lazy_processors` (the onboard process)."""
+    import transformers
+    from transformers import AutoConfig, GenerationConfig
 
     model_type = read_model_type(model_dir)
     device = torch.device(device) if device is not None else default_device()
@@ -150,14 +186,9 @@ def load_model(model_dir: str, device: torch.device | str | None = None, dtype: 
     missing = weights.missing_keys()
     if missing:
         raise ModelError(f"{model_dir} is missing {len(missing)} weights, e.g. {missing[0]}")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    except Exception as exc:  # tokenizers raise many types; the user needs the one line
-        raise ModelError(f"cannot load the tokenizer from {model_dir}: {exc}") from None
-    try:
-        image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
-    except Exception as exc:
-        raise ModelError(f"cannot load the image-processor config from {model_dir}: {exc}") from None
+    processors = Processors(model_dir)
+    if not lazy_processors:
+        processors.load_all()
     eos: tuple[int, ...] = ()
     try:
         gen = GenerationConfig.from_pretrained(model_dir)
@@ -167,6 +198,6 @@ def load_model(model_dir: str, device: torch.device | str | None = None, dtype: 
         pass
     adapter = ADAPTERS[model_type](model, config)
     return LoadedModel(model_dir=os.path.abspath(model_dir), model_type=model_type, config=config, model=model,
-                       adapter=adapter, weights=weights, tokenizer=tokenizer, image_processor=image_processor,
+                       adapter=adapter, weights=weights, processors=processors,
                        dtype=torch_dtype, device=device, attn_implementation=attn_implementation,
                        content_hash=content_hash(model_dir), eos_token_ids=eos)

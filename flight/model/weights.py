@@ -9,8 +9,6 @@ prefetcher has not got there yet. Either way the tensors are the file's bytes, c
 """
 from __future__ import annotations
 
-import json
-import os
 import re
 import threading
 import time
@@ -21,6 +19,8 @@ from safetensors import safe_open
 from torch import nn
 
 from common.record import crc32c, tensor_bytes
+
+from .config import weight_files  # noqa: F401  (re-exported)
 
 # Checkpoints written by older transformers releases keep the language model at `model.` and the
 # vision tower at `visual.`; current classes nest both under `model.`.
@@ -35,18 +35,6 @@ def normalize_key(key: str) -> str:
         if pattern.match(key):
             return pattern.sub(repl, key, count=1)
     return key
-
-
-def weight_files(model_dir: str) -> list[str]:
-    index = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(model_dir, name) for name in files]
-    single = os.path.join(model_dir, "model.safetensors")
-    if os.path.exists(single):
-        return [single]
-    return sorted(os.path.join(model_dir, n) for n in os.listdir(model_dir) if n.endswith(".safetensors"))
 
 
 @dataclass

@@ -94,7 +94,8 @@ class PersistentState:
 class FlightApp(CommandHandlers):
     def __init__(self, data_dir: str, model_dir: str, keys_dir: str, endpoint: str, engine_options,
                  device: str | None = None, dtype: str | None = None, fs: DurableFS | None = None,
-                 weight_read_hook=None, results_budget_bytes: int | None = None, compact_after: int | None = None):
+                 weight_read_hook=None, results_budget_bytes: int | None = None, compact_after: int | None = None,
+                 cadence=None):
         self.fs = fs or DurableFS()
         self.data_dir = os.path.abspath(data_dir)
         self.model_dir = model_dir
@@ -124,6 +125,14 @@ class FlightApp(CommandHandlers):
                              on_event=self._health_event, log=self.log)
         self._name_orphaned_tasks()
         self._deferred_reports: set[str] = set()
+        self._engine_lock = threading.Lock()
+        # Checkpoint cadence: fed with warnings, bus telemetry and the windows lived through
+        # (flight/checkpoint/cadence.py); shared by every task of this boot.
+        from flight.checkpoint.cadence import Cadence, WindowLog
+
+        self.cadence = cadence or Cadence(getattr(engine_options, "cadence", "fixed"))
+        self.cadence.started = self.started  # uptime counts from here, as the window log's does
+        self.windows = WindowLog(os.path.join(self.data_dir, "state"), started=self.started)
         self.handlers = self._handler_table()
 
     # ---- outbound ------------------------------------------------------------------------------
@@ -264,6 +273,10 @@ class FlightApp(CommandHandlers):
         if not message.is_command():
             if isinstance(message, (m.ShutdownWarning, m.PowerStateChange)):
                 self.handlers[message.TYPE](header, message)
+            elif isinstance(message, m.ThermalReport):
+                self.cadence.thermal(message.trace_time_s, message.payload_temp_c)
+            elif isinstance(message, m.PowerReport):
+                self.cadence.power(message.trace_time_s, message.battery_soc)
             return
         request = header.request
         try:
@@ -330,8 +343,12 @@ class FlightApp(CommandHandlers):
     def _load_engine(self):
         """The model, loaded once; a load that raises is retried (an event each time), one that
         kills the process is counted like any other item (`engine:load`)."""
+        import torch  # the engine's libraries load here, behind a link that is already up (run())
+
         from flight.model.loader import load_model
 
+        if getattr(self.options, "threads", None):
+            torch.set_num_threads(self.options.threads)  # before any tensor op: pinned per request
         while not self.stop.is_set():
             if self.health.is_quarantined(ENGINE_ITEM):
                 self.stop.wait(ENGINE_RETRY_S)  # safe mode: commands only, until the ground releases it
@@ -339,7 +356,7 @@ class FlightApp(CommandHandlers):
             try:
                 with self.health.handling(ENGINE_ITEM, WORKER):
                     return load_model(self.model_dir, device=self.device, dtype=self.dtype,
-                                      read_hook=self.weight_read_hook)
+                                      read_hook=self.weight_read_hook, lazy_processors=True)
             except Exception as exc:  # noqa: BLE001
                 self._fault(EventId.WORKER_FAULT, "engine load failed", exc, ENGINE_ITEM)
                 self.stop.wait(ENGINE_RETRY_S)
@@ -381,12 +398,14 @@ class FlightApp(CommandHandlers):
 
     def _run_task(self, model, task) -> None:
         from flight.engine import Engine
-        from flight.model.inputs import InputError, build_inputs, decode_image
+        from flight.model.inputs import InputError
 
         item = task_item(task.task_id)
         with self.health.handling(item, WORKER):
-            contents = self._task_images(task)
-            if contents is None:
+            inputs = self._stored_inputs(task, model)
+            # Images are read (and re-verified) only when the inputs must be built from them.
+            contents = self._task_images(task) if inputs is None else None
+            if inputs is None and contents is None:
                 return
             resumed = task.state == RUNNING
             self.queue.start(task.task_id)
@@ -398,15 +417,14 @@ class FlightApp(CommandHandlers):
                        f"task {task.task_id} {'resumed after ' + str(task.interruptions) + ' cut(s)' if resumed else 'started'}",
                        task.task_id)
             try:
-                images = [decode_image(content, name, model.image_processor) for name, content in zip(task.images, contents)]
-                del contents
-                inputs = build_inputs(model.tokenizer, model.image_processor, images, task.prompt,
-                                      model.adapter.image_token_id)
-                del images
-                engine = Engine(model, self.options, fs=self.fs, events=self._engine_events(task, request))
+                if inputs is None:
+                    inputs = self._build_inputs(task, model, contents)
+                    del contents
+                engine = Engine(model, self.options, fs=self.fs, events=self._engine_events(task, request),
+                                cadence=self.cadence)
                 self.engine = engine
                 t0 = time.monotonic()
-                result = engine.run(inputs, self._task_dir(task.task_id), task.max_new_tokens)
+                result = engine.run(inputs, os.path.join(self._task_dir(task.task_id), "ckpt"), task.max_new_tokens)
             except TaskCancelled:
                 self.cancel_requested.discard(task.task_id)
                 self._finish_cancel(task)
@@ -426,12 +444,47 @@ class FlightApp(CommandHandlers):
             self.queue.complete(task.task_id, {"token_ids": result.token_ids, "text": result.text,
                                                "logits_sha256": result.logits_sha256(), "timings": timings,
                                                "bytes_written": result.bytes_written})
-        shutil.rmtree(self._task_dir(task.task_id), ignore_errors=True)  # finished and durable: checkpoints go
+        shutil.rmtree(self._task_dir(task.task_id), ignore_errors=True)  # finished and durable: checkpoints and inputs go
         self.current.update(phase=TaskPhase.COMPLETED)
         self.event(EventId.TASK_COMPLETED, f"task {task.task_id} completed: {len(result.token_ids)} tokens, "
                                            f"{task.interruptions} cut(s) survived", task.task_id)
         self.send_final_report(self.queue.get(task.task_id))
         self.send(self.housekeeping())  # the queue changed: say so at once
+
+    def _inputs_path(self, task_id: str) -> str:
+        return os.path.join(self._task_dir(task_id), "inputs.rec")
+
+    def _inputs_key(self, task, model) -> dict:
+        from flight.model.config import processors_hash
+
+        return {"task": task.content_hash, "model": model.content_hash, "processors": processors_hash(model.model_dir)}
+
+    def _stored_inputs(self, task, model):
+        """The task's preprocessed inputs as stored at its first start (TASK_INPUTS,
+        docs/record-format.md), or None -- a resumed task needs no tokenizer, image processor or
+        PIL before its last step."""
+        from flight.model.inputs import load_inputs
+
+        inputs, why = load_inputs(self.fs, self._inputs_path(task.task_id), self._inputs_key(task, model))
+        if why is not None:
+            self.log.warning("task_inputs_rebuilt", task_id=task.task_id, reason=why)
+        return inputs
+
+    def _build_inputs(self, task, model, contents: list[bytes]):
+        """Tokenize and process the task's verified images once, and store the result."""
+        from flight.model.inputs import build_inputs, decode_image, save_inputs
+
+        images = [decode_image(content, name, model.image_processor) for name, content in zip(task.images, contents)]
+        inputs = build_inputs(model.tokenizer, model.image_processor, images, task.prompt, model.adapter.image_token_id)
+        del images
+        try:
+            self.fs.makedirs(self._task_dir(task.task_id))
+            save_inputs(self.fs, self._inputs_path(task.task_id), inputs, self._inputs_key(task, model))
+        except OSError as exc:  # a full disk costs the shortcut, not the task
+            if not is_disk_full(exc):
+                raise
+            self.log.warning("task_inputs_not_stored", task_id=task.task_id, reason=str(exc.strerror))
+        return inputs
 
     def _fail(self, task, request, code: ResponseCode, reason: str) -> None:
         self.queue.fail(task.task_id, code, reason)
@@ -483,6 +536,7 @@ class FlightApp(CommandHandlers):
         self.health.arm_crash_record()
         self.state.counters.boot_count += 1
         self.state.save()
+        self._start_window_log()
         ctx = zmq.Context.instance()
         sock = client_socket(ctx, zmq.DEALER, self.layout, "payload", self.endpoint)
         self.log.info("flight_booted", boot=self.state.counters.boot_count, endpoint=self.endpoint,
@@ -558,6 +612,15 @@ class FlightApp(CommandHandlers):
         received = recv_packet(sock, timeout_s=0.05)
         if received is not None:
             self.handle_packet(received.packet)
+
+    def _start_window_log(self) -> None:
+        """Log the window the last boot lived through and keep this one's length on disk."""
+        try:
+            self.cadence.set_windows(self.windows.open(self.state.counters.boot_count))
+        except OSError as exc:  # the history is advice: without it the cadence is the fixed one
+            self.log.warning("window_log_unavailable", error=str(exc))
+            return
+        threading.Thread(target=self.windows.keep_marking, args=(self.stop,), name="window-log", daemon=True).start()
 
     def _worker_guarded(self) -> None:
         """The worker catches everything itself; this is the last line, which keeps the process

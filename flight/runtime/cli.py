@@ -42,13 +42,23 @@ def register(sub) -> None:
 
 
 def cmd_run(args) -> int:
+    import glob
+
+    from flight.model.config import page_in, weight_files
+
+    # First, before any library import: have the kernel page in what the first unit of work
+    # reads (weights, the stored inputs of tasks), so that a cold boot's reads overlap the imports.
+    try:
+        page_in(weight_files(args.model) + glob.glob(os.path.join(args.data_dir, "tasks", "*", "inputs.rec")))
+    except OSError:
+        pass  # a bad model directory is reported below
     from common import log as owlog
     from common.cli import CliError
     from flight.cli import engine_options
 
     owlog.setup(args.log_level, component="flight")
     options = engine_options(args)
-    from flight.model.loader import ModelError, read_model_type
+    from flight.model.config import ModelError, read_model_type
 
     try:
         read_model_type(args.model)
@@ -56,19 +66,18 @@ def cmd_run(args) -> int:
         raise CliError(str(exc), EXIT_MODEL) from None
     if not os.path.exists(os.path.join(args.keys, "clients", "payload.key_secret")):
         raise CliError(f"no payload key in {args.keys} (run `ow ground keys init` and copy the keys)", EXIT_USAGE)
-    if options.threads:
-        import torch
-
-        torch.set_num_threads(options.threads)
+    # Nothing here imports torch: the link is up and answering before the engine's libraries
+    # load on the worker thread (which sets the thread count before any tensor op).
     from flight.runtime.app import FlightApp
 
-    from flight.cli import storage_for
+    from flight.cli import cadence_for, storage_for
 
     if args.results_budget_mb < 0 or args.compact_after < 1:
         raise CliError("--results-budget-mb must be >= 0 and --compact-after >= 1", EXIT_USAGE)
     fs, weight_hook = storage_for(args)
     app = FlightApp(args.data_dir, args.model, args.keys, args.payload_endpoint, options,
                     device=args.device, dtype=args.dtype, fs=fs, weight_read_hook=weight_hook,
-                    results_budget_bytes=int(args.results_budget_mb * 2**20), compact_after=args.compact_after)
+                    results_budget_bytes=int(args.results_budget_mb * 2**20), compact_after=args.compact_after,
+                    cadence=cadence_for(args))
     signal.signal(signal.SIGTERM, lambda *_: app.stop.set())
     return app.run()

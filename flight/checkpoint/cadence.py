@@ -1,0 +1,319 @@
+"""Checkpoint cadence: when to write a record beyond what the policy's fixed cadence asks.
+
+The paper fixes the cadence: a decode record every D steps, a vision state every k blocks. That
+is right when a window is long against D steps; in a short window the boot and the recovery
+leave fewer than D decode steps, and a decode phase that only ever writes every D steps makes no
+durable progress at all. The payload knows more than the cadence uses:
+
+* a **shutdown warning** from the bus says when the cut comes;
+* the bus's **telemetry** (payload temperature, battery state of charge) shows the trend towards
+  the thermal limit or the brown-out threshold that will end the window;
+* the **windows it has lived through** since launch (persisted, `WindowLog`) give the
+  distribution of window lengths, hence the chance that this window ends within the next
+  seconds given how long it has lasted.
+
+`Cadence("adaptive")` turns these into p, the probability that power goes before the next
+record the fixed cadence would write, and writes a record at this unit boundary when p is at
+least `P_MIN` and the work it saves in expectation (p x the work since the last record) is worth
+the time a record of that kind takes to write (measured). The fixed cadence stays an upper
+bound on the spacing of records: adaptive only ever adds records. Records written early hold
+exactly what the fixed ones hold (decode records cover every step since the last durable one),
+so the answer is bitwise the same. `Cadence("fixed")` is the paper's cadence (docs/engine.md).
+
+All times are the payload's own seconds (a warning's lead and the bus clock in telemetry run at
+the payload's wall speed, docs/bus.md §1), so nothing here knows about compressed time.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import os
+import struct
+import threading
+import time
+from collections import deque
+
+import crc32c
+
+CADENCES = ("fixed", "adaptive")
+#: least probability of a cut before the next scheduled record that makes an early record worth it
+P_MIN = 0.2
+#: windows of history used (the most recent): enough for a distribution, recent enough to follow
+#: a change of regime (season, attitude, another FDIR rate)
+HISTORY_WINDOWS = 256
+#: history windows needed before the empirical distribution is trusted
+MIN_WINDOWS = 3
+#: telemetry samples the trend is fitted over
+TREND_SAMPLES = 12
+#: defaults of the limits that end windows (the payload's interface to its bus): the paper's Sat-1
+#: enclosure limit (55 C, Sec. 2.2) and the brown-out threshold of the shipped power-bound traces
+DEFAULT_THERMAL_LIMIT_C = 55.0
+DEFAULT_SOC_CUTOFF = 0.40
+
+_ENTRY = struct.Struct("<IdI")  # boot count, seconds, crc32c of the first 12 bytes
+
+
+def _pack(boot: int, seconds: float) -> bytes:
+    head = struct.pack("<Id", boot & 0xFFFFFFFF, seconds)
+    return head + struct.pack("<I", crc32c.crc32c(head))
+
+
+def _unpack(raw: bytes) -> tuple[int, float] | None:
+    if len(raw) != _ENTRY.size:
+        return None
+    boot, seconds, crc = _ENTRY.unpack(raw)
+    if crc != crc32c.crc32c(raw[:12]) or not math.isfinite(seconds) or seconds < 0:
+        return None
+    return boot, seconds
+
+
+class WindowLog:
+    """The power windows this payload has lived through, on disk (docs/engine.md, "Cadence").
+
+    `state/alive` holds one entry, rewritten in place and synced every `period_s` while the
+    process runs: (boot, seconds since the process started). At the next start that entry is
+    the length of the window that ended (to within one period) and is appended to
+    `state/windows.log` (16-byte entries with their own CRC32C; a damaged entry is skipped and
+    counted, never a reason to drop the ones behind it)."""
+
+    def __init__(self, state_dir: str, clock=time.monotonic, started: float | None = None):
+        self.dir = state_dir
+        os.makedirs(state_dir, exist_ok=True)
+        self.alive_path = os.path.join(state_dir, "alive")
+        self.log_path = os.path.join(state_dir, "windows.log")
+        self.clock = clock
+        self.started = clock() if started is None else started
+        self.boot = 0
+        self.bytes_dropped = 0
+        self.lengths: list[float] = []
+        self._fd: int | None = None
+
+    def open(self, boot: int) -> list[float]:
+        """Log the window the previous process lived through; start this one's marker. Returns
+        the window lengths (oldest first, at most HISTORY_WINDOWS)."""
+        self.boot = boot
+        entries = self._read_log()
+        previous = None
+        try:
+            with open(self.alive_path, "rb") as f:
+                previous = _unpack(f.read(_ENTRY.size))
+        except OSError:
+            pass
+        if previous is not None and previous[0] != boot and (not entries or entries[-1][0] != previous[0]):
+            self._append(previous)
+            entries.append(previous)
+        if len(entries) > 16 * HISTORY_WINDOWS:
+            self._compact(entries[-HISTORY_WINDOWS:])
+        self.lengths = [seconds for _, seconds in entries[-HISTORY_WINDOWS:]]
+        self._fd = os.open(self.alive_path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.mark()
+        return list(self.lengths)
+
+    def _read_log(self) -> list[tuple[int, float]]:
+        try:
+            with open(self.log_path, "rb") as f:
+                raw = f.read()
+        except OSError:
+            return []
+        entries = []
+        whole = len(raw) - len(raw) % _ENTRY.size
+        for offset in range(0, whole, _ENTRY.size):
+            entry = _unpack(raw[offset:offset + _ENTRY.size])
+            if entry is None:
+                self.bytes_dropped += _ENTRY.size
+            else:
+                entries.append(entry)
+        self.bytes_dropped += len(raw) - whole  # a torn last entry
+        return entries
+
+    def _append(self, entry: tuple[int, float]) -> None:
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            if size % _ENTRY.size:  # a torn entry at the end: realign so the next ones parse
+                os.ftruncate(fd, size - size % _ENTRY.size)
+            os.write(fd, _pack(*entry))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _compact(self, keep: list[tuple[int, float]]) -> None:
+        tmp = self.log_path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(b"".join(_pack(*e) for e in keep))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.log_path)
+        dir_fd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def uptime(self) -> float:
+        return self.clock() - self.started
+
+    def mark(self) -> None:
+        """Make `uptime()` durable as this window's length so far."""
+        if self._fd is not None:
+            os.pwrite(self._fd, _pack(self.boot, self.uptime()), 0)
+            os.fdatasync(self._fd)
+
+    def period_s(self) -> float:
+        """How often to mark: a twentieth of the median window (lengths known to ~5 %, enough
+        for a distribution), between 0.1 s and 2 s: on a Jetson with 30 s windows, one 4 KiB
+        page every 1.5 s."""
+        if len(self.lengths) < MIN_WINDOWS:
+            return 0.25
+        return min(2.0, max(0.1, _median(self.lengths) / 20.0))
+
+    def keep_marking(self, stop: threading.Event) -> None:
+        """Thread body: mark until `stop` is set (or power goes)."""
+        while not stop.wait(self.period_s()):
+            try:
+                self.mark()
+            except OSError:
+                return  # a full or failing disk must not take the payload with it
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    return ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
+
+
+class _Trend:
+    """Least-squares slope of the last TREND_SAMPLES (time, value) samples."""
+
+    def __init__(self):
+        self.samples: deque[tuple[float, float]] = deque(maxlen=TREND_SAMPLES)
+
+    def add(self, t: float, value: float) -> None:
+        if self.samples and t <= self.samples[-1][0]:
+            if t < self.samples[-1][0] - 1.0:  # the bus clock went back (a restarted bus): start over
+                self.samples.clear()
+            else:
+                return
+        self.samples.append((t, value))
+
+    def time_to(self, limit: float, rising: bool) -> float:
+        """Seconds until the fitted line reaches `limit` from the newest sample (inf if it never
+        does, or with fewer than 3 samples)."""
+        if len(self.samples) < 3:
+            return math.inf
+        ts = [t for t, _ in self.samples]
+        vs = [v for _, v in self.samples]
+        tm, vm = sum(ts) / len(ts), sum(vs) / len(vs)
+        var = sum((t - tm) ** 2 for t in ts)
+        if var <= 0:
+            return math.inf
+        slope = sum((t - tm) * (v - vm) for t, v in zip(ts, vs)) / var
+        now_value = vm + slope * (ts[-1] - tm)
+        gap = (limit - now_value) if rising else (now_value - limit)
+        rate = slope if rising else -slope
+        if gap <= 0:
+            return 0.0
+        return gap / rate if rate > 0 else math.inf
+
+
+class Cadence:
+    """Decides early records. Thread-safe: the link thread feeds warnings and telemetry, the
+    engine thread asks. One per payload process, shared by the tasks it runs."""
+
+    def __init__(self, mode: str = "fixed", windows: list[float] | None = None, *, clock=time.monotonic,
+                 started: float | None = None, thermal_limit_c: float = DEFAULT_THERMAL_LIMIT_C,
+                 soc_cutoff: float = DEFAULT_SOC_CUTOFF):
+        if mode not in CADENCES:
+            raise ValueError(f"unknown cadence {mode!r}; choose from {', '.join(CADENCES)}")
+        self.mode = mode
+        self.clock = clock
+        self.started = clock() if started is None else started
+        self.windows = sorted(windows or [])
+        self.thermal_limit_c = thermal_limit_c
+        self.soc_cutoff = soc_cutoff
+        self.cut_at: float | None = None  # when a warned cut comes (payload clock)
+        self.temperature = _Trend()
+        self.battery = _Trend()
+        self.unit_s: dict[str, float] = {}
+        self.write_s: dict[str, float] = {}
+        self.early_records = 0
+        self._lock = threading.Lock()
+
+    # ---- what the payload learns -----------------------------------------------------------------
+    def warning(self, lead_s: float) -> None:
+        with self._lock:
+            at = self.clock() + max(0.0, lead_s)
+            self.cut_at = at if self.cut_at is None else min(self.cut_at, at)
+
+    def thermal(self, bus_clock_s: float, payload_temp_c: float) -> None:
+        with self._lock:
+            self.temperature.add(bus_clock_s, payload_temp_c)
+
+    def power(self, bus_clock_s: float, battery_soc: float) -> None:
+        with self._lock:
+            self.battery.add(bus_clock_s, battery_soc)
+
+    def set_windows(self, windows: list[float]) -> None:
+        with self._lock:
+            self.windows = sorted(windows)
+
+    def observe_unit(self, phase: str, seconds: float) -> None:
+        self._observe(self.unit_s, phase, seconds)
+
+    def observe_write(self, phase: str, seconds: float) -> None:
+        self._observe(self.write_s, phase, seconds)
+
+    def _observe(self, table: dict, key: str, seconds: float) -> None:
+        with self._lock:
+            old = table.get(key)
+            table[key] = seconds if old is None else 0.7 * old + 0.3 * seconds
+
+    # ---- the estimate ------------------------------------------------------------------------------
+    def cut_probability(self, horizon_s: float) -> float:
+        """Probability that power goes within `horizon_s` from now."""
+        now = self.clock()
+        with self._lock:
+            if self.cut_at is not None and self.cut_at <= now + horizon_s:
+                return 1.0
+            if min(self.temperature.time_to(self.thermal_limit_c, rising=True),
+                   self.battery.time_to(self.soc_cutoff, rising=False)) <= horizon_s:
+                return 1.0
+            return self._history_probability(now - self.started, horizon_s)
+
+    def _history_probability(self, up_s: float, horizon_s: float) -> float:
+        n = len(self.windows)
+        if n < MIN_WINDOWS:
+            return 0.0
+        alive = n - bisect.bisect_right(self.windows, up_s)
+        if alive >= MIN_WINDOWS:
+            survive = n - bisect.bisect_right(self.windows, up_s + horizon_s)
+            return 1.0 - survive / alive
+        # This window has outlived (nearly) all those seen: no distribution left to condition on,
+        # so assume cuts at the mean rate from here on (memoryless).
+        return 1.0 - math.exp(-horizon_s / max(1e-9, sum(self.windows) / n))
+
+    # ---- the decision --------------------------------------------------------------------------------
+    def early_record(self, phase: str, since: int, every: int) -> bool:
+        """Write a record of `phase` now, `since` units after the last one, although the fixed
+        cadence would wait until `every`?"""
+        if self.mode != "adaptive" or since <= 0 or since >= every:
+            return False
+        unit = self.unit_s.get(phase)
+        if unit is None:
+            return False
+        p = self.cut_probability((every - since) * unit)
+        if p < P_MIN or p * since * unit < self.write_s.get(phase, 0.0):
+            return False
+        self.early_records += 1
+        return True
+
+    def describe(self) -> dict:
+        with self._lock:
+            return {"mode": self.mode, "windows": len(self.windows),
+                    "median_window_s": _median(self.windows) if self.windows else None,
+                    "warned": self.cut_at is not None, "early_records": self.early_records}

@@ -1,0 +1,87 @@
+"""What a model directory is, without loading it: importable without torch or transformers (the
+onboard process checks its model directory before anything heavy is imported)."""
+from __future__ import annotations
+
+import json
+import os
+
+#: architectures the engine drives (flight/model/adapters.py has one adapter per entry)
+MODEL_CLASSES = {
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+}
+
+
+class ModelError(ValueError):
+    """The model directory cannot be used (missing, wrong architecture, incomplete). One line."""
+
+
+def read_model_type(model_dir: str) -> str:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isdir(model_dir):
+        raise ModelError(f"model directory not found: {model_dir}")
+    if not os.path.isfile(path):
+        raise ModelError(f"not a model directory (no config.json): {model_dir}")
+    try:
+        with open(path) as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelError(f"unreadable config.json in {model_dir}: {exc}") from None
+    if model_type not in MODEL_CLASSES:
+        raise ModelError(f"{model_dir} holds a {model_type!r} model; supported architectures: "
+                         f"{', '.join(sorted(MODEL_CLASSES))}")
+    return model_type
+
+
+def weight_files(model_dir: str) -> list[str]:
+    """The safetensors files of a model directory (sharded with an index, or single)."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_dir, name) for name in files]
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    return sorted(os.path.join(model_dir, n) for n in os.listdir(model_dir) if n.endswith(".safetensors"))
+
+
+#: files that decide how a prompt and images become input ids and pixel values
+PROCESSOR_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "added_tokens.json", "chat_template.json", "chat_template.jinja", "preprocessor_config.json")
+
+
+def processors_hash(model_dir: str) -> str:
+    """sha256 over the tokenizer and image-processor files: stored inputs built with other ones
+    are rebuilt."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in PROCESSOR_FILES:
+        path = os.path.join(model_dir, name)
+        if os.path.isfile(path):
+            h.update(name.encode() + b"\0")
+            with open(path, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()
+
+
+def page_in(paths: list[str]) -> int:
+    """Ask the kernel to read these files into the page cache in the background (no thread of
+    ours waits): a cold boot's weight reads then overlap the interpreter's imports. Returns the
+    bytes asked for."""
+    total = 0
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            size = os.fstat(fd).st_size
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
+            total += size
+        finally:
+            os.close(fd)
+    return total
+

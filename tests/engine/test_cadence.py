@@ -1,0 +1,227 @@
+"""Adaptive checkpoint cadence: the estimate (history, warnings, telemetry trends), the window log
+that survives SIGKILL, and the engine still bitwise when records land at irregular points."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from flight.checkpoint.cadence import P_MIN, Cadence, WindowLog
+from flight.checkpoint.policies import Geometry
+from flight.engine import Engine, EngineOptions, SimulatedCut
+from flight.model.loader import load_model
+
+from testkit import MAX_NEW, CutAfter, engine, inputs_for
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_fixed_cadence_never_writes_early():
+    clock = Clock()
+    cadence = Cadence("fixed", [1.0, 1.0, 1.0, 1.0], clock=clock)
+    cadence.observe_unit("decode", 0.5)
+    cadence.warning(0.0)
+    assert not cadence.early_record("decode", 1, 16)
+
+
+def test_history_gives_the_chance_of_a_cut_given_the_time_already_up():
+    clock = Clock()
+    cadence = Cadence("adaptive", [2.0, 3.0, 4.0, 10.0, 11.0, 12.0, 13.0, 14.0], clock=clock)
+    cadence.observe_unit("decode", 0.5)
+    # up 1.5 s: within the next 1.5 s, 2 of the 8 windows seen would end
+    clock.t = 1.5
+    assert cadence.cut_probability(1.5) == pytest.approx(2 / 8)
+    # up 5 s: only the five long windows are left, none ends within 4 s
+    clock.t = 5.0
+    assert cadence.cut_probability(4.0) == 0.0
+    assert not cadence.early_record("decode", 2, 10)  # horizon 4 s: no record before its time
+    # up 11.5 s: two of the three windows still alive end within 1.5 s
+    clock.t = 11.5
+    assert cadence.cut_probability(1.5) == pytest.approx(2 / 3)
+    assert cadence.early_record("decode", 2, 5)
+    assert not cadence.early_record("decode", 0, 5)  # nothing new since the last record
+    assert not cadence.early_record("decode", 5, 5)  # the fixed cadence writes this one
+    # outlived (nearly) every window: memoryless from the mean
+    clock.t = 13.5
+    assert 0 < cadence.cut_probability(1.0) < 1
+
+
+def test_an_early_record_must_be_worth_its_write():
+    clock = Clock()
+    cadence = Cadence("adaptive", [1.0] * 5, clock=clock)
+    cadence.observe_unit("vision", 0.1)
+    cadence.observe_write("vision", 5.0)  # a vision state takes far longer to write than the work it saves
+    clock.t = 0.8
+    assert cadence.cut_probability(0.3) >= P_MIN  # the next vision state, 3 blocks of 0.1 s away
+    assert not cadence.early_record("vision", 1, 4)
+    cadence.observe_unit("decode", 0.1)
+    assert cadence.early_record("decode", 1, 4)  # decode records are cheap
+
+
+def test_warning_and_telemetry_trends_announce_the_cut():
+    clock = Clock()
+    cadence = Cadence("adaptive", clock=clock, thermal_limit_c=55.0, soc_cutoff=0.4)
+    cadence.observe_unit("decode", 1.0)
+    assert cadence.cut_probability(10.0) == 0.0  # no history, no warning, no trend
+    # temperature rising 0.5 C/s, now 52.5 C: the 55 C limit is 5 s away
+    for k in range(6):
+        cadence.thermal(100.0 + k, 50.0 + 0.5 * k)
+    assert cadence.cut_probability(4.0) < 1.0 and cadence.cut_probability(6.0) == 1.0
+    assert cadence.early_record("decode", 1, 9)  # next fixed record in 8 s, after the predicted cut
+    cooling = Cadence("adaptive", clock=clock)
+    for k in range(6):
+        cooling.thermal(float(k), 54.0 - k)
+        cooling.power(float(k), 0.9)
+    assert cooling.cut_probability(100.0) == 0.0
+    draining = Cadence("adaptive", clock=clock, soc_cutoff=0.4)
+    for k in range(6):
+        draining.power(float(k), 0.45 - 0.01 * k)  # 0.40 reached at t = 5
+    assert draining.cut_probability(0.5) == 1.0
+    warned = Cadence("adaptive", clock=clock)
+    warned.warning(3.0)
+    assert warned.cut_probability(2.0) == 0.0 and warned.cut_probability(3.0) == 1.0
+
+
+def test_window_log_survives_sigkill_and_skips_damaged_entries(tmp_path):
+    state = tmp_path / "state"
+    program = textwrap.dedent(f"""
+        import sys, time
+        from flight.checkpoint.cadence import WindowLog
+        log = WindowLog({str(state)!r})
+        log.open(int(sys.argv[1]))
+        log.mark()
+        print("up", flush=True)
+        time.sleep(0.3)
+        log.mark()
+        print("marked", flush=True)
+        time.sleep(600)
+    """)
+    for boot in (1, 2, 3):
+        proc = subprocess.Popen([sys.executable, "-c", program, str(boot)], stdout=subprocess.PIPE, text=True,
+                                cwd=os.getcwd(), env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        assert proc.stdout.readline().strip() == "up"
+        assert proc.stdout.readline().strip() == "marked"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    log = WindowLog(str(state))
+    lengths = log.open(4)
+    assert len(lengths) == 3 and all(0.3 <= x < 60 for x in lengths)  # each killed after its second mark
+    log.close()
+    raw = bytearray((state / "windows.log").read_bytes())
+    raw[3] ^= 0xFF  # damage the first entry, tear the end
+    (state / "windows.log").write_bytes(bytes(raw) + b"\x01\x02")
+    again = WindowLog(str(state))
+    lengths = again.open(5)
+    # boots 2 and 3 kept, boot 4's (closed at once) added; the damaged entry and the torn tail skipped
+    assert len(lengths) == 3 and lengths[-1] < 0.3 and again.bytes_dropped == 16 + 2
+    again.close()
+
+
+# ---- the engine with an adaptive cadence, stopped everywhere it matters -------------------------------
+
+GEOMETRY = Geometry(chunk=16, group=2, decode_every=4, vision_every=2)
+
+
+class UnitClock(Cadence):
+    """An adaptive cadence whose clock advances one second per unit of work: its decisions are
+    the same in every run, whatever this machine's speed."""
+
+    def __init__(self, windows):
+        self.now = Clock()
+        super().__init__("adaptive", windows, clock=self.now)
+
+    def observe_unit(self, phase, seconds):
+        self.now.t += 1.0
+        super().observe_unit(phase, 1.0)
+
+    def observe_write(self, phase, seconds):
+        pass
+
+
+# Windows of the past, in units of vision and decode work (the clock below counts those): many
+# end during the vision blocks (units 1-4), some early in decode (units 5 on), a few last long.
+HISTORY = [2.0, 2.5, 3.0, 3.5, 4.0, 6.5, 7.0, 7.5, 40.0, 41.0, 42.0]
+
+
+def _adaptive(model, events=None, after_commit=None):
+    cadence = UnitClock(HISTORY)
+    options = EngineOptions(geometry=GEOMETRY, async_writes=False, cadence="adaptive")
+    return Engine(model, options, events=events, after_commit=after_commit, cadence=cadence), cadence
+
+
+def test_adaptive_cadence_is_bitwise_under_exhaustive_stops(model_dirs, tmp_path):
+    model_dir = model_dirs["qwen3-vl"]
+    model = load_model(model_dir, device="cpu")
+    inputs = inputs_for(model)
+    fixed_commits = CutAfter(10**9)
+    engine(model, GEOMETRY, after_commit=fixed_commits.commit).run(inputs, str(tmp_path / "fixed"), MAX_NEW)
+    units, commits, written = CutAfter(10**9), CutAfter(10**9), []
+
+    def commit(what, nbytes):
+        written.append(what)
+        commits.commit(what, nbytes)
+
+    eng, cadence = _adaptive(model, events=units.event, after_commit=commit)
+    ref = eng.run(inputs, str(tmp_path / "ref"), MAX_NEW)
+    # early records in both phases with a cadence (fixed: vision.state[2], decode every 4 steps)
+    decode = [w for w in written if w.startswith("decode")]
+    assert "vision.state[3]" in written and decode[0] != "decode[..4]", written
+    assert cadence.early_records >= 2 and commits.seen > fixed_commits.seen
+    # Stop after every vision block and decode step, and after every record that is not a
+    # prefill block (prefill has no cadence to adapt: every block is persisted).
+    stops = [("event", n) for n in range(1, units.seen + 1)]
+    stops += [("commit", n) for n in range(1, commits.seen + 1)]
+    prefill_units = set(range(5, 5 + 8))  # after the 4 vision blocks, 2 groups x 4 chunks
+    phases = set()
+    for hook, n in stops:
+        if hook == "event" and n in prefill_units:
+            continue
+        cut = CutAfter(n)
+        eng, _ = _adaptive(load_model(model_dir, device="cpu"),
+                           **({"events": cut.event} if hook == "event" else {"after_commit": cut.commit}))
+        ckpt = tmp_path / f"{hook}-{n}"
+        with pytest.raises(SimulatedCut):
+            eng.run(inputs, str(ckpt), MAX_NEW)
+        if hook == "commit" and cut.last[0].startswith("prefill"):
+            shutil.rmtree(ckpt)
+            continue
+        resumed, _ = _adaptive(load_model(model_dir, device="cpu"))
+        result = resumed.run(inputs, str(ckpt), MAX_NEW)
+        assert result.token_ids == ref.token_ids, (hook, n, cut.last)
+        assert torch.equal(result.logits, ref.logits), (hook, n, cut.last)
+        phases.add(result.resumed_from["phase"])
+        shutil.rmtree(ckpt)
+    assert {"vision", "decode"} <= phases
+
+
+def test_payload_feeds_bus_telemetry_and_warnings_to_its_cadence(tmp_path):
+    from common.wire import Apid, NodeId, PowerCause, encode, messages as msgs
+    from flight.engine import EngineOptions
+    from flight.runtime.app import FlightApp
+
+    app = FlightApp(str(tmp_path / "data"), "unused-model", str(tmp_path / "keys"), "tcp://127.0.0.1:1",
+                    EngineOptions(cadence="adaptive"))
+    seq = iter(range(100))
+    for k in range(4):
+        app.handle_packet(encode(msgs.ThermalReport(trace_time_s=float(k), payload_temp_c=50.0 + k, bus_temp_c=20.0),
+                                 Apid.BUS, next(seq), source_id=NodeId.BUS))
+        app.handle_packet(encode(msgs.PowerReport(trace_time_s=float(k), payload_on=True, bus_voltage_v=15.0,
+                                                  payload_power_w=15.0, battery_soc=0.9),
+                                 Apid.BUS, next(seq), source_id=NodeId.BUS))
+    assert len(app.cadence.temperature.samples) == 4 and len(app.cadence.battery.samples) == 4
+    assert app.cadence.cut_probability(5.0) == 1.0  # 1 C/s from 53 C: the 55 C limit in 2 s
+    app.handle_packet(encode(msgs.ShutdownWarning(trace_time_s=4.0, lead_time_s=2.0, cause=PowerCause.THERMAL),
+                             Apid.BUS, next(seq), source_id=NodeId.BUS))
+    assert app.cadence.cut_at is not None
