@@ -304,7 +304,7 @@ def _engine_sections(out: str, d: dict) -> list:
                   f"{ov['peak_rss_delta_blocks']:+.2f} prefill blocks (median of the runs; allocator noise is a few MiB). "
                   f"State held by checkpointing at its peak (exact, from the writer): "
                   + ", ".join(f"{ph} {n:.2f}" for ph, n in ov.get('held_state_peak_blocks', {}).items())
-                  + " prefill blocks (goal <= 2; in the vision phase one optional vision state at a time).", ""]
+                  + " prefill blocks (goal <= 2 records: one being written, one queued).", ""]
     if be:
         labels = list(be)
         plot_bars(os.path.join(out, "bytes.png"), "Fig. 13: bytes written, uninterrupted", labels,

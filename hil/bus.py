@@ -444,8 +444,6 @@ class Bus:
             self.switch.reset()
         except PowerSwitchError as exc:
             self._switch_failed("reset", exc)
-        if cfg.ready_file:
-            self._write_ready(Path(cfg.ready_file))
 
     def _lock_data_dir(self) -> None:
         """One bus per data directory: two would share a queue and power two payloads."""
@@ -568,6 +566,10 @@ class Bus:
             self._switch_failed("prepare", exc)
             self._shutdown()
             raise
+        # The ready file says "commands can come": only once the switch can power the payload, so
+        # that a bus which cannot (a zygote that failed) is seen as one that never started.
+        if self.config.ready_file:
+            self._write_ready(Path(self.config.ready_file))
         # Trace time starts now, not when the sockets were bound.
         self.clock.t0 = self.buslog.restart_clock()
         try:
@@ -1315,7 +1317,9 @@ class BusProcess:
     def endpoints(self) -> Endpoints:
         return Endpoints(commands=self.info["commands"], payload=self.info["payload"], telemetry=self.info["telemetry"])
 
-    def start(self, timeout_s: float = 60.0) -> "BusProcess":
+    def start(self, timeout_s: float = 660.0) -> "BusProcess":
+        """Start `ow bus run` and wait for its ready file (written once its power switch is
+        prepared: a zygote's imports can take minutes on a loaded machine, at most 600 s)."""
         Path(self.config.data_dir).mkdir(parents=True, exist_ok=True)
         self.ready_file.unlink(missing_ok=True)
         with open(self.log_path, "ab") as err:

@@ -257,6 +257,9 @@ class Zygote:
         self.log_path = Path(log_path) if log_path else None
         self.env = dict(os.environ if env is None else env)
         self.env["PYTHONUNBUFFERED"] = "1"  # payloads inherit its stdio objects: no lost log lines
+        # Without a thread count, importing torch starts an OpenMP pool thread, and a zygote must
+        # stay single-threaded to fork. Each payload still sets its own (`--threads`) after the fork.
+        self.env.setdefault("OMP_NUM_THREADS", "1")
         self.cwd = cwd
         self.python = python or sys.executable
         self.proc: subprocess.Popen | None = None

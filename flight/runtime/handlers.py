@@ -196,6 +196,7 @@ class CommandHandlers:
     # ---- from the bus --------------------------------------------------------------------------------
     def on_shutdown_warning(self, header, msg: m.ShutdownWarning) -> None:
         self.event(EventId.SHUTDOWN_WARNING_RECEIVED, f"bus warns of a cut in {msg.lead_time_s:.1f} s ({msg.cause})")
+        self.cadence.warning(msg.lead_time_s)
         if self.engine is not None:
             self.engine.checkpoint_soon.set()
 

@@ -37,7 +37,7 @@ def test_missing_image(base, tmp_path):
 def test_unreadable_image(base, tmp_path):
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\nthis is not an image")
-    _one_line_error(ow(*base, "--image", str(bad)), 4, "unreadable image")
+    _one_line_error(ow(*base, "--image", str(bad)), 4, "not a decodable picture")
 
 
 def test_model_dir_of_another_architecture(base, tmp_path, image_files):

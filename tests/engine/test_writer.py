@@ -202,7 +202,7 @@ class SlowDisk(DurableFS):
 
 def test_checkpointing_holds_at_most_two_records_of_state_even_when_the_disk_lags(model_dirs, tmp_path):
     """What checkpointing keeps alive is bounded by records, not by how far the disk lags: at most
-    two prefill blocks (one written, one queued) and a single vision state."""
+    two records (one written, one queued), whichever phase they come from."""
     model = load_model(model_dirs["qwen3-vl"], device="cpu")
     inputs = inputs_for(model)
     sizes: dict[str, list[int]] = {}
@@ -215,6 +215,11 @@ def test_checkpointing_holds_at_most_two_records_of_state_even_when_the_disk_lag
                                                                                     MAX_NEW)
     peaks = result.held_state_peak_bytes
     block = max(sizes["prefill"])  # record bytes: tensors plus a small header
-    assert block < peaks["prefill"] <= 2 * block  # the disk lagged (two held), and never more
-    assert 0 < peaks["vision"] <= max(sizes["vision.state"])  # one optional state at a time
+    state = max(sizes["vision.state"])
+    # The disk lagged (two held), and never more than two records: the second may be a vision
+    # state still queued when prefill began (one the cadence would not drop).
+    assert block < peaks["prefill"] <= block + max(block, state)
+    # Vision states: one being written and at most one waiting (the one after a dropped state
+    # is kept, so that a lagging disk cannot starve progress; engine.md "Cadence").
+    assert 0 < peaks["vision"] <= 2 * state
     assert result.records_deferred > 0
