@@ -130,8 +130,22 @@ def test_three_tasks_through_cuts_payload_reboot_mid_uplink_and_bus_restart(mode
                         os.kill(pid, signal.SIGKILL)
                     phase_kills.append(progress[-1].data.get("phase"))
                     wanted.pop(0)
-                    seen = len(entries)
+                    seen = _after_exit(len(entries))
             time.sleep(0.1)
+
+    def _after_exit(start: int) -> int:
+        """The log index just past the bus's record of the payload's exit at or after `start`:
+        reports the killed payload sent before it died come before it and never count."""
+        while not stop_watching.is_set():
+            try:
+                entries = bl.read_log(data / bl.LOG_FILE)
+            except (OSError, ValueError):
+                entries = []
+            for index in range(start, len(entries)):
+                if entries[index].kind == bl.PAYLOAD_EXITED:
+                    return index + 1
+            time.sleep(0.1)
+        return start
 
     watcher = threading.Thread(target=kill_in_phases, daemon=True)
 
