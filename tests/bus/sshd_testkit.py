@@ -1,8 +1,10 @@
 """A real OpenSSH server for the SSH power-switch tests: Debian's `openssh-server` installed on
 demand, then one `sshd` per test module on a loopback port with a host key, client keys, an
 `authorized_keys` file and a config written for it in a temporary folder. Nothing system-wide is
-changed beyond the package itself (and the privilege-separation folder /run/sshd that sshd
-needs when it runs as root, removed again if it was created here).
+changed beyond the package itself and the empty privilege-separation folder /run/sshd that sshd
+needs when it runs as root (made at boot on a real system). It is left in place: every sshd
+forks its sessions into it, so removing it under another running sshd (another test worker,
+another suite) makes that one reset every new connection.
 
 `python tests/bus/sshd_testkit.py --install` installs the package (as `make test` does before
 the suite); it always exits 0 and says what happened, and the tests skip with that reason when
@@ -143,7 +145,6 @@ class SshServer:
         self.log = self.root / "sshd.log"
         self.proc: subprocess.Popen | None = None
         self.sessions: set = set()  # psutil.Process of per-connection sshd processes, for stop()
-        self.made_privsep_dir = False
 
     def client_options(self) -> list[str]:
         """`ssh -o` options of the bus: this server's host key, checked strictly."""
@@ -152,8 +153,7 @@ class SshServer:
 
     def start(self, timeout_s: float = 60.0) -> "SshServer":
         if os.geteuid() == 0 and not PRIVSEP_DIR.is_dir():
-            PRIVSEP_DIR.mkdir(mode=0o755)
-            self.made_privsep_dir = True
+            PRIVSEP_DIR.mkdir(mode=0o755, exist_ok=True)  # another worker may make it at the same time
         # -D: stay in the foreground (a child of this process); -e -E: log to our file.
         self.proc = subprocess.Popen([self.sshd, "-D", "-f", str(self.config), "-E", str(self.log)],
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
@@ -198,11 +198,6 @@ class SshServer:
             except psutil.Error:
                 pass
         self.sessions.clear()
-        if self.made_privsep_dir:
-            try:
-                PRIVSEP_DIR.rmdir()
-            except OSError:
-                pass
 
     def log_tail(self, lines: int = 5) -> str:
         try:

@@ -78,11 +78,15 @@ def test_cuts_warnings_and_power_ups_land_at_the_scaled_trace_times(tmp_path, ke
             last_tick = max(r["t"] for r in seen if r["boot"] == boot_of_pid[cut["pid"]])
             assert cut.utc - PAYLOAD_SEES_CUT_S < last_tick <= cut.utc + 0.05, (cut, cut.utc - last_tick)
     received = [r for r in seen if r["ev"] == "bus_tm" and r["type"] == "SHUTDOWN_WARNING"]
-    assert len(received) == 1 and received[0]["boot"] == 1
-    assert received[0]["cause"] == "thermal"
-    # The lead is in the payload's own (wall) seconds: it is how long it has left.
-    assert received[0]["lead_time_s"] <= 2.0 * scale + 0.01
-    assert abs((offs[0].utc - received[0]["t"]) - received[0]["lead_time_s"]) < ON_TIME_S
+    # The warning reaches the payload of the first window if it connected before the cut (a
+    # loaded machine may not start it within that window's 1 s of wall time); never another boot.
+    connected_before_cut = [e for e in by_kind(log, bl.PAYLOAD_CONNECTED) if e.wall_s < offs[0].wall_s]
+    assert len(received) == (1 if connected_before_cut else 0), (received, connected_before_cut)
+    for warned in received:
+        assert warned["boot"] == 1 and warned["cause"] == "thermal"
+        # The lead is in the payload's own (wall) seconds: it is how long it has left.
+        assert warned["lead_time_s"] <= 2.0 * scale + 0.01
+        assert abs((offs[0].utc - warned["t"]) - warned["lead_time_s"]) < ON_TIME_S
     # Each boot that got to connect (on a loaded machine a short window may end before that)
     # was told the power is on.
     power_states = [r for r in seen if r["ev"] == "bus_tm" and r["type"] == "POWER_STATE"]
@@ -107,8 +111,9 @@ def test_telemetry_is_published_at_trace_rate_and_decimated(tmp_path, keys, cont
     times = [msg.trace_time_s for msg in thermal]
     assert times == sorted(times)
     # Bus clock = trace time × scale: consecutive rounds are ≥ 0.1 s of bus clock apart.
-    gaps = [b - a for a, b in zip(times, times[1:])]
-    assert min(gaps) > 0.05
+    # (Rounds are stamped when sent: a loaded machine delays one and the next comes sooner, so
+    # the bound holds over the span, not between each pair.)
+    assert len(times) - 1 <= (times[-1] - times[0]) / 0.1 + 1, times
     # Values come from the trace: the payload temperature there is 40 + (t mod 100).
     for msg in thermal:
         trace_s = msg.trace_time_s / scale
