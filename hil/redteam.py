@@ -605,6 +605,7 @@ class KillCampaign:
                     bus = self._start_bus(self._trace_position())
                 if cuts - last_progress >= 25:
                     last_progress = cuts
+                    report.payload_kills = cuts  # so far (a partial report is written before the log is analysed)
                     self.say(f"[redteam] {cuts}/{self.kills} payload cuts, {report.bus_kills} bus kills, "
                              f"{len(specs)} tasks uplinked, {time.monotonic() - started:.0f} s")
                     self._write(report, specs, results, time.monotonic() - started, partial=True)
