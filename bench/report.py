@@ -4,7 +4,6 @@ both baseline columns (paper-defined and strengthened); the simulator's validati
 from __future__ import annotations
 
 import math
-import os
 import statistics
 
 PAPER_E2E = {"sonic-layer": (2.95, 4.07), "sonic-chunk": (1.98, 2.89), "hcache": (1.65, 2.67)}

@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import statistics
 import sys
 import tempfile
@@ -133,7 +132,7 @@ def e2e_campaign(model_dir: str, images: list, prompt: str, traces: list, out_di
     short answer) as in the paper's multi-frame missions, paced and storage-emulated, the boot
     emulated; every trace x workload x seed, OrbitWeaver with fixed and adaptive cadence beside
     the baselines (hil/campaign.py)."""
-    from hil.campaign import run_campaign, speedups, summarise
+    from hil.campaign import run_campaign
     from hil.testbench import BenchConfig, RequestSpec
 
     base = BenchConfig(trace=traces[0], model=model_dir, out_dir=out_dir, requests=1,

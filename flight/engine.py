@@ -22,7 +22,6 @@ import transformers
 from transformers.cache_utils import DynamicCache
 
 from common.durable import DurableFS, is_disk_full
-from common.record import Kind, RecordError
 
 from .checkpoint.cadence import Cadence
 from .checkpoint.policies import Geometry, Policy, get_policy  # noqa: F401  (Geometry: re-exported)

@@ -4,8 +4,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-from pathlib import Path
 
 DEFAULT_MODEL = os.path.join("runs", "models", "qwen3-vl-tiny")
 

@@ -6,7 +6,6 @@ uninterrupted answer; no task is lost or run twice; the uplink resumes without r
 chunk."""
 from __future__ import annotations
 
-import io
 import os
 import signal
 import socket
