@@ -19,11 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
+
+from common import machine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -41,18 +42,9 @@ POLICIES = ("orbitweaver", "sonic-layer", "sonic-chunk", "hcache")
 STRENGTHENED = ("sonic-layer+", "sonic-chunk+", "hcache+")  # the same records with OrbitWeaver's writer and planner
 
 
-def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
-    except OSError:
-        pass
-    import torch
-
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(os.sysconf("SC_PAGE_SIZE") *
-                                                                     os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-            "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+def machine_header() -> dict:
+    return {"cpu": machine.cpu_model(), "cores": machine.cpu_count(), "memory_gib": machine.memory_gib(),
+            "torch": machine.library_versions(("torch",))["torch"], "gpu": machine.gpu_name()}
 
 
 def bytes_and_energy(model_dir: str, images_by_size: dict, prompt: str, rounds: int = 3) -> dict:
@@ -190,7 +182,7 @@ def main(argv=None) -> int:
 
     out = args.out
     os.makedirs(out, exist_ok=True)
-    data: dict = {"machine": machine(), "paper": PAPER, "quick": args.quick}
+    data: dict = {"machine": machine_header(), "paper": PAPER, "quick": args.quick}
     t0 = time.time()
     model = engine_overhead.ensure_model("small") if not args.report_only else ""
     small_imgs = engine_overhead.ensure_images(4, 512)

@@ -40,7 +40,7 @@ from typing import Any, Sequence
 import zmq
 
 import traces
-from common import log
+from common import log, machine
 from common.wire import (
     Apid,
     DurableSequenceCounter,
@@ -122,23 +122,7 @@ PLACEHOLDERS = ("python", "payload_data_dir", "bus_data_dir", "model", "keys", "
 def machine_fingerprint() -> dict:
     """What decides the bits of a CPU inference: processor model, core count, library versions.
     A replay on another fingerprint cannot expect identical logits."""
-    import platform
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    versions = {}
-    for name in ("torch", "transformers"):
-        try:
-            from importlib.metadata import version
-
-            versions[name] = version(name)
-        except Exception:  # a bus host without the inference stack
-            versions[name] = None
-    return {"cpu": cpu, "cpus": os.cpu_count(), **versions}
+    return {"cpu": machine.cpu_model(), "cpus": machine.cpu_count(), **machine.library_versions()}
 
 
 class BusConfigError(ValueError):

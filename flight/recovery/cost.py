@@ -20,13 +20,14 @@ import hashlib
 import json
 import math
 import os
-import platform
 import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
+
+from common import machine
 
 from .plan import ReadOp, RecoveryProblem
 
@@ -358,22 +359,7 @@ def _cache_path() -> str:
 
 
 def machine_identity(device: str) -> dict:
-    import torch
-
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    ident = {"cpu": cpu, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-             "torch": torch.__version__, "device": device}
-    if device.startswith("cuda") and torch.cuda.is_available():
-        ident["gpu"] = torch.cuda.get_device_name()
-    return ident
+    return {"cpu": machine.cpu_model(), "cpus": machine.cpu_count(), **machine.torch_details(device)}
 
 
 def calibration_key(model_hash: str, device: str, dtype: str, scratch_dir: str) -> str:
