@@ -20,6 +20,7 @@ page cache before each round (posix_fadvise DONTNEED), as after a real power cut
 
     python -m bench.cold_start [--rounds 5] [--model DIR] [--out runs/bench/cold_start.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,6 +57,7 @@ def _env() -> dict:
 def timed_peer(keys_dir: str):
     """The payload tests' scripted bus, stamping each packet with its arrival time."""
     from buspeer import BusPeer
+
     from common.wire import decode
     from common.wire.link import recv_packet
 
@@ -115,11 +117,21 @@ def prepare(bus, work: str, model: str, keys: str) -> str:
         for chunk in m.ImageChunk.split(f"img{i}.png", content, chunk_bytes=32 << 10):
             seq = bus.command(chunk)
             bus.wait_for(lambda h, msg, s=seq: isinstance(msg, (m.Accepted, m.Rejected)) and msg.tc_seq == s, 60)
-    bus.command(m.UplinkTask(task_id="cold", prompt="count the ships near the coast",
-                             images=[f"img{i}.png" for i in range(len(images))], max_new_tokens=64, priority=1))
+    bus.command(
+        m.UplinkTask(
+            task_id="cold",
+            prompt="count the ships near the coast",
+            images=[f"img{i}.png" for i in range(len(images))],
+            max_new_tokens=64,
+            priority=1,
+        )
+    )
     # run into prefill, then cut: later boots resume it from its checkpoints
-    payload.wait(lambda h, msg: isinstance(msg, m.Progress) and msg.task_id == "cold" and str(msg.phase) == "prefill"
-                 and msg.done >= 2)
+    payload.wait(
+        lambda h, msg: (
+            isinstance(msg, m.Progress) and msg.task_id == "cold" and str(msg.phase) == "prefill" and msg.done >= 2
+        )
+    )
     payload.kill()
     snapshot = os.path.join(work, "snapshot")
     shutil.copytree(data, snapshot)
@@ -152,8 +164,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--model", default=None, help="model directory (default: the tiny model of the testbench)")
-    p.add_argument("--cold-model", action="store_true",
-                   help="drop the model's and the task's files from the page cache before each boot")
+    p.add_argument(
+        "--cold-model",
+        action="store_true",
+        help="drop the model's and the task's files from the page cache before each boot",
+    )
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench", "cold_start.json"))
     args = p.parse_args(argv)
     from hil.testbench_cli import ensure_model
@@ -176,19 +191,31 @@ def main(argv=None) -> int:
         bus.close()
         shutil.rmtree(work, ignore_errors=True)
     med = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
-    ratios = {"first_unit_over_import_torch": med["first_unit_s"] / med["import_torch_s"],
-              "import_stack_over_import_torch": med["import_stack_s"] / med["import_torch_s"],
-              "link_s": med["link_s"], "command_answered_s": med["command_answered_s"]}
+    ratios = {
+        "first_unit_over_import_torch": med["first_unit_s"] / med["import_torch_s"],
+        "import_stack_over_import_torch": med["import_stack_s"] / med["import_torch_s"],
+        "link_s": med["link_s"],
+        "command_answered_s": med["command_answered_s"],
+    }
     load = os.getloadavg()
-    result = {"rounds": rows, "median": med, "ratios": ratios, "model": model, "cold_model": args.cold_model,
-              "loadavg": load, "cpus": os.cpu_count()}
+    result = {
+        "rounds": rows,
+        "median": med,
+        "ratios": ratios,
+        "model": model,
+        "cold_model": args.cold_model,
+        "loadavg": load,
+        "cpus": os.cpu_count(),
+    }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"\nmedians over {len(rows)} rounds (load average {load[0]:.1f} on {os.cpu_count()} CPUs):")
     print(f"  python -c 'import torch'                  {med['import_torch_s']:.2f} s")
-    print(f"  import torch + transformers' Qwen3-VL     {med['import_stack_s']:.2f} s "
-          f"({ratios['import_stack_over_import_torch']:.2f}x import torch)")
+    print(
+        f"  import torch + transformers' Qwen3-VL     {med['import_stack_s']:.2f} s "
+        f"({ratios['import_stack_over_import_torch']:.2f}x import torch)"
+    )
     print(f"  ow flight run: first packet on the link   {med['link_s']:.2f} s (goal <= 0.5 s)")
     print(f"                 a PING answered            {med['command_answered_s']:.2f} s")
     print(f"                 first unit of work done    {med['first_unit_s']:.2f} s")

@@ -12,6 +12,7 @@ CPU timings on this machine, not Jetson timings: read the ratios, not the second
 
     python -m bench.engine_overhead [--rounds 3] [--size small] [--out runs/bench/engine.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,30 +70,48 @@ def worker(args) -> None:
     torch.set_num_threads(args.threads)
     model = load_model(args.model, device="cpu")
     inputs = inputs_from_files(model, args.image, args.prompt)
-    geometry = Geometry(chunk=args.chunk, group=args.group, decode_every=args.decode_every,
-                        vision_every=args.vision_every)
+    geometry = Geometry(
+        chunk=args.chunk, group=args.group, decode_every=args.decode_every, vision_every=args.vision_every
+    )
     start = time.perf_counter()
     result = Engine(model, EngineOptions(geometry=geometry, policy=args.policy)).run(
-        inputs, args.ckpt_dir, args.max_new_tokens)
+        inputs, args.ckpt_dir, args.max_new_tokens
+    )
     wall = time.perf_counter() - start
     cfg = model.adapter.text_config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     item = model.dtype.itemsize
-    block_bytes = (geometry.group * 2 * cfg.num_key_value_heads * head_dim * geometry.chunk * item
-                   + geometry.chunk * cfg.hidden_size * item)
-    print(json.dumps({"policy": args.policy, "wall_s": wall, "bytes_written": result.bytes_written,
-                      "records": result.records_written, "phase_seconds": result.phase_seconds,
-                      "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                      "prompt_tokens": inputs.num_tokens, "block_state_bytes": block_bytes,
-                      "token_ids": result.token_ids, "write_s": result.write_seconds,
-                      "held_state_peak_bytes": result.held_state_peak_bytes}))
+    block_bytes = (
+        geometry.group * 2 * cfg.num_key_value_heads * head_dim * geometry.chunk * item
+        + geometry.chunk * cfg.hidden_size * item
+    )
+    print(
+        json.dumps(
+            {
+                "policy": args.policy,
+                "wall_s": wall,
+                "bytes_written": result.bytes_written,
+                "records": result.records_written,
+                "phase_seconds": result.phase_seconds,
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "prompt_tokens": inputs.num_tokens,
+                "block_state_bytes": block_bytes,
+                "token_ids": result.token_ids,
+                "write_s": result.write_seconds,
+                "held_state_peak_bytes": result.held_state_peak_bytes,
+            }
+        )
+    )
 
 
 def dd_write_throughput(directory: str, mib: int = 256) -> float:
     path = os.path.join(directory, "dd.bin")
     start = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=4M", f"count={mib // 4}", "conv=fsync"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={path}", "bs=4M", f"count={mib // 4}", "conv=fsync"],
+        check=True,
+        capture_output=True,
+    )
     elapsed = time.perf_counter() - start
     os.unlink(path)
     return mib * 2**20 / elapsed
@@ -115,8 +134,11 @@ def main(argv=None) -> int:
     p.add_argument("--policy", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--image", action="append", help=argparse.SUPPRESS)
-    p.add_argument("--prompt", default="describe every change between these four scenes and count the ships "
-                                        "near the coast , then list the damaged buildings")
+    p.add_argument(
+        "--prompt",
+        default="describe every change between these four scenes and count the ships "
+        "near the coast , then list the damaged buildings",
+    )
     p.add_argument("--ckpt-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -132,11 +154,32 @@ def main(argv=None) -> int:
             order = ["none", "orbitweaver"] if r % 2 == 0 else ["orbitweaver", "none"]
             for policy in order:
                 ckpt = os.path.join(scratch, f"{policy}-{r}")
-                cmd = [sys.executable, "-m", "bench.engine_overhead", "--worker", "--policy", policy,
-                       "--model", model, "--prompt", args.prompt, "--ckpt-dir", ckpt,
-                       "--max-new-tokens", str(args.max_new_tokens), "--chunk", str(args.chunk),
-                       "--group", str(args.group), "--decode-every", str(args.decode_every),
-                       "--vision-every", str(args.vision_every), "--threads", str(args.threads)]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "bench.engine_overhead",
+                    "--worker",
+                    "--policy",
+                    policy,
+                    "--model",
+                    model,
+                    "--prompt",
+                    args.prompt,
+                    "--ckpt-dir",
+                    ckpt,
+                    "--max-new-tokens",
+                    str(args.max_new_tokens),
+                    "--chunk",
+                    str(args.chunk),
+                    "--group",
+                    str(args.group),
+                    "--decode-every",
+                    str(args.decode_every),
+                    "--vision-every",
+                    str(args.vision_every),
+                    "--threads",
+                    str(args.threads),
+                ]
                 for im in images:
                     cmd += ["--image", im]
                 out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=True)
@@ -154,33 +197,55 @@ def main(argv=None) -> int:
     held = {ph: max(x["held_state_peak_bytes"].get(ph, 0) for x in ow) for ph in ("vision", "prefill", "decode")}
     report = {
         "machine": {"cpus": os.cpu_count(), "threads": args.threads, "note": "CPU timings, not Jetson timings"},
-        "model": os.path.basename(model), "prompt_tokens": ow[0]["prompt_tokens"],
-        "geometry": {"chunk": args.chunk, "group": args.group, "decode_every": args.decode_every,
-                     "vision_every": args.vision_every},
-        "wall_s_median": med, "overhead_ratio_median": statistics.median(ratios), "overhead_ratios": ratios,
-        "bytes_written": written, "dd_write_bytes_per_s": dd,
+        "model": os.path.basename(model),
+        "prompt_tokens": ow[0]["prompt_tokens"],
+        "geometry": {
+            "chunk": args.chunk,
+            "group": args.group,
+            "decode_every": args.decode_every,
+            "vision_every": args.vision_every,
+        },
+        "wall_s_median": med,
+        "overhead_ratio_median": statistics.median(ratios),
+        "overhead_ratios": ratios,
+        "bytes_written": written,
+        "dd_write_bytes_per_s": dd,
         "checkpoint_write_bytes_per_s": written / ckpt_write_s,
-        "peak_rss_bytes": rss, "peak_rss_delta_bytes": rss["orbitweaver"] - rss["none"],
-        "block_state_bytes": block, "peak_rss_delta_blocks": (rss["orbitweaver"] - rss["none"]) / block,
-        "held_state_peak_bytes": held, "held_state_peak_blocks": {ph: n / block for ph, n in held.items()},
+        "peak_rss_bytes": rss,
+        "peak_rss_delta_bytes": rss["orbitweaver"] - rss["none"],
+        "block_state_bytes": block,
+        "peak_rss_delta_blocks": (rss["orbitweaver"] - rss["none"]) / block,
+        "held_state_peak_bytes": held,
+        "held_state_peak_blocks": {ph: n / block for ph, n in held.items()},
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
-    print(f"\nEngine checkpoint overhead ({report['model']}, {report['prompt_tokens']} prompt tokens, "
-          f"C={args.chunk} G={args.group} D={args.decode_every}; CPU timings, ratios are what matter)")
+    print(
+        f"\nEngine checkpoint overhead ({report['model']}, {report['prompt_tokens']} prompt tokens, "
+        f"C={args.chunk} G={args.group} D={args.decode_every}; CPU timings, ratios are what matter)"
+    )
     print(f"  wall, median of {args.rounds}:   none {med['none']:.2f} s   orbitweaver {med['orbitweaver']:.2f} s")
-    print(f"  orbitweaver / none:      {report['overhead_ratio_median']:.3f}  (per round: "
-          f"{', '.join(f'{r:.3f}' for r in ratios)}; paper: < 1.05, stretch < 1.03)")
+    print(
+        f"  orbitweaver / none:      {report['overhead_ratio_median']:.3f}  (per round: "
+        f"{', '.join(f'{r:.3f}' for r in ratios)}; paper: < 1.05, stretch < 1.03)"
+    )
     print(f"  bytes written:           {written / 2**20:.1f} MiB in {ow[0]['records']} records")
-    print(f"  write throughput:        checkpoints {report['checkpoint_write_bytes_per_s'] / 2**20:.0f} MiB/s "
-          f"(write+fsync+rename, background thread)   dd conv=fsync {dd / 2**20:.0f} MiB/s   "
-          f"ratio {report['checkpoint_write_bytes_per_s'] / dd:.2f}")
-    print(f"  peak RSS:                none {rss['none'] / 2**20:.0f} MiB   orbitweaver {rss['orbitweaver'] / 2**20:.0f} MiB"
-          f"   delta {report['peak_rss_delta_bytes'] / 2**20:+.1f} MiB = {report['peak_rss_delta_blocks']:+.2f} "
-          f"blocks of {block / 2**20:.2f} MiB (median of the runs; allocator noise is a few MiB)")
-    print(f"  state held by checkpointing, peak: " + "   ".join(
-        f"{ph} {n / 2**20:.2f} MiB ({n / block:.2f} blocks)" for ph, n in held.items()) + "   (goal <= 2 blocks)")
+    print(
+        f"  write throughput:        checkpoints {report['checkpoint_write_bytes_per_s'] / 2**20:.0f} MiB/s "
+        f"(write+fsync+rename, background thread)   dd conv=fsync {dd / 2**20:.0f} MiB/s   "
+        f"ratio {report['checkpoint_write_bytes_per_s'] / dd:.2f}"
+    )
+    print(
+        f"  peak RSS:                none {rss['none'] / 2**20:.0f} MiB   orbitweaver {rss['orbitweaver'] / 2**20:.0f} MiB"
+        f"   delta {report['peak_rss_delta_bytes'] / 2**20:+.1f} MiB = {report['peak_rss_delta_blocks']:+.2f} "
+        f"blocks of {block / 2**20:.2f} MiB (median of the runs; allocator noise is a few MiB)"
+    )
+    print(
+        "  state held by checkpointing, peak: "
+        + "   ".join(f"{ph} {n / 2**20:.2f} MiB ({n / block:.2f} blocks)" for ph, n in held.items())
+        + "   (goal <= 2 blocks)"
+    )
     print(f"  report: {args.out}")
     return 0
 

@@ -20,13 +20,13 @@ CPU timings, not Jetson timings.
 
     python -m bench.recovery_latency [--repeats 3] [--out runs/bench/recovery_latency.json]
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -62,10 +62,9 @@ def _inputs(model, images, prompt):
 
 def make_checkpoint(model_dir, images, prompt, geometry, fraction, out, policy="orbitweaver") -> dict:
     """Run the request until `fraction` of its prefill blocks are done, then cut (in-process)."""
+    from flight.checkpoint.policies import get_policy
     from flight.engine import Engine, EngineOptions, SimulatedCut
     from flight.model.loader import load_model
-
-    from flight.checkpoint.policies import get_policy
 
     model = load_model(model_dir, device="cpu")
     inputs = _inputs(model, images, prompt)
@@ -81,7 +80,9 @@ def make_checkpoint(model_dir, images, prompt, geometry, fraction, out, policy="
                 raise SimulatedCut(f"cut after {target} of {blocks} prefill blocks")
 
     try:
-        Engine(model, EngineOptions(geometry=geometry, async_writes=False, policy=policy), events=events).run(inputs, out, 4)
+        Engine(model, EngineOptions(geometry=geometry, async_writes=False, policy=policy), events=events).run(
+            inputs, out, 4
+        )
     except SimulatedCut:
         pass
     return {"blocks": blocks, "done": target, "prompt_tokens": inputs.num_tokens}
@@ -106,15 +107,24 @@ def worker(args) -> None:
         if name == "prefill_block_done":
             stamps.append(time.perf_counter())
 
-    result = Engine(model, EngineOptions(geometry=geometry, planner=args.planner, policy=args.policy), fs=fs,
-                    events=events).run(inputs, args.ckpt_dir, 4)
+    result = Engine(
+        model, EngineOptions(geometry=geometry, planner=args.planner, policy=args.policy), fs=fs, events=events
+    ).run(inputs, args.ckpt_dir, 4)
     plan = result.plan or {}
-    print(json.dumps({"latency_s": result.phase_seconds["restore"] + result.phase_seconds["prefill"],
-                      "block_times": [t - stamps[0] for t in stamps] if stamps else [],
-                      "read_s": plan.get("read_s"), "compute_s": plan.get("compute_s"),
-                      "stall_s": plan.get("stall_s"), "resumed_from": result.resumed_from,
-                      "order": plan.get("order"),
-                      "token_ids": result.token_ids}))
+    print(
+        json.dumps(
+            {
+                "latency_s": result.phase_seconds["restore"] + result.phase_seconds["prefill"],
+                "block_times": [t - stamps[0] for t in stamps] if stamps else [],
+                "read_s": plan.get("read_s"),
+                "compute_s": plan.get("compute_s"),
+                "stall_s": plan.get("stall_s"),
+                "resumed_from": result.resumed_from,
+                "order": plan.get("order"),
+                "token_ids": result.token_ids,
+            }
+        )
+    )
 
 
 def main(argv=None) -> int:
@@ -131,14 +141,21 @@ def main(argv=None) -> int:
     p.add_argument("--policy", default="orbitweaver", help=argparse.SUPPRESS)
     p.add_argument("--progress", default="0.25,0.5,0.75", help="prefill fractions to cut at (comma-separated)")
     p.add_argument("--modes", default="native,target-emulated", help="columns to measure (comma-separated)")
-    p.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True,
-                   help="also cut and resume the paper-defined baselines (each with its own restore)")
+    p.add_argument(
+        "--baselines",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also cut and resume the paper-defined baselines (each with its own restore)",
+    )
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--image", action="append", help=argparse.SUPPRESS)
     p.add_argument("--ckpt-dir", help=argparse.SUPPRESS)
     p.add_argument("--read-bps", type=float, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--prompt", default="describe every change between these four scenes and count the ships "
-                                        "near the coast , then list the damaged buildings")
+    p.add_argument(
+        "--prompt",
+        default="describe every change between these four scenes and count the ships "
+        "near the coast , then list the damaged buildings",
+    )
     args = p.parse_args(argv)
     if args.worker:
         worker(args)
@@ -158,12 +175,15 @@ def main(argv=None) -> int:
     modes = {"native": None, "target-emulated": emulated.read_bytes_per_s}
     modes = {k: v for k, v in modes.items() if k in args.modes.split(",")}
     progress = [float(x) for x in args.progress.split(",") if x]
-    print(f"target-emulated read bandwidth: {emulated.read_bytes_per_s / 2**20:.1f} MiB/s "
-          f"(this CPU's compute is {emulated.meta.get('compute_slowdown_vs_target', 0):.0f}x slower than the Orin's)",
-          file=sys.stderr)
+    print(
+        f"target-emulated read bandwidth: {emulated.read_bytes_per_s / 2**20:.1f} MiB/s "
+        f"(this CPU's compute is {emulated.meta.get('compute_slowdown_vs_target', 0):.0f}x slower than the Orin's)",
+        file=sys.stderr,
+    )
     rows = []
     scratch = tempfile.mkdtemp(dir=os.path.join(ROOT, "runs"))
     try:
+
         def resume(ckpt_template, policy, planner, read_bps, fresh=False):
             runs = []
             for r in range(args.repeats):
@@ -172,9 +192,28 @@ def main(argv=None) -> int:
                 if not fresh:
                     shutil.copytree(ckpt_template, ckpt)
                 drop_cache([ckpt, model_dir] if not fresh else [model_dir])
-                cmd = [sys.executable, "-m", "bench.recovery_latency", "--worker", "--planner", planner,
-                       "--policy", policy, "--model", model_dir, "--ckpt-dir", ckpt, "--prompt", args.prompt,
-                       "--chunk", str(args.chunk), "--group", str(args.group), "--threads", str(args.threads)]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "bench.recovery_latency",
+                    "--worker",
+                    "--planner",
+                    planner,
+                    "--policy",
+                    policy,
+                    "--model",
+                    model_dir,
+                    "--ckpt-dir",
+                    ckpt,
+                    "--prompt",
+                    args.prompt,
+                    "--chunk",
+                    str(args.chunk),
+                    "--group",
+                    str(args.group),
+                    "--threads",
+                    str(args.threads),
+                ]
                 for im in images:
                     cmd += ["--image", im]
                 if read_bps:
@@ -200,23 +239,40 @@ def main(argv=None) -> int:
                         runs = resume(template, policy, "optimal" if planner == "own" else planner, read_bps)
                         best = min(runs, key=lambda x: x["latency_s"])  # best of N: the least disturbed run
                         lat, read, comp = best["latency_s"], best["read_s"] or 0.0, best["compute_s"] or 0.0
-                        row = {"progress": fraction, "mode": mode, "policy": policy,
-                               "planner": planner if policy == "orbitweaver" else policy, "latency_s": lat,
-                               "restart_latency_s": max(0.0, lat - remaining), "remaining_uninterrupted_s": remaining,
-                               "read_s": read, "compute_s": comp, "lower_bound_s": max(read, comp),
-                               "vs_lower_bound": lat / max(read, comp, 1e-9), "blocks_done": info["done"],
-                               "blocks": info["blocks"], "runs": [x["latency_s"] for x in runs],
-                               "order": best.get("order")}
+                        row = {
+                            "progress": fraction,
+                            "mode": mode,
+                            "policy": policy,
+                            "planner": planner if policy == "orbitweaver" else policy,
+                            "latency_s": lat,
+                            "restart_latency_s": max(0.0, lat - remaining),
+                            "remaining_uninterrupted_s": remaining,
+                            "read_s": read,
+                            "compute_s": comp,
+                            "lower_bound_s": max(read, comp),
+                            "vs_lower_bound": lat / max(read, comp, 1e-9),
+                            "blocks_done": info["done"],
+                            "blocks": info["blocks"],
+                            "runs": [x["latency_s"] for x in runs],
+                            "order": best.get("order"),
+                        }
                         rows.append(row)
-                        print(f"{int(fraction * 100):3d}% {mode:16s} {row['planner']:12s} finish prefill {lat:7.3f} s  "
-                              f"restart {row['restart_latency_s']:7.3f} s (read {read:.3f} s, compute {comp:.3f} s)",
-                              file=sys.stderr)
+                        print(
+                            f"{int(fraction * 100):3d}% {mode:16s} {row['planner']:12s} finish prefill {lat:7.3f} s  "
+                            f"restart {row['restart_latency_s']:7.3f} s (read {read:.3f} s, compute {comp:.3f} s)",
+                            file=sys.stderr,
+                        )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    report = {"model": os.path.basename(model_dir), "prompt_tokens": info["prompt_tokens"],
-              "geometry": {"chunk": args.chunk, "group": args.group}, "repeats": args.repeats,
-              "emulated_read_bytes_per_s": emulated.read_bytes_per_s, "rows": rows,
-              "note": "CPU timings, not Jetson timings; cold page cache for weights and checkpoints"}
+    report = {
+        "model": os.path.basename(model_dir),
+        "prompt_tokens": info["prompt_tokens"],
+        "geometry": {"chunk": args.chunk, "group": args.group},
+        "repeats": args.repeats,
+        "emulated_read_bytes_per_s": emulated.read_bytes_per_s,
+        "rows": rows,
+        "note": "CPU timings, not Jetson timings; cold page cache for weights and checkpoints",
+    }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
@@ -227,8 +283,11 @@ def main(argv=None) -> int:
 def optimal_vs_fixed(cells: dict) -> str:
     """Best fixed order's latency over optimal's, or which fixed plan optimal chose (then the two
     ran the same reads and computes in the same order, and any difference is noise)."""
-    same = [p for p in ("layer-first", "chunk-first") if cells[p].get("order") and
-            cells[p].get("order") == cells["optimal"].get("order")]
+    same = [
+        p
+        for p in ("layer-first", "chunk-first")
+        if cells[p].get("order") and cells[p].get("order") == cells["optimal"].get("order")
+    ]
     if same:
         return f"same plan as {same[0]}"
     best_other = min(cells["chunk-first"]["latency_s"], cells["layer-first"]["latency_s"])
@@ -236,9 +295,11 @@ def optimal_vs_fixed(cells: dict) -> str:
 
 
 def print_table(report: dict) -> None:
-    print(f"\nRecovery, {report['model']} ({report['prompt_tokens']} prompt tokens, C={report['geometry']['chunk']} "
-          f"G={report['geometry']['group']}), best of {report['repeats']}; CPU timings. "
-          f"Cells: time to finish prefill / restart latency (s)")
+    print(
+        f"\nRecovery, {report['model']} ({report['prompt_tokens']} prompt tokens, C={report['geometry']['chunk']} "
+        f"G={report['geometry']['group']}), best of {report['repeats']}; CPU timings. "
+        f"Cells: time to finish prefill / restart latency (s)"
+    )
     names = list(dict.fromkeys(r["planner"] for r in report["rows"]))
     print(f"{'progress':>8s} {'mode':16s} " + " ".join(f"{p:>20s}" for p in names) + "   optimal vs best other order")
     for fraction in PROGRESS:
@@ -248,7 +309,8 @@ def print_table(report: dict) -> None:
                 continue
             line = f"{int(fraction * 100):7d}% {mode:16s} " + " ".join(
                 f"{cells[p]['latency_s']:9.3f} / {cells[p]['restart_latency_s']:7.3f}" if p in cells else f"{'-':>20s}"
-                for p in names)
+                for p in names
+            )
             if all(p in cells for p in PLANNERS):
                 line += f"   {optimal_vs_fixed(cells)}"
             print(line)

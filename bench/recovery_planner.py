@@ -1,19 +1,20 @@
 """Recovery planner benchmark: planning time, and the makespan of each planner's plan.
 
-    1. Planning time of `optimal` for Qwen3-VL-8B/4B (36 layers) and 2B (28 layers) with G = 1, 2,
-       4 on a 32K-token prompt (C = 1024), staircase frontier at 50 % (paper: < 100 ms, G >= 2).
-    2. Simulated makespan of chunk-first, layer-first and optimal over the lower bound, on
-       staircase / random-staircase / random frontiers at 25, 50, 75 % prefill progress, in two
-       cost columns (docs/recovery.md §7):
-           native           this machine: read bandwidth and bf16 FLOP rate calibrated on the
-                            `small` model, compute scaled to the model's FLOPs;
-           target-emulated  the same compute, reads at a Jetson AGX Orin + NVMe's
-                            read-to-compute ratio.
-    3. How often a read order that interleaves groups beats every group order (small random
-       instances, brute force over all read orders): the limit of the DP's family.
+1. Planning time of `optimal` for Qwen3-VL-8B/4B (36 layers) and 2B (28 layers) with G = 1, 2,
+   4 on a 32K-token prompt (C = 1024), staircase frontier at 50 % (paper: < 100 ms, G >= 2).
+2. Simulated makespan of chunk-first, layer-first and optimal over the lower bound, on
+   staircase / random-staircase / random frontiers at 25, 50, 75 % prefill progress, in two
+   cost columns (docs/recovery.md §7):
+       native           this machine: read bandwidth and bf16 FLOP rate calibrated on the
+                        `small` model, compute scaled to the model's FLOPs;
+       target-emulated  the same compute, reads at a Jetson AGX Orin + NVMe's
+                        read-to-compute ratio.
+3. How often a read order that interleaves groups beats every group order (small random
+   instances, brute force over all read orders): the limit of the DP's family.
 
-    python -m bench.recovery_planner [--seeds 5] [--chunks 16] [--no-gap] [--json runs/bench/recovery.json]
+python -m bench.recovery_planner [--seeds 5] [--chunks 16] [--no-gap] [--json runs/bench/recovery.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 from flight.recovery import optimal as optimal_module  # noqa: E402
-from flight.recovery.cost import (MODELS, ORIN_AGX_NVME, CostModel, calibrate, even_chunks, even_groups,  # noqa: E402
-                                  native_and_emulated)
+from flight.recovery.cost import (
+    MODELS,
+    ORIN_AGX_NVME,
+    CostModel,
+    calibrate,
+    even_chunks,
+    even_groups,  # noqa: E402
+    native_and_emulated,
+)
 from flight.recovery.optimal import analyse, best_compute_order, lower_bound, solve  # noqa: E402
 from flight.recovery.plan import PlanError, RecoveryPlan, RecoveryProblem, make_plan  # noqa: E402
 from flight.recovery.simulate import simulate  # noqa: E402
@@ -87,12 +95,18 @@ def planner_times(chunks: int) -> list[dict]:
     runs the whole DP without either shortcut. Cold = the first call in this process (for the DP:
     loading the compiled kernel from numba's on-disk cache, or compiling it the very first time)."""
     rows = []
-    cases = (("36 layers (4B/8B), G=2", 36, 2, "staircase"), ("36 layers (4B/8B), G=2", 36, 2, "random"),
-             ("36 layers (4B/8B), G=2", 36, 2, "random, full DP"),
-             ("36 layers (4B/8B), G=4", 36, 4, "staircase"), ("36 layers (4B/8B), G=4", 36, 4, "random"),
-             ("28 layers (2B), G=2", 28, 2, "staircase"), ("28 layers (2B), G=2", 28, 2, "random"),
-             ("28 layers (2B), G=4", 28, 4, "staircase"), ("36 layers, G=1", 36, 1, "staircase"),
-             ("36 layers, G=1", 36, 1, "random"))
+    cases = (
+        ("36 layers (4B/8B), G=2", 36, 2, "staircase"),
+        ("36 layers (4B/8B), G=2", 36, 2, "random"),
+        ("36 layers (4B/8B), G=2", 36, 2, "random, full DP"),
+        ("36 layers (4B/8B), G=4", 36, 4, "staircase"),
+        ("36 layers (4B/8B), G=4", 36, 4, "random"),
+        ("28 layers (2B), G=2", 28, 2, "staircase"),
+        ("28 layers (2B), G=2", 28, 2, "random"),
+        ("28 layers (2B), G=4", 28, 4, "staircase"),
+        ("36 layers, G=1", 36, 1, "staircase"),
+        ("36 layers, G=1", 36, 1, "random"),
+    )
     for label, layers, group, frontier in cases:
         ng = -(-layers // group)
         dims = MODELS["qwen3-vl-8b"] if layers == 36 else MODELS["qwen3-vl-2b"]
@@ -113,10 +127,20 @@ def planner_times(chunks: int) -> list[dict]:
             warm.append(time.perf_counter() - t0)
         # best of 9: on a shared machine other work only ever adds time, so the fastest run is
         # the planner's own cost; the median says what a loaded machine adds
-        rows.append({"case": label, "frontier": frontier, "groups": ng, "chunks": chunks, "cold_ms": cold * 1e3,
-                     "warm_ms": min(warm) * 1e3, "warm_median_ms": statistics.median(warm) * 1e3,
-                     "exact": sol.exact, "chosen": sol.chosen,
-                     "vs_bound": sol.makespan / sol.lower_bound})
+        rows.append(
+            {
+                "case": label,
+                "frontier": frontier,
+                "groups": ng,
+                "chunks": chunks,
+                "cold_ms": cold * 1e3,
+                "warm_ms": min(warm) * 1e3,
+                "warm_median_ms": statistics.median(warm) * 1e3,
+                "exact": sol.exact,
+                "chosen": sol.chosen,
+                "vs_bound": sol.makespan / sol.lower_bound,
+            }
+        )
     return rows
 
 
@@ -143,9 +167,18 @@ def makespans(model_key: str, layers: int, group: int, chunks: int, calibrated: 
                     for name, v in values.items():
                         ratios[name].append(v / bound)
                     speedup.append(values["chunk-first"] / values["optimal"])
-                rows.append({"model": model_key, "G": group, "column": column, "frontier": frontier,
-                             "progress": progress, **{k: statistics.mean(v) for k, v in ratios.items()},
-                             "speedup_vs_chunk_first": statistics.mean(speedup), "io_to_compute": io_to_compute})
+                rows.append(
+                    {
+                        "model": model_key,
+                        "G": group,
+                        "column": column,
+                        "frontier": frontier,
+                        "progress": progress,
+                        **{k: statistics.mean(v) for k, v in ratios.items()},
+                        "speedup_vs_chunk_first": statistics.mean(speedup),
+                        "io_to_compute": io_to_compute,
+                    }
+                )
     return rows
 
 
@@ -157,10 +190,12 @@ def family_gap(instances: int) -> dict:
     while n < instances:
         ng, nc = rng.randint(2, 4), rng.randint(1, 3)
         done = (random_holes if rng.random() < 0.5 else random_staircase)(ng, nc, rng.random(), rng)
-        costs = {"weights": [rng.uniform(0.2, 2) for _ in range(ng)],
-                 "kv": [[rng.uniform(0, 1) for _ in range(nc)] for _ in range(ng)],
-                 "hidden": [[rng.uniform(0, 0.5) for _ in range(nc)] for _ in range(ng)],
-                 "compute": [[rng.uniform(0.1, 2) for _ in range(nc)] for _ in range(ng)]}
+        costs = {
+            "weights": [rng.uniform(0.2, 2) for _ in range(ng)],
+            "kv": [[rng.uniform(0, 1) for _ in range(nc)] for _ in range(ng)],
+            "hidden": [[rng.uniform(0, 0.5) for _ in range(nc)] for _ in range(ng)],
+            "compute": [[rng.uniform(0.1, 2) for _ in range(nc)] for _ in range(ng)],
+        }
         p = problem_for(done, ng, nc, rng, costs, True)
         s = analyse(p)
         gating = [op for g in s.active for op in s.bundles[g]]
@@ -179,8 +214,12 @@ def family_gap(instances: int) -> dict:
         if best < dp * (1 - 1e-12):
             better += 1
             gaps.append(dp / best - 1)
-    return {"instances": n, "interleaving_better": better, "max_gap": max(gaps, default=0.0),
-            "mean_gap_when_better": statistics.mean(gaps) if gaps else 0.0}
+    return {
+        "instances": n,
+        "interleaving_better": better,
+        "max_gap": max(gaps, default=0.0),
+        "mean_gap_when_better": statistics.mean(gaps) if gaps else 0.0,
+    }
 
 
 # ---- main ---------------------------------------------------------------------------------------
@@ -195,45 +234,61 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     out = {}
-    print(f"== planner time: optimal, frontiers at 50 %, {args.timing_chunks} chunks of 1024 tokens "
-          f"(paper: < 100 ms for G >= 2; goal here: < 10 ms for 36 layers, G = 2) ==")
+    print(
+        f"== planner time: optimal, frontiers at 50 %, {args.timing_chunks} chunks of 1024 tokens "
+        f"(paper: < 100 ms for G >= 2; goal here: < 10 ms for 36 layers, G = 2) =="
+    )
     out["planner_time"] = planner_times(args.timing_chunks)
     print(f"{'case':<24}{'frontier':<17}{'groups':>7}{'cold ms':>9}{'warm ms':>9}{'median':>8}  plan")
     for r in out["planner_time"]:
-        print(f"{r['case']:<24}{r['frontier']:<17}{r['groups']:>7}{r['cold_ms']:>9.1f}{r['warm_ms']:>9.1f}"
-              f"{r['warm_median_ms']:>8.1f}  "
-              f"{r['chosen']}{'' if r['exact'] else ' (DP over merged runs)'}, x{r['vs_bound']:.3f} of the bound")
+        print(
+            f"{r['case']:<24}{r['frontier']:<17}{r['groups']:>7}{r['cold_ms']:>9.1f}{r['warm_ms']:>9.1f}"
+            f"{r['warm_median_ms']:>8.1f}  "
+            f"{r['chosen']}{'' if r['exact'] else ' (DP over merged runs)'}, x{r['vs_bound']:.3f} of the bound"
+        )
 
     calibrated = calibrate(ensure_small_model(), group=2)
     rate = calibrated.meta.get("flops_per_s")
-    print(f"\nnative rates (calibrated on the small model, cached): reads {calibrated.read_bytes_per_s / 1e9:.2f} GB/s "
-          f"+ {calibrated.read_latency_s * 1e3:.2f} ms/read; "
-          f"compute {rate / 1e9 if rate else float('nan'):.0f} GFLOP/s "
-          f"+ {calibrated.layer_call_s * 1e3:.2f} ms/layer call")
-    print(f"target: {ORIN_AGX_NVME.name}: {ORIN_AGX_NVME.flops_per_s / 1e12:.1f} TFLOP/s achieved, "
-          f"{ORIN_AGX_NVME.read_bytes_per_s / 1e9:.1f} GB/s")
+    print(
+        f"\nnative rates (calibrated on the small model, cached): reads {calibrated.read_bytes_per_s / 1e9:.2f} GB/s "
+        f"+ {calibrated.read_latency_s * 1e3:.2f} ms/read; "
+        f"compute {rate / 1e9 if rate else float('nan'):.0f} GFLOP/s "
+        f"+ {calibrated.layer_call_s * 1e3:.2f} ms/layer call"
+    )
+    print(
+        f"target: {ORIN_AGX_NVME.name}: {ORIN_AGX_NVME.flops_per_s / 1e12:.1f} TFLOP/s achieved, "
+        f"{ORIN_AGX_NVME.read_bytes_per_s / 1e9:.1f} GB/s"
+    )
     out["makespan"] = []
     for model_key, layers, group in (("qwen3-vl-8b", 36, 2), ("qwen3-vl-2b", 28, 4)):
         rows = makespans(model_key, layers, group, args.chunks, calibrated, args.seeds)
         out["makespan"] += rows
-        print(f"\n== {model_key}, {layers} layers, G={group}, {args.chunks} x 1024 tokens: makespan / lower bound "
-              f"(mean of {args.seeds} random frontiers) ==")
+        print(
+            f"\n== {model_key}, {layers} layers, G={group}, {args.chunks} x 1024 tokens: makespan / lower bound "
+            f"(mean of {args.seeds} random frontiers) =="
+        )
         for column in ("native", "target-emulated"):
             r = next(r for r in rows if r["column"] == column)
             print(f"  {column}: reading all weights + KV takes {r['io_to_compute']:.3g}x the full prefill compute")
-        print(f"{'column':<16}{'frontier':<13}{'done':>5}{'chunk-1st':>10}{'layer-1st':>10}{'optimal':>9}"
-              f"{'vs chunk-1st':>13}")
+        print(
+            f"{'column':<16}{'frontier':<13}{'done':>5}{'chunk-1st':>10}{'layer-1st':>10}{'optimal':>9}"
+            f"{'vs chunk-1st':>13}"
+        )
         for r in rows:
-            print(f"{r['column']:<16}{r['frontier']:<13}{r['progress']:>5.0%}{r['chunk-first']:>10.3f}"
-                  f"{r['layer-first']:>10.3f}{r['optimal']:>9.3f}{r['speedup_vs_chunk_first']:>11.2f}x")
+            print(
+                f"{r['column']:<16}{r['frontier']:<13}{r['progress']:>5.0%}{r['chunk-first']:>10.3f}"
+                f"{r['layer-first']:>10.3f}{r['optimal']:>9.3f}{r['speedup_vs_chunk_first']:>11.2f}x"
+            )
 
     if not args.no_gap:
         gap = family_gap(args.gap_instances)
         out["family_gap"] = gap
         print(f"\n== limit of the group-order family ({gap['instances']} small random instances, all read orders) ==")
-        print(f"an interleaved read order beats every group order in {gap['interleaving_better']} "
-              f"({gap['interleaving_better'] / gap['instances']:.1%}); by at most {gap['max_gap']:.1%}, "
-              f"{gap['mean_gap_when_better']:.1%} on average when it does")
+        print(
+            f"an interleaved read order beats every group order in {gap['interleaving_better']} "
+            f"({gap['interleaving_better'] / gap['instances']:.1%}); by at most {gap['max_gap']:.1%}, "
+            f"{gap['mean_gap_when_better']:.1%} on average when it does"
+        )
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -9,6 +9,7 @@ Tasks lost, run twice, answered wrong and crash loops must each be 0 (exit statu
 A run this size takes hours here (every payload power-up pays the interpreter and library
 imports); run it in the background with nice. docs/hil.md "Red team" explains what is counted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,19 +56,23 @@ def main(argv=None) -> int:
         say(f"[redteam] decoder fuzzer: {args.frames} frames")
         decoder = fuzz_decoder(args.frames, seed=args.seed, progress=say)
         report["decoder"] = to_dict(decoder)
-        say(f"[redteam] decoder: {decoder.frames} frames, {decoder.decoded} decoded, {len(decoder.defects)} defects, "
+        say(
+            f"[redteam] decoder: {decoder.frames} frames, {decoder.decoded} decoded, {len(decoder.defects)} defects, "
             f"slowest {decoder.slowest_frame_ms:.1f} ms, RSS growth {decoder.rss_growth_bytes >> 10} KiB, "
-            f"{decoder.seconds:.0f} s")
+            f"{decoder.seconds:.0f} s"
+        )
         save()
         say(f"[redteam] dispatch fuzzer: {args.frames} frames")
         with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as work:
             dispatch = fuzz_dispatch(args.frames, seed=args.seed + 1, workdir=work, progress=say)
         report["dispatch"] = to_dict(dispatch)
-        say(f"[redteam] dispatch: {dispatch.frames} frames ({dispatch.command_frames} telecommands or undecodable), "
+        say(
+            f"[redteam] dispatch: {dispatch.frames} frames ({dispatch.command_frames} telecommands or undecodable), "
             f"{dispatch.accepted} accepted, {sum(dispatch.rejected.values())} rejected in {len(dispatch.rejected)} codes, "
             f"{len(dispatch.verdict_violations)} verdict violations, {len(dispatch.escaped)} escaped, "
             f"{dispatch.command_faults} handler faults, RSS growth {dispatch.rss_growth_bytes >> 10} KiB, "
-            f"{dispatch.seconds:.0f} s")
+            f"{dispatch.seconds:.0f} s"
+        )
         save()
         ok = ok and decoder.passed and dispatch.passed
     if not args.skip_campaign:
@@ -79,14 +84,23 @@ def main(argv=None) -> int:
 
                 build_tiny("qwen3-vl", "tiny", 0, model)
         say(f"[redteam] kill campaign: {args.kills} payload cuts, the bus killed every {args.bus_kill_every}")
-        campaign = KillCampaign(os.path.join(args.out, "campaign"), model, kills=args.kills,
-                                bus_kill_every=args.bus_kill_every, seed=args.seed, tasks=args.tasks, say=say,
-                                nice=args.nice).run()
+        campaign = KillCampaign(
+            os.path.join(args.out, "campaign"),
+            model,
+            kills=args.kills,
+            bus_kill_every=args.bus_kill_every,
+            seed=args.seed,
+            tasks=args.tasks,
+            say=say,
+            nice=args.nice,
+        ).run()
         report["campaign"] = {**json.load(open(os.path.join(args.out, "campaign", "campaign-report.json")))}
-        say(f"[redteam] campaign: {campaign.payload_kills} payload SIGKILLs ({campaign.kills_by_activity}), "
+        say(
+            f"[redteam] campaign: {campaign.payload_kills} payload SIGKILLs ({campaign.kills_by_activity}), "
             f"{campaign.bus_kills} bus SIGKILLs, {campaign.tasks} tasks ({campaign.completed} answered): "
             f"lost {len(campaign.lost)}, run twice {len(campaign.run_twice)}, answered wrong "
-            f"{len(campaign.answered_wrong)}, crash loops {campaign.crash_loops}; {campaign.wall_s / 3600:.1f} h")
+            f"{len(campaign.answered_wrong)}, crash loops {campaign.crash_loops}; {campaign.wall_s / 3600:.1f} h"
+        )
         save()
         ok = ok and campaign.passed
     report["passed"] = ok

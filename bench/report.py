@@ -1,6 +1,7 @@
 """The benchmark report (runs/bench/report/report.md): for every figure, the paper's number, the
 real-size simulation and the real-process measurement side by side; for the end-to-end figure
 both baseline columns (paper-defined and strengthened); the simulator's validation table."""
+
 from __future__ import annotations
 
 import math
@@ -23,8 +24,11 @@ def _geo(values):
 
 def _range(values, spec=".2f"):
     values = [v for v in values if v is not None]
-    return "n/a" if not values else (f"{min(values):{spec}}-{max(values):{spec}}x" if len(values) > 1
-                                     else f"{values[0]:{spec}}x")
+    return (
+        "n/a"
+        if not values
+        else (f"{min(values):{spec}}-{max(values):{spec}}x" if len(values) > 1 else f"{values[0]:{spec}}x")
+    )
 
 
 def real_e2e_speedups(rows: list, base: str) -> tuple:
@@ -78,8 +82,16 @@ def real_restart(rec: dict, measure: str, mode: str = "target-emulated") -> dict
     for p in {r.get("policy", "orbitweaver") for r in rows} - {"orbitweaver"}:
         vals = []
         for f in sorted({r["progress"] for r in rows}):
-            ow = next((r for r in rows if r.get("policy", "orbitweaver") == "orbitweaver" and r["planner"] == "optimal"
-                       and r["progress"] == f), None)
+            ow = next(
+                (
+                    r
+                    for r in rows
+                    if r.get("policy", "orbitweaver") == "orbitweaver"
+                    and r["planner"] == "optimal"
+                    and r["progress"] == f
+                ),
+                None,
+            )
             b = next((r for r in rows if r.get("policy") == p and r["progress"] == f), None)
             if ow and b and ow.get(measure, 0) > 0:
                 vals.append(b[measure] / ow[measure])
@@ -89,27 +101,40 @@ def real_restart(rec: dict, measure: str, mode: str = "target-emulated") -> dict
 
 def summary_lines(d: dict) -> list[str]:
     sim = d.get("sim", {}).get("configs", {})
-    lines = ["## Summary beside the paper", "",
-             "Real-size simulation: " + "; ".join(f"**{k}** = {v['label']}" for k, v in sim.items())
-             + ". Real process: the small model on this machine's CPU through the testbench (Fig. 10) or the "
-               "engine (Figs. 11-14), paced and target-emulated where stated. Baseline ratios are baseline / "
-               "OrbitWeaver (> 1: OrbitWeaver better).", "",
-             "| figure | measure | paper | " + " | ".join(f"sim {k}" for k in sim) + " | real process |",
-             "|---|---|---|" + "---|" * len(sim) + "---|"]
+    lines = [
+        "## Summary beside the paper",
+        "",
+        "Real-size simulation: "
+        + "; ".join(f"**{k}** = {v['label']}" for k, v in sim.items())
+        + ". Real process: the small model on this machine's CPU through the testbench (Fig. 10) or the "
+        "engine (Figs. 11-14), paced and target-emulated where stated. Baseline ratios are baseline / "
+        "OrbitWeaver (> 1: OrbitWeaver better).",
+        "",
+        "| figure | measure | paper | " + " | ".join(f"sim {k}" for k in sim) + " | real process |",
+        "|---|---|---|" + "---|" * len(sim) + "---|",
+    ]
     e2e, e2e_plus = d.get("e2e", []), d.get("e2e_plus", [])
     for base in BASES:
         paper_geo, paper_max = PAPER_E2E[base]
         cells = []
         for k, v in sim.items():
             s = v["fig10"]["summary"]["speedup"]
-            cells.append(f"{_x(s[base]['geomean'])} (max {_x(s[base]['max'])}); strengthened "
-                         f"{_x(s[base + '+']['geomean'])} (max {_x(s[base + '+']['max'])})")
+            cells.append(
+                f"{_x(s[base]['geomean'])} (max {_x(s[base]['max'])}); strengthened "
+                f"{_x(s[base + '+']['geomean'])} (max {_x(s[base + '+']['max'])})"
+            )
         g, mx, n = real_e2e_speedups(e2e, base)
-        gp, mxp, np_ = real_e2e_speedups([r for r in e2e if r["policy"] == "orbitweaver"] +
-                                         [dict(r, policy=r["policy"].rstrip("+")) for r in e2e_plus], base)
-        lines.append(f"| 10 | E2E speedup over {base}: geo-mean (max) | {paper_geo:.2f}x ({paper_max:.2f}x) | "
-                     + " | ".join(cells) + f" | {_x(g)} (max {_x(mx)}, {n} cells); strengthened {_x(gp)} "
-                     f"(max {_x(mxp)}, {np_} cells) |")
+        gp, mxp, np_ = real_e2e_speedups(
+            [r for r in e2e if r["policy"] == "orbitweaver"]
+            + [dict(r, policy=r["policy"].rstrip("+")) for r in e2e_plus],
+            base,
+        )
+        lines.append(
+            f"| 10 | E2E speedup over {base}: geo-mean (max) | {paper_geo:.2f}x ({paper_max:.2f}x) | "
+            + " | ".join(cells)
+            + f" | {_x(g)} (max {_x(mx)}, {n} cells); strengthened {_x(gp)} "
+            f"(max {_x(mxp)}, {np_} cells) |"
+        )
     comp = []
     for k, v in sim.items():
         c = v["fig10"]["summary"]["completion"]
@@ -117,49 +142,76 @@ def summary_lines(d: dict) -> list[str]:
     # requests completed per policy over every real-process run (trace x workload x seed)
     real_comp = ", ".join(
         f"{p} {sum(r['completed'] * r.get('requests', 1) for r in e2e if r['policy'] == p) / max(1, sum(r.get('requests', 1) for r in e2e if r['policy'] == p)):.0%}"
-        for p in sorted({r["policy"] for r in e2e}))
-    lines.append("| 10 | requests completed | OrbitWeaver 100 %; in Trace A only OrbitWeaver | " + " | ".join(comp)
-                 + f" | {real_comp or 'n/a'} |")
+        for p in sorted({r["policy"] for r in e2e})
+    )
+    lines.append(
+        "| 10 | requests completed | OrbitWeaver 100 %; in Trace A only OrbitWeaver | "
+        + " | ".join(comp)
+        + f" | {real_comp or 'n/a'} |"
+    )
     unint = {k: sim_uninterrupted(v) for k, v in sim.items()}
     be = d.get("bytes_energy", {})
     for base in BASES:
         real = [rows[base]["wall_s"] / rows["orbitweaver"]["wall_s"] for rows in be.values() if base in rows]
-        lines.append(f"| 12 (§7.4) | uninterrupted: {base} time / OrbitWeaver | {PAPER_UNINTERRUPTED[base]:.2f}x | "
-                     + " | ".join(_range(u[base]["slow_vs_ow"]) for u in unint.values())
-                     + f" | {_range(real)} (native CPU, unthrottled) |")
+        lines.append(
+            f"| 12 (§7.4) | uninterrupted: {base} time / OrbitWeaver | {PAPER_UNINTERRUPTED[base]:.2f}x | "
+            + " | ".join(_range(u[base]["slow_vs_ow"]) for u in unint.values())
+            + f" | {_range(real)} (native CPU, unthrottled) |"
+        )
     ov = d.get("overhead")
-    lines.append("| 12 | OrbitWeaver overhead vs no checkpoints | < 5 % | "
-                 + " | ".join(_pct_range(u["orbitweaver"]["overhead"]) for u in unint.values())
-                 + (f" | {100 * (ov['overhead_ratio_median'] - 1):+.1f} % (median) |" if ov else " | n/a |"))
+    lines.append(
+        "| 12 | OrbitWeaver overhead vs no checkpoints | < 5 % | "
+        + " | ".join(_pct_range(u["orbitweaver"]["overhead"]) for u in unint.values())
+        + (f" | {100 * (ov['overhead_ratio_median'] - 1):+.1f} % (median) |" if ov else " | n/a |")
+    )
     for base in BASES:
-        real = [rows[base]["bytes"] / rows["orbitweaver"]["bytes"] for rows in be.values()
-                if base in rows and rows["orbitweaver"]["bytes"]]
-        lines.append(f"| 13 (§7.5) | bytes written: {base} / OrbitWeaver | {PAPER_BYTES[base]} | "
-                     + " | ".join(_range(u[base]["bytes_vs_ow"]) for u in unint.values())
-                     + f" | {_range(real)} |")
+        real = [
+            rows[base]["bytes"] / rows["orbitweaver"]["bytes"]
+            for rows in be.values()
+            if base in rows and rows["orbitweaver"]["bytes"]
+        ]
+        lines.append(
+            f"| 13 (§7.5) | bytes written: {base} / OrbitWeaver | {PAPER_BYTES[base]} | "
+            + " | ".join(_range(u[base]["bytes_vs_ow"]) for u in unint.values())
+            + f" | {_range(real)} |"
+        )
     real_energy = [rows["orbitweaver"]["energy_j"] / rows["none"]["energy_j"] - 1 for rows in be.values()]
-    lines.append("| 14 | energy overhead vs no checkpoints (power model) | 3.75-4.74 % | "
-                 + " | ".join(_pct_range(u["orbitweaver"]["energy"]) for u in unint.values())
-                 + f" | {_pct_range(real_energy)} |")
+    lines.append(
+        "| 14 | energy overhead vs no checkpoints (power model) | 3.75-4.74 % | "
+        + " | ".join(_pct_range(u["orbitweaver"]["energy"]) for u in unint.values())
+        + f" | {_pct_range(real_energy)} |"
+    )
     rec = d.get("recovery")
     for measure, label in (("restart_latency_s", "restart latency"), ("finish_prefill_s", "time to finish prefill")):
         real = real_restart(rec, "restart_latency_s" if measure == "restart_latency_s" else "latency_s") if rec else {}
         for base in BASES:
-            lines.append(f"| 11 | {label}: {base} / OrbitWeaver, 25-75 % prefill | "
-                         f"{'1.22-6.97x (over the baselines)' if base == 'sonic-layer' else 'within 1.22-6.97x'} | "
-                         + " | ".join(_range(sim_restart(v, measure).get(base, [])) for v in sim.values())
-                         + f" | {_range(real.get(base, []))} (target-emulated) |")
-    pt = next((r for r in d.get("planner", {}).get("planner_time", [])
-               if "36" in r["case"] and r["groups"] == 18 and r.get("frontier", "staircase") == "staircase"), None)
+            lines.append(
+                f"| 11 | {label}: {base} / OrbitWeaver, 25-75 % prefill | "
+                f"{'1.22-6.97x (over the baselines)' if base == 'sonic-layer' else 'within 1.22-6.97x'} | "
+                + " | ".join(_range(sim_restart(v, measure).get(base, [])) for v in sim.values())
+                + f" | {_range(real.get(base, []))} (target-emulated) |"
+            )
+    pt = next(
+        (
+            r
+            for r in d.get("planner", {}).get("planner_time", [])
+            if "36" in r["case"] and r["groups"] == 18 and r.get("frontier", "staircase") == "staircase"
+        ),
+        None,
+    )
     if pt:
-        lines.append(f"| §5.3 | optimal planner, 36 layers, G = 2 (staircase at 50 %; goal < 10 ms) | < 100 ms | - | - | "
-                     f"{pt['warm_ms']:.1f} ms warm (best of 9; median {pt.get('warm_median_ms', pt['warm_ms']):.1f} ms), "
-                     f"{pt['cold_ms']:.1f} ms cold |")
+        lines.append(
+            f"| §5.3 | optimal planner, 36 layers, G = 2 (staircase at 50 %; goal < 10 ms) | < 100 ms | - | - | "
+            f"{pt['warm_ms']:.1f} ms warm (best of 9; median {pt.get('warm_median_ms', pt['warm_ms']):.1f} ms), "
+            f"{pt['cold_ms']:.1f} ms cold |"
+        )
     val = d.get("validation")
     if val:
-        lines.append(f"| - | simulator vs real processes: largest error in end-to-end time | - | - | - | "
-                     f"{_pct(val.get('max_abs_error'))} over {sum(1 for r in val['rows'] if r.get('error') is not None)} "
-                     f"runs (goal 10 %) |")
+        lines.append(
+            f"| - | simulator vs real processes: largest error in end-to-end time | - | - | - | "
+            f"{_pct(val.get('max_abs_error'))} over {sum(1 for r in val['rows'] if r.get('error') is not None)} "
+            f"runs (goal 10 %) |"
+        )
     return lines + [""]
 
 
@@ -181,38 +233,71 @@ def sim_lines(d: dict) -> list[str]:
     lines = ["## Figures 10-14 at the real model sizes (simulated, docs/sim.md)", ""]
     for k, v in sim.items():
         s = v["fig10"]["summary"]
-        lines += [f"### {k}: {v['label']}", "",
-                  f"Figure 10: five traces x {len(d['sim']['seeds'])} seeds x {d['sim']['arrivals']} arrivals. "
-                  "Speedup = baseline end-to-end / OrbitWeaver's, over the arrivals both complete.", "",
-                  "| baseline | geo-mean | max | min | pairs | baseline unfinished (OW finished) |", "|---|---|---|---|---|---|"]
+        lines += [
+            f"### {k}: {v['label']}",
+            "",
+            f"Figure 10: five traces x {len(d['sim']['seeds'])} seeds x {d['sim']['arrivals']} arrivals. "
+            "Speedup = baseline end-to-end / OrbitWeaver's, over the arrivals both complete.",
+            "",
+            "| baseline | geo-mean | max | min | pairs | baseline unfinished (OW finished) |",
+            "|---|---|---|---|---|---|",
+        ]
         for b, r in s["speedup"].items():
-            lines.append(f"| {b} | {_x(r['geomean'])} | {_x(r['max'])} | {_x(r['min'])} | {r['pairs']} | "
-                         f"{r['baseline_unfinished']} |")
-        lines += ["", "| trace | " + " | ".join(s["per_trace"][next(iter(s["per_trace"]))].keys()) + " |",
-                  "|---|" + "---|" * len(next(iter(s["per_trace"].values())))]
+            lines.append(
+                f"| {b} | {_x(r['geomean'])} | {_x(r['max'])} | {_x(r['min'])} | {r['pairs']} | "
+                f"{r['baseline_unfinished']} |"
+            )
+        lines += [
+            "",
+            "| trace | " + " | ".join(s["per_trace"][next(iter(s["per_trace"]))].keys()) + " |",
+            "|---|" + "---|" * len(next(iter(s["per_trace"].values()))),
+        ]
         for trace, vals in s["per_trace"].items():
             lines.append(f"| {trace} | " + " | ".join(_x(x) for x in vals.values()) + " |")
         lines += ["", "Completion: " + ", ".join(f"{p} {c:.0%}" for p, c in s["completion"].items()), ""]
         if v.get("fig10_band"):
-            lines += ["Band over the free parameters (seed 0 only):", "",
-                      "| boot (s) | commit (ms) | " + " | ".join(BASES) + " | strengthened |", "|---|---|---|---|---|---|"]
+            lines += [
+                "Band over the free parameters (seed 0 only):",
+                "",
+                "| boot (s) | commit (ms) | " + " | ".join(BASES) + " | strengthened |",
+                "|---|---|---|---|---|---|",
+            ]
             for band in v["fig10_band"]:
                 sp = band["summary"]["speedup"]
-                lines.append(f"| {band['boot_s']:g} | {band['commit_latency_s'] * 1e3:g} | "
-                             + " | ".join(_x(sp[b]["geomean"]) for b in BASES) + " | "
-                             + " / ".join(_x(sp[b + "+"]["geomean"]) for b in BASES) + " |")
+                lines.append(
+                    f"| {band['boot_s']:g} | {band['commit_latency_s'] * 1e3:g} | "
+                    + " | ".join(_x(sp[b]["geomean"]) for b in BASES)
+                    + " | "
+                    + " / ".join(_x(sp[b + "+"]["geomean"]) for b in BASES)
+                    + " |"
+                )
             lines.append("")
-        lines += ["Figure 11 (a cut at 25/50/75 % of prefill; boot excluded; seconds): time to finish prefill / "
-                  "restart latency", "", "| policy | 25 % | 50 % | 75 % |", "|---|---|---|---|"]
+        lines += [
+            "Figure 11 (a cut at 25/50/75 % of prefill; boot excluded; seconds): time to finish prefill / "
+            "restart latency",
+            "",
+            "| policy | 25 % | 50 % | 75 % |",
+            "|---|---|---|---|",
+        ]
         for p in dict.fromkeys(r["policy"] for r in v["fig11"]):
             cells = [r for r in v["fig11"] if r["policy"] == p]
-            lines.append(f"| {p} | " + " | ".join(f"{r['finish_prefill_s']:.2f} / {r['restart_latency_s']:.2f}"
-                                                 for r in cells) + " |")
-        lines += ["", "Figures 12-14 (uninterrupted): time vs no checkpoints, GiB written, energy vs none", "",
-                  "| prompt tokens | policy | time | GiB | energy |", "|---|---|---|---|---|"]
+            lines.append(
+                f"| {p} | "
+                + " | ".join(f"{r['finish_prefill_s']:.2f} / {r['restart_latency_s']:.2f}" for r in cells)
+                + " |"
+            )
+        lines += [
+            "",
+            "Figures 12-14 (uninterrupted): time vs no checkpoints, GiB written, energy vs none",
+            "",
+            "| prompt tokens | policy | time | GiB | energy |",
+            "|---|---|---|---|---|",
+        ]
         for r in v["fig12_14"]:
-            lines.append(f"| {r['prompt_tokens']} | {r['policy']} | {r['slowdown']:.3f}x | {r['bytes'] / 2**30:.2f} | "
-                         f"{r['energy_ratio']:.3f}x |")
+            lines.append(
+                f"| {r['prompt_tokens']} | {r['policy']} | {r['slowdown']:.3f}x | {r['bytes'] / 2**30:.2f} | "
+                f"{r['energy_ratio']:.3f}x |"
+            )
         lines.append("")
     return lines
 
@@ -221,19 +306,25 @@ def validation_lines(d: dict) -> list[str]:
     val = d.get("validation")
     if not val:
         return []
-    lines = ["## Simulator validation against the real processes", "",
-             f"Each testbench run of the end-to-end campaign below, simulated with that run's parameters: trace and "
-             f"start, time scale, pace, storage throttle, the small model's dimensions and the request's token "
-             f"counts, this disk's commit latency ({val['commit_latency_s'] * 1e3:.1f} ms, measured), and the boot "
-             f"the bus measured in that run (power-up to the task's STARTED report). End-to-end = task accepted to "
-             f"COMPLETED, trace seconds. Largest error: {_pct(val.get('max_abs_error'))} "
-             f"({'within' if val.get('within_10_percent') else 'NOT within'} 10 %).", "",
-             "| trace | policy | cuts (real / sim) | boot (trace s) | real e2e | simulated e2e | error |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "## Simulator validation against the real processes",
+        "",
+        f"Each testbench run of the end-to-end campaign below, simulated with that run's parameters: trace and "
+        f"start, time scale, pace, storage throttle, the small model's dimensions and the request's token "
+        f"counts, this disk's commit latency ({val['commit_latency_s'] * 1e3:.1f} ms, measured), and the boot "
+        f"the bus measured in that run (power-up to the task's STARTED report). End-to-end = task accepted to "
+        f"COMPLETED, trace seconds. Largest error: {_pct(val.get('max_abs_error'))} "
+        f"({'within' if val.get('within_10_percent') else 'NOT within'} 10 %).",
+        "",
+        "| trace | policy | cuts (real / sim) | boot (trace s) | real e2e | simulated e2e | error |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in val["rows"]:
-        lines.append(f"| {r['trace']} | {r['policy']} | {r.get('cuts')} / {r.get('predicted_cuts', '-')} | "
-                     f"{(r.get('boot_trace_s') or 0):.1f} | {_s(r.get('e2e_trace_s'))} | {_s(r.get('predicted_e2e_trace_s'))} | "
-                     f"{_pct(r.get('error')) if r.get('error') is not None else 'n/a'} |")
+        lines.append(
+            f"| {r['trace']} | {r['policy']} | {r.get('cuts')} / {r.get('predicted_cuts', '-')} | "
+            f"{(r.get('boot_trace_s') or 0):.1f} | {_s(r.get('e2e_trace_s'))} | {_s(r.get('predicted_e2e_trace_s'))} | "
+            f"{_pct(r.get('error')) if r.get('error') is not None else 'n/a'} |"
+        )
     return lines + [""]
 
 

@@ -14,6 +14,7 @@ reads ratios, says which hardware ran, and says where and why ours differ.
 
     python -m bench.run_all [--quick] [--out runs/bench/report]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,13 @@ STRENGTHENED = ("sonic-layer+", "sonic-chunk+", "hcache+")  # the same records w
 
 
 def machine_header() -> dict:
-    return {"cpu": machine.cpu_model(), "cores": machine.cpu_count(), "memory_gib": machine.memory_gib(),
-            "torch": machine.library_versions(("torch",))["torch"], "gpu": machine.gpu_name()}
+    return {
+        "cpu": machine.cpu_model(),
+        "cores": machine.cpu_count(),
+        "memory_gib": machine.memory_gib(),
+        "torch": machine.library_versions(("torch",))["torch"],
+        "gpu": machine.gpu_name(),
+    }
 
 
 def bytes_and_energy(model_dir: str, images_by_size: dict, prompt: str, rounds: int = 3) -> dict:
@@ -70,7 +76,9 @@ def bytes_and_energy(model_dir: str, images_by_size: dict, prompt: str, rounds: 
                 rows[policy] = {"bytes": r.bytes_written, "tokens": inputs.num_tokens}
         for policy, row in rows.items():
             row["wall_s"] = min(walls[policy])
-            row["energy_j"] = row["wall_s"] * power.compute_w + row["bytes"] / power.ssd_write_bytes_per_s * power.ssd_write_w
+            row["energy_j"] = (
+                row["wall_s"] * power.compute_w + row["bytes"] / power.ssd_write_bytes_per_s * power.ssd_write_w
+            )
         out[label] = rows
     return out
 
@@ -101,24 +109,42 @@ def decode_compression(model_dir: str, images: list, prompt: str) -> dict:
                         raise SimulatedCut("late in decode")
 
             try:
-                Engine(model, EngineOptions(geometry=geometry, decode_kv_compression=mode, async_writes=False),
-                       events=cut).run(inputs, d, n)
+                Engine(
+                    model, EngineOptions(geometry=geometry, decode_kv_compression=mode, async_writes=False), events=cut
+                ).run(inputs, d, n)
             except SimulatedCut:
                 pass
             log_bytes = os.path.getsize(os.path.join(d, "decode.log"))
             fresh = load_model(model_dir, device="cpu")
             r = Engine(fresh, EngineOptions(geometry=geometry, decode_kv_compression=mode)).run(inputs, d, n)
             same = sum(a == b for a, b in zip(r.token_ids, ref.token_ids))
-            out[mode] = {"decode_log_bytes": log_bytes, "restore_s": r.phase_seconds["restore"] + r.phase_seconds["prefill"],
-                         "tokens_equal": same, "tokens": len(ref.token_ids),
-                         "bitwise": r.token_ids == ref.token_ids and bool((r.logits == ref.logits).all()),
-                         "max_logit_diff": float((r.logits - ref.logits).abs().max())}
+            out[mode] = {
+                "decode_log_bytes": log_bytes,
+                "restore_s": r.phase_seconds["restore"] + r.phase_seconds["prefill"],
+                "tokens_equal": same,
+                "tokens": len(ref.token_ids),
+                "bitwise": r.token_ids == ref.token_ids and bool((r.logits == ref.logits).all()),
+                "max_logit_diff": float((r.logits - ref.logits).abs().max()),
+            }
     return out
 
 
-def e2e_campaign(model_dir: str, images: list, prompt: str, traces: list, out_dir: str, request_seconds: float,
-                 timeout_s: float, pace_ms: float | None = None, time_scale: float | str = "auto",
-                 policies=None, workloads=None, seeds=(0,), cadences=("fixed",), jobs: int = 1) -> list:
+def e2e_campaign(
+    model_dir: str,
+    images: list,
+    prompt: str,
+    traces: list,
+    out_dir: str,
+    request_seconds: float,
+    timeout_s: float,
+    pace_ms: float | None = None,
+    time_scale: float | str = "auto",
+    policies=None,
+    workloads=None,
+    seeds=(0,),
+    cadences=("fixed",),
+    jobs: int = 1,
+) -> list:
     """The `small` model (12 layers: a cut inside a whole-chunk checkpoint loses up to 12
     layer-chunks, inside an OrbitWeaver block 2), a prefill-heavy request (two 512 px images, a
     short answer) as in the paper's multi-frame missions, paced and storage-emulated, the boot
@@ -127,22 +153,55 @@ def e2e_campaign(model_dir: str, images: list, prompt: str, traces: list, out_di
     from hil.campaign import run_campaign
     from hil.testbench import BenchConfig, RequestSpec
 
-    base = BenchConfig(trace=traces[0], model=model_dir, out_dir=out_dir, requests=1,
-                       workload=[RequestSpec(tuple(images), prompt, 8)], time_scale=time_scale,
-                       request_seconds=request_seconds, pace_ms=pace_ms, chunk=64, group=2, decode_every=4,
-                       vision_every=2, timeout_s=timeout_s, emulate_target_storage=True)
-    cells = run_campaign(base, traces, list(policies or POLICIES + STRENGTHENED), list(seeds),
-                         say=lambda s: print(s, flush=True), workloads=workloads, cadences=list(cadences), jobs=jobs)
+    base = BenchConfig(
+        trace=traces[0],
+        model=model_dir,
+        out_dir=out_dir,
+        requests=1,
+        workload=[RequestSpec(tuple(images), prompt, 8)],
+        time_scale=time_scale,
+        request_seconds=request_seconds,
+        pace_ms=pace_ms,
+        chunk=64,
+        group=2,
+        decode_every=4,
+        vision_every=2,
+        timeout_s=timeout_s,
+        emulate_target_storage=True,
+    )
+    cells = run_campaign(
+        base,
+        traces,
+        list(policies or POLICIES + STRENGTHENED),
+        list(seeds),
+        say=lambda s: print(s, flush=True),
+        workloads=workloads,
+        cadences=list(cadences),
+        jobs=jobs,
+    )
     # OrbitWeaver with the paper's (fixed) cadence is "orbitweaver" in every comparison; the
     # adaptive cadence keeps its label.
-    return [{"trace": c.trace, "workload": c.workload, "seed": c.seed, "cadence": c.cadence,
-             "policy": "orbitweaver" if c.policy == "orbitweaver (fixed)" else c.policy,
-             "completed": c.report.completion_rate, "requests": len(c.report.requests),
-             "run_dir": os.path.relpath(c.report_dir, os.path.dirname(out_dir)) if c.report_dir else None,
-             "correct": c.report.all_correct, "e2e_trace_s": statistics.mean(
-                 [q.e2e_trace_s for q in c.report.requests if q.e2e_trace_s is not None] or [float("nan")]),
-             "cuts": c.report.cuts_total, "mib": c.report.bytes_written / 2**20, "energy_j": c.report.energy_j,
-             "wall_s": c.report.wall_s} for c in cells]
+    return [
+        {
+            "trace": c.trace,
+            "workload": c.workload,
+            "seed": c.seed,
+            "cadence": c.cadence,
+            "policy": "orbitweaver" if c.policy == "orbitweaver (fixed)" else c.policy,
+            "completed": c.report.completion_rate,
+            "requests": len(c.report.requests),
+            "run_dir": os.path.relpath(c.report_dir, os.path.dirname(out_dir)) if c.report_dir else None,
+            "correct": c.report.all_correct,
+            "e2e_trace_s": statistics.mean(
+                [q.e2e_trace_s for q in c.report.requests if q.e2e_trace_s is not None] or [float("nan")]
+            ),
+            "cuts": c.report.cuts_total,
+            "mib": c.report.bytes_written / 2**20,
+            "energy_j": c.report.energy_j,
+            "wall_s": c.report.wall_s,
+        }
+        for c in cells
+    ]
 
 
 def plot_bars(path, title, groups, series, ylabel):
@@ -170,10 +229,16 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench", "report"))
     p.add_argument("--traces", default="trace-a,trace-b,sat1-like,sat2-like,dellingr-like", help="end-to-end traces")
     p.add_argument("--jobs", type=int, default=2, help="end-to-end runs at once")
-    p.add_argument("--reuse", action="store_true",
-                   help="reuse the parts already measured in OUT (their JSON files) and run only the missing ones")
-    p.add_argument("--report-only", action="store_true",
-                   help="measure nothing: write the report from the parts in OUT (missing parts are left out)")
+    p.add_argument(
+        "--reuse",
+        action="store_true",
+        help="reuse the parts already measured in OUT (their JSON files) and run only the missing ones",
+    )
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="measure nothing: write the report from the parts in OUT (missing parts are left out)",
+    )
     args = p.parse_args(argv)
     from common import log as owlog
 
@@ -210,14 +275,28 @@ def main(argv=None) -> int:
         """A benchmark script that writes its JSON itself: run it, keep nothing."""
         return lambda path: main_fn(argv + [path]) and None or None
 
-    part("overhead", "Fig. 12: uninterrupted overhead",
-         writes_its_own(engine_overhead.main, ["--rounds", "2" if args.quick else "3", "--out"]))
-    part("bytes_energy", "Fig. 13/14: bytes written and energy per policy", lambda path: bytes_and_energy(
-        model, {"4 images": small_imgs, "8 images": large_imgs}, prompt, rounds=1 if args.quick else 3))
-    part("planner", "Sec. 5.3: planner time and plan quality (simulated)",
-         writes_its_own(recovery_planner.main, ["--seeds", "2" if args.quick else "5", "--no-gap", "--json"]))
-    part("recovery", "Fig. 11: recovery latency, real engine",
-         writes_its_own(recovery_latency.main, ["--repeats", "1" if args.quick else "2", "--out"]))
+    part(
+        "overhead",
+        "Fig. 12: uninterrupted overhead",
+        writes_its_own(engine_overhead.main, ["--rounds", "2" if args.quick else "3", "--out"]),
+    )
+    part(
+        "bytes_energy",
+        "Fig. 13/14: bytes written and energy per policy",
+        lambda path: bytes_and_energy(
+            model, {"4 images": small_imgs, "8 images": large_imgs}, prompt, rounds=1 if args.quick else 3
+        ),
+    )
+    part(
+        "planner",
+        "Sec. 5.3: planner time and plan quality (simulated)",
+        writes_its_own(recovery_planner.main, ["--seeds", "2" if args.quick else "5", "--no-gap", "--json"]),
+    )
+    part(
+        "recovery",
+        "Fig. 11: recovery latency, real engine",
+        writes_its_own(recovery_latency.main, ["--repeats", "1" if args.quick else "2", "--out"]),
+    )
     part("compression", "Sec. 6: decode-KV compression", lambda path: decode_compression(model, small_imgs, prompt))
     traces = [t for t in args.traces.split(",") if t][: 1 if args.quick else None]
     # The real processes, paced: 600 ms per unit of work (a prefill block of G layers is G units)
@@ -228,16 +307,49 @@ def main(argv=None) -> int:
     workloads = ["paper"] if args.quick else ["paper", "back-to-back"]
     seeds = [0] if args.quick else [0, 1]
     for name, pols, cadences in (("e2e", POLICIES, ("fixed", "adaptive")), ("e2e_plus", STRENGTHENED, ("fixed",))):
-        part(name, f"Fig. 10: end-to-end through the testbench ({', '.join(pols)})",
-             lambda path, pols=pols, cadences=cadences, name=name: e2e_campaign(
-                 model, small_imgs[:2], prompt, traces, os.path.join(out, name), request_seconds=100.0,
-                 timeout_s=1500.0, pace_ms=300.0 if args.quick else 600.0, time_scale=0.3 if args.quick else 0.6,
-                 policies=list(pols), workloads=workloads, seeds=seeds, cadences=cadences, jobs=args.jobs))
-    part("validation", "Simulator validation against the testbench runs", lambda path: sim_figures.validation(
-        [os.path.join(out, r["run_dir"]) for r in data.get("e2e", []) + data.get("e2e_plus", []) if r.get("run_dir")],
-        model, small_imgs[:2], prompt, path) and None)
-    part("sim", "Figures 10-14 at the real model sizes (simulated)",
-         writes_its_own(sim_figures.main, (["--quick"] if args.quick else []) + ["--out"]))
+        part(
+            name,
+            f"Fig. 10: end-to-end through the testbench ({', '.join(pols)})",
+            lambda path, pols=pols, cadences=cadences, name=name: e2e_campaign(
+                model,
+                small_imgs[:2],
+                prompt,
+                traces,
+                os.path.join(out, name),
+                request_seconds=100.0,
+                timeout_s=1500.0,
+                pace_ms=300.0 if args.quick else 600.0,
+                time_scale=0.3 if args.quick else 0.6,
+                policies=list(pols),
+                workloads=workloads,
+                seeds=seeds,
+                cadences=cadences,
+                jobs=args.jobs,
+            ),
+        )
+    part(
+        "validation",
+        "Simulator validation against the testbench runs",
+        lambda path: (
+            sim_figures.validation(
+                [
+                    os.path.join(out, r["run_dir"])
+                    for r in data.get("e2e", []) + data.get("e2e_plus", [])
+                    if r.get("run_dir")
+                ],
+                model,
+                small_imgs[:2],
+                prompt,
+                path,
+            )
+            and None
+        ),
+    )
+    part(
+        "sim",
+        "Figures 10-14 at the real model sizes (simulated)",
+        writes_its_own(sim_figures.main, (["--quick"] if args.quick else []) + ["--out"]),
+    )
     data["elapsed_s"] = time.time() - t0
     with open(os.path.join(out, "bench.json"), "w") as f:
         json.dump(data, f, indent=2, default=str)
@@ -248,34 +360,45 @@ def main(argv=None) -> int:
 
 def write_report(out: str, d: dict) -> None:
     m = d["machine"]
-    lines = ["# OrbitWeaver benchmark report", "",
-             f"Hardware: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, GPU: {m['gpu'] or 'none'}; "
-             f"torch {m['torch']}. **These are CPU timings on this machine, not Jetson timings**: read the ratios. "
-             f"Where I/O matters, a *target-emulated* column throttles storage to the read-to-compute ratio of a "
-             f"Jetson AGX Orin with NVMe (docs/recovery.md §7).", ""]
+    lines = [
+        "# OrbitWeaver benchmark report",
+        "",
+        f"Hardware: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, GPU: {m['gpu'] or 'none'}; "
+        f"torch {m['torch']}. **These are CPU timings on this machine, not Jetson timings**: read the ratios. "
+        f"Where I/O matters, a *target-emulated* column throttles storage to the read-to-compute ratio of a "
+        f"Jetson AGX Orin with NVMe (docs/recovery.md §7).",
+        "",
+    ]
     from bench import report as rep
 
     e2e = d.get("e2e", []) + d.get("e2e_plus", [])
     lines += rep.summary_lines(d)
     lines += rep.validation_lines(d)
     lines += rep.sim_lines(d)
-    missing = [k for k in ("overhead", "bytes_energy", "recovery", "compression", "planner", "e2e", "sim", "validation")
-               if k not in d]
+    missing = [
+        k
+        for k in ("overhead", "bytes_energy", "recovery", "compression", "planner", "e2e", "sim", "validation")
+        if k not in d
+    ]
     if missing:
         lines += [f"Not measured in this run (their sections are left out): {', '.join(missing)}.", ""]
     lines += _engine_sections(out, d)
     lines += _e2e_section(out, e2e)
-    lines += ["## Where ours differs from the paper, and why", "",
-              "- Compute here is a CPU running a ~100 M-parameter model (benchmarks) or a paced small model (testbench); "
-              "the Jetson runs 2-8 B models on a GPU. The real-size columns are simulated (docs/sim.md), checked "
-              "against the real processes in the validation table.",
-              "- The payload's boot in the end-to-end campaign is emulated like the compute (15 trace s: a Jetson "
-              "Orin's boot, docs/hil.md): the payload is forked from a process that has imported its libraries "
-              "and waits the boot out at the campaign's time scale; what the flight process does after that runs "
-              "on this CPU and counts in trace time at the same scale.",
-              "- Bytes written compare policies on the same engine and record format; the paper's ratios are for "
-              "2K-32K-token prompts on 2-8 B models: the simulated columns, from the record encoder's sizes.",
-              "", f"Total benchmark time {d.get('elapsed_s', 0) / 60:.1f} min."]
+    lines += [
+        "## Where ours differs from the paper, and why",
+        "",
+        "- Compute here is a CPU running a ~100 M-parameter model (benchmarks) or a paced small model (testbench); "
+        "the Jetson runs 2-8 B models on a GPU. The real-size columns are simulated (docs/sim.md), checked "
+        "against the real processes in the validation table.",
+        "- The payload's boot in the end-to-end campaign is emulated like the compute (15 trace s: a Jetson "
+        "Orin's boot, docs/hil.md): the payload is forked from a process that has imported its libraries "
+        "and waits the boot out at the campaign's time scale; what the flight process does after that runs "
+        "on this CPU and counts in trace time at the same scale.",
+        "- Bytes written compare policies on the same engine and record format; the paper's ratios are for "
+        "2K-32K-token prompts on 2-8 B models: the simulated columns, from the record encoder's sizes.",
+        "",
+        f"Total benchmark time {d.get('elapsed_s', 0) / 60:.1f} min.",
+    ]
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -285,72 +408,132 @@ def _engine_sections(out: str, d: dict) -> list:
     ov, be = d.get("overhead"), d.get("bytes_energy")
     rec = d["recovery"]["rows"] if "recovery" in d else []
     if ov:
-        lines += ["## Fig. 12 — uninterrupted overhead (real engine, this CPU)", "",
-                  f"{ov['model']}, {ov['prompt_tokens']} prompt tokens, C={ov['geometry']['chunk']} G={ov['geometry']['group']} "
-                  f"D={ov['geometry']['decode_every']}: none {ov['wall_s_median']['none']:.2f} s, orbitweaver "
-                  f"{ov['wall_s_median']['orbitweaver']:.2f} s (median), ratio {ov['overhead_ratio_median']:.3f}; per round "
-                  f"{', '.join(f'{x:.3f}' for x in ov['overhead_ratios'])}. Checkpoints: {ov['bytes_written'] / 2**20:.1f} MiB, "
-                  f"written at {ov['checkpoint_write_bytes_per_s'] / 2**20:.0f} MiB/s in the background (dd with fsync: "
-                  f"{ov['dd_write_bytes_per_s'] / 2**20:.0f} MiB/s). Peak RSS delta {ov['peak_rss_delta_bytes'] / 2**20:+.1f} MiB = "
-                  f"{ov['peak_rss_delta_blocks']:+.2f} prefill blocks (median of the runs; allocator noise is a few MiB). "
-                  f"State held by checkpointing at its peak (exact, from the writer): "
-                  + ", ".join(f"{ph} {n:.2f}" for ph, n in ov.get('held_state_peak_blocks', {}).items())
-                  + " prefill blocks (goal <= 2 records: one being written, one queued).", ""]
+        lines += [
+            "## Fig. 12 — uninterrupted overhead (real engine, this CPU)",
+            "",
+            f"{ov['model']}, {ov['prompt_tokens']} prompt tokens, C={ov['geometry']['chunk']} G={ov['geometry']['group']} "
+            f"D={ov['geometry']['decode_every']}: none {ov['wall_s_median']['none']:.2f} s, orbitweaver "
+            f"{ov['wall_s_median']['orbitweaver']:.2f} s (median), ratio {ov['overhead_ratio_median']:.3f}; per round "
+            f"{', '.join(f'{x:.3f}' for x in ov['overhead_ratios'])}. Checkpoints: {ov['bytes_written'] / 2**20:.1f} MiB, "
+            f"written at {ov['checkpoint_write_bytes_per_s'] / 2**20:.0f} MiB/s in the background (dd with fsync: "
+            f"{ov['dd_write_bytes_per_s'] / 2**20:.0f} MiB/s). Peak RSS delta {ov['peak_rss_delta_bytes'] / 2**20:+.1f} MiB = "
+            f"{ov['peak_rss_delta_blocks']:+.2f} prefill blocks (median of the runs; allocator noise is a few MiB). "
+            f"State held by checkpointing at its peak (exact, from the writer): "
+            + ", ".join(f"{ph} {n:.2f}" for ph, n in ov.get("held_state_peak_blocks", {}).items())
+            + " prefill blocks (goal <= 2 records: one being written, one queued).",
+            "",
+        ]
     if be:
         labels = list(be)
-        plot_bars(os.path.join(out, "bytes.png"), "Fig. 13: bytes written, uninterrupted", labels,
-                  {pol: [be[l][pol]["bytes"] / 2**20 for l in labels] for pol in POLICIES + STRENGTHENED if pol in be[labels[0]]},
-                  "MiB")
-        plot_bars(os.path.join(out, "energy.png"), "Fig. 14: energy (power model), uninterrupted", labels,
-                  {pol: [be[l][pol]["energy_j"] for l in labels] for pol in ("none",) + POLICIES + STRENGTHENED
-                   if pol in be[labels[0]]}, "J")
-        lines += ["## Fig. 13 / 14 — bytes written and energy, uninterrupted (real engine, this CPU, native storage)", "",
-                  "| prompt | policy | tokens | MiB written | vs orbitweaver | wall (s) | energy (J) |", "|---|---|---|---|---|---|---|"]
+        plot_bars(
+            os.path.join(out, "bytes.png"),
+            "Fig. 13: bytes written, uninterrupted",
+            labels,
+            {
+                pol: [be[l][pol]["bytes"] / 2**20 for l in labels]
+                for pol in POLICIES + STRENGTHENED
+                if pol in be[labels[0]]
+            },
+            "MiB",
+        )
+        plot_bars(
+            os.path.join(out, "energy.png"),
+            "Fig. 14: energy (power model), uninterrupted",
+            labels,
+            {
+                pol: [be[l][pol]["energy_j"] for l in labels]
+                for pol in ("none",) + POLICIES + STRENGTHENED
+                if pol in be[labels[0]]
+            },
+            "J",
+        )
+        lines += [
+            "## Fig. 13 / 14 — bytes written and energy, uninterrupted (real engine, this CPU, native storage)",
+            "",
+            "| prompt | policy | tokens | MiB written | vs orbitweaver | wall (s) | energy (J) |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for l in labels:
             for pol in [p for p in ("none",) + POLICIES + STRENGTHENED if p in be[l]]:
                 r = be[l][pol]
                 rel = r["bytes"] / be[l]["orbitweaver"]["bytes"] if be[l]["orbitweaver"]["bytes"] else 0
-                lines.append(f"| {l} | {pol} | {r['tokens']} | {r['bytes'] / 2**20:.1f} | {rel:.2f}x | {r['wall_s']:.2f} | {r['energy_j']:.0f} |")
-        lines += ["", "![bytes](bytes.png) ![energy](energy.png)", "",
-                  "Energy = 30 W x wall + 3.5 W x bytes / 1.5 GB/s (docs/hil.md power model).", ""]
+                lines.append(
+                    f"| {l} | {pol} | {r['tokens']} | {r['bytes'] / 2**20:.1f} | {rel:.2f}x | {r['wall_s']:.2f} | {r['energy_j']:.0f} |"
+                )
+        lines += [
+            "",
+            "![bytes](bytes.png) ![energy](energy.png)",
+            "",
+            "Energy = 30 W x wall + 3.5 W x bytes / 1.5 GB/s (docs/hil.md power model).",
+            "",
+        ]
     if rec:
         names = list(dict.fromkeys(r["planner"] for r in rec))
-        lines += ["## Fig. 11 — recovery latency (real engine, cold page cache)", "",
-                  f"{d['recovery']['model']}, {d['recovery']['prompt_tokens']} prompt tokens. Each cell: time to finish "
-                  f"prefill (resumed run start to prefill complete) / restart latency (that minus the uninterrupted "
-                  f"run's time for the same rest of prefill: what the cut itself cost). OrbitWeaver with each planner; "
-                  f"the paper-defined baselines with their own restore. Target-emulated reads: "
-                  f"{d['recovery']['emulated_read_bytes_per_s'] / 2**20:.1f} MiB/s.", "",
-                  "| progress | column | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+        lines += [
+            "## Fig. 11 — recovery latency (real engine, cold page cache)",
+            "",
+            f"{d['recovery']['model']}, {d['recovery']['prompt_tokens']} prompt tokens. Each cell: time to finish "
+            f"prefill (resumed run start to prefill complete) / restart latency (that minus the uninterrupted "
+            f"run's time for the same rest of prefill: what the cut itself cost). OrbitWeaver with each planner; "
+            f"the paper-defined baselines with their own restore. Target-emulated reads: "
+            f"{d['recovery']['emulated_read_bytes_per_s'] / 2**20:.1f} MiB/s.",
+            "",
+            "| progress | column | " + " | ".join(names) + " |",
+            "|---|---|" + "---|" * len(names),
+        ]
         for prog in (0.25, 0.5, 0.75):
             for mode in ("native", "target-emulated"):
                 cells = {r["planner"]: r for r in rec if r["progress"] == prog and r["mode"] == mode}
                 if cells:
-                    lines.append(f"| {int(prog * 100)} % | {mode} | " + " | ".join(
-                        f"{cells[p]['latency_s']:.2f} / {cells[p].get('restart_latency_s', float('nan')):.2f} s"
-                        if p in cells else "-" for p in names) + " |")
-        lines += ["", "Reading the measured table: in the native column reads cost almost nothing, so every plan does "
-                  "the same work and the spread between planners is run-to-run noise (a few per cent, best of the "
-                  "repeats). In the target-emulated column the fixed chunk-first order stalls on reads (well above "
-                  "the bound) while layer-first and optimal stay within about 10 % of it; where optimal "
-                  "finds no better order than layer-first it runs layer-first's plan itself (a tie goes to the known "
-                  "order), so the summary says 'same plan' instead of comparing two noisy runs of one plan. Under the "
-                  "planner's own cost model (the simulated table below, "
-                  "at the real model dimensions) optimal is never slower than either fixed order."]
+                    lines.append(
+                        f"| {int(prog * 100)} % | {mode} | "
+                        + " | ".join(
+                            f"{cells[p]['latency_s']:.2f} / {cells[p].get('restart_latency_s', float('nan')):.2f} s"
+                            if p in cells
+                            else "-"
+                            for p in names
+                        )
+                        + " |"
+                    )
+        lines += [
+            "",
+            "Reading the measured table: in the native column reads cost almost nothing, so every plan does "
+            "the same work and the spread between planners is run-to-run noise (a few per cent, best of the "
+            "repeats). In the target-emulated column the fixed chunk-first order stalls on reads (well above "
+            "the bound) while layer-first and optimal stay within about 10 % of it; where optimal "
+            "finds no better order than layer-first it runs layer-first's plan itself (a tie goes to the known "
+            "order), so the summary says 'same plan' instead of comparing two noisy runs of one plan. Under the "
+            "planner's own cost model (the simulated table below, "
+            "at the real model dimensions) optimal is never slower than either fixed order.",
+        ]
     if "planner" in d:
         plan_rows = [r for r in d["planner"]["makespan"] if r["column"] == "target-emulated"]
-        lines += ["", "Simulated plans at the real dimensions (docs/recovery.md), makespan over the lower bound, target-emulated:", "",
-                  "| model | frontier | done | chunk-first | layer-first | optimal |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Simulated plans at the real dimensions (docs/recovery.md), makespan over the lower bound, target-emulated:",
+            "",
+            "| model | frontier | done | chunk-first | layer-first | optimal |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in plan_rows:
-            lines.append(f"| {r.get('model', '')} | {r['frontier']} | {r['progress']:.0%} | {r['chunk-first']:.3f} | "
-                         f"{r['layer-first']:.3f} | {r['optimal']:.3f} |")
+            lines.append(
+                f"| {r.get('model', '')} | {r['frontier']} | {r['progress']:.0%} | {r['chunk-first']:.3f} | "
+                f"{r['layer-first']:.3f} | {r['optimal']:.3f} |"
+            )
     if "compression" in d:
         c = d["compression"]
-        lines += ["", "## Sec. 6 — decode-KV compression (int8, off by default)", "",
-                  "| decode records | log bytes | restore (s) | tokens equal | bitwise | max logit diff |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Sec. 6 — decode-KV compression (int8, off by default)",
+            "",
+            "| decode records | log bytes | restore (s) | tokens equal | bitwise | max logit diff |",
+            "|---|---|---|---|---|---|",
+        ]
         for mode, r in c.items():
-            lines.append(f"| {mode} | {r['decode_log_bytes'] / 2**20:.2f} MiB | {r['restore_s']:.3f} | {r['tokens_equal']}/{r['tokens']} | "
-                         f"{'yes' if r['bitwise'] else 'no'} | {r['max_logit_diff']:.3g} |")
+            lines.append(
+                f"| {mode} | {r['decode_log_bytes'] / 2**20:.2f} MiB | {r['restore_s']:.3f} | {r['tokens_equal']}/{r['tokens']} | "
+                f"{'yes' if r['bitwise'] else 'no'} | {r['max_logit_diff']:.3g} |"
+            )
     return lines
 
 
@@ -358,27 +541,52 @@ def _e2e_section(out: str, e2e: list) -> list:
     lines = []
     if not e2e:
         return lines
-    lines += ["## Fig. 10 — end to end, real processes through the testbench", "",
-              "The small model (12 layers), every unit of work paced to 600 ms (a prefill block of G layers is G "
-              "units) at 0.6 wall s per trace s; checkpoint storage throttled to the Orin's read/write-to-compute "
-              "ratio; prefill-heavy requests (two 512 px images, C=64, G=2): the paper's two per trace and four back "
-              "to back. The payload's boot is emulated (15 trace s, docs/hil.md). Paper-defined baselines, the "
-              "strengthened ones (`+`), and OrbitWeaver with the adaptive cadence. e2e is the mean over the "
-              "requests that completed; `completed` says how many did.", "",
-              "| trace | workload | seed | policy | completed | outputs | e2e (trace s) | cuts | MiB | energy (J) | wall (s) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "## Fig. 10 — end to end, real processes through the testbench",
+        "",
+        "The small model (12 layers), every unit of work paced to 600 ms (a prefill block of G layers is G "
+        "units) at 0.6 wall s per trace s; checkpoint storage throttled to the Orin's read/write-to-compute "
+        "ratio; prefill-heavy requests (two 512 px images, C=64, G=2): the paper's two per trace and four back "
+        "to back. The payload's boot is emulated (15 trace s, docs/hil.md). Paper-defined baselines, the "
+        "strengthened ones (`+`), and OrbitWeaver with the adaptive cadence. e2e is the mean over the "
+        "requests that completed; `completed` says how many did.",
+        "",
+        "| trace | workload | seed | policy | completed | outputs | e2e (trace s) | cuts | MiB | energy (J) | wall (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in e2e:
         e2e_s = "-" if r["e2e_trace_s"] != r["e2e_trace_s"] else f"{r['e2e_trace_s']:.0f}"
-        done = ("**none**" if not r["completed"] else f"{r['completed']:.0%}")
-        lines.append(f"| {r['trace']} | {r.get('workload', 'paper')} | {r.get('seed', 0)} | {r['policy']} | {done} | "
-                     f"{'bitwise' if r['correct'] else '-'} | {e2e_s} | {r['cuts']} | {r['mib']:.1f} | "
-                     f"{r['energy_j']:.0f} | {r['wall_s']:.0f} |")
+        done = "**none**" if not r["completed"] else f"{r['completed']:.0%}"
+        lines.append(
+            f"| {r['trace']} | {r.get('workload', 'paper')} | {r.get('seed', 0)} | {r['policy']} | {done} | "
+            f"{'bitwise' if r['correct'] else '-'} | {e2e_s} | {r['cuts']} | {r['mib']:.1f} | "
+            f"{r['energy_j']:.0f} | {r['wall_s']:.0f} |"
+        )
     traces = sorted({r["trace"] for r in e2e})
     policies = sorted({r["policy"] for r in e2e})
-    plot_bars(os.path.join(out, "e2e.png"), "Fig. 10: end-to-end time per trace (trace s, paper workload, seed 0)",
-              traces, {pol: [next((r["e2e_trace_s"] for r in e2e if r["trace"] == t and r["policy"] == pol
-                                   and r.get("workload", "paper") == "paper" and r.get("seed", 0) == 0), 0)
-                             for t in traces] for pol in policies}, "trace seconds")
+    plot_bars(
+        os.path.join(out, "e2e.png"),
+        "Fig. 10: end-to-end time per trace (trace s, paper workload, seed 0)",
+        traces,
+        {
+            pol: [
+                next(
+                    (
+                        r["e2e_trace_s"]
+                        for r in e2e
+                        if r["trace"] == t
+                        and r["policy"] == pol
+                        and r.get("workload", "paper") == "paper"
+                        and r.get("seed", 0) == 0
+                    ),
+                    0,
+                )
+                for t in traces
+            ]
+            for pol in policies
+        },
+        "trace seconds",
+    )
     lines += ["", "![e2e](e2e.png)", ""]
     return lines
 

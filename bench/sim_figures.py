@@ -9,6 +9,7 @@ strengthened) x 8 arrivals x 3 seeds; its free parameters (payload boot, commit 
 swept as a band. Simulated time, not measured time: the validation table (`validate`) says how
 well the simulator predicts the real processes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,7 +18,6 @@ import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -27,8 +27,8 @@ CONFIGS = {
     "2b-agx": dict(model="qwen3-vl-2b", target="orin-agx", frames=8, tokens_per_frame=2048),
     "8b-nx": dict(model="qwen3-vl-8b", target="orin-nx", frames=8, tokens_per_frame=4096),
 }
-BOOT_BAND = (10.0, 30.0)            # seconds: a Jetson's Linux boot + payload process start
-COMMIT_BAND = (0.25e-3, 4e-3)       # seconds per durable record commit (two NVMe flushes)
+BOOT_BAND = (10.0, 30.0)  # seconds: a Jetson's Linux boot + payload process start
+COMMIT_BAND = (0.25e-3, 4e-3)  # seconds per durable record commit (two NVMe flushes)
 
 
 def _fig10_one(args):
@@ -61,8 +61,11 @@ def main(argv=None) -> int:
         print(f"== real-size simulation: {Config(**base).label()} ==", flush=True)
         entry = {"label": Config(**base).label(), "fig10": fig10_parallel(base, seeds, 8)}
         s = entry["fig10"]["summary"]
-        print("  geo-mean speedup of orbitweaver: " + ", ".join(
-            f"{b} {v['geomean']:.2f}x" for b, v in s["speedup"].items() if v["geomean"]), flush=True)
+        print(
+            "  geo-mean speedup of orbitweaver: "
+            + ", ".join(f"{b} {v['geomean']:.2f}x" for b, v in s["speedup"].items() if v["geomean"]),
+            flush=True,
+        )
         entry["fig10_band"] = []
         if not args.quick:
             for boot in BOOT_BAND:

@@ -3,6 +3,7 @@
 Component modules are imported lazily so that `ow --help` stays fast and a component that is
 not installed does not break the others.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,6 @@ COMPONENTS = [
 
 
 from common.errors import CliError  # noqa: F401  (re-exported: components raise common.cli.CliError)
-
 
 #: Commands whose start-up time matters, with the one component they need: `ow flight run` is
 #: what the bus powers on, and it must answer the bus within a fraction of a second of exec.

@@ -5,6 +5,7 @@ full disks or a slow flash device.
 `DurableFS` is the real thing (os calls + fsync). `ThrottledFS` wraps one with a token bucket so
 that benchmarks can emulate a target device's storage bandwidth (see docs/benchmarks.md).
 """
+
 from __future__ import annotations
 
 import errno

@@ -18,6 +18,7 @@ picture the same way (docs/flight.md "Images"):
 so that the payload's command thread can apply it without importing transformers;
 tests/flight/test_images_memory.py checks that the two agree.
 """
+
 from __future__ import annotations
 
 import io
@@ -55,14 +56,17 @@ class ProcessorLimits:
     max_pixels: int = 28 * 28 * 1280
 
     @classmethod
-    def of_processor(cls, processor) -> "ProcessorLimits":
+    def of_processor(cls, processor) -> ProcessorLimits:
         size = getattr(processor, "size", None) or {}
         get = size.get if isinstance(size, dict) else (lambda k, d=None: getattr(size, k, d))
-        return cls(int(processor.patch_size) * int(processor.merge_size),
-                   int(get("shortest_edge", cls.min_pixels)), int(get("longest_edge", cls.max_pixels)))
+        return cls(
+            int(processor.patch_size) * int(processor.merge_size),
+            int(get("shortest_edge", cls.min_pixels)),
+            int(get("longest_edge", cls.max_pixels)),
+        )
 
     @classmethod
-    def of_model_dir(cls, model_dir: str) -> "ProcessorLimits":
+    def of_model_dir(cls, model_dir: str) -> ProcessorLimits:
         """From the model directory's preprocessor_config.json, without importing transformers."""
         import json
 
@@ -72,18 +76,22 @@ class ProcessorLimits:
         except (OSError, ValueError):
             return cls()
         size = cfg.get("size") or {}
-        return cls(int(cfg.get("patch_size", 14)) * int(cfg.get("merge_size", 2)),
-                   int(size.get("shortest_edge", cfg.get("min_pixels", cls.min_pixels))),
-                   int(size.get("longest_edge", cfg.get("max_pixels", cls.max_pixels))))
+        return cls(
+            int(cfg.get("patch_size", 14)) * int(cfg.get("merge_size", 2)),
+            int(size.get("shortest_edge", cfg.get("min_pixels", cls.min_pixels))),
+            int(size.get("longest_edge", cfg.get("max_pixels", cls.max_pixels))),
+        )
 
 
 def target_size(width: int, height: int, limits: ProcessorLimits) -> tuple[int, int]:
     """(width, height) the processor resizes a width x height picture to (smart_resize).
     Raises ImageRejected(IMAGE_SHAPE_UNSUPPORTED) where the processor would raise."""
     if min(width, height) < 1 or max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
-        raise ImageRejected(ResponseCode.IMAGE_SHAPE_UNSUPPORTED,
-                            f"{width}x{height} pixels: aspect ratio above {MAX_ASPECT_RATIO}, which the model's "
-                            "image processor cannot take")
+        raise ImageRejected(
+            ResponseCode.IMAGE_SHAPE_UNSUPPORTED,
+            f"{width}x{height} pixels: aspect ratio above {MAX_ASPECT_RATIO}, which the model's "
+            "image processor cannot take",
+        )
     factor = limits.factor
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
@@ -118,8 +126,10 @@ def plan(im, name: str, limits: ProcessorLimits | None) -> tuple[int, int] | Non
     decode. Returns the processor's target size (None without `limits`). Raises ImageRejected."""
     width, height = im.width, im.height
     if width < 1 or height < 1 or width * height > MAX_IMAGE_PIXELS:
-        raise ImageRejected(ResponseCode.IMAGE_TOO_LARGE,
-                            f"{name}: {width}x{height} pixels, more than the payload decodes ({MAX_IMAGE_PIXELS})")
+        raise ImageRejected(
+            ResponseCode.IMAGE_TOO_LARGE,
+            f"{name}: {width}x{height} pixels, more than the payload decodes ({MAX_IMAGE_PIXELS})",
+        )
     target = None
     if limits is not None:
         target = target_size(width, height, limits)
@@ -128,9 +138,11 @@ def plan(im, name: str, limits: ProcessorLimits | None) -> tuple[int, int] | Non
     elif max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
         target_size(width, height, ProcessorLimits())  # raises with the shape code
     if decode_cost(im) > MAX_DECODE_BYTES and not (limits is None and im.format == "JPEG"):
-        raise ImageRejected(ResponseCode.IMAGE_TOO_LARGE,
-                            f"{name}: {width}x{height} {im.mode} pixels need {decode_cost(im) >> 20} MiB to decode, "
-                            f"more than the payload's {MAX_DECODE_BYTES >> 20} MiB")
+        raise ImageRejected(
+            ResponseCode.IMAGE_TOO_LARGE,
+            f"{name}: {width}x{height} {im.mode} pixels need {decode_cost(im) >> 20} MiB to decode, "
+            f"more than the payload's {MAX_DECODE_BYTES >> 20} MiB",
+        )
     return target
 
 
@@ -153,7 +165,9 @@ def open_reduced(source, name: str, limits: ProcessorLimits | None):
                     factor = min(picture.width // target[0], picture.height // target[1])
                     if factor >= 2:
                         if picture.mode not in _REDUCIBLE:
-                            picture = picture.convert("RGBA" if "A" in picture.getbands() or "transparency" in picture.info else "RGB")
+                            picture = picture.convert(
+                                "RGBA" if "A" in picture.getbands() or "transparency" in picture.info else "RGB"
+                            )
                         picture = picture.reduce(factor)
                 return picture.convert("RGB")
         except ImageRejected:
@@ -161,5 +175,6 @@ def open_reduced(source, name: str, limits: ProcessorLimits | None):
         except Image.DecompressionBombError as exc:
             raise ImageRejected(ResponseCode.IMAGE_TOO_LARGE, f"{name}: {exc}") from None
         except Exception as exc:  # PIL raises many kinds for bad data (DecompressionBombError too)
-            raise ImageRejected(ResponseCode.IMAGE_UNDECODABLE,
-                                f"{name}: not a decodable picture ({type(exc).__name__}: {exc})") from None
+            raise ImageRejected(
+                ResponseCode.IMAGE_UNDECODABLE, f"{name}: not a decodable picture ({type(exc).__name__}: {exc})"
+            ) from None

@@ -3,6 +3,7 @@
 Call `setup()` once per process (CLI entry points do). Every event carries `event`, `ts`,
 `level`, and whatever context the caller binds (task id, phase, ...).
 """
+
 from __future__ import annotations
 
 import logging

@@ -5,6 +5,7 @@ fact is read the same way everywhere.
 
 torch is imported only by `gpu_name` and `torch_details`: the bus host may not have it, and the
 payload's boot must not pay for it here."""
+
 from __future__ import annotations
 
 import os

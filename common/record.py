@@ -5,18 +5,19 @@ commit footer, checked by masked CRC32C. `encode` produces the byte chunks to wr
 bytes are not copied), `decode` parses a whole record, `decode_partial` reads only some tensors
 through a file object.
 """
+
 from __future__ import annotations
 
 import enum
 import math
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 import crc32c as _crc32c
 import msgpack
 import numpy as np
-
 
 
 def _torch():
@@ -25,6 +26,7 @@ def _torch():
     import torch
 
     return torch
+
 
 MAGIC = b"OWR1"
 COMMIT_MAGIC = b"OWC!"
@@ -87,8 +89,20 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 # Item sizes by dtype name, so that records can be checked without importing torch.
-ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
-            "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
+ITEMSIZE = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
 
 
 def dtype_from_name(name: str):
@@ -106,7 +120,7 @@ def aligned_buffer(nbytes: int) -> memoryview:
     like the original."""
     raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
     start = (-raw.ctypes.data) % ALIGN
-    return memoryview(raw[start:start + nbytes])
+    return memoryview(raw[start : start + nbytes])
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -150,8 +164,16 @@ def _layout(meta: dict | None, tensors: dict, salt: int, crc_of) -> tuple[dict, 
     for name, t in tensors.items():
         nbytes = _nbytes(t)
         offset = align(offset)
-        table.append({"name": name, "dtype": _dtype_of(t), "shape": list(t.shape),
-                      "offset": offset, "nbytes": nbytes, "crc": crc_of(t)})
+        table.append(
+            {
+                "name": name,
+                "dtype": _dtype_of(t),
+                "shape": list(t.shape),
+                "offset": offset,
+                "nbytes": nbytes,
+                "crc": crc_of(t),
+            }
+        )
         placed.append((offset, t))
         offset += nbytes
     meta["salt"] = int(salt)
@@ -187,8 +209,17 @@ class TensorSpec:
         return n * _DTYPE_SIZES[self.dtype]
 
 
-_DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int8": 1, "uint8": 1,
-                "bool": 1, "float64": 8}
+_DTYPE_SIZES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "float64": 8,
+}
 
 
 def encoded_size(kind: Kind, meta: dict | None, tensors: dict[str, TensorSpec]) -> int:
@@ -199,8 +230,9 @@ def encoded_size(kind: Kind, meta: dict | None, tensors: dict[str, TensorSpec]) 
     return align(HEADER_LEN + len(meta_bytes)) + payload_len + FOOTER_LEN
 
 
-def encode(kind: Kind, meta: dict | None = None, tensors: dict[str, torch.Tensor] | None = None,
-           salt: int = 0) -> Encoded:
+def encode(
+    kind: Kind, meta: dict | None = None, tensors: dict[str, torch.Tensor] | None = None, salt: int = 0
+) -> Encoded:
     """Lay out a record. Tensor bytes are referenced, not copied (keep tensors alive until written)."""
     tensors = tensors or {}
     view_of = {id(t): tensor_bytes(t) for t in tensors.values()}
@@ -250,8 +282,8 @@ def _parse_header(buf, base: int = 0, available: int | None = None) -> Header:
         raise RecordError("bad_length", "metadata length out of range")
     if available < HEADER_LEN + meta_len:
         raise RecordError("truncated", "metadata incomplete")
-    meta_bytes = bytes(buf[base + HEADER_LEN: base + HEADER_LEN + meta_len])
-    crc = masked_crc(meta_bytes, crc32c(bytes(buf[base: base + 20])))
+    meta_bytes = bytes(buf[base + HEADER_LEN : base + HEADER_LEN + meta_len])
+    crc = masked_crc(meta_bytes, crc32c(bytes(buf[base : base + 20])))
     if crc != header_crc:
         raise RecordError("header_crc")
     try:
@@ -269,8 +301,12 @@ def _check_table(header: Header) -> None:
             if entry["dtype"] not in ITEMSIZE:
                 raise RecordError("bad_meta", f"unknown dtype {entry['dtype']!r}")
             nbytes = math.prod(entry["shape"]) * ITEMSIZE[entry["dtype"]]
-            ok = (entry["nbytes"] == nbytes and entry["offset"] % ALIGN == 0
-                  and 0 <= entry["offset"] and entry["offset"] + nbytes <= header.payload_len)
+            ok = (
+                entry["nbytes"] == nbytes
+                and entry["offset"] % ALIGN == 0
+                and 0 <= entry["offset"]
+                and entry["offset"] + nbytes <= header.payload_len
+            )
         except (KeyError, TypeError):
             ok = False
         if not ok:
@@ -300,7 +336,7 @@ def decode(buf, base: int = 0, expect_kind: Kind | None = None) -> tuple[Record,
         raise RecordError("bad_length", "footer length disagrees with header")
     if commit != COMMIT_MAGIC:
         raise RecordError("no_commit")
-    if masked_crc(memoryview(buf)[base: base + total - FOOTER_LEN]) != record_crc:
+    if masked_crc(memoryview(buf)[base : base + total - FOOTER_LEN]) != record_crc:
         raise RecordError("record_crc")
     if expect_kind is not None and header.kind != expect_kind:
         raise RecordError("bad_meta", f"kind {header.kind}, expected {int(expect_kind)}")

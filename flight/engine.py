@@ -11,6 +11,7 @@ that is a recovery plan (flight/recovery/) that overlaps reads with recomputatio
 is the same code with an empty frontier. Tokens and logits are bitwise those of an
 uninterrupted run (tests/engine/).
 """
+
 from __future__ import annotations
 
 import threading
@@ -55,13 +56,13 @@ class Result:
     bytes_written: int
     phase_seconds: dict
     records_written: int = 0
-    records_skipped: int = 0        # lost to a full disk
-    records_deferred: int = 0       # optional records dropped while the writer was busy
+    records_skipped: int = 0  # lost to a full disk
+    records_deferred: int = 0  # optional records dropped while the writer was busy
     # Most tensor bytes that checkpointing kept alive at once, per phase ("vision", "prefill",
     # "decode"; each peak is credited to the next phase to end, which matters only when recovery
     # runs the vision phase inside prefill): what checkpointing adds to peak memory.
     held_state_peak_bytes: dict = field(default_factory=dict)
-    write_seconds: float = 0.0      # time the checkpoint writer spent writing (in the background)
+    write_seconds: float = 0.0  # time the checkpoint writer spent writing (in the background)
     restarted_reason: str | None = None
     plan: dict | None = None
     # What each restarted phase read ahead of its compute ("vision", "decode"; prefill's is `plan`).
@@ -69,6 +70,7 @@ class Result:
 
     def logits_sha256(self) -> str:
         import hashlib
+
         return hashlib.sha256(self.logits.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
@@ -94,8 +96,15 @@ class _Pacer:
 
 
 class Engine:
-    def __init__(self, model: LoadedModel, options: EngineOptions | None = None, fs: DurableFS | None = None,
-                 events=None, after_commit=None, cadence: Cadence | None = None):
+    def __init__(
+        self,
+        model: LoadedModel,
+        options: EngineOptions | None = None,
+        fs: DurableFS | None = None,
+        events=None,
+        after_commit=None,
+        cadence: Cadence | None = None,
+    ):
         self.m = model
         self.a = model.adapter
         self.options = options or EngineOptions()
@@ -117,13 +126,24 @@ class Engine:
     # ------------------------------------------------------------------------------------------
     def manifest(self, inputs: RequestInputs, max_new_tokens: int) -> dict:
         g = self.geometry
-        return {"model_hash": self.m.content_hash, "arch": self.m.model_type, "torch": torch.__version__,
-                "transformers": transformers.__version__, "dtype": str(self.m.dtype).removeprefix("torch."),
-                "attn_implementation": self.m.attn_implementation, "threads": torch.get_num_threads(),
-                "device_type": self.m.device.type, "chunk": g.chunk, "group": g.group,
-                "decode_every": g.decode_every, "vision_every": g.vision_every, "policy": self.policy.name,
-                "inputs_hash": inputs.digest(), "max_new_tokens": int(max_new_tokens),
-                "decode_kv_compression": self.options.decode_kv_compression}
+        return {
+            "model_hash": self.m.content_hash,
+            "arch": self.m.model_type,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "dtype": str(self.m.dtype).removeprefix("torch."),
+            "attn_implementation": self.m.attn_implementation,
+            "threads": torch.get_num_threads(),
+            "device_type": self.m.device.type,
+            "chunk": g.chunk,
+            "group": g.group,
+            "decode_every": g.decode_every,
+            "vision_every": g.vision_every,
+            "policy": self.policy.name,
+            "inputs_hash": inputs.digest(),
+            "max_new_tokens": int(max_new_tokens),
+            "decode_kv_compression": self.options.decode_kv_compression,
+        }
 
     def run(self, inputs: RequestInputs, ckpt_dir: str, max_new_tokens: int) -> Result:
         if max_new_tokens < 1:
@@ -172,16 +192,26 @@ class _RequestRun:
         restarted = None
         if outcome.status in ("mismatch", "unreadable_manifest"):
             restarted = outcome.status
-            self.events("manifest_mismatch", status=outcome.status,
-                        differences={k: [str(a), str(b)] for k, (a, b) in outcome.differences.items()}
-                        if outcome.status == "mismatch" else outcome.differences)
+            self.events(
+                "manifest_mismatch",
+                status=outcome.status,
+                differences={k: [str(a), str(b)] for k, (a, b) in outcome.differences.items()}
+                if outcome.status == "mismatch"
+                else outcome.differences,
+            )
         t0 = time.perf_counter()
         frontier = self.store.scan() if self.checkpoints_enabled or outcome.status == "resume" else Frontier()
         self.times["restore"] += time.perf_counter() - t0
         phase = frontier.phase()
         resumed_from = self._describe(frontier, phase)
-        self.events("request_opened", status=outcome.status, **resumed_from,
-                    prompt_tokens=self.S, chunks=len(self.chunks), groups=len(self.groups))
+        self.events(
+            "request_opened",
+            status=outcome.status,
+            **resumed_from,
+            prompt_tokens=self.S,
+            chunks=len(self.chunks),
+            groups=len(self.groups),
+        )
         if frontier.result is not None:
             return self._result_from_record(frontier.result, resumed_from)
         # A policy that commits on the compute path (an intermittent-computing task runtime)
@@ -195,13 +225,24 @@ class _RequestRun:
             self._commit_result(tokens, logits, text, finish)
         finally:
             self.writer.close()
-        return Result(tokens, text, logits, finish, resumed=phase != "start", resumed_from=resumed_from,
-                      bytes_written=self.store.bytes_written,
-                      phase_seconds={k: round(v, 6) for k, v in self.times.items()},
-                      records_written=self.writer.records_committed, records_skipped=self.writer.records_skipped,
-                      records_deferred=self.writer.records_deferred,
-                      held_state_peak_bytes=self.held_peaks, write_seconds=self.writer.busy_seconds,
-                      restarted_reason=restarted, plan=self.plan_summary, phase_plans=self.phase_plans)
+        return Result(
+            tokens,
+            text,
+            logits,
+            finish,
+            resumed=phase != "start",
+            resumed_from=resumed_from,
+            bytes_written=self.store.bytes_written,
+            phase_seconds={k: round(v, 6) for k, v in self.times.items()},
+            records_written=self.writer.records_committed,
+            records_skipped=self.writer.records_skipped,
+            records_deferred=self.writer.records_deferred,
+            held_state_peak_bytes=self.held_peaks,
+            write_seconds=self.writer.busy_seconds,
+            restarted_reason=restarted,
+            plan=self.plan_summary,
+            phase_plans=self.phase_plans,
+        )
 
     def _describe(self, fr: Frontier, phase: str) -> dict:
         if phase == "done":
@@ -209,17 +250,23 @@ class _RequestRun:
         if phase == "decode":
             return {"phase": "decode", "position": fr.decode_steps}
         if phase == "prefill":
-            return {"phase": "prefill", "position": len(fr.blocks),
-                    "blocks_total": len(self.groups) * len(self.chunks)}
+            return {"phase": "prefill", "position": len(fr.blocks), "blocks_total": len(self.groups) * len(self.chunks)}
         if phase == "vision":
             return {"phase": "vision", "position": fr.vision_block}
         return {"phase": "start", "position": 0}
 
     def _result_from_record(self, rec, resumed_from) -> Result:
         tokens = rec.tensors["token_ids"].tolist()
-        return Result(tokens, rec.meta["text"], rec.tensors["logits"].clone(), rec.meta["finish_reason"],
-                      resumed=True, resumed_from=resumed_from, bytes_written=0,
-                      phase_seconds={k: 0.0 for k in self.times})
+        return Result(
+            tokens,
+            rec.meta["text"],
+            rec.tensors["logits"].clone(),
+            rec.meta["finish_reason"],
+            resumed=True,
+            resumed_from=resumed_from,
+            bytes_written=0,
+            phase_seconds={k: 0.0 for k in self.times},
+        )
 
     def _commit_result(self, tokens, logits, text, finish) -> None:
         if self.store.salt == 0:
@@ -263,14 +310,16 @@ class _RequestRun:
 
     # ---- phases ---------------------------------------------------------------------------------
     def _run_from(self, fr: Frontier):
-        self.pos4, self.rope_deltas = self.a.rope_index(self.inputs.input_ids, self.inputs.mm_token_type_ids,
-                                                        self.inputs.image_grid_thw)
+        self.pos4, self.rope_deltas = self.a.rope_index(
+            self.inputs.input_ids, self.inputs.mm_token_type_ids, self.inputs.image_grid_thw
+        )
         self.pos4 = self.pos4.to(self.device)
         self.visual_mask = (self.inputs.input_ids == self.a.image_token_id).to(self.device)
-        self.visual_rows = (self.visual_mask[0].cumsum(0) - 1)
+        self.visual_rows = self.visual_mask[0].cumsum(0) - 1
         # Reads stream in the order this request needs them, behind the compute.
-        needs_vision = not fr.vision_done and not fr.blocks and not fr.decode_records \
-            and self.inputs.image_grid_thw.shape[0] > 0
+        needs_vision = (
+            not fr.vision_done and not fr.blocks and not fr.decode_records and self.inputs.image_grid_thw.shape[0] > 0
+        )
         if needs_vision:
             self._vision_reads = self._plan_vision_reads(fr).start()
         try:
@@ -289,18 +338,23 @@ class _RequestRun:
         a, start = self.a, fr.vision_block
         reads = []
         if start:
+
             def state():
                 rec = self.store.read_vision_state(fr)
                 return rec, _tensor_bytes(rec)
 
             reads.append(("vision.state", state))
-        modules = a.vision_prologue_modules() + [m for i in range(start, a.num_vision_blocks)
-                                                 for m in a.vision_block_modules(i)]
+        modules = a.vision_prologue_modules() + [
+            m for i in range(start, a.num_vision_blocks) for m in a.vision_block_modules(i)
+        ]
         for module in modules + a.vision_epilogue_modules() + a.all_lm_modules():
             reads.append((module, lambda module=module: (None, self._load_weights(module))))
         if start:
-            self.phase_plans["vision"] = {"resume_block": start, "reads": len(reads),
-                                          "order": [name for name, _ in reads]}
+            self.phase_plans["vision"] = {
+                "resume_block": start,
+                "reads": len(reads),
+                "order": [name for name, _ in reads],
+            }
             self.events("recovery_plan", phase="vision", block=start, reads=len(reads))
         return ReadAhead(reads)
 
@@ -325,8 +379,9 @@ class _RequestRun:
         only read if some such block has to be recomputed."""
         if self._vision_out is None:
             if self.inputs.image_grid_thw.shape[0] == 0:
-                self._vision_out = {"embeds": torch.zeros(0, self.a.text_config.hidden_size, device=self.device,
-                                                          dtype=self.m.dtype)}
+                self._vision_out = {
+                    "embeds": torch.zeros(0, self.a.text_config.hidden_size, device=self.device, dtype=self.m.dtype)
+                }
             else:
                 rec = self.store.read_vision_out() if self._frontier_at_open.vision_done else None
                 if rec is not None:
@@ -364,15 +419,23 @@ class _RequestRun:
             self.events("vision_block_done", block=i + 1, of=V)
             urgent = self.e.checkpoint_soon.is_set() and i + 1 < V and self.policy.writes_checkpoints()
             due = self.policy.vision_state_due(i + 1, V, self.g) or (
-                i + 1 < V and self._early("vision", i + 1 - last_state, self.g.vision_every))
+                i + 1 < V and self._early("vision", i + 1 - last_state, self.g.vision_every)
+            )
             if urgent or due:
                 self.e.checkpoint_soon.clear()
                 # A cadence checkpoint is dropped while the previous record is still being
                 # written (the next one supersedes it); one the bus asked for is not, and
                 # neither is one after a dropped one: progress never waits on an idle writer
                 # forever, and a window that can only write every other state still keeps one.
-                kept = self._submit(f"vision.state[{i + 1}]", self.store.put_vision_state, i + 1, h, dict(side),
-                                    optional=not urgent and deferred == 0, phase="vision")
+                kept = self._submit(
+                    f"vision.state[{i + 1}]",
+                    self.store.put_vision_state,
+                    i + 1,
+                    h,
+                    dict(side),
+                    optional=not urgent and deferred == 0,
+                    phase="vision",
+                )
                 if kept:
                     last_state, deferred = i + 1, 0
                 else:
@@ -405,10 +468,14 @@ class _RequestRun:
         self.m.weights.ensure(f"{self.a.lm_prefix}.rotary_emb")  # no weights; every block needs it
         visual_chunks = frozenset(c for c, (s, e) in enumerate(self.chunks) if bool(self.visual_mask[0, s:e].any()))
         for attempt in range(MAX_REPLANS):
-            problem = RecoveryProblem(len(self.groups), len(self.chunks), set(fr.blocks),
-                                      {b for b, i in fr.blocks.items() if i.has_hidden},
-                                      need_last_hidden=not have_decode,
-                                      kv_missing={b for b, i in fr.blocks.items() if i.kv_bytes == 0})
+            problem = RecoveryProblem(
+                len(self.groups),
+                len(self.chunks),
+                set(fr.blocks),
+                {b for b, i in fr.blocks.items() if i.has_hidden},
+                need_last_hidden=not have_decode,
+                kv_missing={b for b, i in fr.blocks.items() if i.kv_bytes == 0},
+            )
             planner, overlap = self.policy.recovery(self.e.options.planner, self.e.options.overlap_recovery)
             operator_planner = (planner, overlap) == (self.e.options.planner, self.e.options.overlap_recovery)
             if not fr.blocks:  # nothing to restore: weights stream behind the compute, as in any fresh run
@@ -423,8 +490,11 @@ class _RequestRun:
             self.scheduled = {(op.group, op.chunk) for op in plan.computes}
             total = len(self.groups) * len(self.chunks)
             self.prefill_done = total - sum(op.kind == "block" for op in plan.computes)  # for progress reports
-            if self._vision_out is None and fr.vision_done and any(
-                    op.kind == "block" and op.group == 0 and op.chunk in visual_chunks for op in plan.computes):
+            if (
+                self._vision_out is None
+                and fr.vision_done
+                and any(op.kind == "block" and op.group == 0 and op.chunk in visual_chunks for op in plan.computes)
+            ):
                 plan.reads.insert(0, VISION_OUT)  # read once, first, not inside the block that needs it
             self.plan_summary = plan.summary()
             self.plan_summary["vision_out_read"] = VISION_OUT in plan.reads
@@ -432,14 +502,24 @@ class _RequestRun:
             if have_decode:
                 self.decode_restart = self._decode_restart(fr)
                 plan.computes = plan.computes + [StepOp(g) for g in range(len(self.groups))]
-                self.phase_plans["decode"] = {"step": self.decode_restart["step"], "planner": planner,
-                                              "reads": len(plan.reads), "groups": len(self.groups)}
+                self.phase_plans["decode"] = {
+                    "step": self.decode_restart["step"],
+                    "planner": planner,
+                    "reads": len(plan.reads),
+                    "groups": len(self.groups),
+                }
             if fr.blocks:
                 self.events("recovery_plan", **self.plan_summary)
             t0 = time.perf_counter()
             self.fr = fr
-            executor = PhaseExecutor(plan, self._read_op, self._compute_op, overlap=overlap,
-                                     visual_chunks=visual_chunks, num_chunks=len(self.chunks))
+            executor = PhaseExecutor(
+                plan,
+                self._read_op,
+                self._compute_op,
+                overlap=overlap,
+                visual_chunks=visual_chunks,
+                num_chunks=len(self.chunks),
+            )
             try:
                 stats = executor.run()
             except RecordRejected as exc:
@@ -455,16 +535,27 @@ class _RequestRun:
                 continue
             self.times["prefill"] += time.perf_counter() - t0
             if have_decode:
-                self.phase_plans["decode"].update(read_s=round(stats.read_seconds, 6),
-                                                  stall_s=round(stats.stall_seconds, 6),
-                                                  wall_s=round(stats.wall_seconds, 6), bytes_read=stats.bytes_read)
+                self.phase_plans["decode"].update(
+                    read_s=round(stats.read_seconds, 6),
+                    stall_s=round(stats.stall_seconds, 6),
+                    wall_s=round(stats.wall_seconds, 6),
+                    bytes_read=stats.bytes_read,
+                )
             self._note_held_peak("prefill")
-            self.plan_summary.update(read_s=round(stats.read_seconds, 6), compute_s=round(stats.compute_seconds, 6),
-                                     stall_s=round(stats.stall_seconds, 6), wall_s=round(stats.wall_seconds, 6),
-                                     bytes_read=stats.bytes_read)
+            self.plan_summary.update(
+                read_s=round(stats.read_seconds, 6),
+                compute_s=round(stats.compute_seconds, 6),
+                stall_s=round(stats.stall_seconds, 6),
+                wall_s=round(stats.wall_seconds, 6),
+                bytes_read=stats.bytes_read,
+            )
             if fr.blocks:
-                self.events("prefill_restored", stall_s=round(stats.stall_seconds, 4),
-                            read_s=round(stats.read_seconds, 4), bytes_read=stats.bytes_read)
+                self.events(
+                    "prefill_restored",
+                    stall_s=round(stats.stall_seconds, 4),
+                    read_s=round(stats.read_seconds, 4),
+                    bytes_read=stats.bytes_read,
+                )
             break
         else:
             raise RuntimeError("recovery could not find a consistent set of records")
@@ -496,8 +587,7 @@ class _RequestRun:
             return _tensor_bytes(rec)
         if op.what == "weights":
             l0, l1 = self.groups[op.group]
-            mods = (a.embed_modules() if op.group == 0 else []) + [m for l in range(l0, l1)
-                                                                   for m in a.layer_modules(l)]
+            mods = (a.embed_modules() if op.group == 0 else []) + [m for l in range(l0, l1) for m in a.layer_modules(l)]
             if op.group == len(self.groups) - 1:
                 mods += a.head_modules()
             before = self.m.weights.stats.bytes_read
@@ -507,8 +597,10 @@ class _RequestRun:
         tensors = self.store.read_block(info, {op.what})
         if op.what == "kv":
             for layer in range(*info.layers):
-                self.read_kv[(layer, op.chunk)] = (tensors[f"k.{layer}"].to(self.device),
-                                                   tensors[f"v.{layer}"].to(self.device))
+                self.read_kv[(layer, op.chunk)] = (
+                    tensors[f"k.{layer}"].to(self.device),
+                    tensors[f"v.{layer}"].to(self.device),
+                )
             return info.kv_bytes
         self.hidden[(op.group, op.chunk)] = tensors["hidden"].to(self.device)
         return info.hidden_bytes
@@ -582,14 +674,24 @@ class _RequestRun:
             self.hidden[(g, c)] = h
         self.pacer.end(units=l1 - l0)
         self.prefill_done += 1
-        self.events("prefill_block_done", group=g, chunk=c, done=self.prefill_done,
-                    of=len(self.groups) * len(self.chunks))
+        self.events(
+            "prefill_block_done", group=g, chunk=c, done=self.prefill_done, of=len(self.groups) * len(self.chunks)
+        )
         persist = self.policy.prefill_block(g, c, len(self.groups), len(self.chunks))
         if persist is not None:
+
             def copy_block():  # called once the writer has room for one more record
-                kv = {layer: (self.cache.layers[layer].keys[:, :, s:e].clone(memory_format=torch.contiguous_format),
-                              self.cache.layers[layer].values[:, :, s:e].clone(memory_format=torch.contiguous_format))
-                      for layer in range(l0, l1)} if persist.kv else {}
+                kv = (
+                    {
+                        layer: (
+                            self.cache.layers[layer].keys[:, :, s:e].clone(memory_format=torch.contiguous_format),
+                            self.cache.layers[layer].values[:, :, s:e].clone(memory_format=torch.contiguous_format),
+                        )
+                        for layer in range(l0, l1)
+                    }
+                    if persist.kv
+                    else {}
+                )
                 return g, c, (l0, l1), (s, e), kv, h if persist.boundary_hidden else None
 
             self._submit(f"prefill[g{g},c{c}]", self.store.put_prefill_block, make_args=copy_block)
@@ -649,8 +751,7 @@ class _RequestRun:
             elif self._early("decode", step - submitted, self.g.decode_every):
                 # Optional: a record covers every step since the last durable one, so one the
                 # busy writer drops is covered by the next.
-                if self._submit(f"decode[..{step}]", self._write_decode_record, step, optional=True,
-                                phase="decode"):
+                if self._submit(f"decode[..{step}]", self._write_decode_record, step, optional=True, phase="decode"):
                     submitted = step
         self.times["decode"] += time.perf_counter() - t0
         self._note_held_peak("decode")
@@ -692,8 +793,9 @@ class _RequestRun:
             r["text_pos"] = torch.tensor([[position]], device=self.device)
             mrope = (r["text_pos"] + self.rope_deltas.to(self.device))[None].expand(3, 1, 1)
             # The mask looks at layer 0's cache only, which is complete now (as in _decode_step).
-            r["mask"] = a.mask(h, torch.ones(1, position + 1, dtype=torch.long, device=self.device), self.cache,
-                               r["text_pos"])
+            r["mask"] = a.mask(
+                h, torch.ones(1, position + 1, dtype=torch.long, device=self.device), self.cache, r["text_pos"]
+            )
             r["pe"] = a.rotary(h, mrope)
         else:
             h = r.pop("h")
@@ -728,11 +830,18 @@ class _RequestRun:
         kv = {}
         for layer in range(self.a.num_layers):
             cl = self.cache.layers[layer]
-            kv[layer] = (cl.keys[:, :, s:e].clone(memory_format=torch.contiguous_format),
-                         cl.values[:, :, s:e].clone(memory_format=torch.contiguous_format))
-        meta = {"step_start": step_start, "step_end": step_end, "pos_start": s, "pos_end": e,
-                "first_token": self.tokens[0]}
-        new_tokens = torch.tensor(self.tokens[step_start + 1: step_end + 1], dtype=torch.int64)
+            kv[layer] = (
+                cl.keys[:, :, s:e].clone(memory_format=torch.contiguous_format),
+                cl.values[:, :, s:e].clone(memory_format=torch.contiguous_format),
+            )
+        meta = {
+            "step_start": step_start,
+            "step_end": step_end,
+            "pos_start": s,
+            "pos_end": e,
+            "first_token": self.tokens[0],
+        }
+        new_tokens = torch.tensor(self.tokens[step_start + 1 : step_end + 1], dtype=torch.int64)
         if self.e.options.decode_kv_compression == "int8":
             kv = {layer: (_quantize(k), _quantize(v)) for layer, (k, v) in kv.items()}
         n = self.store.append_decode(meta, kv, new_tokens)

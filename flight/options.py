@@ -1,5 +1,6 @@
 """Engine options: plain data, importable without torch (the onboard process parses them on its
 main thread while the engine's libraries load in the background)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -14,8 +15,8 @@ class EngineOptions:
     planner: str = "chunk-first"
     overlap_recovery: bool = True
     async_writes: bool = True
-    pace_ms: float = 0.0          # minimum wall time per block / step (emulates a slower payload)
-    threads: int | None = None    # intra-op threads; pinned in the MANIFEST
+    pace_ms: float = 0.0  # minimum wall time per block / step (emulates a slower payload)
+    threads: int | None = None  # intra-op threads; pinned in the MANIFEST
     # "int8": decode records hold KV quantised per channel (about half the bytes in bf16, a
     # quarter in fp32, so faster decode-phase recovery) -- the one option that gives up bitwise
     # identity after a resume in decode. Off by default.

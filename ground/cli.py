@@ -4,6 +4,7 @@ Exit status: 0 ok · 2 usage · 3 rejected or failed by the payload (code name a
 printed) · 4 no answer, or the bus refused this station's key · 5 local input error (nothing
 was sent).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,24 +27,55 @@ def _common_options() -> argparse.ArgumentParser:
     defaults = Endpoints.from_env()
     common = argparse.ArgumentParser(add_help=False)
     g = common.add_argument_group("link and station")
-    g.add_argument("--keys", metavar="DIR", default=None,
-                   help="keys directory (default: $OW_KEYS_DIR or ./keys); holds clients/<station>.key_secret, "
-                        "server/bus.key and the station state in state/")
-    g.add_argument("--state-dir", metavar="DIR", default=None,
-                   help="ground state (sequence counter, task list, results, telemetry archive); default <keys>/state")
-    g.add_argument("--station", metavar="NAME", default="ground",
-                   help="this station's client key name (default: ground)")
-    g.add_argument("--source-id", metavar="N", type=int, default=1,
-                   help="secondary-header source id, 1..255; give each ground station its own (default: 1)")
-    g.add_argument("--commands-endpoint", metavar="URL", default=defaults.commands,
-                   help=f"bus commands endpoint (default: $OW_COMMANDS_ENDPOINT or {Endpoints().commands})")
-    g.add_argument("--telemetry-endpoint", metavar="URL", default=defaults.telemetry,
-                   help=f"bus telemetry endpoint (default: $OW_TELEMETRY_ENDPOINT or {Endpoints().telemetry})")
-    g.add_argument("--timeout", metavar="S", type=float, default=10.0,
-                   help="seconds to wait for an answer (and for the link handshake) before calling it no answer (default: 10)")
+    g.add_argument(
+        "--keys",
+        metavar="DIR",
+        default=None,
+        help="keys directory (default: $OW_KEYS_DIR or ./keys); holds clients/<station>.key_secret, "
+        "server/bus.key and the station state in state/",
+    )
+    g.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        default=None,
+        help="ground state (sequence counter, task list, results, telemetry archive); default <keys>/state",
+    )
+    g.add_argument(
+        "--station", metavar="NAME", default="ground", help="this station's client key name (default: ground)"
+    )
+    g.add_argument(
+        "--source-id",
+        metavar="N",
+        type=int,
+        default=1,
+        help="secondary-header source id, 1..255; give each ground station its own (default: 1)",
+    )
+    g.add_argument(
+        "--commands-endpoint",
+        metavar="URL",
+        default=defaults.commands,
+        help=f"bus commands endpoint (default: $OW_COMMANDS_ENDPOINT or {Endpoints().commands})",
+    )
+    g.add_argument(
+        "--telemetry-endpoint",
+        metavar="URL",
+        default=defaults.telemetry,
+        help=f"bus telemetry endpoint (default: $OW_TELEMETRY_ENDPOINT or {Endpoints().telemetry})",
+    )
+    g.add_argument(
+        "--timeout",
+        metavar="S",
+        type=float,
+        default=10.0,
+        help="seconds to wait for an answer (and for the link handshake) before calling it no answer (default: 10)",
+    )
     g.add_argument("--json", action="store_true", help="machine-readable output on stdout")
-    g.add_argument("--log-level", default="error", choices=["debug", "info", "warning", "error"],
-                   help="structured log level on stderr (default: error)")
+    g.add_argument(
+        "--log-level",
+        default="error",
+        choices=["debug", "info", "warning", "error"],
+        help="structured log level on stderr (default: error)",
+    )
     return common
 
 
@@ -53,7 +85,7 @@ def register(subparsers) -> None:
         "ground",
         help="ground station: keys, uplink, status, results, telemetry",
         description="Ground station tools: command the payload through the bus over CurveZMQ, upload images "
-                    "in resumable chunks, queue tasks, fetch results, watch telemetry.",
+        "in resumable chunks, queue tasks, fetch results, watch telemetry.",
         epilog=_EPILOG,
     )
     sub = ground.add_subparsers(dest="ground_command", metavar="ACTION")
@@ -65,24 +97,32 @@ def register(subparsers) -> None:
         return p
 
     # keys -------------------------------------------------------------------------------------
-    keys = sub.add_parser("keys", help="create CurveZMQ keys", description="Manage the CurveZMQ keys of the ground link.",
-                          epilog=_EPILOG)
+    keys = sub.add_parser(
+        "keys", help="create CurveZMQ keys", description="Manage the CurveZMQ keys of the ground link.", epilog=_EPILOG
+    )
     keys_sub = keys.add_subparsers(dest="keys_command", metavar="ACTION")
     keys_sub.required = True
     p = keys_sub.add_parser(
-        "init", parents=[common], epilog=_EPILOG,
+        "init",
+        parents=[common],
+        epilog=_EPILOG,
         help="create the key layout (bus server pair, client pairs, authorized keys, state/)",
         description="Create the keys directory: the bus's server key pair, one client key pair per station "
-                    "(ground, payload, and any --client), the bus's list of authorized public keys, and state/. "
-                    "Existing pairs are kept unless --force. Prints which file goes where.",
+        "(ground, payload, and any --client), the bus's list of authorized public keys, and state/. "
+        "Existing pairs are kept unless --force. Prints which file goes where.",
     )
-    p.add_argument("--force", action="store_true", help="replace existing key pairs (every client then needs the new bus key)")
-    p.add_argument("--client", action="append", default=[], metavar="NAME", help="another client key pair to create and authorize")
+    p.add_argument(
+        "--force", action="store_true", help="replace existing key pairs (every client then needs the new bus key)"
+    )
+    p.add_argument(
+        "--client", action="append", default=[], metavar="NAME", help="another client key pair to create and authorize"
+    )
     p.set_defaults(func=_guarded(cmd_keys_init))
 
     # uplink -----------------------------------------------------------------------------------
     p = leaf(
-        "uplink", "upload images and queue an inference task",
+        "uplink",
+        "upload images and queue an inference task",
         "Check the images and prompt locally, upload each image in chunks (only the chunks the payload does not "
         "hold: IMAGE_QUERY first, CRC-32C per chunk, SHA-256 per file), then queue the task with UPLINK_TASK and "
         "wait until the payload accepts it. If answers stop (link loss, bus restart, payload power cut) the upload "
@@ -90,42 +130,88 @@ def register(subparsers) -> None:
         "held on board is sent twice and no task is queued twice. Prints the task id.",
         cmd_uplink,
     )
-    p.add_argument("--image", action="append", required=True, metavar="FILE",
-                   help="picture file (PNG, JPEG, ...; <= 16 MiB); repeat for several (<= 8)")
-    p.add_argument("--prompt", required=True, metavar="TEXT", help="the question about the images (UTF-8, <= 8192 bytes)")
-    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate, 1..1024 (default: 64)")
+    p.add_argument(
+        "--image",
+        action="append",
+        required=True,
+        metavar="FILE",
+        help="picture file (PNG, JPEG, ...; <= 16 MiB); repeat for several (<= 8)",
+    )
+    p.add_argument(
+        "--prompt", required=True, metavar="TEXT", help="the question about the images (UTF-8, <= 8192 bytes)"
+    )
+    p.add_argument(
+        "--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate, 1..1024 (default: 64)"
+    )
     p.add_argument("--priority", type=int, default=0, metavar="P", help="0..255, higher runs first (default: 0)")
-    p.add_argument("--task-id", metavar="ID", help="task id (default: generated, or the id of an identical earlier uplink)")
-    p.add_argument("--new-task", action="store_true", help="queue a new task even if an identical one was uplinked before")
-    p.add_argument("--chunk-bytes", type=int, default=32 * 1024, metavar="B", help="image bytes per chunk (default: 32768)")
-    p.add_argument("--window", type=int, default=8, metavar="N", help="chunks in flight before waiting for acknowledgements (default: 8)")
-    p.add_argument("--retries", type=int, default=12, metavar="N",
-                   help="unanswered rounds (of --timeout each) tolerated before giving up with exit 4 (default: 12)")
+    p.add_argument(
+        "--task-id", metavar="ID", help="task id (default: generated, or the id of an identical earlier uplink)"
+    )
+    p.add_argument(
+        "--new-task", action="store_true", help="queue a new task even if an identical one was uplinked before"
+    )
+    p.add_argument(
+        "--chunk-bytes", type=int, default=32 * 1024, metavar="B", help="image bytes per chunk (default: 32768)"
+    )
+    p.add_argument(
+        "--window",
+        type=int,
+        default=8,
+        metavar="N",
+        help="chunks in flight before waiting for acknowledgements (default: 8)",
+    )
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=12,
+        metavar="N",
+        help="unanswered rounds (of --timeout each) tolerated before giving up with exit 4 (default: 12)",
+    )
     bar = p.add_mutually_exclusive_group()
-    bar.add_argument("--progress", dest="progress", action="store_true", default=None, help="always show the progress bar")
+    bar.add_argument(
+        "--progress", dest="progress", action="store_true", default=None, help="always show the progress bar"
+    )
     bar.add_argument("--no-progress", dest="progress", action="store_false", help="never show the progress bar")
 
     # status -----------------------------------------------------------------------------------
-    leaf("status", "payload housekeeping now",
-         "Send STATUS and print the payload's housekeeping: queue depth, current task and its progress, checkpoint "
-         "bytes, free disk, boot count, uptime, command and error counters.", cmd_status)
+    leaf(
+        "status",
+        "payload housekeeping now",
+        "Send STATUS and print the payload's housekeeping: queue depth, current task and its progress, checkpoint "
+        "bytes, free disk, boot count, uptime, command and error counters.",
+        cmd_status,
+    )
 
     # results ----------------------------------------------------------------------------------
     p = leaf(
-        "results", "fetch a task's result, or list this station's tasks",
+        "results",
+        "fetch a task's result, or list this station's tasks",
         "With TASK: send DOWNLINK_RESULT and print the generated text, token count, timings and the power cuts the "
         "task survived (saved under <state>/results/). --wait waits for the task to finish (progress on stderr). "
         "Without TASK: list the tasks uplinked from this station and their last known state.",
         cmd_results,
     )
     p.add_argument("task", nargs="?", metavar="TASK", help="task id")
-    p.add_argument("--wait", action="store_true", help="wait until the task completes (or fails) instead of exit 3 RESULT_NOT_READY")
-    p.add_argument("--max-wait", type=float, default=None, metavar="S", help="with --wait: give up (exit 4) after S seconds (default: never)")
-    p.add_argument("--poll", type=float, default=30.0, metavar="S", help="with --wait: ask again every S seconds (default: 30)")
+    p.add_argument(
+        "--wait",
+        action="store_true",
+        help="wait until the task completes (or fails) instead of exit 3 RESULT_NOT_READY",
+    )
+    p.add_argument(
+        "--max-wait",
+        type=float,
+        default=None,
+        metavar="S",
+        help="with --wait: give up (exit 4) after S seconds (default: never)",
+    )
+    p.add_argument(
+        "--poll", type=float, default=30.0, metavar="S", help="with --wait: ask again every S seconds (default: 30)"
+    )
 
     # events -----------------------------------------------------------------------------------
     p = leaf(
-        "events", "watch telemetry: events, reports, power, thermal, FDIR",
+        "events",
+        "watch telemetry: events, reports, power, thermal, FDIR",
         "Subscribe to the bus's telemetry and print one line per packet: events with severity, verification reports "
         "(ACCEPTED, REJECTED with code, PROGRESS, ...), housekeeping, power, thermal, FDIR, shutdown warnings, power "
         "state. Heartbeats only with --heartbeats. While it runs it archives every packet to <state>/telemetry.jsonl "
@@ -133,34 +219,64 @@ def register(subparsers) -> None:
         cmd_events,
     )
     p.add_argument("--follow", action="store_true", help="keep printing until Ctrl-C")
-    p.add_argument("--duration", type=float, default=10.0, metavar="S", help="without --follow: listen for S seconds (default: 10)")
+    p.add_argument(
+        "--duration", type=float, default=10.0, metavar="S", help="without --follow: listen for S seconds (default: 10)"
+    )
     p.add_argument("--since", type=int, default=None, metavar="N", help="first print archived packets numbered above N")
     p.add_argument("--heartbeats", action="store_true", help="also print HEARTBEAT packets")
 
     # health and safety -------------------------------------------------------------------------
-    p = leaf("quarantine", "list quarantined items, or release one",
-             "Without ITEM: send LIST_QUARANTINE and print the commands, tasks and reports the payload holds back "
-             "because boots ended abnormally (or their handler failed) while handling them, with the count and "
-             "the last reason. With --release ITEM: send RELEASE_QUARANTINE; a task is queued again, a report "
-             "sent again, a command handled the next time it arrives.", cmd_quarantine)
-    p.add_argument("--release", metavar="ITEM", help="item id as listed (task:<id>, report:<id>, command:<TYPE>:<digest>)")
-    leaf("lost", "list tasks the payload lost to storage damage",
-         "Send LIST_LOST_TASKS and print the tasks whose state the payload's journal or result store lost (a bit "
-         "flip, a damaged file), and how many damaged bytes its reader skipped. A lost task that never finished "
-         "can be sent again with `ow ground resend TASK`; a finished one answers TASK_LOST.", cmd_lost)
-    p = leaf("resend", "upload a task's images again and re-send the task",
-             "For a task uplinked from this station: upload its images where the payload no longer holds them (an "
-             "image found damaged on board: IMAGE_CORRUPT) and send the same UPLINK_TASK again (the payload takes "
-             "it once). Uses the image files recorded at uplink.", cmd_resend)
+    p = leaf(
+        "quarantine",
+        "list quarantined items, or release one",
+        "Without ITEM: send LIST_QUARANTINE and print the commands, tasks and reports the payload holds back "
+        "because boots ended abnormally (or their handler failed) while handling them, with the count and "
+        "the last reason. With --release ITEM: send RELEASE_QUARANTINE; a task is queued again, a report "
+        "sent again, a command handled the next time it arrives.",
+        cmd_quarantine,
+    )
+    p.add_argument(
+        "--release", metavar="ITEM", help="item id as listed (task:<id>, report:<id>, command:<TYPE>:<digest>)"
+    )
+    leaf(
+        "lost",
+        "list tasks the payload lost to storage damage",
+        "Send LIST_LOST_TASKS and print the tasks whose state the payload's journal or result store lost (a bit "
+        "flip, a damaged file), and how many damaged bytes its reader skipped. A lost task that never finished "
+        "can be sent again with `ow ground resend TASK`; a finished one answers TASK_LOST.",
+        cmd_lost,
+    )
+    p = leaf(
+        "resend",
+        "upload a task's images again and re-send the task",
+        "For a task uplinked from this station: upload its images where the payload no longer holds them (an "
+        "image found damaged on board: IMAGE_CORRUPT) and send the same UPLINK_TASK again (the payload takes "
+        "it once). Uses the image files recorded at uplink.",
+        cmd_resend,
+    )
     p.add_argument("task", metavar="TASK")
 
     # ping, cancel, priority -------------------------------------------------------------------
-    p = leaf("ping", "PING the payload, print the round-trip time", "Send PING and wait for the PONG with the same key.", cmd_ping)
+    p = leaf(
+        "ping",
+        "PING the payload, print the round-trip time",
+        "Send PING and wait for the PONG with the same key.",
+        cmd_ping,
+    )
     p.add_argument("--count", type=int, default=1, metavar="N", help="pings to send, one per second (default: 1)")
-    p = leaf("cancel", "cancel a queued or running task",
-             "Send CANCEL_TASK and wait for ACCEPTED and COMPLETED; the task then ends with FAILED(CANCELLED).", cmd_cancel)
+    p = leaf(
+        "cancel",
+        "cancel a queued or running task",
+        "Send CANCEL_TASK and wait for ACCEPTED and COMPLETED; the task then ends with FAILED(CANCELLED).",
+        cmd_cancel,
+    )
     p.add_argument("task", metavar="TASK")
-    p = leaf("priority", "change a queued task's priority", "Send SET_PRIORITY and wait for ACCEPTED and COMPLETED.", cmd_priority)
+    p = leaf(
+        "priority",
+        "change a queued task's priority",
+        "Send SET_PRIORITY and wait for ACCEPTED and COMPLETED.",
+        cmd_priority,
+    )
     p.add_argument("task", metavar="TASK")
     p.add_argument("priority", type=int, metavar="P", help="0..255, higher runs first")
 
@@ -203,8 +319,12 @@ def _client(args, **overrides):
     endpoints = Endpoints.from_env()
     endpoints = Endpoints(commands=args.commands_endpoint, payload=endpoints.payload, telemetry=args.telemetry_endpoint)
     options = dict(
-        station=args.station, source_id=args.source_id, endpoints=endpoints, state_dir=args.state_dir,
-        timeout_s=args.timeout, notify=_notify,
+        station=args.station,
+        source_id=args.source_id,
+        endpoints=endpoints,
+        state_dir=args.state_dir,
+        timeout_s=args.timeout,
+        notify=_notify,
     )
     options.update(overrides)
     return GroundClient(_keys_dir(args), **options)
@@ -240,28 +360,48 @@ def cmd_keys_init(args) -> int:
         return "replaced" if existed_before and args.force else ("kept" if existed_before else "created")
 
     if args.json:
-        _print_json({
-            "keys_dir": str(layout.root.resolve()),
-            "server": {"public": str(layout.server_public), "secret": str(layout.server_secret), "state": state(server_existed)},
-            "clients": {n: {"public": str(layout.client_public(n)), "secret": str(layout.client_secret(n)),
-                            "state": state(existed[n])} for n in clients},
-            "authorized": [str(layout.authorized_dir / f"{n}.key") for n in clients],
-            "state_dir": str(layout.state_dir),
-        })
+        _print_json(
+            {
+                "keys_dir": str(layout.root.resolve()),
+                "server": {
+                    "public": str(layout.server_public),
+                    "secret": str(layout.server_secret),
+                    "state": state(server_existed),
+                },
+                "clients": {
+                    n: {
+                        "public": str(layout.client_public(n)),
+                        "secret": str(layout.client_secret(n)),
+                        "state": state(existed[n]),
+                    }
+                    for n in clients
+                },
+                "authorized": [str(layout.authorized_dir / f"{n}.key") for n in clients],
+                "state_dir": str(layout.state_dir),
+            }
+        )
         return 0
     r = layout.root
     print(f"keys in {layout.root.resolve()}")
-    print(f"  bus server pair   {layout.server_public.relative_to(r)}, {layout.server_secret.relative_to(r)} ({state(server_existed)})")
+    print(
+        f"  bus server pair   {layout.server_public.relative_to(r)}, {layout.server_secret.relative_to(r)} ({state(server_existed)})"
+    )
     for n in clients:
-        print(f"  client {n:<10} {layout.client_public(n).relative_to(r)}, {layout.client_secret(n).relative_to(r)} ({state(existed[n])})")
+        print(
+            f"  client {n:<10} {layout.client_public(n).relative_to(r)}, {layout.client_secret(n).relative_to(r)} ({state(existed[n])})"
+        )
     print(f"  bus admits        {', '.join(str((layout.authorized_dir / f'{n}.key').relative_to(r)) for n in clients)}")
     print(f"  ground state      {layout.state_dir.relative_to(r)}/")
     print("where each file goes:")
     print(f"  bus:      {layout.server_dir.relative_to(r)}/ (both files) and {layout.authorized_dir.relative_to(r)}/")
-    print(f"  payload:  {layout.client_secret('payload').relative_to(r)}, {layout.client_public('payload').relative_to(r)} "
-          f"and {layout.server_public.relative_to(r)}")
-    print(f"  ground:   {layout.client_secret(args.station).relative_to(r)}, {layout.client_public(args.station).relative_to(r)}, "
-          f"{layout.server_public.relative_to(r)} and {layout.state_dir.relative_to(r)}/")
+    print(
+        f"  payload:  {layout.client_secret('payload').relative_to(r)}, {layout.client_public('payload').relative_to(r)} "
+        f"and {layout.server_public.relative_to(r)}"
+    )
+    print(
+        f"  ground:   {layout.client_secret(args.station).relative_to(r)}, {layout.client_public(args.station).relative_to(r)}, "
+        f"{layout.server_public.relative_to(r)} and {layout.state_dir.relative_to(r)}/"
+    )
     print("  secret keys (*.key_secret) never leave the machine they belong to")
     return 0
 
@@ -273,18 +413,26 @@ def cmd_uplink(args) -> int:
     if args.window < 1 or args.retries < 0:
         raise LocalInputError("--window must be >= 1 and --retries >= 0")
     check_chunk_bytes(args.chunk_bytes)
-    client = _client(args, retries=args.retries, window=args.window, chunk_bytes=args.chunk_bytes, progress=args.progress)
+    client = _client(
+        args, retries=args.retries, window=args.window, chunk_bytes=args.chunk_bytes, progress=args.progress
+    )
     # Everything local is checked before the link is even opened: bad input sends nothing.
     _precheck_uplink(client, args)
     with client:
         result = client.uplink(
-            args.image, args.prompt, max_new_tokens=args.max_new_tokens, priority=args.priority,
-            task_id=args.task_id, new_task=args.new_task,
+            args.image,
+            args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            priority=args.priority,
+            task_id=args.task_id,
+            new_task=args.new_task,
         )
     for image in result.images:
         resumed = f", resumed {image.resumes} time(s)" if image.resumes else ""
-        _notify(f"image {image.name} ({image.path}): {image.chunks} chunk(s), {image.held_before} already on board, "
-                f"{image.chunks_sent} sent{resumed}; verified on board")
+        _notify(
+            f"image {image.name} ({image.path}): {image.chunks} chunk(s), {image.held_before} already on board, "
+            f"{image.chunks_sent} sent{resumed}; verified on board"
+        )
     state = (client.state.task(result.task_id) or {}).get("state")
     if state in ("completed", "failed", "cancelled"):
         _notify(f"task {result.task_id} accepted again by the payload; it is already {state} (nothing new queued)")
@@ -326,9 +474,10 @@ def cmd_results(args) -> int:
     from ground.report import result_text, tasks_table, to_jsonable
 
     if args.task is None:
-        from ground.state import GroundState
-        from common.wire.link import KeyLayout
         from pathlib import Path
+
+        from common.wire.link import KeyLayout
+        from ground.state import GroundState
 
         state = GroundState(args.state_dir or KeyLayout(Path(_keys_dir(args))).state_dir)
         tasks = state.tasks() if state.tasks_path.exists() else []
@@ -439,8 +588,15 @@ def cmd_quarantine(args) -> int:
             return 0
         listing = client.quarantine()
     if args.json:
-        _print_json({"total": listing.total, "items": [{"item": i, "exits": n, "reason": r} for i, n, r in
-                                                       zip(listing.items, listing.exits, listing.reasons)]})
+        _print_json(
+            {
+                "total": listing.total,
+                "items": [
+                    {"item": i, "exits": n, "reason": r}
+                    for i, n, r in zip(listing.items, listing.exits, listing.reasons)
+                ],
+            }
+        )
     elif not listing.items:
         print("nothing quarantined", flush=True)
     else:
@@ -455,12 +611,22 @@ def cmd_lost(args) -> int:
     with _client(args) as client:
         lost = client.lost_tasks()
     if args.json:
-        _print_json({"task_ids": list(lost.task_ids), "total": lost.total, "bytes_dropped": lost.bytes_dropped,
-                     "records_dropped": lost.records_dropped, "unnamed": lost.unnamed})
+        _print_json(
+            {
+                "task_ids": list(lost.task_ids),
+                "total": lost.total,
+                "bytes_dropped": lost.bytes_dropped,
+                "records_dropped": lost.records_dropped,
+                "unnamed": lost.unnamed,
+            }
+        )
     else:
         print(f"{lost.total} task(s) lost: {', '.join(lost.task_ids) or '-'}", flush=True)
-        print(f"journal reader skipped {lost.bytes_dropped} damaged bytes in {lost.records_dropped} region(s); "
-              f"{lost.unnamed} region(s) named no task", flush=True)
+        print(
+            f"journal reader skipped {lost.bytes_dropped} damaged bytes in {lost.records_dropped} region(s); "
+            f"{lost.unnamed} region(s) named no task",
+            flush=True,
+        )
     return 0
 
 

@@ -12,6 +12,7 @@ comes back: every wait has a timeout, and an uplink that stops hearing back re-a
 what it holds (IMAGE_QUERY) and sends only what is missing, so it resumes after link loss, a bus
 restart or a payload power cut without sending a held chunk again or queueing a task twice.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,9 +21,10 @@ import random
 import sys
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import zmq
 
@@ -31,7 +33,6 @@ from common.wire import Apid, MessageType, NodeId, RequestRef, ResponseCode
 from common.wire import messages as m
 from common.wire.ids import DEFAULT_CHUNK_DATA_BYTES, MAX_CHUNK_DATA_BYTES
 from common.wire.link import Endpoints, KeyLayout
-
 from ground.errors import CommandRejected, GroundError, LocalInputError, NoAnswer
 from ground.images import (
     PreparedImage,
@@ -144,8 +145,12 @@ class GroundClient:
         self.progress = progress
         self._notify_fn = notify
         self.link = GroundLink(
-            self.layout.root, station=self.station, endpoints=self.endpoints, handshake_timeout_s=self.timeout_s,
-            commands=commands, context=context,
+            self.layout.root,
+            station=self.station,
+            endpoints=self.endpoints,
+            handshake_timeout_s=self.timeout_s,
+            commands=commands,
+            context=context,
         )
         # --- what has arrived (filled by _note) ---
         self._arrivals = 0
@@ -165,7 +170,7 @@ class GroundClient:
         self.observers: list[Callable[[Telemetry], None]] = []
 
     # --- lifecycle ----------------------------------------------------------------------------
-    def open(self) -> "GroundClient":
+    def open(self) -> GroundClient:
         """Connect to the bus (CURVE handshake on both links); idempotent. Raises LinkRefused
         (key not authorized), NoAnswer (no bus) or LocalInputError (keys missing)."""
         self.link.open()
@@ -174,7 +179,7 @@ class GroundClient:
     def close(self) -> None:
         self.link.close()
 
-    def __enter__(self) -> "GroundClient":
+    def __enter__(self) -> GroundClient:
         return self.open()
 
     def __exit__(self, *exc) -> None:
@@ -274,8 +279,10 @@ class GroundClient:
         the payload's highest accepted number instead."""
         if report.code == ResponseCode.SEQUENCE_TOO_FAR_AHEAD:
             self.state.counter.rebase(Apid.PAYLOAD, report.highest_seq)
-            self._notify(f"payload reports sequence {report.tc_seq} as too far ahead of its highest accepted "
-                         f"{report.highest_seq}; sequence counter rebased, sending again")
+            self._notify(
+                f"payload reports sequence {report.tc_seq} as too far ahead of its highest accepted "
+                f"{report.highest_seq}; sequence counter rebased, sending again"
+            )
             return
         self.state.counter.advance_past(Apid.PAYLOAD, report.highest_seq)
         self._notify(
@@ -390,8 +397,9 @@ class GroundClient:
     # --- health and safety ---------------------------------------------------------------------
     def quarantine(self) -> m.QuarantineList:
         """LIST_QUARANTINE -> the items the payload holds back after repeated abnormal exits."""
-        _, listing = self._transact(m.ListQuarantine(), "LIST_QUARANTINE",
-                                    reply=lambda mark: self._after(self._quarantine, mark))
+        _, listing = self._transact(
+            m.ListQuarantine(), "LIST_QUARANTINE", reply=lambda mark: self._after(self._quarantine, mark)
+        )
         return listing
 
     def release(self, item: str) -> None:
@@ -410,13 +418,20 @@ class GroundClient:
         known = self.state.task(task_id)
         if known is None or not known.get("image_files"):
             raise LocalInputError(f"task {task_id} was not uplinked from this station (no image files recorded)")
-        return self.uplink(known["image_files"], known["prompt"], max_new_tokens=known["max_new_tokens"],
-                           priority=known.get("priority", 0), task_id=task_id)
+        return self.uplink(
+            known["image_files"],
+            known["prompt"],
+            max_new_tokens=known["max_new_tokens"],
+            priority=known.get("priority", 0),
+            task_id=task_id,
+        )
 
     # --- images -------------------------------------------------------------------------------
     def query_image(self, name: str) -> m.ImageStatus:
         _, status = self._transact(
-            m.ImageQuery(image=name), f"IMAGE_QUERY {name}", reply=lambda mark: self._after(self._image_status.get(name), mark)
+            m.ImageQuery(image=name),
+            f"IMAGE_QUERY {name}",
+            reply=lambda mark: self._after(self._image_status.get(name), mark),
         )
         return status
 
@@ -424,7 +439,9 @@ class GroundClient:
         """Send the chunks of `image` the payload does not hold, until it reports the file
         verified. Resumes by re-querying whenever answers stop for `timeout_s`."""
         chunks = image.chunks(self.chunk_bytes)
-        stats = ImageUpload(path=image.path, name=image.name, size=image.size, sha256=image.sha256.hex(), chunks=len(chunks))
+        stats = ImageUpload(
+            path=image.path, name=image.name, size=image.size, sha256=image.sha256.hex(), chunks=len(chunks)
+        )
         bar = self._progress_bar(image)
         stalls = 0
         first_answer = True
@@ -442,7 +459,8 @@ class GroundClient:
                 if status.verified:
                     if status.image_size != image.size:
                         raise CommandRejected(
-                            f"image {image.name}", ResponseCode.CHUNK_CONFLICT,
+                            f"image {image.name}",
+                            ResponseCode.CHUNK_CONFLICT,
                             f"the payload holds a verified {status.image_size}-byte file under this name, ours has {image.size}",
                         )
                     if first_answer:
@@ -460,13 +478,19 @@ class GroundClient:
                     stats.held_before = len(held)
                     first_answer = False
                     if held:
-                        self._notify(f"image {image.name}: payload already holds {len(held)}/{len(chunks)} chunks; sending {len(missing)}")
+                        self._notify(
+                            f"image {image.name}: payload already holds {len(held)}/{len(chunks)} chunks; sending {len(missing)}"
+                        )
                 bar.n = sum(len(c.data) for c in held)
                 bar.refresh()
                 if not missing:
                     # Every chunk held but not verified yet: the payload is still checking the file.
                     stalls += 1
-                    self._give_up_after(stalls, NoAnswer(f"image {image.name}: payload holds every chunk but does not report it verified"), image)
+                    self._give_up_after(
+                        stalls,
+                        NoAnswer(f"image {image.name}: payload holds every chunk but does not report it verified"),
+                        image,
+                    )
                     self._pump(min(self.timeout_s, 1.0))
                     continue
                 try:
@@ -493,12 +517,15 @@ class GroundClient:
                 "run the same uplink again to resume"
             ) from None
 
-    def _adopt_chunking(self, image: PreparedImage, status: m.ImageStatus, chunks: list[m.ImageChunk]) -> list[m.ImageChunk]:
+    def _adopt_chunking(
+        self, image: PreparedImage, status: m.ImageStatus, chunks: list[m.ImageChunk]
+    ) -> list[m.ImageChunk]:
         """The payload holds part of this image cut into another number of chunks (an earlier
         uplink with another --chunk-bytes). Cut ours the same way, so that the held chunks count
         and none conflicts: with the chunk size this station recorded for the image, else with
         the one power-of-two size (or the maximum) that gives that many chunks. If none fits,
         the payload would refuse our chunks: say so, with the fix."""
+
         def fits(size: int) -> bool:
             return 1 <= size <= MAX_CHUNK_DATA_BYTES and math.ceil(image.size / size) == status.total
 
@@ -508,12 +535,15 @@ class GroundClient:
             candidates = [c for c in [1 << k for k in range(9, 16)] + [MAX_CHUNK_DATA_BYTES] if fits(c)]
         if status.image_size != image.size or not candidates:
             raise CommandRejected(
-                f"image {image.name}", ResponseCode.CHUNK_CONFLICT,
+                f"image {image.name}",
+                ResponseCode.CHUNK_CONFLICT,
                 f"the payload holds part of this image cut into {status.total} chunks by an earlier upload with another "
                 f"chunk size; run the uplink with the --chunk-bytes used then",
             )
         size = candidates[0]
-        self._notify(f"image {image.name}: payload holds it in {status.total} chunks; using {size}-byte chunks to match")
+        self._notify(
+            f"image {image.name}: payload holds it in {status.total} chunks; using {size}-byte chunks to match"
+        )
         return image.chunks(size)
 
     def _send_chunks(
@@ -554,8 +584,15 @@ class GroundClient:
         from tqdm import tqdm
 
         return tqdm(
-            total=image.size, unit="B", unit_scale=True, unit_divisor=1024, desc=image.name, file=sys.stderr,
-            disable=None if self.progress is None else not self.progress, leave=True, dynamic_ncols=True,
+            total=image.size,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc=image.name,
+            file=sys.stderr,
+            disable=None if self.progress is None else not self.progress,
+            leave=True,
+            dynamic_ncols=True,
         )
 
     # --- tasks --------------------------------------------------------------------------------
@@ -590,8 +627,10 @@ class GroundClient:
             same = self.state.find_same_task(content)
             if same is not None:
                 task_id, reused = same["task_id"], True
-                self._notify(f"same task as {task_id} (state {same.get('state')}); re-sending it is harmless. "
-                             "For a second run of it pass --new-task")
+                self._notify(
+                    f"same task as {task_id} (state {same.get('state')}); re-sending it is harmless. "
+                    "For a second run of it pass --new-task"
+                )
         if task_id is None:
             known = {t["task_id"] for t in self.state.tasks()}
             task_id = new_task_id()
@@ -599,12 +638,19 @@ class GroundClient:
                 task_id = new_task_id()
         else:
             earlier = self.state.task(task_id)
-            if earlier is not None and earlier.get("state") != "rejected" and any(earlier.get(k) != v for k, v in content.items()):
+            if (
+                earlier is not None
+                and earlier.get("state") != "rejected"
+                and any(earlier.get(k) != v for k, v in content.items())
+            ):
                 raise LocalInputError(
                     f"task id {task_id} was already uplinked with other content (see `ow ground results`); choose another id"
                 )
         self.state.update_task(
-            task_id, **content, image_files=[os.path.abspath(i.path) for i in images], station=self.station,
+            task_id,
+            **content,
+            image_files=[os.path.abspath(i.path) for i in images],
+            station=self.station,
             chunk_bytes=self.chunk_bytes,
             state=self.state.task(task_id).get("state", "uploading") if reused else "uploading",
         )
@@ -612,10 +658,14 @@ class GroundClient:
         request = self.queue_task(task_id, prompt, [i.name for i in images], max_new_tokens, priority)
         return UplinkResult(task_id=task_id, request=request_dict(request), reused_task_id=reused, images=uploads)
 
-    def queue_task(self, task_id: str, prompt: str, images: list[str], max_new_tokens: int, priority: int) -> RequestRef:
+    def queue_task(
+        self, task_id: str, prompt: str, images: list[str], max_new_tokens: int, priority: int
+    ) -> RequestRef:
         """UPLINK_TASK, sent again while unanswered (idempotent on the payload); the request
         ids are kept with the task so that its later reports can be recognised."""
-        message = m.UplinkTask(task_id=task_id, prompt=prompt, images=images, max_new_tokens=max_new_tokens, priority=priority)
+        message = m.UplinkTask(
+            task_id=task_id, prompt=prompt, images=images, max_new_tokens=max_new_tokens, priority=priority
+        )
 
         def remember(ref: RequestRef) -> None:
             self._task_requests[ref] = task_id
@@ -663,7 +713,8 @@ class GroundClient:
                 raise CommandRejected(f"task {task_id}", code, known.get("reason", ""), failed=True)
             try:
                 _, result = self._transact(
-                    m.DownlinkResult(task_id=task_id), f"DOWNLINK_RESULT {task_id}",
+                    m.DownlinkResult(task_id=task_id),
+                    f"DOWNLINK_RESULT {task_id}",
                     reply=lambda mark: self._after(self._results.get(task_id), mark),
                 )
                 self._store_result(result)
@@ -679,7 +730,9 @@ class GroundClient:
                     completed_acted_on = seen[0]  # completed meanwhile: ask again at once
                     continue
                 mark = self._arrivals
-                final = self._wait(lambda: self._after(self._task_final.get(task_id), mark), self._until(deadline, poll_s))
+                final = self._wait(
+                    lambda: self._after(self._task_final.get(task_id), mark), self._until(deadline, poll_s)
+                )
                 if isinstance(final, m.Failed):
                     raise CommandRejected(f"task {task_id}", final.code, final.reason, failed=True) from None
             except NoAnswer as exc:

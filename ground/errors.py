@@ -1,8 +1,9 @@
 """What can go wrong in a ground operation, each with the exit status `ow ground` reports.
 
-    0 ok · 2 usage (argparse) · 3 rejected or failed by the payload · 4 no answer / link refused
-    5 local input error (bad file, bad prompt, bad name, damaged local state)
+0 ok · 2 usage (argparse) · 3 rejected or failed by the payload · 4 no answer / link refused
+5 local input error (bad file, bad prompt, bad name, damaged local state)
 """
+
 from __future__ import annotations
 
 from common.wire import ResponseCode

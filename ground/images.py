@@ -4,6 +4,7 @@ A bad file or prompt is refused here (exit 5) rather than by the payload after m
 uplink: the payload runs the same checks again, but the operator learns sooner and the link
 time is not wasted.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,7 +29,6 @@ from common.wire.ids import (
     MAX_PRIORITY,
     MAX_PROMPT_BYTES,
 )
-
 from ground.errors import LocalInputError
 
 #: Hex digits of the content hash in an image's on-board name: 64 bits, so two different files
@@ -89,7 +89,9 @@ def prepare_image(path: str) -> PreparedImage:
     if st.st_size == 0:
         raise LocalInputError(f"image {shown}: empty file")
     if st.st_size > MAX_IMAGE_BYTES:
-        raise LocalInputError(f"image {shown}: {st.st_size} bytes, larger than the payload limit of {MAX_IMAGE_BYTES} bytes (16 MiB)")
+        raise LocalInputError(
+            f"image {shown}: {st.st_size} bytes, larger than the payload limit of {MAX_IMAGE_BYTES} bytes (16 MiB)"
+        )
     try:
         content = p.read_bytes()
     except OSError as exc:
@@ -178,7 +180,9 @@ def prepare_images(paths: list[str]) -> list[PreparedImage]:
     seen: dict[str, str] = {}
     for image in images:
         if image.name in seen:
-            raise LocalInputError(f"images {seen[image.name]!r} and {image.path!r} have the same content; give each picture once")
+            raise LocalInputError(
+                f"images {seen[image.name]!r} and {image.path!r} have the same content; give each picture once"
+            )
         seen[image.name] = image.path
     return images
 

@@ -6,6 +6,7 @@ publish, including those same answers. Either path alone must suffice (the bus m
 restarted and lost our routing id, or a subscription may still be propagating), so packets
 from both are decoded, and the second copy of a packet is dropped by its content digest.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,7 +32,6 @@ from common.wire.link import (
     send_packet,
 )
 from common.wire.packet import PacketType
-
 from ground.errors import LinkRefused, LocalInputError, NoAnswer
 
 _log = log.get("ground.link")
@@ -56,7 +56,9 @@ def check_keys(layout: KeyLayout, station: str) -> None:
     missing = [p for p in (layout.client_secret(station), layout.server_public) if not p.exists()]
     if missing:
         listed = ", ".join(str(p) for p in missing)
-        raise LocalInputError(f"missing key file(s) {listed}; create them with `ow ground keys init --keys {layout.root}`")
+        raise LocalInputError(
+            f"missing key file(s) {listed}; create them with `ow ground keys init --keys {layout.root}`"
+        )
 
 
 class GroundLink:
@@ -88,7 +90,7 @@ class GroundLink:
         self.undecodable = 0
 
     # --- connection ---------------------------------------------------------------------------
-    def open(self) -> "GroundLink":
+    def open(self) -> GroundLink:
         """Connect (idempotent). On failure everything opened so far is closed again."""
         if self.dealer is not None or self.sub is not None:
             return self
@@ -111,7 +113,12 @@ class GroundLink:
     def _connect(self, socket_type: int, endpoint: str, what: str) -> zmq.Socket:
         try:
             return client_socket(
-                self.context, socket_type, self.layout, self.station, endpoint, handshake_timeout_s=self.handshake_timeout_s
+                self.context,
+                socket_type,
+                self.layout,
+                self.station,
+                endpoint,
+                handshake_timeout_s=self.handshake_timeout_s,
             )
         except LinkAuthError as exc:
             if "refused" in str(exc):
@@ -140,15 +147,22 @@ class GroundLink:
         if self._own_context and not self.context.closed:
             self.context.term()
 
-    def __enter__(self) -> "GroundLink":
+    def __enter__(self) -> GroundLink:
         return self.open()
 
     def __exit__(self, *exc) -> None:
         self.close()
 
     # --- traffic ------------------------------------------------------------------------------
-    def send(self, message: m.Message, seq: int, *, source_id: int = NodeId.GROUND, timeout_s: float = 5.0,
-             ack_flags: AckFlags = AckFlags.ALL) -> None:
+    def send(
+        self,
+        message: m.Message,
+        seq: int,
+        *,
+        source_id: int = NodeId.GROUND,
+        timeout_s: float = 5.0,
+        ack_flags: AckFlags = AckFlags.ALL,
+    ) -> None:
         """Send one telecommand to the payload APID. Raises NoAnswer if the DEALER cannot take it
         (no connection to the bus and its queue is full)."""
         if self.dealer is None:

@@ -1,5 +1,6 @@
 """Readable text and JSON for what the ground receives: one line per packet, housekeeping and
 result summaries, the task list."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +11,6 @@ from typing import Any
 
 from common.wire import MessageType
 from common.wire import messages as m
-
 from ground.link import Telemetry
 
 
@@ -105,8 +105,10 @@ def describe(message: m.Message) -> str:
         return f"{message.image}: {held}/{message.total} chunks of {message.image_size} bytes{', verified' if message.verified else ''}"
     if isinstance(message, m.PowerReport):
         state = "on" if message.payload_on else "OFF"
-        return (f"payload {state}, bus {message.bus_voltage_v:.2f} V, payload {message.payload_power_w:.1f} W, "
-                f"battery {message.battery_soc * 100:.0f} % (t={message.trace_time_s:.1f} s)")
+        return (
+            f"payload {state}, bus {message.bus_voltage_v:.2f} V, payload {message.payload_power_w:.1f} W, "
+            f"battery {message.battery_soc * 100:.0f} % (t={message.trace_time_s:.1f} s)"
+        )
     if isinstance(message, m.ThermalReport):
         return f"payload {message.payload_temp_c:.1f} degC, bus {message.bus_temp_c:.1f} degC (t={message.trace_time_s:.1f} s)"
     if isinstance(message, m.FdirReport):
@@ -121,8 +123,10 @@ def describe(message: m.Message) -> str:
         items = ", ".join(f"{i} ({n})" for i, n in zip(message.items, message.exits)) or "nothing"
         return f"{message.total} quarantined: {items}"
     if isinstance(message, m.LostTasks):
-        return (f"{message.total} task(s) lost: {', '.join(message.task_ids) or '-'}; {message.bytes_dropped} damaged "
-                f"bytes skipped in {message.records_dropped} region(s), {message.unnamed} unnamed")
+        return (
+            f"{message.total} task(s) lost: {', '.join(message.task_ids) or '-'}; {message.bytes_dropped} damaged "
+            f"bytes skipped in {message.records_dropped} region(s), {message.unnamed} unnamed"
+        )
     return str(to_jsonable(message))
 
 

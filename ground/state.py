@@ -10,6 +10,7 @@ Several `ow ground` processes may run at once (an `events --follow` recorder, an
 status check). They must never issue the same sequence number, or the payload rejects the
 second as a replay, so counter blocks are claimed under the lock with the file re-read first.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -17,12 +18,12 @@ import fcntl
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from common.durable import DurableFS
 from common.wire.seq import DurableSequenceCounter, SequenceCounter, SequenceStateError, serial_distance
-
 from ground.errors import LocalInputError
 
 #: Numbers reserved per durable write. Small, because a block held by one process while another
@@ -78,7 +79,6 @@ class SharedSequenceCounter(DurableSequenceCounter):
                 if claimed is not None and serial_distance(seq, claimed) > 0:
                     self._next[apid] = claimed
             return super().next(apid)
-
 
     def rebase(self, apid: int, seq: int) -> None:
         with file_lock(self.lock_path):

@@ -18,6 +18,7 @@ Clock: `time_scale` is wall seconds per trace second. Trace second t happens at 
 `lead_time_s`) is trace time × time_scale, so it runs at wall speed and a lead tells the payload
 how many of its own seconds it has left.
 """
+
 from __future__ import annotations
 
 import base64
@@ -33,9 +34,10 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import zmq
 
@@ -56,7 +58,6 @@ from common.wire import (
 from common.wire import messages as m
 from common.wire.errors import RequestRef
 from common.wire.ids import MAX_EVENT_TEXT_BYTES
-from common.wire.text import clip_utf8
 from common.wire.link import (
     Endpoints,
     KeyLayout,
@@ -67,6 +68,7 @@ from common.wire.link import (
     server_socket,
     start_authenticator,
 )
+from common.wire.text import clip_utf8
 from hil import buslog as bl
 from hil.busstore import CommandStore, StoredCommand, request_key
 from hil.power import CommandSwitch, LocalProcessSwitch, PowerSwitch, PowerSwitchError, SshSwitch, process_write_bytes
@@ -108,13 +110,37 @@ SWITCH_RETRY_S = 1.0
 
 def default_payload_command(python: str | None = None) -> list[str]:
     """`ow flight run ...` as the local driver spawns it (the `ow` of this interpreter)."""
-    return [python or sys.executable, "-m", "common.cli", "flight", "run", "--data-dir", "{payload_data_dir}",
-            "--model", "{model}", "--keys", "{keys}", "--payload-endpoint", "{payload_endpoint}"]
+    return [
+        python or sys.executable,
+        "-m",
+        "common.cli",
+        "flight",
+        "run",
+        "--data-dir",
+        "{payload_data_dir}",
+        "--model",
+        "{model}",
+        "--keys",
+        "{keys}",
+        "--payload-endpoint",
+        "{payload_endpoint}",
+    ]
 
 
 #: The same for a remote board, where `ow` is on the PATH of the SSH login.
-REMOTE_PAYLOAD_COMMAND = ["ow", "flight", "run", "--data-dir", "{payload_data_dir}", "--model", "{model}",
-                          "--keys", "{keys}", "--payload-endpoint", "{payload_endpoint}"]
+REMOTE_PAYLOAD_COMMAND = [
+    "ow",
+    "flight",
+    "run",
+    "--data-dir",
+    "{payload_data_dir}",
+    "--model",
+    "{model}",
+    "--keys",
+    "{keys}",
+    "--payload-endpoint",
+    "{payload_endpoint}",
+]
 
 PLACEHOLDERS = ("python", "payload_data_dir", "bus_data_dir", "model", "keys", "payload_endpoint")
 
@@ -223,8 +249,9 @@ class BusConfig:
             if not (math.isfinite(self.boot_trace_s) and self.boot_trace_s >= 0):
                 raise BusConfigError(f"--boot-trace-s must be >= 0, got {self.boot_trace_s}")
             if self.power_driver != "local":
-                raise BusConfigError("--boot-trace-s (emulated boot) needs --power-driver local; a real board "
-                                     "boots in real time")
+                raise BusConfigError(
+                    "--boot-trace-s (emulated boot) needs --power-driver local; a real board boots in real time"
+                )
         for name in ("heartbeat_timeout_s", "boot_timeout_s", "fdir_off_s", "confirm_after_s"):
             if getattr(self, name) < 0:
                 raise BusConfigError(f"{name} must be >= 0")
@@ -276,7 +303,9 @@ class _Action:
     lead_s: float = 0.0
 
 
-def trace_actions(trace: traces.Trace, start_at_s: float) -> tuple[bool, tuple[float, CutCause, float] | None, list[_Action]]:
+def trace_actions(
+    trace: traces.Trace, start_at_s: float
+) -> tuple[bool, tuple[float, CutCause, float] | None, list[_Action]]:
     """(on at the start, warning in force at the start as (cut time, cause, lead) or None, the
     actions after the start in time order, ending with "end")."""
     on = trace.is_on_at(start_at_s)
@@ -310,7 +339,9 @@ def expand_command(template: Sequence[str], values: dict[str, str | None], extra
             continue
         for name in PLACEHOLDERS:
             if "{" + name + "}" in token and values.get(name) is None:
-                raise BusConfigError(f"payload command uses {{{name}}} but no value was given (--{name.replace('_', '-')})")
+                raise BusConfigError(
+                    f"payload command uses {{{name}}} but no value was given (--{name.replace('_', '-')})"
+                )
         try:
             out.append(token.format_map({k: v for k, v in values.items() if v is not None}))
         except (KeyError, IndexError, ValueError) as exc:
@@ -408,22 +439,48 @@ class Bus:
         self.buslog = bl.BusLog(self.data_dir / bl.LOG_FILE)
         self._init_state()
         self.buslog.write(
-            bl.RUN_START, trace_s=self.clock.start_at_s, clock_s=self.clock.clock_s(self.clock.t0),
-            wall_s=0.0, format=bl.LOG_FORMAT, version=bl.LOG_VERSION,
-            trace=self.trace.name, trace_path=str(traces.resolve(cfg.trace)),
-            trace_sha256=self._trace_digest(), trace_duration_s=self.trace.duration_s,
-            time_scale=cfg.time_scale, start_at_s=cfg.start_at_s, stop_at_end=cfg.stop_at_end,
-            endpoints={"commands": self.endpoints.commands, "payload": self.endpoints.payload,
-                       "telemetry": self.endpoints.telemetry, "payload_connect": self.payload_connect_endpoint},
-            switch=self.switch.describe(), heartbeat_timeout_s=cfg.heartbeat_timeout_s,
-            boot_timeout_s=cfg.boot_timeout_s, fdir_off_s=cfg.fdir_off_s,
-            stored_commands=len(self.store), bus_pid=os.getpid(),
-            model=cfg.model, flight_args=list(cfg.flight_args), machine=machine_fingerprint(),
-            boot_trace_s=cfg.boot_trace_s, skip_idle=cfg.skip_idle,
+            bl.RUN_START,
+            trace_s=self.clock.start_at_s,
+            clock_s=self.clock.clock_s(self.clock.t0),
+            wall_s=0.0,
+            format=bl.LOG_FORMAT,
+            version=bl.LOG_VERSION,
+            trace=self.trace.name,
+            trace_path=str(traces.resolve(cfg.trace)),
+            trace_sha256=self._trace_digest(),
+            trace_duration_s=self.trace.duration_s,
+            time_scale=cfg.time_scale,
+            start_at_s=cfg.start_at_s,
+            stop_at_end=cfg.stop_at_end,
+            endpoints={
+                "commands": self.endpoints.commands,
+                "payload": self.endpoints.payload,
+                "telemetry": self.endpoints.telemetry,
+                "payload_connect": self.payload_connect_endpoint,
+            },
+            switch=self.switch.describe(),
+            heartbeat_timeout_s=cfg.heartbeat_timeout_s,
+            boot_timeout_s=cfg.boot_timeout_s,
+            fdir_off_s=cfg.fdir_off_s,
+            stored_commands=len(self.store),
+            bus_pid=os.getpid(),
+            model=cfg.model,
+            flight_args=list(cfg.flight_args),
+            machine=machine_fingerprint(),
+            boot_trace_s=cfg.boot_trace_s,
+            skip_idle=cfg.skip_idle,
         )
-        _log.info("bus_started", trace=self.trace.name, time_scale=cfg.time_scale, start_at_s=cfg.start_at_s,
-                  commands=self.endpoints.commands, payload=self.endpoints.payload,
-                  telemetry=self.endpoints.telemetry, stored_commands=len(self.store), driver=self.switch.driver)
+        _log.info(
+            "bus_started",
+            trace=self.trace.name,
+            time_scale=cfg.time_scale,
+            start_at_s=cfg.start_at_s,
+            commands=self.endpoints.commands,
+            payload=self.endpoints.payload,
+            telemetry=self.endpoints.telemetry,
+            stored_commands=len(self.store),
+            driver=self.switch.driver,
+        )
         try:
             self.switch.reset()
         except PowerSwitchError as exc:
@@ -446,9 +503,15 @@ class Bus:
             return ""
 
     def _write_ready(self, path: Path) -> None:
-        info = {"commands": self.endpoints.commands, "payload": self.endpoints.payload,
-                "telemetry": self.endpoints.telemetry, "payload_connect": self.payload_connect_endpoint,
-                "pid": os.getpid(), "log": str(self.buslog.path), "run": self.buslog.run}
+        info = {
+            "commands": self.endpoints.commands,
+            "payload": self.endpoints.payload,
+            "telemetry": self.endpoints.telemetry,
+            "payload_connect": self.payload_connect_endpoint,
+            "pid": os.getpid(),
+            "log": str(self.buslog.path),
+            "run": self.buslog.run,
+        }
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(info))
         os.replace(tmp, path)
@@ -479,17 +542,31 @@ class Bus:
 
                 zygote = Zygote(cfg.zygote_preload or FLIGHT_PRELOAD, log_path=self.data_dir / "zygote.log").start()
                 boot_s = cfg.boot_trace_s * cfg.time_scale
-            return LocalProcessSwitch(self.payload_argv(), output_path=self.data_dir / "payload.log",
-                                      pidfile=self.data_dir / "payload.pid", zygote=zygote, boot_s=boot_s)
+            return LocalProcessSwitch(
+                self.payload_argv(),
+                output_path=self.data_dir / "payload.log",
+                pidfile=self.data_dir / "payload.pid",
+                zygote=zygote,
+                boot_s=boot_s,
+            )
         if cfg.power_driver == "ssh":
             kwargs = {}
             if cfg.ssh_reboot_command:
                 kwargs["reboot_command"] = cfg.ssh_reboot_command
             return SshSwitch(
-                shlex.join(self.payload_argv()), host=cfg.ssh_host, user=cfg.ssh_user, port=cfg.ssh_port,
-                identity=cfg.ssh_identity, ssh_options=cfg.ssh_options, transport=cfg.ssh_transport,
-                mode=cfg.ssh_mode, pidfile=cfg.ssh_pidfile, kill_command=cfg.ssh_kill_command,
-                output_path=self.data_dir / "payload.log", timeout_s=cfg.switch_timeout_s, **kwargs,
+                shlex.join(self.payload_argv()),
+                host=cfg.ssh_host,
+                user=cfg.ssh_user,
+                port=cfg.ssh_port,
+                identity=cfg.ssh_identity,
+                ssh_options=cfg.ssh_options,
+                transport=cfg.ssh_transport,
+                mode=cfg.ssh_mode,
+                pidfile=cfg.ssh_pidfile,
+                kill_command=cfg.ssh_kill_command,
+                output_path=self.data_dir / "payload.log",
+                timeout_s=cfg.switch_timeout_s,
+                **kwargs,
             )
         return CommandSwitch(cfg.power_on_command, cfg.power_off_command, timeout_s=cfg.switch_timeout_s)
 
@@ -595,17 +672,27 @@ class Bus:
         if target <= trace_now:
             return
         off_waiting = not self.switch.is_on() and not self.trace_on and self.actions[0].kind == "power_on"
-        idle = (self.switch.is_on() and self.payload_rid is not None and self.payload_idle_since is not None
-                and now - self.payload_idle_since > IDLE_CONFIRM_S and not len(self.store.pending())
-                and self.payload_queue_depth == 0)
+        idle = (
+            self.switch.is_on()
+            and self.payload_rid is not None
+            and self.payload_idle_since is not None
+            and now - self.payload_idle_since > IDLE_CONFIRM_S
+            and not len(self.store.pending())
+            and self.payload_queue_depth == 0
+        )
         if not (off_waiting or idle):
             return
         delta = self.clock.at(target) - now
         if delta < SKIP_MIN_S:
             return
         self.clock.t0 -= delta
-        self.buslog.write(bl.CLOCK_SKIP, **self._stamp(), from_trace_s=round(trace_now, 3), to_trace_s=round(target, 3),
-                          reason="payload off" if off_waiting else "payload idle")
+        self.buslog.write(
+            bl.CLOCK_SKIP,
+            **self._stamp(),
+            from_trace_s=round(trace_now, 3),
+            to_trace_s=round(target, 3),
+            reason="payload off" if off_waiting else "payload idle",
+        )
 
     def _next_due(self, now: float) -> float:
         due = now + POLL_MAX_S
@@ -640,8 +727,7 @@ class Bus:
     # ------------------------------------------------------------------ trace timeline
     def _stamp(self, now: float | None = None) -> dict:
         now = time.monotonic() if now is None else now
-        return {"trace_s": self.clock.trace_s(now), "clock_s": self.clock.clock_s(now),
-                "wall_s": now - self.clock.t0}
+        return {"trace_s": self.clock.trace_s(now), "clock_s": self.clock.clock_s(now), "wall_s": now - self.clock.t0}
 
     def _run_due_actions(self, now: float) -> None:
         while self.actions and now >= self.clock.at(self.actions[0].trace_s):
@@ -667,17 +753,33 @@ class Bus:
         cut_at, cause, lead = self.pending_warning
         now = time.monotonic()
         remaining_trace = max(0.0, cut_at - self.clock.trace_s(now))
-        message = m.ShutdownWarning(trace_time_s=self.clock.clock_s(now), lead_time_s=remaining_trace * self.clock.scale,
-                                    cause=TRACE_CAUSE[cause])
+        message = m.ShutdownWarning(
+            trace_time_s=self.clock.clock_s(now),
+            lead_time_s=remaining_trace * self.clock.scale,
+            cause=TRACE_CAUSE[cause],
+        )
         packet = self._bus_packet(message)
         self._publish(packet)
         delivered = self._to_payload(packet)
-        self.buslog.write(bl.WARNING, **self._stamp(now), cause=TRACE_CAUSE[cause].value, trace_cause=cause.value,
-                          lead_trace_s=round(lead, 6), remaining_trace_s=round(remaining_trace, 6),
-                          lead_clock_s=round(remaining_trace * self.clock.scale, 6), cut_at_trace_s=cut_at,
-                          delivered=delivered, redelivered=redelivered)
-        _log.info("bus_shutdown_warning", lead_s=message.lead_time_s, cause=message.cause.value,
-                  delivered=delivered, redelivered=redelivered)
+        self.buslog.write(
+            bl.WARNING,
+            **self._stamp(now),
+            cause=TRACE_CAUSE[cause].value,
+            trace_cause=cause.value,
+            lead_trace_s=round(lead, 6),
+            remaining_trace_s=round(remaining_trace, 6),
+            lead_clock_s=round(remaining_trace * self.clock.scale, 6),
+            cut_at_trace_s=cut_at,
+            delivered=delivered,
+            redelivered=redelivered,
+        )
+        _log.info(
+            "bus_shutdown_warning",
+            lead_s=message.lead_time_s,
+            cause=message.cause.value,
+            delivered=delivered,
+            redelivered=redelivered,
+        )
 
     def _trace_end(self) -> None:
         self.trace_ended = True
@@ -727,11 +829,21 @@ class Bus:
         self.gap_reported = False
         if self.fdir_mode is FdirMode.SAFE:
             self.fdir_mode = FdirMode.NOMINAL
-        self.buslog.write(bl.POWER_ON, **self._stamp(now), cause=PowerCause.RESTORED.value, power_cycle=self.power_count,
-                          pid=self.switch.pid)
-        _log.info("bus_power_on", trace_s=round(self.clock.trace_s(now), 3), pid=self.switch.pid, cycle=self.power_count)
-        self._publish(self._bus_packet(m.PowerStateChange(trace_time_s=self.clock.clock_s(now), payload_on=True,
-                                                          cause=PowerCause.RESTORED)))
+        self.buslog.write(
+            bl.POWER_ON,
+            **self._stamp(now),
+            cause=PowerCause.RESTORED.value,
+            power_cycle=self.power_count,
+            pid=self.switch.pid,
+        )
+        _log.info(
+            "bus_power_on", trace_s=round(self.clock.trace_s(now), 3), pid=self.switch.pid, cycle=self.power_count
+        )
+        self._publish(
+            self._bus_packet(
+                m.PowerStateChange(trace_time_s=self.clock.clock_s(now), payload_on=True, cause=PowerCause.RESTORED)
+            )
+        )
         self._publish_power_report(now)
 
     def _power_off(self, cause: PowerCause, origin: str) -> None:
@@ -747,11 +859,20 @@ class Bus:
         self.payload_rid = None
         self.powered_at = None
         self.last_off_fault = origin == "fdir"
-        self.buslog.write(bl.POWER_OFF, **self._stamp(now), cause=cause.value, origin=origin, pid=pid,
-                          was_on=was_on, power_cycle=self.power_count, payload_write_bytes=write_bytes)
+        self.buslog.write(
+            bl.POWER_OFF,
+            **self._stamp(now),
+            cause=cause.value,
+            origin=origin,
+            pid=pid,
+            was_on=was_on,
+            power_cycle=self.power_count,
+            payload_write_bytes=write_bytes,
+        )
         _log.info("bus_power_off", trace_s=round(self.clock.trace_s(now), 3), cause=cause.value, origin=origin, pid=pid)
-        self._publish(self._bus_packet(m.PowerStateChange(trace_time_s=self.clock.clock_s(now), payload_on=False,
-                                                          cause=cause)))
+        self._publish(
+            self._bus_packet(m.PowerStateChange(trace_time_s=self.clock.clock_s(now), payload_on=False, cause=cause))
+        )
         self._publish_power_report(now)
 
     def _fdir(self, reason: str, now: float) -> None:
@@ -760,8 +881,14 @@ class Bus:
         self.fault_count += 1
         self.last_fault = clip_utf8(reason, MAX_EVENT_TEXT_BYTES)
         self.fdir_mode = FdirMode.SAFE
-        self.buslog.write(bl.FDIR_ACTION, **self._stamp(now), action="power_cycle", reason=reason,
-                          off_s=self.config.fdir_off_s, fault_count=self.fault_count)
+        self.buslog.write(
+            bl.FDIR_ACTION,
+            **self._stamp(now),
+            action="power_cycle",
+            reason=reason,
+            off_s=self.config.fdir_off_s,
+            fault_count=self.fault_count,
+        )
         _log.warning("bus_fdir_power_cycle", reason=reason, fault_count=self.fault_count)
         self.fdir_hold_until = now + self.config.fdir_off_s
         self._power_off(PowerCause.FDIR, "fdir")
@@ -779,14 +906,20 @@ class Bus:
         cfg = self.config
         if self.payload_rid is None:
             if cfg.boot_timeout_s and self.powered_at is not None and now - self.powered_at > cfg.boot_timeout_s:
-                self.buslog.write(bl.HEARTBEAT_GAP, **self._stamp(now), gap_s=round(now - self.powered_at, 3),
-                                  action="power_cycle", phase="boot")
+                self.buslog.write(
+                    bl.HEARTBEAT_GAP,
+                    **self._stamp(now),
+                    gap_s=round(now - self.powered_at, 3),
+                    action="power_cycle",
+                    phase="boot",
+                )
                 self._fdir(f"no heartbeat within {cfg.boot_timeout_s:g} s of power-on", now)
             return
         silent = now - self.last_seen
         if cfg.heartbeat_timeout_s and silent > cfg.heartbeat_timeout_s:
-            self.buslog.write(bl.HEARTBEAT_GAP, **self._stamp(now), gap_s=round(silent, 3), action="power_cycle",
-                              phase="running")
+            self.buslog.write(
+                bl.HEARTBEAT_GAP, **self._stamp(now), gap_s=round(silent, 3), action="power_cycle", phase="running"
+            )
             self._fdir(f"no heartbeat for {silent:.1f} s", now)
         elif silent > cfg.heartbeat_gap_log_s and not self.gap_reported:
             self.gap_reported = True
@@ -807,17 +940,30 @@ class Bus:
         sample = self.last_sample
         if sample is None or None in (sample.bus_voltage_v, sample.battery_soc, sample.payload_power_w):
             return  # the trace did not measure these channels: nothing honest to report
-        packet = self._bus_packet(m.PowerReport(
-            trace_time_s=self.clock.clock_s(now), payload_on=self.switch.is_on(), bus_voltage_v=sample.bus_voltage_v,
-            payload_power_w=sample.payload_power_w, battery_soc=sample.battery_soc))
+        packet = self._bus_packet(
+            m.PowerReport(
+                trace_time_s=self.clock.clock_s(now),
+                payload_on=self.switch.is_on(),
+                bus_voltage_v=sample.bus_voltage_v,
+                payload_power_w=sample.payload_power_w,
+                battery_soc=sample.battery_soc,
+            )
+        )
         self._publish(packet)
         if to_payload:
             self._to_payload(packet)
 
     def _publish_fdir(self) -> None:
-        self._publish(self._bus_packet(m.FdirReport(
-            trace_time_s=self.clock.clock_s(), mode=self.fdir_mode, fault_count=self.fault_count,
-            last_fault=self.last_fault)))
+        self._publish(
+            self._bus_packet(
+                m.FdirReport(
+                    trace_time_s=self.clock.clock_s(),
+                    mode=self.fdir_mode,
+                    fault_count=self.fault_count,
+                    last_fault=self.last_fault,
+                )
+            )
+        )
 
     def _telemetry_tick(self, now: float) -> None:
         if self.trace_ended:
@@ -840,9 +986,13 @@ class Bus:
         self._publish_power_report(now, to_payload=True)
         sample = self.last_sample
         if sample is not None and sample.payload_temp_c is not None:
-            packet = self._bus_packet(m.ThermalReport(
-                trace_time_s=self.clock.clock_s(now), payload_temp_c=sample.payload_temp_c,
-                bus_temp_c=self.config.bus_temp_c))
+            packet = self._bus_packet(
+                m.ThermalReport(
+                    trace_time_s=self.clock.clock_s(now),
+                    payload_temp_c=sample.payload_temp_c,
+                    bus_temp_c=self.config.bus_temp_c,
+                )
+            )
             self._publish(packet)
             self._to_payload(packet)
         self._publish_fdir()
@@ -854,8 +1004,14 @@ class Bus:
         allowed = self.config.ground_clients
         return allowed is None or user in allowed
 
-    def _reject_ground(self, received, error: WireError, request: RequestRef | None = None,
-                       task_id: str | None = None, type_name: str | None = None) -> None:
+    def _reject_ground(
+        self,
+        received,
+        error: WireError,
+        request: RequestRef | None = None,
+        task_id: str | None = None,
+        type_name: str | None = None,
+    ) -> None:
         report = m.Rejected.from_error(error, request, task_id)
         packet = self._bus_packet(report)
         self._publish(packet)
@@ -864,8 +1020,16 @@ class Bus:
         except LinkError:
             pass
         req = report.request
-        self.buslog.write(bl.COMMAND_REJECTED, **self._stamp(), request=_request_dict(req), type=type_name,
-                          task_id=task_id, code=error.code.name, reason=error.reason, sender=received.user_id)
+        self.buslog.write(
+            bl.COMMAND_REJECTED,
+            **self._stamp(),
+            request=_request_dict(req),
+            type=type_name,
+            task_id=task_id,
+            code=error.code.name,
+            reason=error.reason,
+            sender=received.user_id,
+        )
         _log.warning("bus_command_rejected", code=error.code.name, reason=error.reason, sender=received.user_id)
 
     def _on_ground_packet(self, received) -> None:
@@ -876,8 +1040,11 @@ class Bus:
             except WireError as exc:
                 request = exc.request
             self.buslog.write(bl.LINK_REFUSED, **self._stamp(), link="commands", client=received.user_id)
-            self._reject_ground(received, WireError(ResponseCode.NOT_AUTHORIZED,
-                                                    f"client {received.user_id!r} may not command the payload"), request)
+            self._reject_ground(
+                received,
+                WireError(ResponseCode.NOT_AUTHORIZED, f"client {received.user_id!r} may not command the payload"),
+                request,
+            )
             return
         try:
             header, message = decode(packet)
@@ -888,36 +1055,74 @@ class Bus:
         task_id = getattr(message, "task_id", None)
         name = message.TYPE.name
         if not message.is_command():
-            self._reject_ground(received, WireError(ResponseCode.WRONG_PACKET_TYPE,
-                                                    f"{name} is telemetry; the commands link takes telecommands"),
-                                request, task_id, name)
+            self._reject_ground(
+                received,
+                WireError(ResponseCode.WRONG_PACKET_TYPE, f"{name} is telemetry; the commands link takes telecommands"),
+                request,
+                task_id,
+                name,
+            )
             return
         if header.apid != Apid.PAYLOAD:
-            self._reject_ground(received, WireError(ResponseCode.WRONG_APID,
-                                                    f"APID {header.apid:#05x}: telecommands go to the payload ({int(Apid.PAYLOAD):#05x})"),
-                                request, task_id, name)
+            self._reject_ground(
+                received,
+                WireError(
+                    ResponseCode.WRONG_APID,
+                    f"APID {header.apid:#05x}: telecommands go to the payload ({int(Apid.PAYLOAD):#05x})",
+                ),
+                request,
+                task_id,
+                name,
+            )
             return
         if header.source_id not in GROUND_SOURCE_IDS:
-            self._reject_ground(received, WireError(ResponseCode.NOT_AUTHORIZED,
-                                                    f"source id {header.source_id:#06x} is not a ground station's"),
-                                request, task_id, name)
+            self._reject_ground(
+                received,
+                WireError(ResponseCode.NOT_AUTHORIZED, f"source id {header.source_id:#06x} is not a ground station's"),
+                request,
+                task_id,
+                name,
+            )
             return
         if self.store.find(request_key(request)) is not None:
-            self._reject_ground(received, WireError(ResponseCode.REPLAYED_SEQUENCE,
-                                                    f"seq {request.seq} from source {request.source_id} is already queued"),
-                                request, task_id, name)
+            self._reject_ground(
+                received,
+                WireError(
+                    ResponseCode.REPLAYED_SEQUENCE,
+                    f"seq {request.seq} from source {request.source_id} is already queued",
+                ),
+                request,
+                task_id,
+                name,
+            )
             return
         entry = self.store.enqueue(packet, received.user_id, time.time())
         self.store.flush()  # durable before anything else happens to it (or is logged about it)
         self._remember_route(request, received.routing_id)
         self._expect_replies(request, message)
         extra = {"packet": base64.b64encode(packet).decode("ascii")} if self.config.log_packets else {}
-        self.buslog.write(bl.COMMAND_RECEIVED, **self._stamp(), request=_request_dict(request), type=name,
-                          task_id=task_id, sender=received.user_id, store_id=entry.store_id,
-                          payload_on=self.switch.is_on(), payload_connected=self.payload_rid is not None,
-                          queued=len(self.store), **extra)
-        _log.info("bus_command_received", type=name, seq=request.seq, source=request.source_id, task_id=task_id,
-                  store_id=entry.store_id, queued=len(self.store))
+        self.buslog.write(
+            bl.COMMAND_RECEIVED,
+            **self._stamp(),
+            request=_request_dict(request),
+            type=name,
+            task_id=task_id,
+            sender=received.user_id,
+            store_id=entry.store_id,
+            payload_on=self.switch.is_on(),
+            payload_connected=self.payload_rid is not None,
+            queued=len(self.store),
+            **extra,
+        )
+        _log.info(
+            "bus_command_received",
+            type=name,
+            seq=request.seq,
+            source=request.source_id,
+            task_id=task_id,
+            store_id=entry.store_id,
+            queued=len(self.store),
+        )
 
     def _expect_replies(self, request: RequestRef, message: m.Message) -> None:
         """Note what the payload will answer this telecommand with, to route the answer back."""
@@ -926,9 +1131,16 @@ class Bus:
         reply = REPLY_TO.get(message.TYPE)
         if reply is not None:
             reply_type, field_name = reply
-            self.expectations.append(_Expectation(reply_type, field_name,
-                                                  getattr(message, field_name) if field_name else None,
-                                                  request_key(request), request.source_id, time.monotonic()))
+            self.expectations.append(
+                _Expectation(
+                    reply_type,
+                    field_name,
+                    getattr(message, field_name) if field_name else None,
+                    request_key(request),
+                    request.source_id,
+                    time.monotonic(),
+                )
+            )
 
     def _remember_route(self, request: RequestRef, routing_id: bytes) -> None:
         routes = self.route_by_request
@@ -992,9 +1204,16 @@ class Bus:
             for expectation in self.expectations:
                 if expectation.key == entry.key:
                     expectation.armed = True
-            self.buslog.write(bl.COMMAND_FORWARDED, **self._stamp(), store_id=entry.store_id, type=entry.type_name,
-                              request=_request_dict(entry.request), task_id=entry.task_id, link=self.link_id,
-                              redelivery=entry.forwards > 1)
+            self.buslog.write(
+                bl.COMMAND_FORWARDED,
+                **self._stamp(),
+                store_id=entry.store_id,
+                type=entry.type_name,
+                request=_request_dict(entry.request),
+                task_id=entry.task_id,
+                link=self.link_id,
+                redelivery=entry.forwards > 1,
+            )
 
     def _on_payload_packet(self, received) -> None:
         now = time.monotonic()
@@ -1005,8 +1224,9 @@ class Bus:
                 request = decode(received.packet)[0].request
             except WireError as exc:
                 request = exc.request
-            report = m.Rejected.from_error(WireError(ResponseCode.NOT_AUTHORIZED,
-                                                     f"client {received.user_id!r} is not the payload"), request)
+            report = m.Rejected.from_error(
+                WireError(ResponseCode.NOT_AUTHORIZED, f"client {received.user_id!r} is not the payload"), request
+            )
             try:
                 send_packet(self.payload_sock, self._bus_packet(report), routing_id=received.routing_id, timeout_s=0.1)
             except LinkError:
@@ -1026,8 +1246,13 @@ class Bus:
             self.pacer.payload_message(self, message, now)
         if received.routing_id == self.payload_rid:
             if self.last_seen is not None and now - self.last_seen > self.config.heartbeat_gap_log_s:
-                self.buslog.write(bl.HEARTBEAT_GAP, **self._stamp(now), gap_s=round(now - self.last_seen, 3),
-                                  action="none", phase="running")
+                self.buslog.write(
+                    bl.HEARTBEAT_GAP,
+                    **self._stamp(now),
+                    gap_s=round(now - self.last_seen, 3),
+                    action="none",
+                    phase="running",
+                )
                 if self.fdir_mode is FdirMode.DEGRADED:
                     self.fdir_mode = FdirMode.NOMINAL
             self.last_seen = now
@@ -1050,13 +1275,25 @@ class Bus:
         self.payload_idle_since = None
         self.payload_queue_depth = None  # unknown until its next housekeeping report
         boot_count = message.boot_count if isinstance(message, m.Heartbeat) else None
-        self.buslog.write(bl.PAYLOAD_CONNECTED, **self._stamp(now), link=self.link_id, boot_count=boot_count,
-                          after_power_on_s=round(now - self.powered_at, 3) if self.powered_at else None,
-                          queued=len(self.store))
+        self.buslog.write(
+            bl.PAYLOAD_CONNECTED,
+            **self._stamp(now),
+            link=self.link_id,
+            boot_count=boot_count,
+            after_power_on_s=round(now - self.powered_at, 3) if self.powered_at else None,
+            queued=len(self.store),
+        )
         _log.info("bus_payload_connected", link=self.link_id, boot_count=boot_count, queued=len(self.store))
-        self._to_payload(self._bus_packet(m.PowerStateChange(trace_time_s=self.clock.clock_s(now), payload_on=True,
-                                                             cause=PowerCause.RESTORED,
-                                                             after_fault=self.last_off_fault)))
+        self._to_payload(
+            self._bus_packet(
+                m.PowerStateChange(
+                    trace_time_s=self.clock.clock_s(now),
+                    payload_on=True,
+                    cause=PowerCause.RESTORED,
+                    after_fault=self.last_off_fault,
+                )
+            )
+        )
         if self.pending_warning is not None:
             self._warn(redelivered=True)
 
@@ -1064,11 +1301,21 @@ class Bus:
         """Telecommands that asked for no acceptance report cannot be confirmed by one: once the
         payload has lived `confirm_after_s` after receiving one, it counts as delivered."""
         for entry in self.store.pending():
-            if (entry.sent_link == self.link_id and entry.sent_at is not None
-                    and now - entry.sent_at >= self.config.confirm_after_s and not entry.wants_acceptance):
+            if (
+                entry.sent_link == self.link_id
+                and entry.sent_at is not None
+                and now - entry.sent_at >= self.config.confirm_after_s
+                and not entry.wants_acceptance
+            ):
                 self.store.confirm(entry, "assumed")
-                self.buslog.write(bl.COMMAND_CONFIRMED, **self._stamp(now), store_id=entry.store_id,
-                                  type=entry.type_name, request=_request_dict(entry.request), how="assumed")
+                self.buslog.write(
+                    bl.COMMAND_CONFIRMED,
+                    **self._stamp(now),
+                    store_id=entry.store_id,
+                    type=entry.type_name,
+                    request=_request_dict(entry.request),
+                    how="assumed",
+                )
 
     def _route_payload_report(self, message: m.Message, packet: bytes, now: float) -> None:
         if isinstance(message, m.Verification):
@@ -1084,22 +1331,48 @@ class Bus:
                     # command ran once; the ground gets the payload's other reports about it.
                     how, suppressed = "redelivery_duplicate", True
                 self.store.confirm(entry, how)
-                self.buslog.write(bl.COMMAND_CONFIRMED, **self._stamp(now), store_id=entry.store_id,
-                                  type=entry.type_name, request=_request_dict(request), how=how)
+                self.buslog.write(
+                    bl.COMMAND_CONFIRMED,
+                    **self._stamp(now),
+                    store_id=entry.store_id,
+                    type=entry.type_name,
+                    request=_request_dict(request),
+                    how=how,
+                )
             if message.TYPE in (MessageType.REJECTED, MessageType.FAILED, MessageType.COMPLETED):
                 self.expectations = [e for e in self.expectations if e.key != key]
             routed = False if suppressed else self._to_ground(packet, key, request.source_id)
-            self.buslog.write(bl.PAYLOAD_REPORT, **self._stamp(now), type=message.TYPE.name,
-                              request=_request_dict(request), task_id=message.task_id,
-                              code=ResponseCode(code).name if code is not None else None,
-                              routed=routed, **({"phase": message.phase.value, "done": message.done,
-                                                 "total": message.total} if isinstance(message, m.Progress) else {}))
+            self.buslog.write(
+                bl.PAYLOAD_REPORT,
+                **self._stamp(now),
+                type=message.TYPE.name,
+                request=_request_dict(request),
+                task_id=message.task_id,
+                code=ResponseCode(code).name if code is not None else None,
+                routed=routed,
+                **(
+                    {"phase": message.phase.value, "done": message.done, "total": message.total}
+                    if isinstance(message, m.Progress)
+                    else {}
+                ),
+            )
             return
-        if message.TYPE in (MessageType.PONG, MessageType.HOUSEKEEPING, MessageType.TASK_RESULT, MessageType.IMAGE_STATUS):
+        if message.TYPE in (
+            MessageType.PONG,
+            MessageType.HOUSEKEEPING,
+            MessageType.TASK_RESULT,
+            MessageType.IMAGE_STATUS,
+        ):
             self._route_reply(message, packet, now)
         elif isinstance(message, m.Event):
-            self.buslog.write(bl.PAYLOAD_REPORT, **self._stamp(now), type="EVENT", event=message.event_id.name,
-                              task_id=message.task_id, text=message.text[:200])
+            self.buslog.write(
+                bl.PAYLOAD_REPORT,
+                **self._stamp(now),
+                type="EVENT",
+                event=message.event_id.name,
+                task_id=message.task_id,
+                text=message.text[:200],
+            )
 
     def _route_reply(self, message: m.Message, packet: bytes, now: float) -> None:
         self.expectations = [e for e in self.expectations if now - e.created < REPLY_EXPECTATION_S]
@@ -1118,17 +1391,39 @@ class Bus:
             key = self.task_owner[message.task_id]
             source = key[1]
         # A task's answer goes into the run log in full (a replay compares it bit for bit).
-        result = ({"token_ids": list(message.token_ids), "logits_sha256": bytes(message.logits_sha256).hex(),
-                   "interruptions": message.interruptions} if isinstance(message, m.TaskResult) else {})
+        result = (
+            {
+                "token_ids": list(message.token_ids),
+                "logits_sha256": bytes(message.logits_sha256).hex(),
+                "interruptions": message.interruptions,
+            }
+            if isinstance(message, m.TaskResult)
+            else {}
+        )
         if key is None:
             if result:
-                self.buslog.write(bl.PAYLOAD_REPORT, **self._stamp(now), type=message.TYPE.name, request=None,
-                                  task_id=message.task_id, code=None, routed=False, **result)
+                self.buslog.write(
+                    bl.PAYLOAD_REPORT,
+                    **self._stamp(now),
+                    type=message.TYPE.name,
+                    request=None,
+                    task_id=message.task_id,
+                    code=None,
+                    routed=False,
+                    **result,
+                )
             return  # periodic housekeeping: telemetry only
         routed = self._to_ground(packet, key, source)
-        self.buslog.write(bl.PAYLOAD_REPORT, **self._stamp(now), type=message.TYPE.name,
-                          request=_request_dict(RequestRef(*key)), task_id=getattr(message, "task_id", None),
-                          code=None, routed=routed, **result)
+        self.buslog.write(
+            bl.PAYLOAD_REPORT,
+            **self._stamp(now),
+            type=message.TYPE.name,
+            request=_request_dict(RequestRef(*key)),
+            task_id=getattr(message, "task_id", None),
+            code=None,
+            routed=routed,
+            **result,
+        )
 
     # ------------------------------------------------------------------ shutdown
     def _shutdown(self) -> None:
@@ -1150,7 +1445,9 @@ class Bus:
             try:
                 self.store.flush()
             finally:
-                self.buslog.write(bl.RUN_STOP, **self._stamp(), reason=self.stop_reason, stored_commands=len(self.store))
+                self.buslog.write(
+                    bl.RUN_STOP, **self._stamp(), reason=self.stop_reason, stored_commands=len(self.store)
+                )
                 self.buslog.close()
                 _log.info("bus_stopped", reason=self.stop_reason, stored_commands=len(self.store))
                 self._close_sockets()
@@ -1177,8 +1474,8 @@ class Bus:
 class BusThread:
     """A bus in a background thread of this process (tests, the testbench, the demo).
 
-        with BusThread(config) as bus:
-            bus.endpoints.commands ...
+    with BusThread(config) as bus:
+        bus.endpoints.commands ...
     """
 
     def __init__(self, config: BusConfig, switch: PowerSwitch | None = None, pacer=None):
@@ -1201,7 +1498,7 @@ class BusThread:
     def log_path(self) -> Path:
         return self.bus.data_dir / bl.LOG_FILE
 
-    def start(self, timeout_s: float = 30.0) -> "BusThread":
+    def start(self, timeout_s: float = 30.0) -> BusThread:
         # The switch spawns the payload from the bus thread: its parent-death signal is tied
         # to that thread, so the payload dies with the bus.
         self._thread.start()
@@ -1220,7 +1517,7 @@ class BusThread:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
-    def __enter__(self) -> "BusThread":
+    def __enter__(self) -> BusThread:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -1231,15 +1528,46 @@ def config_to_argv(config: BusConfig) -> list[str]:
     """`ow bus run` arguments equivalent to `config` (BusProcess uses them)."""
     c = config
     e = c.endpoints
-    argv = ["--trace", str(c.trace), "--data-dir", str(c.data_dir), "--keys", str(c.keys_dir),
-            "--time-scale", repr(float(c.time_scale)), "--start-at", repr(float(c.start_at_s)),
-            "--commands-endpoint", e.commands, "--payload-endpoint", e.payload, "--telemetry-endpoint", e.telemetry,
-            "--power-driver", c.power_driver,
-            "--heartbeat-timeout", repr(float(c.heartbeat_timeout_s)), "--boot-timeout", repr(float(c.boot_timeout_s)),
-            "--heartbeat-gap-log", repr(float(c.heartbeat_gap_log_s)), "--fdir-off", repr(float(c.fdir_off_s)),
-            "--confirm-after", repr(float(c.confirm_after_s)), "--max-in-flight", str(c.max_in_flight),
-            "--telemetry-max-hz", repr(float(c.telemetry_max_hz)), "--bus-temp-c", repr(float(c.bus_temp_c)),
-            "--payload-client", c.payload_client, "--switch-timeout", repr(float(c.switch_timeout_s))]
+    argv = [
+        "--trace",
+        str(c.trace),
+        "--data-dir",
+        str(c.data_dir),
+        "--keys",
+        str(c.keys_dir),
+        "--time-scale",
+        repr(float(c.time_scale)),
+        "--start-at",
+        repr(float(c.start_at_s)),
+        "--commands-endpoint",
+        e.commands,
+        "--payload-endpoint",
+        e.payload,
+        "--telemetry-endpoint",
+        e.telemetry,
+        "--power-driver",
+        c.power_driver,
+        "--heartbeat-timeout",
+        repr(float(c.heartbeat_timeout_s)),
+        "--boot-timeout",
+        repr(float(c.boot_timeout_s)),
+        "--heartbeat-gap-log",
+        repr(float(c.heartbeat_gap_log_s)),
+        "--fdir-off",
+        repr(float(c.fdir_off_s)),
+        "--confirm-after",
+        repr(float(c.confirm_after_s)),
+        "--max-in-flight",
+        str(c.max_in_flight),
+        "--telemetry-max-hz",
+        repr(float(c.telemetry_max_hz)),
+        "--bus-temp-c",
+        repr(float(c.bus_temp_c)),
+        "--payload-client",
+        c.payload_client,
+        "--switch-timeout",
+        repr(float(c.switch_timeout_s)),
+    ]
     if c.stop_at_end:
         argv.append("--stop-at-end")
     if c.skip_idle:
@@ -1249,12 +1577,20 @@ def config_to_argv(config: BusConfig) -> list[str]:
     if not c.log_packets:
         argv.append("--no-log-packets")
     optional = {
-        "--payload-connect-endpoint": c.payload_connect_endpoint, "--model": c.model,
-        "--payload-data-dir": c.payload_data_dir, "--payload-keys": c.payload_keys_dir,
-        "--ssh-host": c.ssh_host, "--ssh-user": c.ssh_user, "--ssh-port": c.ssh_port, "--ssh-identity": c.ssh_identity,
-        "--ssh-pidfile": c.ssh_pidfile, "--ssh-kill-command": c.ssh_kill_command,
-        "--ssh-reboot-command": c.ssh_reboot_command, "--power-on-command": c.power_on_command,
-        "--power-off-command": c.power_off_command, "--ready-file": c.ready_file,
+        "--payload-connect-endpoint": c.payload_connect_endpoint,
+        "--model": c.model,
+        "--payload-data-dir": c.payload_data_dir,
+        "--payload-keys": c.payload_keys_dir,
+        "--ssh-host": c.ssh_host,
+        "--ssh-user": c.ssh_user,
+        "--ssh-port": c.ssh_port,
+        "--ssh-identity": c.ssh_identity,
+        "--ssh-pidfile": c.ssh_pidfile,
+        "--ssh-kill-command": c.ssh_kill_command,
+        "--ssh-reboot-command": c.ssh_reboot_command,
+        "--power-on-command": c.power_on_command,
+        "--power-off-command": c.power_off_command,
+        "--ready-file": c.ready_file,
     }
     for flag, value in optional.items():
         if value is not None:
@@ -1287,8 +1623,14 @@ class BusProcess:
 
     The ready file defaults to <data_dir>/bus-ready.json."""
 
-    def __init__(self, config: BusConfig, *, log_path: str | os.PathLike | None = None,
-                 python: str | None = None, env: dict | None = None):
+    def __init__(
+        self,
+        config: BusConfig,
+        *,
+        log_path: str | os.PathLike | None = None,
+        python: str | None = None,
+        env: dict | None = None,
+    ):
         self.config = replace(config, ready_file=config.ready_file or Path(config.data_dir) / "bus-ready.json")
         self.ready_file = Path(self.config.ready_file)
         self.log_path = Path(log_path) if log_path else Path(config.data_dir) / "bus-stderr.log"
@@ -1301,14 +1643,15 @@ class BusProcess:
     def endpoints(self) -> Endpoints:
         return Endpoints(commands=self.info["commands"], payload=self.info["payload"], telemetry=self.info["telemetry"])
 
-    def start(self, timeout_s: float = 660.0) -> "BusProcess":
+    def start(self, timeout_s: float = 660.0) -> BusProcess:
         """Start `ow bus run` and wait for its ready file (written once its power switch is
         prepared: a zygote's imports can take minutes on a loaded machine, at most 600 s)."""
         Path(self.config.data_dir).mkdir(parents=True, exist_ok=True)
         self.ready_file.unlink(missing_ok=True)
         with open(self.log_path, "ab") as err:
-            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=err, stderr=subprocess.STDOUT,
-                                         env=self.env)
+            self.proc = subprocess.Popen(
+                self.argv, stdin=subprocess.DEVNULL, stdout=err, stderr=subprocess.STDOUT, env=self.env
+            )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.ready_file.exists():
@@ -1340,7 +1683,7 @@ class BusProcess:
             self.proc.kill()
         return self.proc.wait()
 
-    def __enter__(self) -> "BusProcess":
+    def __enter__(self) -> BusProcess:
         return self.start()
 
     def __exit__(self, *exc) -> None:

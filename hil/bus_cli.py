@@ -3,6 +3,7 @@
 `register_bus(subparsers)` adds the `bus` group to `ow`; `python -m hil.bus_cli run ...` runs
 the same command without the rest of `ow`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,115 +63,232 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
     env = Endpoints.from_env()
     g = run.add_argument_group("trace and clock")
     g.add_argument("--trace", required=True, help="trace file or shipped trace name (docs/trace-format.md)")
-    g.add_argument("--time-scale", type=_positive, default=1.0, metavar="X",
-                   help="wall seconds per trace second: 1 = real time, 0.01 = 100x faster (default 1)")
-    g.add_argument("--start-at", type=_non_negative, default=0.0, metavar="S",
-                   help="start at trace second S (default 0)")
-    g.add_argument("--stop-at-end", action="store_true",
-                   help="cut the payload and exit at the trace's end (default: keep the payload on)")
-    g.add_argument("--skip-idle", action="store_true",
-                   help="compressed long runs: jump the trace clock over spans where nothing can happen (payload "
-                        "off until its next power-on; payload on, connected and idle until the next trace event)")
-    g.add_argument("--hold-at", action="append", type=float, default=[], metavar="TRACE_S",
-                   help="with --skip-idle, never jump past this trace second (repeatable; e.g. when the ground "
-                        "will uplink something)")
+    g.add_argument(
+        "--time-scale",
+        type=_positive,
+        default=1.0,
+        metavar="X",
+        help="wall seconds per trace second: 1 = real time, 0.01 = 100x faster (default 1)",
+    )
+    g.add_argument(
+        "--start-at", type=_non_negative, default=0.0, metavar="S", help="start at trace second S (default 0)"
+    )
+    g.add_argument(
+        "--stop-at-end",
+        action="store_true",
+        help="cut the payload and exit at the trace's end (default: keep the payload on)",
+    )
+    g.add_argument(
+        "--skip-idle",
+        action="store_true",
+        help="compressed long runs: jump the trace clock over spans where nothing can happen (payload "
+        "off until its next power-on; payload on, connected and idle until the next trace event)",
+    )
+    g.add_argument(
+        "--hold-at",
+        action="append",
+        type=float,
+        default=[],
+        metavar="TRACE_S",
+        help="with --skip-idle, never jump past this trace second (repeatable; e.g. when the ground "
+        "will uplink something)",
+    )
 
     g = run.add_argument_group("storage and keys")
-    g.add_argument("--data-dir", required=True,
-                   help="bus state: run log, stored commands, payload output (created if absent)")
-    g.add_argument("--keys", default=os.environ.get("OW_KEYS_DIR"), required="OW_KEYS_DIR" not in os.environ,
-                   help="keys directory with server/bus.key_secret and authorized/ (default $OW_KEYS_DIR)")
+    g.add_argument(
+        "--data-dir", required=True, help="bus state: run log, stored commands, payload output (created if absent)"
+    )
+    g.add_argument(
+        "--keys",
+        default=os.environ.get("OW_KEYS_DIR"),
+        required="OW_KEYS_DIR" not in os.environ,
+        help="keys directory with server/bus.key_secret and authorized/ (default $OW_KEYS_DIR)",
+    )
 
     g = run.add_argument_group("links (ZeroMQ endpoints the bus binds)")
     g.add_argument("--commands-endpoint", default=env.commands, help=f"ground commands ROUTER (default {env.commands})")
     g.add_argument("--payload-endpoint", default=env.payload, help=f"payload ROUTER (default {env.payload})")
     g.add_argument("--telemetry-endpoint", default=env.telemetry, help=f"telemetry PUB (default {env.telemetry})")
-    g.add_argument("--payload-connect-endpoint", default=None,
-                   help="payload endpoint as the payload connects to it, if it differs from the bound one "
-                        "(bus bound to 0.0.0.0, payload on another host)")
+    g.add_argument(
+        "--payload-connect-endpoint",
+        default=None,
+        help="payload endpoint as the payload connects to it, if it differs from the bound one "
+        "(bus bound to 0.0.0.0, payload on another host)",
+    )
     g.add_argument("--payload-client", default="payload", help="key name of the payload (default payload)")
-    g.add_argument("--ground-client", action="append", default=None, metavar="NAME",
-                   help="key name allowed on the commands link (repeatable; default: every authorized key "
-                        "but the payload's)")
+    g.add_argument(
+        "--ground-client",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="key name allowed on the commands link (repeatable; default: every authorized key but the payload's)",
+    )
     g.add_argument("--ready-file", default=None, help="write the bound endpoints here as JSON once listening")
 
     g = run.add_argument_group("payload process")
-    g.add_argument("--payload-command", default=None, metavar="TEMPLATE",
-                   help="command line of the flight process (shell words with placeholders; default "
-                        "`ow flight run --data-dir {payload_data_dir} --model {model} --keys {keys} "
-                        "--payload-endpoint {payload_endpoint}`)")
+    g.add_argument(
+        "--payload-command",
+        default=None,
+        metavar="TEMPLATE",
+        help="command line of the flight process (shell words with placeholders; default "
+        "`ow flight run --data-dir {payload_data_dir} --model {model} --keys {keys} "
+        "--payload-endpoint {payload_endpoint}`)",
+    )
     g.add_argument("--model", default=None, help="model directory passed to the flight process")
-    g.add_argument("--flight-arg", action="append", default=[], metavar="ARG",
-                   help="extra argument for the flight process (repeatable; use --flight-arg=--pace-ms)")
-    g.add_argument("--payload-data-dir", default=None,
-                   help="payload data directory as the payload sees it (default DATA_DIR/payload)")
+    g.add_argument(
+        "--flight-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for the flight process (repeatable; use --flight-arg=--pace-ms)",
+    )
+    g.add_argument(
+        "--payload-data-dir",
+        default=None,
+        help="payload data directory as the payload sees it (default DATA_DIR/payload)",
+    )
     g.add_argument("--payload-keys", default=None, help="keys directory as the payload sees it (default --keys)")
-    g.add_argument("--boot-trace-s", type=_non_negative, default=None, metavar="S",
-                   help="emulate the target's boot (local driver): fork each payload from a process that has "
-                        "imported its libraries and let it wait S trace seconds (S x --time-scale wall seconds) "
-                        "after power-on; default: exec it, with this machine's real start-up (docs/hil.md)")
-    g.add_argument("--zygote-preload", action="append", default=None, metavar="MODULE[:FUNCTION]",
-                   help="with --boot-trace-s: what the forking process imports (repeatable; default the flight "
-                        "payload's boot image, flight.runtime.preload:boot_image)")
+    g.add_argument(
+        "--boot-trace-s",
+        type=_non_negative,
+        default=None,
+        metavar="S",
+        help="emulate the target's boot (local driver): fork each payload from a process that has "
+        "imported its libraries and let it wait S trace seconds (S x --time-scale wall seconds) "
+        "after power-on; default: exec it, with this machine's real start-up (docs/hil.md)",
+    )
+    g.add_argument(
+        "--zygote-preload",
+        action="append",
+        default=None,
+        metavar="MODULE[:FUNCTION]",
+        help="with --boot-trace-s: what the forking process imports (repeatable; default the flight "
+        "payload's boot image, flight.runtime.preload:boot_image)",
+    )
 
     g = run.add_argument_group("power switch")
-    g.add_argument("--power-driver", choices=["local", "ssh", "command"], default="local",
-                   help="local: child process, SIGKILL of its group (default); ssh: flight process on a "
-                        "board over SSH; command: operator commands for a relay / PDU")
+    g.add_argument(
+        "--power-driver",
+        choices=["local", "ssh", "command"],
+        default="local",
+        help="local: child process, SIGKILL of its group (default); ssh: flight process on a "
+        "board over SSH; command: operator commands for a relay / PDU",
+    )
     g.add_argument("--ssh-host", default=None, help="board's host name or address (ssh driver)")
     g.add_argument("--ssh-user", default=None)
     g.add_argument("--ssh-port", type=int, default=None)
     g.add_argument("--ssh-identity", default=None, help="private key file for ssh -i")
     g.add_argument("--ssh-option", action="append", default=[], metavar="OPT", help="extra ssh -o option (repeatable)")
-    g.add_argument("--ssh-mode", choices=["kill", "reboot"], default="kill",
-                   help="power-off on the board: SIGKILL of the flight process group (default) or a forced reboot")
-    g.add_argument("--ssh-pidfile", default="/tmp/orbitweaver-payload.pid",
-                   help="where the flight process's group id is kept on the board")
-    g.add_argument("--ssh-kill-command", default=None,
-                   help="remote script that kills the payload (each cut, and before each start); must exit 0 "
-                        "once nothing of it is left, also when nothing ran")
-    g.add_argument("--ssh-reboot-command", default=None,
-                   help="remote command for --ssh-mode reboot (default `sudo -n /sbin/reboot -f`)")
-    g.add_argument("--ssh-transport", default=None,
-                   help="argv prefix that reaches the board instead of ssh (runs its last argument as a shell script)")
+    g.add_argument(
+        "--ssh-mode",
+        choices=["kill", "reboot"],
+        default="kill",
+        help="power-off on the board: SIGKILL of the flight process group (default) or a forced reboot",
+    )
+    g.add_argument(
+        "--ssh-pidfile",
+        default="/tmp/orbitweaver-payload.pid",
+        help="where the flight process's group id is kept on the board",
+    )
+    g.add_argument(
+        "--ssh-kill-command",
+        default=None,
+        help="remote script that kills the payload (each cut, and before each start); must exit 0 "
+        "once nothing of it is left, also when nothing ran",
+    )
+    g.add_argument(
+        "--ssh-reboot-command",
+        default=None,
+        help="remote command for --ssh-mode reboot (default `sudo -n /sbin/reboot -f`)",
+    )
+    g.add_argument(
+        "--ssh-transport",
+        default=None,
+        help="argv prefix that reaches the board instead of ssh (runs its last argument as a shell script)",
+    )
     g.add_argument("--power-on-command", default=None, help="shell command that powers the payload (command driver)")
     g.add_argument("--power-off-command", default=None, help="shell command that cuts the payload (command driver)")
-    g.add_argument("--switch-timeout", type=_positive, default=30.0, metavar="S",
-                   help="a switch command taking longer fails (default 30)")
+    g.add_argument(
+        "--switch-timeout",
+        type=_positive,
+        default=30.0,
+        metavar="S",
+        help="a switch command taking longer fails (default 30)",
+    )
 
     g = run.add_argument_group("health and delivery (wall seconds)")
-    g.add_argument("--heartbeat-timeout", type=_non_negative, default=10.0, metavar="S",
-                   help="power-cycle a powered payload silent this long (FDIR; 0 = never; default 10)")
-    g.add_argument("--boot-timeout", type=_non_negative, default=60.0, metavar="S",
-                   help="power-cycle a payload that has not connected this long after power-on (0 = never; default 60)")
-    g.add_argument("--heartbeat-gap-log", type=_non_negative, default=3.0, metavar="S",
-                   help="log heartbeat gaps longer than this (default 3)")
-    g.add_argument("--fdir-off", type=_non_negative, default=2.0, metavar="S",
-                   help="off time of an FDIR power cycle (default 2)")
-    g.add_argument("--confirm-after", type=_non_negative, default=2.0, metavar="S",
-                   help="a command that asked for no acceptance report counts as delivered after the payload "
-                        "lived this long past it (default 2)")
+    g.add_argument(
+        "--heartbeat-timeout",
+        type=_non_negative,
+        default=10.0,
+        metavar="S",
+        help="power-cycle a powered payload silent this long (FDIR; 0 = never; default 10)",
+    )
+    g.add_argument(
+        "--boot-timeout",
+        type=_non_negative,
+        default=60.0,
+        metavar="S",
+        help="power-cycle a payload that has not connected this long after power-on (0 = never; default 60)",
+    )
+    g.add_argument(
+        "--heartbeat-gap-log",
+        type=_non_negative,
+        default=3.0,
+        metavar="S",
+        help="log heartbeat gaps longer than this (default 3)",
+    )
+    g.add_argument(
+        "--fdir-off", type=_non_negative, default=2.0, metavar="S", help="off time of an FDIR power cycle (default 2)"
+    )
+    g.add_argument(
+        "--confirm-after",
+        type=_non_negative,
+        default=2.0,
+        metavar="S",
+        help="a command that asked for no acceptance report counts as delivered after the payload "
+        "lived this long past it (default 2)",
+    )
     g.add_argument("--max-in-flight", type=int, default=32, help="unconfirmed commands sent at a time (default 32)")
 
     g = run.add_argument_group("telemetry and logs")
-    g.add_argument("--telemetry-max-hz", type=_positive, default=10.0,
-                   help="most telemetry rounds per wall second when time is compressed (default 10)")
-    g.add_argument("--bus-temp-c", type=float, default=20.0,
-                   help="bus structure temperature reported in THERMAL (not in traces; default 20)")
-    g.add_argument("--no-log-packets", dest="log_packets", action="store_false",
-                   help="do not keep telecommand bytes in the run log")
+    g.add_argument(
+        "--telemetry-max-hz",
+        type=_positive,
+        default=10.0,
+        help="most telemetry rounds per wall second when time is compressed (default 10)",
+    )
+    g.add_argument(
+        "--bus-temp-c",
+        type=float,
+        default=20.0,
+        help="bus structure temperature reported in THERMAL (not in traces; default 20)",
+    )
+    g.add_argument(
+        "--no-log-packets",
+        dest="log_packets",
+        action="store_false",
+        help="do not keep telecommand bytes in the run log",
+    )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def register_bus(subparsers) -> None:
     """Add `bus` with its `run` leaf to the `ow` parser."""
-    bus = subparsers.add_parser("bus", help="the mock spacecraft bus",
-                                description="The mock spacecraft bus: power switch, telemetry, command relay.")
+    bus = subparsers.add_parser(
+        "bus",
+        help="the mock spacecraft bus",
+        description="The mock spacecraft bus: power switch, telemetry, command relay.",
+    )
     bsub = bus.add_subparsers(dest="bus_command", metavar="SUBCOMMAND")
     bsub.required = True
-    run = bsub.add_parser("run", help="replay a trace against the payload and relay its links",
-                          description=DESCRIPTION, epilog=EPILOG,
-                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    run = bsub.add_parser(
+        "run",
+        help="replay a trace against the payload and relay its links",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_run_arguments(run)
     run.set_defaults(func=cmd_run)
 
@@ -180,25 +298,51 @@ def config_from_args(args):
     from hil.bus import BusConfig
 
     return BusConfig(
-        trace=args.trace, data_dir=args.data_dir, keys_dir=args.keys, time_scale=args.time_scale,
-        start_at_s=args.start_at, stop_at_end=args.stop_at_end,
-        skip_idle=args.skip_idle, hold_at_s=tuple(args.hold_at),
-        endpoints=Endpoints(commands=args.commands_endpoint, payload=args.payload_endpoint,
-                            telemetry=args.telemetry_endpoint),
-        payload_connect_endpoint=args.payload_connect_endpoint, power_driver=args.power_driver,
+        trace=args.trace,
+        data_dir=args.data_dir,
+        keys_dir=args.keys,
+        time_scale=args.time_scale,
+        start_at_s=args.start_at,
+        stop_at_end=args.stop_at_end,
+        skip_idle=args.skip_idle,
+        hold_at_s=tuple(args.hold_at),
+        endpoints=Endpoints(
+            commands=args.commands_endpoint, payload=args.payload_endpoint, telemetry=args.telemetry_endpoint
+        ),
+        payload_connect_endpoint=args.payload_connect_endpoint,
+        power_driver=args.power_driver,
         payload_command=shlex.split(args.payload_command) if args.payload_command else None,
-        model=args.model, flight_args=list(args.flight_arg), payload_data_dir=args.payload_data_dir,
-        payload_keys_dir=args.payload_keys, ssh_host=args.ssh_host, ssh_user=args.ssh_user, ssh_port=args.ssh_port,
-        ssh_identity=args.ssh_identity, ssh_options=list(args.ssh_option),
-        ssh_transport=shlex.split(args.ssh_transport) if args.ssh_transport else None, ssh_mode=args.ssh_mode,
-        ssh_pidfile=args.ssh_pidfile, ssh_kill_command=args.ssh_kill_command,
-        ssh_reboot_command=args.ssh_reboot_command, power_on_command=args.power_on_command,
-        power_off_command=args.power_off_command, switch_timeout_s=args.switch_timeout,
-        heartbeat_timeout_s=args.heartbeat_timeout, boot_timeout_s=args.boot_timeout,
-        heartbeat_gap_log_s=args.heartbeat_gap_log, fdir_off_s=args.fdir_off, confirm_after_s=args.confirm_after,
-        max_in_flight=args.max_in_flight, telemetry_max_hz=args.telemetry_max_hz, bus_temp_c=args.bus_temp_c,
-        payload_client=args.payload_client, ground_clients=args.ground_client, log_packets=args.log_packets,
-        ready_file=args.ready_file, boot_trace_s=args.boot_trace_s, zygote_preload=args.zygote_preload,
+        model=args.model,
+        flight_args=list(args.flight_arg),
+        payload_data_dir=args.payload_data_dir,
+        payload_keys_dir=args.payload_keys,
+        ssh_host=args.ssh_host,
+        ssh_user=args.ssh_user,
+        ssh_port=args.ssh_port,
+        ssh_identity=args.ssh_identity,
+        ssh_options=list(args.ssh_option),
+        ssh_transport=shlex.split(args.ssh_transport) if args.ssh_transport else None,
+        ssh_mode=args.ssh_mode,
+        ssh_pidfile=args.ssh_pidfile,
+        ssh_kill_command=args.ssh_kill_command,
+        ssh_reboot_command=args.ssh_reboot_command,
+        power_on_command=args.power_on_command,
+        power_off_command=args.power_off_command,
+        switch_timeout_s=args.switch_timeout,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        boot_timeout_s=args.boot_timeout,
+        heartbeat_gap_log_s=args.heartbeat_gap_log,
+        fdir_off_s=args.fdir_off,
+        confirm_after_s=args.confirm_after,
+        max_in_flight=args.max_in_flight,
+        telemetry_max_hz=args.telemetry_max_hz,
+        bus_temp_c=args.bus_temp_c,
+        payload_client=args.payload_client,
+        ground_clients=args.ground_client,
+        log_packets=args.log_packets,
+        ready_file=args.ready_file,
+        boot_trace_s=args.boot_trace_s,
+        zygote_preload=args.zygote_preload,
     )
 
 

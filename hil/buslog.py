@@ -13,14 +13,16 @@ arrival and compare the sequence of events. Writing: one `write()` per line, flu
 (a killed bus loses nothing already written); power changes and warnings are also fsynced.
 Reading: `read_log(path)`; a torn last line is ignored.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 LOG_FILE = "bus-log.jsonl"
 LOG_FORMAT = "orbitweaver-bus-log"
@@ -47,9 +49,24 @@ SWITCH_ERROR = "power_switch_error"
 LINK_REFUSED = "link_refused"
 
 KINDS = (
-    RUN_START, RUN_STOP, POWER_ON, POWER_OFF, WARNING, TRACE_END, COMMAND_RECEIVED, COMMAND_REJECTED,
-    COMMAND_FORWARDED, COMMAND_CONFIRMED, PAYLOAD_CONNECTED, PAYLOAD_REPORT, PAYLOAD_EXITED, HEARTBEAT_GAP, CLOCK_SKIP,
-    FDIR_ACTION, SWITCH_ERROR, LINK_REFUSED,
+    RUN_START,
+    RUN_STOP,
+    POWER_ON,
+    POWER_OFF,
+    WARNING,
+    TRACE_END,
+    COMMAND_RECEIVED,
+    COMMAND_REJECTED,
+    COMMAND_FORWARDED,
+    COMMAND_CONFIRMED,
+    PAYLOAD_CONNECTED,
+    PAYLOAD_REPORT,
+    PAYLOAD_EXITED,
+    HEARTBEAT_GAP,
+    CLOCK_SKIP,
+    FDIR_ACTION,
+    SWITCH_ERROR,
+    LINK_REFUSED,
 )
 _SYNCED = {RUN_START, RUN_STOP, POWER_ON, POWER_OFF, WARNING, FDIR_ACTION, TRACE_END}
 _COMMON = ("run", "n", "kind", "utc", "wall_s", "trace_s", "clock_s")
@@ -75,9 +92,12 @@ class BusLogEntry:
         return self.data[key]
 
     @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> "BusLogEntry":
+    def from_json(cls, obj: Mapping[str, Any]) -> BusLogEntry:
         return cls(
-            run=str(obj["run"]), n=int(obj["n"]), kind=str(obj["kind"]), utc=float(obj["utc"]),
+            run=str(obj["run"]),
+            n=int(obj["n"]),
+            kind=str(obj["kind"]),
+            utc=float(obj["utc"]),
             wall_s=float(obj["wall_s"]),
             trace_s=None if obj.get("trace_s") is None else float(obj["trace_s"]),
             clock_s=None if obj.get("clock_s") is None else float(obj["clock_s"]),
@@ -113,13 +133,23 @@ class BusLog:
         self._t0 = time.monotonic()
         return self._t0
 
-    def write(self, kind: str, *, trace_s: float | None = None, clock_s: float | None = None,
-              wall_s: float | None = None, **data: Any) -> dict:
+    def write(
+        self,
+        kind: str,
+        *,
+        trace_s: float | None = None,
+        clock_s: float | None = None,
+        wall_s: float | None = None,
+        **data: Any,
+    ) -> dict:
         if kind not in KINDS:
             raise ValueError(f"unknown bus log entry kind {kind!r}")
         self._n += 1
         entry = {
-            "run": self.run, "n": self._n, "kind": kind, "utc": round(time.time(), 6),
+            "run": self.run,
+            "n": self._n,
+            "kind": kind,
+            "utc": round(time.time(), 6),
             "wall_s": round(time.monotonic() - self._t0 if wall_s is None else wall_s, 6),
             "trace_s": None if trace_s is None else round(trace_s, 6),
             "clock_s": None if clock_s is None else round(clock_s, 6),

@@ -20,6 +20,7 @@ A torn tail (the bus killed mid-append) is truncated away when the store is open
 every append-only record file. Opening also compacts: confirmed entries are dropped by writing
 a new file atomically.
 """
+
 from __future__ import annotations
 
 import os
@@ -121,11 +122,18 @@ class CommandStore:
             except WireError:  # cannot happen for what we wrote; never let it block the queue
                 _log.error("bus_store_entry_undecodable", id=store_id)
                 return
-            self._add(StoredCommand(
-                store_id=store_id, packet=packet, sender=str(meta.get("from", "")),
-                received_utc=float(meta.get("received_utc", 0.0)), request=request,
-                type_name=type_name, task_id=task_id, forwards=int(meta.get("forwards", 0)),
-            ))
+            self._add(
+                StoredCommand(
+                    store_id=store_id,
+                    packet=packet,
+                    sender=str(meta.get("from", "")),
+                    received_utc=float(meta.get("received_utc", 0.0)),
+                    request=request,
+                    type_name=type_name,
+                    task_id=task_id,
+                    forwards=int(meta.get("forwards", 0)),
+                )
+            )
             self.next_id = max(self.next_id, store_id + 1)
         elif op == "forwarded":
             entry = self.live.get(store_id)
@@ -159,8 +167,13 @@ class CommandStore:
     # ---- writing ---------------------------------------------------------------------------
     @staticmethod
     def _enqueue_meta(entry: StoredCommand, forwards: int = 0) -> dict:
-        meta = {"op": "enqueue", "id": entry.store_id, "packet": entry.packet, "from": entry.sender,
-                "received_utc": entry.received_utc}
+        meta = {
+            "op": "enqueue",
+            "id": entry.store_id,
+            "packet": entry.packet,
+            "from": entry.sender,
+            "received_utc": entry.received_utc,
+        }
         if forwards:
             meta["forwards"] = forwards
         return meta
@@ -168,8 +181,15 @@ class CommandStore:
     def enqueue(self, packet: bytes, sender: str, received_utc: float) -> StoredCommand:
         """Add a decoded-valid telecommand; durable after the next `flush()`."""
         request, type_name, task_id = _describe(packet)
-        entry = StoredCommand(store_id=self.next_id, packet=bytes(packet), sender=sender,
-                              received_utc=received_utc, request=request, type_name=type_name, task_id=task_id)
+        entry = StoredCommand(
+            store_id=self.next_id,
+            packet=bytes(packet),
+            sender=sender,
+            received_utc=received_utc,
+            request=request,
+            type_name=type_name,
+            task_id=task_id,
+        )
         self.next_id += 1
         self._add(entry)
         self._pending.append(rec.encode(BUS_COMMAND_KIND, self._enqueue_meta(entry)))

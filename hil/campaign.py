@@ -8,6 +8,7 @@ the three baselines. The report puts each policy's completion rate beside its en
 and says so where a policy completes nothing: a ratio is only formed where both sides finished
 every request.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,7 @@ WORKLOADS = {"paper": 2, "back-to-back": 4}
 @dataclass
 class CampaignCell:
     trace: str
-    policy: str          # the label: a policy, or orbitweaver with its cadence
+    policy: str  # the label: a policy, or orbitweaver with its cadence
     seed: int
     report: BenchReport
     workload: str = "paper"
@@ -42,8 +43,10 @@ def variants(policies: list[str], cadences: list[str]) -> list[tuple[str, str, s
     out = []
     for policy in policies:
         if policy == "orbitweaver":
-            out += [(policy if cadence == "fixed" and len(cadences) == 1 else f"{policy} ({cadence})", policy, cadence)
-                    for cadence in cadences]
+            out += [
+                (policy if cadence == "fixed" and len(cadences) == 1 else f"{policy} ({cadence})", policy, cadence)
+                for cadence in cadences
+            ]
         else:
             out.append((policy, policy, "fixed"))
     return out
@@ -71,9 +74,17 @@ def trace_for_seed(trace: str, seed: int, out_dir: Path) -> str:
     return str(path)
 
 
-def run_campaign(base: BenchConfig, traces_: list[str], policies: list[str], seeds: list[int], say=print,
-                 workloads: list[str] | None = None, cadences: list[str] | None = None, jobs: int = 1,
-                 max_new_tokens: int | None = None) -> list[CampaignCell]:
+def run_campaign(
+    base: BenchConfig,
+    traces_: list[str],
+    policies: list[str],
+    seeds: list[int],
+    say=print,
+    workloads: list[str] | None = None,
+    cadences: list[str] | None = None,
+    jobs: int = 1,
+    max_new_tokens: int | None = None,
+) -> list[CampaignCell]:
     """Every trace x workload x seed x policy variant; `jobs` runs at once (each is a bus, a
     payload and a ground link of its own). Without `workloads`, `base.workload` (or its request
     count) is the only one."""
@@ -87,12 +98,23 @@ def run_campaign(base: BenchConfig, traces_: list[str], policies: list[str], see
                 for label, policy, cadence in variants(policies, cadences):
                     cfg = replace(base, trace=trace_arg, policy=policy, cadence=cadence)
                     if workload is not None:
-                        cfg = replace(cfg, requests=WORKLOADS[workload],
-                                      workload=workload_requests(base, WORKLOADS[workload], max_new_tokens))
+                        cfg = replace(
+                            cfg,
+                            requests=WORKLOADS[workload],
+                            workload=workload_requests(base, WORKLOADS[workload], max_new_tokens),
+                        )
                     slug = label.replace(" (", "-").replace(")", "")
                     name = f"{Path(trace).stem}-{workload or 'w'}-s{seed}-{slug}"
-                    plan.append((trace, workload or "paper", seed, label, cadence,
-                                 replace(cfg, out_dir=str(out / "runs" / name))))
+                    plan.append(
+                        (
+                            trace,
+                            workload or "paper",
+                            seed,
+                            label,
+                            cadence,
+                            replace(cfg, out_dir=str(out / "runs" / name)),
+                        )
+                    )
     # References once, before any run (computed in this process and cached; runs share them).
     for n, (*_, cfg) in enumerate(plan):
         for i, spec in enumerate(cfg.workload or default_workload(cfg.requests)):
@@ -132,8 +154,16 @@ def load_cells(out: Path) -> list[CampaignCell]:
     for row, run in zip(data["rows"], data["runs"]):
         run = dict(run)
         run["requests"] = [RequestReport(**q) for q in run["requests"]]
-        cells.append(CampaignCell(row["trace"], row["policy"], row["seed"], BenchReport(**run), row["workload"],
-                                  row.get("cadence", "fixed")))
+        cells.append(
+            CampaignCell(
+                row["trace"],
+                row["policy"],
+                row["seed"],
+                BenchReport(**run),
+                row["workload"],
+                row.get("cadence", "fixed"),
+            )
+        )
     return cells
 
 
@@ -146,14 +176,24 @@ def trace_a_claim(rows: list[dict]) -> list[str]:
     partial = [f"{r['policy']} ({r['completed']}/{r['requests']})" for r in mine if r["runs_all_completed"] < r["runs"]]
     ours = [p for p in complete if p.startswith("orbitweaver")]
     others = [p for p in complete if not p.startswith("orbitweaver")]
-    verdict = ("holds here" if ours and not others else
-               "does not hold here: baselines complete too" if others else
-               "does not hold here: orbitweaver does not complete both requests in every seed")
-    return ["## The paper's Trace A claim", "",
-            "Paper, Sec. 7.2: \"in short Trace A, only OrbitWeaver completes two specified requests\". Trace-a, the "
-            "paper's workload, every seed: completed both requests in every seed: "
-            + (", ".join(complete) or "nobody") + "; did not: " + (", ".join(partial) or "nobody")
-            + f". The claim {verdict}.", ""]
+    verdict = (
+        "holds here"
+        if ours and not others
+        else "does not hold here: baselines complete too"
+        if others
+        else "does not hold here: orbitweaver does not complete both requests in every seed"
+    )
+    return [
+        "## The paper's Trace A claim",
+        "",
+        'Paper, Sec. 7.2: "in short Trace A, only OrbitWeaver completes two specified requests". Trace-a, the '
+        "paper's workload, every seed: completed both requests in every seed: "
+        + (", ".join(complete) or "nobody")
+        + "; did not: "
+        + (", ".join(partial) or "nobody")
+        + f". The claim {verdict}.",
+        "",
+    ]
 
 
 def _mean(values):
@@ -176,18 +216,25 @@ def summarise(cells: list[CampaignCell]) -> list[dict]:
         requests = [q for c in group for q in c.report.requests]
         done = [q for q in requests if q.completed]
         complete_runs = [c for c in group if all(q.completed for q in c.report.requests)]
-        rows.append({
-            "workload": workload, "trace": trace, "policy": policy, "seeds": sorted(c.seed for c in group),
-            "requests": len(requests), "completed": len(done),
-            "completion_rate": len(done) / len(requests) if requests else 0.0,
-            "runs_all_completed": len(complete_runs), "runs": len(group),
-            "bitwise": all(q.correct for q in done) if done else None,
-            "e2e_mean_trace_s": _mean(q.e2e_trace_s for q in done),
-            "makespan_trace_s": _mean(max(q.e2e_trace_s for q in c.report.requests) for c in complete_runs),
-            "cuts": sum(c.report.cuts_total for c in group), "lost_units": sum(sum(sum(q.work_lost_units) for q in
-                                                                               c.report.requests) for c in group),
-            "mib_written": sum(c.report.bytes_written for c in group) / 2**20,
-        })
+        rows.append(
+            {
+                "workload": workload,
+                "trace": trace,
+                "policy": policy,
+                "seeds": sorted(c.seed for c in group),
+                "requests": len(requests),
+                "completed": len(done),
+                "completion_rate": len(done) / len(requests) if requests else 0.0,
+                "runs_all_completed": len(complete_runs),
+                "runs": len(group),
+                "bitwise": all(q.correct for q in done) if done else None,
+                "e2e_mean_trace_s": _mean(q.e2e_trace_s for q in done),
+                "makespan_trace_s": _mean(max(q.e2e_trace_s for q in c.report.requests) for c in complete_runs),
+                "cuts": sum(c.report.cuts_total for c in group),
+                "lost_units": sum(sum(sum(q.work_lost_units) for q in c.report.requests) for c in group),
+                "mib_written": sum(c.report.bytes_written for c in group) / 2**20,
+            }
+        )
     return rows
 
 
@@ -215,12 +262,26 @@ def speedups(rows: list[dict], reference: str) -> list[dict]:
         ref = by.get((workload, trace, reference))
         if ref is None:
             continue
-        both = (row["runs_all_completed"] == row["runs"] and ref["runs_all_completed"] == ref["runs"]
-                and row["makespan_trace_s"] and ref["makespan_trace_s"])
-        out.append({"workload": workload, "trace": trace, "policy": policy,
-                    "ratio": row["makespan_trace_s"] / ref["makespan_trace_s"] if both else None,
-                    "why_not": None if both else (f"{policy} completed {row['completed']}/{row['requests']}, "
-                                                  f"{reference} {ref['completed']}/{ref['requests']}")})
+        both = (
+            row["runs_all_completed"] == row["runs"]
+            and ref["runs_all_completed"] == ref["runs"]
+            and row["makespan_trace_s"]
+            and ref["makespan_trace_s"]
+        )
+        out.append(
+            {
+                "workload": workload,
+                "trace": trace,
+                "policy": policy,
+                "ratio": row["makespan_trace_s"] / ref["makespan_trace_s"] if both else None,
+                "why_not": None
+                if both
+                else (
+                    f"{policy} completed {row['completed']}/{row['requests']}, "
+                    f"{reference} {ref['completed']}/{ref['requests']}"
+                ),
+            }
+        )
     return out
 
 
@@ -235,34 +296,59 @@ def write_report(out: Path, cells: list[CampaignCell]) -> Path:
     for c in cells:
         r = c.report
         done = [q for q in r.requests if q.completed]
-        runs.append({
-            "trace": c.trace, "workload": c.workload, "policy": c.policy, "cadence": c.cadence, "seed": c.seed,
-            "completed": f"{len(done)}/{len(r.requests)}", "completion_rate": r.completion_rate,
-            "correct": r.all_correct, "e2e_trace_s": _mean(q.e2e_trace_s for q in done),
-            "cuts": r.cuts_total, "recovery_s": _mean(x for q in r.requests for x in q.recovery_latency_s),
-            "lost_units": sum(sum(q.work_lost_units) for q in r.requests), "mib_written": r.bytes_written / 2**20,
-            "energy_j": r.energy_j, "wall_s": r.wall_s, "start_residual_s": r.start_residual_s})
+        runs.append(
+            {
+                "trace": c.trace,
+                "workload": c.workload,
+                "policy": c.policy,
+                "cadence": c.cadence,
+                "seed": c.seed,
+                "completed": f"{len(done)}/{len(r.requests)}",
+                "completion_rate": r.completion_rate,
+                "correct": r.all_correct,
+                "e2e_trace_s": _mean(q.e2e_trace_s for q in done),
+                "cuts": r.cuts_total,
+                "recovery_s": _mean(x for q in r.requests for x in q.recovery_latency_s),
+                "lost_units": sum(sum(q.work_lost_units) for q in r.requests),
+                "mib_written": r.bytes_written / 2**20,
+                "energy_j": r.energy_j,
+                "wall_s": r.wall_s,
+                "start_residual_s": r.start_residual_s,
+            }
+        )
     rows = summarise(cells)
     reference = next((r["policy"] for r in rows if r["policy"].startswith("orbitweaver")), None)
     ratios = speedups(rows, reference) if reference else []
-    (out / "campaign.json").write_text(json.dumps({"summary": rows, "ratios": ratios, "rows": runs,
-                                                   "runs": [c.report.to_json() for c in cells]}, indent=2))
+    (out / "campaign.json").write_text(
+        json.dumps(
+            {"summary": rows, "ratios": ratios, "rows": runs, "runs": [c.report.to_json() for c in cells]}, indent=2
+        )
+    )
     workloads = list(dict.fromkeys(c.workload for c in cells))
     traces_ = list(dict.fromkeys(c.trace for c in cells))
     policies = list(dict.fromkeys(c.policy for c in cells))
     plots = []
     keys = [(w, t) for w in workloads for t in traces_]
-    for metric, label, fname in (("e2e_mean_trace_s", "mean end-to-end time of completed requests (trace s)", "e2e.png"),
-                                 ("completion_rate", "requests completed (fraction)", "completion.png"),
-                                 ("mib_written", "MiB written by the payload (all seeds)", "bytes.png")):
+    for metric, label, fname in (
+        ("e2e_mean_trace_s", "mean end-to-end time of completed requests (trace s)", "e2e.png"),
+        ("completion_rate", "requests completed (fraction)", "completion.png"),
+        ("mib_written", "MiB written by the payload (all seeds)", "bytes.png"),
+    ):
         fig, ax = plt.subplots(figsize=(2.0 + 1.3 * len(keys), 3.4))
         width = 0.8 / max(1, len(policies))
         for i, policy in enumerate(policies):
-            vals = [next((r[metric] or 0.0 for r in rows if (r["workload"], r["trace"], r["policy"]) == (w, t, policy)),
-                         0.0) for w, t in keys]
+            vals = [
+                next(
+                    (r[metric] or 0.0 for r in rows if (r["workload"], r["trace"], r["policy"]) == (w, t, policy)), 0.0
+                )
+                for w, t in keys
+            ]
             ax.bar([k + i * width for k in range(len(keys))], vals, width, label=policy)
-        ax.set_xticks([k + width * (len(policies) - 1) / 2 for k in range(len(keys))],
-                      [f"{Path(t).stem}\n{w}" for w, t in keys], fontsize=7)
+        ax.set_xticks(
+            [k + width * (len(policies) - 1) / 2 for k in range(len(keys))],
+            [f"{Path(t).stem}\n{w}" for w, t in keys],
+            fontsize=7,
+        )
         ax.set_ylabel(label, fontsize=8)
         ax.legend(fontsize=7)
         fig.tight_layout()
@@ -270,17 +356,24 @@ def write_report(out: Path, cells: list[CampaignCell]) -> Path:
         plt.close(fig)
         plots.append((label, fname))
     seeds = sorted({c.seed for c in cells})
-    lines = ["# Testbench campaign", "",
-             f"{len(cells)} runs: traces {', '.join(traces_)}; workloads {', '.join(workloads)}; policies "
-             f"{', '.join(policies)}; seeds {', '.join(str(s) for s in seeds)}.",
-             "Real bus and payload processes (SIGKILL at every cut), real ZeroMQ/CurveZMQ link, this machine's CPU, "
-             "paced and time-scaled as each run's line says, the payload's boot emulated (docs/hil.md). A request "
-             "counts as completed when its COMPLETED report comes within the trace; every output is checked bit for "
-             "bit against an uninterrupted reference.", "",
-             "## Completion and end-to-end time", "",
-             "Per workload and trace, over the seeds: requests completed, and the mean end-to-end time (trace s) "
-             "of the completed ones.", "",
-             "| workload | trace | " + " | ".join(policies) + " |", "|---|---|" + "---|" * len(policies)]
+    lines = [
+        "# Testbench campaign",
+        "",
+        f"{len(cells)} runs: traces {', '.join(traces_)}; workloads {', '.join(workloads)}; policies "
+        f"{', '.join(policies)}; seeds {', '.join(str(s) for s in seeds)}.",
+        "Real bus and payload processes (SIGKILL at every cut), real ZeroMQ/CurveZMQ link, this machine's CPU, "
+        "paced and time-scaled as each run's line says, the payload's boot emulated (docs/hil.md). A request "
+        "counts as completed when its COMPLETED report comes within the trace; every output is checked bit for "
+        "bit against an uninterrupted reference.",
+        "",
+        "## Completion and end-to-end time",
+        "",
+        "Per workload and trace, over the seeds: requests completed, and the mean end-to-end time (trace s) "
+        "of the completed ones.",
+        "",
+        "| workload | trace | " + " | ".join(policies) + " |",
+        "|---|---|" + "---|" * len(policies),
+    ]
     for w, t in keys:
         cells_text = []
         for policy in policies:
@@ -292,33 +385,50 @@ def write_report(out: Path, cells: list[CampaignCell]) -> Path:
                 cells_text.append(completion_text(row) + e2e)
         lines.append(f"| {w} | {Path(t).stem} | " + " | ".join(cells_text) + " |")
     if ratios:
-        lines += ["", f"## Speed-up of {reference}", "",
-                  f"Baseline makespan (the last request of a run to complete) / {reference}'s, mean over seeds. Formed "
-                  "only where both completed every request of every seed: a policy that completes less is not "
-                  "slower by some ratio, it fails.", "",
-                  "| workload | trace | policy | makespan ratio |", "|---|---|---|---|"]
+        lines += [
+            "",
+            f"## Speed-up of {reference}",
+            "",
+            f"Baseline makespan (the last request of a run to complete) / {reference}'s, mean over seeds. Formed "
+            "only where both completed every request of every seed: a policy that completes less is not "
+            "slower by some ratio, it fails.",
+            "",
+            "| workload | trace | policy | makespan ratio |",
+            "|---|---|---|---|",
+        ]
         for r in ratios:
-            lines.append(f"| {r['workload']} | {Path(r['trace']).stem} | {r['policy']} | "
-                         + (f"{r['ratio']:.2f}x" if r["ratio"] else f"n/a: {r['why_not']}") + " |")
+            lines.append(
+                f"| {r['workload']} | {Path(r['trace']).stem} | {r['policy']} | "
+                + (f"{r['ratio']:.2f}x" if r["ratio"] else f"n/a: {r['why_not']}")
+                + " |"
+            )
     lines += [""] + trace_a_claim(rows)
-    lines += ["## Every run", "",
-              "| trace | workload | policy | seed | completed | outputs | mean e2e (trace s) | cuts | "
-              "mean recovery (wall s) | units lost | MiB written | start-up after boot (s) | wall (s) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "## Every run",
+        "",
+        "| trace | workload | policy | seed | completed | outputs | mean e2e (trace s) | cuts | "
+        "mean recovery (wall s) | units lost | MiB written | start-up after boot (s) | wall (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in runs:
-        lines.append(f"| {Path(row['trace']).stem} | {row['workload']} | {row['policy']} | {row['seed']} | "
-                     f"{row['completed']} | {_outputs(row)} | "
-                     f"{_fmt(row['e2e_trace_s'], '.0f')} | {row['cuts']} | {_fmt(row['recovery_s'], '.2f')} | "
-                     f"{row['lost_units']} | {row['mib_written']:.1f} | {_fmt(row['start_residual_s'], '.2f')} | "
-                     f"{row['wall_s']:.0f} |")
+        lines.append(
+            f"| {Path(row['trace']).stem} | {row['workload']} | {row['policy']} | {row['seed']} | "
+            f"{row['completed']} | {_outputs(row)} | "
+            f"{_fmt(row['e2e_trace_s'], '.0f')} | {row['cuts']} | {_fmt(row['recovery_s'], '.2f')} | "
+            f"{row['lost_units']} | {row['mib_written']:.1f} | {_fmt(row['start_residual_s'], '.2f')} | "
+            f"{row['wall_s']:.0f} |"
+        )
     lines += ["", "Per-run details: `runs/<trace>-<workload>-s<seed>-<policy>/summary.txt` and `report.json`.", ""]
     for label, fname in plots:
         lines += [f"## {label[0].upper() + label[1:]}", "", f"![{label}]({fname})", ""]
-    lines += ["Definitions (docs/hil.md): end-to-end = task accepted (or the trace's start, if later) to "
-              "COMPLETED, in trace seconds; recovery latency = payload power-up to the first progress report of "
-              "the resumed task (emulated boot included); units lost = work units (vision blocks, prefill blocks, "
-              "decode steps) done before a cut and done again after it; bytes written = the payload process's "
-              "device-level writes (/proc write_bytes) summed over power cycles.", ""]
+    lines += [
+        "Definitions (docs/hil.md): end-to-end = task accepted (or the trace's start, if later) to "
+        "COMPLETED, in trace seconds; recovery latency = payload power-up to the first progress report of "
+        "the resumed task (emulated boot included); units lost = work units (vision blocks, prefill blocks, "
+        "decode steps) done before a cut and done again after it; bytes written = the payload process's "
+        "device-level writes (/proc write_bytes) summed over power cycles.",
+        "",
+    ]
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path
@@ -330,4 +440,3 @@ if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] != "report":
         sys.exit("usage: python -m hil.campaign report CAMPAIGN_DIR   (rewrite report.md from campaign.json)")
     print(write_report(Path(sys.argv[2]), load_cells(Path(sys.argv[2]))))
-

@@ -1,4 +1,5 @@
 """`ow bus ...` (the mock spacecraft bus) and `ow hil ...` (traces and the testbench)."""
+
 from __future__ import annotations
 
 
@@ -7,9 +8,12 @@ def register(sub) -> None:
     from traces.cli import register_trace_commands
 
     register_bus(sub)
-    hil = sub.add_parser("hil", help="hardware-in-the-loop: traces, testbench, campaigns, replay, deployment",
-                         description="Interruption traces and the hardware-in-the-loop testbench that runs the real "
-                                     "bus and payload processes against them.")
+    hil = sub.add_parser(
+        "hil",
+        help="hardware-in-the-loop: traces, testbench, campaigns, replay, deployment",
+        description="Interruption traces and the hardware-in-the-loop testbench that runs the real "
+        "bus and payload processes against them.",
+    )
     hsub = hil.add_subparsers(dest="hil_command", metavar="SUBCOMMAND")
     hsub.required = True
     register_trace_commands(hsub)

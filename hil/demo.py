@@ -9,6 +9,7 @@ reference computed beforehand.
 
     python -m hil.demo [--out runs/demo] [--pace-ms 300]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,9 +59,19 @@ def main(argv=None) -> int:
     model = ensure_model(None)
     view.say(f"model: tiny Qwen3-VL with seeded random weights in {model}")
     shutil.rmtree(args.out, ignore_errors=True)
-    cfg = BenchConfig(trace="demo", model=model, out_dir=args.out, requests=args.requests,
-                      workload=default_workload(args.requests, 24), time_scale=1.0, pace_ms=args.pace_ms, chunk=8,
-                      group=2, decode_every=4, boot_trace_s=None)  # real time: this machine's real boot
+    cfg = BenchConfig(
+        trace="demo",
+        model=model,
+        out_dir=args.out,
+        requests=args.requests,
+        workload=default_workload(args.requests, 24),
+        time_scale=1.0,
+        pace_ms=args.pace_ms,
+        chunk=8,
+        group=2,
+        decode_every=4,
+        boot_trace_s=None,
+    )  # real time: this machine's real boot
     bench = Testbench(cfg, say=view.say)
     original_show = bench._show
 
@@ -69,22 +80,31 @@ def main(argv=None) -> int:
         view.packet(msg)
 
     bench._show = show
-    view.say("computing the uninterrupted references, then starting the bus on trace 'demo' "
-             "(4 cuts: thermal+warning, FDIR, power+warning, competing payload)")
+    view.say(
+        "computing the uninterrupted references, then starting the bus on trace 'demo' "
+        "(4 cuts: thermal+warning, FDIR, power+warning, competing payload)"
+    )
     report = bench.run()
     print()
     print("Results (each compared with its uninterrupted reference: same token ids, same logits hash):")
     for r in report.requests:
         verdict = "IDENTICAL" if r.correct else ("DIFFERENT" if r.correct is False else "not finished")
-        print(f"  {r.task_id}  {verdict:12s} {r.tokens} tokens, survived {r.cuts} cut(s), "
-              f"end to end {r.e2e_s:.1f} s" if r.e2e_s is not None else f"  {r.task_id}  {verdict}")
+        print(
+            f"  {r.task_id}  {verdict:12s} {r.tokens} tokens, survived {r.cuts} cut(s), end to end {r.e2e_s:.1f} s"
+            if r.e2e_s is not None
+            else f"  {r.task_id}  {verdict}"
+        )
     print()
     print(report.summary())
-    print(f"\nrun log of the bus: {os.path.join(args.out, 'bus', 'bus-log.jsonl')} "
-          f"(replay it with: ow hil replay {os.path.join(args.out, 'bus', 'bus-log.jsonl')})")
+    print(
+        f"\nrun log of the bus: {os.path.join(args.out, 'bus', 'bus-log.jsonl')} "
+        f"(replay it with: ow hil replay {os.path.join(args.out, 'bus', 'bus-log.jsonl')})"
+    )
     ok = report.completion_rate == 1.0 and report.all_correct
-    print("demo " + ("passed: every task finished across the cuts with the uninterrupted answer" if ok
-                     else "FAILED: see above"))
+    print(
+        "demo "
+        + ("passed: every task finished across the cuts with the uninterrupted answer" if ok else "FAILED: see above")
+    )
     return 0 if ok else 1
 
 

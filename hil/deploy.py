@@ -9,6 +9,7 @@ period (half per satellite) and are uplinked when the bus clock reaches them. Th
 spans where nothing can happen (payload off, or on and idle) and never skips past an arrival, so
 72 hours take minutes; everything else -- processes, SIGKILLs, links, checkpoints -- is real.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from common.wire import messages as m
 from common.wire.link import Endpoints, init_keys
 
 ORBIT_S = 95 * 60
@@ -30,7 +30,7 @@ class DeploySatellite:
     name: str
     trace_path: str
     arrivals_s: list[float]
-    tasks: dict = field(default_factory=dict)     # task id -> outcome
+    tasks: dict = field(default_factory=dict)  # task id -> outcome
     cuts: int = 0
     power_ups: int = 0
 
@@ -62,16 +62,22 @@ def deployment_trace(name: str, seed: int, hours: float, thermal: bool):
             windows.append(PowerWindow(start, end, cause, min(lead, end - start - 1)))
         orbit += 1
     trace = traces.Trace.from_windows(
-        name, duration, windows, reference_request_s=180.0,
+        name,
+        duration,
+        windows,
+        reference_request_s=180.0,
         description=f"{hours:g}-hour deployment of {name}: one payload window per 95-minute orbit in sunlight, "
-                    f"3-10 min, ended by the power budget{' or the thermal limit' if thermal else ''}; random FDIR resets.",
+        f"3-10 min, ended by the power budget{' or the thermal limit' if thermal else ''}; random FDIR resets.",
         source={"kind": "generator", "generator": "hil.deploy.deployment_trace", "seed": seed},
-        assumptions=["orbit 95 min, sunlit 59 min (docs/trace-format.md orbit model)",
-                     "payload powered once per orbit for 3-10 min at a random point of the sunlit arc (uniform)",
-                     "window end: power budget spent, warned 30 s ahead" + ("; windows over 7 min end at the thermal "
-                                                                            "limit, warned 10 s ahead" if thermal else ""),
-                     "FDIR resets: Poisson, one per 24 h, no warning",
-                     "requests of 180 trace seconds uninterrupted (the paper's three-minute missions)"])
+        assumptions=[
+            "orbit 95 min, sunlit 59 min (docs/trace-format.md orbit model)",
+            "payload powered once per orbit for 3-10 min at a random point of the sunlit arc (uniform)",
+            "window end: power budget spent, warned 30 s ahead"
+            + ("; windows over 7 min end at the thermal limit, warned 10 s ahead" if thermal else ""),
+            "FDIR resets: Poisson, one per 24 h, no warning",
+            "requests of 180 trace seconds uninterrupted (the paper's three-minute missions)",
+        ],
+    )
     return trace
 
 
@@ -90,19 +96,21 @@ class DeployReport:
     paper: dict = field(default_factory=lambda: {"requests": 50, "completed": 50, "shutdowns": 91, "interrupted": 41})
 
     def summary(self) -> str:
-        return (f"{self.hours:g} h deployment on {len(self.satellites)} satellites in {self.wall_s / 60:.1f} min wall: "
-                f"{self.completed}/{self.requests} requests completed ({self.correct} bitwise equal to their "
-                f"uninterrupted references), {self.cuts} bus-enforced shutdowns ({self.cuts_during_work} while a "
-                f"request was running), {self.interrupted_requests} requests interrupted, windows per request "
-                f"mean {self.windows_per_request.get('mean', 0):.2f} max {self.windows_per_request.get('max', 0)}  "
-                f"[paper: 50/50 completed, 91 shutdowns, 41 interrupted]")
+        return (
+            f"{self.hours:g} h deployment on {len(self.satellites)} satellites in {self.wall_s / 60:.1f} min wall: "
+            f"{self.completed}/{self.requests} requests completed ({self.correct} bitwise equal to their "
+            f"uninterrupted references), {self.cuts} bus-enforced shutdowns ({self.cuts_during_work} while a "
+            f"request was running), {self.interrupted_requests} requests interrupted, windows per request "
+            f"mean {self.windows_per_request.get('mean', 0):.2f} max {self.windows_per_request.get('max', 0)}  "
+            f"[paper: 50/50 completed, 91 shutdowns, 41 interrupted]"
+        )
 
 
-def run_deploy(model: str, out_dir: str, hours: float = 72.0, requests: int = 50, seed: int = 1,
-               scale: float = 0.03, say=None) -> DeployReport:
+def run_deploy(
+    model: str, out_dir: str, hours: float = 72.0, requests: int = 50, seed: int = 1, scale: float = 0.03, say=None
+) -> DeployReport:
     say = say or (lambda line: print(line, flush=True))
     import traces
-    from hil.bus import BusConfig, BusProcess
     from hil.testbench import BenchConfig, default_workload, measure_boot_seconds, reference_run
 
     out = Path(out_dir)
@@ -123,14 +131,21 @@ def run_deploy(model: str, out_dir: str, hours: float = 72.0, requests: int = 50
         traces.dump(trace, path)
         mine = sorted(rng.uniform(0, hours * 3600 * 0.97) for _ in range(requests // 2 + (k < requests % 2)))
         sats.append(DeploySatellite(name, str(path), mine))
-    say(f"[deploy] {hours:g} h, {requests} requests on 2 satellites; scale {scale:g} wall s per trace s with idle "
-        f"spans skipped; pace {pace_ms:.0f} ms/unit (a request = 180 trace s); payload boot {boot:.1f} s")
+    say(
+        f"[deploy] {hours:g} h, {requests} requests on 2 satellites; scale {scale:g} wall s per trace s with idle "
+        f"spans skipped; pace {pace_ms:.0f} ms/unit (a request = 180 trace s); payload boot {boot:.1f} s"
+    )
     started = time.time()
     index = iter(range(requests))
     assignments = [(sat, arrival, next(index)) for sat in sats for arrival in sat.arrivals_s]
-    threads = [threading.Thread(target=_drive, args=(sat, [a for a in assignments if a[0] is sat], workload, refs,
-                                                     model, keys, out, scale, pace_ms, say), daemon=True)
-               for sat in sats]
+    threads = [
+        threading.Thread(
+            target=_drive,
+            args=(sat, [a for a in assignments if a[0] is sat], workload, refs, model, keys, out, scale, pace_ms, say),
+            daemon=True,
+        )
+        for sat in sats
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -139,13 +154,24 @@ def run_deploy(model: str, out_dir: str, hours: float = 72.0, requests: int = 50
     outcomes = [o for sat in sats for o in sat.tasks.values()]
     windows = [o["windows"] for o in outcomes if o.get("completed")]
     report = DeployReport(
-        hours, requests, sum(1 for o in outcomes if o.get("completed")), sum(1 for o in outcomes if o.get("correct")),
-        sum(s.cuts for s in sats), sum(o.get("cuts", 0) for o in outcomes),
+        hours,
+        requests,
+        sum(1 for o in outcomes if o.get("completed")),
+        sum(1 for o in outcomes if o.get("correct")),
+        sum(s.cuts for s in sats),
+        sum(o.get("cuts", 0) for o in outcomes),
         sum(1 for o in outcomes if o.get("cuts", 0) > 0),
-        {"mean": sum(windows) / len(windows) if windows else 0, "max": max(windows, default=0),
-         "histogram": {str(w): windows.count(w) for w in sorted(set(windows))}},
-        wall, [{"name": s.name, "trace": s.trace_path, "cuts": s.cuts, "power_ups": s.power_ups,
-                "tasks": s.tasks} for s in sats])
+        {
+            "mean": sum(windows) / len(windows) if windows else 0,
+            "max": max(windows, default=0),
+            "histogram": {str(w): windows.count(w) for w in sorted(set(windows))},
+        },
+        wall,
+        [
+            {"name": s.name, "trace": s.trace_path, "cuts": s.cuts, "power_ups": s.power_ups, "tasks": s.tasks}
+            for s in sats
+        ],
+    )
     (out / "deploy-report.json").write_text(json.dumps(asdict(report), indent=2))
     (out / "summary.txt").write_text(report.summary() + "\n")
     return report
@@ -157,16 +183,47 @@ def _drive(sat: DeploySatellite, assignments, workload, refs, model, keys, out: 
     from hil import buslog as bl
     from hil.bus import BusConfig, BusProcess
 
-    flight_args = ["--chunk", "16", "--group", "2", "--decode-every", "4", "--vision-every", "1", "--threads", "1",
-                   "--pace-ms", f"{pace_ms:.3f}", "--device", "cpu"]
-    cfg = BusConfig(trace=sat.trace_path, data_dir=str(out / sat.name), keys_dir=keys, time_scale=scale,
-                    endpoints=Endpoints("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", "tcp://127.0.0.1:*"), model=model,
-                    flight_args=flight_args, skip_idle=True, hold_at_s=tuple(a for _, a, _ in assignments),
-                    heartbeat_timeout_s=30.0, boot_timeout_s=90.0)
+    flight_args = [
+        "--chunk",
+        "16",
+        "--group",
+        "2",
+        "--decode-every",
+        "4",
+        "--vision-every",
+        "1",
+        "--threads",
+        "1",
+        "--pace-ms",
+        f"{pace_ms:.3f}",
+        "--device",
+        "cpu",
+    ]
+    cfg = BusConfig(
+        trace=sat.trace_path,
+        data_dir=str(out / sat.name),
+        keys_dir=keys,
+        time_scale=scale,
+        endpoints=Endpoints("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", "tcp://127.0.0.1:*"),
+        model=model,
+        flight_args=flight_args,
+        skip_idle=True,
+        hold_at_s=tuple(a for _, a, _ in assignments),
+        heartbeat_timeout_s=30.0,
+        boot_timeout_s=90.0,
+    )
     bus = BusProcess(cfg).start()
     try:
-        with GroundClient(keys, endpoints=bus.endpoints, station="ground", timeout_s=60.0, retries=200,
-                          state_dir=str(out / sat.name / "ground-state"), progress=False, notify=lambda s: None) as g:
+        with GroundClient(
+            keys,
+            endpoints=bus.endpoints,
+            station="ground",
+            timeout_s=60.0,
+            retries=200,
+            state_dir=str(out / sat.name / "ground-state"),
+            progress=False,
+            notify=lambda s: None,
+        ) as g:
             clock = {"trace_s": 0.0}
             for _, arrival, i in assignments:
                 while clock["trace_s"] < arrival:  # the bus clock, from its telemetry
@@ -193,9 +250,13 @@ def _drive(sat: DeploySatellite, assignments, workload, refs, model, keys, out: 
                     outcome["error"] = str(exc)
                     continue
                 ref = refs[outcome["index"]]
-                outcome.update(completed=True, cuts=int(res.interruptions), windows=int(res.interruptions) + 1,
-                               correct=list(res.token_ids) == ref["token_ids"]
-                               and bytes(res.logits_sha256).hex() == ref["logits_sha256"])
+                outcome.update(
+                    completed=True,
+                    cuts=int(res.interruptions),
+                    windows=int(res.interruptions) + 1,
+                    correct=list(res.token_ids) == ref["token_ids"]
+                    and bytes(res.logits_sha256).hex() == ref["logits_sha256"],
+                )
                 say(f"[{sat.name}] {task_id} done after {res.interruptions} cut(s)")
     finally:
         bus.stop()

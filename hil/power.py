@@ -13,6 +13,7 @@ One interface, three drivers (docs/bus.md §3):
 A switch reports failures (PowerSwitchError) and never pretends an action worked: the bus
 retries a failed action and raises an FDIR fault.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -24,8 +25,8 @@ import subprocess
 import tempfile
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from common import log
 
@@ -198,8 +199,15 @@ class _ForkedSession:
     the same interface as _ChildSession. The zygote is its parent, so the zygote reaps it; a cut
     is still this process's immediate killpg(SIGKILL)."""
 
-    def __init__(self, zygote, argv: Sequence[str], output_path: Path | None, env: Mapping[str, str] | None,
-                 cwd: str | None, boot_s: float):
+    def __init__(
+        self,
+        zygote,
+        argv: Sequence[str],
+        output_path: Path | None,
+        env: Mapping[str, str] | None,
+        cwd: str | None,
+        boot_s: float,
+    ):
         self.zygote = zygote
         self.argv = list(argv)
         self.output_path = output_path
@@ -216,11 +224,14 @@ class _ForkedSession:
         if self.output_path is not None:
             self.output_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.output_path, "ab") as handle:
-                handle.write(f"\n==== {banner} (forked, emulated boot {self.boot_s:.3f} s) "
-                             f"{time.strftime('%Y-%m-%dT%H:%M:%S')} ====\n".encode())
+                handle.write(
+                    f"\n==== {banner} (forked, emulated boot {self.boot_s:.3f} s) "
+                    f"{time.strftime('%Y-%m-%dT%H:%M:%S')} ====\n".encode()
+                )
         try:
-            self._pid = self.zygote.spawn(self.argv, output=self.output_path, env=self.env, cwd=self.cwd,
-                                          boot_deadline=deadline)
+            self._pid = self.zygote.spawn(
+                self.argv, output=self.output_path, env=self.env, cwd=self.cwd, boot_deadline=deadline
+            )
         except ZygoteError as exc:
             raise PowerSwitchError(f"zygote could not fork the payload: {exc}") from exc
         self.exit_status = None
@@ -371,10 +382,15 @@ class LocalProcessSwitch(PowerSwitch):
             self.zygote.close()
 
 
-def _run(argv: Sequence[str], what: str, timeout_s: float, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
+def _run(
+    argv: Sequence[str], what: str, timeout_s: float, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess:
     try:
         return subprocess.run(
-            list(argv), stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout_s,
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=timeout_s,
             env=dict(env) if env is not None else None,
         )
     except subprocess.TimeoutExpired:
@@ -404,7 +420,7 @@ DEFAULT_SSH_KILL = (
     'echo "pid $p now belongs to another process: the recorded payload is gone" >&2; '
     'else kill -9 -"$p" 2>/dev/null; i=0; '
     "while ! cat /proc/[0-9]*/stat 2>/dev/null | "
-    "awk -v p=\"$p\" '{{sub(/.*\\) /, \"\"); if ($3 == p && $1 != \"Z\") n++}} END {{exit n > 0}}'; do "
+    'awk -v p="$p" \'{{sub(/.*\\) /, ""); if ($3 == p && $1 != "Z") n++}} END {{exit n > 0}}\'; do '
     'i=$((i+1)); if [ $i -ge 40 ]; then echo "payload group $p survived SIGKILL" >&2; exit 1; fi; sleep 0.05; '
     'done; fi; fi; rm -f "$f"; fi'
 )
@@ -482,15 +498,34 @@ class SshSwitch(PowerSwitch):
         self.boots = 0
 
     @staticmethod
-    def ssh_argv(host: str, *, user: str | None = None, port: int | None = None, identity: str | None = None,
-                 options: Sequence[str] = ()) -> list[str]:
+    def ssh_argv(
+        host: str,
+        *,
+        user: str | None = None,
+        port: int | None = None,
+        identity: str | None = None,
+        options: Sequence[str] = (),
+    ) -> list[str]:
         # BatchMode: never prompt. ConnectTimeout/ServerAlive*: a board that stops answering is
         # noticed within seconds. ControlPath=none: every action is its own connection, even if
         # the operator's ssh config multiplexes (a shared master would outlive our kill of the
         # client). IdentitiesOnly: with a key given, offer only it (an agent's other keys would
         # count against the server's MaxAuthTries).
-        argv = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "-o", "ServerAliveInterval=2",
-                "-o", "ServerAliveCountMax=3", "-o", "ControlMaster=no", "-o", "ControlPath=none"]
+        argv = [
+            "ssh",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "ConnectTimeout=5",
+            "-o",
+            "ServerAliveInterval=2",
+            "-o",
+            "ServerAliveCountMax=3",
+            "-o",
+            "ControlMaster=no",
+            "-o",
+            "ControlPath=none",
+        ]
         if port is not None:
             argv += ["-p", str(int(port))]
         if identity:
@@ -505,11 +540,13 @@ class SshSwitch(PowerSwitch):
         pidfile = shlex.quote(self.pidfile)
         # The start time is field 22 of /proc/$$/stat, read with shell builtins only (no fork
         # between power-on and the payload): fields after the command name's closing ") ".
-        return (f"{self.kill_command} || exit 1; "
-                f"read -r s < /proc/$$/stat; s=${{s##*\") \"}}; set -- $s; "
-                f"echo \"$$ ${{20}}\" > {pidfile} || exit 1; "
-                f"echo {START_MARKER} {nonce or '-'} $$; "
-                f"exec {self.remote_command}")
+        return (
+            f"{self.kill_command} || exit 1; "
+            f'read -r s < /proc/$$/stat; s=${{s##*") "}}; set -- $s; '
+            f'echo "$$ ${{20}}" > {pidfile} || exit 1; '
+            f"echo {START_MARKER} {nonce or '-'} $$; "
+            f"exec {self.remote_command}"
+        )
 
     def _remote(self, script: str) -> list[str]:
         return self.transport + [f"exec /bin/sh -c {shlex.quote(script)}"]
@@ -551,18 +588,23 @@ class SshSwitch(PowerSwitch):
                 break
             if ended is not None:
                 session.kill()
-                raise PowerSwitchError(f"ssh power-on{self._where()} exited {ended} before the payload started: "
-                                       f"{_ssh_output(text) or 'no output'}")
+                raise PowerSwitchError(
+                    f"ssh power-on{self._where()} exited {ended} before the payload started: "
+                    f"{_ssh_output(text) or 'no output'}"
+                )
             if time.monotonic() >= deadline:
                 session.kill()
-                raise PowerSwitchError(f"ssh power-on{self._where()}: the payload did not start within "
-                                       f"{self.timeout_s:g} s: {_ssh_output(text) or 'no output'}")
+                raise PowerSwitchError(
+                    f"ssh power-on{self._where()}: the payload did not start within "
+                    f"{self.timeout_s:g} s: {_ssh_output(text) or 'no output'}"
+                )
             time.sleep(0.02)
         self.session = session
         self.remote_pid = pid
         self._on = True
-        _log.info("power_switch_on", driver=self.driver, host=self.host, ssh_pid=session.pid, remote_pid=pid,
-                  boot=self.boots)
+        _log.info(
+            "power_switch_on", driver=self.driver, host=self.host, ssh_pid=session.pid, remote_pid=pid, boot=self.boots
+        )
 
     def _where(self) -> str:
         return f" to {self.host}" if self.host else ""
@@ -581,8 +623,9 @@ class SshSwitch(PowerSwitch):
             self.session = None
         killed, self.remote_pid = self.remote_pid, None
         self._on = False
-        _log.info("power_switch_off", driver=self.driver, host=self.host, cause=cause, mode=self.mode,
-                  remote_pid=killed)
+        _log.info(
+            "power_switch_off", driver=self.driver, host=self.host, cause=cause, mode=self.mode, remote_pid=killed
+        )
 
     def is_on(self) -> bool:
         return self._on
@@ -599,9 +642,15 @@ class SshSwitch(PowerSwitch):
             return None
         self.session = None
         # The switch stays on: the bus cuts (and so kills whatever is left on the board) next.
-        _log.warning("power_switch_ssh_session_ended", host=self.host, status=status, remote_pid=self.remote_pid,
-                     meaning="connection lost or payload killed by a signal" if status == SSH_TRANSPORT_FAILURE
-                     else "payload exited")
+        _log.warning(
+            "power_switch_ssh_session_ended",
+            host=self.host,
+            status=status,
+            remote_pid=self.remote_pid,
+            meaning="connection lost or payload killed by a signal"
+            if status == SSH_TRANSPORT_FAILURE
+            else "payload exited",
+        )
         return status
 
     def reset(self) -> None:
@@ -615,9 +664,16 @@ class SshSwitch(PowerSwitch):
             raise PowerSwitchError(f"ssh reset exited {result.returncode}: {_tail(result.stderr) or 'no output'}")
 
     def describe(self) -> dict:
-        return {"driver": self.driver, "host": self.host, "mode": self.mode, "transport": self.transport[:1],
-                "pidfile": self.pidfile, "remote_command": self.remote_command, "pid": self.pid,
-                "remote_pid": self.remote_pid}
+        return {
+            "driver": self.driver,
+            "host": self.host,
+            "mode": self.mode,
+            "transport": self.transport[:1],
+            "pidfile": self.pidfile,
+            "remote_command": self.remote_command,
+            "pid": self.pid,
+            "remote_pid": self.remote_pid,
+        }
 
 
 def _read_from(path: Path, offset: int) -> str:
@@ -653,8 +709,14 @@ class CommandSwitch(PowerSwitch):
 
     driver = "command"
 
-    def __init__(self, on_command: str, off_command: str, *, timeout_s: float = COMMAND_TIMEOUT_S,
-                 env: Mapping[str, str] | None = None):
+    def __init__(
+        self,
+        on_command: str,
+        off_command: str,
+        *,
+        timeout_s: float = COMMAND_TIMEOUT_S,
+        env: Mapping[str, str] | None = None,
+    ):
         if not on_command or not off_command:
             raise ValueError("CommandSwitch needs both an on and an off command")
         self.on_command = on_command

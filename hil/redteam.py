@@ -13,6 +13,7 @@ whole-system kill campaign (docs/hil.md "Red team").
 `make test` runs the fuzzers at a few thousand frames (tests/wire/test_wire_fuzz.py,
 tests/flight/test_dispatch_fuzz.py); `python -m bench.redteam` runs everything at full size.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -32,7 +33,6 @@ from common.wire import messages as m
 from common.wire.ids import SEQ_MODULUS
 from common.wire.packet import PacketType, crc16, frame
 
-
 # --- frames -------------------------------------------------------------------------------------
 
 
@@ -40,12 +40,22 @@ def sample_commands() -> list[m.Message]:
     """One valid instance of every telecommand (and the bus's two messages to the payload)."""
     image = bytes(range(256)) * 3
     return [
-        m.Ping(key=0xDEADBEEF), m.Status(),
-        m.UplinkTask(task_id="task-001", prompt="Describe the cloud cover. Ünïcødé ☁", images=["img_a.png", "img_b"],
-                     max_new_tokens=64, priority=7),
-        m.CancelTask(task_id="task-001"), m.SetPriority(task_id="task-001", priority=255),
-        m.DownlinkResult(task_id="task-001"), m.ImageChunk.split("img_a.png", image, chunk_bytes=300)[1],
-        m.ImageQuery(image="img_a.png"), m.ListQuarantine(), m.ReleaseQuarantine(item="task:task-001"),
+        m.Ping(key=0xDEADBEEF),
+        m.Status(),
+        m.UplinkTask(
+            task_id="task-001",
+            prompt="Describe the cloud cover. Ünïcødé ☁",
+            images=["img_a.png", "img_b"],
+            max_new_tokens=64,
+            priority=7,
+        ),
+        m.CancelTask(task_id="task-001"),
+        m.SetPriority(task_id="task-001", priority=255),
+        m.DownlinkResult(task_id="task-001"),
+        m.ImageChunk.split("img_a.png", image, chunk_bytes=300)[1],
+        m.ImageQuery(image="img_a.png"),
+        m.ListQuarantine(),
+        m.ReleaseQuarantine(item="task:task-001"),
         m.ListLostTasks(),
         m.ShutdownWarning(trace_time_s=100.0, lead_time_s=2.5, cause="eclipse"),
         m.PowerStateChange(trace_time_s=102.5, payload_on=True, cause="restored", after_fault=False),
@@ -59,7 +69,9 @@ def _random_value(rng: random.Random, depth: int = 0):
     if kind == 1:
         return rng.random() < 0.5
     if kind == 2:
-        return rng.choice([0, 1, -1, 255, 256, 2**32 - 1, 2**32, 2**63, -(2**63), 2**64 - 1, rng.randrange(-10**6, 10**6)])
+        return rng.choice(
+            [0, 1, -1, 255, 256, 2**32 - 1, 2**32, 2**63, -(2**63), 2**64 - 1, rng.randrange(-(10**6), 10**6)]
+        )
     if kind == 3:
         return rng.choice([0.0, -0.0, 1e308, float("inf"), float("nan"), rng.uniform(-1e9, 1e9)])
     if kind == 4:
@@ -123,7 +135,7 @@ class FrameSource:
                 elif op == 2:
                     data[i:i] = os.urandom(rng.randrange(1, 9))
                 elif op == 3:
-                    del data[i:i + rng.randrange(1, 9)]
+                    del data[i : i + rng.randrange(1, 9)]
                 else:
                     del data[i:]
             return fix_length_and_crc(data) if rng.random() < 0.5 else bytes(data)
@@ -142,7 +154,9 @@ class FrameSource:
             except (TypeError, ValueError, OverflowError):
                 raw = os.urandom(16)
             kind = PacketType.TC if sample.is_command() else PacketType.TM
-            return frame(kind, Apid.PAYLOAD, self._next_seq(), sample.TYPE, raw[:65000], source_id=self.source_id, time_us=0)
+            return frame(
+                kind, Apid.PAYLOAD, self._next_seq(), sample.TYPE, raw[:65000], source_id=self.source_id, time_us=0
+            )
         if roll < 0.95:
             cls = rng.choice(m.all_message_classes())
             try:
@@ -150,7 +164,9 @@ class FrameSource:
             except (TypeError, ValueError, OverflowError):
                 raw = b"\xc1"
             kind = PacketType.TC if rng.random() < 0.7 else PacketType.TM
-            return frame(kind, Apid.PAYLOAD, self._next_seq(), cls.TYPE, raw[:65000], source_id=self.source_id, time_us=0)
+            return frame(
+                kind, Apid.PAYLOAD, self._next_seq(), cls.TYPE, raw[:65000], source_id=self.source_id, time_us=0
+            )
         return os.urandom(rng.randrange(0, 400))
 
 
@@ -177,7 +193,7 @@ class DecoderFuzzReport:
     frames: int = 0
     decoded: int = 0
     rejected: dict = field(default_factory=dict)
-    defects: list = field(default_factory=list)   # INTERNAL_ERROR or another exception: must stay empty
+    defects: list = field(default_factory=list)  # INTERNAL_ERROR or another exception: must stay empty
     slowest_frame_ms: float = 0.0
     rss_growth_bytes: int = 0
     seconds: float = 0.0
@@ -195,8 +211,16 @@ def fuzz_decoder(frames: int, seed: int = 0, progress=None) -> DecoderFuzzReport
         t0 = time.perf_counter()
         try:
             header, message = decode(data)
-            again = decode(encode(message, header.apid, header.seq, source_id=header.source_id,
-                                  time_us=header.time_us, ack_flags=header.ack_flags))[1]
+            again = decode(
+                encode(
+                    message,
+                    header.apid,
+                    header.seq,
+                    source_id=header.source_id,
+                    time_us=header.time_us,
+                    ack_flags=header.ack_flags,
+                )
+            )[1]
             if again != message:
                 report.defects.append(f"frame {i}: {message.TYPE.name} does not round-trip")
             report.decoded += 1
@@ -248,8 +272,8 @@ class DispatchFuzzReport:
     accepted: int = 0
     rejected: dict = field(default_factory=dict)
     verdict_violations: list = field(default_factory=list)  # not exactly one ACCEPTED/REJECTED
-    escaped: list = field(default_factory=list)             # exceptions out of handle_packet
-    command_faults: int = 0                                 # handlers that failed (contained)
+    escaped: list = field(default_factory=list)  # exceptions out of handle_packet
+    command_faults: int = 0  # handlers that failed (contained)
     rss_growth_bytes: int = 0
     seconds: float = 0.0
 
@@ -267,8 +291,9 @@ def fuzz_dispatch(frames: int, seed: int, workdir: str, progress=None) -> Dispat
 
     keys = os.path.join(workdir, "keys")
     init_keys(keys)
-    app = FlightApp(os.path.join(workdir, "data"), os.path.join(workdir, "no-model"), keys, "tcp://127.0.0.1:1", None,
-                    fs=NoSyncFS())
+    app = FlightApp(
+        os.path.join(workdir, "data"), os.path.join(workdir, "no-model"), keys, "tcp://127.0.0.1:1", None, fs=NoSyncFS()
+    )
     source, report, codes = FrameSource(seed), DispatchFuzzReport(), Counter()
     start, rss_start = time.perf_counter(), None
     for i in range(frames):
@@ -327,11 +352,27 @@ def digest_frames(frames: int, seed: int) -> str:
 
 # --- the whole-system kill campaign ----------------------------------------------------------------
 
-CAMPAIGN_FLIGHT_ARGS = ["--chunk", "16", "--group", "2", "--decode-every", "2", "--vision-every", "1",
-                        "--threads", "1", "--compact-after", "8", "--results-budget-mb", "2"]
-_WORDS = ("count the ships near coast and describe harbor clouds report what is visible below them compare "
-          "two scenes list any new damage to roads or fields identify coastline estimate area of sand fire "
-          "smoke flood bridge river , .").split()
+CAMPAIGN_FLIGHT_ARGS = [
+    "--chunk",
+    "16",
+    "--group",
+    "2",
+    "--decode-every",
+    "2",
+    "--vision-every",
+    "1",
+    "--threads",
+    "1",
+    "--compact-after",
+    "8",
+    "--results-budget-mb",
+    "2",
+]
+_WORDS = (
+    "count the ships near coast and describe harbor clouds report what is visible below them compare "
+    "two scenes list any new damage to roads or fields identify coastline estimate area of sand fire "
+    "smoke flood bridge river , ."
+).split()
 
 
 class KillPacer:
@@ -349,7 +390,7 @@ class KillPacer:
         self.fraction = boot_kill_fraction
         self.rng = random.Random(seed)
         self.cycle = 0
-        self.stage = "done"      # "connect" -> "housekeeping" -> "task" -> "done"
+        self.stage = "done"  # "connect" -> "housekeeping" -> "task" -> "done"
         self.held_since = 0.0
 
     def payload_message(self, bus, message, now):
@@ -377,8 +418,9 @@ class KillPacer:
             clock.hold(min(now, clock.at(start + 0.05)))
 
 
-def campaign_trace(path: str, kills: int, seed: int, work_s: tuple[float, float], off_s: float = 0.3,
-                   settle_s: float = 3600.0) -> str:
+def campaign_trace(
+    path: str, kills: int, seed: int, work_s: tuple[float, float], off_s: float = 0.3, settle_s: float = 3600.0
+) -> str:
     """`kills` windows, each open 0.05 s of trace time plus a random working time (the pacer holds
     the clock through the boot), cut by a random cause; then power stays on for `settle_s`."""
     import traces
@@ -392,9 +434,15 @@ def campaign_trace(path: str, kills: int, seed: int, work_s: tuple[float, float]
         windows.append(PowerWindow(round(t, 3), round(end, 3), rng.choice(causes), 0.0))
         t = end + off_s
     windows.append(PowerWindow(round(t, 3), round(t + settle_s, 3), None, 0.0))
-    trace = traces.Trace.from_windows("redteam", t + settle_s, windows, reference_request_s=10.0,
-                                      description="red-team kill campaign: random working windows",
-                                      source={"kind": "generator", "by": "hil.redteam"}, assumptions=["campaign"])
+    trace = traces.Trace.from_windows(
+        "redteam",
+        t + settle_s,
+        windows,
+        reference_request_s=10.0,
+        description="red-team kill campaign: random working windows",
+        source={"kind": "generator", "by": "hil.redteam"},
+        assumptions=["campaign"],
+    )
     traces.dump(trace, path)
     return path
 
@@ -415,10 +463,20 @@ def bus_worker(spec_path: str) -> int:
     spec = json.load(open(spec_path))
     trace = traces.load(spec["trace"])
     pacer = KillPacer([w.start_s for w in trace.windows()], spec["boot_kill_fraction"], spec["seed"])
-    cfg = BusConfig(trace=spec["trace"], data_dir=spec["data_dir"], keys_dir=spec["keys"], time_scale=1.0,
-                    start_at_s=spec["start_at_s"], endpoints=Endpoints(**spec["endpoints"]), model=spec["model"],
-                    flight_args=spec["flight_args"], fdir_off_s=0.3, heartbeat_timeout_s=60.0,
-                    boot_timeout_s=300.0, ready_file=spec["ready_file"])
+    cfg = BusConfig(
+        trace=spec["trace"],
+        data_dir=spec["data_dir"],
+        keys_dir=spec["keys"],
+        time_scale=1.0,
+        start_at_s=spec["start_at_s"],
+        endpoints=Endpoints(**spec["endpoints"]),
+        model=spec["model"],
+        flight_args=spec["flight_args"],
+        fdir_off_s=0.3,
+        heartbeat_timeout_s=60.0,
+        boot_timeout_s=300.0,
+        ready_file=spec["ready_file"],
+    )
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     bus = BusThread(cfg, pacer=pacer).start()
@@ -430,7 +488,7 @@ def bus_worker(spec_path: str) -> int:
 
 @dataclass
 class CampaignReport:
-    payload_kills: int = 0          # trace cuts that SIGKILLed a running payload
+    payload_kills: int = 0  # trace cuts that SIGKILLed a running payload
     bus_kills: int = 0
     kills_by_activity: dict = field(default_factory=dict)
     tasks: int = 0
@@ -438,7 +496,7 @@ class CampaignReport:
     lost: list = field(default_factory=list)
     run_twice: list = field(default_factory=list)
     answered_wrong: list = field(default_factory=list)
-    crash_loops: int = 0            # payload exits by itself + quarantines + FDIR power cycles
+    crash_loops: int = 0  # payload exits by itself + quarantines + FDIR power cycles
     payload_exits: int = 0
     quarantined: list = field(default_factory=list)
     fdir_cycles: int = 0
@@ -469,9 +527,19 @@ class KillCampaign:
     `bus_kill_every` cuts (and restarted on the same store); tasks of mixed sizes (1-3 pictures up
     to 640x480, prompts of 1-300 words, 1-16 tokens) are uplinked throughout."""
 
-    def __init__(self, out_dir: str, model: str, kills: int = 1000, bus_kill_every: int = 40, seed: int = 0,
-                 tasks: int | None = None, work_s: tuple[float, float] = (0.2, 6.0), boot_kill_fraction: float = 0.1,
-                 say=print, nice: int = 0):
+    def __init__(
+        self,
+        out_dir: str,
+        model: str,
+        kills: int = 1000,
+        bus_kill_every: int = 40,
+        seed: int = 0,
+        tasks: int | None = None,
+        work_s: tuple[float, float] = (0.2, 6.0),
+        boot_kill_fraction: float = 0.1,
+        say=print,
+        nice: int = 0,
+    ):
         self.out = os.path.abspath(out_dir)
         self.model = os.path.abspath(model)
         self.kills = kills
@@ -493,11 +561,22 @@ class KillCampaign:
         ready = os.path.join(self.out, "bus-ready.json")
         if os.path.exists(ready):
             os.remove(ready)
-        spec = {"trace": self.trace, "data_dir": os.path.join(self.out, "bus"), "keys": self.keys, "model": self.model,
-                "flight_args": CAMPAIGN_FLIGHT_ARGS, "start_at_s": start_at_s, "ready_file": ready,
-                "boot_kill_fraction": self.boot_kill_fraction, "seed": self.rng.randrange(2**31),
-                "endpoints": {"commands": self.endpoints.commands, "payload": self.endpoints.payload,
-                              "telemetry": self.endpoints.telemetry}}
+        spec = {
+            "trace": self.trace,
+            "data_dir": os.path.join(self.out, "bus"),
+            "keys": self.keys,
+            "model": self.model,
+            "flight_args": CAMPAIGN_FLIGHT_ARGS,
+            "start_at_s": start_at_s,
+            "ready_file": ready,
+            "boot_kill_fraction": self.boot_kill_fraction,
+            "seed": self.rng.randrange(2**31),
+            "endpoints": {
+                "commands": self.endpoints.commands,
+                "payload": self.endpoints.payload,
+                "telemetry": self.endpoints.telemetry,
+            },
+        }
         path = os.path.join(self.out, "bus-spec.json")
         with open(path, "w") as f:
             json.dump(spec, f)
@@ -526,7 +605,6 @@ class KillCampaign:
 
     # -- the run ----------------------------------------------------------------------------------------
     def run(self) -> CampaignReport:
-        import json
         import signal
         import socket
         import threading
@@ -561,8 +639,14 @@ class KillCampaign:
 
         def ground_loop():
             n = 0
-            with GroundClient(self.keys, endpoints=self.endpoints, timeout_s=30.0, retries=10_000,
-                              notify=lambda s: None, state_dir=os.path.join(self.out, "ground")) as ground:
+            with GroundClient(
+                self.keys,
+                endpoints=self.endpoints,
+                timeout_s=30.0,
+                retries=10_000,
+                notify=lambda s: None,
+                state_dir=os.path.join(self.out, "ground"),
+            ) as ground:
                 while not stop.is_set() and n < self.tasks_target:
                     rng = random.Random(self.seed * 1_000_003 + n)
                     paths = []
@@ -592,7 +676,9 @@ class KillCampaign:
         try:
             while True:
                 time.sleep(1.0)
-                cuts = sum(1 for e in bl.read_log(log_path) if e.kind == bl.POWER_OFF and e.data.get("origin") == "trace")
+                cuts = sum(
+                    1 for e in bl.read_log(log_path) if e.kind == bl.POWER_OFF and e.data.get("origin") == "trace"
+                )
                 if cuts >= self.kills or self._trace_position() >= self.settle_start:
                     break
                 if bus.poll() is not None:
@@ -606,8 +692,10 @@ class KillCampaign:
                 if cuts - last_progress >= 25:
                     last_progress = cuts
                     report.payload_kills = cuts  # so far (a partial report is written before the log is analysed)
-                    self.say(f"[redteam] {cuts}/{self.kills} payload cuts, {report.bus_kills} bus kills, "
-                             f"{len(specs)} tasks uplinked, {time.monotonic() - started:.0f} s")
+                    self.say(
+                        f"[redteam] {cuts}/{self.kills} payload cuts, {report.bus_kills} bus kills, "
+                        f"{len(specs)} tasks uplinked, {time.monotonic() - started:.0f} s"
+                    )
                     self._write(report, specs, results, time.monotonic() - started, partial=True)
             self.say("[redteam] cuts done; power stays on: waiting for every task to finish")
             bus.send_signal(signal.SIGTERM)  # a clean bus stop, then one that keeps the payload on
@@ -615,8 +703,14 @@ class KillCampaign:
             bus = self._start_bus(self.settle_start)
             stop.set()
             ground_thread.join(600)
-            with GroundClient(self.keys, endpoints=self.endpoints, timeout_s=60.0, retries=100, notify=lambda s: None,
-                              state_dir=os.path.join(self.out, "ground")) as ground:
+            with GroundClient(
+                self.keys,
+                endpoints=self.endpoints,
+                timeout_s=60.0,
+                retries=100,
+                notify=lambda s: None,
+                state_dir=os.path.join(self.out, "ground"),
+            ) as ground:
                 deadline = time.monotonic() + 1800
                 while len(results) < len(specs) and time.monotonic() < deadline:
                     self._collect(ground, specs, results, wait_s=5.0)
@@ -662,18 +756,30 @@ class KillCampaign:
             want = references.get(task_id)
             if want is not None and (list(got.token_ids) != want[0] or got.logits_sha256.hex() != want[1]):
                 report.answered_wrong.append(task_id)
-        completions = Counter(e.data.get("task_id") for e in entries if e.kind == bl.PAYLOAD_REPORT
-                              and e.data.get("event") == "TASK_COMPLETED")
+        completions = Counter(
+            e.data.get("task_id")
+            for e in entries
+            if e.kind == bl.PAYLOAD_REPORT and e.data.get("event") == "TASK_COMPLETED"
+        )
         report.run_twice = sorted(t for t, n in completions.items() if n > 1)
         report.payload_exits = sum(1 for e in entries if e.kind == bl.PAYLOAD_EXITED)
         report.fdir_cycles = sum(1 for e in entries if e.kind == bl.FDIR_ACTION)
-        report.quarantined = sorted({e.data.get("text", "")[:80] for e in entries if e.kind == bl.PAYLOAD_REPORT
-                                     and e.data.get("event") == "ITEM_QUARANTINED"})
+        report.quarantined = sorted(
+            {
+                e.data.get("text", "")[:80]
+                for e in entries
+                if e.kind == bl.PAYLOAD_REPORT and e.data.get("event") == "ITEM_QUARANTINED"
+            }
+        )
         report.crash_loops = report.payload_exits + len(report.quarantined) + report.fdir_cycles
-        report.journal_damage_events = sum(1 for e in entries if e.kind == bl.PAYLOAD_REPORT
-                                           and e.data.get("event") in ("JOURNAL_CORRUPT", "TASKS_LOST"))
-        report.payload_kills = sum(1 for e in entries if e.kind == bl.POWER_OFF and e.data.get("origin") == "trace"
-                                   and e.data.get("was_on"))
+        report.journal_damage_events = sum(
+            1
+            for e in entries
+            if e.kind == bl.PAYLOAD_REPORT and e.data.get("event") in ("JOURNAL_CORRUPT", "TASKS_LOST")
+        )
+        report.payload_kills = sum(
+            1 for e in entries if e.kind == bl.POWER_OFF and e.data.get("origin") == "trace" and e.data.get("was_on")
+        )
         report.kills_by_activity = dict(self._activities(entries).most_common())
 
     @staticmethod
@@ -703,11 +809,12 @@ class KillCampaign:
         return counts
 
     def _references(self, specs: dict) -> dict:
+        import tempfile
+
         from flight.checkpoint.policies import Geometry
         from flight.engine import Engine, EngineOptions
         from flight.model.inputs import inputs_from_files
         from flight.model.loader import load_model
-        import tempfile
 
         model = load_model(self.model, device="cpu")
         out = {}
@@ -715,7 +822,8 @@ class KillCampaign:
             inputs = inputs_from_files(model, spec["images"], spec["prompt"])
             with tempfile.TemporaryDirectory() as scratch:
                 result = Engine(model, EngineOptions(geometry=Geometry(16, 2, 2, 1), policy="none", threads=1)).run(
-                    inputs, scratch, spec["max_new_tokens"])
+                    inputs, scratch, spec["max_new_tokens"]
+                )
             out[task_id] = (list(result.token_ids), result.logits_sha256())
         return out
 
@@ -723,8 +831,14 @@ class KillCampaign:
         import json
 
         data = asdict(report)
-        data.update(passed=report.passed, partial=partial, wall_s=round(wall_s, 1), kills_planned=self.kills,
-                    tasks_uplinked=len(specs), results_in=len(results))
+        data.update(
+            passed=report.passed,
+            partial=partial,
+            wall_s=round(wall_s, 1),
+            kills_planned=self.kills,
+            tasks_uplinked=len(specs),
+            results_in=len(results),
+        )
         with open(os.path.join(self.out, "campaign-report.json"), "w") as f:
             json.dump(data, f, indent=2, default=str)
 

@@ -24,6 +24,7 @@ there early, the clock jumps forward to the recorded time. Telecommands go out a
 trace times on that clock. So each cut lands the same trace time after the last anchor as in the
 recording, whatever the boot costs here, and the trace and the answers still decide the result.
 """
+
 from __future__ import annotations
 
 import base64
@@ -50,7 +51,7 @@ class RunDigest:
     model: str | None = None
     machine: dict | None = None
 
-    def differences(self, other: "RunDigest", compare_logits: bool = True) -> list[str]:
+    def differences(self, other: RunDigest, compare_logits: bool = True) -> list[str]:
         out = []
         if self.power != other.power:
             out.append(f"power timeline: recorded {self.power} vs replayed {other.power}")
@@ -98,7 +99,8 @@ def digest(entries: list[bl.BusLogEntry]) -> RunDigest:
             continue
         t = tasks.setdefault(task_id, {"reports": set()})
         if kind in ("ACCEPTED", "STARTED", "COMPLETED", "FAILED") and (
-                not isinstance(req, dict) or req.get("type") == 0x0110):
+            not isinstance(req, dict) or req.get("type") == 0x0110
+        ):
             t["reports"].add(kind)
             if kind in ("COMPLETED", "FAILED"):
                 t["final"] = kind if kind == "COMPLETED" else f"FAILED {d.get('code')}"
@@ -106,8 +108,9 @@ def digest(entries: list[bl.BusLogEntry]) -> RunDigest:
             t["token_ids"], t["logits_sha256"] = d["token_ids"], d["logits_sha256"]
     for t in tasks.values():
         t["reports"] = sorted(t["reports"])
-    return RunDigest(power, commands, tasks, start.data.get("model") if start else None,
-                     start.data.get("machine") if start else None)
+    return RunDigest(
+        power, commands, tasks, start.data.get("model") if start else None, start.data.get("machine") if start else None
+    )
 
 
 @dataclass
@@ -141,8 +144,13 @@ def anchors_of(entries: list[bl.BusLogEntry]) -> list[Anchor]:
             cycle = int(e.data.get("power_cycle") or cycle + 1)
         elif e.kind == bl.PAYLOAD_CONNECTED and cycle:
             out.append(Anchor(cycle, e.trace_s, "connected"))
-        elif (e.kind == bl.PAYLOAD_REPORT and cycle and e.data.get("type") in ("STARTED", "COMPLETED", "FAILED")
-              and isinstance(e.data.get("request"), dict) and e.data["request"].get("type") == "UPLINK_TASK"):
+        elif (
+            e.kind == bl.PAYLOAD_REPORT
+            and cycle
+            and e.data.get("type") in ("STARTED", "COMPLETED", "FAILED")
+            and isinstance(e.data.get("request"), dict)
+            and e.data["request"].get("type") == "UPLINK_TASK"
+        ):
             out.append(Anchor(cycle, e.trace_s, e.data["type"], e.data.get("task_id")))
     return out
 
@@ -213,8 +221,15 @@ class AnchorPacer:
             bus.clock.release(now)
 
 
-def replay(log_path: str, out_dir: str, model: str | None = None, say=print, settle_s: float = 5.0,
-           payload_start_delay_s: float = 0.0, timeout_s: float = 900.0) -> ReplayReport:
+def replay(
+    log_path: str,
+    out_dir: str,
+    model: str | None = None,
+    say=print,
+    settle_s: float = 5.0,
+    payload_start_delay_s: float = 0.0,
+    timeout_s: float = 900.0,
+) -> ReplayReport:
     """Replay the first run of `log_path` against this build (see the module doc).
     `payload_start_delay_s` delays every start of the payload process (tests: a slower boot
     than the recording's must not change the outcome)."""
@@ -246,66 +261,93 @@ def replay(log_path: str, out_dir: str, model: str | None = None, say=print, set
     trace_path = _trace_of(d, report)
     command = None
     if payload_start_delay_s > 0:
-        command = ["sh", "-c", f"sleep {payload_start_delay_s:.3f}; exec \"$@\"", "sh", *default_payload_command()]
+        command = ["sh", "-c", f'sleep {payload_start_delay_s:.3f}; exec "$@"', "sh", *default_payload_command()]
     # The boot and heartbeat allowances scale with whatever this machine's boot costs: a replay
     # must not power-cycle a payload the recording would have waited for.
-    cfg = BusConfig(trace=trace_path, data_dir=str(out / "bus"), keys_dir=keys, time_scale=d["time_scale"],
-                    start_at_s=d.get("start_at_s", 0.0), stop_at_end=d.get("stop_at_end", False),
-                    endpoints=Endpoints("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", "tcp://127.0.0.1:*"),
-                    model=model, flight_args=list(d.get("flight_args") or []), payload_command=command,
-                    heartbeat_timeout_s=d.get("heartbeat_timeout_s", 10.0),
-                    boot_timeout_s=max(d.get("boot_timeout_s", 60.0), 60.0 + payload_start_delay_s),
-                    fdir_off_s=d.get("fdir_off_s", 2.0), boot_trace_s=d.get("boot_trace_s"))
-    say(f"[replay] {len(commands)} telecommands over {stop.wall_s:.0f} s on trace {d['trace']} "
-        f"(scale {d['time_scale']:g}), re-timed at {len(anchors_of(recorded))} anchors")
+    cfg = BusConfig(
+        trace=trace_path,
+        data_dir=str(out / "bus"),
+        keys_dir=keys,
+        time_scale=d["time_scale"],
+        start_at_s=d.get("start_at_s", 0.0),
+        stop_at_end=d.get("stop_at_end", False),
+        endpoints=Endpoints("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", "tcp://127.0.0.1:*"),
+        model=model,
+        flight_args=list(d.get("flight_args") or []),
+        payload_command=command,
+        heartbeat_timeout_s=d.get("heartbeat_timeout_s", 10.0),
+        boot_timeout_s=max(d.get("boot_timeout_s", 60.0), 60.0 + payload_start_delay_s),
+        fdir_off_s=d.get("fdir_off_s", 2.0),
+        boot_trace_s=d.get("boot_trace_s"),
+    )
+    say(
+        f"[replay] {len(commands)} telecommands over {stop.wall_s:.0f} s on trace {d['trace']} "
+        f"(scale {d['time_scale']:g}), re-timed at {len(anchors_of(recorded))} anchors"
+    )
     pacer = AnchorPacer(anchors_of(recorded))
     bus = BusThread(cfg, pacer=pacer).start()
     ctx = zmq.Context()
     sock = client_socket(ctx, zmq.DEALER, layout, "ground", bus.endpoints.commands, handshake_timeout_s=30)
     clock = bus.bus.clock
     deadline = time.monotonic() + timeout_s
-    end_trace = (stop.trace_s if stop.trace_s is not None else d.get("start_at_s", 0.0) + stop.wall_s)
+    end_trace = stop.trace_s if stop.trace_s is not None else d.get("start_at_s", 0.0) + stop.wall_s
     try:
         for e in commands:
             while clock.trace_s() < e.trace_s and time.monotonic() < deadline:
                 recv_packet(sock, timeout_s=0.05)  # keep the DEALER drained (answers are read, not used)
             send_packet(sock, base64.b64decode(e.data["packet"]), timeout_s=10)
             report.commands_sent += 1
-        while (clock.trace_s() < end_trace + settle_s / max(d["time_scale"], 1e-9) or not pacer.done) \
-                and time.monotonic() < deadline:
+        while (
+            clock.trace_s() < end_trace + settle_s / max(d["time_scale"], 1e-9) or not pacer.done
+        ) and time.monotonic() < deadline:
             recv_packet(sock, timeout_s=0.2)
     finally:
         sock.close(linger=0)
         ctx.term()
         bus.stop()
-    report.notes.append(f"clock held {pacer.held_total_s:.1f} s and moved forward {pacer.jumped_total_s:.1f} s to "
-                        "follow the recording's anchors")
+    report.notes.append(
+        f"clock held {pacer.held_total_s:.1f} s and moved forward {pacer.jumped_total_s:.1f} s to "
+        "follow the recording's anchors"
+    )
     report.notes += pacer.notes
     if time.monotonic() >= deadline:
         report.differences.append(f"the replay did not reach the recording's end within {timeout_s:g} s")
     replayed = digest(bl.read_log(out / "bus" / bl.LOG_FILE))
     references = local_references(model, commands, list(d.get("flight_args") or []), report)
-    same_bits = not references or all(expected.tasks.get(t, {}).get("logits_sha256") in (None, h)
-                                         for t, h in references.items())
+    same_bits = not references or all(
+        expected.tasks.get(t, {}).get("logits_sha256") in (None, h) for t, h in references.items()
+    )
     report.differences += expected.differences(replayed, compare_logits=same_bits)
     if not same_bits:
         # This machine's kernels give other bits than the recording's (a CPU of the same name can
         # take other vector paths): every answer must then equal *this machine's* uninterrupted
         # answer bit for bit -- the product's guarantee -- and the recording's token ids.
-        report.notes.append("this machine computes other logits bits than the recording's machine: answers are "
-                            "compared bit for bit against uninterrupted runs here, token ids against the recording")
+        report.notes.append(
+            "this machine computes other logits bits than the recording's machine: answers are "
+            "compared bit for bit against uninterrupted runs here, token ids against the recording"
+        )
         for task, want in sorted(references.items()):
             got = replayed.tasks.get(task, {}).get("logits_sha256")
             if got is not None and got != want:
                 report.differences.append(f"task {task} logits_sha256: replayed {got} vs uninterrupted here {want}")
-    (out / "replay-report.json").write_text(json.dumps({"log": report.log, "passed": report.passed,
-                                                        "differences": report.differences, "notes": report.notes,
-                                                        "commands_sent": report.commands_sent}, indent=2))
+    (out / "replay-report.json").write_text(
+        json.dumps(
+            {
+                "log": report.log,
+                "passed": report.passed,
+                "differences": report.differences,
+                "notes": report.notes,
+                "commands_sent": report.commands_sent,
+            },
+            indent=2,
+        )
+    )
     return report
 
 
-def local_references(model: str, commands: list[bl.BusLogEntry], flight_args: list[str],
-                     report: ReplayReport) -> dict[str, str]:
+def local_references(
+    model: str, commands: list[bl.BusLogEntry], flight_args: list[str], report: ReplayReport
+) -> dict[str, str]:
     """Logits hash of each recorded task run uninterrupted here, in this process: its images
     re-assembled from the recorded IMAGE_CHUNK packets and decoded as the payload decodes them,
     the engine geometry from the recorded flight arguments."""
@@ -331,25 +373,34 @@ def local_references(model: str, commands: list[bl.BusLogEntry], flight_args: li
         from flight.model.loader import load_model
 
         loaded = load_model(model, device="cpu")
-        geometry = Geometry(int(option.get("--chunk", 1024)), int(option.get("--group", 4)),
-                            int(option.get("--decode-every", 16)), int(option.get("--vision-every", 4)))
+        geometry = Geometry(
+            int(option.get("--chunk", 1024)),
+            int(option.get("--group", 4)),
+            int(option.get("--decode-every", 16)),
+            int(option.get("--vision-every", 4)),
+        )
         threads = int(option["--threads"]) if "--threads" in option else None
         out = {}
         for task in {t.task_id: t for t in tasks}.values():
-            pictures = [decode_image(b"".join(v for _, v in sorted(chunks[name].items())), name, loaded.image_processor)
-                        for name in task.images]
-            inputs = build_inputs(loaded.tokenizer, loaded.image_processor, pictures, task.prompt,
-                                  loaded.adapter.image_token_id)
+            pictures = [
+                decode_image(b"".join(v for _, v in sorted(chunks[name].items())), name, loaded.image_processor)
+                for name in task.images
+            ]
+            inputs = build_inputs(
+                loaded.tokenizer, loaded.image_processor, pictures, task.prompt, loaded.adapter.image_token_id
+            )
             import tempfile
 
             with tempfile.TemporaryDirectory() as scratch:
                 result = Engine(loaded, EngineOptions(geometry=geometry, policy="none", threads=threads)).run(
-                    inputs, scratch, task.max_new_tokens)
+                    inputs, scratch, task.max_new_tokens
+                )
             out[task.task_id] = result.logits_sha256()
         return out
     except Exception as exc:  # noqa: BLE001 - without references the recording's bits are the only yardstick
-        report.notes.append(f"no uninterrupted references here ({type(exc).__name__}: {exc}); logits compared "
-                            "with the recording's")
+        report.notes.append(
+            f"no uninterrupted references here ({type(exc).__name__}: {exc}); logits compared with the recording's"
+        )
         return {}
 
 
@@ -368,6 +419,8 @@ def _trace_of(run_start: dict, report: ReplayReport) -> str:
             raise ValueError(f"trace {run_start.get('trace')!r} of the recording is not here") from None
     digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
     if run_start.get("trace_sha256") not in (None, digest):
-        report.differences.append(f"trace {path} differs from the recorded one (sha256 {digest[:12]}... vs "
-                                  f"{run_start['trace_sha256'][:12]}...)")
+        report.differences.append(
+            f"trace {path} differs from the recorded one (sha256 {digest[:12]}... vs "
+            f"{run_start['trace_sha256'][:12]}...)"
+        )
     return path

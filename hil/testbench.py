@@ -14,6 +14,7 @@
 A report (JSON) and a readable summary land in `out_dir`. Everything is real: processes, SIGKILL,
 ZeroMQ with CurveZMQ on loopback (or on the configured TCP addresses of a bench).
 """
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,12 @@ class RequestSpec:
 
 def default_workload(n: int, max_new_tokens: int = 24) -> list[RequestSpec]:
     samples = sorted(str(p) for p in SAMPLES.glob("*.png"))
-    return [RequestSpec((samples[i % len(samples)], samples[(i + 1) % len(samples)]), PROMPTS[i % len(PROMPTS)],
-                        max_new_tokens) for i in range(n)]
+    return [
+        RequestSpec(
+            (samples[i % len(samples)], samples[(i + 1) % len(samples)]), PROMPTS[i % len(PROMPTS)], max_new_tokens
+        )
+        for i in range(n)
+    ]
 
 
 @dataclass
@@ -81,7 +86,7 @@ class BenchConfig:
     policy: str = "orbitweaver"
     requests: int = 3
     workload: list[RequestSpec] | None = None
-    time_scale: float | str = "auto"       # wall seconds per trace second, or "auto"
+    time_scale: float | str = "auto"  # wall seconds per trace second, or "auto"
     #: target uninterrupted request length in wall seconds (auto pace): the compute alone with an
     #: emulated boot; boot included with the real one (boot_trace_s None)
     request_seconds: float = 20.0
@@ -89,19 +94,19 @@ class BenchConfig:
     #: waits this long (scaled like the compute) after power-on; None: exec it and pay this
     #: machine's real start-up inside the window (docs/hil.md)
     boot_trace_s: float | None = TARGET_BOOT_TRACE_S
-    pace_ms: float | None = None           # per-unit pace of the payload; None: from request_seconds
+    pace_ms: float | None = None  # per-unit pace of the payload; None: from request_seconds
     chunk: int = 16
     group: int = 2
     decode_every: int = 4
     vision_every: int = 1
-    planner: str = "optimal"               # every comparison runs OrbitWeaver with its own planner
+    planner: str = "optimal"  # every comparison runs OrbitWeaver with its own planner
     #: orbitweaver's checkpoint cadence: "fixed" (the paper's) or "adaptive" (docs/engine.md)
     cadence: str = "fixed"
     threads: int = 1
     start_at_s: float = 0.0
-    timeout_s: float | None = None         # wall; default: until the trace ends (bus clock)
+    timeout_s: float | None = None  # wall; default: until the trace ends (bus clock)
     power: PowerModel = field(default_factory=PowerModel)
-    endpoints: Endpoints | None = None     # default: ephemeral loopback ports
+    endpoints: Endpoints | None = None  # default: ephemeral loopback ports
     extra_flight_args: tuple[str, ...] = ()
     #: jump the bus clock over spans where nothing can happen (payload off until its next power-on):
     #: the trace's off time costs no wall time; times are reported in trace seconds either way
@@ -163,23 +168,32 @@ class BenchReport:
         return "all bitwise equal to the references" if self.all_correct else "MISMATCH"
 
     def summary(self) -> str:
-        boot = (f"emulated boot {self.boot_trace_s:g} trace s ({self.boot_s:.2f} s)" if self.boot_trace_s is not None
-                else f"real boot {self.boot_s:.1f} s")
+        boot = (
+            f"emulated boot {self.boot_trace_s:g} trace s ({self.boot_s:.2f} s)"
+            if self.boot_trace_s is not None
+            else f"real boot {self.boot_s:.1f} s"
+        )
         if self.start_residual_s is not None:
-            boot += (f", then {self.start_residual_s:.2f} s real start-up "
-                     f"({self.start_residual_s / self.time_scale:.1f} trace s) to the first heartbeat")
-        lines = [f"trace {self.trace}  policy {self.policy}  scale {self.time_scale:.4g} wall s per trace s  "
-                 f"pace {self.pace_ms:.0f} ms/unit  {boot}",
-                 f"  {sum(r.completed for r in self.requests)}/{len(self.requests)} completed "
-                 f"({self.completion_rate:.0%}), outputs {self._outputs()}; "
-                 f"{self.cuts_total} cuts, {self.power_cycles} power-ups, {self.bytes_written / 2**20:.1f} MiB written, "
-                 f"{self.energy_j:.0f} J, {self.wall_s:.0f} s wall"]
+            boot += (
+                f", then {self.start_residual_s:.2f} s real start-up "
+                f"({self.start_residual_s / self.time_scale:.1f} trace s) to the first heartbeat"
+            )
+        lines = [
+            f"trace {self.trace}  policy {self.policy}  scale {self.time_scale:.4g} wall s per trace s  "
+            f"pace {self.pace_ms:.0f} ms/unit  {boot}",
+            f"  {sum(r.completed for r in self.requests)}/{len(self.requests)} completed "
+            f"({self.completion_rate:.0%}), outputs {self._outputs()}; "
+            f"{self.cuts_total} cuts, {self.power_cycles} power-ups, {self.bytes_written / 2**20:.1f} MiB written, "
+            f"{self.energy_j:.0f} J, {self.wall_s:.0f} s wall",
+        ]
         for r in self.requests:
             rec = ", ".join(f"{x:.1f}" for x in r.recovery_latency_s) or "-"
-            lines.append(f"  {r.task_id}: {'done' if r.completed else 'NOT DONE'}"
-                         f"{'' if r.correct in (None, True) else ' WRONG OUTPUT'}  e2e "
-                         f"{'-' if r.e2e_s is None else f'{r.e2e_s:.1f} s ({r.e2e_trace_s:.0f} trace s)'}  "
-                         f"cuts {r.cuts}  recovery {rec} s  lost {sum(r.work_lost_units)} units")
+            lines.append(
+                f"  {r.task_id}: {'done' if r.completed else 'NOT DONE'}"
+                f"{'' if r.correct in (None, True) else ' WRONG OUTPUT'}  e2e "
+                f"{'-' if r.e2e_s is None else f'{r.e2e_s:.1f} s ({r.e2e_trace_s:.0f} trace s)'}  "
+                f"cuts {r.cuts}  recovery {rec} s  lost {sum(r.work_lost_units)} units"
+            )
         return "\n".join(lines)
 
 
@@ -221,13 +235,16 @@ def measure_boot_seconds() -> float:
     if _BOOT_SECONDS:
         return _BOOT_SECONDS[0]
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import flight.runtime.app, flight.engine, flight.model.loader"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-c", "import flight.runtime.app, flight.engine, flight.model.loader"],
+        check=True,
+        capture_output=True,
+    )
     _BOOT_SECONDS.append(time.perf_counter() - start)
     return _BOOT_SECONDS[0]
 
 
-def reference_run(model_dir: str, spec: RequestSpec, cfg: "BenchConfig", scratch: str) -> dict:
+def reference_run(model_dir: str, spec: RequestSpec, cfg: BenchConfig, scratch: str) -> dict:
     """The uninterrupted answer for `spec`, computed in this process (no checkpoints); cached per
     model, request and geometry for the life of the process."""
     key = (os.path.abspath(model_dir), spec, cfg.chunk, cfg.group, cfg.decode_every, cfg.vision_every, cfg.threads)
@@ -256,8 +273,9 @@ def _reference_run(model_dir: str, spec: RequestSpec, cfg: BenchConfig, scratch:
         elif name in ("vision_block_done", "decode_step_done"):
             units["n"] += 1
 
-    result = Engine(model, EngineOptions(geometry=geometry, policy="none", threads=cfg.threads),
-                    events=count).run(inputs, scratch, spec.max_new_tokens)
+    result = Engine(model, EngineOptions(geometry=geometry, policy="none", threads=cfg.threads), events=count).run(
+        inputs, scratch, spec.max_new_tokens
+    )
     return {"token_ids": result.token_ids, "logits_sha256": result.logits_sha256(), "units": units["n"]}
 
 
@@ -268,14 +286,20 @@ class _TelemetryRecorder(threading.Thread):
         super().__init__(name="telemetry-recorder", daemon=True)
         from ground.client import GroundClient
 
-        self.client = GroundClient(keys_dir, endpoints=endpoints, commands=False, station="ground",
-                                   state_dir=os.path.join(keys_dir, "state-recorder"), progress=False)
+        self.client = GroundClient(
+            keys_dir,
+            endpoints=endpoints,
+            commands=False,
+            station="ground",
+            state_dir=os.path.join(keys_dir, "state-recorder"),
+            progress=False,
+        )
         self.packets: list[tuple[float, m.Message]] = []
         self.stop_flag = threading.Event()
         self.on_packet = on_packet
         self.lock = threading.Lock()
-        self.finals: dict[str, m.Message] = {}       # task id -> its COMPLETED (of the uplink) or FAILED
-        self.results: dict[str, m.TaskResult] = {}   # task id -> the TASK_RESULT the payload sent
+        self.finals: dict[str, m.Message] = {}  # task id -> its COMPLETED (of the uplink) or FAILED
+        self.results: dict[str, m.TaskResult] = {}  # task id -> the TASK_RESULT the payload sent
 
     def run(self):
         with self.client:
@@ -287,8 +311,9 @@ class _TelemetryRecorder(threading.Thread):
                         task_id = getattr(msg, "task_id", None)
                         if isinstance(msg, m.TaskResult):
                             self.results.setdefault(task_id, msg)
-                        elif task_id is not None and (isinstance(msg, m.Failed) or (
-                                isinstance(msg, m.Completed) and msg.tc_type == 0x0110)):
+                        elif task_id is not None and (
+                            isinstance(msg, m.Failed) or (isinstance(msg, m.Completed) and msg.tc_type == 0x0110)
+                        ):
                             self.finals.setdefault(task_id, msg)
                     if self.on_packet:
                         self.on_packet(msg)
@@ -338,14 +363,33 @@ class Testbench:
         # an emulated boot is the target's own, outside the request's compute, like on orbit.
         request_wall = real_boot + units * self.pace_ms / 1000.0
         self.request_wall = request_wall
-        self.scale = request_wall / self.trace.reference_request_s if cfg.time_scale == "auto" else float(cfg.time_scale)
+        self.scale = (
+            request_wall / self.trace.reference_request_s if cfg.time_scale == "auto" else float(cfg.time_scale)
+        )
         self.boot_s = cfg.boot_trace_s * self.scale if emulated else real_boot
 
     def _flight_args(self) -> list[str]:
         c = self.cfg
-        args = ["--policy", c.policy, "--chunk", str(c.chunk), "--group", str(c.group), "--decode-every",
-                str(c.decode_every), "--vision-every", str(c.vision_every), "--planner", c.planner,
-                "--threads", str(c.threads), "--pace-ms", f"{self.pace_ms:.3f}", "--device", "cpu"]
+        args = [
+            "--policy",
+            c.policy,
+            "--chunk",
+            str(c.chunk),
+            "--group",
+            str(c.group),
+            "--decode-every",
+            str(c.decode_every),
+            "--vision-every",
+            str(c.vision_every),
+            "--planner",
+            c.planner,
+            "--threads",
+            str(c.threads),
+            "--pace-ms",
+            f"{self.pace_ms:.3f}",
+            "--device",
+            "cpu",
+        ]
         if c.cadence != "fixed":
             args += ["--cadence", c.cadence]
         if c.emulate_target_storage:
@@ -361,18 +405,33 @@ class Testbench:
 
         cfg = self.cfg
         self._prepare()
-        boot = (f"emulated boot {cfg.boot_trace_s:g} trace s = {self.boot_s:.2f} s" if cfg.boot_trace_s is not None
-                else f"real payload boot {self.boot_s:.1f} s")
-        self.say(f"[bench] trace {cfg.trace} ({self.trace.duration_s:.0f} trace s), policy {cfg.policy}, "
-                 f"{len(self.workload)} requests; time scale {self.scale:.4g} wall s per trace s, pace "
-                 f"{self.pace_ms:.0f} ms/unit, {boot}")
-        endpoints = cfg.endpoints or Endpoints(commands="tcp://127.0.0.1:*", payload="tcp://127.0.0.1:*",
-                                               telemetry="tcp://127.0.0.1:*")
-        bus_cfg = BusConfig(trace=str(self._trace_path()), data_dir=str(self.out / "bus"), keys_dir=self.keys,
-                            time_scale=self.scale, start_at_s=self.start_at, endpoints=endpoints, model=cfg.model,
-                            flight_args=self._flight_args(), heartbeat_timeout_s=max(20.0, 4 * self.boot_s),
-                            boot_timeout_s=max(60.0, 10 * self.boot_s), boot_trace_s=cfg.boot_trace_s,
-                            skip_idle=cfg.skip_idle)
+        boot = (
+            f"emulated boot {cfg.boot_trace_s:g} trace s = {self.boot_s:.2f} s"
+            if cfg.boot_trace_s is not None
+            else f"real payload boot {self.boot_s:.1f} s"
+        )
+        self.say(
+            f"[bench] trace {cfg.trace} ({self.trace.duration_s:.0f} trace s), policy {cfg.policy}, "
+            f"{len(self.workload)} requests; time scale {self.scale:.4g} wall s per trace s, pace "
+            f"{self.pace_ms:.0f} ms/unit, {boot}"
+        )
+        endpoints = cfg.endpoints or Endpoints(
+            commands="tcp://127.0.0.1:*", payload="tcp://127.0.0.1:*", telemetry="tcp://127.0.0.1:*"
+        )
+        bus_cfg = BusConfig(
+            trace=str(self._trace_path()),
+            data_dir=str(self.out / "bus"),
+            keys_dir=self.keys,
+            time_scale=self.scale,
+            start_at_s=self.start_at,
+            endpoints=endpoints,
+            model=cfg.model,
+            flight_args=self._flight_args(),
+            heartbeat_timeout_s=max(20.0, 4 * self.boot_s),
+            boot_timeout_s=max(60.0, 10 * self.boot_s),
+            boot_trace_s=cfg.boot_trace_s,
+            skip_idle=cfg.skip_idle,
+        )
         started = time.time()
         bus = BusProcess(bus_cfg).start()
         self.log_tail = _LogTail(self.out / "bus" / "bus-log.jsonl")
@@ -381,21 +440,29 @@ class Testbench:
         tasks: list[tuple[str, float | None]] = []
         failures: dict[str, str] = {}
         try:
-            with GroundClient(self.keys, endpoints=bus.endpoints, timeout_s=max(30.0, 6 * self.boot_s), retries=50,
-                              progress=False, notify=lambda s: None) as ground:
+            with GroundClient(
+                self.keys,
+                endpoints=bus.endpoints,
+                timeout_s=max(30.0, 6 * self.boot_s),
+                retries=50,
+                progress=False,
+                notify=lambda s: None,
+            ) as ground:
                 for i, spec in enumerate(self.workload):
                     task_id = f"r{i:02d}"
                     try:
-                        ground.uplink(list(spec.images), spec.prompt, max_new_tokens=spec.max_new_tokens,
-                                      task_id=task_id)
+                        ground.uplink(
+                            list(spec.images), spec.prompt, max_new_tokens=spec.max_new_tokens, task_id=task_id
+                        )
                         tasks.append((task_id, time.time()))
                         self.say(f"[ground] uplinked {task_id}: {spec.prompt!r} with {len(spec.images)} images")
                     except GroundError as exc:
                         tasks.append((task_id, None))
                         failures[task_id] = f"uplink: {exc}"
                         self.say(f"[ground] uplink of {task_id} failed: {exc}")
-                results = self._wait_for_results(ground, tasks, recorder, failures, started,
-                                                 bus_alive=lambda: bus.proc.poll() is None)
+                results = self._wait_for_results(
+                    ground, tasks, recorder, failures, started, bus_alive=lambda: bus.proc.poll() is None
+                )
         finally:
             time.sleep(0.5)
             recorder.stop_flag.set()
@@ -456,8 +523,16 @@ class Testbench:
         elif isinstance(msg, m.ShutdownWarning):
             self.say(f"[bus] shutdown warning: cut in {msg.lead_time_s:.1f} s ({msg.cause})")
         elif isinstance(msg, m.Event) and msg.event_id.name in (
-                "BOOT", "TASK_STARTED", "TASK_RESUMED", "RECOVERY_PLANNED", "TASK_COMPLETED", "TASK_FAILED",
-                "CHECKPOINT_CORRUPT", "CHECKPOINT_MANIFEST_MISMATCH", "DISK_FULL"):
+            "BOOT",
+            "TASK_STARTED",
+            "TASK_RESUMED",
+            "RECOVERY_PLANNED",
+            "TASK_COMPLETED",
+            "TASK_FAILED",
+            "CHECKPOINT_CORRUPT",
+            "CHECKPOINT_MANIFEST_MISMATCH",
+            "DISK_FULL",
+        ):
             self.say(f"[payload] {msg.text}")
 
     # ---- analysis ---------------------------------------------------------------------------------------
@@ -480,7 +555,9 @@ class Testbench:
             completed_at = next((t for t, msg in mine if isinstance(msg, m.Completed) and msg.tc_type == 0x0110), None)
             correct = None
             if res is not None:
-                correct = list(res.token_ids) == ref["token_ids"] and bytes(res.logits_sha256).hex() == ref["logits_sha256"]
+                correct = (
+                    list(res.token_ids) == ref["token_ids"] and bytes(res.logits_sha256).hex() == ref["logits_sha256"]
+                )
             starts = [t for t, msg in mine if isinstance(msg, m.Started)]
             progress = [(t, msg) for t, msg in mine if isinstance(msg, m.Progress)]
             totals = {}
@@ -504,27 +581,60 @@ class Testbench:
             # In trace seconds, from the later of the uplink and the trace's start (the bus
             # stores commands while the clock has not started) to COMPLETED; skipped spans count.
             e2e_trace = (to_trace(completed_at) - to_trace(queued_at)) if e2e is not None else None
-            reports.append(RequestReport(task_id, spec.prompt, [os.path.basename(x) for x in spec.images],
-                                         res is not None, correct, e2e, e2e_trace,
-                                         int(res.interruptions) if res is not None else max(0, len(starts) - 1),
-                                         recovery, lost, energy, len(res.token_ids) if res is not None else 0,
-                                         failures.get(task_id)))
+            reports.append(
+                RequestReport(
+                    task_id,
+                    spec.prompt,
+                    [os.path.basename(x) for x in spec.images],
+                    res is not None,
+                    correct,
+                    e2e,
+                    e2e_trace,
+                    int(res.interruptions) if res is not None else max(0, len(starts) - 1),
+                    recovery,
+                    lost,
+                    energy,
+                    len(res.token_ids) if res is not None else 0,
+                    failures.get(task_id),
+                )
+            )
         p = self.cfg.power
         on_time = sum(b - a for a, b in intervals)
         boot_time = len(ons) * self.boot_s
-        energy_total = (busy_total * p.compute_w + max(0.0, on_time - busy_total - boot_time) * p.idle_w
-                        + boot_time * p.boot_w + bytes_written / p.ssd_write_bytes_per_s * p.ssd_write_w)
+        energy_total = (
+            busy_total * p.compute_w
+            + max(0.0, on_time - busy_total - boot_time) * p.idle_w
+            + boot_time * p.boot_w
+            + bytes_written / p.ssd_write_bytes_per_s * p.ssd_write_w
+        )
         done = [r for r in reports if r.completed]
-        connects = [float(e.data["after_power_on_s"]) for e in entries
-                    if e.kind == bl.PAYLOAD_CONNECTED and e.data.get("after_power_on_s") is not None]
+        connects = [
+            float(e.data["after_power_on_s"])
+            for e in entries
+            if e.kind == bl.PAYLOAD_CONNECTED and e.data.get("after_power_on_s") is not None
+        ]
         connect = statistics.median(connects) if connects else None
         residual = None
         if connect is not None and self.cfg.boot_trace_s is not None:
             residual = max(0.0, connect - self.boot_s)
-        return BenchReport(self.cfg.trace, self.cfg.policy, self.scale, self.pace_ms, self.boot_s, reports,
-                           len(ons), cuts_total, bytes_written, energy_total, wall,
-                           len(done) / max(1, len(reports)), all(r.correct for r in done) and bool(done),
-                           boot_trace_s=self.cfg.boot_trace_s, connect_s=connect, start_residual_s=residual)
+        return BenchReport(
+            self.cfg.trace,
+            self.cfg.policy,
+            self.scale,
+            self.pace_ms,
+            self.boot_s,
+            reports,
+            len(ons),
+            cuts_total,
+            bytes_written,
+            energy_total,
+            wall,
+            len(done) / max(1, len(reports)),
+            all(r.correct for r in done) and bool(done),
+            boot_trace_s=self.cfg.boot_trace_s,
+            connect_s=connect,
+            start_residual_s=residual,
+        )
 
 
 class _LogTail:

@@ -1,4 +1,5 @@
 """`ow hil run | campaign | replay | deploy`: the testbench from the command line."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,48 +11,72 @@ DEFAULT_MODEL = os.path.join("runs", "models", "qwen3-vl-tiny")
 
 def register_testbench(hsub) -> None:
     run = hsub.add_parser(
-        "run", help="run the real bus and payload against a trace with a workload; measure and check",
+        "run",
+        help="run the real bus and payload against a trace with a workload; measure and check",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Start `ow bus run` on TRACE (it spawns and SIGKILLs `ow flight run`), uplink N requests through\n"
-                    "the ground link, wait for every result and measure per request: end-to-end time, cuts suffered,\n"
-                    "recovery latency, work lost, bytes written, energy. Every answer is checked bit for bit against\n"
-                    "an uninterrupted reference. Writes OUT/report.json and OUT/summary.txt.")
+        "the ground link, wait for every result and measure per request: end-to-end time, cuts suffered,\n"
+        "recovery latency, work lost, bytes written, energy. Every answer is checked bit for bit against\n"
+        "an uninterrupted reference. Writes OUT/report.json and OUT/summary.txt.",
+    )
     _common(run)
     run.add_argument("--trace", required=True, help="trace file or shipped name (ow hil trace-info lists them)")
     run.add_argument("--policy", default="orbitweaver", help="checkpoint policy (default orbitweaver)")
-    run.add_argument("--cadence", choices=["fixed", "adaptive"], default="fixed",
-                     help="orbitweaver's checkpoint cadence (docs/engine.md); baselines keep their own")
+    run.add_argument(
+        "--cadence",
+        choices=["fixed", "adaptive"],
+        default="fixed",
+        help="orbitweaver's checkpoint cadence (docs/engine.md); baselines keep their own",
+    )
     run.set_defaults(func=cmd_run)
 
     camp = hsub.add_parser(
-        "campaign", help="a matrix of traces x workloads x seeds x policies; writes a markdown report with plots",
+        "campaign",
+        help="a matrix of traces x workloads x seeds x policies; writes a markdown report with plots",
         description="Run the testbench for every trace x workload x seed x policy (orbitweaver once per cadence) and "
-                    "write OUT/report.md (completion per policy and trace beside end-to-end times, speed-ups only "
-                    "where both sides completed everything, every run, PNG plots) and OUT/campaign.json. Seed 0 uses "
-                    "a shipped trace as is; other seeds generate another realisation of a generated trace kind. "
-                    "The defaults run everything: 5 traces x 2 workloads x 2 seeds x 5 policy variants = 100 runs "
-                    "(hours; --jobs runs several at once).")
+        "write OUT/report.md (completion per policy and trace beside end-to-end times, speed-ups only "
+        "where both sides completed everything, every run, PNG plots) and OUT/campaign.json. Seed 0 uses "
+        "a shipped trace as is; other seeds generate another realisation of a generated trace kind. "
+        "The defaults run everything: 5 traces x 2 workloads x 2 seeds x 5 policy variants = 100 runs "
+        "(hours; --jobs runs several at once).",
+    )
     _common(camp)
-    camp.add_argument("--traces", default="trace-a,trace-b,sat1-like,sat2-like,dellingr-like",
-                      help="comma-separated traces (default: the five shipped generated ones)")
-    camp.add_argument("--policies", default="orbitweaver,sonic-layer,sonic-chunk,hcache",
-                      help="comma-separated policies (default orbitweaver and the three baselines)")
-    camp.add_argument("--cadences", default="fixed,adaptive",
-                      help="orbitweaver's checkpoint cadences, side by side (default fixed,adaptive)")
-    camp.add_argument("--workloads", default="paper,back-to-back",
-                      help="paper: the two specified requests per trace; back-to-back: four requests in one queue "
-                           "(default both)")
-    camp.add_argument("--seeds", default="0,1",
-                      help="comma-separated seeds; seed 0 plays the shipped trace, others regenerate it (default 0,1)")
+    camp.add_argument(
+        "--traces",
+        default="trace-a,trace-b,sat1-like,sat2-like,dellingr-like",
+        help="comma-separated traces (default: the five shipped generated ones)",
+    )
+    camp.add_argument(
+        "--policies",
+        default="orbitweaver,sonic-layer,sonic-chunk,hcache",
+        help="comma-separated policies (default orbitweaver and the three baselines)",
+    )
+    camp.add_argument(
+        "--cadences",
+        default="fixed,adaptive",
+        help="orbitweaver's checkpoint cadences, side by side (default fixed,adaptive)",
+    )
+    camp.add_argument(
+        "--workloads",
+        default="paper,back-to-back",
+        help="paper: the two specified requests per trace; back-to-back: four requests in one queue (default both)",
+    )
+    camp.add_argument(
+        "--seeds",
+        default="0,1",
+        help="comma-separated seeds; seed 0 plays the shipped trace, others regenerate it (default 0,1)",
+    )
     camp.add_argument("--jobs", type=int, default=1, help="runs at once (each a bus, a payload and a ground link)")
     camp.set_defaults(func=cmd_campaign)
 
     rep = hsub.add_parser(
-        "replay", help="re-drive a recorded bus run against this build; fail on any divergence",
+        "replay",
+        help="re-drive a recorded bus run against this build; fail on any divergence",
         description="Read a bus run log (a bus data dir's bus-log.jsonl), start a fresh bus and payload on the same "
-                    "trace and time scale, re-send every recorded telecommand at its recorded instant, and compare "
-                    "the power timeline, every command's outcome and every task's reports and answer. Exit 0 if "
-                    "identical, 1 on a divergence (listed).")
+        "trace and time scale, re-send every recorded telecommand at its recorded instant, and compare "
+        "the power timeline, every command's outcome and every task's reports and answer. Exit 0 if "
+        "identical, 1 on a divergence (listed).",
+    )
     rep.add_argument("log", help="bus-log.jsonl of the run to replay")
     rep.add_argument("--model", default=None, help="model directory (default: the recording's)")
     rep.add_argument("--out", default=None, help="where the replay runs (default: a new directory under runs/)")
@@ -59,15 +84,19 @@ def register_testbench(hsub) -> None:
     rep.set_defaults(func=cmd_replay)
 
     dep = hsub.add_parser(
-        "deploy", help="the 72-hour two-satellite deployment in compressed time",
+        "deploy",
+        help="the 72-hour two-satellite deployment in compressed time",
         description="Two buses and payloads, one per satellite, on deployment traces (one payload window per orbit), "
-                    "REQUESTS arriving at random over HOURS; idle spans are skipped so 72 hours take minutes. Reports "
-                    "requests completed, shutdowns, interrupted requests and windows per request beside the paper's.")
+        "REQUESTS arriving at random over HOURS; idle spans are skipped so 72 hours take minutes. Reports "
+        "requests completed, shutdowns, interrupted requests and windows per request beside the paper's.",
+    )
     dep.add_argument("--hours", type=float, default=72.0)
     dep.add_argument("--requests", type=int, default=50)
     dep.add_argument("--seed", type=int, default=1)
     dep.add_argument("--scale", type=float, default=0.03, help="wall seconds per trace second while work runs")
-    dep.add_argument("--model", default=None, help=f"model directory (default: build the tiny model in {DEFAULT_MODEL})")
+    dep.add_argument(
+        "--model", default=None, help=f"model directory (default: build the tiny model in {DEFAULT_MODEL})"
+    )
     dep.add_argument("--out", default=os.path.join("runs", "deploy"))
     dep.add_argument("--json", action="store_true")
     dep.set_defaults(func=cmd_deploy)
@@ -76,27 +105,45 @@ def register_testbench(hsub) -> None:
 def _common(p) -> None:
     p.add_argument("--requests", type=int, default=3, help="requests in the workload (sample images, rotating prompts)")
     p.add_argument("--model", default=None, help=f"model directory (default: build the tiny model in {DEFAULT_MODEL})")
-    p.add_argument("--time-scale", default="auto",
-                   help="wall seconds per trace second, or auto: one uninterrupted request (boot included) lasts "
-                        "the trace's reference request (180 trace s: the paper's three-minute missions)")
-    p.add_argument("--request-seconds", type=float, default=20.0,
-                   help="with --pace-ms unset: pace the payload so one uninterrupted request takes this long (wall)")
+    p.add_argument(
+        "--time-scale",
+        default="auto",
+        help="wall seconds per trace second, or auto: one uninterrupted request (boot included) lasts "
+        "the trace's reference request (180 trace s: the paper's three-minute missions)",
+    )
+    p.add_argument(
+        "--request-seconds",
+        type=float,
+        default=20.0,
+        help="with --pace-ms unset: pace the payload so one uninterrupted request takes this long (wall)",
+    )
     p.add_argument("--pace-ms", type=float, default=None, help="per-unit pace of the payload (ms)")
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--chunk", type=int, default=16)
     p.add_argument("--group", type=int, default=2)
     p.add_argument("--decode-every", type=int, default=4)
-    p.add_argument("--planner", default="optimal",
-                   help="OrbitWeaver's recovery planner (default optimal; baselines restore with their own scheduler)")
-    p.add_argument("--storage", choices=["native", "target"], default="native",
-                   help="native (default): this machine's disk; target: throttle the payload's checkpoint storage "
-                        "to a Jetson Orin NVMe's read/write-to-compute ratio against the pace -- meant for models "
-                        "with real proportions, not the tiny one (docs/hil.md, Storage)")
-    p.add_argument("--boot-trace-s", default=None, metavar="S|real",
-                   help="the payload's boot in trace seconds, emulated: each payload is forked from a process that "
-                        "has imported its libraries and waits S trace seconds (scaled like the compute) after "
-                        "power-on; `real`: exec it and pay this machine's start-up inside the window (default "
-                        "15 trace s: a Jetson Orin's boot, hil.testbench.TARGET_BOOT_TRACE_S; docs/hil.md)")
+    p.add_argument(
+        "--planner",
+        default="optimal",
+        help="OrbitWeaver's recovery planner (default optimal; baselines restore with their own scheduler)",
+    )
+    p.add_argument(
+        "--storage",
+        choices=["native", "target"],
+        default="native",
+        help="native (default): this machine's disk; target: throttle the payload's checkpoint storage "
+        "to a Jetson Orin NVMe's read/write-to-compute ratio against the pace -- meant for models "
+        "with real proportions, not the tiny one (docs/hil.md, Storage)",
+    )
+    p.add_argument(
+        "--boot-trace-s",
+        default=None,
+        metavar="S|real",
+        help="the payload's boot in trace seconds, emulated: each payload is forked from a process that "
+        "has imported its libraries and waits S trace seconds (scaled like the compute) after "
+        "power-on; `real`: exec it and pay this machine's start-up inside the window (default "
+        "15 trace s: a Jetson Orin's boot, hil.testbench.TARGET_BOOT_TRACE_S; docs/hil.md)",
+    )
     p.add_argument("--start-at", type=float, default=0.0, help="trace second to start at")
     p.add_argument("--timeout", type=float, default=None, help="wall seconds to wait for all results")
     p.add_argument("--out", required=True, help="output directory")
@@ -106,8 +153,8 @@ def _common(p) -> None:
 
 def ensure_model(path: str | None) -> str:
     if path:
-        from flight.model.config import ModelError, read_model_type
         from common.cli import CliError
+        from flight.model.config import ModelError, read_model_type
 
         try:
             read_model_type(path)
@@ -132,13 +179,26 @@ def _config(args, trace: str, policy: str):
     if args.requests < 1:
         raise CliError("--requests must be at least 1", 2)
     boot = parse_boot(args.boot_trace_s)
-    return BenchConfig(trace=trace, model=ensure_model(args.model), out_dir=args.out, policy=policy,
-                       requests=args.requests, workload=default_workload(args.requests, args.max_new_tokens),
-                       time_scale=scale, request_seconds=args.request_seconds, pace_ms=args.pace_ms,
-                       chunk=args.chunk, group=args.group, decode_every=args.decode_every, planner=args.planner,
-                       start_at_s=args.start_at, timeout_s=args.timeout, boot_trace_s=boot,
-                       emulate_target_storage=args.storage == "target",
-                       cadence=getattr(args, "cadence", "fixed"))
+    return BenchConfig(
+        trace=trace,
+        model=ensure_model(args.model),
+        out_dir=args.out,
+        policy=policy,
+        requests=args.requests,
+        workload=default_workload(args.requests, args.max_new_tokens),
+        time_scale=scale,
+        request_seconds=args.request_seconds,
+        pace_ms=args.pace_ms,
+        chunk=args.chunk,
+        group=args.group,
+        decode_every=args.decode_every,
+        planner=args.planner,
+        start_at_s=args.start_at,
+        timeout_s=args.timeout,
+        boot_trace_s=boot,
+        emulate_target_storage=args.storage == "target",
+        cadence=getattr(args, "cadence", "fixed"),
+    )
 
 
 def parse_boot(text: str | None):
@@ -160,8 +220,8 @@ def parse_boot(text: str | None):
 
 
 def _check_trace(trace: str) -> None:
-    from common.cli import CliError
     import traces
+    from common.cli import CliError
 
     try:
         traces.resolve(trace)
@@ -218,9 +278,17 @@ def cmd_campaign(args) -> int:
         raise CliError(f"unknown workload {bad[0]!r} ({', '.join(WORKLOADS)})", 2)
     if args.jobs < 1:
         raise CliError("--jobs must be at least 1", 2)
-    cells = run_campaign(_config(args, traces_[0], policies[0]), traces_, policies, seeds, workloads=workloads,
-                         cadences=cadences, jobs=args.jobs, max_new_tokens=args.max_new_tokens,
-                         say=lambda line: print(line, flush=True))
+    cells = run_campaign(
+        _config(args, traces_[0], policies[0]),
+        traces_,
+        policies,
+        seeds,
+        workloads=workloads,
+        cadences=cadences,
+        jobs=args.jobs,
+        max_new_tokens=args.max_new_tokens,
+        say=lambda line: print(line, flush=True),
+    )
     print(f"report: {os.path.join(args.out, 'report.md')}")
     return 0 if all(c.report.all_correct for c in cells if any(r.completed for r in c.report.requests)) else 1
 

@@ -31,6 +31,7 @@ Requests are JSON objects over a SOCK_SEQPACKET socketpair (one message per requ
 Only the zygote can reap its children, so the bus kills a payload's group itself (the cut must
 not wait for anybody) and then asks for the status.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 #: What the flight payload's boot image holds: the modules `ow flight run` imports before its
 #: first unit of inference work (flight/runtime/preload.py lists them).
@@ -207,11 +208,19 @@ def serve(fd: int, preload: Sequence[str]) -> int:
         module = importlib.import_module(name)
         if function:
             getattr(module, function)()
-    ready = {"ready": True, "pid": os.getpid(), "import_s": round(time.perf_counter() - started, 3),
-             "threads": thread_count(), "modules": len(sys.modules), "preload": list(preload)}
+    ready = {
+        "ready": True,
+        "pid": os.getpid(),
+        "import_s": round(time.perf_counter() - started, 3),
+        "threads": thread_count(),
+        "modules": len(sys.modules),
+        "preload": list(preload),
+    }
     if ready["threads"] != 1:
-        ready = {"error": f"preloading {list(preload)} started {ready['threads'] - 1} thread(s); a zygote "
-                          "must stay single-threaded to fork safely"}
+        ready = {
+            "error": f"preloading {list(preload)} started {ready['threads'] - 1} thread(s); a zygote "
+            "must stay single-threaded to fork safely"
+        }
     control.send(json.dumps(ready).encode())
     if "error" in ready:
         return 1
@@ -233,8 +242,9 @@ def serve(fd: int, preload: Sequence[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hil.zygote",
-                                     description="Fork server for the local power switch (started by the bus).")
+    parser = argparse.ArgumentParser(
+        prog="python -m hil.zygote", description="Fork server for the local power switch (started by the bus)."
+    )
     parser.add_argument("--fd", type=int, required=True, help="the control socket's file descriptor")
     parser.add_argument("preload", nargs="*", help="modules to import before serving (MODULE or MODULE:FUNCTION)")
     args = parser.parse_args(argv)
@@ -251,8 +261,15 @@ class Zygote:
     """The bus's handle on a zygote process. Thread-safe; start() does not wait for the imports,
     wait_ready() does (the bus calls it before its trace clock starts)."""
 
-    def __init__(self, preload: Sequence[str] = FLIGHT_PRELOAD, *, log_path: str | os.PathLike | None = None,
-                 env: Mapping[str, str] | None = None, cwd: str | None = None, python: str | None = None):
+    def __init__(
+        self,
+        preload: Sequence[str] = FLIGHT_PRELOAD,
+        *,
+        log_path: str | os.PathLike | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        python: str | None = None,
+    ):
         self.preload = list(preload)
         self.log_path = Path(log_path) if log_path else None
         self.env = dict(os.environ if env is None else env)
@@ -268,7 +285,7 @@ class Zygote:
         self._lock = threading.Lock()
         self._next_id = 0
 
-    def start(self) -> "Zygote":
+    def start(self) -> Zygote:
         from hil.power import _die_with_parent
 
         if self.proc is not None:
@@ -281,8 +298,15 @@ class Zygote:
         try:
             self.proc = subprocess.Popen(
                 [self.python, "-m", "hil.zygote", "--fd", str(theirs.fileno()), *self.preload],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd,
-                pass_fds=(theirs.fileno(),), start_new_session=True, preexec_fn=_die_with_parent)
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=self.cwd,
+                pass_fds=(theirs.fileno(),),
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         except OSError as exc:
             ours.close()
             raise ZygoteError(f"cannot start the zygote: {exc}") from exc
@@ -303,13 +327,14 @@ class Zygote:
             self._sock.settimeout(timeout_s)
             try:
                 data = self._sock.recv(_MAX_MESSAGE)
-            except (OSError, socket.timeout) as exc:
+            except (TimeoutError, OSError) as exc:
                 raise ZygoteError(f"zygote not ready within {timeout_s:g} s: {exc}") from None
             finally:
                 self._sock.settimeout(None)
             if not data:
-                raise ZygoteError(f"zygote exited with {self.proc.wait()} before it was ready "
-                                  f"(see {self.log_path or 'its output'})")
+                raise ZygoteError(
+                    f"zygote exited with {self.proc.wait()} before it was ready (see {self.log_path or 'its output'})"
+                )
             info = json.loads(data)
             if "error" in info:
                 raise ZygoteError(info["error"])
@@ -341,13 +366,28 @@ class Zygote:
             raise ZygoteError(reply["error"])
         return reply
 
-    def spawn(self, argv: Sequence[str], *, output: str | os.PathLike | None = None,
-              env: Mapping[str, str] | None = None, cwd: str | None = None, boot_deadline: float = 0.0) -> int:
+    def spawn(
+        self,
+        argv: Sequence[str],
+        *,
+        output: str | os.PathLike | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        boot_deadline: float = 0.0,
+    ) -> int:
         """Fork a payload that runs `argv` once `boot_deadline` (time.monotonic) has passed."""
         env = dict(self.env if env is None else env)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        return int(self._request(op="spawn", argv=list(argv), env=env, cwd=cwd or self.cwd,
-                                 output=str(output) if output else None, boot_deadline=boot_deadline)["pid"])
+        return int(
+            self._request(
+                op="spawn",
+                argv=list(argv),
+                env=env,
+                cwd=cwd or self.cwd,
+                output=str(output) if output else None,
+                boot_deadline=boot_deadline,
+            )["pid"]
+        )
 
     def reap(self, pid: int, block: bool, timeout_s: float = 30.0) -> int | None:
         return self._request(timeout_s=timeout_s, op="reap", pid=pid, block=block)["status"]
@@ -366,8 +406,11 @@ class Zygote:
                 self.proc = None
 
     def describe(self) -> dict:
-        return {"preload": self.preload, "pid": self.proc.pid if self.proc else None,
-                "import_s": (self.info or {}).get("import_s")}
+        return {
+            "preload": self.preload,
+            "pid": self.proc.pid if self.proc else None,
+            "import_s": (self.info or {}).get("import_s"),
+        }
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """Fixtures shared by every test folder: tiny models built once per test worker, sample images."""
+
 from __future__ import annotations
 
 import os
 
 import pytest
-
 from testkit import ARCHS, make_images
 
 

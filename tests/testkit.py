@@ -1,4 +1,5 @@
 """Helpers shared by test folders (importable because pytest puts tests/ on sys.path)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -24,8 +25,10 @@ from flight.engine import Engine, EngineOptions, SimulatedCut
 from flight.model.inputs import build_inputs
 from flight.model.loader import load_model
 
-PROMPT = ("describe the clouds over the coast and count the ships in the harbor , then compare the two "
-          "images and report any new damage to the bridge near the river")
+PROMPT = (
+    "describe the clouds over the coast and count the ships in the harbor , then compare the two "
+    "images and report any new damage to the bridge near the river"
+)
 # Small chunks and groups so that even a tiny prompt spans a grid of prefill blocks.
 GEOMETRY = Geometry(chunk=16, group=2, decode_every=2, vision_every=1)
 MAX_NEW = 10
@@ -41,8 +44,9 @@ def engine(model, geometry=GEOMETRY, policy="orbitweaver", **kw):
     events = kw.pop("events", None)
     after_commit = kw.pop("after_commit", None)
     fs = kw.pop("fs", None)
-    return Engine(model, EngineOptions(geometry=geometry, policy=policy, **kw), fs=fs, events=events,
-                  after_commit=after_commit)
+    return Engine(
+        model, EngineOptions(geometry=geometry, policy=policy, **kw), fs=fs, events=events, after_commit=after_commit
+    )
 
 
 def reference(model_dir: str, inputs, max_new_tokens: int, chunk: int | None):
@@ -51,10 +55,16 @@ def reference(model_dir: str, inputs, max_new_tokens: int, chunk: int | None):
 
     ref = transformers.AutoModelForImageTextToText.from_pretrained(model_dir).eval()
     has_images = inputs.image_grid_thw.shape[0] > 0
-    kw = dict(input_ids=inputs.input_ids, attention_mask=torch.ones_like(inputs.input_ids),
-              image_grid_thw=inputs.image_grid_thw if has_images else None,
-              mm_token_type_ids=inputs.mm_token_type_ids,
-              max_new_tokens=max_new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    kw = dict(
+        input_ids=inputs.input_ids,
+        attention_mask=torch.ones_like(inputs.input_ids),
+        image_grid_thw=inputs.image_grid_thw if has_images else None,
+        mm_token_type_ids=inputs.mm_token_type_ids,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     with torch.no_grad():
         if not has_images:
             out = ref.generate(**kw, prefill_chunk_size=chunk if chunk and chunk < inputs.num_tokens else None)
@@ -63,7 +73,7 @@ def reference(model_dir: str, inputs, max_new_tokens: int, chunk: int | None):
         else:
             enc = ref.model.get_image_features(inputs.pixel_values, inputs.image_grid_thw, return_dict=True)
             out = ref.generate(mm_encoder_outputs={"image": enc}, prefill_chunk_size=chunk, **kw)
-    tokens = out.sequences[0, inputs.num_tokens:].tolist()
+    tokens = out.sequences[0, inputs.num_tokens :].tolist()
     return tokens, [l[0] for l in out.logits]
 
 

@@ -8,6 +8,7 @@ The format is specified in docs/trace-format.md. Typical use by the testbench:
     for window in replay.windows(): ...            # PowerWindow(start_s, end_s, cut_cause, warning_lead_s)
     long_run = traces.generate("trace-b", seed=7, duration_s=72 * 3600)
 """
+
 from traces.catalog import DATA_DIR, SHIPPED_NAMES, resolve, shipped_path
 from traces.format import Problem, TraceError, dump, dumps, load, loads, validate, validate_lines
 from traces.model import (

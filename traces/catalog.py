@@ -1,4 +1,5 @@
 """The traces shipped in `traces/data/` and how a user-given TRACE argument is resolved."""
+
 from __future__ import annotations
 
 import os

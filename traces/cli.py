@@ -6,13 +6,15 @@ stand-alone.
 Each command returns an exit status; user errors raise `common.cli.CliError` (one line, no
 traceback).
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 
 def _cli_error(message: str, code: int = 2) -> Exception:
@@ -152,8 +154,10 @@ def _report_import(imported, out: str) -> int:
     trace = imported.trace
     where = _write(trace, out)
     warned = f"; {len(imported.warnings)} warning line(s) above" if imported.warnings else ""
-    print(f"{where}: {trace.name}, {trace.duration_s:g} s, {_summary(trace)}{warned}",
-          file=sys.stderr if out == "-" else sys.stdout)
+    print(
+        f"{where}: {trace.name}, {trace.duration_s:g} s, {_summary(trace)}{warned}",
+        file=sys.stderr if out == "-" else sys.stdout,
+    )
     return 0
 
 
@@ -175,12 +179,27 @@ def _cmd_import_csv(args: argparse.Namespace) -> int:
 
     try:
         params = CsvImport(
-            time=args.time, time_unit=args.time_unit, spread_repeats=args.spread_repeats, current=args.current,
-            current_unit=args.current_unit, on_above_ma=args.on_above, temperature=args.temperature,
-            thermal_at_c=args.thermal_at, voltage=args.voltage, voltage_unit=args.voltage_unit, battery=args.battery,
-            battery_unit=args.battery_unit, battery_cells=args.battery_cells, payload_volts=args.payload_volts,
-            no_reading=_no_reading(args.no_reading), other_cause=args.other_cause, from_s=args.from_s,
-            to_s=args.to_s, max_gap_s=args.max_gap, name=args.name)
+            time=args.time,
+            time_unit=args.time_unit,
+            spread_repeats=args.spread_repeats,
+            current=args.current,
+            current_unit=args.current_unit,
+            on_above_ma=args.on_above,
+            temperature=args.temperature,
+            thermal_at_c=args.thermal_at,
+            voltage=args.voltage,
+            voltage_unit=args.voltage_unit,
+            battery=args.battery,
+            battery_unit=args.battery_unit,
+            battery_cells=args.battery_cells,
+            payload_volts=args.payload_volts,
+            no_reading=_no_reading(args.no_reading),
+            other_cause=args.other_cause,
+            from_s=args.from_s,
+            to_s=args.to_s,
+            max_gap_s=args.max_gap,
+            name=args.name,
+        )
         imported = import_csv(args.files, params)
     except CsvImportOptionsError as exc:
         raise _cli_error(str(exc), 2) from None
@@ -263,11 +282,19 @@ def register_trace_commands(subparsers: Any) -> None:
         "default duration it reproduces the shipped file.",
     )
     p.add_argument("--kind", required=True, choices=list(PRESETS), help="satellite kind")
-    p.add_argument("--seed", type=int, default=None,
-                   help="random seed (default: the shipped one: "
-                   + ", ".join(f"{k} {v}" for k, v in SHIPPED_SEEDS.items()) + ")")
-    p.add_argument("--duration", type=int, default=None, metavar="SECONDS",
-                   help="trace length in seconds (default: the shipped length)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="random seed (default: the shipped one: " + ", ".join(f"{k} {v}" for k, v in SHIPPED_SEEDS.items()) + ")",
+    )
+    p.add_argument(
+        "--duration",
+        type=int,
+        default=None,
+        metavar="SECONDS",
+        help="trace length in seconds (default: the shipped length)",
+    )
     p.add_argument("--out", required=True, metavar="FILE", help="output file, or - for standard output")
     p.set_defaults(func=_cmd_generate)
 
@@ -297,40 +324,101 @@ def register_trace_commands(subparsers: Any) -> None:
     )
     p.add_argument("files", metavar="FILE", nargs="+", help="CSV file(s) with a header line")
     p.add_argument("--time", required=True, metavar="COLUMN", help="time column (in every file)")
-    p.add_argument("--time-unit", choices=TIME_UNITS, default="s",
-                   help="s, min or ms from the log's own zero; unix: seconds since 1970; datetime: "
-                   "YYYY-MM-DD HH:MM[:SS] or YYYY/M/D H:MM, UTC unless it has an offset (default s)")
-    p.add_argument("--spread-repeats", action="store_true",
-                   help="rows sharing a time stamp are evenly spaced samples within the stamp's resolution "
-                   "(60 rows under an HH:MM stamp: one per second); without it a repeated stamp is a warning")
+    p.add_argument(
+        "--time-unit",
+        choices=TIME_UNITS,
+        default="s",
+        help="s, min or ms from the log's own zero; unix: seconds since 1970; datetime: "
+        "YYYY-MM-DD HH:MM[:SS] or YYYY/M/D H:MM, UTC unless it has an offset (default s)",
+    )
+    p.add_argument(
+        "--spread-repeats",
+        action="store_true",
+        help="rows sharing a time stamp are evenly spaced samples within the stamp's resolution "
+        "(60 rows under an HH:MM stamp: one per second); without it a repeated stamp is a warning",
+    )
     p.add_argument("--current", required=True, metavar="COLUMN", help="the payload's supply current")
     p.add_argument("--current-unit", choices=CURRENT_UNITS, default="mA", help="(default mA)")
-    p.add_argument("--on-above", required=True, type=float, metavar="MILLIAMPS",
-                   help="the payload is on while its current is above this")
+    p.add_argument(
+        "--on-above",
+        required=True,
+        type=float,
+        metavar="MILLIAMPS",
+        help="the payload is on while its current is above this",
+    )
     p.add_argument("--temperature", default=None, metavar="COLUMN", help="payload temperature (C)")
-    p.add_argument("--thermal-at", type=float, default=None, metavar="CELSIUS",
-                   help="a cut with the temperature at or above this is thermal")
-    p.add_argument("--other-cause", choices=["power", "fdir", "contention"], default="power",
-                   help="cause of the other cuts, which the log does not explain (default power)")
+    p.add_argument(
+        "--thermal-at",
+        type=float,
+        default=None,
+        metavar="CELSIUS",
+        help="a cut with the temperature at or above this is thermal",
+    )
+    p.add_argument(
+        "--other-cause",
+        choices=["power", "fdir", "contention"],
+        default="power",
+        help="cause of the other cuts, which the log does not explain (default power)",
+    )
     p.add_argument("--voltage", default=None, metavar="COLUMN", help="bus voltage")
     p.add_argument("--voltage-unit", choices=VOLTAGE_UNITS, default="V", help="(default V)")
-    p.add_argument("--battery", default=None, metavar="COLUMN",
-                   help="battery state of charge, or a battery voltage turned into one (--battery-unit)")
-    p.add_argument("--battery-unit", choices=BATTERY_UNITS, default="soc",
-                   help="soc: 0..1; percent; V or mV: through BUPT-1's Li-ion pack curve (default soc)")
-    p.add_argument("--battery-cells", type=int, default=4, metavar="N",
-                   help="cells in series of a pack given in volts (the curve's pack has 4; default 4)")
-    p.add_argument("--payload-volts", type=float, default=None, metavar="VOLTS",
-                   help="payload power = current x this supply voltage (default: payload power not in telemetry)")
-    p.add_argument("--no-reading", action="append", default=[], metavar="COLUMN=VALUE",
-                   help="this value in this column means no reading in the row (multiplexed channels; repeatable)")
-    p.add_argument("--from", dest="from_s", type=float, default=None, metavar="SECONDS",
-                   help="start of the excerpt on the log's time axis (for unix and datetime: seconds after the "
-                   "first time stamp); default the first current reading")
-    p.add_argument("--to", dest="to_s", type=float, default=None, metavar="SECONDS",
-                   help="end of the excerpt on the same axis (default: where the first mapped file ends)")
-    p.add_argument("--max-gap", type=float, default=None, metavar="SECONDS",
-                   help="a longer time step is reported as a gap (default twice the file's median step)")
+    p.add_argument(
+        "--battery",
+        default=None,
+        metavar="COLUMN",
+        help="battery state of charge, or a battery voltage turned into one (--battery-unit)",
+    )
+    p.add_argument(
+        "--battery-unit",
+        choices=BATTERY_UNITS,
+        default="soc",
+        help="soc: 0..1; percent; V or mV: through BUPT-1's Li-ion pack curve (default soc)",
+    )
+    p.add_argument(
+        "--battery-cells",
+        type=int,
+        default=4,
+        metavar="N",
+        help="cells in series of a pack given in volts (the curve's pack has 4; default 4)",
+    )
+    p.add_argument(
+        "--payload-volts",
+        type=float,
+        default=None,
+        metavar="VOLTS",
+        help="payload power = current x this supply voltage (default: payload power not in telemetry)",
+    )
+    p.add_argument(
+        "--no-reading",
+        action="append",
+        default=[],
+        metavar="COLUMN=VALUE",
+        help="this value in this column means no reading in the row (multiplexed channels; repeatable)",
+    )
+    p.add_argument(
+        "--from",
+        dest="from_s",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="start of the excerpt on the log's time axis (for unix and datetime: seconds after the "
+        "first time stamp); default the first current reading",
+    )
+    p.add_argument(
+        "--to",
+        dest="to_s",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="end of the excerpt on the same axis (default: where the first mapped file ends)",
+    )
+    p.add_argument(
+        "--max-gap",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="a longer time step is reported as a gap (default twice the file's median step)",
+    )
     p.add_argument("--name", default=None, help="trace name (default from the first file's name)")
     p.add_argument("--out", required=True, metavar="TRACE", help="output file, or - for standard output")
     p.set_defaults(func=_cmd_import_csv)
@@ -341,12 +429,21 @@ def register_trace_commands(subparsers: Any) -> None:
         description="Import the BUPT-1 CubeSat telemetry CSV files (see traces/importers/bupt1.py): a preset "
         "of trace-import-csv for the four files, two segments joined.",
     )
-    p.add_argument("--data", default=None, metavar="DIR",
-                   help="folder with the four BUPT-1 CSV files (default: $OW_BUPT1_DATA or "
-                   "../shared/data/bupt1 next to the repository)")
+    p.add_argument(
+        "--data",
+        default=None,
+        metavar="DIR",
+        help="folder with the four BUPT-1 CSV files (default: $OW_BUPT1_DATA or "
+        "../shared/data/bupt1 next to the repository)",
+    )
     p.add_argument("--out", required=True, metavar="FILE", help="output file, or - for standard output")
-    p.add_argument("--overheat-from-min", type=float, default=420.0, metavar="MIN",
-                   help="start of the overheating-test excerpt in test minutes (default 420)")
+    p.add_argument(
+        "--overheat-from-min",
+        type=float,
+        default=420.0,
+        metavar="MIN",
+        help="start of the overheating-test excerpt in test minutes (default 420)",
+    )
     p.set_defaults(func=_cmd_import_bupt1)
 
     p = subparsers.add_parser(

@@ -4,6 +4,7 @@ Every check reports a `Problem(file, line, message)`; `load` raises `TraceError`
 `file:line: message` for the first problem. The validator keeps going after a problem where it
 can, so one run lists everything wrong with a file.
 """
+
 from __future__ import annotations
 
 import json
@@ -11,9 +12,10 @@ import math
 import os
 import re
 import tempfile
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from traces.model import (
     FORMAT_NAME,
@@ -142,8 +144,7 @@ def trace_to_lines(trace: Trace) -> list[str]:
         "source": trace.source,
         "assumptions": list(trace.assumptions),
     }
-    lines = [json.dumps(_canonical_json(header), separators=(",", ":"), ensure_ascii=False,
-                        allow_nan=False)]
+    lines = [json.dumps(_canonical_json(header), separators=(",", ":"), ensure_ascii=False, allow_nan=False)]
     event_lines: list[tuple[float, str]] = []
     for event in trace.events:
         if event.kind is EventKind.POWER_ON:
@@ -158,9 +159,11 @@ def trace_to_lines(trace: Trace) -> list[str]:
     sample_lines: list[tuple[float, str]] = []
     for sample in trace.telemetry:
         values = [sample.bus_voltage_v, sample.battery_soc, sample.payload_temp_c, sample.payload_power_w]
-        text = "[" + ",".join(
-            [format_number(sample.t_s)] + ["null" if v is None else format_number(v) for v in values]
-        ) + "]"
+        text = (
+            "["
+            + ",".join([format_number(sample.t_s)] + ["null" if v is None else format_number(v) for v in values])
+            + "]"
+        )
         sample_lines.append((sample.t_s, text))
     # Merge the two streams by time, events first at equal times (invariant T1). Each stream keeps
     # its own order, so an out-of-order trace stays out of order and the validator catches it.
@@ -226,9 +229,7 @@ def _split_file_bytes(data: bytes, file: str) -> tuple[list[str], list[Problem]]
     if lines[-1] == "":
         lines.pop()
     else:
-        problems.append(
-            Problem(file, len(lines), "last line does not end with a newline (truncated write?)")
-        )
+        problems.append(Problem(file, len(lines), "last line does not end with a newline (truncated write?)"))
     return lines, problems
 
 
@@ -285,55 +286,66 @@ class _Parser:
         if value is _INVALID:
             return
         if not isinstance(value, dict):
-            self.problem(1, "line 1 must be the header object (a JSON object with \"format\")")
+            self.problem(1, 'line 1 must be the header object (a JSON object with "format")')
             return
         if value.get("format") != FORMAT_NAME:
-            self.problem(1, f"not an interruption trace: header \"format\" must be \"{FORMAT_NAME}\", "
-                            f"found {json.dumps(value.get('format'))}")
+            self.problem(
+                1,
+                f'not an interruption trace: header "format" must be "{FORMAT_NAME}", '
+                f"found {json.dumps(value.get('format'))}",
+            )
             return
         ok = True
         version = value.get("version")
         if version != FORMAT_VERSION or isinstance(version, bool):
-            self.problem(1, f"unsupported format version {json.dumps(version)}; this reader knows version {FORMAT_VERSION}")
+            self.problem(
+                1, f"unsupported format version {json.dumps(version)}; this reader knows version {FORMAT_VERSION}"
+            )
             return
         for key in value:
             if key not in HEADER_KEYS:
-                self.problem(1, f"unknown header key \"{key}\" (known: {', '.join(HEADER_KEYS)})")
+                self.problem(1, f'unknown header key "{key}" (known: {", ".join(HEADER_KEYS)})')
                 ok = False
         for key in HEADER_KEYS:
             if key not in value:
-                self.problem(1, f"header is missing \"{key}\"")
+                self.problem(1, f'header is missing "{key}"')
                 ok = False
         name = value.get("name")
         if "name" in value and not (isinstance(name, str) and NAME_PATTERN.match(name)):
-            self.problem(1, f"header \"name\" {json.dumps(name)} must be 1-64 characters of a-z 0-9 . _ -, "
-                            "starting with a letter or digit")
+            self.problem(
+                1,
+                f'header "name" {json.dumps(name)} must be 1-64 characters of a-z 0-9 . _ -, '
+                "starting with a letter or digit",
+            )
             ok = False
         if "description" in value and not isinstance(value["description"], str):
-            self.problem(1, "header \"description\" must be a string")
+            self.problem(1, 'header "description" must be a string')
             ok = False
         for key in ("duration_s", "reference_request_s", "time_scale"):
             if key in value and not (_is_number(value[key]) and value[key] > 0):
-                self.problem(1, f"header \"{key}\" must be a number > 0, found {json.dumps(value[key])}")
+                self.problem(1, f'header "{key}" must be a number > 0, found {json.dumps(value[key])}')
                 ok = False
         period = value.get("telemetry_period_s")
         if "telemetry_period_s" in value and period is not None and not (_is_number(period) and period > 0):
-            self.problem(1, f"header \"telemetry_period_s\" must be a number > 0 or null, found {json.dumps(period)}")
+            self.problem(1, f'header "telemetry_period_s" must be a number > 0 or null, found {json.dumps(period)}')
             ok = False
         source = value.get("source")
         if "source" in value:
             if not isinstance(source, dict):
-                self.problem(1, "header \"source\" must be an object")
+                self.problem(1, 'header "source" must be an object')
                 ok = False
             elif source.get("kind") not in SOURCE_KINDS:
-                self.problem(1, f"header \"source\" needs \"kind\" one of {', '.join(SOURCE_KINDS)}, "
-                                f"found {json.dumps(source.get('kind'))}")
+                self.problem(
+                    1,
+                    f'header "source" needs "kind" one of {", ".join(SOURCE_KINDS)}, '
+                    f"found {json.dumps(source.get('kind'))}",
+                )
                 ok = False
         assumptions = value.get("assumptions")
         if "assumptions" in value and not (
             isinstance(assumptions, list) and all(isinstance(a, str) for a in assumptions)
         ):
-            self.problem(1, "header \"assumptions\" must be an array of strings")
+            self.problem(1, 'header "assumptions" must be an array of strings')
             ok = False
         self.header = value
         self.header_ok = ok
@@ -362,15 +374,15 @@ class _Parser:
         allowed = EVENT_KEYS[kind]
         for key in value:
             if key not in allowed:
-                self.problem(number, f"{kind} event has unknown key \"{key}\" (allowed: {', '.join(allowed)})")
+                self.problem(number, f'{kind} event has unknown key "{key}" (allowed: {", ".join(allowed)})')
                 return
         for key in allowed:
             if key not in value:
-                self.problem(number, f"{kind} event is missing \"{key}\"")
+                self.problem(number, f'{kind} event is missing "{key}"')
                 return
         t = value["t"]
         if not _is_number(t):
-            self.problem(number, f"{kind} event \"t\" must be a number, found {json.dumps(t)}")
+            self.problem(number, f'{kind} event "t" must be a number, found {json.dumps(t)}')
             return
         cause: CutCause | None = None
         lead = 0.0
@@ -380,14 +392,22 @@ class _Parser:
             try:
                 cause = CutCause(value["cause"])
             except (ValueError, TypeError):
-                self.problem(number, f"{kind} at t={_fmt_t(t)} has cause {json.dumps(value['cause'])}; "
-                                     f"the cause must be one of {CAUSE_NAMES}")
+                self.problem(
+                    number,
+                    f"{kind} at t={_fmt_t(t)} has cause {json.dumps(value['cause'])}; "
+                    f"the cause must be one of {CAUSE_NAMES}",
+                )
             else:
                 if not _is_number(lead) or lead < 0:
-                    self.problem(number, f"{kind} at t={_fmt_t(t)} has lead_s {json.dumps(lead)}; it must be a number >= 0")
+                    self.problem(
+                        number, f"{kind} at t={_fmt_t(t)} has lead_s {json.dumps(lead)}; it must be a number >= 0"
+                    )
                 elif kind == EventKind.WARNING.value and lead == 0:
-                    self.problem(number, f"warning at t={_fmt_t(t)} has lead_s 0; a warning needs lead_s > 0 "
-                                         "(an unannounced cut simply has no warning)")
+                    self.problem(
+                        number,
+                        f"warning at t={_fmt_t(t)} has lead_s 0; a warning needs lead_s > 0 "
+                        "(an unannounced cut simply has no warning)",
+                    )
                 else:
                     damaged = False
             if damaged:
@@ -399,12 +419,15 @@ class _Parser:
 
     def _parse_sample(self, number: int, value: list[Any]) -> None:
         if len(value) != 5:
-            self.problem(number, f"telemetry sample has {len(value)} values; expected 5 "
-                                 "[t, bus_voltage_v, battery_soc, payload_temp_c, payload_power_w]")
+            self.problem(
+                number,
+                f"telemetry sample has {len(value)} values; expected 5 "
+                "[t, bus_voltage_v, battery_soc, payload_temp_c, payload_power_w]",
+            )
             return
         t = value[0]
         if not _is_number(t):
-            self.problem(number, f"telemetry \"t\" must be a number, found {json.dumps(t)}")
+            self.problem(number, f'telemetry "t" must be a number, found {json.dumps(t)}')
             return
         self.sample_times.append((number, float(t)))
         fields: list[float | None] = []
@@ -413,11 +436,16 @@ class _Parser:
                 fields.append(None)
                 continue
             if not _is_number(item):
-                self.problem(number, f"telemetry {name} at t={_fmt_t(t)} must be a number or null, found {json.dumps(item)}")
+                self.problem(
+                    number, f"telemetry {name} at t={_fmt_t(t)} must be a number or null, found {json.dumps(item)}"
+                )
                 return
             if not low <= item <= high:
-                self.problem(number, f"telemetry {name}={format_number(item)} at t={_fmt_t(t)} is outside "
-                                     f"[{format_number(low)}, {format_number(high)}]")
+                self.problem(
+                    number,
+                    f"telemetry {name}={format_number(item)} at t={_fmt_t(t)} is outside "
+                    f"[{format_number(low)}, {format_number(high)}]",
+                )
                 return
             fields.append(float(item))
         sample = TelemetrySample(float(t), *fields)
@@ -443,8 +471,11 @@ class _Parser:
                 if t < p_t and not times_equal(t, p_t):
                     self.problem(number, f"time goes backwards: t={_fmt_t(t)} after t={_fmt_t(p_t)} (line {p_number})")
                 elif times_equal(t, p_t) and is_event and not p_is_event:
-                    self.problem(number, f"event at t={_fmt_t(t)} comes after the telemetry sample at the same "
-                                         f"time (line {p_number}); events at a time come before its sample")
+                    self.problem(
+                        number,
+                        f"event at t={_fmt_t(t)} comes after the telemetry sample at the same "
+                        f"time (line {p_number}); events at a time come before its sample",
+                    )
             previous = (number, t, is_event)
 
     def _check_power_state(self, duration: float | None) -> None:
@@ -457,13 +488,19 @@ class _Parser:
             if event.kind is EventKind.POWER_ON:
                 if on:
                     assert window_start is not None
-                    self.problem(number, f"power_on at t={_fmt_t(t)} while the payload is already on "
-                                         f"(since t={_fmt_t(window_start[1])}, line {window_start[0]}); "
-                                         "power_on and cut must alternate")
+                    self.problem(
+                        number,
+                        f"power_on at t={_fmt_t(t)} while the payload is already on "
+                        f"(since t={_fmt_t(window_start[1])}, line {window_start[0]}); "
+                        "power_on and cut must alternate",
+                    )
                     continue
                 if last_cut is not None and (t < last_cut[1] or times_equal(t, last_cut[1])):
-                    self.problem(number, f"power_on at t={_fmt_t(t)} with no off time after the cut at "
-                                         f"t={_fmt_t(last_cut[1])} (line {last_cut[0]}); an off period must be longer than 0")
+                    self.problem(
+                        number,
+                        f"power_on at t={_fmt_t(t)} with no off time after the cut at "
+                        f"t={_fmt_t(last_cut[1])} (line {last_cut[0]}); an off period must be longer than 0",
+                    )
                 on, window_start, warning = True, (number, t), None
             elif event.kind is EventKind.WARNING:
                 if not on:
@@ -474,52 +511,81 @@ class _Parser:
                 if event.cause is CutCause.FDIR:
                     self.problem(number, f"warning with cause 'fdir' at t={_fmt_t(t)}; FDIR resets are never announced")
                 if warning is not None:
-                    self.problem(number, f"second warning in one window (first at t={_fmt_t(warning[1].t_s)}, "
-                                         f"line {warning[0]}); a window holds at most one warning")
+                    self.problem(
+                        number,
+                        f"second warning in one window (first at t={_fmt_t(warning[1].t_s)}, "
+                        f"line {warning[0]}); a window holds at most one warning",
+                    )
                     continue
                 announced = t + event.lead_s
                 if duration is not None and announced > duration and not times_equal(announced, duration):
-                    self.problem(number, f"warning at t={_fmt_t(t)} announces a cut at t={_fmt_t(announced)}, "
-                                         f"after the end of the trace (duration_s={_fmt_t(duration)})")
+                    self.problem(
+                        number,
+                        f"warning at t={_fmt_t(t)} announces a cut at t={_fmt_t(announced)}, "
+                        f"after the end of the trace (duration_s={_fmt_t(duration)})",
+                    )
                 warning = (number, event)
             else:  # cut
                 if not on:
-                    self.problem(number, f"cut at t={_fmt_t(t)} while the payload is already off; "
-                                         "power_on and cut must alternate")
+                    self.problem(
+                        number,
+                        f"cut at t={_fmt_t(t)} while the payload is already off; power_on and cut must alternate",
+                    )
                     continue
                 assert window_start is not None
                 if t < window_start[1] or times_equal(t, window_start[1]):
-                    self.problem(number, f"cut at t={_fmt_t(t)} ends a window that started at the same time "
-                                         f"(line {window_start[0]}); a window must be longer than 0")
+                    self.problem(
+                        number,
+                        f"cut at t={_fmt_t(t)} ends a window that started at the same time "
+                        f"(line {window_start[0]}); a window must be longer than 0",
+                    )
                 if event.cause is CutCause.FDIR and event.lead_s > 0:
-                    self.problem(number, f"cut with cause 'fdir' has lead_s={_fmt_t(event.lead_s)}; FDIR resets are "
-                                         "never announced (lead_s must be 0)")
+                    self.problem(
+                        number,
+                        f"cut with cause 'fdir' has lead_s={_fmt_t(event.lead_s)}; FDIR resets are "
+                        "never announced (lead_s must be 0)",
+                    )
                 if number not in self.damaged_events:
                     self._check_cut_against_warning(number, event, warning)
                 on, last_cut, warning = False, (number, t), None
         if on and warning is not None:
             w_number, w_event = warning
-            self.problem(w_number, f"warning at t={_fmt_t(w_event.t_s)} announces a cut at "
-                                   f"t={_fmt_t(w_event.t_s + w_event.lead_s)}, but the trace ends before any cut")
+            self.problem(
+                w_number,
+                f"warning at t={_fmt_t(w_event.t_s)} announces a cut at "
+                f"t={_fmt_t(w_event.t_s + w_event.lead_s)}, but the trace ends before any cut",
+            )
 
     def _check_cut_against_warning(self, number: int, cut: Event, warning: tuple[int, Event] | None) -> None:
         if warning is None:
             if cut.lead_s > 0:
-                self.problem(number, f"cut at t={_fmt_t(cut.t_s)} has lead_s={_fmt_t(cut.lead_s)} but no warning "
-                                     "in its window (lead_s must be 0 for an unannounced cut)")
+                self.problem(
+                    number,
+                    f"cut at t={_fmt_t(cut.t_s)} has lead_s={_fmt_t(cut.lead_s)} but no warning "
+                    "in its window (lead_s must be 0 for an unannounced cut)",
+                )
             return
         w_number, w_event = warning
         announced = w_event.t_s + w_event.lead_s
         if not times_equal(announced, cut.t_s):
-            self.problem(w_number, f"warning at t={_fmt_t(w_event.t_s)} announces a cut at t={_fmt_t(announced)}, "
-                                   f"but the window's cut is at t={_fmt_t(cut.t_s)} (line {number})")
+            self.problem(
+                w_number,
+                f"warning at t={_fmt_t(w_event.t_s)} announces a cut at t={_fmt_t(announced)}, "
+                f"but the window's cut is at t={_fmt_t(cut.t_s)} (line {number})",
+            )
             return
         if cut.cause is not w_event.cause:
-            self.problem(number, f"cut at t={_fmt_t(cut.t_s)} has cause '{cut.cause}' but its warning "
-                                 f"(line {w_number}) announced '{w_event.cause}'")
+            self.problem(
+                number,
+                f"cut at t={_fmt_t(cut.t_s)} has cause '{cut.cause}' but its warning "
+                f"(line {w_number}) announced '{w_event.cause}'",
+            )
         if not times_equal(cut.lead_s, w_event.lead_s):
-            self.problem(number, f"cut at t={_fmt_t(cut.t_s)} has lead_s={_fmt_t(cut.lead_s)} but its warning "
-                                 f"(line {w_number}) came {_fmt_t(w_event.lead_s)} s before")
+            self.problem(
+                number,
+                f"cut at t={_fmt_t(cut.t_s)} has lead_s={_fmt_t(cut.lead_s)} but its warning "
+                f"(line {w_number}) came {_fmt_t(w_event.lead_s)} s before",
+            )
 
     def _check_telemetry(self, duration: float | None, last_line: int) -> None:
         if not self.header_ok:
@@ -535,18 +601,25 @@ class _Parser:
         for index, (number, t) in enumerate(times):
             want = index * period
             if not times_equal(t, want):
-                self.problem(number, f"telemetry sample {index} expected at t={_fmt_t(want)}, found "
-                                     f"t={_fmt_t(t)} (gap or duplicate; samples every "
-                                     f"{_fmt_t(period)} s from 0)")
+                self.problem(
+                    number,
+                    f"telemetry sample {index} expected at t={_fmt_t(want)}, found "
+                    f"t={_fmt_t(t)} (gap or duplicate; samples every "
+                    f"{_fmt_t(period)} s from 0)",
+                )
                 return  # later samples would all be misplaced too; one report is enough
         if len(times) < expected:
             where = times[-1][0] if times else 1
             found = f"the last is at t={_fmt_t(times[-1][1])}" if times else "there are none"
-            self.problem(where, f"telemetry stops early: expected {expected} samples (t=0..{_fmt_t((expected - 1) * period)} "
-                                f"every {_fmt_t(period)} s), {found}")
+            self.problem(
+                where,
+                f"telemetry stops early: expected {expected} samples (t=0..{_fmt_t((expected - 1) * period)} "
+                f"every {_fmt_t(period)} s), {found}",
+            )
         elif len(times) > expected:
-            self.problem(times[expected][0], f"telemetry has {len(times)} samples; a "
-                                             f"{_fmt_t(duration)} s trace has {expected}")
+            self.problem(
+                times[expected][0], f"telemetry has {len(times)} samples; a {_fmt_t(duration)} s trace has {expected}"
+            )
 
     # ---------------------------------------------------------------- result
 

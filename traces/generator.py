@@ -30,6 +30,7 @@ from the seed; `Random.random()` is the one stream the Python documentation prom
 reproducible across versions, and exponential variates are derived from it here rather than with
 `expovariate`, so a seed gives byte-identical traces.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -437,8 +438,10 @@ def simulate(config: SatelliteConfig, seed: int, duration_s: int | None = None, 
                 # warning issued during the warm-up is re-issued at t=0 with what is left of its
                 # lead, so the cut's lead is what the recorded payload actually gets.
                 step_events.insert(0, Event(0.0, EventKind.POWER_ON))
-                if pending is not None and pending.warning_index is None and not any(
-                    e.kind is EventKind.WARNING for e in step_events
+                if (
+                    pending is not None
+                    and pending.warning_index is None
+                    and not any(e.kind is EventKind.WARNING for e in step_events)
                 ):
                     pending.lead_s = float(pending.t_s)
                     step_events.insert(1, Event(0.0, EventKind.WARNING, pending.cause, pending.lead_s))

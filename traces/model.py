@@ -5,14 +5,16 @@ Derived views — `windows()`, `cuts()`, `stats()` — are computed on demand; `
 `concat()` return new traces. Reading and writing files lives in `traces.format`; the methods
 here that touch text (`to_lines`, `from_lines`, `dumps`) delegate to it.
 """
+
 from __future__ import annotations
 
 import enum
 import math
 import statistics
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 FORMAT_NAME = "orbitweaver-trace"
 FORMAT_VERSION = 1
@@ -201,7 +203,7 @@ class Trace:
         description: str = "",
         source: Mapping[str, Any] | None = None,
         assumptions: Sequence[str] = (),
-    ) -> "Trace":
+    ) -> Trace:
         """Build a trace from windows: power_on at each start, a warning `warning_lead_s` before
         each cut, a cut at each end (none for an open window)."""
         events: list[Event] = []
@@ -211,8 +213,9 @@ class Trace:
                 continue
             if window.warning_lead_s > 0:
                 events.append(
-                    Event(window.end_s - window.warning_lead_s, EventKind.WARNING,
-                          window.cut_cause, window.warning_lead_s)
+                    Event(
+                        window.end_s - window.warning_lead_s, EventKind.WARNING, window.cut_cause, window.warning_lead_s
+                    )
                 )
             events.append(Event(window.end_s, EventKind.CUT, window.cut_cause, window.warning_lead_s))
         return cls(
@@ -303,7 +306,7 @@ class Trace:
 
     # ------------------------------------------------------------------ transformations
 
-    def scaled(self, factor: float) -> "Trace":
+    def scaled(self, factor: float) -> Trace:
         """The same trace with every time, duration and lead multiplied by `factor`.
 
         The testbench compresses time with it: with a request that takes R seconds uninterrupted
@@ -324,7 +327,7 @@ class Trace:
             time_scale=self.time_scale * f,
         )
 
-    def concat(self, other: "Trace", *, name: str | None = None) -> "Trace":
+    def concat(self, other: Trace, *, name: str | None = None) -> Trace:
         """`self` followed by `other`, shifted by `self.duration_s`.
 
         The payload state must be continuous at the seam: if `self` ends with the payload on,
@@ -348,8 +351,8 @@ class Trace:
         own_windows = self.windows()
         ends_on = bool(own_windows) and own_windows[-1].is_open
         other_events = list(other.events)
-        starts_on = bool(other_events) and other_events[0].kind is EventKind.POWER_ON and times_equal(
-            other_events[0].t_s, 0.0
+        starts_on = (
+            bool(other_events) and other_events[0].kind is EventKind.POWER_ON and times_equal(other_events[0].t_s, 0.0)
         )
         if ends_on:
             if not starts_on:
@@ -369,13 +372,14 @@ class Trace:
             duration_s=self.duration_s + other.duration_s,
             events=tuple(events),
             telemetry=tuple(telemetry),
-            description=self.description if other.description == self.description
+            description=self.description
+            if other.description == self.description
             else f"{self.description} Followed by: {other.description}",
             source={"kind": "manual", "concatenation_of": [thaw(self.source), thaw(other.source)]},
             assumptions=self.assumptions + tuple(a for a in other.assumptions if a not in self.assumptions),
         )
 
-    def repeated(self, times: int, *, name: str | None = None) -> "Trace":
+    def repeated(self, times: int, *, name: str | None = None) -> Trace:
         """`self` concatenated with itself `times` times (see `concat` for the seam rule)."""
         if times < 1:
             raise ValueError("times must be >= 1")
@@ -397,7 +401,7 @@ class Trace:
         return trace_to_lines(self)
 
     @classmethod
-    def from_lines(cls, lines: Iterable[str], file: str = "<memory>") -> "Trace":
+    def from_lines(cls, lines: Iterable[str], file: str = "<memory>") -> Trace:
         """Parse lines (with or without trailing newlines); raises `TraceError` if invalid."""
         from traces.format import parse_lines
 
@@ -406,7 +410,7 @@ class Trace:
     def dumps(self) -> str:
         return "".join(line + "\n" for line in self.to_lines())
 
-    def problems(self) -> list["Problem"]:  # noqa: F821 - defined in traces.format
+    def problems(self) -> list[Problem]:  # noqa: F821 - defined in traces.format
         """Every invariant this trace violates (empty when valid)."""
         from traces.format import validate_lines
 

@@ -9,6 +9,7 @@ testbench measures how long one request takes uninterrupted on its machine (R se
 Regenerate the shipped files with `python -m traces trace-regenerate` (tests check that this
 reproduces them byte for byte).
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -294,8 +295,7 @@ def _trace_b() -> SatelliteConfig:
 
 
 PRESETS: dict[str, SatelliteConfig] = {
-    config.kind: config
-    for config in (_sat1_like(), _sat2_like(), _dellingr_like(), _trace_a(), _trace_b())
+    config.kind: config for config in (_sat1_like(), _sat2_like(), _dellingr_like(), _trace_a(), _trace_b())
 }
 
 # Fixed seeds of the shipped files. Changing one changes the shipped trace (and fails the

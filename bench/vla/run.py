@@ -6,6 +6,7 @@ this entry point forwards its arguments there, e.g.
     python -m bench.vla.run --quick
     python -m bench.vla.run --profile h100x4 --experiments single,multi --json runs/vla-bench.json
 """
+
 from __future__ import annotations
 
 import sys

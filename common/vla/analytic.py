@@ -14,6 +14,7 @@ Co-running in a lockstep: the VLM stream is restricted to share s; the ADiT stre
 restricted but only finds the remaining 1 - s while the VLM runs, and the whole GPU after it;
 both are slowed by `corun_slowdown` while they overlap (shared DRAM and L2).
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -61,27 +62,62 @@ class ArchScale:
     source: str
 
 
-RTX_4090 = GpuSpec("RTX 4090", 128, 165.2, 1008.0, 24.0,
-                   "Ada whitepaper: 165.2 dense FP16/BF16 tensor TFLOPS with FP32 accumulate, 1008 GB/s")
-RTX_PRO_6000 = GpuSpec("RTX PRO 6000 Blackwell Server Edition", 188, 500.0, 1792.0, 96.0,
-                       "188 SMs (paper §5.2), 96 GB GDDR7 at 1792 GB/s (datasheet); BF16 dense ~500 TFLOPS "
-                       "assumed by halving per precision step from the 4 PFLOPS FP4-sparse datasheet figure")
-H100_SXM = GpuSpec("H100 SXM", 132, 989.0, 3350.0, 80.0,
-                   "datasheet: 132 SMs, 989 dense BF16 TFLOPS, 80 GB HBM3 at 3.35 TB/s")
+RTX_4090 = GpuSpec(
+    "RTX 4090",
+    128,
+    165.2,
+    1008.0,
+    24.0,
+    "Ada whitepaper: 165.2 dense FP16/BF16 tensor TFLOPS with FP32 accumulate, 1008 GB/s",
+)
+RTX_PRO_6000 = GpuSpec(
+    "RTX PRO 6000 Blackwell Server Edition",
+    188,
+    500.0,
+    1792.0,
+    96.0,
+    "188 SMs (paper §5.2), 96 GB GDDR7 at 1792 GB/s (datasheet); BF16 dense ~500 TFLOPS "
+    "assumed by halving per precision step from the 4 PFLOPS FP4-sparse datasheet figure",
+)
+H100_SXM = GpuSpec(
+    "H100 SXM", 132, 989.0, 3350.0, 80.0, "datasheet: 132 SMs, 989 dense BF16 TFLOPS, 80 GB HBM3 at 3.35 TB/s"
+)
 
 PI0_SCALE = ArchScale(
-    "pi0", cameras=3, vision_params=0.4e9, vision_layers=27, vision_tokens_per_camera=256,
-    lm_params=2.0e9, lm_layers=18, prefix_tokens=3 * 256 + 48, expert_params=0.3e9, expert_layers=18,
-    suffix_tokens=51, steps=10, kv_dim=256,
+    "pi0",
+    cameras=3,
+    vision_params=0.4e9,
+    vision_layers=27,
+    vision_tokens_per_camera=256,
+    lm_params=2.0e9,
+    lm_layers=18,
+    prefix_tokens=3 * 256 + 48,
+    expert_params=0.3e9,
+    expert_layers=18,
+    suffix_tokens=51,
+    steps=10,
+    kv_dim=256,
     source="pi0 paper/openpi: PaliGemma-3B (SigLIP so400m/14, 224 px -> 256 tokens; Gemma 2B, 18 layers, "
-           "1 KV head x 256), 300M action expert (18 layers), 3 camera slots, 48 prompt tokens, horizon 50, 10 steps")
+    "1 KV head x 256), 300M action expert (18 layers), 3 camera slots, 48 prompt tokens, horizon 50, 10 steps",
+)
 SMOLVLA_SCALE = ArchScale(
-    "smolvla", cameras=2, vision_params=0.093e9, vision_layers=12, vision_tokens_per_camera=1024,
-    lm_params=0.16e9, lm_layers=16, prefix_tokens=2 * 64 + 48 + 1, expert_params=0.1e9, expert_layers=16,
-    suffix_tokens=50, steps=10, kv_dim=320,
+    "smolvla",
+    cameras=2,
+    vision_params=0.093e9,
+    vision_layers=12,
+    vision_tokens_per_camera=1024,
+    lm_params=0.16e9,
+    lm_layers=16,
+    prefix_tokens=2 * 64 + 48 + 1,
+    expert_params=0.1e9,
+    expert_layers=16,
+    suffix_tokens=50,
+    steps=10,
+    kv_dim=320,
     source="SmolVLA paper: SmolVLM2-500M backbone (SigLIP-B/16 at 512 px = 1024 patches -> 64 tokens after "
-           "pixel shuffle; SmolLM2-360M truncated to 16 layers, 5 KV heads x 64), ~100M action expert "
-           "(0.75x width), 2 cameras, chunk 50, 10 steps")
+    "pixel shuffle; SmolLM2-360M truncated to 16 layers, 5 KV heads x 64), ~100M action expert "
+    "(0.75x width), 2 cameras, chunk 50, 10 steps",
+)
 SCALES = {s.arch: s for s in (PI0_SCALE, SMOLVLA_SCALE)}
 
 # The pi0 paper reports, on an RTX 4090 with 3 cameras: image encoders 14 ms, observation forward
@@ -162,8 +198,14 @@ def calibration() -> list[dict]:
     for stage, fn in (("vlm", vlm_ms), ("adit", adit_ms)):
         model = fn(RTX_4090, PI0_SCALE, 1)
         public = PI0_4090_PUBLIC_MS[stage]
-        rows.append({"what": f"pi0 {stage} batch 1 on RTX 4090 (3 cameras)", "model_ms": round(model, 2),
-                     "public_ms": public, "ratio": round(model / public, 3)})
+        rows.append(
+            {
+                "what": f"pi0 {stage} batch 1 on RTX 4090 (3 cameras)",
+                "model_ms": round(model, 2),
+                "public_ms": public,
+                "ratio": round(model / public, 3),
+            }
+        )
     return rows
 
 
@@ -172,8 +214,13 @@ def derive_profile(gpu_key: str, count: int = 4, batch_sizes=BATCH_SIZES, shares
     archs = {}
     for a in SCALES.values():
         archs[a.arch] = ArchProfile(
-            a.arch, slo_ms(a), {b: vlm_ms(gpu, a, b) for b in batch_sizes}, {b: adit_ms(gpu, a, b) for b in batch_sizes},
-            handoff_bytes(a), (a.source,))
+            a.arch,
+            slo_ms(a),
+            {b: vlm_ms(gpu, a, b) for b in batch_sizes},
+            {b: adit_ms(gpu, a, b) for b in batch_sizes},
+            handoff_bytes(a),
+            (a.source,),
+        )
     entries = []
     for v in SCALES.values():
         for bv in batch_sizes:
@@ -183,5 +230,14 @@ def derive_profile(gpu_key: str, count: int = 4, batch_sizes=BATCH_SIZES, shares
                         t_v, t_a, t_l = lockstep_ms(gpu, v, bv, a, ba, s)
                         entries.append(LockstepEntry(v.arch, bv, a.arch, ba, s, t_v, t_a, t_l))
     device = {"name": gpu.name, "count": count, **{k: val for k, val in asdict(gpu).items() if k != "name"}}
-    return ProfileTable(f"{gpu_key}x{count}", "analytic-gpu", device, tuple(batch_sizes), tuple(shares), archs,
-                        entries, assumptions(), calibration())
+    return ProfileTable(
+        f"{gpu_key}x{count}",
+        "analytic-gpu",
+        device,
+        tuple(batch_sizes),
+        tuple(shares),
+        archs,
+        entries,
+        assumptions(),
+        calibration(),
+    )

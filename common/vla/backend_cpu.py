@@ -6,14 +6,15 @@ of intra-op threads the VLM thread uses (`torch.set_num_threads` is per thread),
 thread takes the rest. A lockstep ends when both have finished (a barrier), exactly like the
 GPU version synchronising both streams.
 """
+
 from __future__ import annotations
 
 import queue
 import threading
 import time
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 import torch
 
@@ -98,9 +99,11 @@ class CpuLockstepBackend:
     def run(self, plan: LockstepPlan, policies: Mapping[str, VlaPolicy]) -> LockstepTiming:
         t0 = time.perf_counter()
         if plan.sequential:  # Monolithic: one pipeline on all threads
+
             def both():
                 run_vlm_batch(policies[plan.vlm.model], plan.vlm)
                 run_adit_batch(policies[plan.adit.model], plan.adit)
+
             ms = self._vlm.submit(both, self.total_threads).result()
             return LockstepTiming(ms, 0.0, (time.perf_counter() - t0) * 1e3, self.total_threads, 0)
         if plan.vlm and plan.adit:

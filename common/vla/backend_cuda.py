@@ -9,9 +9,10 @@ NOT EXERCISED where this product is built (no GPU there): the code paths exist a
 small; everything else is tested with the CPU backend. Not implemented here: CUDA-graph capture
 of the fixed batch sizes (the paper captures graphs at initialisation).
 """
+
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -83,8 +84,9 @@ class CudaLockstepBackend:
         vlm_ms = start.elapsed_time(v_end) if plan.vlm else 0.0
         adit_ms = start.elapsed_time(a_end) if plan.adit else 0.0
         sms = self.vlm_sms(plan.vlm_share) if vs is not self.full_stream else self.total_sms
-        return LockstepTiming(vlm_ms, adit_ms, max(vlm_ms, adit_ms), sms if plan.vlm else 0,
-                              self.total_sms if plan.adit else 0)
+        return LockstepTiming(
+            vlm_ms, adit_ms, max(vlm_ms, adit_ms), sms if plan.vlm else 0, self.total_sms if plan.adit else 0
+        )
 
     def close(self) -> None:
         torch.cuda.synchronize(self.device)

@@ -4,13 +4,14 @@ Every number printed here is measured by running the simulator (driven by the sh
 code and a profile table) in this process; the paper's figures are printed next to them for
 comparison and are never used in a computation.
 """
+
 from __future__ import annotations
 
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from common.vla import sim
 from common.vla.config import EIGHT_MODELS, model_spec
@@ -20,9 +21,17 @@ from common.vla.profiles import ProfileTable
 
 TARGET = 0.98
 PAPER = {
-    "vs_monolithic": 1.5, "vs_omni": 6.7, "p99_vs_monolithic": 1.4, "static_sm_loss": 0.18,
-    "esf_vs_rr": 1.06, "esf_vs_lqf": 1.07, "smg_misses": 8.2, "eps_misses": 4.4,
-    "eight_by_four": 64, "intra_gpu": 72, "best_inter_gpu": 60,
+    "vs_monolithic": 1.5,
+    "vs_omni": 6.7,
+    "p99_vs_monolithic": 1.4,
+    "static_sm_loss": 0.18,
+    "esf_vs_rr": 1.06,
+    "esf_vs_lqf": 1.07,
+    "smg_misses": 8.2,
+    "eps_misses": 4.4,
+    "eight_by_four": 64,
+    "intra_gpu": 72,
+    "best_inter_gpu": 60,
 }
 EXPERIMENTS = ("single", "policies", "traffic", "ilp", "multi", "inter-gpu")
 
@@ -43,13 +52,15 @@ class BenchSettings:
     controller: ControllerSettings = ControllerSettings()
 
     @classmethod
-    def quick(cls) -> "BenchSettings":
-        return cls(epochs=5, duration_s=6.0, max_batches=(1, 2, 4), seeds=(0, 1),
-                   controller=ControllerSettings(epochs=10))
+    def quick(cls) -> BenchSettings:
+        return cls(
+            epochs=5, duration_s=6.0, max_batches=(1, 2, 4), seeds=(0, 1), controller=ControllerSettings(epochs=10)
+        )
 
     def workload(self, robots: dict[str, int], seed: int | None = None) -> sim.Workload:
-        return sim.Workload(robots, epochs=self.epochs, duration_s=self.duration_s,
-                            seed=self.seed if seed is None else seed)
+        return sim.Workload(
+            robots, epochs=self.epochs, duration_s=self.duration_s, seed=self.seed if seed is None else seed
+        )
 
 
 @dataclass
@@ -72,9 +83,14 @@ def _fmt_ratio(r: float) -> str:
     return "inf" if r == float("inf") else f"{r:.2f}x"
 
 
-def best_max_robots(make: Callable[[int], sim.SystemConfig], robots_for: Callable[[int], dict[str, int]],
-                    profile: ProfileTable, s: BenchSettings, cap: int = 128,
-                    seed: int | None = None) -> tuple[int, int, sim.SimResult | None]:
+def best_max_robots(
+    make: Callable[[int], sim.SystemConfig],
+    robots_for: Callable[[int], dict[str, int]],
+    profile: ProfileTable,
+    s: BenchSettings,
+    cap: int = 128,
+    seed: int | None = None,
+) -> tuple[int, int, sim.SimResult | None]:
     """Max load at the target (every model) over the allowed max batch sizes: (robots, max_batch, result)."""
     best = (0, s.max_batches[0], None)
     for mb in s.max_batches:
@@ -128,28 +144,44 @@ def single_model(profile: ProfileTable, s: BenchSettings, rep: BenchReport) -> d
     the SLO factor (the derived profiles' one free parameter) and seeds (robot phases, network)."""
     base = base_slo_factor(profile)
     factors = tuple(sorted(set(s.slo_factors) | {base}))
-    rep.add(f"== Single model on one GPU ({profile.device.get('name')}): max robots at {TARGET:.0%} SLO attainment, "
-            f"SLO factors {', '.join(f'{f:g}' for f in factors)} (profile's own: {base:g}) x seeds "
-            f"{', '.join(map(str, s.seeds))} ==")
-    rep.add(f"{'factor':>6} {'model':8} {'SLO ms':>7} {'robion':>8} {'monolithic':>10} {'omni-style':>10}"
-            f"   {'robion/mono':>12} {'robion/omni':>12}")
+    rep.add(
+        f"== Single model on one GPU ({profile.device.get('name')}): max robots at {TARGET:.0%} SLO attainment, "
+        f"SLO factors {', '.join(f'{f:g}' for f in factors)} (profile's own: {base:g}) x seeds "
+        f"{', '.join(map(str, s.seeds))} =="
+    )
+    rep.add(
+        f"{'factor':>6} {'model':8} {'SLO ms':>7} {'robion':>8} {'monolithic':>10} {'omni-style':>10}"
+        f"   {'robion/mono':>12} {'robion/omni':>12}"
+    )
     rows, best_mb = [], {}
     for f in factors:
         prof = slo_scaled(profile, f)
         for m in s.models:
             per_seed = []
             for seed in s.seeds:
-                res = {k: best_max_robots(mk, lambda n, m=m: {m: n}, prof, s, seed=seed) for k, mk in SINGLE_SYSTEMS.items()}
+                res = {
+                    k: best_max_robots(mk, lambda n, m=m: {m: n}, prof, s, seed=seed)
+                    for k, mk in SINGLE_SYSTEMS.items()
+                }
                 per_seed.append({k: v[0] for k, v in res.items()})
                 if f == base and seed == s.seeds[0]:
                     best_mb[m] = res["robion"][1]
-                rows.append({"factor": f, "seed": seed, "model": m, **{k: v[0] for k, v in res.items()},
-                             "max_batch": {k: v[1] for k, v in res.items()}})
+                rows.append(
+                    {
+                        "factor": f,
+                        "seed": seed,
+                        "model": m,
+                        **{k: v[0] for k, v in res.items()},
+                        "max_batch": {k: v[1] for k, v in res.items()},
+                    }
+                )
             col = {k: [r[k] for r in per_seed] for k in SINGLE_SYSTEMS}
-            rep.add(f"{f:6g} {m:8} {prof.slo_ms(model_spec(m).arch):7.1f} {_span(col['robion']):>8} "
-                    f"{_span(col['monolithic']):>10} {_span(col['vllm-omni-style']):>10}   "
-                    f"{_band([_ratio(r['robion'], r['monolithic']) for r in per_seed]):>12} "
-                    f"{_band([_ratio(r['robion'], r['vllm-omni-style']) for r in per_seed]):>12}")
+            rep.add(
+                f"{f:6g} {m:8} {prof.slo_ms(model_spec(m).arch):7.1f} {_span(col['robion']):>8} "
+                f"{_span(col['monolithic']):>10} {_span(col['vllm-omni-style']):>10}   "
+                f"{_band([_ratio(r['robion'], r['monolithic']) for r in per_seed]):>12} "
+                f"{_band([_ratio(r['robion'], r['vllm-omni-style']) for r in per_seed]):>12}"
+            )
     # The paper's headline is a mean over models; one mean per (factor, seed), then the band.
     means = {}
     for key, other in (("vs_monolithic", "monolithic"), ("vs_omni", "vllm-omni-style")):
@@ -159,41 +191,69 @@ def single_model(profile: ProfileTable, s: BenchSettings, rep: BenchReport) -> d
                 sel = [r for r in rows if r["factor"] == f and r["seed"] == seed]
                 per_point.append((f, seed, statistics.fmean(_ratio(r["robion"], r[other]) for r in sel)))
         vals = [v for _, _, v in per_point]
-        means[key] = {"min": min(vals), "median": statistics.median(vals), "max": max(vals),
-                      "at_base": statistics.fmean(v for f, _, v in per_point if f == base),
-                      "by_factor": {f: [v for ff, _, v in per_point if ff == f] for f in factors}}
-    rep.add(f"robion/monolithic, mean over models: band {means['vs_monolithic']['min']:.2f}x - "
-            f"{means['vs_monolithic']['max']:.2f}x (median {means['vs_monolithic']['median']:.2f}x) over "
-            f"{len(factors)} SLO factors x {len(s.seeds)} seeds   (paper: {PAPER['vs_monolithic']}x)")
-    rep.add(f"robion/vllm-omni-style, mean over models: band {means['vs_omni']['min']:.2f}x - "
-            f"{means['vs_omni']['max']:.2f}x (median {means['vs_omni']['median']:.2f}x)   (paper: {PAPER['vs_omni']}x)")
+        means[key] = {
+            "min": min(vals),
+            "median": statistics.median(vals),
+            "max": max(vals),
+            "at_base": statistics.fmean(v for f, _, v in per_point if f == base),
+            "by_factor": {f: [v for ff, _, v in per_point if ff == f] for f in factors},
+        }
+    rep.add(
+        f"robion/monolithic, mean over models: band {means['vs_monolithic']['min']:.2f}x - "
+        f"{means['vs_monolithic']['max']:.2f}x (median {means['vs_monolithic']['median']:.2f}x) over "
+        f"{len(factors)} SLO factors x {len(s.seeds)} seeds   (paper: {PAPER['vs_monolithic']}x)"
+    )
+    rep.add(
+        f"robion/vllm-omni-style, mean over models: band {means['vs_omni']['min']:.2f}x - "
+        f"{means['vs_omni']['max']:.2f}x (median {means['vs_omni']['median']:.2f}x)   (paper: {PAPER['vs_omni']}x)"
+    )
     for key, label in (("vs_monolithic", "robion/monolithic"), ("vs_omni", "robion/omni-style")):
-        rep.add(f"  {label} by SLO factor: " + "; ".join(
-            f"{f:g}: {min(v):.2f}-{max(v):.2f}x" for f, v in means[key]["by_factor"].items()))
+        rep.add(
+            f"  {label} by SLO factor: "
+            + "; ".join(f"{f:g}: {min(v):.2f}-{max(v):.2f}x" for f, v in means[key]["by_factor"].items())
+        )
     # Static VLM SM restriction and p99 at the profile's own SLO and the first seed.
     seed = s.seeds[0]
     static_loss, p99 = [], []
     for m in s.models:
         at_base = next(r for r in rows if r["factor"] == base and r["seed"] == seed and r["model"] == m)
-        static, _, _ = best_max_robots(lambda mb: sim.robion(max_batch=mb, sm_mode="static", static_share=96 / 188),
-                                       lambda n, m=m: {m: n}, profile, s, seed=seed)
+        static, _, _ = best_max_robots(
+            lambda mb: sim.robion(max_batch=mb, sm_mode="static", static_share=96 / 188),
+            lambda n, m=m: {m: n},
+            profile,
+            s,
+            seed=seed,
+        )
         static_loss.append(1 - _ratio(static, at_base["robion"]))
         n = at_base["monolithic"]
         if n:
-            mono = sim.simulate(sim.monolithic(max_batch=at_base["max_batch"]["monolithic"]), s.workload({m: n}, seed), profile)
+            mono = sim.simulate(
+                sim.monolithic(max_batch=at_base["max_batch"]["monolithic"]), s.workload({m: n}, seed), profile
+            )
             rob = sim.simulate(sim.robion(max_batch=at_base["max_batch"]["robion"]), s.workload({m: n}, seed), profile)
             p99.append(_ratio(mono.p99_ms, rob.p99_ms))
-            rep.add(f"  {m}: static VLM share 96/188 serves {static} robots (dynamic {at_base['robion']}); "
-                    f"p99 at {n} robots: robion {rob.p99_ms:.1f} ms, monolithic {mono.p99_ms:.1f} ms")
-    rep.add(f"static VLM SM restriction (96/188 SMs) loses {statistics.fmean(static_loss):.0%} of the load "
-            f"(paper: ~{PAPER['static_sm_loss']:.0%})")
+            rep.add(
+                f"  {m}: static VLM share 96/188 serves {static} robots (dynamic {at_base['robion']}); "
+                f"p99 at {n} robots: robion {rob.p99_ms:.1f} ms, monolithic {mono.p99_ms:.1f} ms"
+            )
+    rep.add(
+        f"static VLM SM restriction (96/188 SMs) loses {statistics.fmean(static_loss):.0%} of the load "
+        f"(paper: ~{PAPER['static_sm_loss']:.0%})"
+    )
     if p99:
-        rep.add(f"mean p99 monolithic/robion at monolithic's max load: {statistics.fmean(p99):.2f}x "
-                f"(paper: {PAPER['p99_vs_monolithic']}x lower)")
+        rep.add(
+            f"mean p99 monolithic/robion at monolithic's max load: {statistics.fmean(p99):.2f}x "
+            f"(paper: {PAPER['p99_vs_monolithic']}x lower)"
+        )
     rep.add()
-    return {"rows": rows, "bands": means, "best_max_batch": best_mb,
-            "mean_vs_monolithic": means["vs_monolithic"]["at_base"], "mean_vs_omni": means["vs_omni"]["at_base"],
-            "static_sm_loss": statistics.fmean(static_loss)}
+    return {
+        "rows": rows,
+        "bands": means,
+        "best_max_batch": best_mb,
+        "mean_vs_monolithic": means["vs_monolithic"]["at_base"],
+        "mean_vs_omni": means["vs_omni"]["at_base"],
+        "static_sm_loss": statistics.fmean(static_loss),
+    }
 
 
 POLICY_CASES = (
@@ -203,8 +263,9 @@ POLICY_CASES = (
 )
 
 
-def policy_case(profile: ProfileTable, s: BenchSettings, robots: dict, slo: dict | None, policy: str,
-                max_batch: int = 2) -> sim.SimResult:
+def policy_case(
+    profile: ProfileTable, s: BenchSettings, robots: dict, slo: dict | None, policy: str, max_batch: int = 2
+) -> sim.SimResult:
     return sim.simulate(sim.robion(policy=policy, max_batch=max_batch), s.workload(robots), profile, slo_ms=slo)
 
 
@@ -216,35 +277,53 @@ def policies(profile: ProfileTable, s: BenchSettings, rep: BenchReport) -> dict:
     for name, robots, slo in POLICY_CASES:
         res = {p: policy_case(profile, s, robots, slo, p) for p in ("esf", "rr", "lqf")}
         att = {p: r.attainment for p, r in res.items()}
-        out[name] = {p: {"pooled": r.attainment, "per_model": {m: st.attainment for m, st in r.per_model.items()}}
-                     for p, r in res.items()}
+        out[name] = {
+            p: {"pooled": r.attainment, "per_model": {m: st.attainment for m, st in r.per_model.items()}}
+            for p, r in res.items()
+        }
         esf_rr.append(_ratio(att["esf"], att["rr"]))
         esf_lqf.append(_ratio(att["esf"], att["lqf"]))
-        rep.add(f"{name:30} {str(robots):>26}   " + " ".join(
-            f"{res[p].attainment:6.3f}/{res[p].worst_attainment:6.3f}" for p in ("esf", "rr", "lqf")))
-    rep.add(f"mean ESF/RR {statistics.fmean(esf_rr):.3f}x, ESF/LQF {statistics.fmean(esf_lqf):.3f}x (pooled "
-            f"attainment, as the paper averages) (paper: {PAPER['esf_vs_rr']}x and {PAPER['esf_vs_lqf']}x)")
+        rep.add(
+            f"{name:30} {str(robots):>26}   "
+            + " ".join(f"{res[p].attainment:6.3f}/{res[p].worst_attainment:6.3f}" for p in ("esf", "rr", "lqf"))
+        )
+    rep.add(
+        f"mean ESF/RR {statistics.fmean(esf_rr):.3f}x, ESF/LQF {statistics.fmean(esf_lqf):.3f}x (pooled "
+        f"attainment, as the paper averages) (paper: {PAPER['esf_vs_rr']}x and {PAPER['esf_vs_lqf']}x)"
+    )
     rep.add()
     return out
 
 
-def _replay(placement: Placement, robots: dict[str, int], counts, profile: ProfileTable, s: BenchSettings,
-            max_batch, seed: int | None = None) -> sim.SimResult:
+def _replay(
+    placement: Placement,
+    robots: dict[str, int],
+    counts,
+    profile: ProfileTable,
+    s: BenchSettings,
+    max_batch,
+    seed: int | None = None,
+) -> sim.SimResult:
     return sim.simulate(sim.robion(max_batch=max_batch), s.workload(robots, seed), profile, assignment=counts)
 
 
-def traffic(profile: ProfileTable, s: BenchSettings, rep: BenchReport, controller: TrafficController, max_batch) -> dict:
+def traffic(
+    profile: ProfileTable, s: BenchSettings, rep: BenchReport, controller: TrafficController, max_batch
+) -> dict:
     """§5.4 Fig. 11: four pi0 variants on all four GPUs; SLO miss rate by traffic controller."""
     models = ["pi0", "pi0-ft1", "pi0-ft2", "pi0-ft3"]
     placement = Placement.colocate(models, 4)
-    rep.add(f"== Traffic control: 4 pi0 variants co-located on 4 GPUs — SLO miss rate (pooled; worst model) ==")
+    rep.add("== Traffic control: 4 pi0 variants co-located on 4 GPUs — SLO miss rate (pooled; worst model) ==")
     rep.add(f"{'robots per variant':20} {'ILP (Robion)':>22} {'SMG':>18} {'EPS':>18}   SMG/ILP  EPS/ILP")
     out, smg_r, eps_r = {}, [], []
     for dist in ((8, 8, 8, 24), (28, 16, 16, 8), (12, 12, 12, 12), (6, 6, 6, 6)):
         robots = dict(zip(models, dist))
         plan = controller.plan(placement, robots)
-        counts = {"ilp": plan.counts, "smg": assign_smg(placement, robots, controller.limits).counts,
-                  "eps": assign_eps(placement, robots, controller.limits).counts}
+        counts = {
+            "ilp": plan.counts,
+            "smg": assign_smg(placement, robots, controller.limits).counts,
+            "eps": assign_eps(placement, robots, controller.limits).counts,
+        }
         res = {k: _replay(placement, robots, c, profile, s, max_batch) for k, c in counts.items()}
         out[str(dist)] = {k: {"miss": r.miss_rate, "worst_model": r.worst_attainment} for k, r in res.items()}
         out[str(dist)]["ilp_within_limits"] = plan.feasible
@@ -255,18 +334,26 @@ def traffic(profile: ProfileTable, s: BenchSettings, rep: BenchReport, controlle
             eps_r.append(res["eps"].miss_rate / floor)
             ratios = f"   {smg_r[-1]:7.1f}x {eps_r[-1]:7.1f}x"
         flag = "" if plan.feasible else " (over limits)"
-        rep.add(f"{str(dist):20} " + " ".join(
-            f"{res[k].miss_rate:8.3%}; {1 - res[k].worst_attainment:7.2%}" + (flag if k == "ilp" else "")
-            for k in ("ilp", "smg", "eps")) + (ratios or "   (no misses)"))
+        rep.add(
+            f"{str(dist):20} "
+            + " ".join(
+                f"{res[k].miss_rate:8.3%}; {1 - res[k].worst_attainment:7.2%}" + (flag if k == "ilp" else "")
+                for k in ("ilp", "smg", "eps")
+            )
+            + (ratios or "   (no misses)")
+        )
     if smg_r:
-        rep.add(f"mean over rows with misses: SMG misses {statistics.fmean(smg_r):.1f}x, EPS "
-                f"{statistics.fmean(eps_r):.1f}x Robion's (paper: {PAPER['smg_misses']}x and {PAPER['eps_misses']}x)")
+        rep.add(
+            f"mean over rows with misses: SMG misses {statistics.fmean(smg_r):.1f}x, EPS "
+            f"{statistics.fmean(eps_r):.1f}x Robion's (paper: {PAPER['smg_misses']}x and {PAPER['eps_misses']}x)"
+        )
     rep.add()
     return out
 
 
-def ilp_timing(rep: BenchReport, instances: int = 20, seed: int = 0,
-               time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S) -> dict:
+def ilp_timing(
+    rep: BenchReport, instances: int = 20, seed: int = 0, time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S
+) -> dict:
     """The traffic ILP for 8 models x 4 GPUs (paper §4.3: ~10 s for this step).
 
     Random robot mixes of up to 96 robots and random co-location-aware limits, on the mix
@@ -275,8 +362,11 @@ def ilp_timing(rep: BenchReport, instances: int = 20, seed: int = 0,
     rng = random.Random(seed)
     fit, over, not_proven = [], [], 0
     for i in range(instances):
-        placement = Placement.colocate(EIGHT_MODELS, 4) if i % 2 == 0 else Placement.parse(
-            "pi0*:0,1;smolvla*:2,3", list(EIGHT_MODELS), 4)
+        placement = (
+            Placement.colocate(EIGHT_MODELS, 4)
+            if i % 2 == 0
+            else Placement.parse("pi0*:0,1;smolvla*:2,3", list(EIGHT_MODELS), 4)
+        )
         robots = {m: rng.randint(0, 12) for m in EIGHT_MODELS}
         limits = {}
         for m in EIGHT_MODELS:
@@ -285,26 +375,40 @@ def ilp_timing(rep: BenchReport, instances: int = 20, seed: int = 0,
         a = assign_ilp(placement, robots, limits, time_limit_s=time_limit_s)
         (fit if a.feasible else over).append(a.solve_ms)
         not_proven += not a.optimal
-    rep.add(f"== Traffic ILP, 8 models x 4 GPUs, {instances} random instances, co-location-aware limits "
-            f"(scipy.optimize.milp / HiGHS, budget {time_limit_s:g} s) ==")
+    rep.add(
+        f"== Traffic ILP, 8 models x 4 GPUs, {instances} random instances, co-location-aware limits "
+        f"(scipy.optimize.milp / HiGHS, budget {time_limit_s:g} s) =="
+    )
     if fit:
-        rep.add(f"robots fit ({len(fit)}): median {statistics.median(fit):.0f} ms, max {max(fit):.0f} ms "
-                f"(paper's initialisation step: ~10 s)")
+        rep.add(
+            f"robots fit ({len(fit)}): median {statistics.median(fit):.0f} ms, max {max(fit):.0f} ms "
+            f"(paper's initialisation step: ~10 s)"
+        )
     if over:
         rep.add(f"robots do not fit ({len(over)}): median {statistics.median(over):.0f} ms, max {max(over):.0f} ms")
     rep.add(f"{not_proven} of {instances} stopped at the budget and used the best assignment found by then")
     rep.add()
-    return {"fit_max_ms": max(fit) if fit else None, "fit_median_ms": statistics.median(fit) if fit else None,
-            "over_max_ms": max(over) if over else None, "not_proven": not_proven}
+    return {
+        "fit_max_ms": max(fit) if fit else None,
+        "fit_median_ms": statistics.median(fit) if fit else None,
+        "over_max_ms": max(over) if over else None,
+        "not_proven": not_proven,
+    }
 
 
-MULTI_PLACEMENTS = ("mix", "pi0*:0,1;smolvla*:2,3", "pi0*:0,1,2;smolvla*:3", "pi0*:0;smolvla*:1,2,3",
-                    "pi0,pi0-ft1:0;pi0-ft2,pi0-ft3:1;smolvla,smolvla-ft1:2;smolvla-ft2,smolvla-ft3:3",
-                    "pi0,smolvla:0;pi0-ft1,smolvla-ft1:1;pi0-ft2,smolvla-ft2:2;pi0-ft3,smolvla-ft3:3")
+MULTI_PLACEMENTS = (
+    "mix",
+    "pi0*:0,1;smolvla*:2,3",
+    "pi0*:0,1,2;smolvla*:3",
+    "pi0*:0;smolvla*:1,2,3",
+    "pi0,pi0-ft1:0;pi0-ft2,pi0-ft3:1;smolvla,smolvla-ft1:2;smolvla-ft2,smolvla-ft3:3",
+    "pi0,smolvla:0;pi0-ft1,smolvla-ft1:1;pi0-ft2,smolvla-ft2:2;pi0-ft3,smolvla-ft3:3",
+)
 
 
-def multi_model(profile: ProfileTable, s: BenchSettings, rep: BenchReport, controller: TrafficController,
-                max_batch) -> dict:
+def multi_model(
+    profile: ProfileTable, s: BenchSettings, rep: BenchReport, controller: TrafficController, max_batch
+) -> dict:
     """§5.4 Fig. 12: 8 VLA variants on a 4-GPU server, equal robots per model, every placement.
 
     For each placement: the most robots per model for which the controller emits a checked plan,
@@ -326,22 +430,28 @@ def multi_model(profile: ProfileTable, s: BenchSettings, rep: BenchReport, contr
             for seed in s.seeds:
                 r = _replay(pl, {m: best for m in models}, plan.counts, profile, s, max_batch, seed)
                 replays[seed] = (r.worst_attainment, r.worst_model)
-        out[spec] = {"robots": best * len(models), "per_model": best,
-                     "replay_worst": {seed: v[0] for seed, v in replays.items()},
-                     "all_replays_meet": all(v[0] >= TARGET for v in replays.values()) if replays else None,
-                     "gpus": {g: plan.assignment.robots_on(g) for g in range(4)} if plan else {}}
+        out[spec] = {
+            "robots": best * len(models),
+            "per_model": best,
+            "replay_worst": {seed: v[0] for seed, v in replays.items()},
+            "all_replays_meet": all(v[0] >= TARGET for v in replays.values()) if replays else None,
+            "gpus": {g: plan.assignment.robots_on(g) for g in range(4)} if plan else {},
+        }
         cells = ", ".join(f"{v[0]:.1%} ({v[1]})" for v in replays.values()) or "-"
         rep.add(f"{spec[:44]:44} {best * len(models):>10}   {cells}")
     best_spec = max(out, key=lambda k: out[k]["robots"])
-    rep.add(f"best placement {best_spec}: {out[best_spec]['robots']} robots (paper: {PAPER['eight_by_four']}); "
-            f"replays of every placement's plan meeting {TARGET:.0%} for every model: "
-            f"{sum(1 for v in out.values() if v['all_replays_meet'])} of {sum(1 for v in out.values() if v['replay_worst'])}")
+    rep.add(
+        f"best placement {best_spec}: {out[best_spec]['robots']} robots (paper: {PAPER['eight_by_four']}); "
+        f"replays of every placement's plan meeting {TARGET:.0%} for every model: "
+        f"{sum(1 for v in out.values() if v['all_replays_meet'])} of {sum(1 for v in out.values() if v['replay_worst'])}"
+    )
     rep.add()
     return out
 
 
-def inter_gpu(profile: ProfileTable, s: BenchSettings, rep: BenchReport, controller: TrafficController,
-              max_batch) -> dict:
+def inter_gpu(
+    profile: ProfileTable, s: BenchSettings, rep: BenchReport, controller: TrafficController, max_batch
+) -> dict:
     """§5.4 Fig. 13: one pi0 model on 4 GPUs — intra-GPU (Robion, replicated) vs inter-GPU Dis-k:m."""
     rep.add("== pi0 on 4 GPUs: intra-GPU stage disaggregation (Robion x4) vs inter-GPU Dis-k:m ==")
     placement = Placement.replicate("pi0", range(4), 4)
@@ -353,25 +463,30 @@ def inter_gpu(profile: ProfileTable, s: BenchSettings, rep: BenchReport, control
 
     out["robion-x4"], _ = sim.max_robots(robion_run, TARGET, cap=128)
     for k in (1, 2, 3):
-        system_for = (lambda mb, k=k: sim.disaggregated(k, 4 - k, max_batch=mb))
+        system_for = lambda mb, k=k: sim.disaggregated(k, 4 - k, max_batch=mb)
         out[f"dis-{k}:{4 - k}"], _, _ = best_max_robots(system_for, lambda n: {"pi0": n}, profile, s)
     for name, n in out.items():
         rep.add(f"{name:12} max robots at {TARGET:.0%}: {n}")
     best_dis = max(v for k, v in out.items() if k.startswith("dis"))
-    rep.add(f"robion-x4 / best inter-GPU: {_fmt_ratio(_ratio(out['robion-x4'], best_dis))} "
-            f"(paper: {PAPER['intra_gpu']} vs {PAPER['best_inter_gpu']} robots = "
-            f"{PAPER['intra_gpu'] / PAPER['best_inter_gpu']:.2f}x)")
+    rep.add(
+        f"robion-x4 / best inter-GPU: {_fmt_ratio(_ratio(out['robion-x4'], best_dis))} "
+        f"(paper: {PAPER['intra_gpu']} vs {PAPER['best_inter_gpu']} robots = "
+        f"{PAPER['intra_gpu'] / PAPER['best_inter_gpu']:.2f}x)"
+    )
     rep.add()
     return out
 
 
-def run_bench(profile: ProfileTable, settings: BenchSettings, experiments=EXPERIMENTS,
-              emit: Callable[[str], None] | None = None) -> BenchReport:
+def run_bench(
+    profile: ProfileTable, settings: BenchSettings, experiments=EXPERIMENTS, emit: Callable[[str], None] | None = None
+) -> BenchReport:
     rep = BenchReport(emit=emit)
     start = time.perf_counter()
 
-    rep.add(f"profile {profile.name} ({profile.backend}; {profile.device.get('count', 1)} x {profile.device.get('name')}); "
-            f"{settings.epochs} epochs x {settings.duration_s:g} s, robots at 2 Hz, target {TARGET:.0%} for every model")
+    rep.add(
+        f"profile {profile.name} ({profile.backend}; {profile.device.get('count', 1)} x {profile.device.get('name')}); "
+        f"{settings.epochs} epochs x {settings.duration_s:g} s, robots at 2 Hz, target {TARGET:.0%} for every model"
+    )
     rep.add()
     best_mb = {}
     if "single" in experiments:
@@ -385,15 +500,19 @@ def run_bench(profile: ProfileTable, settings: BenchSettings, experiments=EXPERI
     if need_controller:
         arch_mb = {}
         for arch in ("pi0", "smolvla"):
-            arch_mb[arch] = best_mb.get(arch) or best_max_robots(
-                lambda b: sim.robion(max_batch=b), lambda n, a=arch: {a: n}, profile, settings)[1]
+            arch_mb[arch] = (
+                best_mb.get(arch)
+                or best_max_robots(lambda b: sim.robion(max_batch=b), lambda n, a=arch: {a: n}, profile, settings)[1]
+            )
         mb = {m: arch_mb[model_spec(m).arch] for m in EIGHT_MODELS}
         cs = settings.controller
-        rep.add(f"== Traffic controller: co-location limits at {cs.plan_target:.1%} for every model, worst of "
-                f"{cs.check_draws} draws ({cs.epochs} epochs x {cs.duration_s:g} s in all, seeds from {cs.seed}); "
-                f"plans checked the same way ==")
+        rep.add(
+            f"== Traffic controller: co-location limits at {cs.plan_target:.1%} for every model, worst of "
+            f"{cs.check_draws} draws ({cs.epochs} epochs x {cs.duration_s:g} s in all, seeds from {cs.seed}); "
+            f"plans checked the same way =="
+        )
         controller = TrafficController.calibrate(profile, EIGHT_MODELS, mb, cs, progress=rep.add)
-        rep.add(f"max batch per architecture: " + ", ".join(f"{a} {b}" for a, b in arch_mb.items()))
+        rep.add("max batch per architecture: " + ", ".join(f"{a} {b}" for a, b in arch_mb.items()))
         rep.add()
         rep.data["limits"] = {m: list(v) for m, v in controller.limits.items()}
         if "traffic" in experiments:

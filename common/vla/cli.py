@@ -3,6 +3,7 @@
 Top-level imports stay light (argparse only) so that `ow --help` is fast; torch, scipy and the
 engine are imported inside the command functions.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -180,9 +181,19 @@ def cmd_serve(args) -> int:
     engines = []
     try:
         for gpu_models in layout:
-            engines.append(ServingEngine.build(gpu_models, system=args.system, policy=args.policy,
-                                               max_batch=args.max_batch, profile=profile, slo_ms=slo,
-                                               backend=args.backend, threads=threads, batch_sizes=args.batch_sizes))
+            engines.append(
+                ServingEngine.build(
+                    gpu_models,
+                    system=args.system,
+                    policy=args.policy,
+                    max_batch=args.max_batch,
+                    profile=profile,
+                    slo_ms=slo,
+                    backend=args.backend,
+                    threads=threads,
+                    batch_sizes=args.batch_sizes,
+                )
+            )
     except (ValueError, KeyError) as exc:
         raise _cli_error(str(exc)) from None
     if not args.no_warm_up:
@@ -199,9 +210,11 @@ def cmd_serve(args) -> int:
         for e in engines:
             e.stop()
         raise _cli_error(f"cannot listen on {args.host}:{args.port}: {exc}", 1) from None
-    print(f"serving {server.url} models={','.join(served)} gpus={len(engines)} system={args.system} "
-          f"policy={args.policy} backend={engines[0].backend.name} auth={'keys' if keys else 'none (loopback)'}",
-          flush=True)
+    print(
+        f"serving {server.url} models={','.join(served)} gpus={len(engines)} system={args.system} "
+        f"policy={args.policy} backend={engines[0].backend.name} auth={'keys' if keys else 'none (loopback)'}",
+        flush=True,
+    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -213,8 +226,9 @@ def cmd_serve(args) -> int:
             e.stop()
         served_n = sum(e.stats.served for e in engines)
         met = sum(e.stats.slo_met for e in engines)
-        print(f"stopped: served={served_n} slo_met={met} rejected={server.rejected} refused={server.refused}",
-              flush=True)
+        print(
+            f"stopped: served={served_n} slo_met={met} rejected={server.rejected} refused={server.refused}", flush=True
+        )
     return 0
 
 
@@ -235,22 +249,41 @@ def cmd_cluster(args) -> int:
     try:
         from common.vla import cluster
     except ImportError as exc:
-        raise _cli_error(f"ow vla cluster needs Ray Serve ({exc.name} is missing): pip install 'orbitweaver[cluster]'") from None
+        raise _cli_error(
+            f"ow vla cluster needs Ray Serve ({exc.name} is missing): pip install 'orbitweaver[cluster]'"
+        ) from None
     layout = {g: (quotas[g] if quotas else {m: 1 << 30 for m in ms}) for g, ms in enumerate(layout_models)}
-    engine_options = {"system": args.system, "policy": args.policy, "max_batch": args.max_batch, "profile": profile,
-                      "slo_ms": slo, "backend": args.backend, "threads": args.threads_per_gpu,
-                      "batch_sizes": args.batch_sizes, "warm_up": not args.no_warm_up,
-                      "max_request_bytes": args.max_request_bytes}
+    engine_options = {
+        "system": args.system,
+        "policy": args.policy,
+        "max_batch": args.max_batch,
+        "profile": profile,
+        "slo_ms": slo,
+        "backend": args.backend,
+        "threads": args.threads_per_gpu,
+        "batch_sizes": args.batch_sizes,
+        "warm_up": not args.no_warm_up,
+        "max_request_bytes": args.max_request_bytes,
+    }
     gateway_resources = {args.gateway_resource: 0.001} if args.gateway_resource else None
     default = models[0] if models[0] in served else served[0]
     location = {"head": "HeadOnly", "every-node": "EveryNode"}[args.proxy_location]
     print(f"deploying {len(layout)} GPU deployment(s) to the Ray cluster at {args.address} ...", flush=True)
     try:
-        cluster.deploy(args.address, layout, host=args.host, port=args.port, proxy_location=location,
-                       node_ip_address=args.node_ip_address,
-                       engine_options=engine_options, keys=keys, default_model=default,
-                       gpu_resource=args.gpu_resource, gateway_resources=gateway_resources,
-                       request_timeout_s=args.request_timeout)
+        cluster.deploy(
+            args.address,
+            layout,
+            host=args.host,
+            port=args.port,
+            proxy_location=location,
+            node_ip_address=args.node_ip_address,
+            engine_options=engine_options,
+            keys=keys,
+            default_model=default,
+            gpu_resource=args.gpu_resource,
+            gateway_resources=gateway_resources,
+            request_timeout_s=args.request_timeout,
+        )
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise _cli_error(f"cannot deploy to the Ray cluster at {args.address}: {exc}", 1) from None
     seen = {}
@@ -264,8 +297,11 @@ def cmd_cluster(args) -> int:
                 print(f"{name}: {','.join(where.get('models', layout_models[int(name[3:])]))} on {place}", flush=True)
 
     report()
-    print(f"serving ws://{args.host}:{args.port} models={','.join(served)} gpus={len(layout)} via Ray Serve "
-          f"auth={'keys' if keys else 'none (loopback)'}", flush=True)
+    print(
+        f"serving ws://{args.host}:{args.port} models={','.join(served)} gpus={len(layout)} via Ray Serve "
+        f"auth={'keys' if keys else 'none (loopback)'}",
+        flush=True,
+    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -298,8 +334,17 @@ def cmd_load(args) -> int:
         raise _cli_error("--rate and --duration must be positive")
     network = None if args.network == "none" else NetworkModel()
     token = args.token or os.environ.get("OW_VLA_TOKEN")
-    report = run_load(args.url, robots, rate_hz=args.rate, duration_s=args.duration, warmup_s=args.warmup,
-                      network=network, seed=args.seed, token=token, slo_ms=args.slo_ms)
+    report = run_load(
+        args.url,
+        robots,
+        rate_hz=args.rate,
+        duration_s=args.duration,
+        warmup_s=args.warmup,
+        network=network,
+        seed=args.seed,
+        token=token,
+        slo_ms=args.slo_ms,
+    )
     for line in report.lines():
         print(line)
     if args.json:
@@ -325,8 +370,17 @@ def cmd_bench(args) -> int:
     import dataclasses
 
     settings = BenchSettings.quick() if args.quick else BenchSettings()
-    changes = {k: v for k, v in (("epochs", args.epochs), ("duration_s", args.duration), ("seed", args.seed),
-                                 ("seeds", args.seeds), ("slo_factors", args.slo_factors)) if v is not None}
+    changes = {
+        k: v
+        for k, v in (
+            ("epochs", args.epochs),
+            ("duration_s", args.duration),
+            ("seed", args.seed),
+            ("seeds", args.seeds),
+            ("slo_factors", args.slo_factors),
+        )
+        if v is not None
+    }
     if args.seed is not None and args.seeds is None:
         changes["seeds"] = (args.seed,) + tuple(s for s in settings.seeds if s != args.seed)[: len(settings.seeds) - 1]
     if args.ilp_time_limit is not None:
@@ -386,10 +440,16 @@ def cmd_plan(args) -> int:
         except (ValueError, RuntimeError) as exc:
             raise _cli_error(f"{method}: {exc}", 1) from None
         if args.simulate:
-            r = sim.simulate(sim.robion(max_batch=args.max_batch), sim.Workload(robots, epochs=args.epochs, seed=args.seed),
-                             profile, assignment=a.counts)
-            print(f"  simulated (seed {args.seed}): worst model {r.worst_attainment:.3%} ({r.worst_model}), "
-                  f"pooled {r.attainment:.3%}, p99 {r.p99_ms:.1f} ms over {r.requests} requests")
+            r = sim.simulate(
+                sim.robion(max_batch=args.max_batch),
+                sim.Workload(robots, epochs=args.epochs, seed=args.seed),
+                profile,
+                assignment=a.counts,
+            )
+            print(
+                f"  simulated (seed {args.seed}): worst model {r.worst_attainment:.3%} ({r.worst_model}), "
+                f"pooled {r.attainment:.3%}, p99 {r.p99_ms:.1f} ms over {r.requests} requests"
+            )
             print(f"  per model: {r.per_model_text()}")
     return 0
 
@@ -419,8 +479,9 @@ def cmd_profile(args) -> int:
     bad = [a for a in archs if a not in ARCHS]
     if bad:
         raise _cli_error(f"unknown architecture(s) {', '.join(bad)}; known: {', '.join(ARCHS)}")
-    prof = measure_cpu_profile(archs, args.batch_sizes, args.threads, args.repeats, args.slo_factor,
-                               progress=lambda s: print(s, flush=True))
+    prof = measure_cpu_profile(
+        archs, args.batch_sizes, args.threads, args.repeats, args.slo_factor, progress=lambda s: print(s, flush=True)
+    )
     path = prof.save(args.out)
     print(f"wrote {path} ({len(prof.locksteps)} lockstep entries, shares {list(prof.vlm_shares)})")
     return 0
@@ -450,12 +511,15 @@ def cmd_simulate(args) -> int:
     else:
         raise _cli_error(f"unknown system {kind!r}")
     try:
-        r = sim.simulate(system, sim.Workload(args.robots, epochs=args.epochs, duration_s=args.duration,
-                                              seed=args.seed), profile)
+        r = sim.simulate(
+            system, sim.Workload(args.robots, epochs=args.epochs, duration_s=args.duration, seed=args.seed), profile
+        )
     except (KeyError, ValueError) as exc:
         raise _cli_error(str(exc)) from None
-    print(f"{r.system}: {r.robots} robots, {r.requests} requests, SLO attainment {r.attainment:.3%}, "
-          f"p50 {r.p50_ms:.1f} ms, p99 {r.p99_ms:.1f} ms")
+    print(
+        f"{r.system}: {r.robots} robots, {r.requests} requests, SLO attainment {r.attainment:.3%}, "
+        f"p50 {r.p50_ms:.1f} ms, p99 {r.p99_ms:.1f} ms"
+    )
     for m, s in r.per_model.items():
         print(f"  {m}: {s.attainment:.3%} of {s.requests}, p99 {s.p99_ms:.1f} ms")
     return 0
@@ -471,8 +535,10 @@ def cmd_models(args) -> int:
     print(f"{'model':14} {'arch':8} {'cams':>4} {'tok/img':>7} {'prefix':>6} {'horizon':>7} {'steps':>5}")
     for spec in MODELS.values():
         a = spec.arch_config
-        print(f"{spec.name:14} {a.name:8} {a.cameras:4} {a.tokens_per_image:7} {a.prefix_tokens:6} "
-              f"{a.action_horizon:7} {a.denoise_steps:5}")
+        print(
+            f"{spec.name:14} {a.name:8} {a.cameras:4} {a.tokens_per_image:7} {a.prefix_tokens:6} "
+            f"{a.action_horizon:7} {a.denoise_steps:5}"
+        )
     print("\nshipped profiles:")
     for name in shipped_profiles():
         p = load_profile(name)
@@ -486,134 +552,236 @@ def cmd_models(args) -> int:
 
 def register(subparsers) -> None:
     vla = subparsers.add_parser(
-        "vla", help="Robion-style VLA edge scheduler: serve robots, simulate, plan, benchmark",
+        "vla",
+        help="Robion-style VLA edge scheduler: serve robots, simulate, plan, benchmark",
         description="Serve vision-language-action (VLA) requests from many robots under latency SLOs: "
-                    "a lockstep VLM/ADiT serving engine, profiles, placement and traffic control, and a "
-                    "simulator driven by the same scheduler.")
+        "a lockstep VLM/ADiT serving engine, profiles, placement and traffic control, and a "
+        "simulator driven by the same scheduler.",
+    )
     sub = vla.add_subparsers(dest="vla_command", metavar="VLA_COMMAND")
     sub.required = True
 
     def policy_opts(p, with_policy=True):
         if with_policy:
-            p.add_argument("--policy", choices=("esf", "rr", "lqf"), default="esf",
-                           help="queue served at each lockstep: esf = least remaining SLO time (default), "
-                                "rr = round robin, lqf = longest queue")
-        p.add_argument("--max-batch", type=int, default=2,
-                       help="largest fixed stage batch (one of the profile's batch sizes; default 2)")
+            p.add_argument(
+                "--policy",
+                choices=("esf", "rr", "lqf"),
+                default="esf",
+                help="queue served at each lockstep: esf = least remaining SLO time (default), "
+                "rr = round robin, lqf = longest queue",
+            )
+        p.add_argument(
+            "--max-batch",
+            type=int,
+            default=2,
+            help="largest fixed stage batch (one of the profile's batch sizes; default 2)",
+        )
 
     def controller_opts(p):
-        p.add_argument("--ilp-time-limit", type=float, default=DEFAULT_ILP_TIME_LIMIT_S,
-                       help=f"seconds for all stages of the traffic ILP (default {DEFAULT_ILP_TIME_LIMIT_S:g}); when "
-                            "they run out the best assignment found so far is used, flagged as not proven optimal")
-        p.add_argument("--check-epochs", type=int, default=30,
-                       help="simulated 10 s epochs per point when measuring co-location limits and checking a "
-                            "plan (default 30)")
+        p.add_argument(
+            "--ilp-time-limit",
+            type=float,
+            default=DEFAULT_ILP_TIME_LIMIT_S,
+            help=f"seconds for all stages of the traffic ILP (default {DEFAULT_ILP_TIME_LIMIT_S:g}); when "
+            "they run out the best assignment found so far is used, flagged as not proven optimal",
+        )
+        p.add_argument(
+            "--check-epochs",
+            type=int,
+            default=30,
+            help="simulated 10 s epochs per point when measuring co-location limits and checking a plan (default 30)",
+        )
 
     # serve
-    p = sub.add_parser("serve", help="run the robot policy endpoint (openpi websocket protocol)",
-                       description="Serve LIBERO-style observations (two 224x224 images, 8-d state, prompt) over "
-                                   "the openpi websocket policy protocol (loopback, or any address with robot "
-                                   "keys). Warms up, then accepts robots. Robots using "
-                                   "openpi-client's WebsocketClientPolicy connect unchanged; choose a model with "
-                                   "the URL path ws://HOST:PORT/MODEL (default: the first --models entry). "
-                                   "Requests go through the lockstep scheduler. Stops on SIGINT/SIGTERM.")
-    p.add_argument("--models", default="pi0", help="comma-separated models to co-locate on one GPU (default pi0); "
-                                                   "see `ow vla models`")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default 127.0.0.1); beyond loopback only with --token or --keys")
-    p.add_argument("--token", help="shared robot token (or env OW_VLA_TOKEN, at least 16 characters): robots send "
-                                   "'Authorization: Api-Key TOKEN' (openpi-client's api_key); others get HTTP 401")
-    p.add_argument("--keys", help="file of robot keys, one 'NAME KEY' per line: only these robots are served, "
-                                  "logged by name")
-    p.add_argument("--plan", help="serve this plan file (`ow vla plan --json`): one engine per GPU, robots "
-                                  "routed to the GPUs the controller chose for their model")
-    p.add_argument("--robots", type=_robot_mix,
-                   help="instead of --plan: plan now for this robot mix (with --placement, --gpus) and serve it")
+    p = sub.add_parser(
+        "serve",
+        help="run the robot policy endpoint (openpi websocket protocol)",
+        description="Serve LIBERO-style observations (two 224x224 images, 8-d state, prompt) over "
+        "the openpi websocket policy protocol (loopback, or any address with robot "
+        "keys). Warms up, then accepts robots. Robots using "
+        "openpi-client's WebsocketClientPolicy connect unchanged; choose a model with "
+        "the URL path ws://HOST:PORT/MODEL (default: the first --models entry). "
+        "Requests go through the lockstep scheduler. Stops on SIGINT/SIGTERM.",
+    )
+    p.add_argument(
+        "--models",
+        default="pi0",
+        help="comma-separated models to co-locate on one GPU (default pi0); see `ow vla models`",
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1); beyond loopback only with --token or --keys",
+    )
+    p.add_argument(
+        "--token",
+        help="shared robot token (or env OW_VLA_TOKEN, at least 16 characters): robots send "
+        "'Authorization: Api-Key TOKEN' (openpi-client's api_key); others get HTTP 401",
+    )
+    p.add_argument(
+        "--keys", help="file of robot keys, one 'NAME KEY' per line: only these robots are served, logged by name"
+    )
+    p.add_argument(
+        "--plan",
+        help="serve this plan file (`ow vla plan --json`): one engine per GPU, robots "
+        "routed to the GPUs the controller chose for their model",
+    )
+    p.add_argument(
+        "--robots",
+        type=_robot_mix,
+        help="instead of --plan: plan now for this robot mix (with --placement, --gpus) and serve it",
+    )
     p.add_argument("--placement", default="mix", help="with --robots: 'mix' or groups 'GLOB:GPU,GPU;...' (default mix)")
     p.add_argument("--gpus", type=int, default=2, help="with --robots: GPUs (engines) to plan for (default 2)")
-    p.add_argument("--plan-profile", default=DEFAULT_PROFILE,
-                   help=f"with --robots: the profile the controller plans with (default {DEFAULT_PROFILE})")
+    p.add_argument(
+        "--plan-profile",
+        default=DEFAULT_PROFILE,
+        help=f"with --robots: the profile the controller plans with (default {DEFAULT_PROFILE})",
+    )
     p.add_argument("--limits", type=_limit_mix, help="with --robots: robot limits instead of measuring them")
     controller_opts(p)
-    p.add_argument("--no-warm-up", action="store_true",
-                   help="accept robots at once instead of first running every stage at every batch size")
+    p.add_argument(
+        "--no-warm-up",
+        action="store_true",
+        help="accept robots at once instead of first running every stage at every batch size",
+    )
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free port, printed)")
-    p.add_argument("--system", choices=("robion", "monolithic"), default="robion",
-                   help="robion: VLM and ADiT executors in lockstep (default); monolithic: one pipeline")
+    p.add_argument(
+        "--system",
+        choices=("robion", "monolithic"),
+        default="robion",
+        help="robion: VLM and ADiT executors in lockstep (default); monolithic: one pipeline",
+    )
     policy_opts(p)
-    p.add_argument("--batch-sizes", type=_ints, default=(1, 2, 4),
-                   help="fixed batch sizes the executors run, comma-separated (default 1,2,4)")
-    p.add_argument("--profile", help="profile file or shipped name: SLOs and per-pair VLM thread/SM share "
-                                     "(default: no profile, half the threads to the VLM)")
+    p.add_argument(
+        "--batch-sizes",
+        type=_ints,
+        default=(1, 2, 4),
+        help="fixed batch sizes the executors run, comma-separated (default 1,2,4)",
+    )
+    p.add_argument(
+        "--profile",
+        help="profile file or shipped name: SLOs and per-pair VLM thread/SM share "
+        "(default: no profile, half the threads to the VLM)",
+    )
     p.add_argument("--slo-ms", type=float, help="SLO for every model in ms (default: the profile's, else 500)")
-    p.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="cuda when a GPU is visible (auto, default), else cpu")
+    p.add_argument(
+        "--backend",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="cuda when a GPU is visible (auto, default), else cpu",
+    )
     p.add_argument("--threads", type=int, help="intra-op threads shared by the two CPU executors (default: torch's)")
-    p.add_argument("--max-request-bytes", type=int, default=1 << 20,
-                   help="larger requests are refused with an error reply (default 1 MiB)")
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
-                   help="JSON-lines log level on stderr (default info)")
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=1 << 20,
+        help="larger requests are refused with an error reply (default 1 MiB)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="JSON-lines log level on stderr (default info)",
+    )
     p.set_defaults(func=cmd_serve)
 
     # cluster
-    p = sub.add_parser("cluster", help="serve robots from a Ray cluster of edge servers (Ray Serve), same endpoint",
-                       description="Deploy the controller's plan to a running Ray cluster: one Ray Serve deployment "
-                                   "per GPU of the plan, each with its models and their lockstep scheduler, and a "
-                                   "gateway that speaks the same openpi websocket protocol as `ow vla serve`. Ray "
-                                   "Serve restarts a lost server's deployments on free GPUs elsewhere. Prints where "
-                                   "each GPU runs, and every change. Stops (and deletes the application) on "
-                                   "SIGINT/SIGTERM.")
-    p.add_argument("--address", required=True, help="Ray cluster address (HEAD_IP:PORT, as given to `ray start --address`)")
-    p.add_argument("--node-ip-address",
-                   help="this machine's address in the Ray cluster, when Ray cannot tell (several nodes on one host)")
+    p = sub.add_parser(
+        "cluster",
+        help="serve robots from a Ray cluster of edge servers (Ray Serve), same endpoint",
+        description="Deploy the controller's plan to a running Ray cluster: one Ray Serve deployment "
+        "per GPU of the plan, each with its models and their lockstep scheduler, and a "
+        "gateway that speaks the same openpi websocket protocol as `ow vla serve`. Ray "
+        "Serve restarts a lost server's deployments on free GPUs elsewhere. Prints where "
+        "each GPU runs, and every change. Stops (and deletes the application) on "
+        "SIGINT/SIGTERM.",
+    )
+    p.add_argument(
+        "--address", required=True, help="Ray cluster address (HEAD_IP:PORT, as given to `ray start --address`)"
+    )
+    p.add_argument(
+        "--node-ip-address",
+        help="this machine's address in the Ray cluster, when Ray cannot tell (several nodes on one host)",
+    )
     p.add_argument("--models", default="pi0", help="without --plan/--robots: models on one GPU (default pi0)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address Ray Serve's proxy binds (default 127.0.0.1); beyond loopback only with --token/--keys")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address Ray Serve's proxy binds (default 127.0.0.1); beyond loopback only with --token/--keys",
+    )
     p.add_argument("--port", type=int, default=8000, help="proxy port (default 8000)")
-    p.add_argument("--token", help="shared robot token (or env OW_VLA_TOKEN); robots send 'Authorization: Api-Key TOKEN'")
+    p.add_argument(
+        "--token", help="shared robot token (or env OW_VLA_TOKEN); robots send 'Authorization: Api-Key TOKEN'"
+    )
     p.add_argument("--keys", help="file of robot keys, one 'NAME KEY' per line")
     p.add_argument("--plan", help="plan file from `ow vla plan --json`: one deployment per GPU in it")
     p.add_argument("--robots", type=_robot_mix, help="instead of --plan: plan now for this robot mix")
     p.add_argument("--placement", default="mix", help="with --robots: placement (default mix)")
     p.add_argument("--gpus", type=int, default=2, help="with --robots: GPUs in the cluster to plan for (default 2)")
-    p.add_argument("--plan-profile", default=DEFAULT_PROFILE, help=f"with --robots: planning profile (default {DEFAULT_PROFILE})")
+    p.add_argument(
+        "--plan-profile", default=DEFAULT_PROFILE, help=f"with --robots: planning profile (default {DEFAULT_PROFILE})"
+    )
     p.add_argument("--limits", type=_limit_mix, help="with --robots: robot limits instead of measuring them")
     controller_opts(p)
-    p.add_argument("--system", choices=("robion", "monolithic"), default="robion", help="serving engine (default robion)")
+    p.add_argument(
+        "--system", choices=("robion", "monolithic"), default="robion", help="serving engine (default robion)"
+    )
     policy_opts(p)
     p.add_argument("--batch-sizes", type=_ints, default=(1, 2, 4), help="fixed batch sizes (default 1,2,4)")
     p.add_argument("--profile", help="profile for SLOs and VLM shares inside each GPU deployment")
     p.add_argument("--slo-ms", type=float, help="SLO for every model in ms (default: the profile's, else 500)")
     p.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto", help="engine backend (default auto)")
-    p.add_argument("--threads-per-gpu", type=int, default=1,
-                   help="CPU backend: intra-op threads per GPU deployment (default 1)")
-    p.add_argument("--gpu-resource", default="GPU",
-                   help="Ray resource one GPU deployment takes one unit of (default GPU, i.e. num_gpus=1; a custom "
-                        "resource stands in on CPU-only clusters)")
+    p.add_argument(
+        "--threads-per-gpu", type=int, default=1, help="CPU backend: intra-op threads per GPU deployment (default 1)"
+    )
+    p.add_argument(
+        "--gpu-resource",
+        default="GPU",
+        help="Ray resource one GPU deployment takes one unit of (default GPU, i.e. num_gpus=1; a custom "
+        "resource stands in on CPU-only clusters)",
+    )
     p.add_argument("--gateway-resource", help="custom Ray resource to pin the gateway to (e.g. one on the head node)")
-    p.add_argument("--proxy-location", choices=("head", "every-node"), default="every-node",
-                   help="where Ray Serve runs HTTP proxies: every node (default; robots may use any server's "
-                        "address) or the head only")
-    p.add_argument("--request-timeout", type=float, default=60.0,
-                   help="seconds the gateway waits for a GPU deployment before answering an error (default 60)")
+    p.add_argument(
+        "--proxy-location",
+        choices=("head", "every-node"),
+        default="every-node",
+        help="where Ray Serve runs HTTP proxies: every node (default; robots may use any server's "
+        "address) or the head only",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=60.0,
+        help="seconds the gateway waits for a GPU deployment before answering an error (default 60)",
+    )
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger requests are refused (default 1 MiB)")
     p.add_argument("--no-warm-up", action="store_true", help="skip each GPU deployment's warm-up")
     p.add_argument("--watch-interval", type=float, default=5.0, help="seconds between placement checks (default 5)")
     p.set_defaults(func=cmd_cluster)
 
     # load
-    p = sub.add_parser("load", help="drive a real endpoint with N robots at 2 Hz and report per-model SLO attainment",
-                       description="Robots as openpi clients: one websocket per robot to URL/MODEL, LIBERO "
-                                   "observations at --rate from a random phase, network delays emulated per "
-                                   "request; prints per model: requests, answered, errors, SLO attainment, p50, "
-                                   "p99 and the GPUs that served them.")
+    p = sub.add_parser(
+        "load",
+        help="drive a real endpoint with N robots at 2 Hz and report per-model SLO attainment",
+        description="Robots as openpi clients: one websocket per robot to URL/MODEL, LIBERO "
+        "observations at --rate from a random phase, network delays emulated per "
+        "request; prints per model: requests, answered, errors, SLO attainment, p50, "
+        "p99 and the GPUs that served them.",
+    )
     p.add_argument("--url", default="ws://127.0.0.1:8000", help="endpoint (default ws://127.0.0.1:8000)")
     p.add_argument("--robots", type=_robot_mix, required=True, help="robots per model, e.g. pi0=4,smolvla=2")
     p.add_argument("--rate", type=float, default=2.0, help="requests per robot per second (default 2)")
     p.add_argument("--duration", type=float, default=10.0, help="seconds of traffic (default 10)")
-    p.add_argument("--warmup", type=float, default=1.0, help="requests sent before this many seconds are not counted (default 1)")
-    p.add_argument("--network", choices=("wifi7", "none"), default="wifi7",
-                   help="emulated network delay per request and reply (default wifi7, the simulator's model)")
+    p.add_argument(
+        "--warmup", type=float, default=1.0, help="requests sent before this many seconds are not counted (default 1)"
+    )
+    p.add_argument(
+        "--network",
+        choices=("wifi7", "none"),
+        default="wifi7",
+        help="emulated network delay per request and reply (default wifi7, the simulator's model)",
+    )
     p.add_argument("--slo-ms", type=float, help="SLO for every model (default: the server's, from its metadata)")
     p.add_argument("--token", help="robot key (or env OW_VLA_TOKEN), sent as 'Authorization: Api-Key KEY'")
     p.add_argument("--seed", type=int, default=0, help="seed of phases, images and delays (default 0)")
@@ -622,76 +790,117 @@ def register(subparsers) -> None:
     p.set_defaults(func=cmd_load)
 
     # bench
-    p = sub.add_parser("bench", help="load sweeps: max robots at 98%% SLO per system, beside the paper's numbers",
-                       description="Run the paper's experiments on the simulator with a profile: single-model "
-                                   "max robots at 98%% SLO attainment (Robion-style vs Monolithic vs "
-                                   "vLLM-Omni-style), queue policies, traffic controllers (ILP vs SMG vs EPS), "
-                                   "ILP solve time, 8 models x 4 GPUs, and intra- vs inter-GPU disaggregation.")
+    p = sub.add_parser(
+        "bench",
+        help="load sweeps: max robots at 98%% SLO per system, beside the paper's numbers",
+        description="Run the paper's experiments on the simulator with a profile: single-model "
+        "max robots at 98%% SLO attainment (Robion-style vs Monolithic vs "
+        "vLLM-Omni-style), queue policies, traffic controllers (ILP vs SMG vs EPS), "
+        "ILP solve time, 8 models x 4 GPUs, and intra- vs inter-GPU disaggregation.",
+    )
     p.add_argument("--profile", default=DEFAULT_PROFILE, help=f"profile name or file (default {DEFAULT_PROFILE})")
     p.add_argument("--quick", action="store_true", help="short setting: 5 epochs x 6 s per load point")
     p.add_argument("--epochs", type=int, help="epochs (resampled robot phases) per load point (default 20)")
     p.add_argument("--duration", type=float, help="simulated seconds per epoch (default 10)")
     p.add_argument("--seed", type=int, help="random seed of the single-seed parts (default 0)")
     p.add_argument("--seeds", type=_ints, help="seeds of the bands (default 0,1,2; --quick: 0,1)")
-    p.add_argument("--slo-factors", type=_floats,
-                   help="SLO factors of the single-model bands (default 2,2.5,3,3.5; SLO = factor x batch-1 latency)")
-    p.add_argument("--ilp-time-limit", type=float,
-                   help=f"seconds for the traffic ILP's stages together (default {DEFAULT_ILP_TIME_LIMIT_S:g}); past it "
-                        "the best assignment found is used")
+    p.add_argument(
+        "--slo-factors",
+        type=_floats,
+        help="SLO factors of the single-model bands (default 2,2.5,3,3.5; SLO = factor x batch-1 latency)",
+    )
+    p.add_argument(
+        "--ilp-time-limit",
+        type=float,
+        help=f"seconds for the traffic ILP's stages together (default {DEFAULT_ILP_TIME_LIMIT_S:g}); past it "
+        "the best assignment found is used",
+    )
     p.add_argument("--experiments", help="comma-separated subset of: single, policies, traffic, ilp, multi, inter-gpu")
     p.add_argument("--json", help="also write the measured numbers to this JSON file")
     p.set_defaults(func=cmd_bench)
 
     # plan
-    p = sub.add_parser("plan", help="assign robots to GPUs for a placement (traffic-control ILP and baselines)",
-                       description="Solve the traffic controller's integer program for a placement and robot mix; "
-                                   "print each GPU's robots and load. Limits default to robot limits simulated "
-                                   "from the profile.")
+    p = sub.add_parser(
+        "plan",
+        help="assign robots to GPUs for a placement (traffic-control ILP and baselines)",
+        description="Solve the traffic controller's integer program for a placement and robot mix; "
+        "print each GPU's robots and load. Limits default to robot limits simulated "
+        "from the profile.",
+    )
     p.add_argument("--robots", type=_robot_mix, required=True, help="robot mix, e.g. pi0=8,pi0-ft1=8,smolvla=12")
-    p.add_argument("--placement", default="mix",
-                   help="'mix' (every model on every GPU) or disjoint groups 'GLOB[,GLOB]:GPU,GPU;...', "
-                        "e.g. 'pi0*:0,1;smolvla*:2,3'")
+    p.add_argument(
+        "--placement",
+        default="mix",
+        help="'mix' (every model on every GPU) or disjoint groups 'GLOB[,GLOB]:GPU,GPU;...', "
+        "e.g. 'pi0*:0,1;smolvla*:2,3'",
+    )
     p.add_argument("--gpus", type=int, default=4, help="GPUs in the server (default 4)")
-    p.add_argument("--limits", type=_limit_mix,
-                   help="robot limits per GPU instead of measuring them: MODEL=L or MODEL=L1/L2/L3 (L_k: k models "
-                        "share the GPU), e.g. pi0=11/6/6/4,smolvla=51/18")
-    p.add_argument("--method", choices=("ilp", "smg", "eps", "brute-force", "all"), default="ilp",
-                   help="ilp (Robion, default), smg (one GPU per model), eps (even split), brute-force, or all")
-    p.add_argument("--profile", default=DEFAULT_PROFILE, help=f"profile for limits and --simulate (default {DEFAULT_PROFILE})")
+    p.add_argument(
+        "--limits",
+        type=_limit_mix,
+        help="robot limits per GPU instead of measuring them: MODEL=L or MODEL=L1/L2/L3 (L_k: k models "
+        "share the GPU), e.g. pi0=11/6/6/4,smolvla=51/18",
+    )
+    p.add_argument(
+        "--method",
+        choices=("ilp", "smg", "eps", "brute-force", "all"),
+        default="ilp",
+        help="ilp (Robion, default), smg (one GPU per model), eps (even split), brute-force, or all",
+    )
+    p.add_argument(
+        "--profile", default=DEFAULT_PROFILE, help=f"profile for limits and --simulate (default {DEFAULT_PROFILE})"
+    )
     p.add_argument("--max-batch", type=int, default=2, help="max batch when simulating (default 2)")
-    p.add_argument("--simulate", action="store_true",
-                   help="also replay the assignment in the simulator and print every model's SLO attainment")
+    p.add_argument(
+        "--simulate",
+        action="store_true",
+        help="also replay the assignment in the simulator and print every model's SLO attainment",
+    )
     p.add_argument("--epochs", type=int, default=5, help="epochs when replaying (default 5)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the replay (default 0; the controller checks with its own)")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the replay (default 0; the controller checks with its own)"
+    )
     p.add_argument("--json", help="write the controller's plan to this file (input of `ow vla serve --plan`)")
     controller_opts(p)
     p.set_defaults(func=cmd_plan)
 
     # profile
-    p = sub.add_parser("profile", help="measure the CPU backend's latency table, or derive the GPU profiles",
-                       description="Measure every stage alone and every co-running batch pair under every thread "
-                                   "split on the CPU backend, writing a profile file the scheduler and simulator "
-                                   "accept; or, with --derive, regenerate a shipped GPU profile from public numbers.")
+    p = sub.add_parser(
+        "profile",
+        help="measure the CPU backend's latency table, or derive the GPU profiles",
+        description="Measure every stage alone and every co-running batch pair under every thread "
+        "split on the CPU backend, writing a profile file the scheduler and simulator "
+        "accept; or, with --derive, regenerate a shipped GPU profile from public numbers.",
+    )
     p.add_argument("--out", help="profile file to write (required when measuring)")
     p.add_argument("--archs", default="pi0,smolvla", help="architectures to measure (default pi0,smolvla)")
     p.add_argument("--batch-sizes", type=_ints, default=(1, 2, 4), help="batch sizes (default 1,2,4)")
     p.add_argument("--threads", type=int, help="intra-op threads to split (default: torch's)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per entry, median kept (default 3)")
-    p.add_argument("--slo-factor", type=float, default=3.0,
-                   help="SLO = factor x batch-1 VLM+ADiT time (default 3)")
-    p.add_argument("--derive", choices=("rtx-pro-6000", "h100"),
-                   help="instead of measuring, derive this GPU server's profile from public numbers")
+    p.add_argument("--slo-factor", type=float, default=3.0, help="SLO = factor x batch-1 VLM+ADiT time (default 3)")
+    p.add_argument(
+        "--derive",
+        choices=("rtx-pro-6000", "h100"),
+        help="instead of measuring, derive this GPU server's profile from public numbers",
+    )
     p.set_defaults(func=cmd_profile)
 
     # simulate
-    p = sub.add_parser("simulate", help="simulate one system at one load and print SLO attainment and latency",
-                       description="Discrete-event simulation of robots at 2 Hz, WiFi 7-like network and one GPU "
-                                   "(or the stage GPUs of dis-K:M), driven by the shared scheduler code.")
+    p = sub.add_parser(
+        "simulate",
+        help="simulate one system at one load and print SLO attainment and latency",
+        description="Discrete-event simulation of robots at 2 Hz, WiFi 7-like network and one GPU "
+        "(or the stage GPUs of dis-K:M), driven by the shared scheduler code.",
+    )
     p.add_argument("--robots", type=_robot_mix, required=True, help="robot mix, e.g. pi0=12,smolvla=20")
     p.add_argument("--system", default="robion", help="robion, monolithic, vllm-omni, or dis-K:M (default robion)")
     policy_opts(p)
-    p.add_argument("--sm-mode", choices=("dynamic", "static"), default="dynamic",
-                   help="robion: per-pair VLM share from the profile (dynamic) or always 50%% (static)")
+    p.add_argument(
+        "--sm-mode",
+        choices=("dynamic", "static"),
+        default="dynamic",
+        help="robion: per-pair VLM share from the profile (dynamic) or always 50%% (static)",
+    )
     p.add_argument("--profile", default=DEFAULT_PROFILE, help=f"profile name or file (default {DEFAULT_PROFILE})")
     p.add_argument("--epochs", type=int, default=5, help="epochs with resampled robot phases (default 5)")
     p.add_argument("--duration", type=float, default=10.0, help="simulated seconds per epoch (default 10)")
@@ -699,8 +908,11 @@ def register(subparsers) -> None:
     p.set_defaults(func=cmd_simulate)
 
     # models
-    p = sub.add_parser("models", help="list the served model catalogue and the shipped profiles",
-                       description="List model names, their architecture shapes, and shipped profiles with SLOs.")
+    p = sub.add_parser(
+        "models",
+        help="list the served model catalogue and the shipped profiles",
+        description="List model names, their architecture shapes, and shipped profiles with SLOs.",
+    )
     p.set_defaults(func=cmd_models)
 
 

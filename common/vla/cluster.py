@@ -16,12 +16,12 @@ observation does not depend on where it runs (noise seeded from the request byte
 
 Needs `ray[serve]` (the `cluster` extra). See docs/vla.md for running it on real machines.
 """
+
 # No `from __future__ import annotations` here: FastAPI must see the real WebSocket annotation
 # through Ray Serve's class-based view, or it takes `ws` for a query parameter (close code 1008).
 import asyncio
 import os
 import time
-from typing import Optional
 
 import ray
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
@@ -50,9 +50,16 @@ class GpuServer:
         self.node = ray.get_runtime_context().get_node_id()
         self.where = {"gpu": gpu, "node": self.node, "pid": os.getpid()}
 
-    async def infer(self, model: str, message: bytes, robot: str, prev_total_ms: Optional[float]):
-        reply, _ = await answer(self.engine, model, message, robot, self.max_request_bytes, prev_total_ms,
-                                {"gpu": self.gpu, "node": self.node})
+    async def infer(self, model: str, message: bytes, robot: str, prev_total_ms: float | None):
+        reply, _ = await answer(
+            self.engine,
+            model,
+            message,
+            robot,
+            self.max_request_bytes,
+            prev_total_ms,
+            {"gpu": self.gpu, "node": self.node},
+        )
         return reply
 
     def metadata(self, model: str) -> dict:
@@ -71,8 +78,9 @@ class GpuServer:
 class Gateway:
     """The robots' openpi endpoint; routes each robot to a GPU deployment of the plan."""
 
-    def __init__(self, gpus: dict, quotas: dict, keys: Optional[dict], default_model: str,
-                 request_timeout_s: float = 60.0):
+    def __init__(
+        self, gpus: dict, quotas: dict, keys: dict | None, default_model: str, request_timeout_s: float = 60.0
+    ):
         self.handles = {int(g): h for g, h in gpus.items()}
         order = sorted(self.handles)
         self.order = order
@@ -129,8 +137,9 @@ class Gateway:
                     continue
                 t0 = time.monotonic()
                 try:
-                    reply = await asyncio.wait_for(handle.infer.remote(model, data, robot, prev_total_ms),
-                                                   self.request_timeout_s)
+                    reply = await asyncio.wait_for(
+                        handle.infer.remote(model, data, robot, prev_total_ms), self.request_timeout_s
+                    )
                 except Exception as exc:  # replica lost mid-request, or none yet: an error, never a guess
                     reply = f"error: GPU {gpu} serving {model} is unavailable ({type(exc).__name__}); retry"
                 if isinstance(reply, str):
@@ -144,9 +153,16 @@ class Gateway:
             self.router.release(index, model)
 
 
-def build_app(layout: dict[int, dict[str, int]], *, engine_options: dict, keys: Optional[dict], default_model: str,
-              gpu_resource: str = "GPU", gateway_resources: Optional[dict] = None,
-              request_timeout_s: float = 60.0):
+def build_app(
+    layout: dict[int, dict[str, int]],
+    *,
+    engine_options: dict,
+    keys: dict | None,
+    default_model: str,
+    gpu_resource: str = "GPU",
+    gateway_resources: dict | None = None,
+    request_timeout_s: float = 60.0,
+):
     """The Serve application for a plan: `layout` is GPU -> {model: robots}."""
     if gpu_resource == "GPU":
         gpu_opts = {"num_gpus": 1, "num_cpus": 0}
@@ -156,17 +172,31 @@ def build_app(layout: dict[int, dict[str, int]], *, engine_options: dict, keys: 
     handles = {}
     for g, robots in sorted(layout.items()):
         handles[g] = gpu_deployment.options(
-            name=f"gpu{g}", num_replicas=1, ray_actor_options=dict(gpu_opts),
-            health_check_period_s=5, graceful_shutdown_timeout_s=5,
+            name=f"gpu{g}",
+            num_replicas=1,
+            ray_actor_options=dict(gpu_opts),
+            health_check_period_s=5,
+            graceful_shutdown_timeout_s=5,
         ).bind(g, sorted(robots), engine_options)
     gateway = serve.deployment(Gateway).options(
-        name="gateway", num_replicas=1, max_ongoing_requests=10_000,
-        ray_actor_options={"num_cpus": 0, **({"resources": gateway_resources} if gateway_resources else {})})
+        name="gateway",
+        num_replicas=1,
+        max_ongoing_requests=10_000,
+        ray_actor_options={"num_cpus": 0, **({"resources": gateway_resources} if gateway_resources else {})},
+    )
     return gateway.bind(handles, {g: dict(r) for g, r in layout.items()}, keys, default_model, request_timeout_s)
 
 
-def deploy(address: str, layout: dict[int, dict[str, int]], *, host: str, port: int, proxy_location: str,
-           node_ip_address: Optional[str] = None, **app_kw) -> None:
+def deploy(
+    address: str,
+    layout: dict[int, dict[str, int]],
+    *,
+    host: str,
+    port: int,
+    proxy_location: str,
+    node_ip_address: str | None = None,
+    **app_kw,
+) -> None:
     """Connect to the Ray cluster, start Serve's proxy and run the application (returns when ready)."""
     ray.init(address=address, log_to_driver=False, logging_level="warning", _node_ip_address=node_ip_address)
     serve.start(http_options={"host": host, "port": port, "location": proxy_location})

@@ -9,6 +9,7 @@ The public-scale sizes used to derive GPU latency profiles live in `analytic.py`
 A `ModelSpec` is one served model: an architecture plus a variant seed (fine-tuned variants of
 one architecture share its latency profile, as in the paper §4.1.3).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -60,8 +61,17 @@ class ArchConfig:
 # (LIBERO fills two and masks the third), 48 prompt tokens, state fed to the action expert,
 # action horizon 50, 10 flow-matching steps, actions padded to 32 dims, LIBERO returns 7.
 PI0 = ArchConfig(
-    name="pi0", image_size=224, cameras=3, patch_size=14, pixel_shuffle=1, max_text_tokens=48,
-    state_dim=8, state_in_prefix=False, action_horizon=50, model_action_dim=32, output_action_dim=7,
+    name="pi0",
+    image_size=224,
+    cameras=3,
+    patch_size=14,
+    pixel_shuffle=1,
+    max_text_tokens=48,
+    state_dim=8,
+    state_in_prefix=False,
+    action_horizon=50,
+    model_action_dim=32,
+    output_action_dim=7,
     denoise_steps=10,
 )
 
@@ -69,9 +79,20 @@ PI0 = ArchConfig(
 # 224 px with 16 px patches and shuffle 2 that is 49), state projected into the prefix, chunk 50,
 # 10 flow-matching steps, action expert narrower than the VLM (0.75x).
 SMOLVLA = ArchConfig(
-    name="smolvla", image_size=224, cameras=2, patch_size=16, pixel_shuffle=2, max_text_tokens=48,
-    state_dim=8, state_in_prefix=True, action_horizon=50, model_action_dim=32, output_action_dim=7,
-    denoise_steps=10, hidden=64, expert_hidden=48,
+    name="smolvla",
+    image_size=224,
+    cameras=2,
+    patch_size=16,
+    pixel_shuffle=2,
+    max_text_tokens=48,
+    state_dim=8,
+    state_in_prefix=True,
+    action_horizon=50,
+    model_action_dim=32,
+    output_action_dim=7,
+    denoise_steps=10,
+    hidden=64,
+    expert_hidden=48,
 )
 
 ARCHS: dict[str, ArchConfig] = {a.name: a for a in (PI0, SMOLVLA)}

@@ -17,15 +17,15 @@ request waits behind the other variants' locksteps. So the controller here:
 GPUs are independent in the simulator (each robot talks to one GPU), so a GPU's check depends only
 on its composition; checks are cached per composition.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 from common.vla import sim
 from common.vla.config import model_spec
-from common.vla.management import (DEFAULT_ILP_TIME_LIMIT_S, Limits, Placement, TrafficAssignment, assign_ilp,
-                                   gpu_load)
+from common.vla.management import DEFAULT_ILP_TIME_LIMIT_S, Limits, Placement, TrafficAssignment, assign_ilp, gpu_load
 from common.vla.profiles import ProfileTable
 
 DERATE_MARGIN = 0.98  # a failing composition's limits drop to 98 % of its load: it no longer fits
@@ -76,31 +76,49 @@ class ControllerPlan:
         return self.assignment.counts
 
 
-def check(profile: ProfileTable, robots: Mapping[str, int], max_batch: Mapping[str, int],
-          s: ControllerSettings) -> sim.SimResult:
+def check(
+    profile: ProfileTable, robots: Mapping[str, int], max_batch: Mapping[str, int], s: ControllerSettings
+) -> sim.SimResult:
     """One GPU serving `robots`, simulated in `s.check_draws` independent draws of robot phases and
     network delays (`s.epochs` epochs in all); each model's attainment is its worst draw. A
     composition whose attainment swings with the phases (a tight-SLO model beside a slow one) must
     hold in every draw, not only on average."""
     draws = max(1, s.check_draws)
     per_draw = max(1, s.epochs // draws)
-    results = [sim.simulate(sim.robion(max_batch=dict(max_batch)),
-                            sim.Workload(dict(robots), epochs=per_draw, duration_s=s.duration_s, seed=s.seed + d),
-                            profile) for d in range(draws)]
+    results = [
+        sim.simulate(
+            sim.robion(max_batch=dict(max_batch)),
+            sim.Workload(dict(robots), epochs=per_draw, duration_s=s.duration_s, seed=s.seed + d),
+            profile,
+        )
+        for d in range(draws)
+    ]
     worst = {m: min((r.per_model[m] for r in results), key=lambda st: st.attainment) for m in robots}
     first = results[0]
-    return sim.SimResult(first.system, first.robots, sum(w.requests for w in worst.values()),
-                         sum(w.met for w in worst.values()), first.p50_ms, max(r.p99_ms for r in results), worst)
+    return sim.SimResult(
+        first.system,
+        first.robots,
+        sum(w.requests for w in worst.values()),
+        sum(w.met for w in worst.values()),
+        first.p50_ms,
+        max(r.p99_ms for r in results),
+        worst,
+    )
 
 
-def _worst_equal_split(profile: ProfileTable, models: list[str], n: int, s: ControllerSettings,
-                       max_batch: Mapping[str, int]) -> sim.SimResult:
+def _worst_equal_split(
+    profile: ProfileTable, models: list[str], n: int, s: ControllerSettings, max_batch: Mapping[str, int]
+) -> sim.SimResult:
     return check(profile, {m: n for m in models}, max_batch, s)
 
 
-def colocation_limits(profile: ProfileTable, models, max_batch: Mapping[str, int] | int = 2,
-                      settings: ControllerSettings = ControllerSettings(),
-                      progress: Callable[[str], None] | None = None) -> dict[str, tuple[int, ...]]:
+def colocation_limits(
+    profile: ProfileTable,
+    models,
+    max_batch: Mapping[str, int] | int = 2,
+    settings: ControllerSettings = ControllerSettings(),
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, tuple[int, ...]]:
     """L(k) per model: the most robots in all that one GPU serves at `plan_target` for every model
     when k variants of the model's architecture share it with equal robots (k = 1, 2, ...).
 
@@ -119,8 +137,9 @@ def colocation_limits(profile: ProfileTable, models, max_batch: Mapping[str, int
         table: list[int] = []
         for k in range(1, len(variants) + 1):
             cap = settings.cap if k == 1 else max(1, table[-1] // k)
-            per, _ = sim.max_robots(lambda n: _worst_equal_split(profile, variants[:k], n, settings, mb),
-                                    settings.plan_target, cap=cap)
+            per, _ = sim.max_robots(
+                lambda n: _worst_equal_split(profile, variants[:k], n, settings, mb), settings.plan_target, cap=cap
+            )
             total = min(per * k, table[-1]) if table else per
             if total == 0:
                 break
@@ -132,21 +151,32 @@ def colocation_limits(profile: ProfileTable, models, max_batch: Mapping[str, int
 
 
 class TrafficController:
-    def __init__(self, profile: ProfileTable, limits: Limits, max_batch: Mapping[str, int] | int = 2,
-                 settings: ControllerSettings = ControllerSettings()):
+    def __init__(
+        self,
+        profile: ProfileTable,
+        limits: Limits,
+        max_batch: Mapping[str, int] | int = 2,
+        settings: ControllerSettings = ControllerSettings(),
+    ):
         self.profile, self.settings = profile, settings
         self.max_batch = max_batch
         # Learned limits: start from the measured ones, lowered where a check failed.
         self.limits: dict[str, list[float]] = {
             m: ([float(v)] * settings.max_models_per_gpu if isinstance(v, (int, float)) else [float(x) for x in v])
-            for m, v in limits.items()}
+            for m, v in limits.items()
+        }
         self._checked: dict[tuple, dict[str, float]] = {}
         self.derated: list[str] = []  # what the checks taught, for the report
 
     @classmethod
-    def calibrate(cls, profile: ProfileTable, models, max_batch: Mapping[str, int] | int = 2,
-                  settings: ControllerSettings = ControllerSettings(),
-                  progress: Callable[[str], None] | None = None) -> "TrafficController":
+    def calibrate(
+        cls,
+        profile: ProfileTable,
+        models,
+        max_batch: Mapping[str, int] | int = 2,
+        settings: ControllerSettings = ControllerSettings(),
+        progress: Callable[[str], None] | None = None,
+    ) -> TrafficController:
         return cls(profile, colocation_limits(profile, models, max_batch, settings, progress), max_batch, settings)
 
     def _mb(self, m: str) -> int:
@@ -181,8 +211,9 @@ class TrafficController:
                 return ControllerPlan(a, tuple(checks), True, rnd)
             for c in failing:
                 self._derate(c)
-        return ControllerPlan(a, tuple(checks), False, s.max_rounds,
-                              f"a GPU still missed {s.plan_target:.1%} after {s.max_rounds} rounds")
+        return ControllerPlan(
+            a, tuple(checks), False, s.max_rounds, f"a GPU still missed {s.plan_target:.1%} after {s.max_rounds} rounds"
+        )
 
     def _derate(self, c: GpuCheck) -> None:
         """Lower the limits of the failing GPU's architectures at its model count below its load."""
@@ -192,8 +223,10 @@ class TrafficController:
         for m, table in self.limits.items():
             if model_spec(m).arch in archs and k <= len(table):
                 table[k - 1] *= factor
-        self.derated.append(f"GPU {c.gpu} {dict(c.robots)} (load {c.load:.2f}) reached "
-                            f"{c.worst:.1%}: limits of {', '.join(sorted(archs))} with {k} models x {factor:.2f}")
+        self.derated.append(
+            f"GPU {c.gpu} {dict(c.robots)} (load {c.load:.2f}) reached "
+            f"{c.worst:.1%}: limits of {', '.join(sorted(archs))} with {k} models x {factor:.2f}"
+        )
 
 
 def format_plan(plan: ControllerPlan, placement: Placement) -> str:
@@ -205,7 +238,6 @@ def format_plan(plan: ControllerPlan, placement: Placement) -> str:
     verdict = "every model meets the check" if plan.verified else f"NOT verified: {plan.note}"
     lines.append(f"  controller: {verdict} (round {plan.rounds})")
     return "\n".join(lines)
-
 
 
 PLAN_FORMAT = "orbitweaver.vla.plan/1"
@@ -221,8 +253,11 @@ def write_plan(path, plan: ControllerPlan, placement: Placement, robots: Mapping
         "placement": placement.name,
         "n_gpus": placement.n_gpus,
         "robots": dict(robots),
-        "gpus": [{"gpu": g, "robots": plan.assignment.robots_on(g)} for g in range(placement.n_gpus)
-                 if plan.assignment.robots_on(g)],
+        "gpus": [
+            {"gpu": g, "robots": plan.assignment.robots_on(g)}
+            for g in range(placement.n_gpus)
+            if plan.assignment.robots_on(g)
+        ],
         "within_limits": plan.assignment.feasible,
         "checked": plan.verified,
         "optimal": plan.assignment.optimal,
@@ -243,8 +278,10 @@ def read_plan(path) -> dict[int, dict[str, int]]:
     with open(path) as f:
         doc = json.load(f)
     if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
-        raise ValueError(f"{path}: not a VLA plan (format {doc.get('format') if isinstance(doc, dict) else None!r}, "
-                         f"expected {PLAN_FORMAT!r})")
+        raise ValueError(
+            f"{path}: not a VLA plan (format {doc.get('format') if isinstance(doc, dict) else None!r}, "
+            f"expected {PLAN_FORMAT!r})"
+        )
     gpus: dict[int, dict[str, int]] = {}
     for entry in doc.get("gpus", []):
         g, on = int(entry["gpu"]), {str(m): int(n) for m, n in entry["robots"].items()}

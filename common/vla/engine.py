@@ -5,13 +5,14 @@ A coordinator thread repeatedly asks the scheduler for a lockstep plan, hands it
 partition), waits for both stages (the lockstep barrier) and reports completion back to the
 scheduler. Requests arrive from any thread (`submit`) and are answered through futures.
 """
+
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
 
 import numpy as np
 
@@ -63,8 +64,14 @@ def select_backend(kind: str = "auto", threads: int | None = None):
 
 
 class ServingEngine:
-    def __init__(self, policies: Mapping[str, VlaPolicy], scheduler: LockstepScheduler | SequentialScheduler,
-                 backend, slo_ms: Mapping[str, float], clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        policies: Mapping[str, VlaPolicy],
+        scheduler: LockstepScheduler | SequentialScheduler,
+        backend,
+        slo_ms: Mapping[str, float],
+        clock: Callable[[], float] = time.monotonic,
+    ):
         missing = set(scheduler.models) - set(policies)
         if missing:
             raise ValueError(f"no policy loaded for {sorted(missing)}")
@@ -79,9 +86,19 @@ class ServingEngine:
         self._log = ow_log.get("vla.engine", backend=backend.name)
 
     @classmethod
-    def build(cls, models: list[str], *, system: str = "robion", policy: str = "esf", max_batch: int = 4,
-              profile=None, slo_ms: Mapping[str, float] | None = None, backend: str = "auto",
-              threads: int | None = None, batch_sizes: tuple[int, ...] | None = None) -> "ServingEngine":
+    def build(
+        cls,
+        models: list[str],
+        *,
+        system: str = "robion",
+        policy: str = "esf",
+        max_batch: int = 4,
+        profile=None,
+        slo_ms: Mapping[str, float] | None = None,
+        backend: str = "auto",
+        threads: int | None = None,
+        batch_sizes: tuple[int, ...] | None = None,
+    ) -> ServingEngine:
         """Load the models (tiny random weights) and wire scheduler and backend together."""
         be = select_backend(backend, threads)
         import torch
@@ -91,8 +108,9 @@ class ServingEngine:
         specs = [model_spec(m) for m in models]
         policies = {s.name: VlaPolicy(s, device=device, dtype=dtype) for s in specs}
         arch_of = {s.name: s.arch for s in specs}
-        sched = make_scheduler(system, arch_of, policy=policy, max_batch=max_batch, profile=profile,
-                               batch_sizes=batch_sizes)
+        sched = make_scheduler(
+            system, arch_of, policy=policy, max_batch=max_batch, profile=profile, batch_sizes=batch_sizes
+        )
         slo = {}
         for s in specs:
             if slo_ms and s.name in slo_ms:
@@ -134,15 +152,20 @@ class ServingEngine:
         for model, policy in self.policies.items():
             arch = model_spec(model).arch
             for size in self.scheduler.batch_sizes:
+
                 def batch(stage):
-                    reqs = tuple(VlaRequest(model, 0.0, 0.0, 1.0, payload=policy.prepare(example_observation(i)))
-                                 for i in range(size))
+                    reqs = tuple(
+                        VlaRequest(model, 0.0, 0.0, 1.0, payload=policy.prepare(example_observation(i)))
+                        for i in range(size)
+                    )
                     return StageBatch(stage, model, arch, reqs, size)
 
                 first = batch(Stage.VLM)
                 if sequential:
-                    self.backend.run(LockstepPlan(-1, first, StageBatch(Stage.ADIT, model, arch, first.requests, size),
-                                                  1.0, True), self.policies)
+                    self.backend.run(
+                        LockstepPlan(-1, first, StageBatch(Stage.ADIT, model, arch, first.requests, size), 1.0, True),
+                        self.policies,
+                    )
                     continue
                 self.backend.run(LockstepPlan(-1, first, None, 1.0), self.policies)
                 adit = StageBatch(Stage.ADIT, model, arch, first.requests, size)  # their prefixes exist now
@@ -151,12 +174,17 @@ class ServingEngine:
         self._log.info("vla_engine_warmed_up", seconds=round(seconds, 3), batch_sizes=list(self.scheduler.batch_sizes))
         return seconds
 
-    def start(self) -> "ServingEngine":
+    def start(self) -> ServingEngine:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="vla-coordinator", daemon=True)
             self._thread.start()
-            self._log.info("vla_engine_started", models=sorted(self.policies), scheduler=type(self.scheduler).__name__,
-                           policy=self.scheduler.policy_name, max_batch=self.scheduler.max_batch)
+            self._log.info(
+                "vla_engine_started",
+                models=sorted(self.policies),
+                scheduler=type(self.scheduler).__name__,
+                policy=self.scheduler.policy_name,
+                max_batch=self.scheduler.max_batch,
+            )
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -209,8 +237,9 @@ class ServingEngine:
     def _resolve(self, r: VlaRequest, fut: Future | None) -> None:
         slo = self.slo_ms[r.model]
         total = (r.done_at - r.arrived_at) * 1e3
-        result = PolicyResult(r.result, r.model, r.request_id, (r.vlm_done_at - r.arrived_at) * 1e3, total, slo,
-                              total <= slo)
+        result = PolicyResult(
+            r.result, r.model, r.request_id, (r.vlm_done_at - r.arrived_at) * 1e3, total, slo, total <= slo
+        )
         r.payload = r.result = None
         self.stats.served += 1
         self.stats.slo_met += result.slo_met

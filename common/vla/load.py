@@ -14,6 +14,7 @@ Reported per model (never pooled alone): requests, answered, errors, SLO attainm
 and which GPU (`gpu` in the reply) served them. Requests sent during the first `warmup_s` are
 served but not counted; a request unanswered at the end counts as a miss.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -59,9 +60,18 @@ class ModelLoad:
         return float(np.percentile(np.asarray(self.latencies_ms), q, method="higher"))
 
     def to_json(self) -> dict:
-        return {"robots": self.robots, "slo_ms": self.slo_ms, "requests": self.requests, "answered": self.answered,
-                "errors": len(self.errors), "first_errors": self.errors[:3], "attainment": self.attainment,
-                "p50_ms": self.percentile(50), "p99_ms": self.percentile(99), "gpus": self.gpus}
+        return {
+            "robots": self.robots,
+            "slo_ms": self.slo_ms,
+            "requests": self.requests,
+            "answered": self.answered,
+            "errors": len(self.errors),
+            "first_errors": self.errors[:3],
+            "attainment": self.attainment,
+            "p50_ms": self.percentile(50),
+            "p99_ms": self.percentile(99),
+            "gpus": self.gpus,
+        }
 
 
 @dataclass
@@ -77,14 +87,18 @@ class LoadReport:
         return min((m.attainment for m in self.models.values()), default=1.0)
 
     def lines(self) -> list[str]:
-        out = [f"load: {sum(m.robots for m in self.models.values())} robots at {self.rate_hz:g} Hz for "
-               f"{self.duration_s:g} s against {self.url} (network: {self.network})",
-               f"{'model':14} {'robots':>6} {'SLO ms':>7} {'requests':>8} {'answered':>8} {'errors':>6} "
-               f"{'attain':>7} {'p50 ms':>8} {'p99 ms':>8}  served by"]
+        out = [
+            f"load: {sum(m.robots for m in self.models.values())} robots at {self.rate_hz:g} Hz for "
+            f"{self.duration_s:g} s against {self.url} (network: {self.network})",
+            f"{'model':14} {'robots':>6} {'SLO ms':>7} {'requests':>8} {'answered':>8} {'errors':>6} "
+            f"{'attain':>7} {'p50 ms':>8} {'p99 ms':>8}  served by",
+        ]
         for m in self.models.values():
             served = ", ".join(f"{g}: {n}" for g, n in sorted(m.gpus.items())) or "-"
-            out.append(f"{m.model:14} {m.robots:6} {m.slo_ms:7.1f} {m.requests:8} {m.answered:8} {len(m.errors):6} "
-                       f"{m.attainment:7.1%} {m.percentile(50):8.1f} {m.percentile(99):8.1f}  {served}")
+            out.append(
+                f"{m.model:14} {m.robots:6} {m.slo_ms:7.1f} {m.requests:8} {m.answered:8} {len(m.errors):6} "
+                f"{m.attainment:7.1%} {m.percentile(50):8.1f} {m.percentile(99):8.1f}  {served}"
+            )
         for m in self.models.values():
             if m.errors:
                 out.append(f"{m.model}: {len(m.errors)} error(s), first: {m.errors[0]}")
@@ -92,8 +106,14 @@ class LoadReport:
         return out
 
     def to_json(self) -> dict:
-        return {"url": self.url, "duration_s": self.duration_s, "rate_hz": self.rate_hz, "network": self.network,
-                "worst_attainment": self.worst_attainment, "models": {k: v.to_json() for k, v in self.models.items()}}
+        return {
+            "url": self.url,
+            "duration_s": self.duration_s,
+            "rate_hz": self.rate_hz,
+            "network": self.network,
+            "worst_attainment": self.worst_attainment,
+            "models": {k: v.to_json() for k, v in self.models.items()},
+        }
 
 
 def observation(rng: np.random.Generator, prompt: str = "put the bowl on the plate") -> dict:
@@ -106,9 +126,22 @@ def observation(rng: np.random.Generator, prompt: str = "put the bowl on the pla
     }
 
 
-async def _robot(url: str, model: str, index: int, load: ModelLoad, *, rate_hz: float, duration_s: float,
-                 warmup_s: float, network: NetworkModel | None, seed: int, token: str | None, t_start: float,
-                 slo_override: float | None, drain_s: float) -> None:
+async def _robot(
+    url: str,
+    model: str,
+    index: int,
+    load: ModelLoad,
+    *,
+    rate_hz: float,
+    duration_s: float,
+    warmup_s: float,
+    network: NetworkModel | None,
+    seed: int,
+    token: str | None,
+    t_start: float,
+    slo_override: float | None,
+    drain_s: float,
+) -> None:
     rng = np.random.default_rng([seed, index])
     frames = [packb(observation(rng)) for _ in range(4)]  # encoded once: the generator stays light
     headers = {"Authorization": f"Api-Key {token}"} if token else None
@@ -119,8 +152,9 @@ async def _robot(url: str, model: str, index: int, load: ModelLoad, *, rate_hz: 
     loop = asyncio.get_running_loop()
     deadline = t_start + duration_s + drain_s
     try:
-        async with connect(f"{url.rstrip('/')}/{model}", additional_headers=headers, max_size=None,
-                           compression=None, open_timeout=60) as ws:
+        async with connect(
+            f"{url.rstrip('/')}/{model}", additional_headers=headers, max_size=None, compression=None, open_timeout=60
+        ) as ws:
             first = await ws.recv()
             if isinstance(first, str):  # the server refused the model path
                 raise websockets.InvalidMessage(first)
@@ -129,7 +163,7 @@ async def _robot(url: str, model: str, index: int, load: ModelLoad, *, rate_hz: 
                 load.slo_ms = float(meta["slo_ms"])
             for k, tick in enumerate(ticks):
                 now = loop.time() - t_start
-                up, down = (network.delays(rng, 1) if network else (np.zeros(1), np.zeros(1)))
+                up, down = network.delays(rng, 1) if network else (np.zeros(1), np.zeros(1))
                 await asyncio.sleep(max(0.0, tick - now) + float(up[0]))
                 await ws.send(frames[k % len(frames)])
                 reply = await asyncio.wait_for(ws.recv(), timeout=max(0.1, deadline - loop.time()))
@@ -141,27 +175,57 @@ async def _robot(url: str, model: str, index: int, load: ModelLoad, *, rate_hz: 
                 results[k] = (loop.time() - t_start - tick) * 1e3
                 label = str(body.get("gpu", body.get("served_by", "?"))) if isinstance(body, dict) else "?"
                 load.gpus[label] = load.gpus.get(label, 0) + 1
-    except (OSError, asyncio.TimeoutError, websockets.WebSocketException) as exc:
+    except (TimeoutError, OSError, websockets.WebSocketException) as exc:
         load.errors.append(f"robot {model}#{index}: {type(exc).__name__}: {exc}")
     load.latencies_ms.extend(r for r, m in zip(results, measured) if m)
 
 
-async def run_load_async(url: str, robots: dict[str, int], *, rate_hz: float = 2.0, duration_s: float = 10.0,
-                         warmup_s: float = 1.0, network: NetworkModel | None = NetworkModel(), seed: int = 0,
-                         token: str | None = None, slo_ms: float | None = None, drain_s: float = 10.0) -> LoadReport:
+async def run_load_async(
+    url: str,
+    robots: dict[str, int],
+    *,
+    rate_hz: float = 2.0,
+    duration_s: float = 10.0,
+    warmup_s: float = 1.0,
+    network: NetworkModel | None = NetworkModel(),
+    seed: int = 0,
+    token: str | None = None,
+    slo_ms: float | None = None,
+    drain_s: float = 10.0,
+) -> LoadReport:
     loads = {m: ModelLoad(m, n, slo_ms if slo_ms is not None else math.inf) for m, n in robots.items() if n > 0}
     loop = asyncio.get_running_loop()
     t_start = loop.time() + 0.5  # every robot connects first, then the clock starts
     tasks, index = [], 0
     for m, load in loads.items():
         for _ in range(load.robots):
-            tasks.append(_robot(url, m, index, load, rate_hz=rate_hz, duration_s=duration_s, warmup_s=warmup_s,
-                                network=network, seed=seed, token=token, t_start=t_start, slo_override=slo_ms,
-                                drain_s=drain_s))
+            tasks.append(
+                _robot(
+                    url,
+                    m,
+                    index,
+                    load,
+                    rate_hz=rate_hz,
+                    duration_s=duration_s,
+                    warmup_s=warmup_s,
+                    network=network,
+                    seed=seed,
+                    token=token,
+                    t_start=t_start,
+                    slo_override=slo_ms,
+                    drain_s=drain_s,
+                )
+            )
             index += 1
     await asyncio.gather(*tasks)
-    label = "none" if network is None else (f"WiFi 7-like: {network.base_ms:g} ms + lognormal jitter (median "
-                                            f"{network.jitter_median_ms:g} ms) + payload at {network.uplink_mbps:g} Mb/s")
+    label = (
+        "none"
+        if network is None
+        else (
+            f"WiFi 7-like: {network.base_ms:g} ms + lognormal jitter (median "
+            f"{network.jitter_median_ms:g} ms) + payload at {network.uplink_mbps:g} Mb/s"
+        )
+    )
     return LoadReport(url, duration_s, rate_hz, label, loads)
 
 

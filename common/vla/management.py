@@ -36,12 +36,13 @@ Baselines, as the paper names them (our reading, see docs/vla.md):
   EPS — even population split: each model's robots are spread evenly over all GPUs hosting it;
         load is balanced but every GPU sees small per-model queues (little batching).
 """
+
 from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -68,12 +69,14 @@ class Placement:
         return [(m, g) for m, gs in self.hosts.items() for g in gs]
 
     @classmethod
-    def colocate(cls, models: Iterable[str], n_gpus: int) -> "Placement":
+    def colocate(cls, models: Iterable[str], n_gpus: int) -> Placement:
         """'mix': every model on every GPU."""
         return cls("mix", n_gpus, {m: tuple(range(n_gpus)) for m in models})
 
     @classmethod
-    def groups(cls, groups: list[tuple[list[str], list[int]]], n_gpus: int | None = None, name: str | None = None) -> "Placement":
+    def groups(
+        cls, groups: list[tuple[list[str], list[int]]], n_gpus: int | None = None, name: str | None = None
+    ) -> Placement:
         """Disjoint GPU groups, each hosting its models (a model may appear in one group only)."""
         hosts, used = {}, set()
         for models, gpus in groups:
@@ -89,11 +92,11 @@ class Placement:
         return cls(label, n, hosts)
 
     @classmethod
-    def replicate(cls, model: str, gpus: Iterable[int], n_gpus: int) -> "Placement":
+    def replicate(cls, model: str, gpus: Iterable[int], n_gpus: int) -> Placement:
         return cls(f"replicate-{model}", n_gpus, {model: tuple(sorted(gpus))})
 
     @classmethod
-    def parse(cls, spec: str, models: list[str], n_gpus: int) -> "Placement":
+    def parse(cls, spec: str, models: list[str], n_gpus: int) -> Placement:
         """'mix', or groups like 'pi0*:0,1;smolvla*:2,3' (model globs : GPU list, ';' between groups)."""
         import fnmatch
 
@@ -175,8 +178,16 @@ def _check(robots: Mapping[str, int], limits: Limits, placement: Placement) -> N
             raise ValueError(f"model {m} has no positive robot limit")
 
 
-def _evaluate(method: str, counts: dict[tuple[str, int], int], robots, limits, placement, solve_ms=0.0,
-              optimal: bool = True, note: str = "") -> TrafficAssignment:
+def _evaluate(
+    method: str,
+    counts: dict[tuple[str, int], int],
+    robots,
+    limits,
+    placement,
+    solve_ms=0.0,
+    optimal: bool = True,
+    note: str = "",
+) -> TrafficAssignment:
     _check(robots, limits, placement)
     per_gpu: dict[int, dict[str, int]] = {g: {} for g in range(placement.n_gpus)}
     for (m, g), n in counts.items():
@@ -189,8 +200,18 @@ def _evaluate(method: str, counts: dict[tuple[str, int], int], robots, limits, p
     # Lexicographic objective: overload first; splits and GPUs in use only matter when all fits.
     fits = overload <= TOL
     key = (round(overload, 9), splits if fits else 0, -used if fits else 0, round(peak, 9))
-    return TrafficAssignment(method, {k: v for k, v in counts.items() if v}, key, splits, peak,
-                             overload <= TOL, solve_ms, loads, optimal, note)
+    return TrafficAssignment(
+        method,
+        {k: v for k, v in counts.items() if v},
+        key,
+        splits,
+        peak,
+        overload <= TOL,
+        solve_ms,
+        loads,
+        optimal,
+        note,
+    )
 
 
 def assign_greedy(placement: Placement, robots: Mapping[str, int], limits: Limits) -> TrafficAssignment:
@@ -201,9 +222,11 @@ def assign_greedy(placement: Placement, robots: Mapping[str, int], limits: Limit
     _check(robots, limits, placement)
     on: dict[int, dict[str, int]] = {g: {} for g in range(placement.n_gpus)}
     for m in sorted(robots, key=lambda m: -robots[m] * _per_robot(limits, m, 1)):
+
         def cost(g):
             after = {**on[g], m: robots[m]}
             return gpu_load(after, limits), len(after)
+
         best = min(placement.hosts[m], key=cost)
         on[best][m] = robots[m]
     counts = {(m, g): n for g, ms in on.items() for m, n in ms.items()}
@@ -216,8 +239,9 @@ def assign_greedy(placement: Placement, robots: Mapping[str, int], limits: Limit
 _BALANCE_POINTS = tuple(i / 16 for i in range(33))
 
 
-def assign_ilp(placement: Placement, robots: Mapping[str, int], limits: Limits,
-               time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S) -> TrafficAssignment:
+def assign_ilp(
+    placement: Placement, robots: Mapping[str, int], limits: Limits, time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S
+) -> TrafficAssignment:
     """Lexicographic optimum of (overload, splits, -GPUs in use, peak load, balance), one MILP each.
 
     Solving the criteria in sequence (each later MILP constrained to the earlier optima) gives
@@ -297,8 +321,14 @@ def assign_ilp(placement: Placement, robots: Mapping[str, int], limits: Limits,
             if aware:
                 add({**{ix[i]: 1.0 for i in on_gpu[g]}, **{ix[i]: -1.0 for i in on_gpu[g + 1]}}, 0.0, np.inf)
             else:
-                add({**{ix[i]: _per_robot(limits, pairs[i][0], 1) for i in on_gpu[g]},
-                     **{ix[i]: -_per_robot(limits, pairs[i][0], 1) for i in on_gpu[g + 1]}}, 0.0, np.inf)
+                add(
+                    {
+                        **{ix[i]: _per_robot(limits, pairs[i][0], 1) for i in on_gpu[g]},
+                        **{ix[i]: -_per_robot(limits, pairs[i][0], 1) for i in on_gpu[g + 1]},
+                    },
+                    0.0,
+                    np.inf,
+                )
     integrality = np.zeros(nv)
     integrality[ix + iy + iu + list(iw.values())] = 1
     upper = np.full(nv, np.inf)
@@ -319,8 +349,13 @@ def assign_ilp(placement: Placement, robots: Mapping[str, int], limits: Limits,
             cost[j] = v
         extra = [(np.array([cc.get(j, 0.0) for j in range(nv)]), a, b) for cc, a, b in fixed]
         A = np.array(rows + [e[0] for e in extra])
-        res = milp(cost, constraints=LinearConstraint(A, lo + [e[1] for e in extra], hi + [e[2] for e in extra]),
-                   integrality=integrality, bounds=bounds, options={"time_limit": left, "mip_rel_gap": 1e-7})
+        res = milp(
+            cost,
+            constraints=LinearConstraint(A, lo + [e[1] for e in extra], hi + [e[2] for e in extra]),
+            integrality=integrality,
+            bounds=bounds,
+            options={"time_limit": left, "mip_rel_gap": 1e-7},
+        )
         if res.status != 0:  # 1: limit reached (with or without an incumbent); others: solver trouble
             proven[0] = False
             notes.append(f"HiGHS: {res.message}")
@@ -330,8 +365,16 @@ def assign_ilp(placement: Placement, robots: Mapping[str, int], limits: Limits,
         ms = (time.perf_counter() - t0) * 1e3
         if res is None:  # nothing from HiGHS at all: the greedy assignment, flagged
             g = assign_greedy(placement, robots, limits)
-            return _evaluate(method, g.counts, robots, limits, placement, ms, False,
-                             "; ".join(notes + ["greedy assignment (no ILP incumbent in time)"]))
+            return _evaluate(
+                method,
+                g.counts,
+                robots,
+                limits,
+                placement,
+                ms,
+                False,
+                "; ".join(notes + ["greedy assignment (no ILP incumbent in time)"]),
+            )
         counts = {p: int(round(res.x[ix[i]])) for i, p in enumerate(pairs)}
         return _evaluate(method, counts, robots, limits, placement, ms, proven[0], "; ".join(notes))
 
@@ -385,8 +428,9 @@ def _compositions(total: int, parts: int):
         yield out
 
 
-def assign_brute_force(placement: Placement, robots: Mapping[str, int], limits: Mapping[str, float],
-                       max_candidates: int = 2_000_000) -> TrafficAssignment:
+def assign_brute_force(
+    placement: Placement, robots: Mapping[str, int], limits: Mapping[str, float], max_candidates: int = 2_000_000
+) -> TrafficAssignment:
     """Exhaustive search over the same objective (small instances only)."""
     robots = {m: int(n) for m, n in robots.items() if n > 0}
     per_model = []
@@ -432,12 +476,26 @@ def assign_eps(placement: Placement, robots: Mapping[str, int], limits: Mapping[
     return _evaluate("eps", counts, {m: r for m, r in robots.items() if r}, limits, placement)
 
 
-ASSIGNERS = {"ilp": assign_ilp, "smg": assign_smg, "eps": assign_eps, "greedy": assign_greedy,
-             "brute-force": assign_brute_force}
+ASSIGNERS = {
+    "ilp": assign_ilp,
+    "smg": assign_smg,
+    "eps": assign_eps,
+    "greedy": assign_greedy,
+    "brute-force": assign_brute_force,
+}
 
 
-def robot_limits(profile, models: Iterable[str], *, target: float = 0.98, max_batch: int | Mapping[str, int] = 2,
-                 epochs: int = 3, duration_s: float = 10.0, seed: int = 0, cap: int = 128) -> dict[str, int]:
+def robot_limits(
+    profile,
+    models: Iterable[str],
+    *,
+    target: float = 0.98,
+    max_batch: int | Mapping[str, int] = 2,
+    epochs: int = 3,
+    duration_s: float = 10.0,
+    seed: int = 0,
+    cap: int = 128,
+) -> dict[str, int]:
     """Most robots of each model one GPU serves alone at `target` attainment (Robion §4.2.2),
     found by simulating the lockstep engine with the profile. Variants share their architecture's
     result, as they share its profile."""
@@ -452,15 +510,21 @@ def robot_limits(profile, models: Iterable[str], *, target: float = 0.98, max_ba
             mb = max_batch[m] if isinstance(max_batch, Mapping) else max_batch
             system = sim.robion(max_batch=mb)
             by_arch[arch], _ = sim.max_robots(
-                lambda n: sim.simulate(system, sim.Workload({arch: n}, epochs=epochs, duration_s=duration_s, seed=seed),
-                                       profile), target=target, cap=cap)
+                lambda n: sim.simulate(
+                    system, sim.Workload({arch: n}, epochs=epochs, duration_s=duration_s, seed=seed), profile
+                ),
+                target=target,
+                cap=cap,
+            )
         out[m] = by_arch[arch]
     return out
 
 
 def format_assignment(a: TrafficAssignment, placement: Placement) -> str:
-    lines = [f"{a.method}: splits={a.splits} peak_load={a.peak_load:.3f} within_limits={a.feasible} "
-             f"optimal={'yes' if a.optimal else 'no (time limit)'} solve={a.solve_ms:.1f} ms"]
+    lines = [
+        f"{a.method}: splits={a.splits} peak_load={a.peak_load:.3f} within_limits={a.feasible} "
+        f"optimal={'yes' if a.optimal else 'no (time limit)'} solve={a.solve_ms:.1f} ms"
+    ]
     for g in range(placement.n_gpus):
         on = a.robots_on(g)
         desc = ", ".join(f"{m}={n}" for m, n in sorted(on.items())) or "-"

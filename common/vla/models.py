@@ -13,6 +13,7 @@ Real torch modules with random weights, built from an `ArchConfig`:
 (fixed padded batch sizes, pad rows discarded) so that the serving engine can run the two stages
 on different executors.
 """
+
 from __future__ import annotations
 
 import math
@@ -92,7 +93,9 @@ class Block(nn.Module):
         super().__init__()
         self.norm1, self.norm2 = nn.RMSNorm(dim), nn.RMSNorm(dim)
         self.attn = Attention(dim, heads)
-        self.mlp = nn.Sequential(nn.Linear(dim, mlp_ratio * dim), nn.GELU(approximate="tanh"), nn.Linear(mlp_ratio * dim, dim))
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, mlp_ratio * dim), nn.GELU(approximate="tanh"), nn.Linear(mlp_ratio * dim, dim)
+        )
 
     def forward(self, x, key_mask, prefix_kv=None):
         x = x + self.attn(self.norm1(x), key_mask, prefix_kv)
@@ -186,7 +189,7 @@ class AditStage(nn.Module):
             h = torch.cat([self.state_in(state)[:, None, :], h], dim=1)
         for blk, kv in zip(self.blocks, kv_cache):
             h = blk(h, key_mask, kv)
-        return self.action_out(self.norm(h[:, -self.cfg.action_horizon:]))
+        return self.action_out(self.norm(h[:, -self.cfg.action_horizon :]))
 
     def forward(self, prefix, prefix_mask, state, noise):
         b = noise.shape[0]
@@ -231,7 +234,9 @@ class VlaPolicy:
         images = torch.zeros(cfg.cameras, 3, cfg.image_size, cfg.image_size)
         image_mask = torch.zeros(cfg.cameras, dtype=torch.bool)
         for i, img in enumerate(obs.images):
-            images[i] = torch.from_numpy(np.array(img, dtype=np.uint8)).permute(2, 0, 1).float() / 127.5 - 1.0  # copy: wire buffers are read-only
+            images[i] = (
+                torch.from_numpy(np.array(img, dtype=np.uint8)).permute(2, 0, 1).float() / 127.5 - 1.0
+            )  # copy: wire buffers are read-only
             image_mask[i] = True
         tokens, token_mask = tokenize(obs.prompt, cfg.max_text_tokens)
         gen = torch.Generator().manual_seed(int(obs.noise_seed))

@@ -5,11 +5,12 @@ and every co-running (VLM arch, VLM batch, ADiT arch, ADiT batch) pair under eve
 (the CPU's "VLM share"). Writes the same table format as the shipped GPU profiles, so the
 scheduler and the simulator take either.
 """
+
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -24,8 +25,10 @@ DEFAULT_SLO_FACTOR = 3.0  # SLO of a measured CPU profile: 3x the batch-1 VLM + 
 
 def _requests(policy: VlaPolicy, n: int, first_seed: int = 0) -> list[VlaRequest]:
     """n requests with inputs and their VLM prefix (so that any of them can go to an ADiT batch)."""
-    reqs = [VlaRequest(policy.spec.name, 0.0, 0.0, 1.0, payload=policy.prepare(example_observation(first_seed + i)))
-            for i in range(n)]
+    reqs = [
+        VlaRequest(policy.spec.name, 0.0, 0.0, 1.0, payload=policy.prepare(example_observation(first_seed + i)))
+        for i in range(n)
+    ]
     for r, p in zip(reqs, policy.run_vlm([r.payload for r in reqs], n)):
         r.prefix = p
     return reqs
@@ -35,9 +38,15 @@ def _batch(stage: Stage, policy: VlaPolicy, reqs: list[VlaRequest]) -> StageBatc
     return StageBatch(stage, policy.spec.name, policy.spec.arch, tuple(reqs), len(reqs))
 
 
-def measure_cpu_profile(archs: Iterable[str] = ("pi0", "smolvla"), batch_sizes: tuple[int, ...] = (1, 2, 4),
-                        threads: int | None = None, repeats: int = 3, slo_factor: float = DEFAULT_SLO_FACTOR,
-                        name: str = "cpu", progress: Callable[[str], None] | None = None) -> ProfileTable:
+def measure_cpu_profile(
+    archs: Iterable[str] = ("pi0", "smolvla"),
+    batch_sizes: tuple[int, ...] = (1, 2, 4),
+    threads: int | None = None,
+    repeats: int = 3,
+    slo_factor: float = DEFAULT_SLO_FACTOR,
+    name: str = "cpu",
+    progress: Callable[[str], None] | None = None,
+) -> ProfileTable:
     backend = CpuLockstepBackend(threads)
     total = backend.total_threads
     shares = tuple(v / total for v in range(1, total)) if total > 1 else (0.5,)
@@ -58,14 +67,21 @@ def measure_cpu_profile(archs: Iterable[str] = ("pi0", "smolvla"), batch_sizes: 
             t = backend.run(plan, by_name)
             if i:
                 runs.append(t)
-        return (statistics.median(r.vlm_ms for r in runs), statistics.median(r.adit_ms for r in runs),
-                statistics.median(r.wall_ms for r in runs))
+        return (
+            statistics.median(r.vlm_ms for r in runs),
+            statistics.median(r.adit_ms for r in runs),
+            statistics.median(r.wall_ms for r in runs),
+        )
 
     try:
         arch_profiles = {}
         for a, pol in policies.items():
-            vlm = {b: timed(LockstepPlan(0, _batch(Stage.VLM, pol, vlm_pool[a][:b]), None, 1.0))[2] for b in batch_sizes}
-            adit = {b: timed(LockstepPlan(0, None, _batch(Stage.ADIT, pol, adit_pool[a][:b]), 0.0))[2] for b in batch_sizes}
+            vlm = {
+                b: timed(LockstepPlan(0, _batch(Stage.VLM, pol, vlm_pool[a][:b]), None, 1.0))[2] for b in batch_sizes
+            }
+            adit = {
+                b: timed(LockstepPlan(0, None, _batch(Stage.ADIT, pol, adit_pool[a][:b]), 0.0))[2] for b in batch_sizes
+            }
             slo = slo_factor * (vlm[batch_sizes[0]] + adit[batch_sizes[0]])
             arch_profiles[a] = ArchProfile(a, slo, vlm, adit, 0, (f"measured on CPU, {total} threads",))
             if progress:
@@ -76,11 +92,20 @@ def measure_cpu_profile(archs: Iterable[str] = ("pi0", "smolvla"), batch_sizes: 
                 for aa, ap in policies.items():
                     for ba in batch_sizes:
                         for share in shares:
-                            plan = LockstepPlan(0, _batch(Stage.VLM, vp, vlm_pool[va][:bv]),
-                                                _batch(Stage.ADIT, ap, adit_pool[aa][:ba]), share)
+                            plan = LockstepPlan(
+                                0,
+                                _batch(Stage.VLM, vp, vlm_pool[va][:bv]),
+                                _batch(Stage.ADIT, ap, adit_pool[aa][:ba]),
+                                share,
+                            )
                             entries.append(LockstepEntry(va, bv, aa, ba, share, *timed(plan)))
-        device = {"name": "CPU", "count": 1, "threads": total, "torch": torch.__version__,
-                  "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        device = {
+            "name": "CPU",
+            "count": 1,
+            "threads": total,
+            "torch": torch.__version__,
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
         assumptions = [
             "Measured on the CPU backend: tiny random models, float32, two executor threads.",
             f"VLM share = VLM intra-op threads / {total}; the ADiT thread gets the rest.",

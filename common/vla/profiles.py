@@ -12,6 +12,7 @@ Profiles are JSON files (`format: orbitweaver.vla.profile/1`). The shipped ones 
 `common/vla/profiles/` are derived from public numbers by `analytic.py`, with every assumption
 listed in the file; `ow vla profile` measures the CPU backend into the same format.
 """
+
 from __future__ import annotations
 
 import json
@@ -73,13 +74,17 @@ class ProfileTable:
         try:
             return self.archs[arch]
         except KeyError:
-            raise KeyError(f"profile {self.name!r} has no architecture {arch!r} (has {', '.join(self.archs)})") from None
+            raise KeyError(
+                f"profile {self.name!r} has no architecture {arch!r} (has {', '.join(self.archs)})"
+            ) from None
 
     def _batch(self, table: dict[int, float], batch: int, what: str) -> float:
         try:
             return table[batch]
         except KeyError:
-            raise KeyError(f"profile {self.name!r} has no {what} time for batch {batch} (sizes {self.batch_sizes})") from None
+            raise KeyError(
+                f"profile {self.name!r} has no {what} time for batch {batch} (sizes {self.batch_sizes})"
+            ) from None
 
     def vlm_alone(self, arch: str, batch: int) -> float:
         return self._batch(self.arch(arch).vlm_ms, batch, f"{arch} VLM")
@@ -90,8 +95,9 @@ class ProfileTable:
     def slo_ms(self, arch: str) -> float:
         return self.arch(arch).slo_ms
 
-    def lockstep(self, vlm_arch: str | None, vlm_batch: int, adit_arch: str | None, adit_batch: int,
-                 share: float | None = None) -> LockstepEntry:
+    def lockstep(
+        self, vlm_arch: str | None, vlm_batch: int, adit_arch: str | None, adit_batch: int, share: float | None = None
+    ) -> LockstepEntry:
         """The entry for a co-running pair: the best share, or the profiled share nearest `share`.
 
         A lockstep with only one stage runs it alone on the whole device.
@@ -111,23 +117,39 @@ class ProfileTable:
             return self._best[key]
         return min(self._pairs[key], key=lambda e: abs(e.vlm_share - share))
 
-    def plan_ms(self, plan: "LockstepPlan") -> float:
+    def plan_ms(self, plan: LockstepPlan) -> float:
         """Predicted duration of a plan (the simulator's clock advances by this)."""
         if plan.sequential:
-            return self.vlm_alone(plan.vlm.arch, plan.vlm.padded_size) + self.adit_alone(plan.adit.arch, plan.adit.padded_size)
+            return self.vlm_alone(plan.vlm.arch, plan.vlm.padded_size) + self.adit_alone(
+                plan.adit.arch, plan.adit.padded_size
+            )
         v, a = plan.vlm, plan.adit
         share = None if (v is None or a is None) else plan.vlm_share
-        return self.lockstep(v.arch if v else None, v.padded_size if v else 0,
-                             a.arch if a else None, a.padded_size if a else 0, share=share).lockstep_ms
+        return self.lockstep(
+            v.arch if v else None,
+            v.padded_size if v else 0,
+            a.arch if a else None,
+            a.padded_size if a else 0,
+            share=share,
+        ).lockstep_ms
 
-    def with_slo(self, slo_ms: dict[str, float]) -> "ProfileTable":
+    def with_slo(self, slo_ms: dict[str, float]) -> ProfileTable:
         """A copy with some architectures' SLOs replaced (experiments that vary deadlines)."""
         archs = dict(self.archs)
         for a, ms in slo_ms.items():
             p = self.arch(a)
             archs[a] = ArchProfile(p.arch, float(ms), p.vlm_ms, p.adit_ms, p.handoff_bytes, p.notes)
-        return ProfileTable(self.name, self.backend, self.device, self.batch_sizes, self.vlm_shares, archs,
-                            self.locksteps, self.assumptions, self.calibration)
+        return ProfileTable(
+            self.name,
+            self.backend,
+            self.device,
+            self.batch_sizes,
+            self.vlm_shares,
+            archs,
+            self.locksteps,
+            self.assumptions,
+            self.calibration,
+        )
 
     # ---- files ----
     def to_json(self) -> dict:
@@ -152,8 +174,16 @@ class ProfileTable:
             },
             "lockstep_columns": list(LOCKSTEP_COLUMNS),
             "locksteps": [
-                [e.vlm_arch, e.vlm_batch, e.adit_arch, e.adit_batch, round(e.vlm_share, 4),
-                 round(e.vlm_ms, 4), round(e.adit_ms, 4), round(e.lockstep_ms, 4)]
+                [
+                    e.vlm_arch,
+                    e.vlm_batch,
+                    e.adit_arch,
+                    e.adit_batch,
+                    round(e.vlm_share, 4),
+                    round(e.vlm_ms, 4),
+                    round(e.adit_ms, 4),
+                    round(e.lockstep_ms, 4),
+                ]
                 for e in self.locksteps
             ],
         }
@@ -165,23 +195,38 @@ class ProfileTable:
         return path
 
     @classmethod
-    def from_json(cls, data: dict) -> "ProfileTable":
+    def from_json(cls, data: dict) -> ProfileTable:
         if data.get("format") != PROFILE_FORMAT:
             raise ValueError(f"not a VLA profile (format {data.get('format')!r}, expected {PROFILE_FORMAT!r})")
         cols = data.get("lockstep_columns", list(LOCKSTEP_COLUMNS))
         if list(cols) != list(LOCKSTEP_COLUMNS):
             raise ValueError(f"unexpected lockstep columns {cols}")
         archs = {
-            name: ArchProfile(name, float(a["slo_ms"]), {int(b): float(t) for b, t in a["vlm_ms"].items()},
-                              {int(b): float(t) for b, t in a["adit_ms"].items()}, int(a.get("handoff_bytes", 0)),
-                              tuple(a.get("notes", ())))
+            name: ArchProfile(
+                name,
+                float(a["slo_ms"]),
+                {int(b): float(t) for b, t in a["vlm_ms"].items()},
+                {int(b): float(t) for b, t in a["adit_ms"].items()},
+                int(a.get("handoff_bytes", 0)),
+                tuple(a.get("notes", ())),
+            )
             for name, a in data["archs"].items()
         }
-        entries = [LockstepEntry(r[0], int(r[1]), r[2], int(r[3]), float(r[4]), float(r[5]), float(r[6]), float(r[7]))
-                   for r in data["locksteps"]]
-        return cls(data["name"], data["backend"], data.get("device", {}), tuple(int(b) for b in data["batch_sizes"]),
-                   tuple(float(s) for s in data["vlm_shares"]), archs, entries, list(data.get("assumptions", [])),
-                   list(data.get("calibration", [])))
+        entries = [
+            LockstepEntry(r[0], int(r[1]), r[2], int(r[3]), float(r[4]), float(r[5]), float(r[6]), float(r[7]))
+            for r in data["locksteps"]
+        ]
+        return cls(
+            data["name"],
+            data["backend"],
+            data.get("device", {}),
+            tuple(int(b) for b in data["batch_sizes"]),
+            tuple(float(s) for s in data["vlm_shares"]),
+            archs,
+            entries,
+            list(data.get("assumptions", [])),
+            list(data.get("calibration", [])),
+        )
 
 
 def shipped_profiles() -> list[str]:

@@ -19,6 +19,7 @@ joins a running batch, so nothing inspects or repacks buffers between denoising 
 `SequentialScheduler` is the Monolithic baseline: one batch runs VLM then ADiT on the whole
 device; the next batch starts when it is done.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -26,8 +27,9 @@ import enum
 import itertools
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from common.vla.profiles import ProfileTable
@@ -97,7 +99,7 @@ class PlanRecord:
     sequential: bool
 
     @classmethod
-    def of(cls, plan: LockstepPlan, ids: Callable[[VlaRequest], int] = lambda r: r.request_id) -> "PlanRecord":
+    def of(cls, plan: LockstepPlan, ids: Callable[[VlaRequest], int] = lambda r: r.request_id) -> PlanRecord:
         def part(b):
             return (b.model, tuple(ids(r) for r in b.requests)) if b else (None, ())
 
@@ -175,9 +177,16 @@ class _SchedulerBase:
     """max_batch: one cap for every model, or a cap per model (models absent from the mapping
     get the largest fixed batch size). Each cap must be one of the fixed batch sizes."""
 
-    def __init__(self, models: Mapping[str, str], *, policy: str = "esf", max_batch: int | Mapping[str, int] = 4,
-                 batch_sizes: tuple[int, ...] | None = None, profile: "ProfileTable | None" = None,
-                 record: bool = True):
+    def __init__(
+        self,
+        models: Mapping[str, str],
+        *,
+        policy: str = "esf",
+        max_batch: int | Mapping[str, int] = 4,
+        batch_sizes: tuple[int, ...] | None = None,
+        profile: ProfileTable | None = None,
+        record: bool = True,
+    ):
         if not models:
             raise ValueError("a scheduler needs at least one model")
         self.models = dict(models)  # model name -> architecture name
@@ -223,10 +232,21 @@ class LockstepScheduler(_SchedulerBase):
     Without a profile the share is `static_share`.
     """
 
-    def __init__(self, models, *, policy="esf", max_batch=4, batch_sizes=None, profile=None,
-                 sm_mode: str = "dynamic", static_share: float = 0.5, record: bool = True):
-        super().__init__(models, policy=policy, max_batch=max_batch, batch_sizes=batch_sizes,
-                         profile=profile, record=record)
+    def __init__(
+        self,
+        models,
+        *,
+        policy="esf",
+        max_batch=4,
+        batch_sizes=None,
+        profile=None,
+        sm_mode: str = "dynamic",
+        static_share: float = 0.5,
+        record: bool = True,
+    ):
+        super().__init__(
+            models, policy=policy, max_batch=max_batch, batch_sizes=batch_sizes, profile=profile, record=record
+        )
         if sm_mode not in ("dynamic", "static"):
             raise ValueError("sm_mode is 'dynamic' or 'static'")
         self.sm_mode, self.static_share = sm_mode, static_share
@@ -251,9 +271,13 @@ class LockstepScheduler(_SchedulerBase):
         adit = self._take(Stage.ADIT, am, self.adit_queues[am]) if am else None
         share, predicted = self.static_share, None
         if self.profile is not None:
-            entry = self.profile.lockstep(vlm.arch if vlm else None, vlm.padded_size if vlm else 0,
-                                          adit.arch if adit else None, adit.padded_size if adit else 0,
-                                          share=None if self.sm_mode == "dynamic" else self.static_share)
+            entry = self.profile.lockstep(
+                vlm.arch if vlm else None,
+                vlm.padded_size if vlm else 0,
+                adit.arch if adit else None,
+                adit.padded_size if adit else 0,
+                share=None if self.sm_mode == "dynamic" else self.static_share,
+            )
             share, predicted = entry.vlm_share, entry.lockstep_ms
         return self._emit(LockstepPlan(self._index, vlm, adit, share, False, predicted))
 
@@ -272,8 +296,9 @@ class SequentialScheduler(_SchedulerBase):
     """Monolithic baseline: VLM and ADiT as one pipeline over the whole device, one batch at a time."""
 
     def __init__(self, models, *, policy="esf", max_batch=4, batch_sizes=None, profile=None, record=True):
-        super().__init__(models, policy=policy, max_batch=max_batch, batch_sizes=batch_sizes,
-                         profile=profile, record=record)
+        super().__init__(
+            models, policy=policy, max_batch=max_batch, batch_sizes=batch_sizes, profile=profile, record=record
+        )
         self.queues: dict[str, deque[VlaRequest]] = {m: deque() for m in self.models}
         self._policy = make_policy(policy)
 
@@ -292,7 +317,9 @@ class SequentialScheduler(_SchedulerBase):
         adit = StageBatch(Stage.ADIT, m, vlm.arch, vlm.requests, vlm.padded_size)
         predicted = None
         if self.profile is not None:
-            predicted = self.profile.vlm_alone(vlm.arch, vlm.padded_size) + self.profile.adit_alone(vlm.arch, vlm.padded_size)
+            predicted = self.profile.vlm_alone(vlm.arch, vlm.padded_size) + self.profile.adit_alone(
+                vlm.arch, vlm.padded_size
+            )
         return self._emit(LockstepPlan(self._index, vlm, adit, 1.0, True, predicted))
 
     def complete(self, plan: LockstepPlan, now: float) -> list[VlaRequest]:

@@ -20,6 +20,7 @@ connection, to the GPU with the most unused robot places for its model (`Router`
 flow-matching noise of a request is seeded from the request's bytes, so an observation gets the
 same action chunk whichever GPU, batch or server serves it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -37,7 +38,16 @@ from websockets.asyncio.server import ServerConnection, serve
 
 from common import log as ow_log
 from common.vla.engine import ServingEngine
-from common.vla.wire import IMAGE_KEYS, PROMPT_KEY, STATE_KEY, RequestError, ServerTiming, packb, parse_observation, unpackb
+from common.vla.wire import (
+    IMAGE_KEYS,
+    PROMPT_KEY,
+    STATE_KEY,
+    RequestError,
+    ServerTiming,
+    packb,
+    parse_observation,
+    unpackb,
+)
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # a LIBERO observation is ~0.3 MB
 
@@ -53,8 +63,10 @@ def is_loopback(host: str) -> bool:
 def require_loopback(host: str) -> str:
     """Without robot keys the endpoint never listens beyond this machine."""
     if not is_loopback(host):
-        raise ValueError(f"refusing to listen on {host!r} without robot keys: pass --token or --keys to serve "
-                         "beyond loopback addresses")
+        raise ValueError(
+            f"refusing to listen on {host!r} without robot keys: pass --token or --keys to serve "
+            "beyond loopback addresses"
+        )
     return host
 
 
@@ -117,8 +129,13 @@ class Router:
     def acquire(self, model: str) -> tuple[int, bool]:
         """(GPU index, within the plan)"""
         hosts = [i for i, h in enumerate(self.hosted) if model in h]
-        i = max(hosts, key=lambda i: (self.quotas[i].get(model, 0) - self.connected[i][model],
-                                      -self.connected[i][model] / max(1, self.quotas[i].get(model, 0))))
+        i = max(
+            hosts,
+            key=lambda i: (
+                self.quotas[i].get(model, 0) - self.connected[i][model],
+                -self.connected[i][model] / max(1, self.quotas[i].get(model, 0)),
+            ),
+        )
         within = self.connected[i][model] < self.quotas[i].get(model, 0)
         self.connected[i][model] += 1
         return i, within
@@ -132,8 +149,15 @@ def noise_seed(message: bytes) -> int:
     return zlib.crc32(message)
 
 
-async def answer(engine: ServingEngine, model: str, message, robot: str, max_request_bytes: int,
-                 prev_total_ms: float | None = None, extra: dict | None = None) -> tuple[bytes | str, bool]:
+async def answer(
+    engine: ServingEngine,
+    model: str,
+    message,
+    robot: str,
+    max_request_bytes: int,
+    prev_total_ms: float | None = None,
+    extra: dict | None = None,
+) -> tuple[bytes | str, bool]:
     """One request through `engine`: (the reply frame, served). A str reply is an error for the robot."""
     t0 = time.monotonic()
     if isinstance(message, str):
@@ -152,8 +176,13 @@ async def answer(engine: ServingEngine, model: str, message, robot: str, max_req
         return f"error: inference failed: {exc}", False
     infer_ms = (time.monotonic() - t0) * 1e3
     timing = ServerTiming(infer_ms, result.vlm_done_ms, result.total_ms, prev_total_ms)
-    reply = {"actions": result.actions, "model": model, "slo_met": bool(result.slo_met),
-             "server_timing": timing.to_wire(), "policy_timing": {"infer_ms": result.total_ms}}
+    reply = {
+        "actions": result.actions,
+        "model": model,
+        "slo_met": bool(result.slo_met),
+        "server_timing": timing.to_wire(),
+        "policy_timing": {"infer_ms": result.total_ms},
+    }
     return packb({**reply, **(extra or {})}), True
 
 
@@ -177,8 +206,12 @@ def metadata(engine: ServingEngine, model: str, max_request_bytes: int, extra: d
 
 
 class PolicyServer:
-    def __init__(self, engines: ServingEngine | list[ServingEngine], config: ServerConfig = ServerConfig(),
-                 quotas: list[dict[str, int]] | None = None):
+    def __init__(
+        self,
+        engines: ServingEngine | list[ServingEngine],
+        config: ServerConfig = ServerConfig(),
+        quotas: list[dict[str, int]] | None = None,
+    ):
         if config.keys is None:
             require_loopback(config.host)
         engines = [engines] if isinstance(engines, ServingEngine) else list(engines)
@@ -199,7 +232,7 @@ class PolicyServer:
         self._log = ow_log.get("vla.server")
 
     # ---- lifecycle (the server runs its own event loop thread) ----
-    def start(self, timeout: float = 30.0) -> "PolicyServer":
+    def start(self, timeout: float = 30.0) -> PolicyServer:
         self._thread = threading.Thread(target=self._thread_main, name="vla-policy-server", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout):
@@ -234,11 +267,22 @@ class PolicyServer:
         limit = self.config.max_request_bytes
         # The transport limit is above the request limit so that an oversized request still gets a
         # readable error reply; far larger frames are cut off by the transport (close code 1009).
-        async with serve(self._handler, self.config.host, self.config.port, compression=None,
-                         max_size=max(4 * limit, limit + (1 << 20)), process_request=self._gate) as server:
+        async with serve(
+            self._handler,
+            self.config.host,
+            self.config.port,
+            compression=None,
+            max_size=max(4 * limit, limit + (1 << 20)),
+            process_request=self._gate,
+        ) as server:
             self.port = server.sockets[0].getsockname()[1]
-            self._log.info("vla_server_listening", url=self.url, models=self.router.models(),
-                           gpus=len(self.engines), authenticated=self.config.keys is not None)
+            self._log.info(
+                "vla_server_listening",
+                url=self.url,
+                models=self.router.models(),
+                gpus=len(self.engines),
+                authenticated=self.config.keys is not None,
+            )
             self._ready.set()
             await self._stop.wait()
 
@@ -284,12 +328,16 @@ class PolicyServer:
             log.warning("vla_robot_beyond_plan")
         prev_total_ms = None
         try:
-            await ws.send(packb(metadata(engine, model, self.config.max_request_bytes,
-                                         {"models": self.router.models(), "gpu": gpu})))
+            await ws.send(
+                packb(
+                    metadata(engine, model, self.config.max_request_bytes, {"models": self.router.models(), "gpu": gpu})
+                )
+            )
             async for message in ws:
                 t0 = time.monotonic()
-                reply, served = await answer(engine, model, message, robot, self.config.max_request_bytes,
-                                             prev_total_ms, {"gpu": gpu})
+                reply, served = await answer(
+                    engine, model, message, robot, self.config.max_request_bytes, prev_total_ms, {"gpu": gpu}
+                )
                 if not served:
                     self.rejected += 1
                     log.warning("vla_request_rejected", reason=reply)

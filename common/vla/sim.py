@@ -10,13 +10,14 @@ phases and network delays (the paper runs five).
 The vLLM-Omni-style baseline (`kind="omni"`) and inter-GPU disaggregation (`kind="dis"`) are
 simulated here with their own stage workers (see `OmniCluster`).
 """
+
 from __future__ import annotations
 
 import heapq
 import math
 from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
 
 import numpy as np
 
@@ -39,10 +40,16 @@ class NetworkModel:
 
     def delays(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Uplink and downlink delays in seconds for n requests."""
-        up = self.base_ms + self.jitter_median_ms * rng.lognormal(0.0, self.jitter_sigma, n) \
+        up = (
+            self.base_ms
+            + self.jitter_median_ms * rng.lognormal(0.0, self.jitter_sigma, n)
             + self.request_bytes * 8 / (self.uplink_mbps * 1e3)
-        down = self.base_ms + self.jitter_median_ms * rng.lognormal(0.0, self.jitter_sigma, n) \
+        )
+        down = (
+            self.base_ms
+            + self.jitter_median_ms * rng.lognormal(0.0, self.jitter_sigma, n)
             + self.response_bytes * 8 / (self.downlink_mbps * 1e3)
+        )
         return up / 1e3, down / 1e3
 
 
@@ -104,9 +111,15 @@ def vllm_omni(**kw) -> SystemConfig:
 
 def disaggregated(vlm_gpus: int, adit_gpus: int, **kw) -> SystemConfig:
     """Paper Fig. 13's inter-GPU schemes: VLM on `vlm_gpus` GPUs, ADiT on the next `adit_gpus`."""
-    return SystemConfig(kind="dis", vlm_gpus=tuple(range(vlm_gpus)),
-                        adit_gpus=tuple(range(vlm_gpus, vlm_gpus + adit_gpus)), inspection_overhead=0.0,
-                        step_admission=False, policy="esf", **kw)
+    return SystemConfig(
+        kind="dis",
+        vlm_gpus=tuple(range(vlm_gpus)),
+        adit_gpus=tuple(range(vlm_gpus, vlm_gpus + adit_gpus)),
+        inspection_overhead=0.0,
+        step_admission=False,
+        policy="esf",
+        **kw,
+    )
 
 
 @dataclass(frozen=True)
@@ -181,8 +194,13 @@ class EventLoop:
 class LockstepGpu:
     """One GPU served by a shared scheduler; execution time comes from the profile."""
 
-    def __init__(self, loop: EventLoop, scheduler: LockstepScheduler | SequentialScheduler, profile: ProfileTable,
-                 respond: Callable[[VlaRequest], None]):
+    def __init__(
+        self,
+        loop: EventLoop,
+        scheduler: LockstepScheduler | SequentialScheduler,
+        profile: ProfileTable,
+        respond: Callable[[VlaRequest], None],
+    ):
         self.loop, self.scheduler, self.profile, self.respond = loop, scheduler, profile, respond
         self.busy = False
         self.locksteps = 0
@@ -240,8 +258,15 @@ class OmniCluster:
     `inspection_overhead` of the iteration time. `kind="dis"` reuses the workers with fixed
     batches, ESF-free FCFS and no inspection cost (the paper's inter-GPU schemes)."""
 
-    def __init__(self, loop: EventLoop, cfg: SystemConfig, profile: ProfileTable, arch_of: Mapping[str, str],
-                 respond: Callable[[VlaRequest], None], batch_sizes: tuple[int, ...]):
+    def __init__(
+        self,
+        loop: EventLoop,
+        cfg: SystemConfig,
+        profile: ProfileTable,
+        arch_of: Mapping[str, str],
+        respond: Callable[[VlaRequest], None],
+        batch_sizes: tuple[int, ...],
+    ):
         self.loop, self.cfg, self.profile, self.arch_of, self.respond = loop, cfg, profile, arch_of, respond
         if not isinstance(cfg.max_batch, int):
             raise ValueError("stage-worker systems take one max batch for all models")
@@ -396,10 +421,17 @@ def model_spec_steps(arch: str) -> int:
 # ---------------------------------------------------------------- the simulation
 
 
-def simulate(system: SystemConfig, workload: Workload, profile: ProfileTable, *,
-             assignment: Mapping[tuple[str, int], int] | None = None, slo_ms: Mapping[str, float] | None = None,
-             network: NetworkModel = NetworkModel(), drain_s: float = 2.0,
-             on_scheduler: Callable[[int, object], None] | None = None) -> SimResult:
+def simulate(
+    system: SystemConfig,
+    workload: Workload,
+    profile: ProfileTable,
+    *,
+    assignment: Mapping[tuple[str, int], int] | None = None,
+    slo_ms: Mapping[str, float] | None = None,
+    network: NetworkModel = NetworkModel(),
+    drain_s: float = 2.0,
+    on_scheduler: Callable[[int, object], None] | None = None,
+) -> SimResult:
     """Run `workload.epochs` epochs and pool their measured requests.
 
     assignment: robots per (model, GPU) for the lockstep/monolithic systems (e.g. from the
@@ -434,9 +466,16 @@ def simulate(system: SystemConfig, workload: Workload, profile: ProfileTable, *,
                 hosted = {m: arch_of[m] for (m, gg), n in assignment.items() if gg == g and n > 0}
                 if not hosted:
                     continue
-                sched = make_scheduler(system.kind, hosted, policy=system.policy, max_batch=system.max_batch,
-                                       profile=profile, sm_mode=system.sm_mode, static_share=system.static_share,
-                                       record=False)
+                sched = make_scheduler(
+                    system.kind,
+                    hosted,
+                    policy=system.policy,
+                    max_batch=system.max_batch,
+                    profile=profile,
+                    sm_mode=system.sm_mode,
+                    static_share=system.static_share,
+                    record=False,
+                )
                 if on_scheduler is not None:
                     on_scheduler(g, sched)
                 srv = LockstepGpu(loop, sched, profile, respond)
@@ -475,8 +514,9 @@ def simulate(system: SystemConfig, workload: Workload, profile: ProfileTable, *,
         all_lat.append(lat)
         per_model[m] = ModelStats(m, len(lat), ok, _pct(lat, 50), _pct(lat, 99))
     lat = np.concatenate(all_lat) if all_lat else np.zeros(0)
-    return SimResult(system.label, workload.total_robots, len(lat), met, _pct(lat, 50), _pct(lat, 99), per_model,
-                     locksteps)
+    return SimResult(
+        system.label, workload.total_robots, len(lat), met, _pct(lat, 50), _pct(lat, 99), per_model, locksteps
+    )
 
 
 def _pct(lat_s: np.ndarray, q: float) -> float:
@@ -485,8 +525,9 @@ def _pct(lat_s: np.ndarray, q: float) -> float:
     return float(np.percentile(lat_s, q, method="higher")) * 1e3
 
 
-def max_robots(run: Callable[[int], SimResult], target: float = 0.98, cap: int = 128,
-               probe: int = 2) -> tuple[int, dict[int, SimResult]]:
+def max_robots(
+    run: Callable[[int], SimResult], target: float = 0.98, cap: int = 128, probe: int = 2
+) -> tuple[int, dict[int, SimResult]]:
     """Largest load n at which every model's SLO attainment is >= target: doubling, then
     bisection, then probing the next `probe` loads above the answer (attainment falls with load,
     but random robot phases make the curve noisy, so one unlucky load must not end the search).
@@ -521,8 +562,9 @@ def max_robots(run: Callable[[int], SimResult], target: float = 0.98, cap: int =
     return lo, seen
 
 
-def drain_backlog(scheduler: LockstepScheduler | SequentialScheduler, profile: ProfileTable,
-                  requests: list[VlaRequest]) -> tuple[list[VlaRequest], float]:
+def drain_backlog(
+    scheduler: LockstepScheduler | SequentialScheduler, profile: ProfileTable, requests: list[VlaRequest]
+) -> tuple[list[VlaRequest], float]:
     """Serve a backlog (every request already queued at t = 0) on one simulated GPU.
 
     Returns the requests in completion order and the simulated makespan in seconds. The real

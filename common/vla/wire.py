@@ -8,6 +8,7 @@ and a numpy scalar as {b"__npgeneric__": True, b"data": item, b"dtype": dtype.st
 it can neither read openpi messages nor be trusted with a robot's bytes; this module implements
 openpi's encoding exactly and refuses object, void and complex dtypes as openpi's packer does.
 """
+
 from __future__ import annotations
 
 import math
@@ -55,8 +56,11 @@ def unpack_array(obj: dict):
     if b"__ndarray__" in obj:
         dt = _dtype(obj.get(b"dtype"))
         shape, data = obj.get(b"shape"), obj.get(b"data")
-        if not isinstance(data, bytes) or not isinstance(shape, (list, tuple)) or not all(
-                isinstance(d, int) and d >= 0 for d in shape):
+        if (
+            not isinstance(data, bytes)
+            or not isinstance(shape, (list, tuple))
+            or not all(isinstance(d, int) and d >= 0 for d in shape)
+        ):
             raise RequestError("malformed array: needs bytes data and a non-negative integer shape")
         if math.prod(shape) * dt.itemsize != len(data):
             raise RequestError(f"malformed array: {len(data)} bytes do not hold shape {tuple(shape)} of {dt}")

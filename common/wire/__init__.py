@@ -1,9 +1,10 @@
 """OrbitWeaver wire protocol: CCSDS Space Packets carrying msgpack messages (docs/wire-protocol.md).
 
-    from common.wire import encode, decode, WireError, messages as m
-    packet = encode(m.Ping(key=7), Apid.PAYLOAD, counter.next(Apid.PAYLOAD), source_id=NodeId.GROUND)
-    header, message = decode(packet)
+from common.wire import encode, decode, WireError, messages as m
+packet = encode(m.Ping(key=7), Apid.PAYLOAD, counter.next(Apid.PAYLOAD), source_id=NodeId.GROUND)
+header, message = decode(packet)
 """
+
 from common.wire.errors import ReplayError, RequestRef, WireError
 from common.wire.ids import (
     AckFlags,

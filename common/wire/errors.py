@@ -1,4 +1,5 @@
 """The one exception the wire layer raises for bad input."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ class WireError(Exception):
         *,
         field: str | None = None,
         request: RequestRef | None = None,
-        header: "PacketHeader | None" = None,
+        header: PacketHeader | None = None,
     ):
         self.code = ResponseCode(code)
         self.reason = clip_reason(reason)

@@ -4,6 +4,7 @@ A spec checks a value (from msgpack or from Python code) and returns its normali
 (lists become tuples, maps become read-only mappings, enum values become members) or raises
 WireError with the code for that class of bad input. `to_wire` gives the msgpack form back.
 """
+
 from __future__ import annotations
 
 import enum
@@ -31,7 +32,9 @@ def check_name(value: Any, field: str) -> str:
     code, PATH_LIKE_NAME, because they are attempts to reach outside the directory; anything
     else outside the charset or length is BAD_NAME."""
     if not isinstance(value, str):
-        raise WireError(ResponseCode.BAD_FIELD_TYPE, f"{field}: expected a name string, got {_describe(value)}", field=field)
+        raise WireError(
+            ResponseCode.BAD_FIELD_TYPE, f"{field}: expected a name string, got {_describe(value)}", field=field
+        )
     if any(ch in value for ch in _PATH_CHARS) or ".." in value or value.startswith((".", "~")):
         raise WireError(ResponseCode.PATH_LIKE_NAME, f"{field}: path-like name {value[:80]!r}", field=field)
     if not value or len(value) > MAX_NAME_CHARS or not _NAME_RE.match(value):
@@ -59,7 +62,9 @@ class UInt(Spec):
 
     def check(self, value, field):
         if isinstance(value, bool) or not isinstance(value, int):
-            raise WireError(ResponseCode.BAD_FIELD_TYPE, f"{field}: expected an integer, got {_describe(value)}", field=field)
+            raise WireError(
+                ResponseCode.BAD_FIELD_TYPE, f"{field}: expected an integer, got {_describe(value)}", field=field
+            )
         if not self.minimum <= value <= self.maximum:
             raise WireError(
                 ResponseCode.BAD_FIELD_VALUE,
@@ -77,7 +82,9 @@ class Float(Spec):
 
     def check(self, value, field):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise WireError(ResponseCode.BAD_FIELD_TYPE, f"{field}: expected a number, got {_describe(value)}", field=field)
+            raise WireError(
+                ResponseCode.BAD_FIELD_TYPE, f"{field}: expected a number, got {_describe(value)}", field=field
+            )
         try:
             number = float(value)
         except OverflowError:
@@ -94,7 +101,9 @@ class Float(Spec):
 class Bool(Spec):
     def check(self, value, field):
         if not isinstance(value, bool):
-            raise WireError(ResponseCode.BAD_FIELD_TYPE, f"{field}: expected a boolean, got {_describe(value)}", field=field)
+            raise WireError(
+                ResponseCode.BAD_FIELD_TYPE, f"{field}: expected a boolean, got {_describe(value)}", field=field
+            )
         return value
 
 
@@ -106,16 +115,22 @@ class Text(Spec):
 
     def check(self, value, field):
         if not isinstance(value, str):
-            raise WireError(ResponseCode.BAD_FIELD_TYPE, f"{field}: expected a string, got {_describe(value)}", field=field)
+            raise WireError(
+                ResponseCode.BAD_FIELD_TYPE, f"{field}: expected a string, got {_describe(value)}", field=field
+            )
         try:
             encoded = value.encode("utf-8")
         except UnicodeEncodeError:
             # Lone surrogates: a Python str that no UTF-8 sender could have produced.
             raise WireError(ResponseCode.INVALID_UTF8, f"{field}: not encodable as UTF-8", field=field) from None
         if len(encoded) > self.max_bytes:
-            raise WireError(ResponseCode.FIELD_TOO_LONG, f"{field}: {len(encoded)} bytes > {self.max_bytes}", field=field)
+            raise WireError(
+                ResponseCode.FIELD_TOO_LONG, f"{field}: {len(encoded)} bytes > {self.max_bytes}", field=field
+            )
         if len(value) < self.min_chars:
-            raise WireError(ResponseCode.BAD_FIELD_VALUE, f"{field}: shorter than {self.min_chars} characters", field=field)
+            raise WireError(
+                ResponseCode.BAD_FIELD_VALUE, f"{field}: shorter than {self.min_chars} characters", field=field
+            )
         return value
 
 
@@ -132,7 +147,9 @@ class Blob(Spec):
 
     def check(self, value, field):
         if not isinstance(value, (bytes, bytearray, memoryview)):
-            raise WireError(ResponseCode.BAD_FIELD_TYPE, f"{field}: expected bytes, got {_describe(value)}", field=field)
+            raise WireError(
+                ResponseCode.BAD_FIELD_TYPE, f"{field}: expected bytes, got {_describe(value)}", field=field
+            )
         value = bytes(value)
         if len(value) > self.max_len:
             raise WireError(ResponseCode.FIELD_TOO_LONG, f"{field}: {len(value)} bytes > {self.max_len}", field=field)
@@ -149,10 +166,14 @@ class Digest(Spec):
 
     def check(self, value, field):
         if not isinstance(value, (bytes, bytearray, memoryview)):
-            raise WireError(ResponseCode.BAD_FIELD_TYPE, f"{field}: expected bytes, got {_describe(value)}", field=field)
+            raise WireError(
+                ResponseCode.BAD_FIELD_TYPE, f"{field}: expected bytes, got {_describe(value)}", field=field
+            )
         value = bytes(value)
         if len(value) != self.size:
-            raise WireError(ResponseCode.BAD_FIELD_VALUE, f"{field}: {len(value)} bytes, expected {self.size}", field=field)
+            raise WireError(
+                ResponseCode.BAD_FIELD_VALUE, f"{field}: {len(value)} bytes, expected {self.size}", field=field
+            )
         return value
 
 
@@ -174,7 +195,9 @@ class Choice(Spec):
             return self.enum_type(value)
         except ValueError:
             raise WireError(
-                ResponseCode.BAD_FIELD_VALUE, f"{field}: {str(value)[:40]!r} is not a {self.enum_type.__name__}", field=field
+                ResponseCode.BAD_FIELD_VALUE,
+                f"{field}: {str(value)[:40]!r} is not a {self.enum_type.__name__}",
+                field=field,
             ) from None
 
     def to_wire(self, value):
@@ -187,11 +210,15 @@ class ListOf(Spec):
 
     def check(self, value, field):
         if not isinstance(value, (list, tuple)):
-            raise WireError(ResponseCode.BAD_FIELD_TYPE, f"{field}: expected a list, got {_describe(value)}", field=field)
+            raise WireError(
+                ResponseCode.BAD_FIELD_TYPE, f"{field}: expected a list, got {_describe(value)}", field=field
+            )
         if len(value) > self.max_items:
             raise WireError(ResponseCode.FIELD_TOO_LONG, f"{field}: {len(value)} items > {self.max_items}", field=field)
         if len(value) < self.min_items:
-            raise WireError(ResponseCode.BAD_FIELD_VALUE, f"{field}: {len(value)} items < {self.min_items}", field=field)
+            raise WireError(
+                ResponseCode.BAD_FIELD_VALUE, f"{field}: {len(value)} items < {self.min_items}", field=field
+            )
         items = tuple(self.item.check(v, f"{field}[{i}]") for i, v in enumerate(value))
         if self.unique and len(set(items)) != len(items):
             raise WireError(ResponseCode.BAD_FIELD_VALUE, f"{field}: items must be unique", field=field)
@@ -209,9 +236,13 @@ class MapOf(Spec):
 
     def check(self, value, field):
         if not isinstance(value, (dict, MappingProxyType)):
-            raise WireError(ResponseCode.BAD_FIELD_TYPE, f"{field}: expected a map, got {_describe(value)}", field=field)
+            raise WireError(
+                ResponseCode.BAD_FIELD_TYPE, f"{field}: expected a map, got {_describe(value)}", field=field
+            )
         if len(value) > self.max_items:
-            raise WireError(ResponseCode.FIELD_TOO_LONG, f"{field}: {len(value)} entries > {self.max_items}", field=field)
+            raise WireError(
+                ResponseCode.FIELD_TOO_LONG, f"{field}: {len(value)} entries > {self.max_items}", field=field
+            )
         checked = {}
         for k, v in value.items():
             key = self.key.check(k, f"{field} key")

@@ -5,6 +5,7 @@ types), response codes, event IDs with their severities and telemetry channel ID
 integers. They are part of the protocol: never renumber a member, only add new ones (and the
 matching row in docs/wire-protocol.md, which a test keeps in step with this module).
 """
+
 from __future__ import annotations
 
 import enum
@@ -175,7 +176,7 @@ class ResponseCode(enum.IntEnum):
     management, 6xx execution.
     """
 
-    def __new__(cls, value: int, description: str) -> "ResponseCode":
+    def __new__(cls, value: int, description: str) -> ResponseCode:
         member = int.__new__(cls, value)
         member._value_ = value
         member.description = description
@@ -259,7 +260,7 @@ class Severity(enum.IntEnum):
 class EventId(enum.IntEnum):
     """Payload and bus events; each has one fixed severity (`EventId.X.severity`)."""
 
-    def __new__(cls, value: int, severity: Severity) -> "EventId":
+    def __new__(cls, value: int, severity: Severity) -> EventId:
         member = int.__new__(cls, value)
         member._value_ = value
         member.severity = severity
@@ -319,7 +320,7 @@ class TlmChannel(enum.IntEnum):
     """Telemetry channels (F Prime style): each is one field of a telemetry message, so that
     ground tools can plot and limit-check by channel id. `unit` is SI or a count."""
 
-    def __new__(cls, value: int, unit: str) -> "TlmChannel":
+    def __new__(cls, value: int, unit: str) -> TlmChannel:
         member = int.__new__(cls, value)
         member._value_ = value
         member.unit = unit

@@ -8,14 +8,15 @@ CURVE clients; the bus's authenticator admits only public keys found in the keys
 Each ZeroMQ message is exactly one packet (one frame; ROUTER sockets add the routing id frame),
 so a subscriber can filter on the packet's first two bytes (version, type, APID).
 """
+
 from __future__ import annotations
 
 import os
 import shutil
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 import zmq
 import zmq.auth
@@ -62,7 +63,7 @@ class Endpoints:
     telemetry: str = "tcp://127.0.0.1:5552"
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Endpoints":
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> Endpoints:
         default = cls()
         return cls(
             commands=environ.get("OW_COMMANDS_ENDPOINT", default.commands),
@@ -133,7 +134,9 @@ def _create_pair(directory: Path, name: str) -> None:
     os.chmod(public, 0o644)
 
 
-def init_keys(keys_dir: str | os.PathLike, clients: tuple[str, ...] = DEFAULT_CLIENTS, *, force: bool = False) -> KeyLayout:
+def init_keys(
+    keys_dir: str | os.PathLike, clients: tuple[str, ...] = DEFAULT_CLIENTS, *, force: bool = False
+) -> KeyLayout:
     """Create the server key pair and one pair per client, and authorize the clients.
 
     Existing key pairs are kept (running it twice changes nothing) unless `force`, which

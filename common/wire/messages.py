@@ -7,15 +7,16 @@ message. Framing, CRC and the secondary header are `common.wire.packet`'s busine
 
 Telemetry fields tagged with a TlmChannel are also reachable by channel id via `channels()`.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import math
-from typing import Any, ClassVar, Mapping, Self
+from collections.abc import Mapping
+from typing import Any, ClassVar, Self
 
 import crc32c as _crc32c_lib
-
 
 from common.wire import fields as f
 from common.wire.errors import RequestRef, WireError
@@ -50,7 +51,7 @@ U16 = 0xFFFF
 U32 = 0xFFFF_FFFF
 U64 = 0xFFFF_FFFF_FFFF_FFFF
 
-_REGISTRY: dict[int, type["Message"]] = {}
+_REGISTRY: dict[int, type[Message]] = {}
 
 
 def wire(spec: f.Spec, *, default: Any = dataclasses.MISSING, channel: TlmChannel | None = None) -> Any:
@@ -59,12 +60,12 @@ def wire(spec: f.Spec, *, default: Any = dataclasses.MISSING, channel: TlmChanne
     return dataclasses.field(default=default, metadata={"spec": spec, "channel": channel})
 
 
-def message_class(message_type: int) -> type["Message"] | None:
+def message_class(message_type: int) -> type[Message] | None:
     """The class for a message type id, or None if the id is not defined."""
     return _REGISTRY.get(message_type)
 
 
-def all_message_classes() -> list[type["Message"]]:
+def all_message_classes() -> list[type[Message]]:
     return [_REGISTRY[t] for t in sorted(_REGISTRY)]
 
 
@@ -95,8 +96,7 @@ class Message:
 
     def pack(self) -> dict[str, Any]:
         return {
-            field.name: field.metadata["spec"].to_wire(getattr(self, field.name))
-            for field in dataclasses.fields(self)
+            field.name: field.metadata["spec"].to_wire(getattr(self, field.name)) for field in dataclasses.fields(self)
         }
 
     @classmethod
@@ -107,7 +107,9 @@ class Message:
         for key in body:
             if key not in declared:
                 raise WireError(
-                    ResponseCode.UNEXPECTED_FIELD, f"{cls.TYPE.name}: unexpected field {str(key)[:64]!r}", field=str(key)[:64]
+                    ResponseCode.UNEXPECTED_FIELD,
+                    f"{cls.TYPE.name}: unexpected field {str(key)[:64]!r}",
+                    field=str(key)[:64],
                 )
         for name, field in declared.items():
             if name not in body and field.default is dataclasses.MISSING:
@@ -204,7 +206,9 @@ class ImageChunk(Message):
     def _validate(self) -> None:
         if self.image_size > MAX_IMAGE_BYTES:
             raise WireError(
-                ResponseCode.IMAGE_TOO_LARGE, f"image {self.image}: {self.image_size} bytes > {MAX_IMAGE_BYTES}", field="image_size"
+                ResponseCode.IMAGE_TOO_LARGE,
+                f"image {self.image}: {self.image_size} bytes > {MAX_IMAGE_BYTES}",
+                field="image_size",
             )
         if self.total > self.image_size:
             raise WireError(
@@ -213,7 +217,11 @@ class ImageChunk(Message):
                 field="total",
             )
         if self.index >= self.total:
-            raise WireError(ResponseCode.CHUNK_OUT_OF_RANGE, f"image {self.image}: chunk {self.index} of {self.total}", field="index")
+            raise WireError(
+                ResponseCode.CHUNK_OUT_OF_RANGE,
+                f"image {self.image}: chunk {self.index} of {self.total}",
+                field="index",
+            )
         if self.offset + len(self.data) > self.image_size:
             raise WireError(
                 ResponseCode.CHUNK_OUT_OF_RANGE,
@@ -258,7 +266,9 @@ def check_file_hash(content: bytes, sha256: bytes, image: str = "image") -> None
     actual = hashlib.sha256(content).digest()
     if actual != sha256:
         raise WireError(
-            ResponseCode.FILE_HASH_MISMATCH, f"{image}: sha256 {actual.hex()[:16]}... != {bytes(sha256).hex()[:16]}...", field="sha256"
+            ResponseCode.FILE_HASH_MISMATCH,
+            f"{image}: sha256 {actual.hex()[:16]}... != {bytes(sha256).hex()[:16]}...",
+            field="sha256",
         )
 
 
@@ -443,7 +453,9 @@ class ImageStatus(Message):
     def _validate(self) -> None:
         if len(self.received) != (self.total + 7) // 8:
             raise WireError(
-                ResponseCode.BAD_FIELD_VALUE, f"bitmap of {len(self.received)} bytes for {self.total} chunks", field="received"
+                ResponseCode.BAD_FIELD_VALUE,
+                f"bitmap of {len(self.received)} bytes for {self.total} chunks",
+                field="received",
             )
         if self.total % 8 and self.received[-1] >> (self.total % 8):
             raise WireError(ResponseCode.BAD_FIELD_VALUE, "bitmap marks chunks beyond total", field="received")

@@ -7,6 +7,7 @@ Layout and the order of checks are specified in docs/wire-protocol.md §2-§4. T
 header is built and parsed by `spacepackets`; the CRC is CRC-16/CCITT-FALSE from `crcmod`, the
 same polynomial, seed and bit order as the PUS packet error control field.
 """
+
 from __future__ import annotations
 
 import struct
@@ -190,9 +191,7 @@ def _check_header(data: Any) -> tuple[bytes, PacketHeader]:
         raise fail(ResponseCode.MALFORMED_PACKET, f"{len(data)} bytes: too short for a CCSDS primary header")
     primary = SpacePacketHeader.unpack(data[:PRIMARY_HEADER_BYTES])
     if primary.packet_len != len(data):
-        raise fail(
-            ResponseCode.BAD_LENGTH, f"length field says {primary.packet_len} bytes, received {len(data)}"
-        )
+        raise fail(ResponseCode.BAD_LENGTH, f"length field says {primary.packet_len} bytes, received {len(data)}")
     if len(data) < MIN_PACKET_BYTES:
         raise fail(ResponseCode.MALFORMED_PACKET, f"{len(data)} bytes: too short for headers, body and CRC")
     # A CRC over the whole packet including its own field leaves a zero residue.

@@ -12,13 +12,14 @@ Both halves must survive restarts (docs/wire-protocol.md §6):
   `ReplayGuard.save` (or stores `to_bytes()` itself) after accepting a command and before acting
   on it.
 """
+
 from __future__ import annotations
 
 import os
 import struct
 import threading
 import zlib
-from typing import Iterable
+from collections.abc import Iterable
 
 from common.durable import DurableFS
 from common.wire.errors import ReplayError
@@ -119,7 +120,7 @@ class SequenceCounter:
         return _seal(_COUNTER_MAGIC, [_COUNTER_ENTRY.pack(a, s) for a, s in sorted(self._next.items())])
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "SequenceCounter":
+    def from_bytes(cls, data: bytes) -> SequenceCounter:
         try:
             return cls({apid: seq for apid, seq in _unseal(_COUNTER_MAGIC, data, _COUNTER_ENTRY)})
         except ValueError as exc:
@@ -249,7 +250,7 @@ class ReplayGuard:
         )
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "ReplayGuard":
+    def from_bytes(cls, data: bytes) -> ReplayGuard:
         guard = cls()
         for apid, source_id, highest, bitmap in _unseal(_GUARD_MAGIC, data, _GUARD_ENTRY):
             if apid > 0x7FF or highest > SEQ_MAX or not bitmap & 1:
@@ -265,7 +266,7 @@ class ReplayGuard:
         fs.write_atomic(path, [self.to_bytes()])
 
     @classmethod
-    def load(cls, path: str | os.PathLike, fs: DurableFS | None = None) -> "ReplayGuard":
+    def load(cls, path: str | os.PathLike, fs: DurableFS | None = None) -> ReplayGuard:
         """The saved guard, or an empty one if none was ever saved. Damaged state raises
         SequenceStateError: the caller decides (docs/wire-protocol.md §6.3)."""
         fs = fs or DurableFS()

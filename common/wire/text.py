@@ -5,6 +5,7 @@ Every bounded text field of the protocol (reasons, event texts, result texts; do
 (one character is up to four), and cutting the bytes anywhere can split a character. `clip_utf8`
 is the one helper every producer of such a field uses.
 """
+
 from __future__ import annotations
 
 MARKER = "..."

@@ -23,6 +23,7 @@ so the answer is bitwise the same. `Cadence("fixed")` is the paper's cadence (do
 All times are the payload's own seconds (a warning's lead and the bus clock in telemetry run at
 the payload's wall speed, docs/bus.md §1), so nothing here knows about compressed time.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -118,7 +119,7 @@ class WindowLog:
         entries = []
         whole = len(raw) - len(raw) % _ENTRY.size
         for offset in range(0, whole, _ENTRY.size):
-            entry = _unpack(raw[offset:offset + _ENTRY.size])
+            entry = _unpack(raw[offset : offset + _ENTRY.size])
             if entry is None:
                 self.bytes_dropped += _ENTRY.size
             else:
@@ -225,9 +226,16 @@ class Cadence:
     """Decides early records. Thread-safe: the link thread feeds warnings and telemetry, the
     engine thread asks. One per payload process, shared by the tasks it runs."""
 
-    def __init__(self, mode: str = "fixed", windows: list[float] | None = None, *, clock=time.monotonic,
-                 started: float | None = None, thermal_limit_c: float = DEFAULT_THERMAL_LIMIT_C,
-                 soc_cutoff: float = DEFAULT_SOC_CUTOFF):
+    def __init__(
+        self,
+        mode: str = "fixed",
+        windows: list[float] | None = None,
+        *,
+        clock=time.monotonic,
+        started: float | None = None,
+        thermal_limit_c: float = DEFAULT_THERMAL_LIMIT_C,
+        soc_cutoff: float = DEFAULT_SOC_CUTOFF,
+    ):
         if mode not in CADENCES:
             raise ValueError(f"unknown cadence {mode!r}; choose from {', '.join(CADENCES)}")
         self.mode = mode
@@ -280,8 +288,13 @@ class Cadence:
         with self._lock:
             if self.cut_at is not None and self.cut_at <= now + horizon_s:
                 return 1.0
-            if min(self.temperature.time_to(self.thermal_limit_c, rising=True),
-                   self.battery.time_to(self.soc_cutoff, rising=False)) <= horizon_s:
+            if (
+                min(
+                    self.temperature.time_to(self.thermal_limit_c, rising=True),
+                    self.battery.time_to(self.soc_cutoff, rising=False),
+                )
+                <= horizon_s
+            ):
                 return 1.0
             return self._history_probability(now - self.started, horizon_s)
 
@@ -314,6 +327,10 @@ class Cadence:
 
     def describe(self) -> dict:
         with self._lock:
-            return {"mode": self.mode, "windows": len(self.windows),
-                    "median_window_s": _median(self.windows) if self.windows else None,
-                    "warned": self.cut_at is not None, "early_records": self.early_records}
+            return {
+                "mode": self.mode,
+                "windows": len(self.windows),
+                "median_window_s": _median(self.windows) if self.windows else None,
+                "warned": self.cut_at is not None,
+                "early_records": self.early_records,
+            }

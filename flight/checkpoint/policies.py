@@ -14,6 +14,7 @@ Baselines (docs/baselines.md) are further subclasses choosing other answers: `so
 path; HCache's hidden states and layer-wise restore), and `sonic-layer+`, `sonic-chunk+`,
 `hcache+`, the same records strengthened with OrbitWeaver's background writer and planner.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -23,10 +24,10 @@ from dataclasses import dataclass, replace
 class Geometry:
     """Units of work and of persistence."""
 
-    chunk: int = 1024        # C: prompt tokens per prefill chunk (changes the bits: pinned in MANIFEST)
-    group: int = 4           # G: decoder layers per prefill block
-    decode_every: int = 16   # D: decode steps per decode record
-    vision_every: int = 4    # k: vision blocks between vision checkpoints
+    chunk: int = 1024  # C: prompt tokens per prefill chunk (changes the bits: pinned in MANIFEST)
+    group: int = 4  # G: decoder layers per prefill block
+    decode_every: int = 16  # D: decode steps per decode record
+    vision_every: int = 4  # k: vision blocks between vision checkpoints
 
     def __post_init__(self):
         for name in ("chunk", "group", "decode_every", "vision_every"):
@@ -88,8 +89,10 @@ class Policy:
 
 class OrbitWeaverPolicy(Policy):
     name = "orbitweaver"
-    description = ("phase-aware: vision state every k blocks, prefill blocks of G layers x C tokens "
-                   "(KV + boundary hidden), decode record every D steps")
+    description = (
+        "phase-aware: vision state every k blocks, prefill blocks of G layers x C tokens "
+        "(KV + boundary hidden), decode record every D steps"
+    )
 
 
 class NoCheckpointPolicy(Policy):
@@ -122,8 +125,10 @@ class SonicLayerPolicy(Policy):
     state, then continue in task order (no overlap)."""
 
     name = "sonic-layer"
-    description = ("SONIC per layer: after every vision block, every layer of every chunk (KV + hidden) and every "
-                   "decode step, committed synchronously on the compute path; restore then continue")
+    description = (
+        "SONIC per layer: after every vision block, every layer of every chunk (KV + hidden) and every "
+        "decode step, committed synchronously on the compute path; restore then continue"
+    )
 
     def geometry(self, requested, num_layers):
         return replace(requested, group=1, vision_every=1, decode_every=1)
@@ -141,8 +146,10 @@ class SonicChunkPolicy(Policy):
     step; commits are synchronous, restore reads then continues."""
 
     name = "sonic-chunk"
-    description = ("SONIC per chunk: after every vision block, every whole chunk (KV of all layers) and every decode "
-                   "step, committed synchronously on the compute path; restore then continue")
+    description = (
+        "SONIC per chunk: after every vision block, every whole chunk (KV of all layers) and every decode "
+        "step, committed synchronously on the compute path; restore then continue"
+    )
 
     def geometry(self, requested, num_layers):
         return replace(requested, group=num_layers, vision_every=1, decode_every=1)
@@ -174,8 +181,10 @@ class HCachePolicy(Policy):
     HCache's storage chunk of 64 tokens."""
 
     name = "hcache"
-    description = ("HCache: per-layer hidden states saved off the compute path, the first layers recomputed from "
-                   "tokens (bubble-free split), KV projected at restore in a layer-by-layer pipeline")
+    description = (
+        "HCache: per-layer hidden states saved off the compute path, the first layers recomputed from "
+        "tokens (bubble-free split), KV projected at restore in a layer-by-layer pipeline"
+    )
     STORAGE_CHUNK_TOKENS = 64
     recompute_layers = 0
 
@@ -207,8 +216,10 @@ def hcache_recompute_layers(num_layers: int, costs=None) -> int:
     if costs is None:
         costs = _reference_layer_chunk_costs()
     read, project, recompute = costs
-    best = min(range(num_layers + 1), key=lambda k: (max((num_layers - k) * read,
-                                                          k * recompute + (num_layers - k) * project), k))
+    best = min(
+        range(num_layers + 1),
+        key=lambda k: (max((num_layers - k) * read, k * recompute + (num_layers - k) * project), k),
+    )
     return best
 
 
@@ -253,8 +264,10 @@ class HCachePlusPolicy(Policy):
     OrbitWeaver's planner, which overlaps the re-projections with the reads (strengthened)."""
 
     name = "hcache+"
-    description = ("per layer and chunk: the hidden state for re-projected layers, KV for the others, OrbitWeaver's "
-                   "writer and recovery planner (strengthened)")
+    description = (
+        "per layer and chunk: the hidden state for re-projected layers, KV for the others, OrbitWeaver's "
+        "writer and recovery planner (strengthened)"
+    )
     #: Every `reproject_every`-th layer's KV is re-projected from its input hidden state: for Qwen-VL
     #: GQA layers re-projection and reading take about the same time per layer on the payload
     #: computers we target, hence one layer in two (docs/baselines.md).
@@ -275,9 +288,19 @@ BASELINES = ("sonic-layer", "sonic-chunk", "hcache")
 STRENGTHENED = {"sonic-layer": "sonic-layer+", "sonic-chunk": "sonic-chunk+", "hcache": "hcache+"}
 
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (
-    OrbitWeaverPolicy, NoCheckpointPolicy, SonicLayerPolicy, SonicChunkPolicy, HCachePolicy, SonicLayerPlusPolicy,
-    SonicChunkPlusPolicy, HCachePlusPolicy)}
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls
+    for cls in (
+        OrbitWeaverPolicy,
+        NoCheckpointPolicy,
+        SonicLayerPolicy,
+        SonicChunkPolicy,
+        HCachePolicy,
+        SonicLayerPlusPolicy,
+        SonicChunkPlusPolicy,
+        HCachePlusPolicy,
+    )
+}
 
 
 def register(cls: type[Policy]) -> type[Policy]:
@@ -292,6 +315,23 @@ def get_policy(name: str) -> Policy:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(sorted(POLICIES))}") from None
 
 
-__all__ = ["Geometry", "PrefillPersist", "Policy", "OrbitWeaverPolicy", "NoCheckpointPolicy", "SonicLayerPolicy",
-           "SonicChunkPolicy", "HCachePolicy", "SonicLayerPlusPolicy", "SonicChunkPlusPolicy", "HCachePlusPolicy",
-           "BASELINES", "STRENGTHENED", "POLICIES", "get_policy", "register", "replace", "hcache_recompute_layers"]
+__all__ = [
+    "Geometry",
+    "PrefillPersist",
+    "Policy",
+    "OrbitWeaverPolicy",
+    "NoCheckpointPolicy",
+    "SonicLayerPolicy",
+    "SonicChunkPolicy",
+    "HCachePolicy",
+    "SonicLayerPlusPolicy",
+    "SonicChunkPlusPolicy",
+    "HCachePlusPolicy",
+    "BASELINES",
+    "STRENGTHENED",
+    "POLICIES",
+    "get_policy",
+    "register",
+    "replace",
+    "hcache_recompute_layers",
+]

@@ -14,6 +14,7 @@ The store validates what it reads and never trusts a record that fails its check
 checks headers and commit footers cheaply, full CRCs are checked when the data is read, and a
 record that fails then is quarantined so the planner can re-plan without it.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,9 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common import log as owlog
 from common.durable import DurableFS
 from common.record import Kind, Record, RecordError, decode, encode, read_envelope, read_partial
-from common import log as owlog
 
 BLOCK_SUFFIX = ".blk"
 HIDDEN_SUFFIX = ".hid"
@@ -41,7 +42,7 @@ def _sliced(chunks, between_slices):
         view = memoryview(chunk).cast("B")
         for offset in range(0, len(view), SLICE_BYTES):
             between_slices()
-            yield view[offset:offset + SLICE_BYTES]
+            yield view[offset : offset + SLICE_BYTES]
 
 
 def block_name(group: int, chunk: int) -> str:
@@ -52,8 +53,9 @@ def hidden_name(layer: int, chunk: int) -> str:
     return f"l{layer}.c{chunk}{HIDDEN_SUFFIX}"
 
 
-def prefill_block_parts(group: int, chunk: int, layers: tuple[int, int], tokens: tuple[int, int], kv: dict,
-                        hidden) -> tuple[dict, dict]:
+def prefill_block_parts(
+    group: int, chunk: int, layers: tuple[int, int], tokens: tuple[int, int], kv: dict, hidden
+) -> tuple[dict, dict]:
     """(meta, tensors) of a prefill block record: the layout `put_prefill_block` writes and
     `record_sizes` sizes (tensors may be common.record.TensorSpec)."""
     tensors = {}
@@ -106,13 +108,13 @@ class LayerHiddenInfo:
 class Frontier:
     """What the durable records say about a request's progress."""
 
-    vision_block: int = 0                   # vision blocks covered by the best vision state
+    vision_block: int = 0  # vision blocks covered by the best vision state
     vision_state_path: str | None = None
-    vision_done: bool = False               # vision.out valid
+    vision_done: bool = False  # vision.out valid
     blocks: dict[tuple[int, int], BlockInfo] = field(default_factory=dict)
     layer_hidden: dict[tuple[int, int], LayerHiddenInfo] = field(default_factory=dict)
     decode_records: list[Record] = field(default_factory=list)
-    decode_log_end: int = 0                 # byte offset just after the last good decode record
+    decode_log_end: int = 0  # byte offset just after the last good decode record
     result: Record | None = None
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (file, reason)
 
@@ -135,8 +137,8 @@ class Frontier:
 @dataclass
 class OpenOutcome:
     salt: int
-    status: str           # "fresh" | "resume" | "mismatch" | "unreadable_manifest"
-    differences: dict     # key -> (stored, current) when status == "mismatch"
+    status: str  # "fresh" | "resume" | "mismatch" | "unreadable_manifest"
+    differences: dict  # key -> (stored, current) when status == "mismatch"
 
 
 class CheckpointStore:
@@ -211,42 +213,51 @@ class CheckpointStore:
 
     def put_vision_state(self, block: int, hidden: torch.Tensor, side: dict[str, torch.Tensor]) -> int:
         slot = self._next_vision_slot
-        n = self._write(self.path(f"vision.{slot}"), Kind.VISION_STATE, {"block": block},
-                        {"hidden": hidden, **side})
+        n = self._write(self.path(f"vision.{slot}"), Kind.VISION_STATE, {"block": block}, {"hidden": hidden, **side})
         self._next_vision_slot = "B" if slot == "A" else "A"
         return n
 
     def put_vision_out(self, embeds: torch.Tensor, side: dict[str, torch.Tensor], between_slices=None) -> int:
         """`between_slices`: called before each slice of the payload (see the writer's background
         records)."""
-        return self._write(self.path("vision.out"), Kind.VISION_OUT, {}, {"embeds": embeds, **side},
-                           between_slices)
+        return self._write(self.path("vision.out"), Kind.VISION_OUT, {}, {"embeds": embeds, **side}, between_slices)
 
-    def put_prefill_block(self, group: int, chunk: int, layers: tuple[int, int], tokens: tuple[int, int],
-                          kv: dict[int, tuple[torch.Tensor, torch.Tensor]], hidden: torch.Tensor | None) -> int:
+    def put_prefill_block(
+        self,
+        group: int,
+        chunk: int,
+        layers: tuple[int, int],
+        tokens: tuple[int, int],
+        kv: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        hidden: torch.Tensor | None,
+    ) -> int:
         meta, tensors = prefill_block_parts(group, chunk, layers, tokens, kv, hidden)
         return self._write(os.path.join(self.prefill_dir, block_name(group, chunk)), Kind.PREFILL_BLOCK, meta, tensors)
 
     def put_layer_hidden(self, layer: int, chunk: int, tokens: tuple[int, int], hidden: torch.Tensor) -> int:
         meta = {"layer": layer, "chunk": chunk, "tokens": list(tokens)}
-        return self._write(os.path.join(self.prefill_dir, hidden_name(layer, chunk)), Kind.HIDDEN_LAYER, meta,
-                           {"hidden": hidden})
+        return self._write(
+            os.path.join(self.prefill_dir, hidden_name(layer, chunk)), Kind.HIDDEN_LAYER, meta, {"hidden": hidden}
+        )
 
     def prepare_decode_log(self, end: int) -> None:
         """Cut a torn or stale tail off the decode log before appending to it."""
         if self.fs.exists(self.decode_log) and self.fs.size(self.decode_log) != end:
             self.fs.truncate(self.decode_log, end)
 
-    def append_decode(self, meta: dict, kv: dict[int, tuple[torch.Tensor, torch.Tensor]],
-                      tokens: torch.Tensor) -> int:
+    def append_decode(self, meta: dict, kv: dict[int, tuple[torch.Tensor, torch.Tensor]], tokens: torch.Tensor) -> int:
         enc = encode(Kind.DECODE_STEPS, meta, decode_record_tensors(kv, tokens), salt=self.salt)
         n = self.fs.append(self.decode_log, enc.chunks)
         self._count(n)
         return n
 
     def put_result(self, token_ids: list[int], logits: torch.Tensor, text: str, finish_reason: str) -> int:
-        return self._write(self.path("RESULT"), Kind.RESULT, {"text": text, "finish_reason": finish_reason},
-                           {"token_ids": torch.tensor(token_ids, dtype=torch.int64), "logits": logits})
+        return self._write(
+            self.path("RESULT"),
+            Kind.RESULT,
+            {"text": text, "finish_reason": finish_reason},
+            {"token_ids": torch.tensor(token_ids, dtype=torch.int64), "logits": logits},
+        )
 
     def gc(self) -> None:
         """After RESULT is durable: drop everything the result made unnecessary."""
@@ -325,13 +336,19 @@ class CheckpointStore:
             if name.endswith(BLOCK_SUFFIX) and (hdr := self._envelope_ok(p, Kind.PREFILL_BLOCK)):
                 m, table = hdr.meta, hdr.meta["tensors"]
                 fr.blocks[(int(m["group"]), int(m["chunk"]))] = BlockInfo(
-                    int(m["group"]), int(m["chunk"]), tuple(m["layers"]), tuple(m["tokens"]),
+                    int(m["group"]),
+                    int(m["chunk"]),
+                    tuple(m["layers"]),
+                    tuple(m["tokens"]),
                     sum(e["nbytes"] for e in table if e["name"] != "hidden"),
-                    sum(e["nbytes"] for e in table if e["name"] == "hidden"), p)
+                    sum(e["nbytes"] for e in table if e["name"] == "hidden"),
+                    p,
+                )
             elif name.endswith(HIDDEN_SUFFIX) and (hdr := self._envelope_ok(p, Kind.HIDDEN_LAYER)):
                 m = hdr.meta
                 fr.layer_hidden[(int(m["layer"]), int(m["chunk"]))] = LayerHiddenInfo(
-                    int(m["layer"]), int(m["chunk"]), hdr.record_len, p)
+                    int(m["layer"]), int(m["chunk"]), hdr.record_len, p
+                )
         self._scan_decode_log(fr)
         return fr
 
@@ -347,8 +364,12 @@ class CheckpointStore:
                 self.events("record_rejected", file="decode.log", offset=pos, reason=exc.reason)
                 break
             if rec.salt != self.salt or int(rec.meta["step_start"]) != expect_step:
-                self.events("record_rejected", file="decode.log", offset=pos,
-                            reason="stale_salt" if rec.salt != self.salt else "out_of_sequence")
+                self.events(
+                    "record_rejected",
+                    file="decode.log",
+                    offset=pos,
+                    reason="stale_salt" if rec.salt != self.salt else "out_of_sequence",
+                )
                 break
             fr.decode_records.append(rec)
             expect_step = int(rec.meta["step_end"])

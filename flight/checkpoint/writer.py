@@ -17,6 +17,7 @@ by a second thread that gives way to the ordered records between slices of its p
 prefill blocks that follow it are not queued behind one large write. It may therefore commit
 after records submitted later; what it holds is also recomputable, so no order is needed.
 """
+
 from __future__ import annotations
 
 import queue
@@ -114,8 +115,9 @@ class CheckpointWriter:
             self._execute(what, fn, args, {"between_slices": None})
             return
         self._join_background()
-        self._background = threading.Thread(target=self._background_loop, args=(what, fn, args),
-                                            name="checkpoint-writer-background", daemon=True)
+        self._background = threading.Thread(
+            target=self._background_loop, args=(what, fn, args), name="checkpoint-writer-background", daemon=True
+        )
         self._background.start()
 
     def _yield_to_ordered(self) -> None:

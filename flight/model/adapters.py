@@ -8,19 +8,20 @@ final norm and LM head). It calls the transformers modules themselves — never 
 
 It also names the weight groups (dotted module paths) each step needs, for lazy loading.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
 from transformers.masking_utils import create_causal_mask
+from transformers.utils.generic import get_max_seqlen
 from transformers.vision_utils import (
     get_vision_attention_seqlens,
     get_vision_interpolation_indices_and_weights,
     get_vision_position_ids,
     get_vision_window_index,
 )
-from transformers.utils.generic import get_max_seqlen
 
 
 @dataclass
@@ -130,28 +131,45 @@ class Adapter:
     def rope_index(self, input_ids, mm_token_type_ids, grid_thw) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (position_ids (4, 1, S): text row then the three M-RoPE rows, rope_deltas (1, 1))."""
         pos3, deltas = self.model.model.get_rope_index(
-            input_ids, mm_token_type_ids=mm_token_type_ids, image_grid_thw=grid_thw,
-            attention_mask=torch.ones_like(input_ids))
+            input_ids,
+            mm_token_type_ids=mm_token_type_ids,
+            image_grid_thw=grid_thw,
+            attention_mask=torch.ones_like(input_ids),
+        )
         text = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         return torch.cat([text[None], pos3], dim=0), deltas
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.lm.embed_tokens(input_ids)
 
-    def mask(self, h: torch.Tensor, attention_mask: torch.Tensor, cache, text_positions: torch.Tensor,
-             layer_idx: int = 0):
-        return create_causal_mask(config=self.lm.config, inputs_embeds=h, attention_mask=attention_mask,
-                                  cache=cache, position_ids=text_positions, layer_idx=layer_idx)
+    def mask(
+        self, h: torch.Tensor, attention_mask: torch.Tensor, cache, text_positions: torch.Tensor, layer_idx: int = 0
+    ):
+        return create_causal_mask(
+            config=self.lm.config,
+            inputs_embeds=h,
+            attention_mask=attention_mask,
+            cache=cache,
+            position_ids=text_positions,
+            layer_idx=layer_idx,
+        )
 
     def rotary(self, h: torch.Tensor, mrope_positions: torch.Tensor):
         return self.lm.rotary_emb(h, mrope_positions)
 
     def layer(self, layer: int, h, mask, text_positions, cache, position_embeddings) -> torch.Tensor:
-        return self.lm.layers[layer](h, attention_mask=mask, position_ids=text_positions, cache=cache,
-                                     use_cache=True, position_embeddings=position_embeddings)
+        return self.lm.layers[layer](
+            h,
+            attention_mask=mask,
+            position_ids=text_positions,
+            cache=cache,
+            use_cache=True,
+            position_embeddings=position_embeddings,
+        )
 
-    def after_layer(self, layer: int, h: torch.Tensor, visual_mask: torch.Tensor | None,
-                    deepstack_rows: torch.Tensor | None) -> torch.Tensor:
+    def after_layer(
+        self, layer: int, h: torch.Tensor, visual_mask: torch.Tensor | None, deepstack_rows: torch.Tensor | None
+    ) -> torch.Tensor:
         return h
 
     def reproject_kv(self, layer: int, h_in: torch.Tensor, text_positions, position_embeddings):
@@ -162,9 +180,14 @@ class Adapter:
         forward pass, so the bits are the same, without the attention and MLP work."""
         mod = self.lm.layers[layer]
         try:
-            mod.self_attn(hidden_states=mod.input_layernorm(h_in), attention_mask=None,
-                          position_ids=text_positions, cache=_KVCapture(), use_cache=True,
-                          position_embeddings=position_embeddings)
+            mod.self_attn(
+                hidden_states=mod.input_layernorm(h_in),
+                attention_mask=None,
+                position_ids=text_positions,
+                cache=_KVCapture(),
+                use_cache=True,
+                position_embeddings=position_embeddings,
+            )
         except _Captured as captured:
             return captured.keys, captured.values
         raise RuntimeError(f"layer {layer}'s attention never updated its cache")
@@ -199,11 +222,14 @@ class Qwen3VLAdapter(Adapter):
         probe = torch.empty(0, device=device, dtype=torch.float32)
         position_embeddings = vis.rotary_pos_emb(probe, position_ids.to(device))
         interp = get_vision_interpolation_indices_and_weights(
-            grid_thw, num_grid_per_side=vis.num_grid_per_side, mode=vis.interpolation_mode,
-            align_corners=vis.interpolation_align_corners, spatial_merge_size=vis.config.spatial_merge_size,
-            kwargs={})
-        return VisionContext(grid_thw, cu_seqlens.to(device), max_seqlen, position_embeddings,
-                             extra={"interp": interp})
+            grid_thw,
+            num_grid_per_side=vis.num_grid_per_side,
+            mode=vis.interpolation_mode,
+            align_corners=vis.interpolation_align_corners,
+            spatial_merge_size=vis.config.spatial_merge_size,
+            kwargs={},
+        )
+        return VisionContext(grid_thw, cu_seqlens.to(device), max_seqlen, position_embeddings, extra={"interp": interp})
 
     def vision_embed(self, ctx, pixel_values):
         vis = self.visual
@@ -214,8 +240,9 @@ class Qwen3VLAdapter(Adapter):
 
     def vision_block(self, ctx, i, h):
         vis = self.visual
-        h = vis.blocks[i](h, cu_seqlens=ctx.cu_seqlens, max_seqlen=ctx.max_seqlen,
-                          position_embeddings=ctx.position_embeddings)
+        h = vis.blocks[i](
+            h, cu_seqlens=ctx.cu_seqlens, max_seqlen=ctx.max_seqlen, position_embeddings=ctx.position_embeddings
+        )
         side = {}
         indexes = list(vis.deepstack_visual_indexes)
         if i in indexes:
@@ -244,17 +271,29 @@ class Qwen25VLAdapter(Adapter):
         position_ids = get_vision_position_ids(grid_thw, vis.spatial_merge_size, kwargs={})
         cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid_thw, vis.config, kwargs={})
         window_index, cu_window = get_vision_window_index(
-            grid_thw, spatial_merge_size=vis.spatial_merge_size, window_size=vis.window_size,
-            patch_size=vis.patch_size, kwargs={})
+            grid_thw,
+            spatial_merge_size=vis.spatial_merge_size,
+            window_size=vis.window_size,
+            patch_size=vis.patch_size,
+            kwargs={},
+        )
         max_window = get_max_seqlen(cu_window, vis.config, kwargs={}, kwarg_name="max_window_seqlen")
         seq_len = int(grid_thw.prod(-1).sum())
         probe = torch.empty(0, device=device, dtype=torch.float32)
         cos_sin = vis.rotary_pos_emb(probe, position_ids.to(device))
-        cos_sin = tuple(vis.permute_input_for_window_attn(t, window_index.to(device), seq_len=seq_len)
-                        for t in cos_sin)
-        return VisionContext(grid_thw, cu_seqlens.to(device), max_seqlen, cos_sin, extra={
-            "window_index": window_index.to(device), "cu_window": cu_window.to(device),
-            "max_window": max_window, "seq_len": seq_len})
+        cos_sin = tuple(vis.permute_input_for_window_attn(t, window_index.to(device), seq_len=seq_len) for t in cos_sin)
+        return VisionContext(
+            grid_thw,
+            cu_seqlens.to(device),
+            max_seqlen,
+            cos_sin,
+            extra={
+                "window_index": window_index.to(device),
+                "cu_window": cu_window.to(device),
+                "max_window": max_window,
+                "seq_len": seq_len,
+            },
+        )
 
     def vision_embed(self, ctx, pixel_values):
         vis = self.visual

@@ -1,5 +1,6 @@
 """What a model directory is, without loading it: importable without torch or transformers (the
 onboard process checks its model directory before anything heavy is imported)."""
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,9 @@ def read_model_type(model_dir: str) -> str:
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelError(f"unreadable config.json in {model_dir}: {exc}") from None
     if model_type not in MODEL_CLASSES:
-        raise ModelError(f"{model_dir} holds a {model_type!r} model; supported architectures: "
-                         f"{', '.join(sorted(MODEL_CLASSES))}")
+        raise ModelError(
+            f"{model_dir} holds a {model_type!r} model; supported architectures: {', '.join(sorted(MODEL_CLASSES))}"
+        )
     return model_type
 
 
@@ -47,8 +49,17 @@ def weight_files(model_dir: str) -> list[str]:
 
 
 #: files that decide how a prompt and images become input ids and pixel values
-PROCESSOR_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "added_tokens.json", "chat_template.json", "chat_template.jinja", "preprocessor_config.json")
+PROCESSOR_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.json",
+    "chat_template.jinja",
+    "preprocessor_config.json",
+)
 
 
 def processors_hash(model_dir: str) -> str:
@@ -84,4 +95,3 @@ def page_in(paths: list[str]) -> int:
         finally:
             os.close(fd)
     return total
-

@@ -14,6 +14,7 @@ first; tests/flight/test_prompt_text.py).
 Images are decoded by `common.imagecheck.open_reduced`: checked from their header, decoded no
 larger than the processor needs, one at a time.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -39,10 +40,10 @@ class InputError(ValueError):
 
 @dataclass
 class RequestInputs:
-    input_ids: torch.Tensor          # (1, S) int64
+    input_ids: torch.Tensor  # (1, S) int64
     mm_token_type_ids: torch.Tensor  # (1, S) int32; 1 at image tokens
-    pixel_values: torch.Tensor       # (patches, C*T*P*P) float32
-    image_grid_thw: torch.Tensor     # (images, 3) int64
+    pixel_values: torch.Tensor  # (patches, C*T*P*P) float32
+    image_grid_thw: torch.Tensor  # (images, 3) int64
     prompt: str
 
     @property
@@ -72,7 +73,9 @@ def load_image(path: str, limits: ProcessorLimits | None = None, name: str | Non
         raise InputError(f"image not found: {name}")
     size = os.path.getsize(path)
     if size > MAX_IMAGE_BYTES:
-        raise InputError(f"image too large: {name} is {size} bytes (limit {MAX_IMAGE_BYTES})", ResponseCode.IMAGE_TOO_LARGE)
+        raise InputError(
+            f"image too large: {name} is {size} bytes (limit {MAX_IMAGE_BYTES})", ResponseCode.IMAGE_TOO_LARGE
+        )
     try:
         return open_reduced(path, name, limits)
     except ImageRejected as exc:
@@ -89,7 +92,7 @@ def decode_image(content: bytes, name: str, image_processor=None):
         raise InputError(str(exc), exc.code) from None
 
 
-def inputs_from_files(model, image_paths: list[str], prompt: str) -> "RequestInputs":
+def inputs_from_files(model, image_paths: list[str], prompt: str) -> RequestInputs:
     """A loaded model's inputs for picture files and a prompt, decoded exactly as the payload
     decodes uploads (so references computed here match its answers bit for bit)."""
     limits = ProcessorLimits.of_processor(model.image_processor)
@@ -112,8 +115,14 @@ def chat_ids(tokenizer, prompt: str, num_images: int) -> list[int]:
 
     vision = [special("<|vision_start|>"), special("<|image_pad|>"), special("<|vision_end|>")] * num_images
     head = text("user\n") + vision + text(prompt) if num_images else text("user\n" + prompt)
-    return ([special("<|im_start|>")] + head + [special("<|im_end|>")] + text("\n") + [special("<|im_start|>")]
-            + text("assistant\n"))
+    return (
+        [special("<|im_start|>")]
+        + head
+        + [special("<|im_end|>")]
+        + text("\n")
+        + [special("<|im_start|>")]
+        + text("assistant\n")
+    )
 
 
 def build_inputs(tokenizer, image_processor, images: list, prompt: str, image_token_id: int) -> RequestInputs:
@@ -149,8 +158,12 @@ def save_inputs(fs, path: str, inputs: RequestInputs, key: dict) -> int:
     from common.record import Kind, encode
 
     meta = {"prompt": inputs.prompt, "digest": inputs.digest(), **key}
-    tensors = {"input_ids": inputs.input_ids, "mm_token_type_ids": inputs.mm_token_type_ids,
-               "pixel_values": inputs.pixel_values, "image_grid_thw": inputs.image_grid_thw}
+    tensors = {
+        "input_ids": inputs.input_ids,
+        "mm_token_type_ids": inputs.mm_token_type_ids,
+        "pixel_values": inputs.pixel_values,
+        "image_grid_thw": inputs.image_grid_thw,
+    }
     return fs.write_atomic(path, encode(Kind.TASK_INPUTS, meta, tensors).chunks)
 
 
@@ -169,11 +182,11 @@ def load_inputs(fs, path: str, key: dict) -> tuple[RequestInputs | None, str | N
         return None, "built_with_other_model_or_task"
     t = rec.tensors
     try:
-        inputs = RequestInputs(t["input_ids"], t["mm_token_type_ids"], t["pixel_values"], t["image_grid_thw"],
-                               rec.meta["prompt"])
+        inputs = RequestInputs(
+            t["input_ids"], t["mm_token_type_ids"], t["pixel_values"], t["image_grid_thw"], rec.meta["prompt"]
+        )
     except KeyError:
         return None, "bad_meta"
     if inputs.digest() != rec.meta.get("digest"):
         return None, "digest_mismatch"
     return inputs, None
-

@@ -5,6 +5,7 @@ module. Tokenizer and image processor come from the same directory. The content 
 exact bytes of config and weights (docs/record-format.md §4) and is cached by file size and
 mtime so that it is computed once per model, not once per boot.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from .adapters import ADAPTERS, Adapter
-from .config import MODEL_CLASSES as _MODEL_CLASSES, ModelError, read_model_type  # noqa: F401  (re-exported)
+from .config import MODEL_CLASSES as _MODEL_CLASSES  # noqa: F401  (re-exported)
+from .config import ModelError, read_model_type
 from .weights import WeightStore, weight_files
 
 
@@ -159,8 +161,14 @@ def import_model_classes() -> None:
         transformers.models.auto.configuration_auto.CONFIG_MAPPING[model_type]
 
 
-def load_model(model_dir: str, device: torch.device | str | None = None, dtype: str | None = None,
-               attn_implementation: str = "sdpa", read_hook=None, lazy_processors: bool = False) -> LoadedModel:
+def load_model(
+    model_dir: str,
+    device: torch.device | str | None = None,
+    dtype: str | None = None,
+    attn_implementation: str = "sdpa",
+    read_hook=None,
+    lazy_processors: bool = False,
+) -> LoadedModel:
     """Open a model directory: configuration, the model skeleton on the meta device, its weight
     store (weights are read per module on demand). The tokenizer and image processor are loaded
     now, or on first use with `lazy_processors` (the onboard process)."""
@@ -197,7 +205,17 @@ def load_model(model_dir: str, device: torch.device | str | None = None, dtype: 
     except OSError:
         pass
     adapter = ADAPTERS[model_type](model, config)
-    return LoadedModel(model_dir=os.path.abspath(model_dir), model_type=model_type, config=config, model=model,
-                       adapter=adapter, weights=weights, processors=processors,
-                       dtype=torch_dtype, device=device, attn_implementation=attn_implementation,
-                       content_hash=content_hash(model_dir), eos_token_ids=eos)
+    return LoadedModel(
+        model_dir=os.path.abspath(model_dir),
+        model_type=model_type,
+        config=config,
+        model=model,
+        adapter=adapter,
+        weights=weights,
+        processors=processors,
+        dtype=torch_dtype,
+        device=device,
+        attn_implementation=attn_implementation,
+        content_hash=content_hash(model_dir),
+        eos_token_ids=eos,
+    )

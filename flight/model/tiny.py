@@ -11,6 +11,7 @@ Sizes: `tiny` (hidden 128, 4 layers, 4 vision blocks; ~1 M parameters, for tests
 checkpoint I/O and compute are both visible). `qwen3-vl-2b` / `qwen3-vl-8b` give the real
 dimensions of those checkpoints (random weights) for accelerator benchmarks.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,16 @@ import os
 
 import torch
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                  "<|image_pad|>", "<|video_pad|>", "[UNK]"]
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "[UNK]",
+]
 
 # A small English vocabulary with Earth-observation words, so prompts tokenize meaningfully.
 _WORDS = """
@@ -57,17 +66,65 @@ def vocabulary() -> list[str]:
 
 SIZES = {
     # name: (text dims, vision dims)
-    "tiny": dict(hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, inter=256,
-                 v_depth=4, v_hidden=64, v_heads=4, v_inter=128, v_pos=64, max_pixels=128 * 128),
-    "small": dict(hidden=768, layers=12, heads=12, kv_heads=4, head_dim=64, inter=2048,
-                  v_depth=8, v_hidden=384, v_heads=6, v_inter=1536, v_pos=1024, max_pixels=512 * 512),
+    "tiny": dict(
+        hidden=128,
+        layers=4,
+        heads=4,
+        kv_heads=2,
+        head_dim=32,
+        inter=256,
+        v_depth=4,
+        v_hidden=64,
+        v_heads=4,
+        v_inter=128,
+        v_pos=64,
+        max_pixels=128 * 128,
+    ),
+    "small": dict(
+        hidden=768,
+        layers=12,
+        heads=12,
+        kv_heads=4,
+        head_dim=64,
+        inter=2048,
+        v_depth=8,
+        v_hidden=384,
+        v_heads=6,
+        v_inter=1536,
+        v_pos=1024,
+        max_pixels=512 * 512,
+    ),
     # Real Qwen3-VL dimensions (random weights) for accelerator benchmarks.
-    "qwen3-vl-2b": dict(hidden=2048, layers=28, heads=16, kv_heads=8, head_dim=128, inter=6144,
-                        v_depth=24, v_hidden=1024, v_heads=16, v_inter=4096, v_pos=2304,
-                        max_pixels=16384 * 32 * 32, vocab=151936),
-    "qwen3-vl-8b": dict(hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, inter=12288,
-                        v_depth=27, v_hidden=1152, v_heads=16, v_inter=4304, v_pos=2304,
-                        max_pixels=16384 * 32 * 32, vocab=151936),
+    "qwen3-vl-2b": dict(
+        hidden=2048,
+        layers=28,
+        heads=16,
+        kv_heads=8,
+        head_dim=128,
+        inter=6144,
+        v_depth=24,
+        v_hidden=1024,
+        v_heads=16,
+        v_inter=4096,
+        v_pos=2304,
+        max_pixels=16384 * 32 * 32,
+        vocab=151936,
+    ),
+    "qwen3-vl-8b": dict(
+        hidden=4096,
+        layers=36,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        inter=12288,
+        v_depth=27,
+        v_hidden=1152,
+        v_heads=16,
+        v_inter=4304,
+        v_pos=2304,
+        max_pixels=16384 * 32 * 32,
+        vocab=151936,
+    ),
 }
 ARCHS = {"qwen3-vl": "qwen3_vl", "qwen2.5-vl": "qwen2_5_vl"}
 
@@ -86,42 +143,86 @@ def make_config(arch: str, size: str, vocab_size: int, special_ids: dict[str, in
 
     s = SIZES[size]
     vocab_size = s.get("vocab", vocab_size)
-    ids = dict(image_token_id=special_ids["<|image_pad|>"], video_token_id=special_ids["<|video_pad|>"],
-               vision_start_token_id=special_ids["<|vision_start|>"],
-               vision_end_token_id=special_ids["<|vision_end|>"])
+    ids = dict(
+        image_token_id=special_ids["<|image_pad|>"],
+        video_token_id=special_ids["<|video_pad|>"],
+        vision_start_token_id=special_ids["<|vision_start|>"],
+        vision_end_token_id=special_ids["<|vision_end|>"],
+    )
     if arch == "qwen3-vl":
         depth = s["v_depth"]
         deepstack = [depth // 4, depth // 2, 3 * depth // 4] if depth >= 8 else [1, 2]
         cfg = Qwen3VLConfig(
-            text_config=dict(vocab_size=vocab_size, hidden_size=s["hidden"], intermediate_size=s["inter"],
-                             num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
-                             num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"],
-                             max_position_embeddings=262144, tie_word_embeddings=False,
-                             rope_parameters=dict(rope_type="default", rope_theta=5_000_000.0,
-                                                  mrope_section=_mrope_section(s["head_dim"], True),
-                                                  mrope_interleaved=True),
-                             eos_token_id=special_ids["<|im_end|>"], pad_token_id=special_ids["<|endoftext|>"],
-                             bos_token_id=None),
-            vision_config=dict(depth=depth, hidden_size=s["v_hidden"], intermediate_size=s["v_inter"],
-                               num_heads=s["v_heads"], patch_size=16, spatial_merge_size=2,
-                               temporal_patch_size=2, out_hidden_size=s["hidden"],
-                               num_position_embeddings=s["v_pos"], deepstack_visual_indexes=deepstack),
-            tie_word_embeddings=False, **ids)
+            text_config=dict(
+                vocab_size=vocab_size,
+                hidden_size=s["hidden"],
+                intermediate_size=s["inter"],
+                num_hidden_layers=s["layers"],
+                num_attention_heads=s["heads"],
+                num_key_value_heads=s["kv_heads"],
+                head_dim=s["head_dim"],
+                max_position_embeddings=262144,
+                tie_word_embeddings=False,
+                rope_parameters=dict(
+                    rope_type="default",
+                    rope_theta=5_000_000.0,
+                    mrope_section=_mrope_section(s["head_dim"], True),
+                    mrope_interleaved=True,
+                ),
+                eos_token_id=special_ids["<|im_end|>"],
+                pad_token_id=special_ids["<|endoftext|>"],
+                bos_token_id=None,
+            ),
+            vision_config=dict(
+                depth=depth,
+                hidden_size=s["v_hidden"],
+                intermediate_size=s["v_inter"],
+                num_heads=s["v_heads"],
+                patch_size=16,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+                out_hidden_size=s["hidden"],
+                num_position_embeddings=s["v_pos"],
+                deepstack_visual_indexes=deepstack,
+            ),
+            tie_word_embeddings=False,
+            **ids,
+        )
     elif arch == "qwen2.5-vl":
         depth = s["v_depth"]
         cfg = Qwen2_5_VLConfig(
-            text_config=dict(vocab_size=vocab_size, hidden_size=s["hidden"], intermediate_size=s["inter"],
-                             num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
-                             num_key_value_heads=s["kv_heads"], max_position_embeddings=32768,
-                             rope_parameters=dict(rope_type="default", rope_theta=1_000_000.0,
-                                                  mrope_section=_mrope_section(s["hidden"] // s["heads"], False)),
-                             eos_token_id=special_ids["<|im_end|>"], pad_token_id=special_ids["<|endoftext|>"],
-                             bos_token_id=None),
-            vision_config=dict(depth=depth, hidden_size=s["v_hidden"], intermediate_size=s["v_inter"],
-                               num_heads=s["v_heads"], patch_size=14, spatial_merge_size=2,
-                               temporal_patch_size=2, out_hidden_size=s["hidden"], window_size=56,
-                               fullatt_block_indexes=[depth // 2 - 1, depth - 1]),
-            tie_word_embeddings=False, **ids)
+            text_config=dict(
+                vocab_size=vocab_size,
+                hidden_size=s["hidden"],
+                intermediate_size=s["inter"],
+                num_hidden_layers=s["layers"],
+                num_attention_heads=s["heads"],
+                num_key_value_heads=s["kv_heads"],
+                max_position_embeddings=32768,
+                rope_parameters=dict(
+                    rope_type="default",
+                    rope_theta=1_000_000.0,
+                    mrope_section=_mrope_section(s["hidden"] // s["heads"], False),
+                ),
+                eos_token_id=special_ids["<|im_end|>"],
+                pad_token_id=special_ids["<|endoftext|>"],
+                bos_token_id=None,
+            ),
+            vision_config=dict(
+                depth=depth,
+                hidden_size=s["v_hidden"],
+                intermediate_size=s["v_inter"],
+                num_heads=s["v_heads"],
+                patch_size=14,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+                out_hidden_size=s["hidden"],
+                window_size=56,
+                fullatt_block_indexes=[depth // 2 - 1, depth - 1],
+            ),
+            tie_word_embeddings=False,
+            **ids,
+        )
     else:
         raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join(ARCHS)}")
     cfg.dtype = dtype
@@ -139,8 +240,12 @@ def build_tokenizer(out_dir: str):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", pad_token="<|endoftext|>", eos_token="<|im_end|>",
-        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in ("[UNK]", "<|endoftext|>", "<|im_end|>")])
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        pad_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in ("[UNK]", "<|endoftext|>", "<|im_end|>")],
+    )
     fast.save_pretrained(out_dir)
     return fast
 
@@ -161,17 +266,30 @@ def build_tiny(arch: str, size: str, seed: int, out_dir: str, dtype: str = "floa
     cls = Qwen3VLForConditionalGeneration if arch == "qwen3-vl" else Qwen2_5_VLForConditionalGeneration
     torch.manual_seed(seed)
     model = cls(config).to(getattr(torch, dtype)).eval()
-    model.generation_config = GenerationConfig(eos_token_id=special_ids["<|im_end|>"],
-                                               pad_token_id=special_ids["<|endoftext|>"], do_sample=False)
+    model.generation_config = GenerationConfig(
+        eos_token_id=special_ids["<|im_end|>"], pad_token_id=special_ids["<|endoftext|>"], do_sample=False
+    )
     model.save_pretrained(out_dir)
     patch = config.vision_config.patch_size
-    processor = Qwen2VLImageProcessorPil(patch_size=patch, temporal_patch_size=2, merge_size=2,
-                                         min_pixels=(patch * 2) ** 2 * 4, max_pixels=SIZES[size]["max_pixels"])
+    processor = Qwen2VLImageProcessorPil(
+        patch_size=patch,
+        temporal_patch_size=2,
+        merge_size=2,
+        min_pixels=(patch * 2) ** 2 * 4,
+        max_pixels=SIZES[size]["max_pixels"],
+    )
     processor.save_pretrained(out_dir)
     params = sum(p.numel() for p in model.parameters())
-    summary = {"arch": arch, "size": size, "seed": seed, "dtype": dtype, "parameters": params,
-               "bytes": sum(os.path.getsize(os.path.join(out_dir, f)) for f in os.listdir(out_dir)),
-               "files": sorted(os.listdir(out_dir)), "path": os.path.abspath(out_dir)}
+    summary = {
+        "arch": arch,
+        "size": size,
+        "seed": seed,
+        "dtype": dtype,
+        "parameters": params,
+        "bytes": sum(os.path.getsize(os.path.join(out_dir, f)) for f in os.listdir(out_dir)),
+        "files": sorted(os.listdir(out_dir)),
+        "path": os.path.abspath(out_dir),
+    }
     with open(os.path.join(out_dir, "orbitweaver-build.json"), "w") as f:
         json.dump({k: v for k, v in summary.items() if k != "path"}, f, indent=2)
     return summary

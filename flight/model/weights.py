@@ -7,12 +7,13 @@ recovery plan needs them; `ensure()` blocks until a module is resident, loading 
 prefetcher has not got there yet. Either way the tensors are the file's bytes, cast exactly as
 `from_pretrained(dtype=...)` casts them.
 """
+
 from __future__ import annotations
 
 import re
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
@@ -47,8 +48,15 @@ class LoadStats:
 class WeightStore:
     """Maps parameter names to safetensors entries and materialises modules on demand."""
 
-    def __init__(self, model: nn.Module, model_dir: str, dtype: torch.dtype, device: torch.device,
-                 tied: dict[str, str] | None = None, read_hook=None):
+    def __init__(
+        self,
+        model: nn.Module,
+        model_dir: str,
+        dtype: torch.dtype,
+        device: torch.device,
+        tied: dict[str, str] | None = None,
+        read_hook=None,
+    ):
         self.model = model
         self.dtype = dtype
         self.device = device

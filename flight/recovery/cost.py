@@ -14,6 +14,7 @@ Three layers, from concrete to abstract:
 The target-emulated mode (docs/recovery.md §7) rescales reads so that the read-to-compute time
 ratio is that of the target payload (Jetson AGX Orin + NVMe) while compute stays as measured.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -32,7 +33,7 @@ from common import machine
 from .plan import ReadOp, RecoveryProblem
 
 COST_KEYS = ("weights", "kv", "hidden", "compute")
-OPTIONAL_COST_KEYS = ("reproject",)   # absent: re-projection costs REPROJECT_SHARE of the block's compute
+OPTIONAL_COST_KEYS = ("reproject",)  # absent: re-projection costs REPROJECT_SHARE of the block's compute
 # Re-projecting a block's KV runs only the K and V projections of its layer: for Qwen3-VL-2B
 # 2*2048*1024 of the layer's ~50 M weights and no attention, about a tenth of the block.
 REPROJECT_SHARE = 0.1
@@ -45,10 +46,10 @@ REPROJECT_SHARE = 0.1
 class BlockCosts:
     """Seconds per operation of one recovery problem (arrays indexed by group, chunk)."""
 
-    weights: np.ndarray   # (NG,)     read the weights of group g
-    kv: np.ndarray        # (NG, NC)  read the KV of block (g, c)
-    hidden: np.ndarray    # (NG, NC)  read the boundary hidden state of block (g, c)
-    compute: np.ndarray   # (NG, NC)  compute block (g, c)
+    weights: np.ndarray  # (NG,)     read the weights of group g
+    kv: np.ndarray  # (NG, NC)  read the KV of block (g, c)
+    hidden: np.ndarray  # (NG, NC)  read the boundary hidden state of block (g, c)
+    compute: np.ndarray  # (NG, NC)  compute block (g, c)
     reproject: np.ndarray | None = None  # (NG, NC)  rebuild block (g, c)'s KV from its input hidden state
     source: str = ""
 
@@ -57,9 +58,17 @@ class BlockCosts:
             object.__setattr__(self, "reproject", self.compute * REPROJECT_SHARE)
         # Plain-float copies for the planners' per-operation lookups (numpy scalar indexing
         # costs several times a list's, and planning looks up every operation many times).
-        object.__setattr__(self, "_tables", {"weights": self.weights.tolist(), "kv": self.kv.tolist(),
-                                             "hidden": self.hidden.tolist(), "block": self.compute.tolist(),
-                                             "reproject": self.reproject.tolist()})
+        object.__setattr__(
+            self,
+            "_tables",
+            {
+                "weights": self.weights.tolist(),
+                "kv": self.kv.tolist(),
+                "hidden": self.hidden.tolist(),
+                "block": self.compute.tolist(),
+                "reproject": self.reproject.tolist(),
+            },
+        )
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -78,11 +87,17 @@ class BlockCosts:
 
     def as_dict(self) -> dict:
         """The JSON-able form stored in `RecoveryProblem.costs`."""
-        return {"weights": self.weights.tolist(), "kv": self.kv.tolist(), "hidden": self.hidden.tolist(),
-                "compute": self.compute.tolist(), "reproject": self.reproject.tolist(), "source": self.source}
+        return {
+            "weights": self.weights.tolist(),
+            "kv": self.kv.tolist(),
+            "hidden": self.hidden.tolist(),
+            "compute": self.compute.tolist(),
+            "reproject": self.reproject.tolist(),
+            "source": self.source,
+        }
 
     @classmethod
-    def from_dict(cls, costs: dict, num_groups: int, num_chunks: int) -> "BlockCosts":
+    def from_dict(cls, costs: dict, num_groups: int, num_chunks: int) -> BlockCosts:
         """Parse `RecoveryProblem.costs`: each of weights / kv / hidden / compute (and optionally
         reproject) may be a scalar (same for every operation), a per-group list, or a groups x
         chunks table."""
@@ -98,17 +113,25 @@ class BlockCosts:
             try:
                 a = np.broadcast_to(a, (num_groups,) if key == "weights" else shape).copy()
             except ValueError:
-                raise ValueError(f"recovery costs {key!r} has shape {a.shape}, expected "
-                                 f"{(num_groups,) if key == 'weights' else shape}") from None
+                raise ValueError(
+                    f"recovery costs {key!r} has shape {a.shape}, expected "
+                    f"{(num_groups,) if key == 'weights' else shape}"
+                ) from None
             if not np.all(np.isfinite(a)) or np.any(a < 0):
                 raise ValueError(f"recovery costs {key!r} must be finite and non-negative")
             return a
 
-        return cls(table("weights"), table("kv"), table("hidden"), table("compute"),
-                   table("reproject") if "reproject" in costs else None, str(costs.get("source", "")))
+        return cls(
+            table("weights"),
+            table("kv"),
+            table("hidden"),
+            table("compute"),
+            table("reproject") if "reproject" in costs else None,
+            str(costs.get("source", "")),
+        )
 
     @classmethod
-    def for_problem(cls, problem: RecoveryProblem) -> "BlockCosts":
+    def for_problem(cls, problem: RecoveryProblem) -> BlockCosts:
         """The problem's own costs, or the reference payload's when it carries none."""
         if problem.costs:
             return cls.from_dict(problem.costs, problem.num_groups, problem.num_chunks)
@@ -164,12 +187,20 @@ class ModelDims:
         return 4.0 * self.heads * self.head_dim  # QK^T and AV for one (query, key) pair
 
     @classmethod
-    def from_text_config(cls, text_config, name: str = "", dtype_bytes: int = 2) -> "ModelDims":
+    def from_text_config(cls, text_config, name: str = "", dtype_bytes: int = 2) -> ModelDims:
         heads = text_config.num_attention_heads
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
-        return cls(name or getattr(text_config, "model_type", "model"), text_config.num_hidden_layers,
-                   text_config.hidden_size, heads, text_config.num_key_value_heads, head_dim,
-                   text_config.intermediate_size, text_config.vocab_size, dtype_bytes)
+        return cls(
+            name or getattr(text_config, "model_type", "model"),
+            text_config.num_hidden_layers,
+            text_config.hidden_size,
+            heads,
+            text_config.num_key_value_heads,
+            head_dim,
+            text_config.intermediate_size,
+            text_config.vocab_size,
+            dtype_bytes,
+        )
 
 
 # Public dimensions of the Qwen3-VL language models (config.json of the released checkpoints).
@@ -185,11 +216,11 @@ class TargetDevice:
     """A payload computer, from public specifications (docs/recovery.md §7)."""
 
     name: str
-    peak_flops: float        # dense bf16/fp16 tensor-core FLOP/s
-    efficiency: float        # fraction of peak that prefill GEMMs reach
-    layer_call_s: float      # fixed cost of one decoder-layer call (kernel launches)
+    peak_flops: float  # dense bf16/fp16 tensor-core FLOP/s
+    efficiency: float  # fraction of peak that prefill GEMMs reach
+    layer_call_s: float  # fixed cost of one decoder-layer call (kernel launches)
     read_bytes_per_s: float  # sequential read of the checkpoint / weight storage
-    read_latency_s: float    # fixed cost of one read operation (open, header, first I/O)
+    read_latency_s: float  # fixed cost of one read operation (open, header, first I/O)
 
     @property
     def flops_per_s(self) -> float:
@@ -201,9 +232,14 @@ class TargetDevice:
 # Gen4 x4 M.2 slot: a Gen3 x4 class drive (3.5 GB/s sequential read, ~100 us per command
 # including the file open and record header). Half of peak for prefill GEMMs and ~15 kernels of
 # ~10 us per decoder layer call are assumptions, stated in docs/recovery.md.
-ORIN_AGX_NVME = TargetDevice("Jetson AGX Orin 64GB + NVMe (PCIe Gen3 x4 class)", peak_flops=42.5e12,
-                             efficiency=0.5, layer_call_s=150e-6, read_bytes_per_s=3.5e9,
-                             read_latency_s=100e-6)
+ORIN_AGX_NVME = TargetDevice(
+    "Jetson AGX Orin 64GB + NVMe (PCIe Gen3 x4 class)",
+    peak_flops=42.5e12,
+    efficiency=0.5,
+    layer_call_s=150e-6,
+    read_bytes_per_s=3.5e9,
+    read_latency_s=100e-6,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,9 +256,9 @@ class CostModel:
     so for equal chunks a block costs a + b*c: attention grows with the chunk index c.
     """
 
-    layer_weight_bytes: tuple[int, ...]   # per decoder layer
-    embed_weight_bytes: int               # read with group 0 (token embeddings)
-    head_weight_bytes: int                # read with the last group (final norm, LM head)
+    layer_weight_bytes: tuple[int, ...]  # per decoder layer
+    embed_weight_bytes: int  # read with group 0 (token embeddings)
+    head_weight_bytes: int  # read with the last group (final norm, LM head)
     kv_bytes_per_token_layer: int
     hidden_bytes_per_token: int
     read_bytes_per_s: float
@@ -262,8 +298,9 @@ class CostModel:
         starts = np.array([s for s, _ in chunks], dtype=np.float64)[None, :]
         weights = np.array([self.read_s(b) for b in self.group_weight_bytes(groups)])
         kv = self.read_latency_s + layers * tokens * self.kv_bytes_per_token_layer / self.read_bytes_per_s
-        hidden = np.broadcast_to(self.read_latency_s + tokens * self.hidden_bytes_per_token / self.read_bytes_per_s,
-                                 kv.shape).copy()
+        hidden = np.broadcast_to(
+            self.read_latency_s + tokens * self.hidden_bytes_per_token / self.read_bytes_per_s, kv.shape
+        ).copy()
         pairs = tokens * starts + tokens * (tokens + 1) / 2.0
         compute = layers * (self.layer_call_s + tokens * self.token_layer_s + pairs * self.pair_layer_s)
         reproject = layers * (self.layer_call_s + tokens * self.token_layer_s * self.reproject_share)
@@ -275,37 +312,58 @@ class CostModel:
 
     # ---- constructors -------------------------------------------------------------------------
     @classmethod
-    def for_target(cls, dims: ModelDims, target: TargetDevice = ORIN_AGX_NVME) -> "CostModel":
+    def for_target(cls, dims: ModelDims, target: TargetDevice = ORIN_AGX_NVME) -> CostModel:
         """What the target device would take, from FLOP and byte counts."""
         embed = dims.vocab * dims.hidden * dims.dtype_bytes
-        return cls((dims.layer_bytes,) * dims.layers, embed, embed + dims.hidden * dims.dtype_bytes,
-                   dims.kv_bytes_per_token_layer, dims.hidden_bytes_per_token, target.read_bytes_per_s,
-                   target.read_latency_s, target.layer_call_s, dims.flops_per_token_layer / target.flops_per_s,
-                   dims.flops_per_pair_layer / target.flops_per_s, dims.reproject_share, label=f"target:{target.name}",
-                   meta={"model": dims.name, "target": asdict(target)})
+        return cls(
+            (dims.layer_bytes,) * dims.layers,
+            embed,
+            embed + dims.hidden * dims.dtype_bytes,
+            dims.kv_bytes_per_token_layer,
+            dims.hidden_bytes_per_token,
+            target.read_bytes_per_s,
+            target.read_latency_s,
+            target.layer_call_s,
+            dims.flops_per_token_layer / target.flops_per_s,
+            dims.flops_per_pair_layer / target.flops_per_s,
+            dims.reproject_share,
+            label=f"target:{target.name}",
+            meta={"model": dims.name, "target": asdict(target)},
+        )
 
-    def with_rates_of(self, rates: "CostModel", dims_from: ModelDims | None = None, dims_to: ModelDims | None = None,
-                      label: str = "") -> "CostModel":
+    def with_rates_of(
+        self, rates: CostModel, dims_from: ModelDims | None = None, dims_to: ModelDims | None = None, label: str = ""
+    ) -> CostModel:
         """This model's bytes with another machine's read rates and compute rates; compute is
         scaled by FLOPs per token / per pair when the two models differ (dims_from -> dims_to)."""
         tok = pair = 1.0
         if dims_from is not None and dims_to is not None:
             tok = dims_to.flops_per_token_layer / dims_from.flops_per_token_layer
             pair = dims_to.flops_per_pair_layer / dims_from.flops_per_pair_layer
-        return replace(self, read_bytes_per_s=rates.read_bytes_per_s, read_latency_s=rates.read_latency_s,
-                       layer_call_s=rates.layer_call_s, token_layer_s=rates.token_layer_s * tok,
-                       pair_layer_s=rates.pair_layer_s * pair, label=label or rates.label,
-                       meta={**self.meta, "rates_from": rates.label})
+        return replace(
+            self,
+            read_bytes_per_s=rates.read_bytes_per_s,
+            read_latency_s=rates.read_latency_s,
+            layer_call_s=rates.layer_call_s,
+            token_layer_s=rates.token_layer_s * tok,
+            pair_layer_s=rates.pair_layer_s * pair,
+            label=label or rates.label,
+            meta={**self.meta, "rates_from": rates.label},
+        )
 
-    def target_emulated(self, target_model: "CostModel", layers: int, tokens: int) -> "CostModel":
+    def target_emulated(self, target_model: CostModel, layers: int, tokens: int) -> CostModel:
         """Keep this (measured) compute; scale the target's reads by the ratio of this machine's
         compute time to the target's for a reference block (`layers` x `tokens`, second chunk),
         so that every read-to-compute ratio is the target's. `read_bytes_per_s` of the result is
         the bandwidth to give the storage emulation (common.durable.ThrottledFS)."""
         slow = self.compute_s(layers, tokens, tokens) / target_model.compute_s(layers, tokens, tokens)
-        return replace(self, read_bytes_per_s=target_model.read_bytes_per_s / slow,
-                       read_latency_s=target_model.read_latency_s * slow, label="target-emulated",
-                       meta={**self.meta, "compute_slowdown_vs_target": slow, "target": target_model.label})
+        return replace(
+            self,
+            read_bytes_per_s=target_model.read_bytes_per_s / slow,
+            read_latency_s=target_model.read_latency_s * slow,
+            label="target-emulated",
+            meta={**self.meta, "compute_slowdown_vs_target": slow, "target": target_model.label},
+        )
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -313,7 +371,7 @@ class CostModel:
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> "CostModel":
+    def from_json(cls, d: dict) -> CostModel:
         return cls(**{**d, "layer_weight_bytes": tuple(d["layer_weight_bytes"])})
 
 
@@ -363,8 +421,12 @@ def machine_identity(device: str) -> dict:
 
 
 def calibration_key(model_hash: str, device: str, dtype: str, scratch_dir: str) -> str:
-    ident = {"model": model_hash, "dtype": dtype, "scratch_dev": os.stat(scratch_dir).st_dev,
-             **machine_identity(device)}
+    ident = {
+        "model": model_hash,
+        "dtype": dtype,
+        "scratch_dev": os.stat(scratch_dir).st_dev,
+        **machine_identity(device),
+    }
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -438,8 +500,9 @@ def measure_reads(scratch_dir: str, sizes_mib=(1, 2, 4, 8, 16), repeats: int = 3
     return float(1.0 / inv_bw), float(max(latency, 0.0)), samples
 
 
-def measure_compute(model, group: int, dims: ModelDims, chunk_sizes=(16, 48), chunks: float = 3.5,
-                    repeats: int = 2) -> tuple[float, float, list]:
+def measure_compute(
+    model, group: int, dims: ModelDims, chunk_sizes=(16, 48), chunks: float = 3.5, repeats: int = 2
+) -> tuple[float, float, list]:
     """(seconds per layer call, seconds per FLOP, samples) from real blocks run by the engine.
 
     A text-only prompt of `chunks` x C tokens is prefilled by `Engine` (no checkpoints) for each
@@ -503,15 +566,25 @@ def model_bytes(model) -> dict:
     heads = tc.num_attention_heads
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
     layers = tuple(sum(w.module_nbytes(m) for m in a.layer_modules(layer)) for layer in range(a.num_layers))
-    return {"layer_weight_bytes": layers,
-            "embed_weight_bytes": sum(w.module_nbytes(m) for m in a.embed_modules()),
-            "head_weight_bytes": sum(w.module_nbytes(m) for m in a.head_modules()),
-            "kv_bytes_per_token_layer": 2 * tc.num_key_value_heads * head_dim * itemsize,
-            "hidden_bytes_per_token": tc.hidden_size * itemsize}
+    return {
+        "layer_weight_bytes": layers,
+        "embed_weight_bytes": sum(w.module_nbytes(m) for m in a.embed_modules()),
+        "head_weight_bytes": sum(w.module_nbytes(m) for m in a.head_modules()),
+        "kv_bytes_per_token_layer": 2 * tc.num_key_value_heads * head_dim * itemsize,
+        "hidden_bytes_per_token": tc.hidden_size * itemsize,
+    }
 
 
-def calibrate(model_dir: str | None = None, *, model=None, group: int = 2, device: str = "cpu",
-              dtype: str | None = None, scratch_dir: str | None = None, use_cache: bool = True) -> CostModel:
+def calibrate(
+    model_dir: str | None = None,
+    *,
+    model=None,
+    group: int = 2,
+    device: str = "cpu",
+    dtype: str | None = None,
+    scratch_dir: str | None = None,
+    use_cache: bool = True,
+) -> CostModel:
     """Measure this machine's CostModel for a model (a directory, or an already loaded model).
 
     Cached as JSON in $OW_CACHE_DIR/recovery-costs.json (default ~/.cache/orbitweaver), keyed by
@@ -533,25 +606,43 @@ def calibrate(model_dir: str | None = None, *, model=None, group: int = 2, devic
         if hit is not None:
             return CostModel.from_json(hit)
     t0 = time.perf_counter()
-    dims = ModelDims.from_text_config(model.adapter.text_config, name=os.path.basename(model.model_dir),
-                                      dtype_bytes=model.dtype.itemsize)
+    dims = ModelDims.from_text_config(
+        model.adapter.text_config, name=os.path.basename(model.model_dir), dtype_bytes=model.dtype.itemsize
+    )
     bw, latency, read_samples = measure_reads(scratch_dir)
     call_s, s_per_flop, compute_samples = measure_compute(model, group, dims)
-    measured = CostModel(**model_bytes(model), read_bytes_per_s=bw, read_latency_s=latency, layer_call_s=call_s,
-                         token_layer_s=s_per_flop * dims.flops_per_token_layer,
-                         pair_layer_s=s_per_flop * dims.flops_per_pair_layer, reproject_share=dims.reproject_share,
-                         label="native",
-                         meta={"key": key, "model_hash": model.content_hash, "dims": asdict(dims),
-                               "machine": machine_identity(model.device.type), "dtype": dtype_name,
-                               "flops_per_s": 1.0 / s_per_flop if s_per_flop > 0 else None,
-                               "read_samples": len(read_samples), "compute_samples": len(compute_samples),
-                               "seconds": round(time.perf_counter() - t0, 3)})
+    measured = CostModel(
+        **model_bytes(model),
+        read_bytes_per_s=bw,
+        read_latency_s=latency,
+        layer_call_s=call_s,
+        token_layer_s=s_per_flop * dims.flops_per_token_layer,
+        pair_layer_s=s_per_flop * dims.flops_per_pair_layer,
+        reproject_share=dims.reproject_share,
+        label="native",
+        meta={
+            "key": key,
+            "model_hash": model.content_hash,
+            "dims": asdict(dims),
+            "machine": machine_identity(model.device.type),
+            "dtype": dtype_name,
+            "flops_per_s": 1.0 / s_per_flop if s_per_flop > 0 else None,
+            "read_samples": len(read_samples),
+            "compute_samples": len(compute_samples),
+            "seconds": round(time.perf_counter() - t0, 3),
+        },
+    )
     _store_cache(key, measured.to_json())
     return measured
 
 
-def native_and_emulated(calibrated: CostModel, dims: ModelDims | None = None, target: TargetDevice = ORIN_AGX_NVME,
-                        group: int = 4, chunk: int = REFERENCE_CHUNK) -> tuple[CostModel, CostModel]:
+def native_and_emulated(
+    calibrated: CostModel,
+    dims: ModelDims | None = None,
+    target: TargetDevice = ORIN_AGX_NVME,
+    group: int = 4,
+    chunk: int = REFERENCE_CHUNK,
+) -> tuple[CostModel, CostModel]:
     """The two benchmark columns for a model of dimensions `dims` (default: the calibrated one):
     native (this machine's measured rates, compute scaled by FLOPs) and target-emulated (same
     compute, reads at the target's read-to-compute ratio)."""
@@ -562,8 +653,15 @@ def native_and_emulated(calibrated: CostModel, dims: ModelDims | None = None, ta
     return native, native.target_emulated(target_model, group, chunk)
 
 
-def cost_model_for(model, *, emulate: TargetDevice | None = None, group: int = 4, chunk: int = REFERENCE_CHUNK,
-                   scratch_dir: str | None = None, measure: bool = False) -> CostModel:
+def cost_model_for(
+    model,
+    *,
+    emulate: TargetDevice | None = None,
+    group: int = 4,
+    chunk: int = REFERENCE_CHUNK,
+    scratch_dir: str | None = None,
+    measure: bool = False,
+) -> CostModel:
     """The CostModel recovery should plan with for a loaded model, without delaying a boot: the
     cached calibration of this model on this machine if there is one (or a fresh one when
     `measure`), else the model's byte counts at the target device's rates. With `emulate`, the

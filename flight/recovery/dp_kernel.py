@@ -13,6 +13,7 @@ milliseconds, where the numpy version takes ~40 ms.
 Compiled on first use and cached on disk (numba's cache, next to this file or in
 NUMBA_CACHE_DIR), so a payload pays the compilation once, not at every boot.
 """
+
 from __future__ import annotations
 
 import numba

@@ -5,6 +5,7 @@ Reads and computes really overlap: file reads and torch kernels release the GIL.
 fails verification stops the plan with `RecordRejected`; the engine quarantines that record,
 rescans and re-plans (the only state lost is what this attempt computed).
 """
+
 from __future__ import annotations
 
 import threading
@@ -27,7 +28,7 @@ class RecordRejected(Exception):
 class ExecutionStats:
     read_seconds: float = 0.0
     compute_seconds: float = 0.0
-    stall_seconds: float = 0.0        # compute thread waiting for reads
+    stall_seconds: float = 0.0  # compute thread waiting for reads
     bytes_read: int = 0
     wall_seconds: float = 0.0
     timeline: list = field(default_factory=list)  # (op, start, end) for plots

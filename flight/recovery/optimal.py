@@ -24,6 +24,7 @@ Above MAX_EXACT_GROUPS groups with something to compute (G = 1 on a 36-layer mod
 consecutive groups are merged into parts whose bundles are read back to back, and the same DP
 orders the parts -- exact over those orders, not over all group orders (`Solution.exact`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -37,7 +38,7 @@ from .cost import BlockCosts
 from .plan import PLANNERS, ComputeOp, PlanError, ReadOp, RecoveryPlan, RecoveryProblem
 from .simulate import read_timeline
 
-MAX_EXACT_GROUPS = 20      # 2^20 sets: ~0.15-0.25 s here; beyond, consecutive groups are merged into parts
+MAX_EXACT_GROUPS = 20  # 2^20 sets: ~0.15-0.25 s here; beyond, consecutive groups are merged into parts
 _CACHED_TRANSITIONS_UP_TO = 18  # problem-independent transitions kept in memory (~19 MB at 18)
 
 
@@ -48,14 +49,14 @@ _CACHED_TRANSITIONS_UP_TO = 18  # problem-independent transitions kept in memory
 class Structure:
     num_groups: int
     num_chunks: int
-    kind: dict[tuple[int, int], str]          # every job: "block" (compute) or "reproject" (rebuild KV)
-    jobs: dict[int, list[int]]                # chunks of each group's jobs, ascending
-    active: list[int]                         # groups with jobs, ascending
-    bundles: dict[int, list[ReadOp]]          # gating reads of each active group, in need order
-    need: dict[ReadOp, int]                   # gating read -> chunk of the first job needing it
-    offsets: np.ndarray                       # (m, NC) bundle-relative time job (g, c)'s own inputs are read
-    bundle_s: np.ndarray                      # (m,) read time of each bundle
-    trailing: list[ReadOp]                    # reads no job waits for
+    kind: dict[tuple[int, int], str]  # every job: "block" (compute) or "reproject" (rebuild KV)
+    jobs: dict[int, list[int]]  # chunks of each group's jobs, ascending
+    active: list[int]  # groups with jobs, ascending
+    bundles: dict[int, list[ReadOp]]  # gating reads of each active group, in need order
+    need: dict[ReadOp, int]  # gating read -> chunk of the first job needing it
+    offsets: np.ndarray  # (m, NC) bundle-relative time job (g, c)'s own inputs are read
+    bundle_s: np.ndarray  # (m,) read time of each bundle
+    trailing: list[ReadOp]  # reads no job waits for
     costs: BlockCosts
 
     @property
@@ -81,14 +82,15 @@ class Structure:
 def analyse(problem: RecoveryProblem, costs: BlockCosts | None = None) -> Structure:
     costs = costs if costs is not None else BlockCosts.for_problem(problem)
     if costs.shape != (problem.num_groups, problem.num_chunks):
-        raise ValueError(f"costs are for a {costs.shape} grid, the problem is "
-                         f"{(problem.num_groups, problem.num_chunks)}")
+        raise ValueError(
+            f"costs are for a {costs.shape} grid, the problem is {(problem.num_groups, problem.num_chunks)}"
+        )
     NG, NC = problem.num_groups, problem.num_chunks
     kind = {b: "block" for b in problem.must_compute()}
     kind.update({b: "reproject" for b in problem.reprojections()})
     kv_needed, hidden_needed = problem.needed_reads()
     jobs = {g: [] for g in range(NG)}
-    for (g, c) in sorted(kind):
+    for g, c in sorted(kind):
         jobs[g].append(c)
     active = [g for g in range(NG) if jobs[g]]
     bundles, need, trailing = {}, {}, []
@@ -144,8 +146,9 @@ def analyse(problem: RecoveryProblem, costs: BlockCosts | None = None) -> Struct
 # ---------------------------------------------------------------------------------------------
 # Compute order for given reads, and plans for a group order
 # ---------------------------------------------------------------------------------------------
-def release_times(problem: RecoveryProblem, reads: list[ReadOp], costs: BlockCosts,
-                  kind: dict[tuple[int, int], str] | None = None) -> dict[tuple[int, int], float]:
+def release_times(
+    problem: RecoveryProblem, reads: list[ReadOp], costs: BlockCosts, kind: dict[tuple[int, int], str] | None = None
+) -> dict[tuple[int, int], float]:
     """Earliest time each job could start if the compute unit were always free: its own inputs
     read, and the jobs it waits for released (propagated along dependencies)."""
     if kind is None:
@@ -184,8 +187,9 @@ def release_times(problem: RecoveryProblem, reads: list[ReadOp], costs: BlockCos
     return release
 
 
-def best_compute_order(problem: RecoveryProblem, reads: list[ReadOp], costs: BlockCosts,
-                       kind: dict[tuple[int, int], str] | None = None) -> list[ComputeOp]:
+def best_compute_order(
+    problem: RecoveryProblem, reads: list[ReadOp], costs: BlockCosts, kind: dict[tuple[int, int], str] | None = None
+) -> list[ComputeOp]:
     """The job order with the least makespan for these reads: by release time, ties in
     (group, chunk) order. One machine with release times and precedence: an order sorted by
     precedence-propagated release that respects precedence meets the lower bound
@@ -196,8 +200,13 @@ def best_compute_order(problem: RecoveryProblem, reads: list[ReadOp], costs: Blo
     return [ComputeOp(g, c, kind[(g, c)]) for (g, c) in sorted(release, key=lambda b: (release[b], b))]
 
 
-def plan_for_group_order(problem: RecoveryProblem, order: list[int], costs: BlockCosts | None = None,
-                         structure: Structure | None = None, name: str = "optimal") -> RecoveryPlan:
+def plan_for_group_order(
+    problem: RecoveryProblem,
+    order: list[int],
+    costs: BlockCosts | None = None,
+    structure: Structure | None = None,
+    name: str = "optimal",
+) -> RecoveryPlan:
     """Bundles of the active groups in `order`, then the reads nothing waits for; best compute order."""
     s = structure or analyse(problem, costs)
     if sorted(order) != s.active:
@@ -221,8 +230,8 @@ def batch_tables(s: Structure, parts: list[list[int]] | None = None) -> tuple[np
     for x, members in enumerate(parts):
         part_of[members] = x
     act = np.array(s.active)
-    T = np.zeros((m, NC), dtype=bool)      # jobs
-    B = np.zeros((m, NC), dtype=bool)      # ... of which block computes (they wait for earlier jobs)
+    T = np.zeros((m, NC), dtype=bool)  # jobs
+    B = np.zeros((m, NC), dtype=bool)  # ... of which block computes (they wait for earlier jobs)
     p = np.zeros((m, NC))
     pos = {g: i for i, g in enumerate(s.active)}
     for (g, c), k in s.kind.items():
@@ -284,10 +293,10 @@ def batch_tables(s: Structure, parts: list[list[int]] | None = None) -> tuple[np
 # ---------------------------------------------------------------------------------------------
 def _run_bounds(sets: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray]:
     """For sets without bit g: (a, b) with bits a..g-1 and g+1..b set and a-1, b+1 clear."""
-    below = ~sets & ((1 << g) - 1)            # clear bits under g; the highest ends the run
+    below = ~sets & ((1 << g) - 1)  # clear bits under g; the highest ends the run
     # frexp gives exponent e with 2^(e-1) <= x < 2^e: e = highest set bit + 1, and 0 for x = 0.
     a = np.frexp(_highest_bit(below).astype(np.float64))[1]
-    above = ~sets >> (g + 1)                  # has a set bit: sets are < 2^m
+    above = ~sets >> (g + 1)  # has a set bit: sets are < 2^m
     b = g + np.frexp((above & -above).astype(np.float64))[1] - 1
     return a, b
 
@@ -317,14 +326,15 @@ def _subsets_by_size(n: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _layer_transitions(m: int, k: int, g: int) -> tuple[np.ndarray, np.ndarray]:
     others, bounds = _subsets_by_size(m - 1)
-    sub = others[bounds[k]:bounds[k + 1]]
+    sub = others[bounds[k] : bounds[k + 1]]
     sets = ((sub >> g) << (g + 1)) | (sub & ((1 << g) - 1))  # insert a clear bit at g
     a, b = _run_bounds(sets, g)
     return sets.astype(np.int32), ((g * m + b) * m + a).astype(np.int32)
 
 
-def _exact_dp(m: int, P: np.ndarray, h: np.ndarray, bundle_s: np.ndarray,
-              bound: float = np.inf) -> tuple[list[int], float]:
+def _exact_dp(
+    m: int, P: np.ndarray, h: np.ndarray, bundle_s: np.ndarray, bound: float = np.inf
+) -> tuple[list[int], float]:
     """Least compute finish over all orders of the m parts, and one order reaching it.
 
     With a finite `bound` (the makespan of a plan already in hand), a set S whose jobs cannot
@@ -394,14 +404,14 @@ def _compiled_kernel():
 @dataclass
 class Solution:
     plan: RecoveryPlan
-    makespan: float          # of `plan` (simulate() gives the same)
+    makespan: float  # of `plan` (simulate() gives the same)
     group_order_makespan: float  # the DP's: least makespan over group orders
-    group_order: list[int]   # active groups in bundle order (the DP's plan)
-    chosen: str              # "group order", or the fixed read order that beat it
-    exact: bool              # the DP covered every group order (else: orders of merged runs)
+    group_order: list[int]  # active groups in bundle order (the DP's plan)
+    chosen: str  # "group order", or the fixed read order that beat it
+    exact: bool  # the DP covered every group order (else: orders of merged runs)
     read_end: float
     lower_bound: float
-    seconds: float           # planning time
+    seconds: float  # planning time
 
 
 def solve(problem: RecoveryProblem, costs: BlockCosts | None = None, *, full: bool = False) -> Solution:
@@ -427,8 +437,17 @@ def solve(problem: RecoveryProblem, costs: BlockCosts | None = None, *, full: bo
     if not full and plain_value <= bound * (1 + 1e-9):
         # Layer-first's read order is dominated by the group order 0, 1, ... (§3), which
         # therefore meets the bound too: that is the best group order's makespan.
-        return Solution(as_optimal, plain_value, plain_value, list(s.active), "layer-first (meets the bound)",
-                        True, read_end, bound, time.perf_counter() - t0)
+        return Solution(
+            as_optimal,
+            plain_value,
+            plain_value,
+            list(s.active),
+            "layer-first (meets the bound)",
+            True,
+            read_end,
+            bound,
+            time.perf_counter() - t0,
+        )
     fixed_best = (np.inf, None, "")
     for fixed in (chunk_first, layer_first):
         reads = fixed(problem).reads
@@ -493,11 +512,11 @@ def optimal(problem: RecoveryProblem) -> RecoveryPlan:
 
 def lower_bound(problem: RecoveryProblem, costs: BlockCosts | None = None, structure: Structure | None = None) -> float:
     """A bound no plan (in any read order) can beat:
-        total read time; total compute time;
-        earliest possible first compute (weights + own inputs of a block with no computed input)
-            + total compute time;
-        total gating-read time + the least compute that must follow any one gating read (the
-            rest of its group's blocks from the first one that needs it)."""
+    total read time; total compute time;
+    earliest possible first compute (weights + own inputs of a block with no computed input)
+        + total compute time;
+    total gating-read time + the least compute that must follow any one gating read (the
+        rest of its group's blocks from the first one that needs it)."""
     s = structure or analyse(problem, costs)
     work = s.total_job_s
     bound = max(s.total_read_s, work)

@@ -20,6 +20,7 @@ decode   reads: per layer group, its weights and its prefill KV (the decode reco
 `ReadAhead` runs an ordered list of reads on one thread (vision); `PhaseExecutor` extends the
 prefill executor with the vision.out read and the first decode step's layer groups.
 """
+
 from __future__ import annotations
 
 import threading
@@ -62,7 +63,7 @@ class ReadAhead:
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="recovery-read-ahead", daemon=True)
 
-    def start(self) -> "ReadAhead":
+    def start(self) -> ReadAhead:
         self._thread.start()
         return self
 
@@ -112,8 +113,15 @@ class PhaseExecutor(PlanExecutor):
     groups (StepOp: group g waits for its weights, its KV -- read or computed for every chunk --
     and the step through group g - 1)."""
 
-    def __init__(self, plan, do_read, do_compute, overlap: bool = True, visual_chunks: frozenset = frozenset(),
-                 num_chunks: int = 0):
+    def __init__(
+        self,
+        plan,
+        do_read,
+        do_compute,
+        overlap: bool = True,
+        visual_chunks: frozenset = frozenset(),
+        num_chunks: int = 0,
+    ):
         super().__init__(plan, do_read, do_compute, overlap)
         self.visual_chunks = visual_chunks
         self.num_chunks = num_chunks

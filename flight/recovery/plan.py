@@ -13,6 +13,7 @@ as soon as its inputs are present. Planners differ only in the order they choose
 checks any plan against the dependency rules, so a new planner cannot silently produce a wrong
 result. The fresh (uninterrupted) run is the special case with no durable blocks.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,7 +29,7 @@ class ReadOp(NamedTuple):
     """One read of a plan. A named tuple, not a dataclass: planners build and hash tens of
     thousands of these, and a tuple's construction and hash are several times cheaper."""
 
-    what: str          # "weights" | "kv" | "hidden"
+    what: str  # "weights" | "kv" | "hidden"
     group: int
     chunk: int = -1
 
@@ -39,8 +40,8 @@ class ReadOp(NamedTuple):
 class ComputeOp(NamedTuple):
     group: int
     chunk: int
-    kind: str = "block"   # "block": run the group's layers on the chunk; "reproject": rebuild the
-                          # block's KV from its input hidden state (HCache-style records)
+    kind: str = "block"  # "block": run the group's layers on the chunk; "reproject": rebuild the
+    # block's KV from its input hidden state (HCache-style records)
 
     def __str__(self):
         return f"{'compute' if self.kind == 'block' else 'reproject'} g{self.group} c{self.chunk}"
@@ -52,11 +53,11 @@ class RecoveryProblem:
 
     num_groups: int
     num_chunks: int
-    done: set[tuple[int, int]]                 # blocks with a durable KV record
-    with_hidden: set[tuple[int, int]]          # ... of which also hold the boundary hidden state
-    need_last_hidden: bool = True              # first-token logits still to compute
+    done: set[tuple[int, int]]  # blocks with a durable KV record
+    with_hidden: set[tuple[int, int]]  # ... of which also hold the boundary hidden state
+    need_last_hidden: bool = True  # first-token logits still to compute
     kv_missing: set[tuple[int, int]] = field(default_factory=set)  # done blocks whose record holds no KV:
-                                               # their KV is re-projected from the input hidden state
+    # their KV is re-projected from the input hidden state
     # Optional costs (seconds) for planners that optimise; see flight/recovery/cost.py.
     costs: dict = field(default_factory=dict)
 
@@ -65,8 +66,14 @@ class RecoveryProblem:
         return (self.num_groups - 1, self.num_chunks - 1)
 
     def _key(self) -> tuple:
-        return (self.num_groups, self.num_chunks, frozenset(self.done), frozenset(self.with_hidden),
-                self.need_last_hidden, frozenset(self.kv_missing))
+        return (
+            self.num_groups,
+            self.num_chunks,
+            frozenset(self.done),
+            frozenset(self.with_hidden),
+            self.need_last_hidden,
+            frozenset(self.kv_missing),
+        )
 
     def must_compute(self) -> set[tuple[int, int]]:
         """Blocks to compute: those without a record, plus any done block whose boundary hidden
@@ -86,7 +93,7 @@ class RecoveryProblem:
         changed = True
         while changed:
             changed = False
-            for (g, c) in list(todo) + list(self.kv_missing - todo):
+            for g, c in list(todo) + list(self.kv_missing - todo):
                 # its input hidden state must exist: stored in (g-1, c)'s record, or computed
                 if g > 0 and (g - 1, c) not in todo and (g - 1, c) not in self.with_hidden:
                     todo.add((g - 1, c))
@@ -117,11 +124,15 @@ class RecoveryPlan:
         return hashlib.sha256(repr((self.reads, self.computes)).encode()).hexdigest()[:16]
 
     def summary(self) -> dict:
-        return {"planner": self.planner, "order": self.order_digest(), "reads": len(self.reads),
-                "computes": sum(op.kind == "block" for op in self.computes),
-                "reprojections": sum(op.kind == "reproject" for op in self.computes),
-                "kv_reads": sum(r.what == "kv" for r in self.reads),
-                "hidden_reads": sum(r.what == "hidden" for r in self.reads)}
+        return {
+            "planner": self.planner,
+            "order": self.order_digest(),
+            "reads": len(self.reads),
+            "computes": sum(op.kind == "block" for op in self.computes),
+            "reprojections": sum(op.kind == "reproject" for op in self.computes),
+            "kv_reads": sum(r.what == "kv" for r in self.reads),
+            "hidden_reads": sum(r.what == "hidden" for r in self.reads),
+        }
 
     def validate(self, problem: RecoveryProblem) -> None:
         """Raise PlanError unless executing this plan yields every block's KV and the needed hidden."""
@@ -131,10 +142,10 @@ class RecoveryPlan:
         for g in range(problem.num_groups):
             if ReadOp("weights", g) not in reads:
                 raise PlanError(f"weights of group {g} are never read")
-        for (g, c) in kv_needed:
+        for g, c in kv_needed:
             if ReadOp("kv", g, c) not in reads:
                 raise PlanError(f"KV of block g{g} c{c} is never read")
-        for (g, c) in hidden_needed:
+        for g, c in hidden_needed:
             if ReadOp("hidden", g, c) not in reads:
                 raise PlanError(f"hidden state of block g{g} c{c} is never read")
         reproject = problem.reprojections()

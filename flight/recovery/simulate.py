@@ -14,6 +14,7 @@ The makespan is when both are done: decode needs every layer's KV and weights.
 A plan whose compute would wait forever (an input the plan never provides, or a block computed
 after one that needs it) raises PlanError: the executor would deadlock or fail on it.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -26,11 +27,11 @@ from .plan import ComputeOp, PlanError, ReadOp, RecoveryPlan, RecoveryProblem
 @dataclass
 class Schedule:
     makespan: float
-    read_end: float                                   # the reader's last read ends
-    compute_end: float                                # the last compute ends
-    compute_busy: float                               # total compute time
-    stall: float                                      # compute unit idle before its last compute (waiting for reads)
-    reads: list[tuple[ReadOp, float, float]]          # (op, start, end)
+    read_end: float  # the reader's last read ends
+    compute_end: float  # the last compute ends
+    compute_busy: float  # total compute time
+    stall: float  # compute unit idle before its last compute (waiting for reads)
+    reads: list[tuple[ReadOp, float, float]]  # (op, start, end)
     computes: list[tuple[ComputeOp, float, float]]
 
     @property
@@ -55,8 +56,14 @@ def read_timeline(reads: list[ReadOp], costs: BlockCosts) -> tuple[dict[ReadOp, 
     return ends, spans, t
 
 
-def simulate(plan: RecoveryPlan, problem: RecoveryProblem, costs: BlockCosts | None = None, *,
-             compute_from: float = 0.0, after_compute=None) -> Schedule:
+def simulate(
+    plan: RecoveryPlan,
+    problem: RecoveryProblem,
+    costs: BlockCosts | None = None,
+    *,
+    compute_from: float = 0.0,
+    after_compute=None,
+) -> Schedule:
     """The schedule of `plan` (reads from time 0). `compute_from`: the compute unit starts no
     earlier (e.g. the reader's finish, for a restore that reads everything before computing).
     `after_compute(op, end) -> free`: when the compute unit is free again after `op` ended at
@@ -76,7 +83,7 @@ def simulate(plan: RecoveryPlan, problem: RecoveryProblem, costs: BlockCosts | N
                 t = max(t, read_end.get(ReadOp("kv", g, c), float("inf")))
         kv_ready_below.append(ready)
         jobs_below.append([])
-    for (g, c) in sorted(scheduled):
+    for g, c in sorted(scheduled):
         jobs_below[g].append(c)
     computed: dict[tuple[int, int], float] = {}
     free, busy, stall = compute_from, 0.0, 0.0
@@ -106,12 +113,15 @@ def simulate(plan: RecoveryPlan, problem: RecoveryProblem, costs: BlockCosts | N
         if kind == "block":
             kv = kv_ready_below[g][c]
             if kv == float("inf"):
-                unread = next(ReadOp("kv", g, cc) for cc in range(c)
-                              if (g, cc) not in scheduled and ReadOp("kv", g, cc) not in read_end)
+                unread = next(
+                    ReadOp("kv", g, cc)
+                    for cc in range(c)
+                    if (g, cc) not in scheduled and ReadOp("kv", g, cc) not in read_end
+                )
                 read_ready(unread, op)
             if kv > ready:
                 ready = kv
-            earlier = job_end[g][:bisect.bisect_left(jobs_below[g], c)]
+            earlier = job_end[g][: bisect.bisect_left(jobs_below[g], c)]
             if earlier:
                 if None in earlier:
                     cc = jobs_below[g][earlier.index(None)]
@@ -120,8 +130,11 @@ def simulate(plan: RecoveryPlan, problem: RecoveryProblem, costs: BlockCosts | N
                 if latest > ready:
                     ready = latest
         if g > 0:
-            dep = computed_ready((g - 1, c), op) if scheduled.get((g - 1, c)) == "block" \
+            dep = (
+                computed_ready((g - 1, c), op)
+                if scheduled.get((g - 1, c)) == "block"
                 else read_ready(ReadOp("hidden", g - 1, c), op)
+            )
             if dep > ready:
                 ready = dep
         start = free if free > ready else ready
@@ -132,5 +145,12 @@ def simulate(plan: RecoveryPlan, problem: RecoveryProblem, costs: BlockCosts | N
         job_end[g][job_pos[(g, c)]] = end
         spans.append((op, start, end))
         free = end if after_compute is None else after_compute(op, end)
-    return Schedule(makespan=max(free, reader_done), read_end=reader_done, compute_end=free, compute_busy=busy,
-                    stall=stall, reads=read_spans, computes=spans)
+    return Schedule(
+        makespan=max(free, reader_done),
+        read_end=reader_done,
+        compute_end=free,
+        compute_busy=busy,
+        stall=stall,
+        reads=read_spans,
+        computes=spans,
+    )

@@ -17,6 +17,7 @@ handler, the worker and each report catch whatever they raise, report it with an
 own and carry on; health.py counts such faults and the boots that ended while an item was being
 handled, and quarantines an item that keeps killing the payload.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,9 +34,24 @@ from common import log as owlog
 from common.durable import DurableFS, is_disk_full
 from common.imagecheck import ProcessorLimits
 from common.record import Kind, RecordError, decode, encode
-from common.wire import (Apid, DurableSequenceCounter, EventId, MessageType, NodeId, ReplayError, ReplayGuard,
-                         RequestRef, ResponseCode, TaskPhase, WireError, messages as m)
-from common.wire import encode as encode_packet, decode as decode_packet
+from common.wire import (
+    Apid,
+    DurableSequenceCounter,
+    EventId,
+    MessageType,
+    NodeId,
+    ReplayError,
+    ReplayGuard,
+    RequestRef,
+    ResponseCode,
+    TaskPhase,
+    WireError,
+)
+from common.wire import decode as decode_packet
+from common.wire import encode as encode_packet
+from common.wire import (
+    messages as m,
+)
 from common.wire.errors import clip_reason
 from common.wire.ids import MAX_EVENT_TEXT_BYTES, MAX_RESULT_TEXT_BYTES, MAX_TIMINGS
 from common.wire.link import KeyLayout, LinkError, client_socket, recv_packet, send_packet
@@ -54,8 +70,11 @@ FAULT_EVENT_EVERY_S = 5.0
 FAULT_BACKOFF_S = 0.5
 #: Pause between attempts to load the engine when it fails.
 ENGINE_RETRY_S = 10.0
-UNIT_EVENTS = {"vision_block_done": TaskPhase.VISION, "prefill_block_done": TaskPhase.PREFILL,
-               "decode_step_done": TaskPhase.DECODE}
+UNIT_EVENTS = {
+    "vision_block_done": TaskPhase.VISION,
+    "prefill_block_done": TaskPhase.PREFILL,
+    "decode_step_done": TaskPhase.DECODE,
+}
 
 
 class TaskCancelled(Exception):
@@ -92,10 +111,21 @@ class PersistentState:
 
 
 class FlightApp(CommandHandlers):
-    def __init__(self, data_dir: str, model_dir: str, keys_dir: str, endpoint: str, engine_options,
-                 device: str | None = None, dtype: str | None = None, fs: DurableFS | None = None,
-                 weight_read_hook=None, results_budget_bytes: int | None = None, compact_after: int | None = None,
-                 cadence=None):
+    def __init__(
+        self,
+        data_dir: str,
+        model_dir: str,
+        keys_dir: str,
+        endpoint: str,
+        engine_options,
+        device: str | None = None,
+        dtype: str | None = None,
+        fs: DurableFS | None = None,
+        weight_read_hook=None,
+        results_budget_bytes: int | None = None,
+        compact_after: int | None = None,
+        cadence=None,
+    ):
         self.fs = fs or DurableFS()
         self.data_dir = os.path.abspath(data_dir)
         self.model_dir = model_dir
@@ -117,12 +147,24 @@ class FlightApp(CommandHandlers):
         self.state = PersistentState(os.path.join(self.data_dir, "state"), self.fs)
         self.tm_counter = DurableSequenceCounter(os.path.join(self.data_dir, "state", "tm-sequence.bin"))
         queue_options = {} if compact_after is None else {"compact_after": compact_after}
-        self.queue = TaskQueue(os.path.join(self.data_dir, "queue"), self.fs,
-                               results_dir=os.path.join(self.data_dir, "results"),
-                               results_budget_bytes=results_budget_bytes, on_evict=self._on_evict, **queue_options)
-        self.images = ImageStore(os.path.join(self.data_dir, "images"), self.fs, ProcessorLimits.of_model_dir(model_dir))
-        self.health = Health(os.path.join(self.data_dir, "health"), self.fs, boot=self.state.counters.boot_count + 1,
-                             on_event=self._health_event, log=self.log)
+        self.queue = TaskQueue(
+            os.path.join(self.data_dir, "queue"),
+            self.fs,
+            results_dir=os.path.join(self.data_dir, "results"),
+            results_budget_bytes=results_budget_bytes,
+            on_evict=self._on_evict,
+            **queue_options,
+        )
+        self.images = ImageStore(
+            os.path.join(self.data_dir, "images"), self.fs, ProcessorLimits.of_model_dir(model_dir)
+        )
+        self.health = Health(
+            os.path.join(self.data_dir, "health"),
+            self.fs,
+            boot=self.state.counters.boot_count + 1,
+            on_event=self._health_event,
+            log=self.log,
+        )
         self._name_orphaned_tasks()
         self._deferred_reports: set[str] = set()
         self._engine_lock = threading.Lock()
@@ -164,19 +206,31 @@ class FlightApp(CommandHandlers):
                     self.send(m.Completed.about(request, task_id=task.task_id))
                     self.send(result, on_sent=mark)
                 else:
-                    code = ResponseCode.CANCELLED if task.state == CANCELLED else ResponseCode(task.code or ResponseCode.INTERNAL_ERROR)
-                    self.send(m.Failed.about(request, task_id=task.task_id, code=code,
-                                             reason=clip_reason(task.reason or task.state)), on_sent=mark)
+                    code = (
+                        ResponseCode.CANCELLED
+                        if task.state == CANCELLED
+                        else ResponseCode(task.code or ResponseCode.INTERNAL_ERROR)
+                    )
+                    self.send(
+                        m.Failed.about(
+                            request, task_id=task.task_id, code=code, reason=clip_reason(task.reason or task.state)
+                        ),
+                        on_sent=mark,
+                    )
         except Exception as exc:  # noqa: BLE001 - whatever a stored task holds, the payload goes on
             self._fault(EventId.REPORT_FAULT, f"final report of task {task.task_id} failed", exc, item)
 
     def _task_result(self, task) -> m.TaskResult:
         r = task.result
         timings = {k: float(v) for k, v in list(r.get("timings", {}).items())[:MAX_TIMINGS]}
-        return m.TaskResult(task_id=task.task_id, token_ids=list(r["token_ids"]),
-                            text=clip_utf8(str(r.get("text", "")), MAX_RESULT_TEXT_BYTES),
-                            logits_sha256=bytes.fromhex(r["logits_sha256"]), timings=timings,
-                            interruptions=task.interruptions)
+        return m.TaskResult(
+            task_id=task.task_id,
+            token_ids=list(r["token_ids"]),
+            text=clip_utf8(str(r.get("text", "")), MAX_RESULT_TEXT_BYTES),
+            logits_sha256=bytes.fromhex(r["logits_sha256"]),
+            timings=timings,
+            interruptions=task.interruptions,
+        )
 
     def event(self, event_id: EventId, text: str, task_id: str | None = None) -> None:
         text = clip_utf8(text, MAX_EVENT_TEXT_BYTES)
@@ -211,11 +265,19 @@ class FlightApp(CommandHandlers):
             free = shutil.disk_usage(self.data_dir).free
         except OSError:
             free = 0
-        return m.Housekeeping(queue_depth=self.queue.depth(), current_task=self.current["task"],
-                              phase=self.current["phase"], progress_done=self.current["done"],
-                              progress_total=self.current["total"], checkpoint_bytes=self._checkpoint_bytes(),
-                              disk_free_bytes=free, boot_count=c.boot_count, command_count=c.command_count,
-                              error_count=c.error_count, uptime_s=time.monotonic() - self.started)
+        return m.Housekeeping(
+            queue_depth=self.queue.depth(),
+            current_task=self.current["task"],
+            phase=self.current["phase"],
+            progress_done=self.current["done"],
+            progress_total=self.current["total"],
+            checkpoint_bytes=self._checkpoint_bytes(),
+            disk_free_bytes=free,
+            boot_count=c.boot_count,
+            command_count=c.command_count,
+            error_count=c.error_count,
+            uptime_s=time.monotonic() - self.started,
+        )
 
     def _checkpoint_bytes(self) -> int:
         root = os.path.join(self.data_dir, "tasks")
@@ -239,14 +301,22 @@ class FlightApp(CommandHandlers):
         if task_id is not None and item == task_item(task_id):
             task = self.queue.tasks.get(task_id)
             if task is not None:  # the ground waits on this task: tell it, with the code
-                self.send(m.Failed.about(RequestRef(*task.request), task_id=task_id, code=ResponseCode.QUARANTINED,
-                                         reason=clip_reason(f"task quarantined; RELEASE_QUARANTINE task:{task_id} "
-                                                            "to run it again")))
+                self.send(
+                    m.Failed.about(
+                        RequestRef(*task.request),
+                        task_id=task_id,
+                        code=ResponseCode.QUARANTINED,
+                        reason=clip_reason(f"task quarantined; RELEASE_QUARANTINE task:{task_id} to run it again"),
+                    )
+                )
 
     def _on_evict(self, entry) -> None:
         shutil.rmtree(self._task_dir(entry.task_id), ignore_errors=True)
-        self.event(EventId.RESULT_EVICTED, f"result of task {entry.task_id} ({entry.state}) removed under the results "
-                                           f"retention budget", entry.task_id if self._is_name(entry.task_id) else None)
+        self.event(
+            EventId.RESULT_EVICTED,
+            f"result of task {entry.task_id} ({entry.state}) removed under the results retention budget",
+            entry.task_id if self._is_name(entry.task_id) else None,
+        )
 
     def _name_orphaned_tasks(self) -> None:
         """A task directory whose task neither the journal nor the result store knows belongs
@@ -290,9 +360,15 @@ class FlightApp(CommandHandlers):
         item = command_item(message)
         task_id = getattr(message, "task_id", None)
         if self.health.is_quarantined(item):
-            self._reject(m.Rejected.about(request, code=ResponseCode.QUARANTINED, task_id=task_id,
-                                          reason=clip_reason(f"{item} is quarantined after repeated abnormal exits")),
-                         ResponseCode.QUARANTINED)
+            self._reject(
+                m.Rejected.about(
+                    request,
+                    code=ResponseCode.QUARANTINED,
+                    task_id=task_id,
+                    reason=clip_reason(f"{item} is quarantined after repeated abnormal exits"),
+                ),
+                ResponseCode.QUARANTINED,
+            )
             return
         try:
             with self.health.handling(item, MAIN):
@@ -303,12 +379,23 @@ class FlightApp(CommandHandlers):
             self._reject(m.Rejected.from_error(err, request, task_id), err.code)
         except OSError as exc:
             code = ResponseCode.STORAGE_FULL if is_disk_full(exc) else ResponseCode.INTERNAL_ERROR
-            self._reject(m.Rejected.about(request, code=code, reason=clip_reason(f"{type(exc).__name__}: {exc}"),
-                                          task_id=task_id), code)
+            self._reject(
+                m.Rejected.about(
+                    request, code=code, reason=clip_reason(f"{type(exc).__name__}: {exc}"), task_id=task_id
+                ),
+                code,
+            )
         except Exception as exc:  # noqa: BLE001 - a handler defect rejects this command, nothing more
             self._fault(EventId.COMMAND_FAULT, f"{message.TYPE.name} handler failed", exc, item)
-            self._reject(m.Rejected.about(request, code=ResponseCode.HANDLER_FAULT, task_id=task_id,
-                                          reason=clip_reason(f"{type(exc).__name__}: {exc}")), ResponseCode.HANDLER_FAULT)
+            self._reject(
+                m.Rejected.about(
+                    request,
+                    code=ResponseCode.HANDLER_FAULT,
+                    task_id=task_id,
+                    reason=clip_reason(f"{type(exc).__name__}: {exc}"),
+                ),
+                ResponseCode.HANDLER_FAULT,
+            )
 
     def _accept(self, request: RequestRef, **fields) -> None:
         """The command is valid: count it, persist guard + counters, then acknowledge."""
@@ -355,8 +442,13 @@ class FlightApp(CommandHandlers):
                 continue
             try:
                 with self.health.handling(ENGINE_ITEM, WORKER):
-                    return load_model(self.model_dir, device=self.device, dtype=self.dtype,
-                                      read_hook=self.weight_read_hook, lazy_processors=True)
+                    return load_model(
+                        self.model_dir,
+                        device=self.device,
+                        dtype=self.dtype,
+                        read_hook=self.weight_read_hook,
+                        lazy_processors=True,
+                    )
             except Exception as exc:  # noqa: BLE001
                 self._fault(EventId.WORKER_FAULT, "engine load failed", exc, ENGINE_ITEM)
                 self.stop.wait(ENGINE_RETRY_S)
@@ -375,8 +467,12 @@ class FlightApp(CommandHandlers):
                     continue
                 self._run_task(model, task)
             except Exception as exc:  # noqa: BLE001 - a fault around one task stops that task, not the payload
-                self._fault(EventId.WORKER_FAULT, f"worker failed{f' on task {task.task_id}' if task else ''}", exc,
-                            task_item(task.task_id) if task else None)
+                self._fault(
+                    EventId.WORKER_FAULT,
+                    f"worker failed{f' on task {task.task_id}' if task else ''}",
+                    exc,
+                    task_item(task.task_id) if task else None,
+                )
                 self.engine = None
                 self.stop.wait(FAULT_BACKOFF_S)
 
@@ -389,9 +485,12 @@ class FlightApp(CommandHandlers):
                 contents.append(self.images.read_verified(name))
             except ImageCorrupt as exc:
                 self.corrupt_images[task.task_id] = name
-                self.event(EventId.IMAGE_CORRUPT, f"task {task.task_id} waits: image {name} {exc.reason}; removed, "
-                                                  f"the ground must send it again ({ResponseCode.IMAGE_CORRUPT.name})",
-                           task.task_id)
+                self.event(
+                    EventId.IMAGE_CORRUPT,
+                    f"task {task.task_id} waits: image {name} {exc.reason}; removed, "
+                    f"the ground must send it again ({ResponseCode.IMAGE_CORRUPT.name})",
+                    task.task_id,
+                )
                 return None
         self.corrupt_images.pop(task.task_id, None)
         return contents
@@ -410,18 +509,22 @@ class FlightApp(CommandHandlers):
             resumed = task.state == RUNNING
             self.queue.start(task.task_id)
             request = RequestRef(*task.request)
-            self.current.update(task=task.task_id, phase=TaskPhase.RECOVERING if resumed else TaskPhase.VISION,
-                                done=0, total=0)
+            self.current.update(
+                task=task.task_id, phase=TaskPhase.RECOVERING if resumed else TaskPhase.VISION, done=0, total=0
+            )
             self.send(m.Started.about(request, task_id=task.task_id))
-            self.event(EventId.TASK_RESUMED if resumed else EventId.TASK_STARTED,
-                       f"task {task.task_id} {'resumed after ' + str(task.interruptions) + ' cut(s)' if resumed else 'started'}",
-                       task.task_id)
+            self.event(
+                EventId.TASK_RESUMED if resumed else EventId.TASK_STARTED,
+                f"task {task.task_id} {'resumed after ' + str(task.interruptions) + ' cut(s)' if resumed else 'started'}",
+                task.task_id,
+            )
             try:
                 if inputs is None:
                     inputs = self._build_inputs(task, model, contents)
                     del contents
-                engine = Engine(model, self.options, fs=self.fs, events=self._engine_events(task, request),
-                                cadence=self.cadence)
+                engine = Engine(
+                    model, self.options, fs=self.fs, events=self._engine_events(task, request), cadence=self.cadence
+                )
                 self.engine = engine
                 t0 = time.monotonic()
                 result = engine.run(inputs, os.path.join(self._task_dir(task.task_id), "ckpt"), task.max_new_tokens)
@@ -441,13 +544,25 @@ class FlightApp(CommandHandlers):
                 self.engine = None
             timings = dict(result.phase_seconds)
             timings["total_this_boot"] = time.monotonic() - t0
-            self.queue.complete(task.task_id, {"token_ids": result.token_ids, "text": result.text,
-                                               "logits_sha256": result.logits_sha256(), "timings": timings,
-                                               "bytes_written": result.bytes_written})
-        shutil.rmtree(self._task_dir(task.task_id), ignore_errors=True)  # finished and durable: checkpoints and inputs go
+            self.queue.complete(
+                task.task_id,
+                {
+                    "token_ids": result.token_ids,
+                    "text": result.text,
+                    "logits_sha256": result.logits_sha256(),
+                    "timings": timings,
+                    "bytes_written": result.bytes_written,
+                },
+            )
+        shutil.rmtree(
+            self._task_dir(task.task_id), ignore_errors=True
+        )  # finished and durable: checkpoints and inputs go
         self.current.update(phase=TaskPhase.COMPLETED)
-        self.event(EventId.TASK_COMPLETED, f"task {task.task_id} completed: {len(result.token_ids)} tokens, "
-                                           f"{task.interruptions} cut(s) survived", task.task_id)
+        self.event(
+            EventId.TASK_COMPLETED,
+            f"task {task.task_id} completed: {len(result.token_ids)} tokens, {task.interruptions} cut(s) survived",
+            task.task_id,
+        )
         self.send_final_report(self.queue.get(task.task_id))
         self.send(self.housekeeping())  # the queue changed: say so at once
 
@@ -499,17 +614,29 @@ class FlightApp(CommandHandlers):
             if name == "request_opened":
                 phase = fields.get("phase")
                 if phase not in (None, "start"):
-                    self.event(EventId.RECOVERY_PLANNED, f"task {task.task_id} resumes in {phase} at "
-                                                         f"{fields.get('position')}", task.task_id)
+                    self.event(
+                        EventId.RECOVERY_PLANNED,
+                        f"task {task.task_id} resumes in {phase} at {fields.get('position')}",
+                        task.task_id,
+                    )
             elif name == "manifest_mismatch":
-                self.event(EventId.CHECKPOINT_MANIFEST_MISMATCH, f"task {task.task_id}: checkpoints from another "
-                                                                 f"configuration, restarting", task.task_id)
+                self.event(
+                    EventId.CHECKPOINT_MANIFEST_MISMATCH,
+                    f"task {task.task_id}: checkpoints from another configuration, restarting",
+                    task.task_id,
+                )
             elif name == "record_rejected":
-                self.event(EventId.CHECKPOINT_CORRUPT, f"task {task.task_id}: rejected {fields.get('file')} "
-                                                       f"({fields.get('reason')})", task.task_id)
+                self.event(
+                    EventId.CHECKPOINT_CORRUPT,
+                    f"task {task.task_id}: rejected {fields.get('file')} ({fields.get('reason')})",
+                    task.task_id,
+                )
             elif name == "checkpoint_write_failed":
-                self.event(EventId.DISK_FULL, f"task {task.task_id}: checkpoint {fields.get('record')} skipped "
-                                              f"({fields.get('reason')})", task.task_id)
+                self.event(
+                    EventId.DISK_FULL,
+                    f"task {task.task_id}: checkpoint {fields.get('record')} skipped ({fields.get('reason')})",
+                    task.task_id,
+                )
             phase = UNIT_EVENTS.get(name)
             if phase is None:
                 return
@@ -539,11 +666,16 @@ class FlightApp(CommandHandlers):
         self._start_window_log()
         ctx = zmq.Context.instance()
         sock = client_socket(ctx, zmq.DEALER, self.layout, "payload", self.endpoint)
-        self.log.info("flight_booted", boot=self.state.counters.boot_count, endpoint=self.endpoint,
-                      pending=[t.task_id for t in self.queue.pending()])
-        self.send(m.Heartbeat(boot_count=self.state.counters.boot_count, uptime_s=0.0))  # first: the bus learns the boot
-        self.event(EventId.BOOT, f"payload boot {self.state.counters.boot_count}; "
-                                 f"{self.queue.depth()} task(s) pending")
+        self.log.info(
+            "flight_booted",
+            boot=self.state.counters.boot_count,
+            endpoint=self.endpoint,
+            pending=[t.task_id for t in self.queue.pending()],
+        )
+        self.send(
+            m.Heartbeat(boot_count=self.state.counters.boot_count, uptime_s=0.0)
+        )  # first: the bus learns the boot
+        self.event(EventId.BOOT, f"payload boot {self.state.counters.boot_count}; {self.queue.depth()} task(s) pending")
         self._boot_events()
         for task in self.queue.unreported():
             self.send_final_report(task)  # ended before the last cut, but its report never left
@@ -570,22 +702,36 @@ class FlightApp(CommandHandlers):
             self.event(EventId.STATE_CORRUPT, "health and safety state unreadable; abnormal-exit counts started afresh")
         damage = self.queue.damage
         if damage.tail_bytes:
-            self.event(EventId.UNCLEAN_SHUTDOWN_DETECTED, f"queue journal: dropped a torn tail of {damage.tail_bytes} bytes")
+            self.event(
+                EventId.UNCLEAN_SHUTDOWN_DETECTED, f"queue journal: dropped a torn tail of {damage.tail_bytes} bytes"
+            )
         if damage.records_dropped:
-            self.event(EventId.JOURNAL_CORRUPT, f"queue journal: skipped {damage.bytes_dropped} damaged bytes in "
-                                                f"{damage.records_dropped} region(s), kept every valid record after them")
+            self.event(
+                EventId.JOURNAL_CORRUPT,
+                f"queue journal: skipped {damage.bytes_dropped} damaged bytes in "
+                f"{damage.records_dropped} region(s), kept every valid record after them",
+            )
         if damage.named or damage.unnamed:
             names = ", ".join(damage.named[:20]) + (" ..." if len(damage.named) > 20 else "")
             unnamed = f"; {damage.unnamed} more could not be named" if damage.unnamed else ""
-            self.event(EventId.TASKS_LOST, f"{len(damage.named)} task(s) lost to storage damage: {names or '-'}{unnamed}; "
-                                           "LIST_LOST_TASKS lists them, a re-sent one is recognised")
+            self.event(
+                EventId.TASKS_LOST,
+                f"{len(damage.named)} task(s) lost to storage damage: {names or '-'}{unnamed}; "
+                "LIST_LOST_TASKS lists them, a re-sent one is recognised",
+            )
 
     def _loop_once(self, sock, timers: dict, unsent: list) -> None:
         now = time.monotonic()
         if now >= timers["heartbeat"]:
             timers["heartbeat"] = now + HEARTBEAT_S
-            self.send(m.Heartbeat(boot_count=self.state.counters.boot_count, uptime_s=now - self.started,
-                                  current_task=self.current["task"], phase=self.current["phase"]))
+            self.send(
+                m.Heartbeat(
+                    boot_count=self.state.counters.boot_count,
+                    uptime_s=now - self.started,
+                    current_task=self.current["task"],
+                    phase=self.current["phase"],
+                )
+            )
         if now >= timers["housekeeping"]:
             timers["housekeeping"] = now + HOUSEKEEPING_S
             self.send(self.housekeeping())

@@ -1,4 +1,5 @@
 """`ow flight run`: the onboard process."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,32 +12,51 @@ from flight.cli import EXIT_MODEL, EXIT_USAGE
 def register(sub) -> None:
     from flight.cli import add_engine_arguments
 
-    flight = sub.add_parser("flight", help="the onboard payload process",
-                            description="Commands of the onboard (payload) side.")
+    flight = sub.add_parser(
+        "flight", help="the onboard payload process", description="Commands of the onboard (payload) side."
+    )
     fsub = flight.add_subparsers(dest="flight_command", metavar="SUBCOMMAND")
     fsub.required = True
     run = fsub.add_parser(
-        "run", help="run the payload process (normally spawned by the bus)",
+        "run",
+        help="run the payload process (normally spawned by the bus)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Connect to the bus's payload link, take telecommands, run queued VLM tasks with\n"
-                    "crash-consistent checkpoints, report progress and telemetry. Everything that matters\n"
-                    "is on disk under --data-dir before it is acknowledged, so the process can be SIGKILLed\n"
-                    "at any instant (that is what a power cut does) and started again: it resumes the\n"
-                    "interrupted task first.",
+        "crash-consistent checkpoints, report progress and telemetry. Everything that matters\n"
+        "is on disk under --data-dir before it is acknowledged, so the process can be SIGKILLed\n"
+        "at any instant (that is what a power cut does) and started again: it resumes the\n"
+        "interrupted task first.",
         epilog="The engine options must stay the same across boots for a task to resume; a change makes\n"
-               "the task restart from scratch (logged).")
+        "the task restart from scratch (logged).",
+    )
     run.add_argument("--data-dir", required=True, help="persistent state: queue, images, checkpoints")
     run.add_argument("--model", required=True, help="local model directory")
-    run.add_argument("--keys", default=os.environ.get("OW_KEYS_DIR", "keys"),
-                     help="keys directory (clients/payload.key_secret, server/bus.key); default $OW_KEYS_DIR or ./keys")
-    run.add_argument("--payload-endpoint", default=os.environ.get("OW_PAYLOAD_ENDPOINT", "tcp://127.0.0.1:5551"),
-                     help="the bus's payload link (default $OW_PAYLOAD_ENDPOINT or tcp://127.0.0.1:5551)")
+    run.add_argument(
+        "--keys",
+        default=os.environ.get("OW_KEYS_DIR", "keys"),
+        help="keys directory (clients/payload.key_secret, server/bus.key); default $OW_KEYS_DIR or ./keys",
+    )
+    run.add_argument(
+        "--payload-endpoint",
+        default=os.environ.get("OW_PAYLOAD_ENDPOINT", "tcp://127.0.0.1:5551"),
+        help="the bus's payload link (default $OW_PAYLOAD_ENDPOINT or tcp://127.0.0.1:5551)",
+    )
     run.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    run.add_argument("--results-budget-mb", type=float, default=256.0, metavar="MB",
-                     help="disk kept for finished tasks' results (default 256); beyond it the oldest results "
-                          "already reported are evicted (RESULT_EVICTED event), their tasks still recognised")
-    run.add_argument("--compact-after", type=int, default=512, metavar="N",
-                     help="queue journal entries between compactions (default 512)")
+    run.add_argument(
+        "--results-budget-mb",
+        type=float,
+        default=256.0,
+        metavar="MB",
+        help="disk kept for finished tasks' results (default 256); beyond it the oldest results "
+        "already reported are evicted (RESULT_EVICTED event), their tasks still recognised",
+    )
+    run.add_argument(
+        "--compact-after",
+        type=int,
+        default=512,
+        metavar="N",
+        help="queue journal entries between compactions (default 512)",
+    )
     add_engine_arguments(run)
     run.set_defaults(func=cmd_run)
 
@@ -68,16 +88,25 @@ def cmd_run(args) -> int:
         raise CliError(f"no payload key in {args.keys} (run `ow ground keys init` and copy the keys)", EXIT_USAGE)
     # Nothing here imports torch: the link is up and answering before the engine's libraries
     # load on the worker thread (which sets the thread count before any tensor op).
-    from flight.runtime.app import FlightApp
-
     from flight.cli import cadence_for, storage_for
+    from flight.runtime.app import FlightApp
 
     if args.results_budget_mb < 0 or args.compact_after < 1:
         raise CliError("--results-budget-mb must be >= 0 and --compact-after >= 1", EXIT_USAGE)
     fs, weight_hook = storage_for(args)
-    app = FlightApp(args.data_dir, args.model, args.keys, args.payload_endpoint, options,
-                    device=args.device, dtype=args.dtype, fs=fs, weight_read_hook=weight_hook,
-                    results_budget_bytes=int(args.results_budget_mb * 2**20), compact_after=args.compact_after,
-                    cadence=cadence_for(args))
+    app = FlightApp(
+        args.data_dir,
+        args.model,
+        args.keys,
+        args.payload_endpoint,
+        options,
+        device=args.device,
+        dtype=args.dtype,
+        fs=fs,
+        weight_read_hook=weight_hook,
+        results_budget_bytes=int(args.results_budget_mb * 2**20),
+        compact_after=args.compact_after,
+        cadence=cadence_for(args),
+    )
     signal.signal(signal.SIGTERM, lambda *_: app.stop.set())
     return app.run()

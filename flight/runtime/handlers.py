@@ -4,11 +4,13 @@ Every handler either accepts -- `_accept` counts the command and persists the re
 counters before ACCEPTED leaves -- or raises WireError with the code for the class of problem,
 which dispatch turns into REJECTED. Handlers run on the main thread.
 """
+
 from __future__ import annotations
 
 import shutil
 
-from common.wire import EventId, ResponseCode, WireError, messages as m
+from common.wire import EventId, ResponseCode, WireError
+from common.wire import messages as m
 from common.wire.ids import MAX_LISTED_ITEMS, MAX_LISTED_TASKS, MAX_REASON_BYTES
 from common.wire.text import clip_utf8
 
@@ -27,14 +29,19 @@ class CommandHandlers:
         from common.wire import MessageType
 
         return {
-            MessageType.PING: self.on_ping, MessageType.STATUS: self.on_status,
-            MessageType.UPLINK_TASK: self.on_uplink_task, MessageType.CANCEL_TASK: self.on_cancel_task,
-            MessageType.SET_PRIORITY: self.on_set_priority, MessageType.DOWNLINK_RESULT: self.on_downlink_result,
-            MessageType.IMAGE_CHUNK: self.on_image_chunk, MessageType.IMAGE_QUERY: self.on_image_query,
+            MessageType.PING: self.on_ping,
+            MessageType.STATUS: self.on_status,
+            MessageType.UPLINK_TASK: self.on_uplink_task,
+            MessageType.CANCEL_TASK: self.on_cancel_task,
+            MessageType.SET_PRIORITY: self.on_set_priority,
+            MessageType.DOWNLINK_RESULT: self.on_downlink_result,
+            MessageType.IMAGE_CHUNK: self.on_image_chunk,
+            MessageType.IMAGE_QUERY: self.on_image_query,
             MessageType.LIST_QUARANTINE: self.on_list_quarantine,
             MessageType.RELEASE_QUARANTINE: self.on_release_quarantine,
             MessageType.LIST_LOST_TASKS: self.on_list_lost_tasks,
-            MessageType.SHUTDOWN_WARNING: self.on_shutdown_warning, MessageType.POWER_STATE: self.on_power_state,
+            MessageType.SHUTDOWN_WARNING: self.on_shutdown_warning,
+            MessageType.POWER_STATE: self.on_power_state,
         }
 
     # ---- simple commands ---------------------------------------------------------------------------
@@ -55,8 +62,11 @@ class CommandHandlers:
         finished = self.queue.finished(msg.task_id)
         if live is not None or finished is not None:
             if finished is not None and finished.gone == DAMAGED:
-                raise WireError(ResponseCode.TASK_LOST, f"task {msg.task_id} finished but its record on board is "
-                                                        "damaged; it is not run again (uplink it under a new id)")
+                raise WireError(
+                    ResponseCode.TASK_LOST,
+                    f"task {msg.task_id} finished but its record on board is "
+                    "damaged; it is not run again (uplink it under a new id)",
+                )
             known = live.content_hash if live is not None else finished.content_hash
             if known != digest:
                 raise WireError(ResponseCode.DUPLICATE_TASK, f"task {msg.task_id} exists with other content")
@@ -65,15 +75,25 @@ class CommandHandlers:
         if self.queue.depth() >= MAX_QUEUED:
             raise WireError(ResponseCode.QUEUE_FULL, f"{MAX_QUEUED} tasks queued")
         relost = self.queue.is_lost(msg.task_id)
-        self.queue.submit(msg.task_id, msg.prompt, list(msg.images), msg.max_new_tokens, msg.priority,
-                          (request.apid, request.source_id, request.seq, request.message_type), digest)
+        self.queue.submit(
+            msg.task_id,
+            msg.prompt,
+            list(msg.images),
+            msg.max_new_tokens,
+            msg.priority,
+            (request.apid, request.source_id, request.seq, request.message_type),
+            digest,
+        )
         self._accept(request, task_id=msg.task_id)
         if relost:
             # It never finished (the result store would know), so this is not a second run: it
             # resumes from whatever checkpoints it had. Said out loud all the same.
             self.queue.forget_lost(msg.task_id)
-            self.event(EventId.TASKS_LOST, f"task {msg.task_id}, lost to journal damage, queued again as the ground "
-                                           "sent it again", msg.task_id)
+            self.event(
+                EventId.TASKS_LOST,
+                f"task {msg.task_id}, lost to journal damage, queued again as the ground sent it again",
+                msg.task_id,
+            )
         self.event(EventId.TASK_QUEUED, f"task {msg.task_id} queued (priority {msg.priority})", msg.task_id)
         self.send(self.housekeeping())
         self.work_available.set()
@@ -81,8 +101,11 @@ class CommandHandlers:
     def _unknown_or_gone(self, task_id: str) -> WireError:
         finished = self.queue.finished(task_id)
         if finished is not None and finished.gone == EVICTED:
-            return WireError(ResponseCode.RESULT_EVICTED, f"task {task_id} finished ({finished.state}); its result was "
-                                                          "removed under the results retention budget")
+            return WireError(
+                ResponseCode.RESULT_EVICTED,
+                f"task {task_id} finished ({finished.state}); its result was "
+                "removed under the results retention budget",
+            )
         if (finished is not None and finished.gone == DAMAGED) or self.queue.is_lost(task_id):
             return WireError(ResponseCode.TASK_LOST, f"task {task_id}: its state on board was lost to storage damage")
         if finished is not None:
@@ -124,19 +147,27 @@ class CommandHandlers:
         live = self.queue.tasks.get(msg.task_id)
         if live is not None:
             if self.health.is_quarantined(task_item(msg.task_id)):
-                raise WireError(ResponseCode.QUARANTINED, f"task {msg.task_id} is quarantined (RELEASE_QUARANTINE "
-                                                          f"{task_item(msg.task_id)} to run it again)")
+                raise WireError(
+                    ResponseCode.QUARANTINED,
+                    f"task {msg.task_id} is quarantined (RELEASE_QUARANTINE {task_item(msg.task_id)} to run it again)",
+                )
             corrupt = self.corrupt_images.get(msg.task_id)
             if corrupt:
-                raise WireError(ResponseCode.IMAGE_CORRUPT, f"task {msg.task_id} waits for image {corrupt}, found "
-                                                            "damaged on board: send it again")
+                raise WireError(
+                    ResponseCode.IMAGE_CORRUPT,
+                    f"task {msg.task_id} waits for image {corrupt}, found damaged on board: send it again",
+                )
             raise WireError(ResponseCode.RESULT_NOT_READY, f"task {msg.task_id} is {live.state}")
         task = self.queue.get(msg.task_id)
         if task is None:
             raise self._unknown_or_gone(msg.task_id)
         if task.state in (FAILED, CANCELLED):
             # Finished without a result: say why, so a waiting ground stops waiting.
-            code = ResponseCode.CANCELLED if task.state == CANCELLED else ResponseCode(task.code or ResponseCode.TASK_FINISHED)
+            code = (
+                ResponseCode.CANCELLED
+                if task.state == CANCELLED
+                else ResponseCode(task.code or ResponseCode.TASK_FINISHED)
+            )
             raise WireError(code, f"task {msg.task_id} {task.state}: {task.reason}")
         self._accept(request, task_id=msg.task_id)
         self.send(self._task_result(task))
@@ -147,8 +178,12 @@ class CommandHandlers:
         try:
             completed = self.images.put_chunk(msg)
         except WireError as err:
-            if err.code in (ResponseCode.FILE_HASH_MISMATCH, ResponseCode.IMAGE_UNDECODABLE, ResponseCode.IMAGE_TOO_LARGE,
-                            ResponseCode.IMAGE_SHAPE_UNSUPPORTED):
+            if err.code in (
+                ResponseCode.FILE_HASH_MISMATCH,
+                ResponseCode.IMAGE_UNDECODABLE,
+                ResponseCode.IMAGE_TOO_LARGE,
+                ResponseCode.IMAGE_SHAPE_UNSUPPORTED,
+            ):
                 self.event(EventId.IMAGE_REJECTED, f"image {msg.image}: {err.reason}")
             raise
         self._accept(request)
@@ -166,8 +201,14 @@ class CommandHandlers:
         listing = self.health.listing()
         shown = listing[:MAX_LISTED_ITEMS]
         self._accept(request)
-        self.send(m.QuarantineList(items=[i for i, _, _ in shown], exits=[n for _, n, _ in shown],
-                                   reasons=[clip_utf8(r, MAX_REASON_BYTES) for _, _, r in shown], total=len(listing)))
+        self.send(
+            m.QuarantineList(
+                items=[i for i, _, _ in shown],
+                exits=[n for _, n, _ in shown],
+                reasons=[clip_utf8(r, MAX_REASON_BYTES) for _, _, r in shown],
+                total=len(listing),
+            )
+        )
         self.send(m.Completed.about(request))
 
     def on_release_quarantine(self, request, msg: m.ReleaseQuarantine) -> None:
@@ -175,8 +216,11 @@ class CommandHandlers:
             raise WireError(ResponseCode.NOT_QUARANTINED, f"{msg.item} is not quarantined")
         task_id = item_task_id(msg.item)
         self._accept(request, task_id=task_id if task_id and self._is_name(task_id) else None)
-        self.event(EventId.QUARANTINE_RELEASED, f"{msg.item} released from quarantine by command",
-                   task_id if task_id and self._is_name(task_id) else None)
+        self.event(
+            EventId.QUARANTINE_RELEASED,
+            f"{msg.item} released from quarantine by command",
+            task_id if task_id and self._is_name(task_id) else None,
+        )
         if msg.item.startswith("task:"):
             self.work_available.set()
         elif msg.item.startswith("report:") and task_id:
@@ -188,9 +232,15 @@ class CommandHandlers:
     def on_list_lost_tasks(self, request, msg) -> None:
         lost = self.queue.lost
         self._accept(request)
-        self.send(m.LostTasks(task_ids=lost.task_ids[:MAX_LISTED_TASKS], total=len(lost.task_ids),
-                              bytes_dropped=lost.bytes_dropped, records_dropped=lost.records_dropped,
-                              unnamed=lost.unnamed))
+        self.send(
+            m.LostTasks(
+                task_ids=lost.task_ids[:MAX_LISTED_TASKS],
+                total=len(lost.task_ids),
+                bytes_dropped=lost.bytes_dropped,
+                records_dropped=lost.records_dropped,
+                unnamed=lost.unnamed,
+            )
+        )
         self.send(m.Completed.about(request))
 
     # ---- from the bus --------------------------------------------------------------------------------

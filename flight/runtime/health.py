@@ -30,6 +30,7 @@ Fault injection (tests, red-team campaigns): the environment variable OW_FAULT,
 native crash or the kernel's OOM killer would) or `raise` (RuntimeError in the handler), e.g.
 `OW_FAULT=kill:task:t-bad`. Unset in flight.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -84,8 +85,17 @@ def item_task_id(item: str) -> str | None:
 
 
 class Health:
-    def __init__(self, directory: str, fs: DurableFS | None = None, *, boot: int, bound: int = EXIT_BOUND,
-                 on_event=None, log=None, fault_spec: str | None = None):
+    def __init__(
+        self,
+        directory: str,
+        fs: DurableFS | None = None,
+        *,
+        boot: int,
+        bound: int = EXIT_BOUND,
+        on_event=None,
+        log=None,
+        fault_spec: str | None = None,
+    ):
         self.fs = fs or DurableFS()
         self.directory = directory
         self.boot = boot
@@ -96,11 +106,11 @@ class Health:
         self.inflight_path = os.path.join(directory, "inflight")
         self.crash_path = os.path.join(directory, "crash.log")
         self._lock = threading.RLock()
-        self.exits: dict[str, list] = {}        # item -> [count, last boot, reason]
-        self.quarantine: dict[str, list] = {}   # item -> [exits, boot quarantined, reason, sequence]
+        self.exits: dict[str, list] = {}  # item -> [count, last boot, reason]
+        self.quarantine: dict[str, list] = {}  # item -> [exits, boot quarantined, reason, sequence]
         self.abnormal_exits = 0
         self.corrupt = False
-        self.suspects: dict[str, str] = {}      # items held until the bus says how the last boot ended
+        self.suspects: dict[str, str] = {}  # items held until the bus says how the last boot ended
         self._suspects_since = time.monotonic()
         self._faults = _parse_faults(os.environ.get("OW_FAULT") if fault_spec is None else fault_spec)
         self.fs.makedirs(directory)
@@ -134,7 +144,9 @@ class Health:
             for item in sorted(self.exits, key=lambda k: self.exits[k][1])[: len(self.exits) - MAX_COUNTED]:
                 del self.exits[item]
         if len(self.quarantine) > MAX_QUARANTINED:
-            for item in sorted(self.quarantine, key=lambda k: self.quarantine[k][3])[: len(self.quarantine) - MAX_QUARANTINED]:
+            for item in sorted(self.quarantine, key=lambda k: self.quarantine[k][3])[
+                : len(self.quarantine) - MAX_QUARANTINED
+            ]:
                 del self.quarantine[item]
         meta = {"exits": self.exits, "quarantine": self.quarantine, "abnormal_exits": self.abnormal_exits}
         self.fs.write_atomic(self.state_path, encode(Kind.HEALTH_STATE, meta).chunks)
@@ -148,11 +160,11 @@ class Health:
         except OSError:
             return items
         for slot in range(SLOTS):
-            block = data[slot * _SLOT_BYTES:(slot + 1) * _SLOT_BYTES]
+            block = data[slot * _SLOT_BYTES : (slot + 1) * _SLOT_BYTES]
             if len(block) < _SLOT_HEAD.size:
                 continue
             length, crc = _SLOT_HEAD.unpack_from(block)
-            payload = block[_SLOT_HEAD.size:_SLOT_HEAD.size + length]
+            payload = block[_SLOT_HEAD.size : _SLOT_HEAD.size + length]
             if length == 0 or len(payload) != length or zlib.crc32(payload) != crc:
                 continue
             try:
@@ -218,7 +230,9 @@ class Health:
 
         def thread_excepthook(args):
             if args.exc_type is not SystemExit:
-                record(f"uncaught exception in thread {getattr(args.thread, 'name', '?')}", args.exc_type, args.exc_value)
+                record(
+                    f"uncaught exception in thread {getattr(args.thread, 'name', '?')}", args.exc_type, args.exc_value
+                )
             previous_thread_hook(args)
 
         sys.excepthook, threading.excepthook = excepthook, thread_excepthook
@@ -235,15 +249,22 @@ class Health:
                 count = self.exits.get(item, [0, 0, ""])[0] + 1
                 self.exits[item] = [count, self.boot, clip_utf8(reason, MAX_REASON_BYTES)]
                 if count >= self.bound:
-                    self.quarantine[item] = [count, self.boot, clip_utf8(reason, MAX_REASON_BYTES),
-                                             max((q[3] for q in self.quarantine.values()), default=0) + 1]
+                    self.quarantine[item] = [
+                        count,
+                        self.boot,
+                        clip_utf8(reason, MAX_REASON_BYTES),
+                        max((q[3] for q in self.quarantine.values()), default=0) + 1,
+                    ]
                     del self.exits[item]
                     quarantined.append(item)
             self._save()
         for item in items:
             if item in quarantined:
-                self.on_event("quarantined", item, f"{item} quarantined after {self.bound} abnormal exits or faults; "
-                                                   f"last: {reason}")
+                self.on_event(
+                    "quarantined",
+                    item,
+                    f"{item} quarantined after {self.bound} abnormal exits or faults; last: {reason}",
+                )
             elif item in self.exits:
                 self.on_event("abnormal_exit", item, f"{item}: {reason} ({self.exits[item][0]}/{self.bound})")
         return quarantined

@@ -16,6 +16,7 @@ no larger than the model needs. `meta` stays beside the verified file: every use
 (`read_verified`) checks its SHA-256 again, and a file that no longer matches is removed with its
 meta (ImageCorrupt), so that IMAGE_QUERY reports it missing and the ground sends it again.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -72,8 +73,9 @@ class ImageStore:
             if self.is_verified(name):
                 meta = self._meta(name) or {}
                 total = int(meta.get("total", 1))
-                return m.ImageStatus.of(name, int(meta.get("size", self.fs.size(self.image_path(name)))), total,
-                                        range(total), verified=True)
+                return m.ImageStatus.of(
+                    name, int(meta.get("size", self.fs.size(self.image_path(name)))), total, range(total), verified=True
+                )
             meta = self._meta(name)
             if meta is None:
                 return m.ImageStatus.of(name, 0, 0, [], verified=False)
@@ -103,12 +105,16 @@ class ImageStore:
             if meta is None:
                 self.fs.write_atomic(os.path.join(d, "meta"), [msgpack.packb(mine, use_bin_type=True)])
             elif meta != mine:
-                raise WireError(ResponseCode.CHUNK_CONFLICT,
-                                f"image {name}: chunk declares size/count/hash other than earlier chunks")
+                raise WireError(
+                    ResponseCode.CHUNK_CONFLICT,
+                    f"image {name}: chunk declares size/count/hash other than earlier chunks",
+                )
             path = os.path.join(d, f"c{chunk.index}")
             if self.fs.exists(path):
                 if bytes(self.fs.read(path)) != bytes(chunk.data):
-                    raise WireError(ResponseCode.CHUNK_CONFLICT, f"image {name}: chunk {chunk.index} differs from the one held")
+                    raise WireError(
+                        ResponseCode.CHUNK_CONFLICT, f"image {name}: chunk {chunk.index} differs from the one held"
+                    )
                 if len(self._held(name)) < chunk.total:
                     return False
                 return self._assemble(name, mine)  # every chunk was held, the file never committed
@@ -122,7 +128,9 @@ class ImageStore:
         content = b"".join(bytes(self.fs.read(os.path.join(d, f"c{i}"))) for i in range(meta["total"]))
         try:
             if len(content) != meta["size"]:
-                raise WireError(ResponseCode.FILE_HASH_MISMATCH, f"{name}: assembled {len(content)} bytes, declared {meta['size']}")
+                raise WireError(
+                    ResponseCode.FILE_HASH_MISMATCH, f"{name}: assembled {len(content)} bytes, declared {meta['size']}"
+                )
             m.check_file_hash(content, meta["sha256"], name)
             _check_picture(name, content, self.limits)
         except WireError:
@@ -146,8 +154,10 @@ class ImageStore:
                 if meta is None or "sha256" not in meta:
                     reason = "its SHA-256 record is missing or damaged"
                 elif hashlib.sha256(content).digest() != bytes(meta["sha256"]):
-                    reason = (f"{len(content)} bytes on board no longer match the SHA-256 they were uploaded with "
-                              f"({bytes(meta['sha256']).hex()[:16]}...)")
+                    reason = (
+                        f"{len(content)} bytes on board no longer match the SHA-256 they were uploaded with "
+                        f"({bytes(meta['sha256']).hex()[:16]}...)"
+                    )
                 else:
                     return content
             self.drop(name)

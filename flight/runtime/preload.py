@@ -10,6 +10,7 @@ Two users:
 Importing this module must not start any thread (the zygote forks after it): no tensor op, no
 ZeroMQ context, no thread pool -- imports only.
 """
+
 from __future__ import annotations
 
 

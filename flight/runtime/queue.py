@@ -18,6 +18,7 @@ anything names them (a later entry about them, an intact header) and remembered 
 so the ground can ask for them and a re-sent one is never taken for a new task silently.
 Format of the entries: docs/flight.md.
 """
+
 from __future__ import annotations
 
 import os
@@ -50,15 +51,15 @@ class Task:
     images: list[str]
     max_new_tokens: int
     priority: int
-    request: tuple[int, int, int, int]   # the UPLINK_TASK's (apid, source id, seq, type): reports refer to it
+    request: tuple[int, int, int, int]  # the UPLINK_TASK's (apid, source id, seq, type): reports refer to it
     content_hash: str
-    order: int                           # arrival order: ties in priority run first-come first-served
+    order: int  # arrival order: ties in priority run first-come first-served
     state: str = QUEUED
-    starts: int = 0                      # times inference started (more than one = interrupted)
+    starts: int = 0  # times inference started (more than one = interrupted)
     code: int = 0
     reason: str = ""
     result: dict = field(default_factory=dict)
-    reported: bool = False               # the final report (COMPLETED/FAILED) has left for the bus
+    reported: bool = False  # the final report (COMPLETED/FAILED) has left for the bus
 
     @property
     def interruptions(self) -> int:
@@ -76,11 +77,11 @@ def _task_from(d: dict) -> Task:
 class JournalDamage:
     """What the reader dropped at open (all zero for a clean journal)."""
 
-    bytes_dropped: int = 0        # inside the journal: damaged records skipped
-    records_dropped: int = 0      # damaged regions skipped
-    tail_bytes: int = 0           # after the last valid record (a torn append)
-    named: list[str] = field(default_factory=list)   # tasks whose state was lost, by name
-    unnamed: int = 0              # damaged regions that named no task
+    bytes_dropped: int = 0  # inside the journal: damaged records skipped
+    records_dropped: int = 0  # damaged regions skipped
+    tail_bytes: int = 0  # after the last valid record (a torn append)
+    named: list[str] = field(default_factory=list)  # tasks whose state was lost, by name
+    unnamed: int = 0  # damaged regions that named no task
 
 
 @dataclass
@@ -94,8 +95,16 @@ class LostTasks:
 
 
 class TaskQueue:
-    def __init__(self, directory: str, fs: DurableFS | None = None, *, compact_after: int = COMPACT_AFTER,
-                 results_dir: str | None = None, results_budget_bytes: int | None = None, on_evict=None):
+    def __init__(
+        self,
+        directory: str,
+        fs: DurableFS | None = None,
+        *,
+        compact_after: int = COMPACT_AFTER,
+        results_dir: str | None = None,
+        results_budget_bytes: int | None = None,
+        on_evict=None,
+    ):
         self.fs = fs or DurableFS()
         self.directory = directory
         self.path = os.path.join(directory, "journal.log")
@@ -110,8 +119,9 @@ class TaskQueue:
         self.damage = JournalDamage()
         self.lost = LostTasks()
         results_kwargs = {} if results_budget_bytes is None else {"budget_bytes": results_budget_bytes}
-        self.results = ResultStore(results_dir or os.path.join(directory, "results"),
-                                   self.fs, on_evict=on_evict, **results_kwargs)
+        self.results = ResultStore(
+            results_dir or os.path.join(directory, "results"), self.fs, on_evict=on_evict, **results_kwargs
+        )
         self._open()
 
     @property
@@ -144,8 +154,13 @@ class TaskQueue:
             # and the journal rewritten under it below.
             self.salt = secrets.randbits(63) or 1
             self.fs.write_atomic(self.salt_path, [_SALT.pack(self.salt, zlib.crc32(struct.pack("<Q", self.salt)))])
-        if (self.damage.bytes_dropped or self.damage.tail_bytes or migrated or salt_file is None
-                or self._entries > self.compact_after):
+        if (
+            self.damage.bytes_dropped
+            or self.damage.tail_bytes
+            or migrated
+            or salt_file is None
+            or self._entries > self.compact_after
+        ):
             self.compact()  # rewrite clean: the damage is behind us, every live task in its own record
         if self.damage.named or self.damage.records_dropped:
             self._remember_lost(self.damage)
@@ -273,7 +288,9 @@ class TaskQueue:
                 self._store_finished(task)
         for task_id in [t for t in self.tasks if self.results.get(t) is not None]:
             del self.tasks[task_id]
-        lost = [t for t in mentioned if t not in self.tasks and self.results.get(t) is None and t not in legacy_finished]
+        lost = [
+            t for t in mentioned if t not in self.tasks and self.results.get(t) is None and t not in legacy_finished
+        ]
         self.damage.named = sorted(set(self.damage.named + lost) - set(self.tasks) - set(self.results.index))
         # A result file that does not verify: the task finished, its result is gone.
         for task_id in self.results.damaged:
@@ -358,8 +375,9 @@ class TaskQueue:
     def compact(self) -> None:
         """Replace the journal by one snapshot header and one record per live task (atomic)."""
         with self._lock:
-            chunks = self._encode({"op": "snapshot", "next_order": self._next_order, "tasks": [],
-                                   "live": len(self.tasks)})
+            chunks = self._encode(
+                {"op": "snapshot", "next_order": self._next_order, "tasks": [], "live": len(self.tasks)}
+            )
             ids = []
             for task in sorted(self.tasks.values(), key=lambda t: t.order):
                 chunks += self._encode({"op": "task", "task": asdict(task)})
@@ -370,11 +388,27 @@ class TaskQueue:
             self._entries = 1 + len(self.tasks)
 
     # ---- operations ------------------------------------------------------------------------------
-    def submit(self, task_id: str, prompt: str, images: list[str], max_new_tokens: int, priority: int,
-               request: tuple[int, int, int, int], content_hash: str) -> Task:
+    def submit(
+        self,
+        task_id: str,
+        prompt: str,
+        images: list[str],
+        max_new_tokens: int,
+        priority: int,
+        request: tuple[int, int, int, int],
+        content_hash: str,
+    ) -> Task:
         with self._lock:
-            task = Task(task_id, prompt, list(images), int(max_new_tokens), int(priority), tuple(request),
-                        content_hash, self._next_order)
+            task = Task(
+                task_id,
+                prompt,
+                list(images),
+                int(max_new_tokens),
+                int(priority),
+                tuple(request),
+                content_hash,
+                self._next_order,
+            )
             self._append({"op": "submit", "task": asdict(task)})
             self.fs.append(self.ids_path, self._encode({"task_id": task_id}))
             return self.tasks[task_id]
@@ -392,14 +426,17 @@ class TaskQueue:
                 return
             done = Task(**{**asdict(task), **final})
             done.request = tuple(done.request)
-            self._store_finished(done)                             # durable first ...
-            self._append({"op": "finished", "task_id": task_id})   # ... then it leaves the journal
+            self._store_finished(done)  # durable first ...
+            self._append({"op": "finished", "task_id": task_id})  # ... then it leaves the journal
 
     def _store_finished(self, task: Task) -> None:
         record = asdict(task)
         record["reason"] = clip_utf8(str(record.get("reason", "")), MAX_REASON_BYTES)
         if "text" in record.get("result", {}):
-            record["result"] = {**record["result"], "text": clip_utf8(str(record["result"]["text"]), MAX_RESULT_TEXT_BYTES)}
+            record["result"] = {
+                **record["result"],
+                "text": clip_utf8(str(record["result"]["text"]), MAX_RESULT_TEXT_BYTES),
+            }
         self.results.put(record, reported=task.reported)
 
     def complete(self, task_id: str, result: dict) -> None:
@@ -467,5 +504,18 @@ def _task_ids_in(meta: dict) -> list[str]:
     return ids
 
 
-__all__ = ["CANCELLED", "COMPLETED", "DAMAGED", "EVICTED", "FAILED", "FINISHED", "QUEUED", "RUNNING", "Task",
-           "TaskQueue", "MAX_META", "FIXED_HEADER", "HEADER_LEN"]
+__all__ = [
+    "CANCELLED",
+    "COMPLETED",
+    "DAMAGED",
+    "EVICTED",
+    "FAILED",
+    "FINISHED",
+    "QUEUED",
+    "RUNNING",
+    "Task",
+    "TaskQueue",
+    "MAX_META",
+    "FIXED_HEADER",
+    "HEADER_LEN",
+]

@@ -16,6 +16,7 @@ tombstones are kept (the oldest go first).
 A file that does not verify is *damaged*: the task is known to have finished (its name is the
 file name) but nothing else about it is; it is reported lost, and its id answers TASK_LOST.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,18 +36,24 @@ class Finished:
     """What the store knows of one finished task without reading its file again."""
 
     task_id: str
-    state: str              # completed / failed / cancelled
+    state: str  # completed / failed / cancelled
     code: int
     content_hash: str
     reported: bool
-    finished_seq: int       # order of finishing (oldest evicted first)
-    nbytes: int             # size of the full result file; 0 for a tombstone
+    finished_seq: int  # order of finishing (oldest evicted first)
+    nbytes: int  # size of the full result file; 0 for a tombstone
     gone: str | None = None  # None: the full record is here; "evicted" or "damaged"
 
 
 class ResultStore:
-    def __init__(self, directory: str, fs: DurableFS | None = None, budget_bytes: int = DEFAULT_BUDGET_BYTES,
-                 max_tombstones: int = DEFAULT_MAX_TOMBSTONES, on_evict=None):
+    def __init__(
+        self,
+        directory: str,
+        fs: DurableFS | None = None,
+        budget_bytes: int = DEFAULT_BUDGET_BYTES,
+        max_tombstones: int = DEFAULT_MAX_TOMBSTONES,
+        on_evict=None,
+    ):
         self.fs = fs or DurableFS()
         self.directory = directory
         self.budget_bytes = int(budget_bytes)
@@ -88,8 +95,9 @@ class ResultStore:
     def put(self, task: dict, reported: bool = False) -> Finished:
         """Record a finished task (`task`: the queue's Task as a dict, final state included).
         Durable when it returns."""
-        entry = Finished(task["task_id"], task["state"], int(task.get("code") or 0), task["content_hash"], reported,
-                         self._seq, 0)
+        entry = Finished(
+            task["task_id"], task["state"], int(task.get("code") or 0), task["content_hash"], reported, self._seq, 0
+        )
         self._seq += 1
         meta_task = dict(task)
         self._write(entry, meta_task)
@@ -111,8 +119,9 @@ class ResultStore:
         total = sum(e.nbytes for e in self.index.values() if e.gone is None)
         if total <= self.budget_bytes:
             return
-        for entry in sorted((e for e in self.index.values() if e.gone is None and e.reported),
-                            key=lambda e: e.finished_seq):
+        for entry in sorted(
+            (e for e in self.index.values() if e.gone is None and e.reported), key=lambda e: e.finished_seq
+        ):
             if total <= self.budget_bytes:
                 break
             total -= entry.nbytes
@@ -144,8 +153,11 @@ class ResultStore:
             return None
 
     def unreported(self) -> list[str]:
-        return [e.task_id for e in sorted(self.index.values(), key=lambda e: e.finished_seq)
-                if not e.reported and not e.gone]
+        return [
+            e.task_id
+            for e in sorted(self.index.values(), key=lambda e: e.finished_seq)
+            if not e.reported and not e.gone
+        ]
 
     def bytes_held(self) -> int:
         return sum(e.nbytes for e in self.index.values() if e.gone is None)

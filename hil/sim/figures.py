@@ -11,6 +11,7 @@
 Every number is derived from definitions (docs/baselines.md, docs/sim.md): nothing is fitted
 to the paper's results. Free parameters (boot time, commit latency) are reported as bands.
 """
+
 from __future__ import annotations
 
 import math
@@ -72,19 +73,28 @@ class Config:
     commit_latency_s: float = 1e-3
 
     def label(self) -> str:
-        return (f"{self.model} on {self.target}, {self.frames} frames x {self.tokens_per_frame} tokens, "
-                f"boot {self.boot_s:g} s, commit {self.commit_latency_s * 1e3:g} ms")
+        return (
+            f"{self.model} on {self.target}, {self.frames} frames x {self.tokens_per_frame} tokens, "
+            f"boot {self.boot_s:g} s, commit {self.commit_latency_s * 1e3:g} ms"
+        )
 
     def build(self, policy: str) -> RequestModel:
         spec = REAL_MODELS[self.model]
         request = frames_request(self.frames, self.tokens_per_frame, new_tokens=self.new_tokens)
-        platform = target_platform(spec, request, self.target, boot_s=self.boot_s,
-                                   commit_latency_s=self.commit_latency_s)
+        platform = target_platform(
+            spec, request, self.target, boot_s=self.boot_s, commit_latency_s=self.commit_latency_s
+        )
         return RequestModel(spec, request, platform, policy, GEOMETRY)
 
 
-def fig10(config: Config, traces_=TRACES, seeds=(0, 1, 2), n_arrivals: int = 8,
-          policies=PAPER_POLICIES + STRENGTHENED, say=None) -> dict:
+def fig10(
+    config: Config,
+    traces_=TRACES,
+    seeds=(0, 1, 2),
+    n_arrivals: int = 8,
+    policies=PAPER_POLICIES + STRENGTHENED,
+    say=None,
+) -> dict:
     models = {p: config.build(p) for p in policies}
     rows = []
     for name in traces_:
@@ -94,9 +104,18 @@ def fig10(config: Config, traces_=TRACES, seeds=(0, 1, 2), n_arrivals: int = 8,
             for i, arrival in enumerate(arrivals(trace, n_arrivals)):
                 for policy, model in models.items():
                     o = model.run(windows, arrival, warns, horizon=trace.duration_s)
-                    rows.append({"trace": name, "seed": seed, "arrival": i, "policy": policy,
-                                 "completed": o.completed, "e2e_s": o.e2e_s, "cuts": o.cuts,
-                                 "bytes": o.bytes_written})
+                    rows.append(
+                        {
+                            "trace": name,
+                            "seed": seed,
+                            "arrival": i,
+                            "policy": policy,
+                            "completed": o.completed,
+                            "e2e_s": o.e2e_s,
+                            "cuts": o.cuts,
+                            "bytes": o.bytes_written,
+                        }
+                    )
             if say:
                 say(f"  {name} seed {seed}: {n_arrivals} arrivals x {len(policies)} policies")
     return {"config": config.label(), "rows": rows, "summary": summarise10(rows, policies)}
@@ -119,13 +138,21 @@ def summarise10(rows: list[dict], policies) -> dict:
                 unfinished += 1
                 continue
             ratios.append(b["e2e_s"] / ow["e2e_s"])
-        out["speedup"][base] = {"geomean": geomean(ratios), "max": max(ratios) if ratios else None,
-                                "min": min(ratios) if ratios else None, "pairs": len(ratios),
-                                "baseline_unfinished": unfinished}
+        out["speedup"][base] = {
+            "geomean": geomean(ratios),
+            "max": max(ratios) if ratios else None,
+            "min": min(ratios) if ratios else None,
+            "pairs": len(ratios),
+            "baseline_unfinished": unfinished,
+        }
         for trace in sorted({k[0] for k in keys}):
-            vals = [by[k + (base,)]["e2e_s"] / by[k + ("orbitweaver",)]["e2e_s"] for k in keys
-                    if k[0] == trace and by.get(k + (base,), {}).get("completed")
-                    and by.get(k + ("orbitweaver",), {}).get("completed")]
+            vals = [
+                by[k + (base,)]["e2e_s"] / by[k + ("orbitweaver",)]["e2e_s"]
+                for k in keys
+                if k[0] == trace
+                and by.get(k + (base,), {}).get("completed")
+                and by.get(k + ("orbitweaver",), {}).get("completed")
+            ]
             out["per_trace"].setdefault(trace, {})[base] = geomean(vals)
     return out
 
@@ -138,7 +165,9 @@ def cut_state(model: RequestModel, fraction: float) -> tuple[Durable, float, flo
     total = model.NG * model.NC
     # compute ends of blocks in the fresh (chunk-first) order: the k-th block's commit starts at its end
     k = max(1, round(fraction * total))
-    cut = blocks[min(k, len(blocks)) - 1] + 1e-9 if blocks else res.phase_s["vision"] + fraction * res.phase_s["prefill"]
+    cut = (
+        blocks[min(k, len(blocks)) - 1] + 1e-9 if blocks else res.phase_s["vision"] + fraction * res.phase_s["prefill"]
+    )
     prefill_end = res.phase_s["vision"] + res.phase_s["prefill"]
     return res.durable_at(Durable(), cut), cut, prefill_end
 
@@ -152,13 +181,21 @@ def fig11(config: Config, fractions=(0.25, 0.5, 0.75), policies=PAPER_POLICIES +
             res = model.session(d, 0.0, 0.0)
             finish = res.restart_prefill_s  # restart -> prefill complete (boot excluded)
             remaining = max(0.0, prefill_end - cut)
-            rows.append({"policy": policy, "progress": f, "finish_prefill_s": finish,
-                         "restart_latency_s": max(0.0, finish - remaining), "remaining_s": remaining})
+            rows.append(
+                {
+                    "policy": policy,
+                    "progress": f,
+                    "finish_prefill_s": finish,
+                    "restart_latency_s": max(0.0, finish - remaining),
+                    "remaining_s": remaining,
+                }
+            )
     return rows
 
 
-def fig12_14(config: Config, tokens_per_frame=(256, 1024, 2048, 4096),
-             policies=("none",) + PAPER_POLICIES + STRENGTHENED) -> list[dict]:
+def fig12_14(
+    config: Config, tokens_per_frame=(256, 1024, 2048, 4096), policies=("none",) + PAPER_POLICIES + STRENGTHENED
+) -> list[dict]:
     rows = []
     for tpf in tokens_per_frame:
         cfg = Config(**{**config.__dict__, "tokens_per_frame": tpf})
@@ -169,7 +206,15 @@ def fig12_14(config: Config, tokens_per_frame=(256, 1024, 2048, 4096),
             energy = COMPUTE_W * res.finished_at + SSD_WRITE_W * nbytes / SSD_WRITE_BYTES_PER_S
             if policy == "none":
                 base = (res.finished_at, energy)
-            rows.append({"prompt_tokens": cfg.frames * tpf, "policy": policy, "seconds": res.finished_at,
-                         "bytes": nbytes, "energy_j": energy, "slowdown": res.finished_at / base[0],
-                         "energy_ratio": energy / base[1]})
+            rows.append(
+                {
+                    "prompt_tokens": cfg.frames * tpf,
+                    "policy": policy,
+                    "seconds": res.finished_at,
+                    "bytes": nbytes,
+                    "energy_j": energy,
+                    "slowdown": res.finished_at / base[0],
+                    "energy_ratio": energy / base[1],
+                }
+            )
     return rows

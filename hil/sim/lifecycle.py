@@ -15,13 +15,14 @@ state the next session starts from (records in order, vision buffers dropped onc
 is durable, decode records up to the last committed one). A shutdown warning makes the engine
 persist at the next unit boundary (`checkpoint_soon`), as in the engine.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
 from flight.checkpoint.policies import Geometry, get_policy
-from flight.recovery.plan import ReadOp, RecoveryProblem, make_plan
+from flight.recovery.plan import RecoveryProblem, make_plan
 from flight.recovery.simulate import simulate
 
 from .models import ModelSpec, RecordSizes, Request
@@ -33,20 +34,21 @@ from .platform import Platform
 class Durable:
     vision_block: int = 0
     vision_done: bool = False
-    blocks: dict = field(default_factory=dict)   # (g, c) -> (has_kv, has_hidden)
-    decode_steps: int = 0                        # steps covered by committed decode records
+    blocks: dict = field(default_factory=dict)  # (g, c) -> (has_kv, has_hidden)
+    decode_steps: int = 0  # steps covered by committed decode records
     decode_records: int = 0
     done: bool = False
 
-    def copy(self) -> "Durable":
-        return Durable(self.vision_block, self.vision_done, dict(self.blocks), self.decode_steps,
-                       self.decode_records, self.done)
+    def copy(self) -> Durable:
+        return Durable(
+            self.vision_block, self.vision_done, dict(self.blocks), self.decode_steps, self.decode_records, self.done
+        )
 
 
 @dataclass
 class Commit:
     t: float
-    kind: str            # vision | vision_out | block | decode | result
+    kind: str  # vision | vision_out | block | decode | result
     key: object = None
     value: object = None
     nbytes: int = 0
@@ -78,7 +80,7 @@ class Writer:
         st = platform.storage
         self.st, self.sync = st, sync
         self.bucket = Bucket(st.write_bytes_per_s, st.burst_bytes, t0)
-        self.alive: list[float] = []      # end times of ordered records submitted, in order
+        self.alive: list[float] = []  # end times of ordered records submitted, in order
         self.channel_free = t0
         self.busy: list[tuple[float, float]] = []
         self.commits: list[Commit] = []
@@ -154,11 +156,11 @@ class Writer:
 # ---- one session ----------------------------------------------------------------------------------
 @dataclass
 class SessionResult:
-    finished_at: float | None                  # RESULT durable (None: never within this session)
+    finished_at: float | None  # RESULT durable (None: never within this session)
     commits: list[Commit]
     started_at: float
     first_unit_at: float | None = None
-    restart_prefill_s: float = 0.0             # restore + prefill time of this session
+    restart_prefill_s: float = 0.0  # restore + prefill time of this session
     phase_s: dict = field(default_factory=dict)
 
     def durable_at(self, before: Durable, cut: float) -> Durable:
@@ -185,8 +187,15 @@ class SessionResult:
 class RequestModel:
     """One request of a model under a policy on a platform."""
 
-    def __init__(self, spec: ModelSpec, request: Request, platform: Platform, policy: str,
-                 geometry: Geometry, planner: str = "optimal"):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        request: Request,
+        platform: Platform,
+        policy: str,
+        geometry: Geometry,
+        planner: str = "optimal",
+    ):
         self.spec, self.request, self.platform = spec, request, platform
         self.policy = get_policy(policy)
         self.policy_name = policy
@@ -200,8 +209,9 @@ class RequestModel:
         self.writes = self.policy.writes_checkpoints()
 
     # ---- a session --------------------------------------------------------------------------
-    def session(self, d: Durable, t_ready: float, process_start: float, warning_at: float | None = None
-                ) -> SessionResult:
+    def session(
+        self, d: Durable, t_ready: float, process_start: float, warning_at: float | None = None
+    ) -> SessionResult:
         p, pol, g = self.platform, self.policy, self.g
         sync = pol.synchronous_commits()
         w = Writer(p, sync, process_start)
@@ -233,23 +243,33 @@ class RequestModel:
                     res.first_unit_at = t
                 u = urgent(t) and i + 1 < self.V
                 if u or pol.vision_state_due(i + 1, self.V, g):
-                    t = w.submit(t, Commit(0, "vision", value=i + 1, nbytes=self.sizes.vision_state(i + 1)), optional=not u)
+                    t = w.submit(
+                        t, Commit(0, "vision", value=i + 1, nbytes=self.sizes.vision_state(i + 1)), optional=not u
+                    )
             t += p.vision_extra_s / 2
             if pol.persist_vision_out() and self.writes:
                 t = w.submit_background(t, Commit(0, "vision_out", nbytes=self.sizes.vision_out))
         res.phase_s["vision"] = t - t_vision_start
         # ---- prefill (a recovery plan; the fresh run is the plan with nothing done)
         t_prefill = t
-        problem = RecoveryProblem(self.NG, self.NC, set(d.blocks), {b for b, (_, h) in d.blocks.items() if h},
-                                  need_last_hidden=d.decode_records == 0,
-                                  kv_missing={b for b, (kv, _) in d.blocks.items() if not kv})
+        problem = RecoveryProblem(
+            self.NG,
+            self.NC,
+            set(d.blocks),
+            {b for b, (_, h) in d.blocks.items() if h},
+            need_last_hidden=d.decode_records == 0,
+            kv_missing={b for b, (kv, _) in d.blocks.items() if not kv},
+        )
         planner, overlap = pol.recovery(self.planner, True)
         overlap = overlap or not d.blocks  # a fresh prefill streams its weights behind the compute
         if planner == "optimal":
             problem.costs = self.costs.as_dict()
         plan = make_plan(planner, problem)
-        if not vision_fresh and any(op.group == 0 and op.kind == "block" for op in plan.computes) and \
-                self.request.visual_tokens > 0:
+        if (
+            not vision_fresh
+            and any(op.group == 0 and op.kind == "block" for op in plan.computes)
+            and self.request.visual_tokens > 0
+        ):
             t += self._read_s(self.sizes.vision_out)  # vision.out read by the first layer-0 compute
         costs = self._read_costs(plan, problem, t_vision_start if vision_fresh else t, process_start)
         origin = t_vision_start if vision_fresh else t  # weights stream behind the vision phase
@@ -268,8 +288,9 @@ class RequestModel:
             if persist is None:
                 return end
             nbytes = self.sizes.prefill_block(op.group, op.chunk, persist.kv, persist.boundary_hidden)
-            free = w.submit(now, Commit(0, "block", (op.group, op.chunk), (persist.kv, persist.boundary_hidden),
-                                        nbytes))
+            free = w.submit(
+                now, Commit(0, "block", (op.group, op.chunk), (persist.kv, persist.boundary_hidden), nbytes)
+            )
             free_at[0] = free - origin
             return free_at[0]
 
@@ -315,8 +336,9 @@ class RequestModel:
     def _read_costs(self, plan, problem, origin: float, process_start: float):
         """The plan's read costs: record bytes at the storage's rate; with a token bucket (the
         testbench), charged in plan order from the process's start, burst included."""
-        from flight.recovery.cost import BlockCosts
         import numpy as np
+
+        from flight.recovery.cost import BlockCosts
 
         c = self.costs
         kv = np.zeros((self.NG, self.NC))
@@ -331,15 +353,18 @@ class RequestModel:
                 continue
             (l0, l1), (s, e) = self.groups[op.group], self.chunks[op.chunk]
             spec = self.spec.text
-            nbytes = ((l1 - l0) * (e - s) * spec.kv_bytes_per_token_layer if op.what == "kv"
-                      else (e - s) * spec.hidden * self.spec.dtype_bytes)
-            seconds = (bucket.take(t, nbytes) if bucket is not None else st.read_latency_s + nbytes / st.read_bytes_per_s)
+            nbytes = (
+                (l1 - l0) * (e - s) * spec.kv_bytes_per_token_layer
+                if op.what == "kv"
+                else (e - s) * spec.hidden * self.spec.dtype_bytes
+            )
+            seconds = bucket.take(t, nbytes) if bucket is not None else st.read_latency_s + nbytes / st.read_bytes_per_s
             (kv if op.what == "kv" else hidden)[op.group, op.chunk] = seconds
             t += seconds
         return BlockCosts(weights, kv, hidden, np.array(c.compute), np.array(c.reproject), c.source)
 
     # ---- across windows -----------------------------------------------------------------------------
-    def run(self, windows, arrival: float, warnings: dict | None = None, horizon: float = math.inf) -> "Outcome":
+    def run(self, windows, arrival: float, warnings: dict | None = None, horizon: float = math.inf) -> Outcome:
         """`windows`: [(start, end)] power windows (end inf: open); the payload boots at each
         start. `warnings`: {window end: warning time}. The request is accepted at `arrival`."""
         d = Durable()
@@ -363,8 +388,14 @@ class RequestModel:
             sessions += 1
             if res.finished_at <= end:
                 bytes_written += sum(c.nbytes for c in res.commits)
-                return Outcome(True, res.finished_at - arrival, res.finished_at, sessions, cuts,
-                               bytes_written + RecordSizes.MANIFEST_BYTES)
+                return Outcome(
+                    True,
+                    res.finished_at - arrival,
+                    res.finished_at,
+                    sessions,
+                    cuts,
+                    bytes_written + RecordSizes.MANIFEST_BYTES,
+                )
             cuts += 1
             bytes_written += res.bytes_started_before(end)
             d = res.durable_at(d, end) if self.writes else Durable()

@@ -6,6 +6,7 @@ records: `flight.checkpoint.store` lays out each record's tensors (`prefill_bloc
 `decode_record_tensors`) and `common.record.encoded_size` sizes the result exactly as `encode`
 would lay it out (header, metadata, 64-byte alignment, footer).
 """
+
 from __future__ import annotations
 
 import json
@@ -23,9 +24,9 @@ class VisionDims:
     depth: int
     hidden: int
     intermediate: int
-    patch: int                 # pixels per patch side
-    merge: int                 # spatial merge (2: 2x2 patches -> one LM token)
-    deepstack: tuple = ()      # vision blocks whose output feeds a DeepStack merger (Qwen3-VL)
+    patch: int  # pixels per patch side
+    merge: int  # spatial merge (2: 2x2 patches -> one LM token)
+    deepstack: tuple = ()  # vision blocks whose output feeds a DeepStack merger (Qwen3-VL)
 
     @property
     def block_params(self) -> int:
@@ -59,16 +60,23 @@ def _text(name, layers, hidden, heads, kv_heads, head_dim, inter, vocab=151936):
 
 # Public config.json values (text_config / vision_config) of the released checkpoints.
 REAL_MODELS = {
-    "qwen3-vl-2b": ModelSpec("qwen3-vl-2b", _text("qwen3-vl-2b", 28, 2048, 16, 8, 128, 6144),
-                             VisionDims(24, 1024, 4096, 16, 2, (5, 11, 17))),
-    "qwen3-vl-4b": ModelSpec("qwen3-vl-4b", _text("qwen3-vl-4b", 36, 2560, 32, 8, 128, 9728),
-                             VisionDims(24, 1024, 4096, 16, 2, (5, 11, 17))),
-    "qwen3-vl-8b": ModelSpec("qwen3-vl-8b", _text("qwen3-vl-8b", 36, 4096, 32, 8, 128, 12288),
-                             VisionDims(27, 1152, 4304, 16, 2, (8, 16, 24))),
-    "qwen2.5-vl-3b": ModelSpec("qwen2.5-vl-3b", _text("qwen2.5-vl-3b", 36, 2048, 16, 2, 128, 11008),
-                               VisionDims(32, 1280, 3420, 14, 2, ())),
-    "qwen2.5-vl-7b": ModelSpec("qwen2.5-vl-7b", _text("qwen2.5-vl-7b", 28, 3584, 28, 4, 128, 18944, 152064),
-                               VisionDims(32, 1280, 3420, 14, 2, ())),
+    "qwen3-vl-2b": ModelSpec(
+        "qwen3-vl-2b", _text("qwen3-vl-2b", 28, 2048, 16, 8, 128, 6144), VisionDims(24, 1024, 4096, 16, 2, (5, 11, 17))
+    ),
+    "qwen3-vl-4b": ModelSpec(
+        "qwen3-vl-4b", _text("qwen3-vl-4b", 36, 2560, 32, 8, 128, 9728), VisionDims(24, 1024, 4096, 16, 2, (5, 11, 17))
+    ),
+    "qwen3-vl-8b": ModelSpec(
+        "qwen3-vl-8b", _text("qwen3-vl-8b", 36, 4096, 32, 8, 128, 12288), VisionDims(27, 1152, 4304, 16, 2, (8, 16, 24))
+    ),
+    "qwen2.5-vl-3b": ModelSpec(
+        "qwen2.5-vl-3b", _text("qwen2.5-vl-3b", 36, 2048, 16, 2, 128, 11008), VisionDims(32, 1280, 3420, 14, 2, ())
+    ),
+    "qwen2.5-vl-7b": ModelSpec(
+        "qwen2.5-vl-7b",
+        _text("qwen2.5-vl-7b", 28, 3584, 28, 4, 128, 18944, 152064),
+        VisionDims(32, 1280, 3420, 14, 2, ()),
+    ),
 }
 
 
@@ -79,11 +87,25 @@ def spec_from_dir(model_dir: str) -> ModelSpec:
     t, v = cfg["text_config"], cfg["vision_config"]
     head_dim = t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"]
     dtype = str(t.get("dtype") or cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
-    text = ModelDims(os.path.basename(model_dir.rstrip("/")), t["num_hidden_layers"], t["hidden_size"],
-                     t["num_attention_heads"], t["num_key_value_heads"], head_dim, t["intermediate_size"],
-                     t["vocab_size"], 4 if dtype == "float32" else 2)
-    vision = VisionDims(v["depth"], v["hidden_size"], v["intermediate_size"], v["patch_size"],
-                        v.get("spatial_merge_size", 2), tuple(v.get("deepstack_visual_indexes") or ()))
+    text = ModelDims(
+        os.path.basename(model_dir.rstrip("/")),
+        t["num_hidden_layers"],
+        t["hidden_size"],
+        t["num_attention_heads"],
+        t["num_key_value_heads"],
+        head_dim,
+        t["intermediate_size"],
+        t["vocab_size"],
+        4 if dtype == "float32" else 2,
+    )
+    vision = VisionDims(
+        v["depth"],
+        v["hidden_size"],
+        v["intermediate_size"],
+        v["patch_size"],
+        v.get("spatial_merge_size", 2),
+        tuple(v.get("deepstack_visual_indexes") or ()),
+    )
     return ModelSpec(text.name, text, vision, dtype)
 
 
@@ -101,7 +123,7 @@ class Request:
         return self.visual_tokens + self.text_tokens
 
     def patches(self, spec: ModelSpec) -> int:
-        return self.visual_tokens * spec.vision.merge ** 2
+        return self.visual_tokens * spec.vision.merge**2
 
 
 def frames_request(frames: int, tokens_per_frame: int, text_tokens: int = 96, new_tokens: int = 128) -> Request:
@@ -125,7 +147,9 @@ class RecordSizes:
         t = self.spec.text
         return TensorSpec(self.dt, (1, t.kv_heads, tokens, t.head_dim))
 
-    def prefill_block(self, group: int, chunk: int, kv: bool, hidden: bool, layers: tuple[int, int] | None = None) -> int:
+    def prefill_block(
+        self, group: int, chunk: int, kv: bool, hidden: bool, layers: tuple[int, int] | None = None
+    ) -> int:
         key = ("blk", group, chunk, kv, hidden, layers)
         if key not in self._cache:
             (l0, l1), (s, e) = layers or self.groups[group], self.chunks[chunk]
@@ -139,38 +163,54 @@ class RecordSizes:
         key = ("dec", steps)
         if key not in self._cache:
             kvs = {layer: (self._kv(steps), self._kv(steps)) for layer in range(self.layers)}
-            meta = {"step_start": 1 << 20, "step_end": 1 << 20, "pos_start": 1 << 20, "pos_end": 1 << 20,
-                    "first_token": 1 << 20}
-            self._cache[key] = encoded_size(Kind.DECODE_STEPS, meta,
-                                            decode_record_tensors(kvs, TensorSpec("int64", (steps,))))
+            meta = {
+                "step_start": 1 << 20,
+                "step_end": 1 << 20,
+                "pos_start": 1 << 20,
+                "pos_end": 1 << 20,
+                "first_token": 1 << 20,
+            }
+            self._cache[key] = encoded_size(
+                Kind.DECODE_STEPS, meta, decode_record_tensors(kvs, TensorSpec("int64", (steps,)))
+            )
         return self._cache[key]
 
     def _side(self, blocks_done: int | None = None) -> dict:
         """DeepStack features held so far: those of the vision blocks already run."""
         v = self.request.visual_tokens
-        return {f"deepstack.{j}": TensorSpec(self.dt, (v, self.spec.text.hidden))
-                for j, index in enumerate(self.spec.vision.deepstack) if blocks_done is None or index < blocks_done}
+        return {
+            f"deepstack.{j}": TensorSpec(self.dt, (v, self.spec.text.hidden))
+            for j, index in enumerate(self.spec.vision.deepstack)
+            if blocks_done is None or index < blocks_done
+        }
 
     def vision_state(self, blocks_done: int) -> int:
         key = ("vis", blocks_done)
         if key not in self._cache:
             p = self.request.patches(self.spec)
-            self._cache[key] = encoded_size(Kind.VISION_STATE, {"block": blocks_done},
-                                            {"hidden": TensorSpec(self.dt, (p, self.spec.vision.hidden)),
-                                             **self._side(blocks_done)})
+            self._cache[key] = encoded_size(
+                Kind.VISION_STATE,
+                {"block": blocks_done},
+                {"hidden": TensorSpec(self.dt, (p, self.spec.vision.hidden)), **self._side(blocks_done)},
+            )
         return self._cache[key]
 
     @property
     def vision_out(self) -> int:
-        return encoded_size(Kind.VISION_OUT, {}, {"embeds": TensorSpec(self.dt, (self.request.visual_tokens,
-                                                                                 self.spec.text.hidden)),
-                                                  **self._side()})
+        return encoded_size(
+            Kind.VISION_OUT,
+            {},
+            {"embeds": TensorSpec(self.dt, (self.request.visual_tokens, self.spec.text.hidden)), **self._side()},
+        )
 
     @property
     def result(self) -> int:
         n = self.request.new_tokens
-        return encoded_size(Kind.RESULT, {"text": "x" * (8 * n), "finish_reason": "length"},
-                            {"token_ids": TensorSpec("int64", (n,)), "logits": TensorSpec(self.dt, (1, self.spec.text.vocab))})
+        return encoded_size(
+            Kind.RESULT,
+            {"text": "x" * (8 * n), "finish_reason": "length"},
+            {"token_ids": TensorSpec("int64", (n,)), "logits": TensorSpec(self.dt, (1, self.spec.text.vocab))},
+        )
 
     MANIFEST_BYTES = 1024  # one small metadata record (hashes, versions, geometry)
 

@@ -13,6 +13,7 @@ Two kinds of platform:
   burst, plus this machine's own per-record commit latency, and boot as measured. It exists to
   check the simulator against the real processes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -25,8 +26,14 @@ from .models import ModelSpec, Request
 # at 918 MHz, i.e. half the AGX's GPU at 0.71 of its clock: 0.35 x the AGX's 42.5 dense bf16
 # TFLOP/s. LPDDR5 at 102.4 GB/s (AGX: 204.8 GB/s). Same M.2 Key M (PCIe Gen4 x4) NVMe slot on
 # the developer kit carrier, so the same storage assumption as the AGX.
-ORIN_NX_NVME = TargetDevice("Jetson Orin NX 16GB + NVMe (PCIe Gen3 x4 class)", peak_flops=42.5e12 * 0.5 * 918 / 1300,
-                            efficiency=0.5, layer_call_s=150e-6, read_bytes_per_s=3.5e9, read_latency_s=100e-6)
+ORIN_NX_NVME = TargetDevice(
+    "Jetson Orin NX 16GB + NVMe (PCIe Gen3 x4 class)",
+    peak_flops=42.5e12 * 0.5 * 918 / 1300,
+    efficiency=0.5,
+    layer_call_s=150e-6,
+    read_bytes_per_s=3.5e9,
+    read_latency_s=100e-6,
+)
 TARGETS = {"orin-agx": ORIN_AGX_NVME, "orin-nx": ORIN_NX_NVME}
 MEMORY_BYTES_PER_S = {"orin-agx": 204.8e9, "orin-nx": 102.4e9}
 #: Decode is bound by DRAM bandwidth: every step reads every weight and the whole KV cache once.
@@ -55,18 +62,18 @@ class Storage:
 class Platform:
     name: str
     storage: Storage
-    boot_s: float                   # power-up -> the task is (re)started (process, libraries, model skeleton)
-    first_start_s: float            # task accepted -> started, when the payload is already up
-    setup_s: float                  # task started -> first unit of work (inputs, store open and scan)
-    vision_block_s: float           # one vision block (all images)
-    vision_extra_s: float           # patch embedding + merger
-    decode_step_s: float            # one decode step
-    prefill: CostModel | None = None    # real sizes: block costs from the planner's cost model
-    pace_s: float = 0.0             # testbench: every paced unit lasts this long
-    reproject_units: float = 0.25   # testbench: a re-projection is paced as this share of a unit
-    weights_read_s: float = 0.0     # all LM weights (read by the plan, per group share)
+    boot_s: float  # power-up -> the task is (re)started (process, libraries, model skeleton)
+    first_start_s: float  # task accepted -> started, when the payload is already up
+    setup_s: float  # task started -> first unit of work (inputs, store open and scan)
+    vision_block_s: float  # one vision block (all images)
+    vision_extra_s: float  # patch embedding + merger
+    decode_step_s: float  # one decode step
+    prefill: CostModel | None = None  # real sizes: block costs from the planner's cost model
+    pace_s: float = 0.0  # testbench: every paced unit lasts this long
+    reproject_units: float = 0.25  # testbench: a re-projection is paced as this share of a unit
+    weights_read_s: float = 0.0  # all LM weights (read by the plan, per group share)
     vision_weights_read_s: float = 0.0
-    result_s: float = 0.0           # RESULT commit + GC + report, beyond the record write
+    result_s: float = 0.0  # RESULT commit + GC + report, beyond the record write
     boot_by_power_up: dict = field(default_factory=dict)  # measured boot of particular power-ups (validation)
     meta: dict = field(default_factory=dict)
 
@@ -83,8 +90,9 @@ class Platform:
         import numpy as np
 
         if self.prefill is not None:
-            model = replace(self.prefill, read_bytes_per_s=self.storage.read_bytes_per_s,
-                            read_latency_s=self.storage.read_latency_s)
+            model = replace(
+                self.prefill, read_bytes_per_s=self.storage.read_bytes_per_s, read_latency_s=self.storage.read_latency_s
+            )
             costs = model.block_costs(groups, chunks)
             return costs
         layers = np.array([l1 - l0 for l0, l1 in groups], dtype=float)[:, None]
@@ -106,32 +114,57 @@ def vision_block_seconds(spec: ModelSpec, request: Request, target: TargetDevice
     return target.layer_call_s + flops / target.flops_per_s
 
 
-def target_platform(spec: ModelSpec, request: Request, target_name: str = "orin-agx", *, boot_s: float = 20.0,
-                    commit_latency_s: float = COMMIT_LATENCY_S, write_bytes_per_s: float = NVME_WRITE_BYTES_PER_S
-                    ) -> Platform:
+def target_platform(
+    spec: ModelSpec,
+    request: Request,
+    target_name: str = "orin-agx",
+    *,
+    boot_s: float = 20.0,
+    commit_latency_s: float = COMMIT_LATENCY_S,
+    write_bytes_per_s: float = NVME_WRITE_BYTES_PER_S,
+) -> Platform:
     target = TARGETS[target_name]
     prefill = CostModel.for_target(spec.text, target)
     mem = MEMORY_BYTES_PER_S[target_name] * MEMORY_EFFICIENCY
     t = spec.text
     kv_avg = request.prompt_tokens * t.kv_bytes_per_token_layer * t.layers
-    decode = t.layers * target.layer_call_s + (t.layers * t.layer_bytes + t.vocab * t.hidden * t.dtype_bytes
-                                               + kv_avg) / mem
+    decode = (
+        t.layers * target.layer_call_s + (t.layers * t.layer_bytes + t.vocab * t.hidden * t.dtype_bytes + kv_avg) / mem
+    )
     vision_bytes = spec.vision.params * spec.dtype_bytes
     lm_bytes = spec.weight_bytes - vision_bytes
     storage = Storage(write_bytes_per_s, commit_latency_s, target.read_bytes_per_s, target.read_latency_s)
-    return Platform(f"{spec.name}@{target_name}", storage, boot_s=boot_s, first_start_s=0.0,
-                    setup_s=vision_bytes / target.read_bytes_per_s,
-                    vision_block_s=vision_block_seconds(spec, request, target),
-                    vision_extra_s=2 * target.layer_call_s, decode_step_s=decode, prefill=prefill,
-                    weights_read_s=lm_bytes / target.read_bytes_per_s,
-                    vision_weights_read_s=vision_bytes / target.read_bytes_per_s,
-                    result_s=2 * commit_latency_s,
-                    meta={"target": target.name, "boot_s": boot_s, "commit_latency_s": commit_latency_s})
+    return Platform(
+        f"{spec.name}@{target_name}",
+        storage,
+        boot_s=boot_s,
+        first_start_s=0.0,
+        setup_s=vision_bytes / target.read_bytes_per_s,
+        vision_block_s=vision_block_seconds(spec, request, target),
+        vision_extra_s=2 * target.layer_call_s,
+        decode_step_s=decode,
+        prefill=prefill,
+        weights_read_s=lm_bytes / target.read_bytes_per_s,
+        vision_weights_read_s=vision_bytes / target.read_bytes_per_s,
+        result_s=2 * commit_latency_s,
+        meta={"target": target.name, "boot_s": boot_s, "commit_latency_s": commit_latency_s},
+    )
 
 
-def testbench_platform(pace_ms: float, *, read_mbps: float | None, write_mbps: float | None, boot_s: float,
-                       first_start_s: float, setup_s: float, commit_latency_s: float, native_write_bytes_per_s: float = 1.0e9,
-                       unit_s: dict | None = None, result_s: float = 0.0, burst_bytes: float = 4 << 20) -> Platform:
+def testbench_platform(
+    pace_ms: float,
+    *,
+    read_mbps: float | None,
+    write_mbps: float | None,
+    boot_s: float,
+    first_start_s: float,
+    setup_s: float,
+    commit_latency_s: float,
+    native_write_bytes_per_s: float = 1.0e9,
+    unit_s: dict | None = None,
+    result_s: float = 0.0,
+    burst_bytes: float = 4 << 20,
+) -> Platform:
     """`unit_s`: seconds per unit of work by phase ("vision", "prefill" per layer-chunk, "decode")
     where the payload's real compute is slower than the pace (a loaded machine); default: the pace."""
     pace = pace_ms / 1000.0
@@ -139,7 +172,16 @@ def testbench_platform(pace_ms: float, *, read_mbps: float | None, write_mbps: f
     write = write_mbps * 1e6 if write_mbps else native_write_bytes_per_s
     read = read_mbps * 1e6 if read_mbps else 1.5e9
     storage = Storage(write, commit_latency_s, read, 0.0, burst_bytes if (read_mbps or write_mbps) else 0.0)
-    return Platform("testbench", storage, boot_s=boot_s, first_start_s=first_start_s, setup_s=setup_s,
-                    vision_block_s=unit["vision"], vision_extra_s=0.0, decode_step_s=unit["decode"],
-                    pace_s=unit["prefill"], result_s=result_s,
-                    meta={"pace_ms": pace_ms, "read_mbps": read_mbps, "write_mbps": write_mbps, "unit_s": unit})
+    return Platform(
+        "testbench",
+        storage,
+        boot_s=boot_s,
+        first_start_s=first_start_s,
+        setup_s=setup_s,
+        vision_block_s=unit["vision"],
+        vision_extra_s=0.0,
+        decode_step_s=unit["decode"],
+        pace_s=unit["prefill"],
+        result_s=result_s,
+        meta={"pace_ms": pace_ms, "read_mbps": read_mbps, "write_mbps": write_mbps, "unit_s": unit},
+    )

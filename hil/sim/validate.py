@@ -10,6 +10,7 @@ and this disk's commit latency (measured here, `commit_latency`). It predicts th
 end-to-end time (accepted -> COMPLETED, in trace seconds), which is compared with the run's.
 Nothing else is taken from the run.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,8 +43,11 @@ def commit_latency(directory: str, records: int = 20, nbytes: int = 64 << 10) ->
 
 
 def _flight_arg(args: list[str], name: str, default=None):
-    return type(default)(args[args.index(name) + 1]) if name in args and default is not None else (
-        args[args.index(name) + 1] if name in args else default)
+    return (
+        type(default)(args[args.index(name) + 1])
+        if name in args and default is not None
+        else (args[args.index(name) + 1] if name in args else default)
+    )
 
 
 def run_facts(run_dir: str) -> dict:
@@ -57,8 +61,9 @@ def run_facts(run_dir: str) -> dict:
     flight_args = list(start.get("flight_args") or [])
     reports = [e for e in entries if e.kind == bl.PAYLOAD_REPORT and e.get("task_id")]
     task = reports[0].get("task_id") if reports else None
-    mine = [e for e in reports if e.get("task_id") == task
-            and (e.get("request") or {}).get("type") in ("UPLINK_TASK", None)]  # not the result downlinks
+    mine = [
+        e for e in reports if e.get("task_id") == task and (e.get("request") or {}).get("type") in ("UPLINK_TASK", None)
+    ]  # not the result downlinks
     accepted = next((e.trace_s for e in mine if e.get("type") == "ACCEPTED"), None)
     started = [e.trace_s for e in mine if e.get("type") == "STARTED"]
     completed = next((e.trace_s for e in reversed(mine) if e.get("type") == "COMPLETED"), None)
@@ -93,18 +98,28 @@ def run_facts(run_dir: str) -> dict:
                 gaps.append(here[2] - last[2])
             last = here
     unit_s = {"vision": statistics.quantiles(gaps, n=4)[0] if len(gaps) >= 2 else gaps[0]} if gaps else {}
-    return {"run_dir": str(run), "trace": report["trace"], "policy": report["policy"],
-            "time_scale": report["time_scale"], "pace_ms": report["pace_ms"], "start_at_s": start.get("start_at_s", 0.0),
-            "trace_path": start.get("trace_path"), "flight_args": flight_args,
-            "accepted_s": accepted, "completed_s": completed, "started_s": started,
-            "boot_trace_s": statistics.median(boots) if boots else None,
-            "first_start_trace_s": (started[0] - accepted) if started and accepted is not None else 0.0,
-            "first_unit_trace_s": first_unit, "boot_by_power_up": boot_by_power_up,
-            "unit_trace_s": unit_s,
-            "e2e_trace_s": (completed - accepted) if completed is not None and accepted is not None else None,
-            "report_e2e_trace_s": report["requests"][0]["e2e_trace_s"] if report["requests"] else None,
-            "completed": bool(report["requests"] and report["requests"][0]["completed"]),
-            "cuts": report["requests"][0]["cuts"] if report["requests"] else None}
+    return {
+        "run_dir": str(run),
+        "trace": report["trace"],
+        "policy": report["policy"],
+        "time_scale": report["time_scale"],
+        "pace_ms": report["pace_ms"],
+        "start_at_s": start.get("start_at_s", 0.0),
+        "trace_path": start.get("trace_path"),
+        "flight_args": flight_args,
+        "accepted_s": accepted,
+        "completed_s": completed,
+        "started_s": started,
+        "boot_trace_s": statistics.median(boots) if boots else None,
+        "first_start_trace_s": (started[0] - accepted) if started and accepted is not None else 0.0,
+        "first_unit_trace_s": first_unit,
+        "boot_by_power_up": boot_by_power_up,
+        "unit_trace_s": unit_s,
+        "e2e_trace_s": (completed - accepted) if completed is not None and accepted is not None else None,
+        "report_e2e_trace_s": report["requests"][0]["e2e_trace_s"] if report["requests"] else None,
+        "completed": bool(report["requests"] and report["requests"][0]["completed"]),
+        "cuts": report["requests"][0]["cuts"] if report["requests"] else None,
+    }
 
 
 def request_for(model_dir: str, images, prompt: str, max_new_tokens: int) -> Request:
@@ -112,14 +127,21 @@ def request_for(model_dir: str, images, prompt: str, max_new_tokens: int) -> Req
     from flight.model.loader import load_model
 
     model = load_model(model_dir, device="cpu")
-    inputs = build_inputs(model.tokenizer, model.image_processor, [load_image(p) for p in images], prompt,
-                          model.adapter.image_token_id)
+    inputs = build_inputs(
+        model.tokenizer, model.image_processor, [load_image(p) for p in images], prompt, model.adapter.image_token_id
+    )
     visual = int((inputs.input_ids == model.adapter.image_token_id).sum())
     return Request(visual, inputs.num_tokens - visual, max_new_tokens, len(images))
 
 
-def simulate_run(facts: dict, model_dir: str, request: Request, geometry: Geometry, commit_latency_s: float,
-                 boot_trace_s: float | None = None) -> dict:
+def simulate_run(
+    facts: dict,
+    model_dir: str,
+    request: Request,
+    geometry: Geometry,
+    commit_latency_s: float,
+    boot_trace_s: float | None = None,
+) -> dict:
     """Predict one testbench run's end-to-end time (trace seconds)."""
     import traces
 
@@ -133,11 +155,17 @@ def simulate_run(facts: dict, model_dir: str, request: Request, geometry: Geomet
     # progress report shows beyond one unit
     unit = facts.get("unit_trace_s") or {}
     setup = max(0.0, (facts["first_unit_trace_s"] or 0.0) - max(pace_trace_ms / 1000.0, unit.get("vision", 0.0)))
-    platform = testbench_platform(pace_trace_ms, read_mbps=read * scale if read else None,
-                                  write_mbps=write * scale if write else None, boot_s=boot,
-                                  first_start_s=facts["first_start_trace_s"], setup_s=setup,
-                                  commit_latency_s=commit_latency_s / scale, unit_s=unit,
-                                  burst_bytes=4 << 20)
+    platform = testbench_platform(
+        pace_trace_ms,
+        read_mbps=read * scale if read else None,
+        write_mbps=write * scale if write else None,
+        boot_s=boot,
+        first_start_s=facts["first_start_trace_s"],
+        setup_s=setup,
+        commit_latency_s=commit_latency_s / scale,
+        unit_s=unit,
+        burst_bytes=4 << 20,
+    )
     platform.boot_by_power_up = {float(k): v for k, v in (facts.get("boot_by_power_up") or {}).items()}
     spec = spec_from_dir(model_dir)
     model = RequestModel(spec, request, platform, facts["policy"], geometry, planner="optimal")
@@ -145,12 +173,19 @@ def simulate_run(facts: dict, model_dir: str, request: Request, geometry: Geomet
     windows, warns = trace_windows(trace)
     windows = [(max(a, facts["start_at_s"]), b) for a, b in windows if b > facts["start_at_s"]]
     outcome = model.run(windows, facts["accepted_s"], warns)
-    return {"predicted_e2e_trace_s": outcome.e2e_s, "predicted_completed": outcome.completed,
-            "predicted_cuts": outcome.cuts, "boot_trace_s": boot, "setup_trace_s": setup, "unit_trace_s": unit}
+    return {
+        "predicted_e2e_trace_s": outcome.e2e_s,
+        "predicted_completed": outcome.completed,
+        "predicted_cuts": outcome.cuts,
+        "boot_trace_s": boot,
+        "setup_trace_s": setup,
+        "unit_trace_s": unit,
+    }
 
 
-def validate(run_dirs: list[str], model_dir: str, images, prompt: str, max_new_tokens: int, geometry: Geometry,
-             scratch_dir: str) -> dict:
+def validate(
+    run_dirs: list[str], model_dir: str, images, prompt: str, max_new_tokens: int, geometry: Geometry, scratch_dir: str
+) -> dict:
     latency = commit_latency(scratch_dir)
     request = request_for(model_dir, images, prompt, max_new_tokens)
     rows = []
@@ -163,6 +198,10 @@ def validate(run_dirs: list[str], model_dir: str, images, prompt: str, max_new_t
         err = (pred["predicted_e2e_trace_s"] / facts["e2e_trace_s"] - 1) if pred["predicted_e2e_trace_s"] else None
         rows.append({**facts, **pred, "error": err})
     errors = [abs(r["error"]) for r in rows if r.get("error") is not None]
-    return {"commit_latency_s": latency, "request": request.__dict__, "rows": rows,
-            "max_abs_error": max(errors) if errors else None,
-            "within_10_percent": bool(errors) and max(errors) <= 0.10}
+    return {
+        "commit_latency_s": latency,
+        "request": request.__dict__,
+        "rows": rows,
+        "max_abs_error": max(errors) if errors else None,
+        "within_10_percent": bool(errors) and max(errors) <= 0.10,
+    }

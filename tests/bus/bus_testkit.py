@@ -1,5 +1,6 @@
 """Helpers of the bus tests: hand-written traces, a ground station client, the scripted test
 payload (tests/bus/scripted_payload.py) and bus configurations on ephemeral loopback ports."""
+
 from __future__ import annotations
 
 import json
@@ -27,11 +28,21 @@ def write_trace(path: Path, duration_s: float, windows: list[PowerWindow], *, te
     samples = ()
     if telemetry:
         samples = tuple(
-            TelemetrySample(float(t), 16.0 + t / 1000, 0.9, 40.0 + t % 100, 15.0 if any(w.start_s <= t < w.end_s for w in windows) else 0.0)
+            TelemetrySample(
+                float(t),
+                16.0 + t / 1000,
+                0.9,
+                40.0 + t % 100,
+                15.0 if any(w.start_s <= t < w.end_s for w in windows) else 0.0,
+            )
             for t in range(int(duration_s) + 1)
         )
     trace = traces.Trace.from_windows(
-        path.stem, duration_s, windows, telemetry=samples, telemetry_period_s=1.0 if telemetry else None,
+        path.stem,
+        duration_s,
+        windows,
+        telemetry=samples,
+        telemetry_period_s=1.0 if telemetry else None,
         description="bus test trace",
     )
     return traces.dump(trace, path)
@@ -43,14 +54,31 @@ def window(start: float, end: float, cause: CutCause | None = CutCause.THERMAL, 
 
 def scripted_payload_command(record: Path, *extra: str) -> list[str]:
     """Payload command template for the bus: the scripted test payload writing to `record`."""
-    return [sys.executable, str(SCRIPTED_PAYLOAD), "--keys", "{keys}", "--endpoint", "{payload_endpoint}",
-            "--record", str(record), *extra]
+    return [
+        sys.executable,
+        str(SCRIPTED_PAYLOAD),
+        "--keys",
+        "{keys}",
+        "--endpoint",
+        "{payload_endpoint}",
+        "--record",
+        str(record),
+        *extra,
+    ]
 
 
-def bus_config(tmp_path: Path, keys: KeyLayout, trace: Path, record: Path, *, payload_args: tuple = (), **overrides) -> BusConfig:
+def bus_config(
+    tmp_path: Path, keys: KeyLayout, trace: Path, record: Path, *, payload_args: tuple = (), **overrides
+) -> BusConfig:
     settings = dict(
-        trace=str(trace), data_dir=tmp_path / "bus", keys_dir=keys.root, time_scale=0.1, endpoints=LOOPBACK,
-        payload_command=scripted_payload_command(record, *payload_args), heartbeat_timeout_s=5.0, boot_timeout_s=20.0,
+        trace=str(trace),
+        data_dir=tmp_path / "bus",
+        keys_dir=keys.root,
+        time_scale=0.1,
+        endpoints=LOOPBACK,
+        payload_command=scripted_payload_command(record, *payload_args),
+        heartbeat_timeout_s=5.0,
+        boot_timeout_s=20.0,
         heartbeat_gap_log_s=1.0,
     )
     settings.update(overrides)
@@ -121,8 +149,14 @@ class GroundStation:
         raise AssertionError(f"ground inbox after {timeout_s} s: {[type(x[1]).__name__ for x in self.inbox]}")
 
 
-def ground_station(context, keys: KeyLayout, endpoint: str, name: str = "ground", source_id: int = NodeId.GROUND,
-                   layout: KeyLayout | None = None) -> GroundStation:
+def ground_station(
+    context,
+    keys: KeyLayout,
+    endpoint: str,
+    name: str = "ground",
+    source_id: int = NodeId.GROUND,
+    layout: KeyLayout | None = None,
+) -> GroundStation:
     sock = client_socket(context, zmq.DEALER, layout or keys, name, endpoint, handshake_timeout_s=10)
     return GroundStation(sock=sock, source_id=source_id)
 

@@ -1,4 +1,5 @@
 """Fixtures of the bus tests (helpers live in bus_testkit.py)."""
+
 from __future__ import annotations
 
 import pytest

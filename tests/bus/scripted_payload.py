@@ -15,6 +15,7 @@ The `accepted` line is the command's one durable effect and its commit point: th
 is rebuilt from those lines at boot, so a command is executed at most once across SIGKILLs
 whatever instant the kill lands on (one O_APPEND write either happened or did not).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,13 +23,12 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import zmq
 
 from common.wire import AckFlags, Apid, NodeId, ReplayError, ReplayGuard, WireError, decode, encode
 from common.wire import messages as m
-from pathlib import Path
-
 from common.wire.link import KeyLayout, client_socket, recv_packet, send_packet
 
 
@@ -40,18 +40,40 @@ def main() -> int:
     parser.add_argument("--client", default="payload")
     parser.add_argument("--heartbeat-s", type=float, default=0.2)
     parser.add_argument("--tick-s", type=float, default=0.02)
-    parser.add_argument("--hang-after", type=float, default=None,
-                        help="first boot only: from this many seconds after boot, read and send nothing (alive but hung)")
-    parser.add_argument("--mute-after", type=float, default=None,
-                        help="first boot only: from this many seconds after boot, execute commands but send nothing")
-    parser.add_argument("--exit-after", type=float, default=None,
-                        help="exit with status 3 this many seconds after boot, on the first boot only")
-    parser.add_argument("--work-s", type=float, default=0.0,
-                        help="seconds each command takes to execute, between its effect and its reports")
-    parser.add_argument("--idle-housekeeping", action="store_true",
-                        help="with each heartbeat, a HOUSEKEEPING report of an empty queue (an idle payload)")
-    parser.add_argument("--honour-ack-flags", action="store_true",
-                        help="send ACCEPTED / COMPLETED only when the telecommand asked for them")
+    parser.add_argument(
+        "--hang-after",
+        type=float,
+        default=None,
+        help="first boot only: from this many seconds after boot, read and send nothing (alive but hung)",
+    )
+    parser.add_argument(
+        "--mute-after",
+        type=float,
+        default=None,
+        help="first boot only: from this many seconds after boot, execute commands but send nothing",
+    )
+    parser.add_argument(
+        "--exit-after",
+        type=float,
+        default=None,
+        help="exit with status 3 this many seconds after boot, on the first boot only",
+    )
+    parser.add_argument(
+        "--work-s",
+        type=float,
+        default=0.0,
+        help="seconds each command takes to execute, between its effect and its reports",
+    )
+    parser.add_argument(
+        "--idle-housekeeping",
+        action="store_true",
+        help="with each heartbeat, a HOUSEKEEPING report of an empty queue (an idle payload)",
+    )
+    parser.add_argument(
+        "--honour-ack-flags",
+        action="store_true",
+        help="send ACCEPTED / COMPLETED only when the telecommand asked for them",
+    )
     args = parser.parse_args()
 
     guard = ReplayGuard()
@@ -103,9 +125,21 @@ def main() -> int:
             next_heartbeat = now + args.heartbeat_s
             send(m.Heartbeat(boot_count=boot, uptime_s=uptime))
             if args.idle_housekeeping:
-                send(m.Housekeeping(queue_depth=0, current_task=None, phase=None, progress_done=0,
-                                    progress_total=0, checkpoint_bytes=0, disk_free_bytes=0, boot_count=boot,
-                                    command_count=0, error_count=0, uptime_s=uptime))
+                send(
+                    m.Housekeeping(
+                        queue_depth=0,
+                        current_task=None,
+                        phase=None,
+                        progress_done=0,
+                        progress_total=0,
+                        checkpoint_bytes=0,
+                        disk_free_bytes=0,
+                        boot_count=boot,
+                        command_count=0,
+                        error_count=0,
+                        uptime_s=uptime,
+                    )
+                )
         received = recv_packet(sock, timeout_s=min(args.tick_s, 0.02))
         if received is None or hung:
             continue
@@ -115,12 +149,19 @@ def main() -> int:
             note("undecodable", code=exc.code.name)
             continue
         if not message.is_command():
-            note("bus_tm", type=message.TYPE.name, **{k: (v.value if hasattr(v, "value") else v)
-                                                      for k, v in message.pack().items()})
+            note(
+                "bus_tm",
+                type=message.TYPE.name,
+                **{k: (v.value if hasattr(v, "value") else v) for k, v in message.pack().items()},
+            )
             continue
         request = header.request
-        fields = {"type": message.TYPE.name, "source": request.source_id, "seq": request.seq,
-                  "task_id": getattr(message, "task_id", None)}
+        fields = {
+            "type": message.TYPE.name,
+            "source": request.source_id,
+            "seq": request.seq,
+            "task_id": getattr(message, "task_id", None),
+        }
         try:
             guard.record(request.apid, request.source_id, request.seq)
         except ReplayError as exc:

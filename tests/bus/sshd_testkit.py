@@ -12,6 +12,7 @@ sshd is still missing.
 
 The sshd configuration is the one `docs/hil.md` ("An SSH bench on one machine") shows; a test
 checks that the two agree."""
+
 from __future__ import annotations
 
 import fcntl
@@ -58,8 +59,14 @@ def find_sshd() -> str | None:
 
 
 def _apt_get(args: list[str], env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run(["apt-get", "-q", "-y", "-o", "DPkg::Lock::Timeout=300", *args], env=env,
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        ["apt-get", "-q", "-y", "-o", "DPkg::Lock::Timeout=300", *args],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 def install_openssh_server() -> str | None:
@@ -104,8 +111,13 @@ def install_openssh_server() -> str | None:
 
 def keygen(path: Path, comment: str) -> Path:
     """A fresh ed25519 key pair without a passphrase; returns the private key's path."""
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)], check=True,
-                   stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)],
+        check=True,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=60,
+    )
     return path
 
 
@@ -118,12 +130,12 @@ def free_port() -> int:
 class SshServer:
     """One sshd on 127.0.0.1:port for the current user, with its own keys and config in `root`.
 
-        server = SshServer(tmp_dir).start()
-        server.client_key      # authorized private key
-        server.stranger_key    # a key sshd does not know
-        server.known_hosts     # the host key, as the client must know it
-        server.stop_listener() / server.start()   # the board goes away and comes back
-        server.stop()          # listener and every session it started
+    server = SshServer(tmp_dir).start()
+    server.client_key      # authorized private key
+    server.stranger_key    # a key sshd does not know
+    server.known_hosts     # the host key, as the client must know it
+    server.stop_listener() / server.start()   # the board goes away and comes back
+    server.stop()          # listener and every session it started
     """
 
     def __init__(self, root: Path, sshd: str):
@@ -148,16 +160,19 @@ class SshServer:
 
     def client_options(self) -> list[str]:
         """`ssh -o` options of the bus: this server's host key, checked strictly."""
-        return [f"UserKnownHostsFile={self.known_hosts}", "GlobalKnownHostsFile=/dev/null",
-                "StrictHostKeyChecking=yes"]
+        return [f"UserKnownHostsFile={self.known_hosts}", "GlobalKnownHostsFile=/dev/null", "StrictHostKeyChecking=yes"]
 
-    def start(self, timeout_s: float = 60.0) -> "SshServer":
+    def start(self, timeout_s: float = 60.0) -> SshServer:
         if os.geteuid() == 0 and not PRIVSEP_DIR.is_dir():
             PRIVSEP_DIR.mkdir(mode=0o755, exist_ok=True)  # another worker may make it at the same time
         # -D: stay in the foreground (a child of this process); -e -E: log to our file.
-        self.proc = subprocess.Popen([self.sshd, "-D", "-f", str(self.config), "-E", str(self.log)],
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [self.sshd, "-D", "-f", str(self.config), "-E", str(self.log)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

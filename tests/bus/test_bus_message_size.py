@@ -1,14 +1,15 @@
 """The bus's server sockets against an authorized client that sends too much (finding 10: a
 200 MiB message raised the bus's memory by 350 MB before it was rejected) or too fast (a flood
 past the receive queue, with ZMTP heartbeats on, made libzmq drop the connection or abort)."""
+
 from __future__ import annotations
 
 import os
 
 import pytest
 import zmq
-
 from bus_testkit import bus_config, ground_station, wait_for, window, write_trace
+
 from common.wire import Apid, SequenceCounter
 from common.wire import messages as m
 from hil import buslog as bl

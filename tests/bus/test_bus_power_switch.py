@@ -1,5 +1,6 @@
 """Power-switch drivers: real processes, real SIGKILL of whole process groups, real respawns;
 the SSH driver's argv, and the driver run end to end through a local shell standing in for ssh."""
+
 from __future__ import annotations
 
 import os
@@ -12,8 +13,8 @@ import time
 
 import psutil
 import pytest
-
 from bus_testkit import wait_for
+
 from hil.power import CommandSwitch, LocalProcessSwitch, PowerSwitchError, SshSwitch
 
 # A payload stand-in that starts a grandchild in its own process group (as a flight process
@@ -120,13 +121,40 @@ def test_payload_dies_with_a_killed_bus(tmp_path):
 
 
 def test_ssh_argv_reaches_the_board_and_records_the_process_group():
-    switch = SshSwitch("ow flight run --data-dir /var/lib/ow --model /opt/m", host="jetson.local", user="ow",
-                       port=2222, identity="/home/op/.ssh/bench", ssh_options=["StrictHostKeyChecking=accept-new"],
-                       pidfile="/run/ow/payload.pid")
-    prefix = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "-o", "ServerAliveInterval=2",
-              "-o", "ServerAliveCountMax=3", "-o", "ControlMaster=no", "-o", "ControlPath=none", "-p", "2222",
-              "-i", "/home/op/.ssh/bench", "-o", "IdentitiesOnly=yes",
-              "-o", "StrictHostKeyChecking=accept-new", "ow@jetson.local", "--"]
+    switch = SshSwitch(
+        "ow flight run --data-dir /var/lib/ow --model /opt/m",
+        host="jetson.local",
+        user="ow",
+        port=2222,
+        identity="/home/op/.ssh/bench",
+        ssh_options=["StrictHostKeyChecking=accept-new"],
+        pidfile="/run/ow/payload.pid",
+    )
+    prefix = [
+        "ssh",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        "ConnectTimeout=5",
+        "-o",
+        "ServerAliveInterval=2",
+        "-o",
+        "ServerAliveCountMax=3",
+        "-o",
+        "ControlMaster=no",
+        "-o",
+        "ControlPath=none",
+        "-p",
+        "2222",
+        "-i",
+        "/home/op/.ssh/bench",
+        "-o",
+        "IdentitiesOnly=yes",
+        "-o",
+        "StrictHostKeyChecking=accept-new",
+        "ow@jetson.local",
+        "--",
+    ]
     start = switch.start_argv("n0nce")
     assert start[:-1] == prefix
     # One shell line for the login shell: exec a POSIX shell on the quoted script.
@@ -134,8 +162,9 @@ def test_ssh_argv_reaches_the_board_and_records_the_process_group():
     script = shlex.split(start[-1])[-1]
     assert script.startswith(switch.kill_command + " || exit 1; ")
     assert "/proc/$$/stat" in script and "> /run/ow/payload.pid" in script
-    assert script.endswith("echo orbitweaver-payload-started n0nce $$; "
-                           "exec ow flight run --data-dir /var/lib/ow --model /opt/m")
+    assert script.endswith(
+        "echo orbitweaver-payload-started n0nce $$; exec ow flight run --data-dir /var/lib/ow --model /opt/m"
+    )
     kill = switch.kill_argv()
     assert kill[:-1] == prefix
     assert shlex.split(kill[-1])[-1] == switch.kill_command
@@ -152,8 +181,9 @@ def test_ssh_switch_over_a_local_shell_kills_the_remote_group(tmp_path):
     start and kill scripts run, only the transport differs."""
     pids = tmp_path / "pids"
     remote = shlex.join([sys.executable, "-c", FAMILY, str(pids)])
-    switch = SshSwitch(remote, transport=["bash", "-c"], pidfile=str(tmp_path / "remote.pid"),
-                       output_path=tmp_path / "out.log")
+    switch = SshSwitch(
+        remote, transport=["bash", "-c"], pidfile=str(tmp_path / "remote.pid"), output_path=tmp_path / "out.log"
+    )
     switch.reset()  # nothing running: succeeds without killing anything
     switch.on()
     leader, child = family_pids(pids)

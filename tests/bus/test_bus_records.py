@@ -1,5 +1,6 @@
 """What the bus keeps on disk: the store-and-forward queue (durable, torn tails cut off,
 compacted) and the run log (reader API, torn lines, event sequences for replays)."""
+
 from __future__ import annotations
 
 import json
@@ -71,8 +72,14 @@ def test_run_log_round_trip_and_torn_lines(tmp_path):
     log = bl.BusLog(path, run_id="run-1")
     log.write(bl.RUN_START, trace_s=0.0, clock_s=0.0, trace="t", time_scale=0.1)
     log.write(bl.POWER_ON, trace_s=0.0, clock_s=0.0, cause="restored", pid=10)
-    log.write(bl.COMMAND_RECEIVED, trace_s=1.5, clock_s=0.15, type="PING", task_id=None,
-              request={"apid": 32, "source": 1, "seq": 7, "type": "PING"})
+    log.write(
+        bl.COMMAND_RECEIVED,
+        trace_s=1.5,
+        clock_s=0.15,
+        type="PING",
+        task_id=None,
+        request={"apid": 32, "source": 1, "seq": 7, "type": "PING"},
+    )
     log.write(bl.WARNING, trace_s=3.0, clock_s=0.3, cause="thermal", lead_trace_s=2.0)
     log.write(bl.POWER_OFF, trace_s=5.0, clock_s=0.5, cause="thermal", pid=10)
     log.close()
@@ -84,14 +91,22 @@ def test_run_log_round_trip_and_torn_lines(tmp_path):
 
     entries = bl.read_log(path)
     assert [(e.run, e.kind) for e in entries] == [
-        ("run-1", "run_start"), ("run-1", "power_on"), ("run-1", "command_received"), ("run-1", "warning"),
-        ("run-1", "power_off"), ("run-2", "run_start")]
+        ("run-1", "run_start"),
+        ("run-1", "power_on"),
+        ("run-1", "command_received"),
+        ("run-1", "warning"),
+        ("run-1", "power_off"),
+        ("run-2", "run_start"),
+    ]
     assert entries[2]["request"]["seq"] == 7 and entries[2].trace_s == 1.5 and entries[2].clock_s == 0.15
     assert list(bl.runs(entries)) == ["run-1", "run-2"]
     assert [e.kind for e in bl.power_timeline(entries)] == ["power_on", "warning", "power_off"]
     assert bl.event_sequence(entries, kinds=[bl.POWER_ON, bl.POWER_OFF, bl.WARNING, bl.COMMAND_RECEIVED]) == [
-        ("power_on", "restored"), ("command_received", "PING", None, (32, 1, 7, "PING")),
-        ("warning", "thermal", 2.0), ("power_off", "thermal")]
+        ("power_on", "restored"),
+        ("command_received", "PING", None, (32, 1, 7, "PING")),
+        ("warning", "thermal", 2.0),
+        ("power_off", "thermal"),
+    ]
 
     with open(path, "a") as f:
         f.write("not json\n")

@@ -1,6 +1,7 @@
 """Relay: ground telecommands reach the payload in order (stored while it is off), reports come
 back to the station that sent the command, bad packets are rejected by the bus with their code,
 and only the right keys may speak on each link."""
+
 from __future__ import annotations
 
 import shutil
@@ -9,7 +10,6 @@ import time
 import msgpack
 import pytest
 import zmq
-
 from bus_testkit import (
     bus_config,
     drain,
@@ -20,6 +20,7 @@ from bus_testkit import (
     window,
     write_trace,
 )
+
 from common.wire import AckFlags, Apid, NodeId, ResponseCode, decode, encode
 from common.wire import messages as m
 from common.wire.link import LinkAuthError, LinkTimeout, client_socket, init_keys, recv_packet, send_packet
@@ -44,8 +45,11 @@ def always_on_trace(tmp_path):
 
 
 def wait_connected(bus: BusThread, timeout_s: float = 15) -> None:
-    wait_for(lambda: bl.read_log(bus.log_path) and any(e.kind == bl.PAYLOAD_CONNECTED for e in bl.read_log(bus.log_path)),
-             timeout_s, what="payload connected")
+    wait_for(
+        lambda: bl.read_log(bus.log_path) and any(e.kind == bl.PAYLOAD_CONNECTED for e in bl.read_log(bus.log_path)),
+        timeout_s,
+        what="payload connected",
+    )
 
 
 def test_commands_sent_while_the_payload_is_off_arrive_in_order_after_power_up(tmp_path, keys, context):
@@ -57,8 +61,13 @@ def test_commands_sent_while_the_payload_is_off_arrive_in_order_after_power_up(t
         ground = ground_station(context, keys, bus.endpoints.commands)
         sent = []
         for i in range(8):
-            message = m.Ping(key=100 + i) if i % 3 else m.UplinkTask(
-                task_id=f"task-{i}", prompt="count the ships", images=(), max_new_tokens=4, priority=1)
+            message = (
+                m.Ping(key=100 + i)
+                if i % 3
+                else m.UplinkTask(
+                    task_id=f"task-{i}", prompt="count the ships", images=(), max_new_tokens=4, priority=1
+                )
+            )
             sent.append((ground.send(message)[1], message))
         ground.collect(0.3)
         assert not accepted(record), "nothing reaches an unpowered payload"
@@ -110,8 +119,9 @@ def test_reports_go_back_to_the_station_that_sent_the_command(tmp_path, keys, co
     assert any(isinstance(msg, m.Heartbeat) for _, msg in published)
 
 
-def test_malformed_and_misaddressed_packets_are_rejected_by_the_bus_with_their_code(tmp_path, keys, context,
-                                                                                     always_on_trace):
+def test_malformed_and_misaddressed_packets_are_rejected_by_the_bus_with_their_code(
+    tmp_path, keys, context, always_on_trace
+):
     record = tmp_path / "payload.jsonl"
     with BusThread(bus_config(tmp_path, keys, always_on_trace, record)) as bus:
         wait_connected(bus)
@@ -120,16 +130,36 @@ def test_malformed_and_misaddressed_packets_are_rejected_by_the_bus_with_their_c
         cases = [
             ("bad crc", good[:-1] + bytes([good[-1] ^ 0x01]), ResponseCode.BAD_CRC, 10),
             ("three bytes", b"\x18\x20\x00", ResponseCode.MALFORMED_PACKET, 0),
-            ("telemetry on the command link", encode(m.Heartbeat(boot_count=1, uptime_s=1.0), Apid.PAYLOAD, 11,
-                                                     source_id=NodeId.GROUND), ResponseCode.WRONG_PACKET_TYPE, 11),
-            ("addressed to the bus", encode(m.Ping(key=1), Apid.BUS, 12, source_id=NodeId.GROUND),
-             ResponseCode.WRONG_APID, 12),
-            ("unknown opcode", frame(PacketType.TC, Apid.PAYLOAD, 13, 0x01FF, msgpack.packb({}), source_id=1),
-             ResponseCode.UNKNOWN_COMMAND, 13),
-            ("missing field", frame(PacketType.TC, Apid.PAYLOAD, 14, 0x0101, msgpack.packb({}), source_id=1),
-             ResponseCode.MISSING_FIELD, 14),
-            ("posing as the payload", encode(m.Ping(key=1), Apid.PAYLOAD, 15, source_id=NodeId.PAYLOAD),
-             ResponseCode.NOT_AUTHORIZED, 15),
+            (
+                "telemetry on the command link",
+                encode(m.Heartbeat(boot_count=1, uptime_s=1.0), Apid.PAYLOAD, 11, source_id=NodeId.GROUND),
+                ResponseCode.WRONG_PACKET_TYPE,
+                11,
+            ),
+            (
+                "addressed to the bus",
+                encode(m.Ping(key=1), Apid.BUS, 12, source_id=NodeId.GROUND),
+                ResponseCode.WRONG_APID,
+                12,
+            ),
+            (
+                "unknown opcode",
+                frame(PacketType.TC, Apid.PAYLOAD, 13, 0x01FF, msgpack.packb({}), source_id=1),
+                ResponseCode.UNKNOWN_COMMAND,
+                13,
+            ),
+            (
+                "missing field",
+                frame(PacketType.TC, Apid.PAYLOAD, 14, 0x0101, msgpack.packb({}), source_id=1),
+                ResponseCode.MISSING_FIELD,
+                14,
+            ),
+            (
+                "posing as the payload",
+                encode(m.Ping(key=1), Apid.PAYLOAD, 15, source_id=NodeId.PAYLOAD),
+                ResponseCode.NOT_AUTHORIZED,
+                15,
+            ),
         ]
         for _, packet, _, _ in cases:
             ground.send_raw(packet)
@@ -165,7 +195,7 @@ def test_clients_without_the_right_key_cannot_command(tmp_path, keys, context, a
         impostor = ground_station(context, keys, bus.endpoints.commands, name="payload")
         impostor.send(m.Ping(key=667))
         impostor.wait(lambda inbox: any(isinstance(x[1], m.Rejected) for x in inbox), 5)
-        (_, report), = [x for x in impostor.inbox if isinstance(x[1], m.Rejected)]
+        ((_, report),) = [x for x in impostor.inbox if isinstance(x[1], m.Rejected)]
         assert report.code == ResponseCode.NOT_AUTHORIZED
 
         # A ground key on the payload link is refused too, and cannot pose as the payload.
@@ -192,7 +222,7 @@ def test_a_replayed_command_is_rejected(tmp_path, keys, context):
         packet, seq = ground.send(m.Ping(key=5))
         ground.send_raw(packet)  # while the first copy waits in the bus's store
         ground.wait(lambda inbox: any(isinstance(x[1], m.Rejected) for x in inbox), 5)
-        (header, early), = [x for x in ground.inbox if isinstance(x[1], m.Rejected)]
+        ((header, early),) = [x for x in ground.inbox if isinstance(x[1], m.Rejected)]
         assert early.code == ResponseCode.REPLAYED_SEQUENCE and header.source_id == NodeId.BUS
         ground.wait(lambda inbox: any(isinstance(x[1], m.Completed) for x in inbox), 10)
         ground.send_raw(packet)  # after the payload executed it: the payload's replay guard answers
@@ -203,18 +233,21 @@ def test_a_replayed_command_is_rejected(tmp_path, keys, context):
     assert len(accepted(record)) == 1
 
 
-def test_command_without_acceptance_report_is_confirmed_after_the_payload_lived_on(tmp_path, keys, context,
-                                                                                   always_on_trace):
+def test_command_without_acceptance_report_is_confirmed_after_the_payload_lived_on(
+    tmp_path, keys, context, always_on_trace
+):
     record = tmp_path / "payload.jsonl"
-    config = bus_config(tmp_path, keys, always_on_trace, record, confirm_after_s=0.5,
-                        payload_args=("--honour-ack-flags",))
+    config = bus_config(
+        tmp_path, keys, always_on_trace, record, confirm_after_s=0.5, payload_args=("--honour-ack-flags",)
+    )
     with BusThread(config) as bus:
         wait_connected(bus)
         ground = ground_station(context, keys, bus.endpoints.commands)
         ground.send(m.Ping(key=9), ack=AckFlags.NONE)
         ground.wait(lambda inbox: any(isinstance(x[1], m.Pong) for x in inbox), 5)
-        confirmed = wait_for(lambda: [e for e in bl.read_log(bus.log_path) if e.kind == bl.COMMAND_CONFIRMED], 5,
-                             what="confirmation")
+        confirmed = wait_for(
+            lambda: [e for e in bl.read_log(bus.log_path) if e.kind == bl.COMMAND_CONFIRMED], 5, what="confirmation"
+        )
         forwarded = next(e for e in bl.read_log(bus.log_path) if e.kind == bl.COMMAND_FORWARDED)
     assert not [x for x in ground.inbox if isinstance(x[1], m.Accepted)]
     assert confirmed[0]["how"] == "assumed"

@@ -1,17 +1,19 @@
 """The bus as a real process (`ow bus run`, via BusProcess): stored commands survive a SIGKILLed
 bus, an uplink survives payload cuts and a bus restart in its middle, and nothing is delivered
 (executed) twice — including commands the payload ran just before a cut took their reports."""
+
 from __future__ import annotations
 
 import os
 import time
 
 import psutil
-
 from bus_testkit import bus_config, ground_station, read_record, wait_for, window, write_trace
+
 from common.wire import messages as m
 from hil import buslog as bl
 from traces import CutCause
+
 
 def dead(pid: int) -> bool:
     try:
@@ -118,13 +120,15 @@ def test_uplink_survives_payload_cuts_and_a_bus_restart_in_its_middle(tmp_path, 
     assert last_tick <= killed_at + 0.3, "the payload died with the bus"
 
 
-def test_commands_executed_just_before_a_cut_are_not_run_again_and_not_reported_as_replays(tmp_path, keys, context,
-                                                                                          bus_processes):
+def test_commands_executed_just_before_a_cut_are_not_run_again_and_not_reported_as_replays(
+    tmp_path, keys, context, bus_processes
+):
     trace = write_trace(tmp_path / "on.jsonl", 1000, [window(0, 1000, None)], telemetry=False)
     record = tmp_path / "payload.jsonl"
     # First boot: from 1 s after boot the payload executes commands but its reports never leave.
-    config = bus_config(tmp_path, keys, trace, record, time_scale=1.0, heartbeat_timeout_s=60,
-                        payload_args=("--mute-after", "1.0"))
+    config = bus_config(
+        tmp_path, keys, trace, record, time_scale=1.0, heartbeat_timeout_s=60, payload_args=("--mute-after", "1.0")
+    )
     first = bus_processes(config)
     ground = ground_station(context, keys, first.endpoints.commands)
     boot = wait_for(lambda: [r for r in read_record(record) if r["ev"] == "boot"], 15, what="payload boot")[0]
@@ -149,5 +153,6 @@ def test_commands_executed_just_before_a_cut_are_not_run_again_and_not_reported_
     hows = sorted(e["how"] for e in log_entries(config, bl.COMMAND_CONFIRMED, run2))
     assert hows == ["accepted"] + ["redelivery_duplicate"] * 3
     assert sum(e["redelivery"] for e in log_entries(config, bl.COMMAND_FORWARDED, run2)) == 3
-    assert not [msg for _, msg in ground2.inbox if isinstance(msg, m.Rejected)], \
+    assert not [msg for _, msg in ground2.inbox if isinstance(msg, m.Rejected)], (
         "the ground is not told its executed commands were replays"
+    )

@@ -11,6 +11,7 @@ same bench set-up docs/hil.md shows).
   mid-prefill, the FDIR cut over ssh, the power-on again, the resumed task's answer the
   uninterrupted one bit for bit.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,14 +25,14 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from bus_testkit import drain, telemetry_subscriber, wait_for, window, write_trace
+from sshd_testkit import SSHD_CONFIG, SshServer, find_sshd, free_port, install_openssh_server
+
 from common.wire import messages as m
 from common.wire.link import Endpoints, init_keys
 from hil import buslog as bl
 from hil.bus import BusConfig, BusThread
 from hil.power import START_MARKER, PowerSwitchError, SshSwitch
-from sshd_testkit import SSHD_CONFIG, SshServer, find_sshd, free_port, install_openssh_server
 
 pytestmark = pytest.mark.xdist_group("sshd")  # one sshd per module, so one worker runs them all
 
@@ -82,6 +83,7 @@ def group_members(pgid: int) -> list[int]:
 
 def families(path: Path, count: int) -> list[tuple[int, int]]:
     """The (leader, child) pids of the first `count` boots of the FAMILY payload."""
+
     def read():
         lines = path.read_text().splitlines() if path.exists() else []
         return lines if len(lines) >= count else None
@@ -92,8 +94,11 @@ def families(path: Path, count: int) -> list[tuple[int, int]]:
 def marker_pids(log: Path) -> list[int]:
     """Remote pids of every boot, from the start script's markers in the payload log."""
     text = log.read_text(errors="replace") if log.exists() else ""
-    return [int(line.split()[2]) for line in text.splitlines()
-            if line.startswith(START_MARKER + " ") and len(line.split()) == 3]
+    return [
+        int(line.split()[2])
+        for line in text.splitlines()
+        if line.startswith(START_MARKER + " ") and len(line.split()) == 3
+    ]
 
 
 def kill_session_of(pid: int) -> None:
@@ -106,8 +111,15 @@ def kill_session_of(pid: int) -> None:
 def ssh_switch(sshd: SshServer, remote: str, tmp_path: Path, **kw) -> SshSwitch:
     kw.setdefault("identity", str(sshd.client_key))
     kw.setdefault("ssh_options", sshd.client_options())
-    return SshSwitch(remote, host="127.0.0.1", port=sshd.port, user=sshd.user,
-                     pidfile=str(tmp_path / "board" / "payload.pid"), output_path=tmp_path / "payload.log", **kw)
+    return SshSwitch(
+        remote,
+        host="127.0.0.1",
+        port=sshd.port,
+        user=sshd.user,
+        pidfile=str(tmp_path / "board" / "payload.pid"),
+        output_path=tmp_path / "payload.log",
+        **kw,
+    )
 
 
 def entries(data_dir: Path) -> list[bl.BusLogEntry]:
@@ -116,6 +128,7 @@ def entries(data_dir: Path) -> list[bl.BusLogEntry]:
 
 def wait_log(data_dir: Path, predicate, what: str) -> list[bl.BusLogEntry]:
     """The bus's run log, once `predicate(log)` holds."""
+
     def ready():
         log = entries(data_dir)
         return log if predicate(log) else None
@@ -148,7 +161,7 @@ def test_power_on_and_cut_over_real_ssh_kill_the_remote_group(sshd, tmp_path):
     switch.reset()  # nothing recorded yet: succeeds and kills nothing
     switch.on()
     assert switch.is_on()
-    (leader, child), = families(pids, 1)
+    ((leader, child),) = families(pids, 1)
     assert switch.remote_pid == leader, "the start script execs the payload: its pid is the recorded one"
     assert os.getpgid(leader) == os.getpgid(child) == leader, "sshd made the payload a process-group leader"
     assert psutil.Process(leader).parent().name().startswith("sshd"), "the payload really runs under sshd"
@@ -162,7 +175,7 @@ def test_power_on_and_cut_over_real_ssh_kill_the_remote_group(sshd, tmp_path):
     # A lost connection: sshd does not signal a command without a terminal, so the payload lives
     # on as an orphan. The switch reports the session's end (255) and the cut kills the orphans.
     switch.on()
-    (leader, child), = families(pids, 2)[1:]
+    ((leader, child),) = families(pids, 2)[1:]
     kill_session_of(leader)
     status = wait_for(switch.poll, HANG_S, what="the end of the ssh session")
     assert status == 255
@@ -173,7 +186,7 @@ def test_power_on_and_cut_over_real_ssh_kill_the_remote_group(sshd, tmp_path):
 
     # The board stops answering while the payload runs: the cut fails and says so.
     switch.on()
-    (leader, child), = families(pids, 3)[2:]
+    ((leader, child),) = families(pids, 3)[2:]
     sshd.stop_listener()
     try:
         with pytest.raises(PowerSwitchError, match="could not reach the board, exited 255: .*Connection refused"):
@@ -191,12 +204,12 @@ def test_power_on_kills_what_a_dead_bus_left_and_spares_a_reused_pid(sshd, tmp_p
     remote = shlex.join([sys.executable, "-c", FAMILY, str(pids)])
     first = ssh_switch(sshd, remote, tmp_path, timeout_s=HANG_S)
     first.on()
-    (leader, child), = families(pids, 1)
+    ((leader, child),) = families(pids, 1)
     # The bus that powered `first` is gone without a cut; the next bus's switch powers on.
     second = ssh_switch(sshd, remote, tmp_path, timeout_s=HANG_S)
     second.on()
     assert dead(leader) and dead(child), "the stale payload was killed before a second one started"
-    (new_leader, new_child), = families(pids, 2)[1:]
+    ((new_leader, new_child),) = families(pids, 2)[1:]
     assert not dead(new_leader)
     first.session.kill()  # its local ssh client
     second.off("commanded")
@@ -219,9 +232,17 @@ def test_a_board_that_never_speaks_ssh_is_a_failed_power_on(sshd, tmp_path):
     silent.bind(("127.0.0.1", 0))
     silent.listen(4)  # accepts connections (the kernel does) and never sends a banner
     try:
-        switch = SshSwitch("sleep 600", host="127.0.0.1", port=silent.getsockname()[1], user=sshd.user,
-                           identity=str(sshd.client_key), ssh_options=sshd.client_options(), timeout_s=2,
-                           output_path=tmp_path / "payload.log", pidfile=str(tmp_path / "payload.pid"))
+        switch = SshSwitch(
+            "sleep 600",
+            host="127.0.0.1",
+            port=silent.getsockname()[1],
+            user=sshd.user,
+            identity=str(sshd.client_key),
+            ssh_options=sshd.client_options(),
+            timeout_s=2,
+            output_path=tmp_path / "payload.log",
+            pidfile=str(tmp_path / "payload.pid"),
+        )
         with pytest.raises(PowerSwitchError, match="did not start within 2 s|exited 255"):
             switch.on()
         assert not switch.is_on() and switch.session is None
@@ -237,12 +258,23 @@ def ssh_bus_config(sshd: SshServer, tmp_path: Path, trace: Path, payload_command
     if not keys.exists():
         init_keys(keys)
     settings = dict(
-        trace=str(trace), data_dir=tmp_path / "bus", keys_dir=keys, time_scale=1.0,
+        trace=str(trace),
+        data_dir=tmp_path / "bus",
+        keys_dir=keys,
+        time_scale=1.0,
         endpoints=Endpoints("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", "tcp://127.0.0.1:*"),
-        power_driver="ssh", ssh_host="127.0.0.1", ssh_port=sshd.port, ssh_user=sshd.user,
-        ssh_identity=str(sshd.client_key), ssh_options=sshd.client_options(),
-        ssh_pidfile=str(tmp_path / "board" / "payload.pid"), payload_command=payload_command,
-        switch_timeout_s=HANG_S, boot_timeout_s=0, heartbeat_timeout_s=0, fdir_off_s=1.0,
+        power_driver="ssh",
+        ssh_host="127.0.0.1",
+        ssh_port=sshd.port,
+        ssh_user=sshd.user,
+        ssh_identity=str(sshd.client_key),
+        ssh_options=sshd.client_options(),
+        ssh_pidfile=str(tmp_path / "board" / "payload.pid"),
+        payload_command=payload_command,
+        switch_timeout_s=HANG_S,
+        boot_timeout_s=0,
+        heartbeat_timeout_s=0,
+        fdir_off_s=1.0,
     )
     settings.update(overrides)
     (tmp_path / "board").mkdir(exist_ok=True)
@@ -260,18 +292,18 @@ def test_bus_cuts_over_ssh_on_the_trace_and_power_cycles_a_lost_connection(sshd,
     try:
         # the trace's thermal cut at 2 s kills the first boot's group on the board
         wait_log(data, lambda log: kinds(log, bl.POWER_OFF, origin="trace"), "the trace's cut")
-        (leader, child), = families(pids, 1)
+        ((leader, child),) = families(pids, 1)
         assert dead(leader) and dead(child)
         # the second window: the connection is killed mid-session
         wait_log(data, lambda log: len(kinds(log, bl.POWER_ON)) >= 2, "the second power-on")
-        (leader, child), = families(pids, 2)[1:]
+        ((leader, child),) = families(pids, 2)[1:]
         kill_session_of(leader)
         log = wait_log(data, lambda log: kinds(log, bl.POWER_OFF, origin="fdir"), "the FDIR power cycle")
         assert kinds(log, bl.PAYLOAD_EXITED, status=255)
         assert kinds(log, bl.FDIR_ACTION)[0].data["reason"] == "payload process exited by itself with status 255"
         assert dead(leader) and dead(child), "the FDIR cut killed the orphans of the lost connection"
         wait_log(data, lambda log: len(kinds(log, bl.POWER_ON)) >= 3, "power on again after the FDIR off time")
-        (leader, child), = families(pids, 3)[2:]
+        ((leader, child),) = families(pids, 3)[2:]
     finally:
         bus.stop()
     assert dead(leader) and dead(child), "the bus's shutdown cut the payload"
@@ -297,8 +329,11 @@ def _unreachable_port(sshd, tmp_path):
     return {"ssh_port": free_port()}, "Connection refused"
 
 
-@pytest.mark.parametrize("failure", [_refused_key, _unknown_host_key, _unreachable_port],
-                         ids=["refused-key", "unknown-host-key", "unreachable-port"])
+@pytest.mark.parametrize(
+    "failure",
+    [_refused_key, _unknown_host_key, _unreachable_port],
+    ids=["refused-key", "unknown-host-key", "unreachable-port"],
+)
 def test_a_power_on_that_cannot_reach_the_payload_is_a_switch_error_and_an_fdir_fault(sshd, tmp_path, failure):
     import zmq
 
@@ -313,9 +348,11 @@ def test_a_power_on_that_cannot_reach_the_payload_is_a_switch_error_and_an_fdir_
 
         sub = telemetry_subscriber(context, KeyLayout(Path(cfg.keys_dir)), bus.endpoints.telemetry)
         log = wait_log(data, lambda log: len(kinds(log, bl.SWITCH_ERROR, action="on")) >= 2, "two failed power-ons")
-        faults = wait_for(lambda: [msg for _, msg in drain(sub, 0.5)
-                                   if isinstance(msg, m.FdirReport) and msg.fault_count >= 2], HANG_S,
-                          what="FDIR telemetry counting the faults")
+        faults = wait_for(
+            lambda: [msg for _, msg in drain(sub, 0.5) if isinstance(msg, m.FdirReport) and msg.fault_count >= 2],
+            HANG_S,
+            what="FDIR telemetry counting the faults",
+        )
     finally:
         bus.stop()
         context.destroy(linger=0)
@@ -338,33 +375,84 @@ def test_real_payload_over_ssh_resumes_bitwise_after_a_lost_connection_and_a_cut
     samples = sorted(str(p) for p in (REPO / "hil" / "samples").glob("*.png"))
     spec = RequestSpec((samples[0], samples[1]), "count the ships near the coast", 12)
     engine = dict(chunk=4, group=2, decode_every=4, vision_every=1)
-    reference = reference_run(model, spec, BenchConfig(trace="demo", model=model, out_dir=str(tmp_path), **engine),
-                              str(tmp_path / "reference"))
-    flight_args = ["--chunk", "4", "--group", "2", "--decode-every", "4", "--vision-every", "1", "--threads", "1",
-                   "--pace-ms", "200", "--device", "cpu"]
+    reference = reference_run(
+        model,
+        spec,
+        BenchConfig(trace="demo", model=model, out_dir=str(tmp_path), **engine),
+        str(tmp_path / "reference"),
+    )
+    flight_args = [
+        "--chunk",
+        "4",
+        "--group",
+        "2",
+        "--decode-every",
+        "4",
+        "--vision-every",
+        "1",
+        "--threads",
+        "1",
+        "--pace-ms",
+        "200",
+        "--device",
+        "cpu",
+    ]
     # The board's environment comes from its login, not from the bus: say what the payload needs.
-    command = ["env", "OMP_NUM_THREADS=1", "HF_HUB_OFFLINE=1", "TOKENIZERS_PARALLELISM=false",
-               f"OW_CACHE_DIR={os.environ.get('OW_CACHE_DIR', tmp_path / 'cache')}",
-               "{python}", "-m", "common.cli", "flight", "run", "--data-dir", "{payload_data_dir}",
-               "--model", "{model}",
-               "--keys", "{keys}", "--payload-endpoint", "{payload_endpoint}"]
+    command = [
+        "env",
+        "OMP_NUM_THREADS=1",
+        "HF_HUB_OFFLINE=1",
+        "TOKENIZERS_PARALLELISM=false",
+        f"OW_CACHE_DIR={os.environ.get('OW_CACHE_DIR', tmp_path / 'cache')}",
+        "{python}",
+        "-m",
+        "common.cli",
+        "flight",
+        "run",
+        "--data-dir",
+        "{payload_data_dir}",
+        "--model",
+        "{model}",
+        "--keys",
+        "{keys}",
+        "--payload-endpoint",
+        "{payload_endpoint}",
+    ]
     trace = write_trace(tmp_path / "on.jsonl", 600.0, [window(0.0, 600.0, None)])
-    cfg = ssh_bus_config(sshd, tmp_path, trace, command, model=model, flight_args=flight_args,
-                         payload_data_dir=str(tmp_path / "board" / "payload data's"), heartbeat_timeout_s=60.0,
-                         boot_timeout_s=HANG_S)
+    cfg = ssh_bus_config(
+        sshd,
+        tmp_path,
+        trace,
+        command,
+        model=model,
+        flight_args=flight_args,
+        payload_data_dir=str(tmp_path / "board" / "payload data's"),
+        heartbeat_timeout_s=60.0,
+        boot_timeout_s=HANG_S,
+    )
     data = Path(cfg.data_dir)
     payload_log = data / "payload.log"
 
     def progress_after(log, power_ons: int, phase: str | None = None) -> bool:
         start = kinds(log, bl.POWER_ON)[power_ons - 1].n if len(kinds(log, bl.POWER_ON)) >= power_ons else None
         return start is not None and any(
-            e.n > start and e.data.get("type") == "PROGRESS" and (phase is None or e.data.get("phase") == phase)
-            and e.data.get("done", 0) >= 2 for e in kinds(log, bl.PAYLOAD_REPORT))
+            e.n > start
+            and e.data.get("type") == "PROGRESS"
+            and (phase is None or e.data.get("phase") == phase)
+            and e.data.get("done", 0) >= 2
+            for e in kinds(log, bl.PAYLOAD_REPORT)
+        )
 
     bus = BusThread(cfg).start()
     try:
-        with GroundClient(str(cfg.keys_dir), endpoints=bus.endpoints, timeout_s=15.0, retries=100, progress=False,
-                          notify=lambda s: None) as ground:
+        with GroundClient(
+            str(cfg.keys_dir),
+            endpoints=bus.endpoints,
+            timeout_s=15.0,
+            retries=100,
+            progress=False,
+            notify=lambda s: None,
+        ) as ground:
             ground.uplink(list(spec.images), spec.prompt, max_new_tokens=spec.max_new_tokens, task_id="s1")
             # Mid-prefill, the connection to the board is killed: the bus sees the session end,
             # cuts over a new connection (the remote group killed) and powers the payload again.

@@ -3,10 +3,10 @@ the trace's scaled times, telemetry on the PUB, FDIR power cycles of a silent or
 
 Times are checked two ways: against the bus's own run log, and against what the scripted test
 payload itself saw (its ticks stop when it is killed; it records each warning it received)."""
+
 from __future__ import annotations
 
 import psutil
-
 from bus_testkit import (
     bus_config,
     drain,
@@ -17,6 +17,7 @@ from bus_testkit import (
     window,
     write_trace,
 )
+
 from common.wire import FdirMode, PowerCause
 from common.wire import messages as m
 from hil import buslog as bl
@@ -42,8 +43,11 @@ def by_kind(entries, kind):
 def test_cuts_warnings_and_power_ups_land_at_the_scaled_trace_times(tmp_path, keys):
     scale = 0.1
     # 0-10 s on (thermal cut announced 2 s ahead), 12-19 s on (unannounced FDIR reset), 21-28 s on.
-    trace = write_trace(tmp_path / "three.jsonl", 28, [
-        window(0, 10, CutCause.THERMAL, 2.0), window(12, 19, CutCause.FDIR), window(21, 28, None)])
+    trace = write_trace(
+        tmp_path / "three.jsonl",
+        28,
+        [window(0, 10, CutCause.THERMAL, 2.0), window(12, 19, CutCause.FDIR), window(21, 28, None)],
+    )
     record = tmp_path / "payload.jsonl"
     config = bus_config(tmp_path, keys, trace, record, time_scale=scale, stop_at_end=True)
     bus = BusThread(config).start()
@@ -124,19 +128,34 @@ def test_telemetry_is_published_at_trace_rate_and_decimated(tmp_path, keys, cont
     if warnings:  # the subscription may miss the first ~0.1 s, not the warning at 1.2 s
         assert warnings[0].cause == PowerCause.LOW_BATTERY and abs(warnings[0].lead_time_s - 0.3) < 0.05
     assert len(warnings) == 1
-    assert [(s.payload_on, s.cause) for s in states][-2:] == [(False, PowerCause.LOW_BATTERY), (True, PowerCause.RESTORED)]
+    assert [(s.payload_on, s.cause) for s in states][-2:] == [
+        (False, PowerCause.LOW_BATTERY),
+        (True, PowerCause.RESTORED),
+    ]
     assert any(not p.payload_on for p in power) and any(p.payload_on for p in power)
 
 
 def test_silent_payload_is_power_cycled_by_fdir(tmp_path, keys, context):
     trace = write_trace(tmp_path / "open.jsonl", 1000, [window(0, 1000, None)], telemetry=False)
     record = tmp_path / "payload.jsonl"
-    config = bus_config(tmp_path, keys, trace, record, time_scale=1.0, payload_args=("--hang-after", "0.5"),
-                        heartbeat_timeout_s=1.0, heartbeat_gap_log_s=0.5, fdir_off_s=0.2)
+    config = bus_config(
+        tmp_path,
+        keys,
+        trace,
+        record,
+        time_scale=1.0,
+        payload_args=("--hang-after", "0.5"),
+        heartbeat_timeout_s=1.0,
+        heartbeat_gap_log_s=0.5,
+        fdir_off_s=0.2,
+    )
     with BusThread(config) as bus:
         sub = telemetry_subscriber(context, keys, bus.endpoints.telemetry)
-        wait_for(lambda: any(r["ev"] == "boot" and r["boot"] == 2 for r in read_record(record)), 15,
-                 what="second boot after the FDIR power cycle")
+        wait_for(
+            lambda: any(r["ev"] == "boot" and r["boot"] == 2 for r in read_record(record)),
+            15,
+            what="second boot after the FDIR power cycle",
+        )
         wait_for(lambda: by_kind(bl.read_log(bus.log_path), bl.PAYLOAD_CONNECTED)[1:], 10, what="reconnect")
         reports = [msg for _, msg in drain(sub, 1.5) if isinstance(msg, m.FdirReport)]
     log = bl.read_log(bus.log_path)
@@ -154,11 +173,11 @@ def test_silent_payload_is_power_cycled_by_fdir(tmp_path, keys, context):
 def test_payload_that_exits_by_itself_is_power_cycled(tmp_path, keys):
     trace = write_trace(tmp_path / "open.jsonl", 1000, [window(0, 1000, None)], telemetry=False)
     record = tmp_path / "payload.jsonl"
-    config = bus_config(tmp_path, keys, trace, record, time_scale=1.0, payload_args=("--exit-after", "0.3"),
-                        fdir_off_s=0.2)
+    config = bus_config(
+        tmp_path, keys, trace, record, time_scale=1.0, payload_args=("--exit-after", "0.3"), fdir_off_s=0.2
+    )
     with BusThread(config) as bus:
-        wait_for(lambda: any(r["ev"] == "boot" and r["boot"] == 2 for r in read_record(record)), 15,
-                 what="second boot")
+        wait_for(lambda: any(r["ev"] == "boot" and r["boot"] == 2 for r in read_record(record)), 15, what="second boot")
     log = bl.read_log(bus.log_path)
     exited = by_kind(log, bl.PAYLOAD_EXITED)
     assert exited and exited[0]["status"] == 3
@@ -170,9 +189,18 @@ def test_bus_drives_a_payload_through_the_ssh_driver(tmp_path, keys):
     scale = 0.1
     trace = write_trace(tmp_path / "two.jsonl", 18, [window(0, 8, CutCause.THERMAL), window(10, 18, None)])
     record = tmp_path / "payload.jsonl"
-    config = bus_config(tmp_path, keys, trace, record, time_scale=scale, stop_at_end=True, power_driver="ssh",
-                        ssh_transport=["bash", "-c"], ssh_pidfile=str(tmp_path / "remote.pid"),
-                        payload_command=scripted_payload_command(record))
+    config = bus_config(
+        tmp_path,
+        keys,
+        trace,
+        record,
+        time_scale=scale,
+        stop_at_end=True,
+        power_driver="ssh",
+        ssh_transport=["bash", "-c"],
+        ssh_pidfile=str(tmp_path / "remote.pid"),
+        payload_command=scripted_payload_command(record),
+    )
     bus = BusThread(config).start()
     try:
         wait_for(lambda: not bus.is_alive(), 15, what="bus to stop at the trace end")
@@ -208,12 +236,24 @@ def test_trace_actions_from_a_start_offset():
 def test_skip_idle_jumps_over_off_and_idle_spans_but_not_past_a_hold(tmp_path, keys):
     """Compressed long runs: a 2-hour trace at real-time scale takes seconds when the payload is
     off or idle, the cut timeline is unchanged, and the clock stops at a hold."""
-    trace = write_trace(tmp_path / "long.jsonl", 7200, [
-        window(0, 1800, CutCause.POWER), window(3600, 5400, CutCause.THERMAL), window(6000, 7200, None)],
-        telemetry=False)
+    trace = write_trace(
+        tmp_path / "long.jsonl",
+        7200,
+        [window(0, 1800, CutCause.POWER), window(3600, 5400, CutCause.THERMAL), window(6000, 7200, None)],
+        telemetry=False,
+    )
     record = tmp_path / "payload.jsonl"
-    config = bus_config(tmp_path, keys, trace, record, payload_args=("--idle-housekeeping",), time_scale=1.0,
-                        stop_at_end=True, skip_idle=True, hold_at_s=(4000.0,))
+    config = bus_config(
+        tmp_path,
+        keys,
+        trace,
+        record,
+        payload_args=("--idle-housekeeping",),
+        time_scale=1.0,
+        stop_at_end=True,
+        skip_idle=True,
+        hold_at_s=(4000.0,),
+    )
     bus = BusThread(config).start()
     try:
         wait_for(lambda: not bus.is_alive(), 60, what="a 2-hour trace to finish by skipping idle spans")

@@ -1,6 +1,7 @@
 """The local power switch with a zygote: each payload is forked from a pre-loaded process, waits
 out the emulated boot, is cut with a SIGKILL of its own process group, and keeps nothing from
 the payload before it (tests/bus/zygote_probe.py records what it finds in its memory)."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from bus_testkit import wait_for
+
 from hil.power import LocalProcessSwitch, PowerSwitchError
 from hil.zygote import Zygote
 
@@ -32,8 +33,13 @@ def test_forked_payload_waits_out_the_boot_and_keeps_nothing_across_a_cut(tmp_pa
     record = tmp_path / "probe.jsonl"
     zygote = Zygote(["hil.power"], log_path=tmp_path / "zygote.log", env=_env(), cwd=str(ROOT)).start()
     boot_s = 0.4
-    switch = LocalProcessSwitch([sys.executable, "-m", "zygote_probe", str(record)], output_path=tmp_path / "out.log",
-                                env=_env(), zygote=zygote, boot_s=boot_s)
+    switch = LocalProcessSwitch(
+        [sys.executable, "-m", "zygote_probe", str(record)],
+        output_path=tmp_path / "out.log",
+        env=_env(),
+        zygote=zygote,
+        boot_s=boot_s,
+    )
     try:
         switch.prepare(120)
         info = zygote.info
@@ -66,8 +72,12 @@ def test_forked_payload_waits_out_the_boot_and_keeps_nothing_across_a_cut(tmp_pa
 
 def test_forked_payload_that_exits_is_reported_with_its_status(tmp_path):
     zygote = Zygote(["json"], env=_env(), cwd=str(ROOT)).start()
-    switch = LocalProcessSwitch([sys.executable, "-m", "json.tool", str(tmp_path / "missing.json")],
-                                output_path=tmp_path / "out.log", zygote=zygote, boot_s=0.0)
+    switch = LocalProcessSwitch(
+        [sys.executable, "-m", "json.tool", str(tmp_path / "missing.json")],
+        output_path=tmp_path / "out.log",
+        zygote=zygote,
+        boot_s=0.0,
+    )
     try:
         switch.on()
         assert wait_for(switch.poll, 30, what="exit status") == 2  # json.tool: argparse refuses the missing file

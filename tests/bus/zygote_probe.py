@@ -4,6 +4,7 @@ It appends one JSON line describing what it finds in its own memory (a marker an
 payload would have left in a preloaded module, a module an earlier payload imported), its
 process group and session, and when it started; then it leaves its own traces and sleeps until
 it is cut."""
+
 import json
 import os
 import sys
@@ -13,7 +14,10 @@ import hil.power  # preloaded by the zygote in the tests
 
 record = sys.argv[1]
 seen = {
-    "pid": os.getpid(), "pgid": os.getpgid(0), "sid": os.getsid(0), "ppid": os.getppid(),
+    "pid": os.getpid(),
+    "pgid": os.getpgid(0),
+    "sid": os.getsid(0),
+    "ppid": os.getppid(),
     "started_monotonic": time.monotonic(),
     "marker": getattr(hil.power, "_zygote_probe_marker", None),
     "extra_module_loaded": "zygote_probe_extra" in sys.modules,
@@ -22,6 +26,7 @@ seen = {
 }
 hil.power._zygote_probe_marker = os.getpid()  # an earlier payload's state, if it survived
 import zygote_probe_extra  # noqa: E402,F401
+
 with open(record, "a") as f:
     f.write(json.dumps(seen) + "\n")
 time.sleep(600)

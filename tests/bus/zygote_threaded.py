@@ -1,4 +1,5 @@
 """A preload that starts a thread: a zygote must refuse to fork after importing it."""
+
 import threading
 import time
 

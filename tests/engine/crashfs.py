@@ -7,10 +7,10 @@ really hold after a cut at this instant: directory changes since the last direct
 kept only up to a random point, and file data written since the last fsync is dropped, kept,
 torn (a random prefix survives) or left as zeros.
 """
+
 from __future__ import annotations
 
 import os
-import shutil
 
 from common.durable import DurableFS
 from flight.engine import SimulatedCut
@@ -28,8 +28,8 @@ class CrashFS(DurableFS):
         self.cut_at_step = cut_at_step
         self.steps = 0
         self.inodes: dict[int, _Inode] = {}
-        self.current: dict[str, int] = {}   # path -> inode, as the running process sees it
-        self.durable: dict[str, int] = {}   # path -> inode, as the disk has it
+        self.current: dict[str, int] = {}  # path -> inode, as the running process sees it
+        self.durable: dict[str, int] = {}  # path -> inode, as the disk has it
         self.pending_dir_ops: list[tuple] = []
         self.dirs_current: set[str] = set()
         self.dirs_durable: set[str] = set()
@@ -55,15 +55,15 @@ class CrashFS(DurableFS):
         data = b"".join(bytes(c) for c in chunks)
         directory, name = os.path.split(path)
         tmp = os.path.join(directory, f".{name}.tmp")
-        ino = self._new_inode(data)                 # write(tmp): data in the page cache only
+        ino = self._new_inode(data)  # write(tmp): data in the page cache only
         self.current[tmp] = ino
         self._dir_op(("link", tmp, ino))
         with open(tmp, "wb") as f:
             f.write(data)
         self._step()
-        self.inodes[ino].durable = data             # fsync(tmp)
+        self.inodes[ino].durable = data  # fsync(tmp)
         self._step()
-        os.replace(tmp, path)                       # rename: a directory change, not yet durable
+        os.replace(tmp, path)  # rename: a directory change, not yet durable
         self.current.pop(tmp)
         self.current[path] = ino
         self._dir_op(("rename", tmp, path))
@@ -84,7 +84,7 @@ class CrashFS(DurableFS):
         with open(path, "ab") as f:
             f.write(data)
         self._step()
-        node.durable = node.current                 # fsync(file)
+        node.durable = node.current  # fsync(file)
         self._step()
         if created:
             self.fsync_dir(os.path.dirname(path))
@@ -151,7 +151,7 @@ class CrashFS(DurableFS):
             content = node.durable
             if not node.current.startswith(node.durable):  # an un-synced truncate: old or new length
                 content = node.current if rng.integers(0, 2) else node.durable
-            extra = node.current[len(node.durable):] if node.current.startswith(node.durable) else b""
+            extra = node.current[len(node.durable) :] if node.current.startswith(node.durable) else b""
             fate = rng.integers(0, 4)
             if extra and fate == 1:
                 content = node.current

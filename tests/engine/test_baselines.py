@@ -2,15 +2,15 @@
 compute path and restores before continuing; HCache saves hidden states off the compute path,
 recomputes the first layers and restores layer by layer; the strengthened variants use
 OrbitWeaver's writer and planner."""
+
 import threading
 
 import pytest
+from testkit import MAX_NEW, CutAfter, engine, inputs_for, run_to_completion
 
 from flight.checkpoint.policies import get_policy, hcache_recompute_layers
 from flight.engine import SimulatedCut
 from flight.model.loader import load_model
-
-from testkit import MAX_NEW, CutAfter, engine, inputs_for, run_to_completion
 
 
 def _commits(model_dir, tmp_path, policy):
@@ -19,14 +19,19 @@ def _commits(model_dir, tmp_path, policy):
     model = load_model(model_dir, device="cpu")
     seen = []
     main = threading.current_thread()
-    engine(model, policy=policy, async_writes=True,
-           after_commit=lambda what, n: seen.append((what, n, threading.current_thread() is main))).run(
-        inputs_for(model), str(tmp_path / policy), MAX_NEW)
+    engine(
+        model,
+        policy=policy,
+        async_writes=True,
+        after_commit=lambda what, n: seen.append((what, n, threading.current_thread() is main)),
+    ).run(inputs_for(model), str(tmp_path / policy), MAX_NEW)
     return seen
 
 
-@pytest.mark.parametrize("policy,on_compute_path", [("sonic-layer", True), ("sonic-chunk", True), ("hcache", False),
-                                                    ("orbitweaver", False), ("sonic-layer+", False)])
+@pytest.mark.parametrize(
+    "policy,on_compute_path",
+    [("sonic-layer", True), ("sonic-chunk", True), ("hcache", False), ("orbitweaver", False), ("sonic-layer+", False)],
+)
 def test_who_commits_on_the_compute_path(model_dirs, tmp_path, policy, on_compute_path):
     commits = _commits(model_dirs["qwen3-vl"], tmp_path, policy)
     ordered = [c for c in commits if c[0] != "vision.out"]
@@ -57,8 +62,10 @@ def test_hcache_saves_hidden_states_not_kv_and_nothing_for_recomputed_layers(mod
     assert {g for g, _ in fr.blocks} == set(range(max(0, policy.recompute_layers - 1), layers))
 
 
-@pytest.mark.parametrize("policy,planner", [("sonic-layer", "chunk-first"), ("sonic-chunk", "chunk-first"),
-                                            ("hcache", "layer-first"), ("hcache+", "optimal")])
+@pytest.mark.parametrize(
+    "policy,planner",
+    [("sonic-layer", "chunk-first"), ("sonic-chunk", "chunk-first"), ("hcache", "layer-first"), ("hcache+", "optimal")],
+)
 def test_each_restores_with_its_own_scheduler(model_dirs, tmp_path, policy, planner):
     model_dir = model_dirs["qwen3-vl"]
     model = load_model(model_dir, device="cpu")
@@ -67,7 +74,8 @@ def test_each_restores_with_its_own_scheduler(model_dirs, tmp_path, policy, plan
     ckpt = tmp_path / "ck"
     with pytest.raises(SimulatedCut):  # a cut in the middle of prefill
         engine(load_model(model_dir, device="cpu"), policy=policy, events=CutAfter(4 + 3).event).run(
-            inputs, str(ckpt), MAX_NEW)
+            inputs, str(ckpt), MAX_NEW
+        )
     resumed = run_to_completion(model_dir, inputs, ckpt, policy=policy, planner="optimal")
     assert resumed.resumed_from["phase"] == "prefill"
     assert resumed.plan["planner"] == planner

@@ -1,5 +1,6 @@
 """Adaptive checkpoint cadence: the estimate (history, warnings, telemetry trends), the window log
 that survives SIGKILL, and the engine still bitwise when records land at irregular points."""
+
 from __future__ import annotations
 
 import os
@@ -11,13 +12,12 @@ import textwrap
 
 import pytest
 import torch
+from testkit import MAX_NEW, CutAfter, engine, inputs_for
 
 from flight.checkpoint.cadence import P_MIN, Cadence, WindowLog
 from flight.checkpoint.policies import Geometry
 from flight.engine import Engine, EngineOptions, SimulatedCut
 from flight.model.loader import load_model
-
-from testkit import MAX_NEW, CutAfter, engine, inputs_for
 
 
 class Clock:
@@ -109,8 +109,13 @@ def test_window_log_survives_sigkill_and_skips_damaged_entries(tmp_path):
         time.sleep(600)
     """)
     for boot in (1, 2, 3):
-        proc = subprocess.Popen([sys.executable, "-c", program, str(boot)], stdout=subprocess.PIPE, text=True,
-                                cwd=os.getcwd(), env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        proc = subprocess.Popen(
+            [sys.executable, "-c", program, str(boot)],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=os.getcwd(),
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
         assert proc.stdout.readline().strip() == "up"
         assert proc.stdout.readline().strip() == "marked"
         proc.send_signal(signal.SIGKILL)
@@ -189,8 +194,10 @@ def test_adaptive_cadence_is_bitwise_under_exhaustive_stops(model_dirs, tmp_path
         if hook == "event" and n in prefill_units:
             continue
         cut = CutAfter(n)
-        eng, _ = _adaptive(load_model(model_dir, device="cpu"),
-                           **({"events": cut.event} if hook == "event" else {"after_commit": cut.commit}))
+        eng, _ = _adaptive(
+            load_model(model_dir, device="cpu"),
+            **({"events": cut.event} if hook == "event" else {"after_commit": cut.commit}),
+        )
         ckpt = tmp_path / f"{hook}-{n}"
         with pytest.raises(SimulatedCut):
             eng.run(inputs, str(ckpt), MAX_NEW)
@@ -207,21 +214,46 @@ def test_adaptive_cadence_is_bitwise_under_exhaustive_stops(model_dirs, tmp_path
 
 
 def test_payload_feeds_bus_telemetry_and_warnings_to_its_cadence(tmp_path):
-    from common.wire import Apid, NodeId, PowerCause, encode, messages as msgs
+    from common.wire import Apid, NodeId, PowerCause, encode
+    from common.wire import messages as msgs
     from flight.engine import EngineOptions
     from flight.runtime.app import FlightApp
 
-    app = FlightApp(str(tmp_path / "data"), "unused-model", str(tmp_path / "keys"), "tcp://127.0.0.1:1",
-                    EngineOptions(cadence="adaptive"))
+    app = FlightApp(
+        str(tmp_path / "data"),
+        "unused-model",
+        str(tmp_path / "keys"),
+        "tcp://127.0.0.1:1",
+        EngineOptions(cadence="adaptive"),
+    )
     seq = iter(range(100))
     for k in range(4):
-        app.handle_packet(encode(msgs.ThermalReport(trace_time_s=float(k), payload_temp_c=50.0 + k, bus_temp_c=20.0),
-                                 Apid.BUS, next(seq), source_id=NodeId.BUS))
-        app.handle_packet(encode(msgs.PowerReport(trace_time_s=float(k), payload_on=True, bus_voltage_v=15.0,
-                                                  payload_power_w=15.0, battery_soc=0.9),
-                                 Apid.BUS, next(seq), source_id=NodeId.BUS))
+        app.handle_packet(
+            encode(
+                msgs.ThermalReport(trace_time_s=float(k), payload_temp_c=50.0 + k, bus_temp_c=20.0),
+                Apid.BUS,
+                next(seq),
+                source_id=NodeId.BUS,
+            )
+        )
+        app.handle_packet(
+            encode(
+                msgs.PowerReport(
+                    trace_time_s=float(k), payload_on=True, bus_voltage_v=15.0, payload_power_w=15.0, battery_soc=0.9
+                ),
+                Apid.BUS,
+                next(seq),
+                source_id=NodeId.BUS,
+            )
+        )
     assert len(app.cadence.temperature.samples) == 4 and len(app.cadence.battery.samples) == 4
     assert app.cadence.cut_probability(5.0) == 1.0  # 1 C/s from 53 C: the 55 C limit in 2 s
-    app.handle_packet(encode(msgs.ShutdownWarning(trace_time_s=4.0, lead_time_s=2.0, cause=PowerCause.THERMAL),
-                             Apid.BUS, next(seq), source_id=NodeId.BUS))
+    app.handle_packet(
+        encode(
+            msgs.ShutdownWarning(trace_time_s=4.0, lead_time_s=2.0, cause=PowerCause.THERMAL),
+            Apid.BUS,
+            next(seq),
+            source_id=NodeId.BUS,
+        )
+    )
     assert app.cadence.cut_at is not None

@@ -1,4 +1,5 @@
 """`ow infer` / `ow model` from the outside: bad input gives one line and a non-zero exit."""
+
 import json
 import os
 import subprocess
@@ -8,8 +9,13 @@ import pytest
 
 
 def ow(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "common.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "common.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 def _one_line_error(proc, code, fragment):
@@ -21,8 +27,17 @@ def _one_line_error(proc, code, fragment):
 
 @pytest.fixture
 def base(model_dirs, image_files, tmp_path):
-    return ["infer", "--model", model_dirs["qwen3-vl"], "--prompt", "count the ships", "--max-new-tokens", "3",
-            "--ckpt-dir", str(tmp_path / "ck")]
+    return [
+        "infer",
+        "--model",
+        model_dirs["qwen3-vl"],
+        "--prompt",
+        "count the ships",
+        "--max-new-tokens",
+        "3",
+        "--ckpt-dir",
+        str(tmp_path / "ck"),
+    ]
 
 
 def test_help_explains_resume():
@@ -81,11 +96,17 @@ def test_json_output_fields_and_stored_result(base, image_files):
 
 
 def test_build_tiny_and_info(tmp_path):
-    proc = ow("model", "build-tiny", "--arch", "qwen2.5-vl", "--size", "tiny", "--seed", "3", "--out",
-              str(tmp_path / "m"))
+    proc = ow(
+        "model", "build-tiny", "--arch", "qwen2.5-vl", "--size", "tiny", "--seed", "3", "--out", str(tmp_path / "m")
+    )
     assert proc.returncode == 0, proc.stderr
-    for f in ("config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json",
-              "generation_config.json"):
+    for f in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "preprocessor_config.json",
+        "generation_config.json",
+    ):
         assert (tmp_path / "m" / f).exists()
     info = json.loads(ow("model", "info", str(tmp_path / "m")).stdout)
     assert info["arch"] == "qwen2_5_vl" and info["layers"] == 4

@@ -1,14 +1,15 @@
 """int8 decode-KV compression: smaller decode records, a resume that still completes, an answer
 that is close to (not necessarily bitwise) the uninterrupted one; off by default."""
+
 import os
 
 import pytest
 import torch
+from testkit import CutAfter, engine, inputs_for, run_to_completion
 
+from flight.checkpoint.policies import Geometry
 from flight.engine import SimulatedCut
 from flight.model.loader import load_model
-from flight.checkpoint.policies import Geometry
-from testkit import CutAfter, engine, inputs_for, run_to_completion
 
 MAX_NEW = 20
 GEOMETRY = Geometry(chunk=16, group=2, decode_every=8, vision_every=1)
@@ -23,11 +24,11 @@ def test_int8_decode_records_are_smaller_and_resume(model_dirs, tmp_path):
         ckpt = str(tmp_path / mode)
         cut = CutAfter(4 + 8 + MAX_NEW - 2, names=CutAfter.UNITS)  # late in decode
         with pytest.raises(SimulatedCut):
-            engine(load_model(model_dirs["qwen3-vl"], device="cpu"), GEOMETRY, events=cut.event,
-                   decode_kv_compression=mode).run(inputs, ckpt, MAX_NEW)
+            engine(
+                load_model(model_dirs["qwen3-vl"], device="cpu"), GEOMETRY, events=cut.event, decode_kv_compression=mode
+            ).run(inputs, ckpt, MAX_NEW)
         sizes[mode] = os.path.getsize(os.path.join(ckpt, "decode.log"))
-        resumed = run_to_completion(model_dirs["qwen3-vl"], inputs, ckpt, MAX_NEW, GEOMETRY,
-                                    decode_kv_compression=mode)
+        resumed = run_to_completion(model_dirs["qwen3-vl"], inputs, ckpt, MAX_NEW, GEOMETRY, decode_kv_compression=mode)
         assert resumed.resumed_from["phase"] == "decode"
         assert len(resumed.token_ids) == len(ref.token_ids)
         if mode == "none":

@@ -1,5 +1,6 @@
 """ENOSPC while writing a checkpoint: inference carries on without that checkpoint, logs an
 event, leaves no partial file behind, and later records still resume correctly."""
+
 import errno
 import os
 import subprocess
@@ -7,12 +8,11 @@ import uuid
 
 import pytest
 import torch
+from testkit import MAX_NEW, CutAfter, engine, inputs_for, run_to_completion
 
 from common.durable import DurableFS
 from flight.engine import SimulatedCut
 from flight.model.loader import load_model
-
-from testkit import MAX_NEW, CutAfter, engine, inputs_for, run_to_completion
 
 
 class FillingDisk(DurableFS):
@@ -53,8 +53,12 @@ def test_full_disk_skips_checkpoints_and_carries_on(model_dirs, tmp_path, async_
     size = ref.bytes_written
     events = []
     disk = FillingDisk(full_from=size // 4, full_until=size // 2)
-    result = engine(load_model(model_dirs["qwen3-vl"], device="cpu"), fs=disk, async_writes=async_writes,
-                    events=lambda name, **kw: events.append((name, kw))).run(inputs, str(tmp_path / "ck"), MAX_NEW)
+    result = engine(
+        load_model(model_dirs["qwen3-vl"], device="cpu"),
+        fs=disk,
+        async_writes=async_writes,
+        events=lambda name, **kw: events.append((name, kw)),
+    ).run(inputs, str(tmp_path / "ck"), MAX_NEW)
     assert result.token_ids == ref.token_ids and torch.equal(result.logits, ref.logits)
     failed = [kw for name, kw in events if name == "checkpoint_write_failed"]
     assert failed and disk.failures == len(failed) == result.records_skipped
@@ -80,8 +84,11 @@ def test_decode_records_cover_a_skipped_record(model_dirs, tmp_path):
 
     cut = CutAfter(MAX_NEW - 2 + 12, names=("decode_step_done", "prefill_block_done", "vision_block_done"))
     with pytest.raises(SimulatedCut):
-        engine(load_model(model_dirs["qwen3-vl"], device="cpu"), fs=FullForOneDecodeRecord(),
-               events=lambda n, **kw: (events.append(n), cut.event(n, **kw))).run(inputs, ckpt, MAX_NEW)
+        engine(
+            load_model(model_dirs["qwen3-vl"], device="cpu"),
+            fs=FullForOneDecodeRecord(),
+            events=lambda n, **kw: (events.append(n), cut.event(n, **kw)),
+        ).run(inputs, ckpt, MAX_NEW)
     assert "checkpoint_write_failed" in events
     resumed = run_to_completion(model_dirs["qwen3-vl"], inputs, ckpt)
     assert resumed.resumed_from["phase"] == "decode" and resumed.resumed_from["position"] >= 4
@@ -98,8 +105,11 @@ def test_real_full_tmpfs(model_dirs, tmp_path):
         pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
     try:
         events = []
-        result = engine(load_model(model_dirs["qwen3-vl"], device="cpu"), async_writes=True,
-                        events=lambda n, **kw: events.append((n, kw))).run(inputs, str(mnt / "ck"), MAX_NEW)
+        result = engine(
+            load_model(model_dirs["qwen3-vl"], device="cpu"),
+            async_writes=True,
+            events=lambda n, **kw: events.append((n, kw)),
+        ).run(inputs, str(mnt / "ck"), MAX_NEW)
         assert result.token_ids == ref.token_ids and torch.equal(result.logits, ref.logits)
         failed = [kw for n, kw in events if n == "checkpoint_write_failed"]
         assert failed and all(kw["errno"] == errno.ENOSPC for kw in failed)

@@ -1,11 +1,11 @@
 """Block-wise execution equals transformers' generate(): same tokens, bitwise logits."""
+
 import pytest
 import torch
+from testkit import ARCHS, MAX_NEW, engine, inputs_for, reference
 
-from flight.model.loader import load_model
-
-from testkit import ARCHS, MAX_NEW, GEOMETRY, engine, inputs_for, reference
 from flight.checkpoint.policies import Geometry
+from flight.model.loader import load_model
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -1,15 +1,15 @@
 """Stop after every unit of work (vision block, prefill block, decode step) and after every
 checkpoint commit, throw away all in-memory state (a fresh model load, a fresh engine), resume:
 the tokens and the final logits are bitwise those of the uninterrupted run."""
+
 import shutil
 
 import pytest
 import torch
+from testkit import ARCHS, MAX_NEW, CutAfter, engine, inputs_for, run_to_completion
 
 from flight.engine import SimulatedCut
 from flight.model.loader import load_model
-
-from testkit import ARCHS, MAX_NEW, CutAfter, engine, inputs_for, run_to_completion
 
 
 def _uninterrupted(model_dir, tmp_path, policy="orbitweaver"):
@@ -18,7 +18,8 @@ def _uninterrupted(model_dir, tmp_path, policy="orbitweaver"):
     units = CutAfter(10**9)
     commits = CutAfter(10**9)
     result = engine(model, policy=policy, events=units.event, after_commit=commits.commit).run(
-        inputs, str(tmp_path / "ref"), MAX_NEW)
+        inputs, str(tmp_path / "ref"), MAX_NEW
+    )
     return inputs, result, units.seen, commits.seen
 
 
@@ -30,8 +31,10 @@ def _cut_then_resume(model_dir, inputs, ckpt, cut: CutAfter, hook: str, policy="
     return run_to_completion(model_dir, inputs, ckpt, policy=policy)
 
 
-@pytest.mark.parametrize("arch,policy", [(a, "orbitweaver") for a in ARCHS] +
-                         [("qwen3-vl", p) for p in ("sonic-layer", "sonic-chunk", "hcache")])
+@pytest.mark.parametrize(
+    "arch,policy",
+    [(a, "orbitweaver") for a in ARCHS] + [("qwen3-vl", p) for p in ("sonic-layer", "sonic-chunk", "hcache")],
+)
 def test_stop_after_every_unit_and_every_commit(model_dirs, tmp_path, arch, policy):
     inputs, ref, n_units, n_commits = _uninterrupted(model_dirs[arch], tmp_path, policy)
     assert n_units >= 4 + 4 + (MAX_NEW - 1)  # vision blocks + prefill blocks (>= one per chunk) + decode steps
@@ -81,8 +84,9 @@ def test_every_planner_resumes_bitwise_from_every_prefill_cut(model_dirs, tmp_pa
         for n in range(vision_units + 1, vision_units + prefill_units + 1):
             ckpt = tmp_path / f"{planner}-{n}"
             with pytest.raises(SimulatedCut):
-                engine(load_model(model_dirs[arch], device="cpu"), policy=policy,
-                       events=CutAfter(n).event).run(inputs, str(ckpt), MAX_NEW)
+                engine(load_model(model_dirs[arch], device="cpu"), policy=policy, events=CutAfter(n).event).run(
+                    inputs, str(ckpt), MAX_NEW
+                )
             resumed = run_to_completion(model_dirs[arch], inputs, ckpt, policy=policy, planner=planner)
             assert resumed.resumed_from["phase"] == "prefill"
             assert resumed.plan["planner"] == planner

@@ -1,16 +1,14 @@
 """Lazily loaded weights are bitwise what from_pretrained gives; legacy checkpoints load too."""
-import json
-import os
+
 import shutil
 
 import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
+from testkit import ARCHS
 
 from flight.model.loader import load_model
-
-from testkit import ARCHS
 
 
 def _all_tensors(model):

@@ -1,11 +1,13 @@
 """Recovery plans: every planner yields a valid, dependency-respecting plan for any frontier,
 and the validator catches plans that are not."""
+
 import itertools
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from flight.recovery.plan import PLANNERS, ComputeOp, PlanError, ReadOp, RecoveryPlan, RecoveryProblem, make_plan
+from flight.recovery.plan import PLANNERS, PlanError, ReadOp, RecoveryPlan, RecoveryProblem, make_plan
 
 
 @st.composite
@@ -16,8 +18,9 @@ def problems(draw):
     done = set(draw(st.lists(st.sampled_from(cells), unique=True))) if cells else set()
     with_hidden = {b for b in done if draw(st.booleans())}
     kv_missing = {b for b in done if draw(st.booleans())} if draw(st.booleans()) else set()
-    return RecoveryProblem(groups, chunks, done, with_hidden, need_last_hidden=draw(st.booleans()),
-                           kv_missing=kv_missing)
+    return RecoveryProblem(
+        groups, chunks, done, with_hidden, need_last_hidden=draw(st.booleans()), kv_missing=kv_missing
+    )
 
 
 @settings(max_examples=200, deadline=None)
@@ -64,7 +67,15 @@ def test_hcache_style_frontier_reprojects_from_stored_inputs():
     p = RecoveryProblem(4, 2, done, with_hidden, kv_missing={(g, c) for g in (1, 3) for c in range(2)})
     plan = make_plan("layer-first", p)
     assert [(op.group, op.chunk, op.kind) for op in plan.computes] == [
-        (1, 0, "reproject"), (1, 1, "reproject"), (3, 0, "reproject"), (3, 1, "reproject")]
-    assert {r for r in plan.reads if r.what == "hidden"} == {ReadOp("hidden", 0, 0), ReadOp("hidden", 0, 1),
-                                                             ReadOp("hidden", 2, 0), ReadOp("hidden", 2, 1),
-                                                             ReadOp("hidden", 3, 1)}
+        (1, 0, "reproject"),
+        (1, 1, "reproject"),
+        (3, 0, "reproject"),
+        (3, 1, "reproject"),
+    ]
+    assert {r for r in plan.reads if r.what == "hidden"} == {
+        ReadOp("hidden", 0, 0),
+        ReadOp("hidden", 0, 1),
+        ReadOp("hidden", 2, 0),
+        ReadOp("hidden", 2, 1),
+        ReadOp("hidden", 3, 1),
+    }

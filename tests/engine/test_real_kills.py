@@ -1,6 +1,7 @@
 """Real power cuts: `ow infer` runs as its own OS process and is SIGKILLed at random instants
 spread over vision, prefill and decode, again and again on the same checkpoint directory. The
 final answer equals the uninterrupted one, token for token and logit bit for logit bit."""
+
 import json
 import os
 import signal
@@ -15,10 +16,37 @@ UNIT_EVENTS = {"vision_block_done": "vision", "prefill_block_done": "prefill", "
 
 
 def _command(model_dir, images, ckpt, pace_ms, policy="orbitweaver"):
-    cmd = [sys.executable, "-m", "common.cli", "infer", "--model", model_dir, "--policy", policy, "--prompt",
-           "describe the clouds over the coast and count the ships in the harbor , then compare the two images",
-           "--max-new-tokens", "12", "--ckpt-dir", ckpt, "--chunk", "16", "--group", "2", "--decode-every", "2",
-           "--vision-every", "1", "--threads", "1", "--json", "--log-level", "debug", "--pace-ms", str(pace_ms)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "common.cli",
+        "infer",
+        "--model",
+        model_dir,
+        "--policy",
+        policy,
+        "--prompt",
+        "describe the clouds over the coast and count the ships in the harbor , then compare the two images",
+        "--max-new-tokens",
+        "12",
+        "--ckpt-dir",
+        ckpt,
+        "--chunk",
+        "16",
+        "--group",
+        "2",
+        "--decode-every",
+        "2",
+        "--vision-every",
+        "1",
+        "--threads",
+        "1",
+        "--json",
+        "--log-level",
+        "debug",
+        "--pace-ms",
+        str(pace_ms),
+    ]
     for im in images:
         cmd += ["--image", im]
     return cmd
@@ -68,10 +96,10 @@ def _run_and_kill(cmd, rng, pace_ms, after_commit=False):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy,min_kills,min_per_phase", [
-    ("orbitweaver", 8, 2), ("hcache", 3, 1)])
-def test_sigkill_at_random_instants_across_all_phases(model_dirs, image_files, tmp_path, policy, min_kills,
-                                                      min_per_phase):
+@pytest.mark.parametrize("policy,min_kills,min_per_phase", [("orbitweaver", 8, 2), ("hcache", 3, 1)])
+def test_sigkill_at_random_instants_across_all_phases(
+    model_dirs, image_files, tmp_path, policy, min_kills, min_per_phase
+):
     """orbitweaver gets 8+ kills, at least two in every phase; HCache, whose commits are off the
     compute path as ours are, a shorter run (one kill in every phase at least). The SONIC
     baselines commit synchronously: test_exhaustive_stops stops them after every unit and every

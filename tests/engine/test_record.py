@@ -1,18 +1,32 @@
 """The record format (docs/record-format.md) round-trips and rejects every kind of damage."""
+
 import io
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from common.record import (ALIGN, FOOTER_LEN, HEADER_LEN, Kind, RecordError, decode, encode, iter_records,
-                           masked_crc, read_partial)
+from common.record import (
+    FOOTER_LEN,
+    Kind,
+    RecordError,
+    decode,
+    encode,
+    iter_records,
+    masked_crc,
+    read_partial,
+)
 
 
 def _sample():
     torch.manual_seed(0)
-    return {"k.0": torch.randn(1, 2, 5, 8), "v.0": torch.randn(1, 2, 5, 8).to(torch.bfloat16),
-            "tokens": torch.arange(5), "hidden": torch.randn(5, 16)}
+    return {
+        "k.0": torch.randn(1, 2, 5, 8),
+        "v.0": torch.randn(1, 2, 5, 8).to(torch.bfloat16),
+        "tokens": torch.arange(5),
+        "hidden": torch.randn(5, 16),
+    }
 
 
 def test_round_trip_and_alignment():
@@ -69,9 +83,16 @@ def test_masked_crc_matches_leveldb_definition():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.int8]),
-                          st.lists(st.integers(0, 5), min_size=0, max_size=3)), max_size=4),
-       st.dictionaries(st.text(max_size=8), st.integers(-2**63, 2**64 - 1), max_size=3))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.int8]),
+            st.lists(st.integers(0, 5), min_size=0, max_size=3),
+        ),
+        max_size=4,
+    ),
+    st.dictionaries(st.text(max_size=8), st.integers(-(2**63), 2**64 - 1), max_size=3),
+)
 def test_round_trip_property(specs, extra):
     tensors = {f"t{i}": torch.zeros(shape, dtype=dt).random_(0, 7) for i, (dt, shape) in enumerate(specs)}
     meta = {f"m_{k}": v for k, v in extra.items()}

@@ -1,18 +1,18 @@
 """Damaged storage never yields a wrong answer: a damaged record is rejected, resume falls back to
 the previous good state, and the output is still bitwise identical to the uninterrupted run."""
+
 import os
 import shutil
 
 import numpy as np
 import pytest
 import torch
+from crashfs import CrashFS
+from testkit import MAX_NEW, CutAfter, engine, inputs_for, run_to_completion
 
 from common.record import RecordError, decode
 from flight.engine import SimulatedCut
 from flight.model.loader import load_model
-
-from testkit import MAX_NEW, CutAfter, engine, inputs_for, run_to_completion
-from crashfs import CrashFS
 
 ARCH = "qwen3-vl"
 
@@ -73,7 +73,7 @@ def _damage(path, how, rng, decode_log=False):
         rec[len(rec) - 1 - int(rng.integers(0, 16))] ^= 1 << int(rng.integers(0, 8))
     elif how == "zeros":
         a = int(rng.integers(0, len(rec) - 64))
-        rec[a:a + 64] = bytes(64)
+        rec[a : a + 64] = bytes(64)
     data[start:] = rec
     if how == "missing":
         os.unlink(path)
@@ -108,8 +108,19 @@ def test_truncated_newest_record_falls_back(model_dirs, reference_run, tmp_path,
             _, n = decode(buf, pos)
             last_start, pos = pos, pos + n
     rng = np.random.default_rng(7)
-    offsets = sorted({last_start, last_start + 1, last_start + 23, last_start + 24, last_start + 64,
-                      size - 17, size - 16, size - 1, *rng.integers(last_start, size, 4).tolist()})
+    offsets = sorted(
+        {
+            last_start,
+            last_start + 1,
+            last_start + 23,
+            last_start + 24,
+            last_start + 64,
+            size - 17,
+            size - 16,
+            size - 1,
+            *rng.integers(last_start, size, 4).tolist(),
+        }
+    )
     for off in offsets:
         ckpt = str(tmp_path / f"t{off}")
         shutil.copytree(base, ckpt)

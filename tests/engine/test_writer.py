@@ -1,16 +1,16 @@
 """The checkpoint writer: optional records (intermediate vision states) give way to a busy writer
 instead of stalling the compute thread; mandatory ones, and those the bus asked for, never do."""
+
 import threading
 import time
 
 import torch
+from testkit import MAX_NEW, CutAfter, engine, inputs_for, run_to_completion
 
 from common.durable import DurableFS
 from flight.checkpoint.writer import CheckpointWriter
 from flight.engine import SimulatedCut
 from flight.model.loader import load_model
-
-from testkit import MAX_NEW, CutAfter, engine, inputs_for, run_to_completion
 
 
 def test_an_optional_record_is_dropped_while_the_writer_is_busy():
@@ -63,8 +63,12 @@ def test_slow_storage_defers_vision_states_and_the_answer_is_unchanged(model_dir
     ref = engine(model).run(inputs, str(tmp_path / "ref"), MAX_NEW)  # synchronous: every state written
     assert ref.records_deferred == 0
     events = []
-    result = engine(load_model(model_dirs["qwen3-vl"], device="cpu"), fs=SlowVisionDisk(), async_writes=True,
-                    events=lambda n, **kw: events.append((n, kw))).run(inputs, str(tmp_path / "ck"), MAX_NEW)
+    result = engine(
+        load_model(model_dirs["qwen3-vl"], device="cpu"),
+        fs=SlowVisionDisk(),
+        async_writes=True,
+        events=lambda n, **kw: events.append((n, kw)),
+    ).run(inputs, str(tmp_path / "ck"), MAX_NEW)
     deferred = [kw["record"] for n, kw in events if n == "checkpoint_deferred"]
     assert deferred and result.records_deferred == len(deferred)
     assert all(r.startswith("vision.state[") for r in deferred)  # prefill and decode records never
@@ -82,8 +86,12 @@ def test_a_requested_checkpoint_waits_for_the_writer_and_a_cut_resumes_from_it(m
     ref = engine(model).run(inputs, str(tmp_path / "ref"), MAX_NEW)
     ckpt = str(tmp_path / "ck")
     committed = []
-    eng = engine(load_model(model_dirs["qwen3-vl"], device="cpu"), fs=SlowVisionDisk(), async_writes=True,
-                 after_commit=lambda what, n: committed.append(what))
+    eng = engine(
+        load_model(model_dirs["qwen3-vl"], device="cpu"),
+        fs=SlowVisionDisk(),
+        async_writes=True,
+        after_commit=lambda what, n: committed.append(what),
+    )
     cut = CutAfter(3, names=("vision_block_done",))
 
     def on_event(name, **kw):
@@ -160,8 +168,9 @@ def test_prefill_blocks_commit_ahead_of_vision_out_and_a_cut_between_resumes_bit
             disk.gate.set()
             raise SimulatedCut("cut after prefill[g1,c0]")
 
-    eng = engine(load_model(model_dirs["qwen3-vl"], device="cpu"), fs=disk, async_writes=True,
-                 after_commit=after_commit)
+    eng = engine(
+        load_model(model_dirs["qwen3-vl"], device="cpu"), fs=disk, async_writes=True, after_commit=after_commit
+    )
     try:
         eng.run(inputs, str(ckpt), MAX_NEW)
         raise AssertionError("the cut did not happen")
@@ -211,8 +220,7 @@ def test_checkpointing_holds_at_most_two_records_of_state_even_when_the_disk_lag
         if name == "checkpoint_committed":
             sizes.setdefault(kw["record"].split("[")[0], []).append(kw["bytes"])
 
-    result = engine(model, fs=SlowDisk(), async_writes=True, events=on_event).run(inputs, str(tmp_path / "ck"),
-                                                                                    MAX_NEW)
+    result = engine(model, fs=SlowDisk(), async_writes=True, events=on_event).run(inputs, str(tmp_path / "ck"), MAX_NEW)
     peaks = result.held_state_peak_bytes
     block = max(sizes["prefill"])  # record bytes: tensors plus a small header
     state = max(sizes["vision.state"])

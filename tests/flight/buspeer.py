@@ -1,6 +1,7 @@
 """A minimal scripted bus for testing the payload process alone: a CURVE ROUTER on the payload
 link that sends telecommands as a ground station would and collects every packet the payload
 sends. (The real bus is `ow bus run`; end-to-end tests use it.)"""
+
 from __future__ import annotations
 
 import os
@@ -10,7 +11,8 @@ import time
 
 import zmq
 
-from common.wire import Apid, NodeId, SequenceCounter, decode, encode, messages as m
+from common.wire import Apid, NodeId, SequenceCounter, decode, encode
+from common.wire import messages as m
 from common.wire.link import bound_endpoint, init_keys, recv_packet, send_packet, server_socket, start_authenticator
 
 
@@ -67,9 +69,33 @@ class BusPeer:
 
 
 def spawn_flight(data_dir, model_dir, keys_dir, endpoint, *extra, log_path=None):
-    cmd = [sys.executable, "-m", "common.cli", "flight", "run", "--data-dir", str(data_dir), "--model", model_dir,
-           "--keys", str(keys_dir), "--payload-endpoint", endpoint, "--chunk", "16", "--group", "2",
-           "--decode-every", "2", "--vision-every", "1", "--threads", "1", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "common.cli",
+        "flight",
+        "run",
+        "--data-dir",
+        str(data_dir),
+        "--model",
+        model_dir,
+        "--keys",
+        str(keys_dir),
+        "--payload-endpoint",
+        endpoint,
+        "--chunk",
+        "16",
+        "--group",
+        "2",
+        "--decode-every",
+        "2",
+        "--vision-every",
+        "1",
+        "--threads",
+        "1",
+        *extra,
+    ]
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
-    return subprocess.Popen(cmd, stdout=log, stderr=log, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, stdout=log, stderr=log, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True
+    )

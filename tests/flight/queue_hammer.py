@@ -1,5 +1,6 @@
 """Hammer a TaskQueue with a deterministic sequence of operations, printing each one's index
 after it returns (= acknowledged). Killed at random instants by test_queue_kills.py."""
+
 import sys
 
 import numpy as np
@@ -11,7 +12,9 @@ def operations(run: int, n: int = 10_000):
     rng = np.random.default_rng(run)
     ids = []
     for i in range(n):
-        kind = rng.choice(["submit", "priority", "start", "complete", "fail", "cancel"], p=[.4, .15, .15, .15, .05, .1])
+        kind = rng.choice(
+            ["submit", "priority", "start", "complete", "fail", "cancel"], p=[0.4, 0.15, 0.15, 0.15, 0.05, 0.1]
+        )
         if kind == "submit" or not ids:
             ids.append(f"r{run}-t{i}")
             yield ("submit", ids[-1], int(rng.integers(0, 9)))

@@ -1,6 +1,7 @@
 """Fuzzed frames straight into the payload's dispatch (the red team sent 30,000): each one a
 telecommand or undecodable gets exactly one ACCEPTED or REJECTED, telemetry none, nothing escapes
 handle_packet and no handler faults. `python -m bench.redteam` runs it with 1,000,000 frames."""
+
 from hil.redteam import fuzz_dispatch
 
 

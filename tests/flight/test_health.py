@@ -1,6 +1,7 @@
 """Health and safety in-process: boots that end while an item is handled, faults, the bus's word
 on how a boot ended, quarantine and release. (tests/flight/test_red_team.py has the real crash
 loop, with the real bus power-cycling a payload that dies.)"""
+
 from __future__ import annotations
 
 import os
@@ -18,9 +19,11 @@ def _boot(directory, boot, **kw):
 
 def _die_while_handling(directory, boot, item, slot=WORKER):
     """A boot that ends (SIGKILL, as a power cut or a native crash) while handling `item`."""
-    code = (f"from flight.runtime.health import Health\n"
-            f"h = Health({str(directory)!r}, boot={boot}, fault_spec='kill:{item}')\n"
-            f"with h.handling({item!r}, {slot}):\n    pass\n")
+    code = (
+        f"from flight.runtime.health import Health\n"
+        f"h = Health({str(directory)!r}, boot={boot}, fault_spec='kill:{item}')\n"
+        f"with h.handling({item!r}, {slot}):\n    pass\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert proc.returncode == -9
 

@@ -1,4 +1,5 @@
 """The payload's image store across a cut between the last chunk and the assembled file."""
+
 import io
 
 import numpy as np

@@ -1,6 +1,7 @@
 """Image memory is bounded by the model's input, not by the upload (finding 6: a 25 KB PNG of
 10000 x 9999 pixels cost 1.3 GB; eight in one task took the payload to 6.5 GB), and what the
 image processor cannot take is refused at uplink (finding 9)."""
+
 from __future__ import annotations
 
 import io
@@ -92,8 +93,9 @@ def test_eight_maximal_uploads_stay_within_one_decode_budget(tmp_path, model_dir
     from buspeer import BusPeer, spawn_flight
 
     bus = BusPeer(str(tmp_path / "keys"))
-    proc = spawn_flight(tmp_path / "data", model_dirs["qwen3-vl"], tmp_path / "keys", bus.endpoint,
-                        log_path=tmp_path / "flight.log")
+    proc = spawn_flight(
+        tmp_path / "data", model_dirs["qwen3-vl"], tmp_path / "keys", bus.endpoint, log_path=tmp_path / "flight.log"
+    )
     try:
         bus.wait_connected(timeout=120)
         seq = bus.command(m.Ping(key=1))
@@ -107,18 +109,24 @@ def test_eight_maximal_uploads_stay_within_one_decode_budget(tmp_path, model_dir
             name = f"max{i}.png"
             for chunk in m.ImageChunk.split(name, content, chunk_bytes=60 * 1024):
                 seq = bus.command(chunk)
-                reply = bus.wait_for(lambda h, x: isinstance(x, (m.Accepted, m.Rejected)) and x.tc_seq == seq,
-                                     timeout=120)[1]
+                reply = bus.wait_for(
+                    lambda h, x: isinstance(x, (m.Accepted, m.Rejected)) and x.tc_seq == seq, timeout=120
+                )[1]
                 assert isinstance(reply, m.Accepted), reply
             names.append(name)
-        seq = bus.command(m.UplinkTask(task_id="eight", prompt="describe the scenes", images=names,
-                                       max_new_tokens=2, priority=0))
-        done = bus.wait_for(lambda h, x: isinstance(x, (m.Completed, m.Failed)) and x.task_id == "eight"
-                            and x.tc_seq == seq, timeout=600)[1]
+        seq = bus.command(
+            m.UplinkTask(task_id="eight", prompt="describe the scenes", images=names, max_new_tokens=2, priority=0)
+        )
+        done = bus.wait_for(
+            lambda h, x: isinstance(x, (m.Completed, m.Failed)) and x.task_id == "eight" and x.tc_seq == seq,
+            timeout=600,
+        )[1]
         assert isinstance(done, m.Completed), done
         grown = _rss_peak(proc.pid) - before
-        print(f"peak RSS growth for eight maximal uploads: {grown / 2**20:.0f} MiB "
-              f"(bound {(MAX_DECODE_BYTES + HEADROOM_BYTES) / 2**20:.0f} MiB)")
+        print(
+            f"peak RSS growth for eight maximal uploads: {grown / 2**20:.0f} MiB "
+            f"(bound {(MAX_DECODE_BYTES + HEADROOM_BYTES) / 2**20:.0f} MiB)"
+        )
         assert grown <= MAX_DECODE_BYTES + HEADROOM_BYTES
     finally:
         if proc.poll() is None:

@@ -1,6 +1,7 @@
 """The queue journal and the result store against what a red team did to them: thousands of
 finished tasks (the snapshot outgrew the record format), bit flips anywhere (one flip forgot every
 task), threads racing on one file, a retention budget."""
+
 from __future__ import annotations
 
 import os
@@ -70,15 +71,32 @@ def test_thousands_of_finished_tasks_never_outgrow_a_record(tmp_path):
 def test_the_largest_records_fit_the_format():
     """Every record the payload writes is bounded by the wire limits, far below MAX_META."""
     name = "n" * MAX_NAME_CHARS
-    task = {"task_id": name, "prompt": "€" * (MAX_PROMPT_BYTES // 3), "images": [name] * MAX_IMAGES_PER_TASK,
-            "max_new_tokens": MAX_NEW_TOKENS, "priority": 255, "request": [0x7FF, 0xFFFF, 2**30 - 1, 0xFFFF],
-            "content_hash": "f" * 64, "order": 2**40, "state": "completed", "starts": 2**31, "code": 699,
-            "reason": "r" * 256, "reported": False,
-            "result": {"token_ids": [2**32 - 1] * MAX_NEW_TOKENS, "text": "x" * MAX_RESULT_TEXT_BYTES,
-                       "logits_sha256": "a" * 64, "timings": {f"phase{i}": 1e300 for i in range(32)},
-                       "bytes_written": 2**62}}
-    biggest = max(encode(Kind.QUEUE_ENTRY, {"op": "task", "task": task}, salt=2**63 - 1).nbytes,
-                  encode(Kind.FINISHED_TASK, {"entry": {"task_id": name}, "task": task}).nbytes)
+    task = {
+        "task_id": name,
+        "prompt": "€" * (MAX_PROMPT_BYTES // 3),
+        "images": [name] * MAX_IMAGES_PER_TASK,
+        "max_new_tokens": MAX_NEW_TOKENS,
+        "priority": 255,
+        "request": [0x7FF, 0xFFFF, 2**30 - 1, 0xFFFF],
+        "content_hash": "f" * 64,
+        "order": 2**40,
+        "state": "completed",
+        "starts": 2**31,
+        "code": 699,
+        "reason": "r" * 256,
+        "reported": False,
+        "result": {
+            "token_ids": [2**32 - 1] * MAX_NEW_TOKENS,
+            "text": "x" * MAX_RESULT_TEXT_BYTES,
+            "logits_sha256": "a" * 64,
+            "timings": {f"phase{i}": 1e300 for i in range(32)},
+            "bytes_written": 2**62,
+        },
+    }
+    biggest = max(
+        encode(Kind.QUEUE_ENTRY, {"op": "task", "task": task}, salt=2**63 - 1).nbytes,
+        encode(Kind.FINISHED_TASK, {"entry": {"task_id": name}, "task": task}).nbytes,
+    )
     assert biggest < 64 << 10 < MAX_META
 
 
@@ -144,9 +162,22 @@ def test_a_record_that_looks_like_one_inside_a_prompt_is_not_taken_for_one(tmp_p
     """Resynchronising after damage needs the journal's salt: bytes in a prompt that form a valid
     record of their own are not applied."""
     q = TaskQueue(str(tmp_path / "queue"), NoSyncFS())
-    forged = encode(Kind.QUEUE_ENTRY, {"op": "submit", "task": {
-        "task_id": "forged", "prompt": "x", "images": [], "max_new_tokens": 1, "priority": 255,
-        "request": [32, 1, 1, 272], "content_hash": "0", "order": 0}}).to_bytes()
+    forged = encode(
+        Kind.QUEUE_ENTRY,
+        {
+            "op": "submit",
+            "task": {
+                "task_id": "forged",
+                "prompt": "x",
+                "images": [],
+                "max_new_tokens": 1,
+                "priority": 255,
+                "request": [32, 1, 1, 272],
+                "content_hash": "0",
+                "order": 0,
+            },
+        },
+    ).to_bytes()
     q.submit("carrier", forged.decode("latin-1"), [], 4, 0, (0x20, 1, 1, 0x110), "h")
     _submit(q, 2)
     q.compact()
@@ -227,9 +258,22 @@ def test_a_journal_of_an_older_build_is_migrated(tmp_path, legacy_ops):
     snapshots of every task): they move to the result store at the first open."""
     directory = tmp_path / "queue"
     directory.mkdir()
-    task = {"task_id": "old", "prompt": "p", "images": [], "max_new_tokens": 2, "priority": 0,
-            "request": [32, 1, 7, 272], "content_hash": "h", "order": 0, "state": "queued", "starts": 0,
-            "code": 0, "reason": "", "result": {}, "reported": False}
+    task = {
+        "task_id": "old",
+        "prompt": "p",
+        "images": [],
+        "max_new_tokens": 2,
+        "priority": 0,
+        "request": [32, 1, 7, 272],
+        "content_hash": "h",
+        "order": 0,
+        "state": "queued",
+        "starts": 0,
+        "code": 0,
+        "reason": "",
+        "result": {},
+        "reported": False,
+    }
     entries = [{"op": "submit", "task": task}, {"op": "start", "task_id": "old"}]
     for op in legacy_ops:
         entries.append({"op": op, "task_id": "old", "result": _result(0), "code": 601, "reason": "x"})

@@ -1,18 +1,15 @@
 """The payload process on its own, driven by a scripted bus over the real (CURVE) payload link."""
-import hashlib
+
 import io
 import os
 import signal
-import time
 
 import pytest
-import torch
-
-from common.wire import ResponseCode, messages as m, encode, Apid, NodeId
-from flight.model.loader import load_model
-
-from testkit import make_images
 from buspeer import BusPeer, spawn_flight
+from testkit import make_images
+
+from common.wire import Apid, NodeId, ResponseCode, encode
+from common.wire import messages as m
 
 
 def _png(im) -> bytes:
@@ -33,8 +30,9 @@ def flight(bus, tmp_path, model_dirs):
     procs = []
 
     def start():
-        p = spawn_flight(tmp_path / "data", model_dirs["qwen3-vl"], tmp_path / "keys", bus.endpoint,
-                         log_path=tmp_path / "flight.log")
+        p = spawn_flight(
+            tmp_path / "data", model_dirs["qwen3-vl"], tmp_path / "keys", bus.endpoint, log_path=tmp_path / "flight.log"
+        )
         procs.append(p)
         bus.wait_connected()
         return p
@@ -57,15 +55,20 @@ def test_task_round_trip_and_bad_input(bus, flight, tmp_path, model_dirs):
     imgs = [_png(im) for im in make_images()]
     _upload(bus, "first.png", imgs[0])
     _upload(bus, "second.png", imgs[1])
-    seq = bus.command(m.UplinkTask(task_id="t1", prompt="count the ships", images=["first.png", "second.png"],
-                                   max_new_tokens=5, priority=1))
+    seq = bus.command(
+        m.UplinkTask(
+            task_id="t1", prompt="count the ships", images=["first.png", "second.png"], max_new_tokens=5, priority=1
+        )
+    )
     bus.wait_for(lambda h, msg: isinstance(msg, m.Completed) and msg.task_id == "t1" and msg.tc_seq == seq, 120)
     result = bus.wait_for(lambda h, msg: isinstance(msg, m.TaskResult) and msg.task_id == "t1")[1]
     assert len(result.token_ids) == 5
     # bad inputs, each with its own code, and the payload keeps serving
     cases = {
         ResponseCode.UNKNOWN_TASK: m.DownlinkResult(task_id="nope"),
-        ResponseCode.DUPLICATE_TASK: m.UplinkTask(task_id="t1", prompt="other", images=[], max_new_tokens=3, priority=0),
+        ResponseCode.DUPLICATE_TASK: m.UplinkTask(
+            task_id="t1", prompt="other", images=[], max_new_tokens=3, priority=0
+        ),
     }
     for code, msg in cases.items():
         s = bus.command(msg)
@@ -81,9 +84,14 @@ def test_task_round_trip_and_bad_input(bus, flight, tmp_path, model_dirs):
     bus.command(m.Ping(key=3), seq=replay)
     assert bus.wait_for(lambda h, x: isinstance(x, m.Rejected) and x.code == ResponseCode.REPLAYED_SEQUENCE)
     # the same uplink again is idempotent
-    s = bus.command(m.UplinkTask(task_id="t1", prompt="count the ships", images=["first.png", "second.png"],
-                                 max_new_tokens=5, priority=1))
-    assert bus.wait_for(lambda h, x: isinstance(x, (m.Accepted, m.Rejected)) and x.tc_seq == s)[1].TYPE == m.Accepted.TYPE
+    s = bus.command(
+        m.UplinkTask(
+            task_id="t1", prompt="count the ships", images=["first.png", "second.png"], max_new_tokens=5, priority=1
+        )
+    )
+    assert (
+        bus.wait_for(lambda h, x: isinstance(x, (m.Accepted, m.Rejected)) and x.tc_seq == s)[1].TYPE == m.Accepted.TYPE
+    )
     s = bus.command(m.DownlinkResult(task_id="t1"))
     again = bus.wait_for(lambda h, x: isinstance(x, m.TaskResult) and x.task_id == "t1", start=0)[1]
     assert again.token_ids == result.token_ids

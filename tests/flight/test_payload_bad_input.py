@@ -1,13 +1,14 @@
 """Bad input to the real payload process: each class is rejected with its own code, the process
 keeps running, and the queue is intact."""
+
 import hashlib
 import os
 import signal
 
 import msgpack
 import pytest
-
 from buspeer import BusPeer, spawn_flight
+
 from common.wire import Apid, MessageType, NodeId, ResponseCode, encode
 from common.wire import messages as m
 from common.wire.packet import PacketType, frame
@@ -16,8 +17,9 @@ from common.wire.packet import PacketType, frame
 @pytest.fixture
 def payload(tmp_path, model_dirs):
     bus = BusPeer(str(tmp_path / "keys"))
-    proc = spawn_flight(tmp_path / "data", model_dirs["qwen3-vl"], tmp_path / "keys", bus.endpoint,
-                        log_path=tmp_path / "flight.log")
+    proc = spawn_flight(
+        tmp_path / "data", model_dirs["qwen3-vl"], tmp_path / "keys", bus.endpoint, log_path=tmp_path / "flight.log"
+    )
     bus.wait_connected()
     yield bus, proc
     if proc.poll() is None:
@@ -39,8 +41,16 @@ def _uplink(**changes):
 
 
 def _chunk(data=b"\x00" * 10, **changes):
-    body = {"image": "x.png", "index": 0, "total": 1, "offset": 0, "image_size": len(data), "data": data,
-            "crc32c": m.crc32c(data), "sha256": hashlib.sha256(data).digest()}
+    body = {
+        "image": "x.png",
+        "index": 0,
+        "total": 1,
+        "offset": 0,
+        "image_size": len(data),
+        "data": data,
+        "crc32c": m.crc32c(data),
+        "sha256": hashlib.sha256(data).digest(),
+    }
     body.update(changes)
     return body
 
@@ -71,19 +81,39 @@ CASES = [
     ("unknown_command", lambda bus: _tc(bus, 0x01EE, {}), ResponseCode.UNKNOWN_COMMAND),
     ("missing_field", lambda bus: _tc(bus, MessageType.UPLINK_TASK, _uplink(prompt=None)), ResponseCode.MISSING_FIELD),
     ("invalid_utf8", lambda bus: _tc(bus, MessageType.UPLINK_TASK, _bad_utf8_prompt()), ResponseCode.INVALID_UTF8),
-    ("path_like_name", lambda bus: _tc(bus, MessageType.UPLINK_TASK, _uplink(task_id="../etc")), ResponseCode.PATH_LIKE_NAME),
-    ("oversized_image", lambda bus: _tc(bus, MessageType.IMAGE_CHUNK, _chunk(image_size=64 << 20)),
-     ResponseCode.IMAGE_TOO_LARGE),
+    (
+        "path_like_name",
+        lambda bus: _tc(bus, MessageType.UPLINK_TASK, _uplink(task_id="../etc")),
+        ResponseCode.PATH_LIKE_NAME,
+    ),
+    (
+        "oversized_image",
+        lambda bus: _tc(bus, MessageType.IMAGE_CHUNK, _chunk(image_size=64 << 20)),
+        ResponseCode.IMAGE_TOO_LARGE,
+    ),
     ("chunk_crc", lambda bus: _tc(bus, MessageType.IMAGE_CHUNK, _chunk(crc32c=123)), ResponseCode.CHUNK_CRC_MISMATCH),
-    ("undecodable_image", lambda bus: _tc(bus, MessageType.IMAGE_CHUNK, _chunk(data=b"not a picture at all")),
-     ResponseCode.IMAGE_UNDECODABLE),
+    (
+        "undecodable_image",
+        lambda bus: _tc(bus, MessageType.IMAGE_CHUNK, _chunk(data=b"not a picture at all")),
+        ResponseCode.IMAGE_UNDECODABLE,
+    ),
     # checked at uplink, each with its own code, instead of failing later as something else
-    ("blank_prompt", lambda bus: _tc(bus, MessageType.UPLINK_TASK, _uplink(prompt=" \n\t ")), ResponseCode.EMPTY_PROMPT),
-    ("thin_image", lambda bus: _tc(bus, MessageType.IMAGE_CHUNK, _chunk(data=_thin_png(), image="thin.png")),
-     ResponseCode.IMAGE_SHAPE_UNSUPPORTED),
+    (
+        "blank_prompt",
+        lambda bus: _tc(bus, MessageType.UPLINK_TASK, _uplink(prompt=" \n\t ")),
+        ResponseCode.EMPTY_PROMPT,
+    ),
+    (
+        "thin_image",
+        lambda bus: _tc(bus, MessageType.IMAGE_CHUNK, _chunk(data=_thin_png(), image="thin.png")),
+        ResponseCode.IMAGE_SHAPE_UNSUPPORTED,
+    ),
     ("far_ahead_sequence", _far_ahead, ResponseCode.SEQUENCE_TOO_FAR_AHEAD),
-    ("release_unknown", lambda bus: _tc(bus, MessageType.RELEASE_QUARANTINE, {"item": "task:nope"}),
-     ResponseCode.NOT_QUARANTINED),
+    (
+        "release_unknown",
+        lambda bus: _tc(bus, MessageType.RELEASE_QUARANTINE, {"item": "task:nope"}),
+        ResponseCode.NOT_QUARANTINED,
+    ),
 ]
 
 
@@ -96,16 +126,18 @@ def _flip_crc(bus):
 
 def test_each_bad_input_has_its_own_code_and_nothing_is_lost(payload):
     bus, proc = payload
-    seq = bus.command(m.UplinkTask(task_id="waiting", prompt="count the ships", images=["never.png"],
-                                   max_new_tokens=4, priority=1))
+    seq = bus.command(
+        m.UplinkTask(task_id="waiting", prompt="count the ships", images=["never.png"], max_new_tokens=4, priority=1)
+    )
     bus.wait_for(lambda h, x: isinstance(x, m.Accepted) and x.tc_seq == seq)
     codes = {}
     for name, make, expected in CASES:
         packet, seq = make(bus)
         mark = len(bus.received)
         bus.raw(packet)
-        rejected = bus.wait_for(lambda h, x: isinstance(x, m.Rejected) and (seq is None or x.tc_seq == seq),
-                                timeout=30, start=mark)[1]
+        rejected = bus.wait_for(
+            lambda h, x: isinstance(x, m.Rejected) and (seq is None or x.tc_seq == seq), timeout=30, start=mark
+        )[1]
         codes[name] = rejected.code
         assert rejected.code == expected, (name, rejected.code.name, rejected.reason)
         assert rejected.reason

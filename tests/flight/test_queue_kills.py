@@ -1,6 +1,7 @@
 """SIGKILL the queue writer at 25 random instants: after every restart the queue equals the
 effect of a prefix of the operations that covers every acknowledged one (nothing acknowledged
 is lost; at most the one operation in flight is either in or out); earlier runs stay intact."""
+
 import os
 import signal
 import subprocess
@@ -8,8 +9,8 @@ import sys
 import time
 
 import numpy as np
-
 import queue_hammer
+
 from flight.runtime.queue import TaskQueue
 
 
@@ -36,8 +37,12 @@ def test_queue_survives_sigkill_at_random_instants(tmp_path):
     next_order = 0
     script = os.path.join(os.path.dirname(__file__), "queue_hammer.py")
     for run in range(25):
-        proc = subprocess.Popen([sys.executable, script, directory, str(run)], stdout=subprocess.PIPE, text=True,
-                                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        proc = subprocess.Popen(
+            [sys.executable, script, directory, str(run)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
         assert proc.stdout.readline().strip() == "open"
         time.sleep(rng.uniform(0.01, 0.25))
         proc.send_signal(signal.SIGKILL)

@@ -2,6 +2,7 @@
 peer (tests/ground/ground_test_peer.py) on ephemeral loopback ports, sample pictures, and `ow` run
 in-process with only the ground component registered (so the tests exercise the real
 `common.cli.main` error handling without depending on other components)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,7 +43,10 @@ def peer(keys):
 
 @pytest.fixture
 def pictures(tmp_path) -> list[Path]:
-    return [write_picture(tmp_path / "coast.png", seed=1), write_picture(tmp_path / "harbour view.png", seed=2, size=(64, 64))]
+    return [
+        write_picture(tmp_path / "coast.png", seed=1),
+        write_picture(tmp_path / "harbour view.png", seed=2, size=(64, 64)),
+    ]
 
 
 @pytest.fixture

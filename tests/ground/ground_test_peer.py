@@ -15,6 +15,7 @@ link), a bus restart on the N-th chunk packet (that packet, queued packets and r
 sockets closed and rebound), a payload that never answers, one-shot rejections by the payload
 or by the bus.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -25,8 +26,20 @@ from collections import Counter
 
 import zmq
 
-from common.wire import Apid, MessageType, NodeId, PowerCause, ReplayError, ReplayGuard, ResponseCode, SequenceCounter, TaskPhase
-from common.wire import WireError, decode, encode
+from common.wire import (
+    Apid,
+    MessageType,
+    NodeId,
+    PowerCause,
+    ReplayError,
+    ReplayGuard,
+    ResponseCode,
+    SequenceCounter,
+    TaskPhase,
+    WireError,
+    decode,
+    encode,
+)
 from common.wire import messages as m
 from common.wire.ids import EventId
 from common.wire.link import (
@@ -86,7 +99,7 @@ class ScriptedBusPayloadPeer:
         self._thread = threading.Thread(target=self._loop, name="test-peer", daemon=True)
 
     # --- lifecycle ----------------------------------------------------------------------------
-    def start(self) -> "ScriptedBusPayloadPeer":
+    def start(self) -> ScriptedBusPayloadPeer:
         self._thread.start()
         return self
 
@@ -239,10 +252,17 @@ class ScriptedBusPayloadPeer:
     def housekeeping(self) -> m.Housekeeping:
         queued = [t for t in self.tasks.values() if t["state"] == "queued"]
         return m.Housekeeping(
-            queue_depth=len(queued), current_task=queued[0]["message"].task_id if queued else None,
-            phase=TaskPhase.PREFILL if queued else None, progress_done=1 if queued else 0, progress_total=4 if queued else 0,
-            checkpoint_bytes=123456, disk_free_bytes=9 * 1024**3, boot_count=self.boot_count,
-            command_count=len(self.commands), error_count=len(self.replays), uptime_s=time.monotonic() - self.booted_at,
+            queue_depth=len(queued),
+            current_task=queued[0]["message"].task_id if queued else None,
+            phase=TaskPhase.PREFILL if queued else None,
+            progress_done=1 if queued else 0,
+            progress_total=4 if queued else 0,
+            checkpoint_bytes=123456,
+            disk_free_bytes=9 * 1024**3,
+            boot_count=self.boot_count,
+            command_count=len(self.commands),
+            error_count=len(self.replays),
+            uptime_s=time.monotonic() - self.booted_at,
         )
 
     def _on_status(self, request, msg, rid) -> None:
@@ -266,10 +286,13 @@ class ScriptedBusPayloadPeer:
     def _on_image_chunk(self, request, msg: m.ImageChunk, rid) -> None:
         self.chunk_receipts[(msg.image, msg.index)] += 1
         image = self.images.setdefault(
-            msg.image, {"size": msg.image_size, "total": msg.total, "sha256": msg.sha256, "chunks": {}, "verified": False}
+            msg.image,
+            {"size": msg.image_size, "total": msg.total, "sha256": msg.sha256, "chunks": {}, "verified": False},
         )
         if (image["size"], image["total"], image["sha256"]) != (msg.image_size, msg.total, msg.sha256):
-            raise WireError(ResponseCode.CHUNK_CONFLICT, f"image {msg.image}: size/count/hash differ from earlier chunks")
+            raise WireError(
+                ResponseCode.CHUNK_CONFLICT, f"image {msg.image}: size/count/hash differ from earlier chunks"
+            )
         if not image["verified"] and msg.index not in image["chunks"]:
             image["chunks"][msg.index] = msg.data
             self.stored_chunks += 1
@@ -297,8 +320,13 @@ class ScriptedBusPayloadPeer:
             self._reply(m.Accepted.about(request, task_id=msg.task_id), rid)
             return
         self.tasks[msg.task_id] = {
-            "message": msg, "content": content, "request": request, "state": "queued", "priority": msg.priority,
-            "finish_at": None if self.task_run_s is None else time.monotonic() + self.task_run_s, "result": None,
+            "message": msg,
+            "content": content,
+            "request": request,
+            "state": "queued",
+            "priority": msg.priority,
+            "finish_at": None if self.task_run_s is None else time.monotonic() + self.task_run_s,
+            "result": None,
         }
         self._reply(m.Accepted.about(request, task_id=msg.task_id), rid)
 
@@ -308,8 +336,12 @@ class ScriptedBusPayloadPeer:
         self.publish(m.Progress.about(request, task_id=task_id, phase=TaskPhase.PREFILL, done=4, total=4))
         task["state"] = "completed"
         task["result"] = m.TaskResult(
-            task_id=task_id, token_ids=[5, 6, 7], text=RESULT_TEXT, logits_sha256=bytes(32),
-            timings={"prefill": 0.25, "total": 0.5}, interruptions=1,
+            task_id=task_id,
+            token_ids=[5, 6, 7],
+            text=RESULT_TEXT,
+            logits_sha256=bytes(32),
+            timings={"prefill": 0.25, "total": 0.5},
+            interruptions=1,
         )
         self.publish(m.Completed.about(request, task_id=task_id))
 
@@ -331,7 +363,11 @@ class ScriptedBusPayloadPeer:
             raise WireError(ResponseCode.TASK_FINISHED, f"task {msg.task_id} is {task['state']}")
         self._reply(m.Accepted.about(request, task_id=msg.task_id), rid)
         task["state"] = "cancelled"
-        self.publish(m.Failed.about(task["request"], task_id=msg.task_id, code=ResponseCode.CANCELLED, reason="cancelled by command"))
+        self.publish(
+            m.Failed.about(
+                task["request"], task_id=msg.task_id, code=ResponseCode.CANCELLED, reason="cancelled by command"
+            )
+        )
         self._reply(m.Completed.about(request, task_id=msg.task_id), rid)
 
     def _on_set_priority(self, request, msg: m.SetPriority, rid) -> None:

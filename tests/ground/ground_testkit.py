@@ -1,4 +1,5 @@
 """Helpers for the ground tests (importable: pytest puts this folder on sys.path)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,6 +20,12 @@ def write_picture(path: Path, *, seed: int = 0, size: tuple[int, int] = (96, 128
 
 def link_args(keys: KeyLayout, peer, timeout: float = 5.0) -> list[str]:
     return [
-        "--keys", str(keys.root), "--commands-endpoint", peer.commands_endpoint,
-        "--telemetry-endpoint", peer.telemetry_endpoint, "--timeout", str(timeout),
+        "--keys",
+        str(keys.root),
+        "--commands-endpoint",
+        peer.commands_endpoint,
+        "--telemetry-endpoint",
+        peer.telemetry_endpoint,
+        "--timeout",
+        str(timeout),
     ]

@@ -1,4 +1,5 @@
 """GroundClient used in-process, as a testbench or demo drives it (no CLI)."""
+
 from __future__ import annotations
 
 import pytest

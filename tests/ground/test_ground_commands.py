@@ -1,5 +1,6 @@
 """status, ping, results (with --wait), cancel, priority, events and keys init against the
 scripted test peer."""
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,9 @@ from ground.state import GroundState
 
 
 def uplinked_task(ow, keys, peer, pictures, *extra) -> str:
-    result = ow("ground", "uplink", *link_args(keys, peer), "--image", pictures[1], "--prompt", "count the ships", *extra)
+    result = ow(
+        "ground", "uplink", *link_args(keys, peer), "--image", pictures[1], "--prompt", "count the ships", *extra
+    )
     assert result.code == 0, result.err
     return result.out.strip()
 
@@ -133,8 +136,17 @@ def test_events_json_heartbeats_and_archive_replay(ow, keys, peer, telemetry):
     assert event["severity"] == "WARNING_HI" and event["body"]["event_id"] == "TASK_FAILED"
     # A later run replays what the first one archived after the number it names.
     last = records[-1]["n"]
-    replay = ow("ground", "events", *link_args(keys, peer), "--since", str(last - 3), "--duration", "0.1", "--json",
-                "--heartbeats")
+    replay = ow(
+        "ground",
+        "events",
+        *link_args(keys, peer),
+        "--since",
+        str(last - 3),
+        "--duration",
+        "0.1",
+        "--json",
+        "--heartbeats",
+    )
     replayed = [json.loads(line) for line in replay.out.splitlines()]
     assert [r["n"] for r in replayed[:3]] == [last - 2, last - 1, last]
 
@@ -147,13 +159,28 @@ def test_keys_init_reports_where_each_file_goes(ow, tmp_path):
     assert (keys_dir / "clients" / "ground.key_secret").stat().st_mode & 0o077 == 0
     second = json.loads(ow("ground", "keys", "init", "--keys", keys_dir, "--json").out)
     assert second["clients"]["ground"]["state"] == "kept"
-    forced = json.loads(ow("ground", "keys", "init", "--keys", keys_dir, "--force", "--json", "--client", "ground2").out)
+    forced = json.loads(
+        ow("ground", "keys", "init", "--keys", keys_dir, "--force", "--json", "--client", "ground2").out
+    )
     assert forced["server"]["state"] == "replaced" and forced["clients"]["ground2"]["state"] == "created"
     assert (keys_dir / "authorized" / "ground2.key").exists()
 
 
-@pytest.mark.parametrize("action", [[], ["keys"], ["keys", "init"], ["uplink"], ["status"], ["results"], ["events"], ["ping"],
-                                    ["cancel"], ["priority"]])
+@pytest.mark.parametrize(
+    "action",
+    [
+        [],
+        ["keys"],
+        ["keys", "init"],
+        ["uplink"],
+        ["status"],
+        ["results"],
+        ["events"],
+        ["ping"],
+        ["cancel"],
+        ["priority"],
+    ],
+)
 def test_every_command_explains_itself(ow, action):
     result = ow("ground", *action, "--help")
     assert result.code == 0 and "usage: ow ground" in result.out and "exit status" in result.out

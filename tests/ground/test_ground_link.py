@@ -1,6 +1,7 @@
 """The link: no answer (exit 4, clear message), no bus, an unlisted key or a wrong bus key gets
 no service, and the telecommand sequence counter never reuses a number across restarts or
 concurrent ground processes (and resynchronises when its file was lost)."""
+
 from __future__ import annotations
 
 import shutil
@@ -33,8 +34,18 @@ def _free_port() -> int:
 
 def test_no_bus_is_no_answer_exit_4(ow, keys):
     endpoint = f"tcp://127.0.0.1:{_free_port()}"
-    result = ow("ground", "ping", "--keys", keys.root, "--commands-endpoint", endpoint, "--telemetry-endpoint", endpoint,
-                "--timeout", "1")
+    result = ow(
+        "ground",
+        "ping",
+        "--keys",
+        keys.root,
+        "--commands-endpoint",
+        endpoint,
+        "--telemetry-endpoint",
+        endpoint,
+        "--timeout",
+        "1",
+    )
     assert result.code == 4
     assert "no CURVE handshake with the bus" in result.err and endpoint in result.err
     assert len(result.err.strip().splitlines()) == 1

@@ -1,6 +1,7 @@
 """`ow ground uplink` against the scripted test peer: chunked upload with verification, only
 missing chunks sent, resume after a payload power cut, a lost link and a bus restart, no
 duplicated task, and the payload's rejections reported with their code (exit 3)."""
+
 from __future__ import annotations
 
 import json
@@ -22,7 +23,9 @@ def uplink(ow, keys, peer, *extra, timeout=5.0):
 
 
 def test_uplink_sends_every_chunk_once_and_the_payload_verifies_the_files(ow, keys, peer, pictures):
-    result = uplink(ow, keys, peer, "--image", pictures[0], "--image", pictures[1], "--prompt", "count the ships", "--json")
+    result = uplink(
+        ow, keys, peer, "--image", pictures[0], "--image", pictures[1], "--prompt", "count the ships", "--json"
+    )
     assert result.code == 0, result.err
     report = json.loads(result.out)
     task_id = report["task_id"]
@@ -51,7 +54,10 @@ def test_only_chunks_the_payload_lacks_are_sent(ow, keys, peer, pictures):
     chunks = image.chunks(CHUNK)
     already = {0, 3, 4, 7, len(chunks) - 1}
     peer.images[image.name] = {
-        "size": image.size, "total": len(chunks), "sha256": image.sha256, "verified": False,
+        "size": image.size,
+        "total": len(chunks),
+        "sha256": image.sha256,
+        "verified": False,
         "chunks": {i: chunks[i].data for i in already},
     }
     result = uplink(ow, keys, peer, "--image", pictures[0], "--prompt", "p", "--json")
@@ -130,7 +136,9 @@ def test_uplink_works_when_answers_arrive_only_on_the_telemetry_link(ow, keys, p
         (MessageType.IMAGE_QUERY, ResponseCode.BUSY, "payload busy", "IMAGE_QUERY"),
     ],
 )
-def test_payload_rejection_exits_3_with_code_name_and_reason(ow, keys, peer, pictures, message_type, code, reason, what):
+def test_payload_rejection_exits_3_with_code_name_and_reason(
+    ow, keys, peer, pictures, message_type, code, reason, what
+):
     peer.reject_next[message_type] = (code, reason)
     result = uplink(ow, keys, peer, "--image", pictures[1], "--prompt", "p")
     assert result.code == 3
@@ -152,8 +160,19 @@ def test_a_task_id_taken_on_board_by_other_content_is_rejected_as_duplicate(ow, 
     local = uplink(ow, keys, peer, "--image", pictures[1], "--prompt", "second", "--task-id", "obs-1")
     assert local.code == 5 and "already uplinked with other content" in local.err and len(peer.commands) == sent
     # Unknown locally (another station's state): the payload rejects it.
-    other = uplink(ow, keys, peer, "--image", pictures[1], "--prompt", "second", "--task-id", "obs-1",
-                   "--state-dir", tmp_path / "other-state")
+    other = uplink(
+        ow,
+        keys,
+        peer,
+        "--image",
+        pictures[1],
+        "--prompt",
+        "second",
+        "--task-id",
+        "obs-1",
+        "--state-dir",
+        tmp_path / "other-state",
+    )
     assert other.code == 3 and "DUPLICATE_TASK" in other.err
     assert peer.tasks["obs-1"]["message"].prompt == "first"
 
@@ -177,8 +196,21 @@ def test_progress_bar_reports_bytes_on_stderr(ow, keys, peer, pictures):
 
 
 def test_uplink_task_carries_operator_values(ow, keys, peer, pictures):
-    result = uplink(ow, keys, peer, "--image", pictures[1], "--prompt", "fleet count ⛵", "--max-new-tokens", "17",
-                    "--priority", "200", "--task-id", "pass-42.a")
+    result = uplink(
+        ow,
+        keys,
+        peer,
+        "--image",
+        pictures[1],
+        "--prompt",
+        "fleet count ⛵",
+        "--max-new-tokens",
+        "17",
+        "--priority",
+        "200",
+        "--task-id",
+        "pass-42.a",
+    )
     assert result.code == 0, result.err
     message: m.UplinkTask = peer.tasks["pass-42.a"]["message"]
     assert (message.prompt, message.max_new_tokens, message.priority) == ("fleet count ⛵", 17, 200)
@@ -188,7 +220,10 @@ def test_chunks_held_from_an_uplink_with_another_chunk_size_still_count(ow, keys
     image = prepare_image(str(pictures[0]))
     earlier = image.chunks(4096)  # an interrupted earlier uplink used --chunk-bytes 4096
     peer.images[image.name] = {
-        "size": image.size, "total": len(earlier), "sha256": image.sha256, "verified": False,
+        "size": image.size,
+        "total": len(earlier),
+        "sha256": image.sha256,
+        "verified": False,
         "chunks": {i: earlier[i].data for i in range(4)},
     }
     result = uplink(ow, keys, peer, "--image", pictures[0], "--prompt", "p", "--json")  # now 2048
@@ -202,11 +237,16 @@ def test_chunks_from_an_odd_chunk_size_nobody_recorded_are_a_conflict_with_the_f
     image = prepare_image(str(pictures[0]))
     earlier = image.chunks(3000)
     peer.images[image.name] = {
-        "size": image.size, "total": len(earlier), "sha256": image.sha256, "verified": False,
+        "size": image.size,
+        "total": len(earlier),
+        "sha256": image.sha256,
+        "verified": False,
         "chunks": {0: earlier[0].data},
     }
     result = uplink(ow, keys, peer, "--image", pictures[0], "--prompt", "p")
     assert result.code == 3 and "CHUNK_CONFLICT" in result.err and "--chunk-bytes used then" in result.err
     assert not peer.commands_of(MessageType.IMAGE_CHUNK)
-    resumed = ow("ground", "uplink", *link_args(keys, peer), "--chunk-bytes", 3000, "--image", pictures[0], "--prompt", "p")
+    resumed = ow(
+        "ground", "uplink", *link_args(keys, peer), "--chunk-bytes", 3000, "--image", pictures[0], "--prompt", "p"
+    )
     assert resumed.code == 0 and peer.chunk_receipts[(image.name, 0)] == 0 and peer.images[image.name]["verified"]

@@ -1,6 +1,7 @@
 """A short campaign (2 traces x 2 policies) end to end with real processes, and its report. The
 payloads are forked from the bus's zygote with an emulated boot (hil/zygote.py): every output is
 still checked bit for bit against its uninterrupted reference."""
+
 import json
 
 import pytest
@@ -15,17 +16,33 @@ def _short_trace(path):
     import traces
     from traces.model import CutCause, PowerWindow
 
-    traces.dump(traces.Trace.from_windows("short", 60, [PowerWindow(0, 3.0, CutCause.FDIR, 0.0),
-                                                        PowerWindow(4.5, 60, None, 0.0)],
-                                          reference_request_s=10, description="test trace",
-                                          source={"kind": "manual"}, assumptions=["for the campaign test"]), path)
+    traces.dump(
+        traces.Trace.from_windows(
+            "short",
+            60,
+            [PowerWindow(0, 3.0, CutCause.FDIR, 0.0), PowerWindow(4.5, 60, None, 0.0)],
+            reference_request_s=10,
+            description="test trace",
+            source={"kind": "manual"},
+            assumptions=["for the campaign test"],
+        ),
+        path,
+    )
     return str(path)
 
 
 @pytest.mark.slow
 def test_short_campaign_end_to_end(model_dirs, tmp_path):
-    base = BenchConfig(trace="demo", model=model_dirs["qwen3-vl"], out_dir=str(tmp_path / "campaign"), requests=1,
-                       workload=default_workload(1, 12), time_scale=1.0, pace_ms=80, boot_trace_s=1.0)
+    base = BenchConfig(
+        trace="demo",
+        model=model_dirs["qwen3-vl"],
+        out_dir=str(tmp_path / "campaign"),
+        requests=1,
+        workload=default_workload(1, 12),
+        time_scale=1.0,
+        pace_ms=80,
+        boot_trace_s=1.0,
+    )
     short = _short_trace(tmp_path / "short.jsonl")
     cells = run_campaign(base, [short, "demo"], ["orbitweaver", "none"], [0], say=lambda s: None, jobs=2)
     assert len(cells) == 4
@@ -42,7 +59,9 @@ def test_short_campaign_end_to_end(model_dirs, tmp_path):
     for png in ("e2e.png", "completion.png", "bytes.png"):
         assert (tmp_path / "campaign" / png).stat().st_size > 1000
     rows = json.loads((tmp_path / "campaign" / "campaign.json").read_text())["rows"]
-    assert {(r["trace"], r["policy"]) for r in rows} == {(t, p) for t in (short, "demo") for p in ("orbitweaver", "none")}
+    assert {(r["trace"], r["policy"]) for r in rows} == {
+        (t, p) for t in (short, "demo") for p in ("orbitweaver", "none")
+    }
     # the cut in the short trace lands inside the request: orbitweaver resumes, none starts over
     by_policy = {c.policy: c.report for c in cells if c.trace == short}
     assert by_policy["orbitweaver"].cuts_total >= 1
@@ -51,20 +70,50 @@ def test_short_campaign_end_to_end(model_dirs, tmp_path):
 def _report(policy, trace, completed: list[bool], e2e=100.0):
     from hil.testbench import BenchReport, RequestReport
 
-    requests = [RequestReport(f"r{i}", "p", [], done, True if done else None, e2e if done else None,
-                              e2e if done else None, 1, [], [], None, 5 if done else 0) for i, done in enumerate(completed)]
-    return BenchReport(trace, policy, 0.1, 100.0, 1.0, requests, 3, 2, 2**20, 1.0, 10.0,
-                       sum(completed) / len(completed), all(completed) and bool(completed))
+    requests = [
+        RequestReport(
+            f"r{i}",
+            "p",
+            [],
+            done,
+            True if done else None,
+            e2e if done else None,
+            e2e if done else None,
+            1,
+            [],
+            [],
+            None,
+            5 if done else 0,
+        )
+        for i, done in enumerate(completed)
+    ]
+    return BenchReport(
+        trace,
+        policy,
+        0.1,
+        100.0,
+        1.0,
+        requests,
+        3,
+        2,
+        2**20,
+        1.0,
+        10.0,
+        sum(completed) / len(completed),
+        all(completed) and bool(completed),
+    )
 
 
 def test_report_says_when_a_policy_completes_nothing_and_forms_no_ratio_then(tmp_path):
     from hil.campaign import CampaignCell, load_cells, speedups, summarise, write_report
 
-    cells = [CampaignCell("trace-a", "orbitweaver (fixed)", 0, _report("orbitweaver", "trace-a", [True, True], 900.0)),
-             CampaignCell("trace-a", "sonic-layer", 0, _report("sonic-layer", "trace-a", [False, False])),
-             CampaignCell("trace-a", "hcache", 0, _report("hcache", "trace-a", [True, False], 2000.0)),
-             CampaignCell("trace-b", "orbitweaver (fixed)", 0, _report("orbitweaver", "trace-b", [True, True], 300.0)),
-             CampaignCell("trace-b", "sonic-layer", 0, _report("sonic-layer", "trace-b", [True, True], 600.0))]
+    cells = [
+        CampaignCell("trace-a", "orbitweaver (fixed)", 0, _report("orbitweaver", "trace-a", [True, True], 900.0)),
+        CampaignCell("trace-a", "sonic-layer", 0, _report("sonic-layer", "trace-a", [False, False])),
+        CampaignCell("trace-a", "hcache", 0, _report("hcache", "trace-a", [True, False], 2000.0)),
+        CampaignCell("trace-b", "orbitweaver (fixed)", 0, _report("orbitweaver", "trace-b", [True, True], 300.0)),
+        CampaignCell("trace-b", "sonic-layer", 0, _report("sonic-layer", "trace-b", [True, True], 600.0)),
+    ]
     rows = summarise(cells)
     ratios = {(r["trace"], r["policy"]): r for r in speedups(rows, "orbitweaver (fixed)")}
     assert ratios[("trace-b", "sonic-layer")]["ratio"] == 2.0

@@ -2,6 +2,7 @@
 payload's start delayed by twice its measured boot; a build with a deliberate change in behaviour
 fails it. (Finding 11: the recording's cuts, played at its wall instants, landed before the tasks
 could finish wherever the payload boots slower than where it was recorded.)"""
+
 import os
 import shutil
 from pathlib import Path
@@ -26,8 +27,13 @@ def test_a_slower_boot_than_the_recordings_still_replays_identically(model_dirs,
     from hil.testbench import measure_boot_seconds
 
     delay = 2 * measure_boot_seconds()
-    report = replay(str(LOG), str(tmp_path / "replay"), model=model_dirs["qwen3-vl"], say=lambda s: None,
-                    payload_start_delay_s=delay)
+    report = replay(
+        str(LOG),
+        str(tmp_path / "replay"),
+        model=model_dirs["qwen3-vl"],
+        say=lambda s: None,
+        payload_start_delay_s=delay,
+    )
     assert report.passed, report.differences
     assert any("clock held" in n for n in report.notes)
 

@@ -1,6 +1,7 @@
 """Random recovery problems for the planner tests: staircase frontiers (what an interrupted
 prefill leaves), arbitrary done sets (records lost or quarantined), missing boundary hidden
 states, blocks stored without KV (re-projected), and random non-negative costs."""
+
 from __future__ import annotations
 
 import itertools
@@ -30,10 +31,16 @@ def problems(draw, max_groups: int = 6, max_chunks: int = 4, with_costs: bool = 
         # Small integers (with zeros) make ties and degenerate cases common; floats the rest.
         value = st.one_of(st.integers(0, 3).map(float), st.floats(0.0, 3.0, allow_nan=False))
         grid = lambda: [[draw(value) for _ in range(chunks)] for _ in range(groups)]  # noqa: E731
-        costs = {"weights": [draw(value) for _ in range(groups)], "kv": grid(), "hidden": grid(),
-                 "compute": grid(), "reproject": grid()}
-    return RecoveryProblem(groups, chunks, done, with_hidden, need_last_hidden=draw(st.booleans()),
-                           kv_missing=kv_missing, costs=costs)
+        costs = {
+            "weights": [draw(value) for _ in range(groups)],
+            "kv": grid(),
+            "hidden": grid(),
+            "compute": grid(),
+            "reproject": grid(),
+        }
+    return RecoveryProblem(
+        groups, chunks, done, with_hidden, need_last_hidden=draw(st.booleans()), kv_missing=kv_missing, costs=costs
+    )
 
 
 def staircase(num_groups: int, num_chunks: int, progress: float) -> RecoveryProblem:

@@ -2,19 +2,19 @@
 need order, a prefill plan reads the visual tokens first, a decode restart runs its first step
 group by group behind the reads. Bitwise results after restarts in every phase are proven by
 tests/engine/test_exhaustive_stops.py; this checks what is read, in which order, against what."""
+
 from __future__ import annotations
 
 import threading
 
 import pytest
 import torch
+from testkit import MAX_NEW, CutAfter, engine, inputs_for, run_to_completion
 
 from flight.engine import SimulatedCut
 from flight.model.loader import load_model
 from flight.recovery.phases import VISION_OUT, PhaseExecutor, ReadAhead, StepOp
-from flight.recovery.plan import RecoveryProblem, ReadOp, make_plan
-
-from testkit import MAX_NEW, CutAfter, engine, inputs_for, run_to_completion
+from flight.recovery.plan import ReadOp, RecoveryProblem, make_plan
 
 
 def test_read_ahead_reads_in_order_and_hands_over_values_and_errors():
@@ -28,6 +28,7 @@ def test_read_ahead_reads_in_order_and_hands_over_values_and_errors():
             if fail:
                 raise OSError("bad sector")
             return value, 10
+
         return fn
 
     reads = ReadAhead([("a", read("a", 1)), ("b", read("b", 2)), ("c", read("c", fail=True)), ("d", read("d", 4))])
@@ -78,7 +79,8 @@ def _cut_then_resume(model_dirs, tmp_path, units: int):
 
 def test_restarts_read_what_their_phase_needs_first(model_dirs, tmp_path):
     ref = engine(load_model(model_dirs["qwen3-vl"], device="cpu")).run(
-        inputs_for(load_model(model_dirs["qwen3-vl"], device="cpu")), str(tmp_path / "ref"), MAX_NEW)
+        inputs_for(load_model(model_dirs["qwen3-vl"], device="cpu")), str(tmp_path / "ref"), MAX_NEW
+    )
     # vision: cut as block 3 of 4 ends, before its state is written: the state after block 2,
     # then the vision weights from block 2 on (blocks 0 and 1 are never read)
     _, vision = _cut_then_resume(model_dirs, tmp_path, 3)

@@ -1,10 +1,20 @@
 """Cost model: byte and FLOP counts, block costs, the target-emulated scaling, calibration."""
+
 import numpy as np
 import pytest
 
 from flight.recovery import cost
-from flight.recovery.cost import (MODELS, ORIN_AGX_NVME, BlockCosts, CostModel, ModelDims, cost_model_for,
-                                  even_chunks, even_groups, reference_costs)
+from flight.recovery.cost import (
+    MODELS,
+    ORIN_AGX_NVME,
+    BlockCosts,
+    CostModel,
+    ModelDims,
+    cost_model_for,
+    even_chunks,
+    even_groups,
+    reference_costs,
+)
 from flight.recovery.plan import ReadOp, RecoveryProblem
 
 KIB = 1024
@@ -20,9 +30,19 @@ def test_kv_sizes_match_the_released_checkpoints():
 
 
 def test_block_costs_by_hand():
-    m = CostModel(layer_weight_bytes=(100, 100, 100), embed_weight_bytes=50, head_weight_bytes=30,
-                  kv_bytes_per_token_layer=2, hidden_bytes_per_token=4, read_bytes_per_s=10.0, read_latency_s=1.0,
-                  layer_call_s=0.5, token_layer_s=0.01, pair_layer_s=0.001, reproject_share=0.5)
+    m = CostModel(
+        layer_weight_bytes=(100, 100, 100),
+        embed_weight_bytes=50,
+        head_weight_bytes=30,
+        kv_bytes_per_token_layer=2,
+        hidden_bytes_per_token=4,
+        read_bytes_per_s=10.0,
+        read_latency_s=1.0,
+        layer_call_s=0.5,
+        token_layer_s=0.01,
+        pair_layer_s=0.001,
+        reproject_share=0.5,
+    )
     c = m.block_costs([(0, 2), (2, 3)], [(0, 10), (10, 20), (20, 25)])
     assert c.weights.tolist() == [1 + 250 / 10, 1 + 130 / 10]
     assert c.kv[0].tolist() == pytest.approx([1 + 2 * 10 * 2 / 10, 1 + 2 * 10 * 2 / 10, 1 + 2 * 5 * 2 / 10])
@@ -63,8 +83,17 @@ def test_reference_costs_when_a_problem_has_none():
 def test_target_emulation_keeps_the_target_read_to_compute_ratio():
     dims = MODELS["qwen3-vl-4b"]
     target = CostModel.for_target(dims)
-    native = CostModel(**{**target.to_json(), "layer_call_s": 2e-3, "token_layer_s": 5e-3, "pair_layer_s": 1e-7,
-                          "read_bytes_per_s": 1.5e9, "read_latency_s": 1e-4, "label": "native"})
+    native = CostModel(
+        **{
+            **target.to_json(),
+            "layer_call_s": 2e-3,
+            "token_layer_s": 5e-3,
+            "pair_layer_s": 1e-7,
+            "read_bytes_per_s": 1.5e9,
+            "read_latency_s": 1e-4,
+            "label": "native",
+        }
+    )
     emulated = native.target_emulated(target, layers=2, tokens=1024)
     ref_native, ref_target = native.compute_s(2, 1024, 1024), target.compute_s(2, 1024, 1024)
     assert emulated.compute_s(2, 1024, 1024) == ref_native  # compute as measured

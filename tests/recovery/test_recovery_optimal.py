@@ -1,26 +1,37 @@
 """The optimal planner: exact over group orders (brute force), never worse than the fixed orders,
 never below the lower bound, always a plan the executor can run."""
+
 import itertools
 import random
 import time
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from recovery_instances import problems, staircase
 
 from flight.recovery.cost import BlockCosts
-from flight.recovery.optimal import (analyse, best_compute_order, lower_bound, optimal, partitions,
-                                     plan_for_group_order, solve)
+from flight.recovery.optimal import (
+    analyse,
+    best_compute_order,
+    lower_bound,
+    optimal,
+    partitions,
+    plan_for_group_order,
+    solve,
+)
 from flight.recovery.plan import PLANNERS, ComputeOp, PlanError, RecoveryPlan, RecoveryProblem, make_plan
 from flight.recovery.simulate import simulate
-from recovery_instances import problems, staircase
 
 TOL = 1e-9
 
 
 def brute_force_group_orders(problem):
     s = analyse(problem)
-    return min(simulate(plan_for_group_order(problem, list(order), structure=s), problem).makespan
-               for order in itertools.permutations(s.active))
+    return min(
+        simulate(plan_for_group_order(problem, list(order), structure=s), problem).makespan
+        for order in itertools.permutations(s.active)
+    )
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -62,6 +73,7 @@ def test_plans_without_costs_use_the_reference_payload(problem):
 
 def topological_orders(kind):
     """All job orders the executor accepts (dependencies before dependents)."""
+
     def deps(g, c):
         out = {(g - 1, c)} if kind.get((g - 1, c)) == "block" else set()
         if kind[(g, c)] == "block":
@@ -110,8 +122,9 @@ def test_bundle_order_and_trailing_reads_are_dominant(problem, rnd):
             reads += [s.bundles[g][0]] + rest
         for op in s.trailing:
             reads.insert(rnd.randint(0, len(reads)), op)
-        value = simulate(RecoveryPlan("x", reads, best_compute_order(problem, reads, s.costs, s.kind)),
-                         problem).makespan
+        value = simulate(
+            RecoveryPlan("x", reads, best_compute_order(problem, reads, s.costs, s.kind)), problem
+        ).makespan
         assert sol.group_order_makespan <= value + TOL
 
 
@@ -125,17 +138,27 @@ def test_lower_bound_holds_for_every_read_order(problem):
     bound = lower_bound(problem)
     for perm in itertools.permutations(gating):
         reads = list(perm) + s.trailing
-        value = simulate(RecoveryPlan("x", reads, best_compute_order(problem, reads, s.costs, s.kind)),
-                         problem).makespan
+        value = simulate(
+            RecoveryPlan("x", reads, best_compute_order(problem, reads, s.costs, s.kind)), problem
+        ).makespan
         assert value >= bound - TOL
 
 
 def test_worked_example_chooses_the_order_that_hides_reads():
     # Group 0 needs a long KV read before its block; group 1's block can start right after its
     # weights and hidden input. Reading group 1 first hides group 0's KV behind that compute.
-    p = RecoveryProblem(2, 2, {(0, 0), (1, 0)}, {(0, 0), (1, 0)}, costs={
-        "weights": [1.0, 1.0], "kv": [[6.0, 0.0], [0.5, 0.0]], "hidden": [[1.0, 1.0], [1.0, 1.0]],
-        "compute": [[1.0, 1.0], [1.0, 6.0]]})
+    p = RecoveryProblem(
+        2,
+        2,
+        {(0, 0), (1, 0)},
+        {(0, 0), (1, 0)},
+        costs={
+            "weights": [1.0, 1.0],
+            "kv": [[6.0, 0.0], [0.5, 0.0]],
+            "hidden": [[1.0, 1.0], [1.0, 1.0]],
+            "compute": [[1.0, 1.0], [1.0, 6.0]],
+        },
+    )
     # jobs (0,1) needs W0 + KV00 (7); (1,1) needs W1 + KV10 + (0,1) computed
     sol = solve(p)
     assert sol.group_order == [0, 1]  # (1,1) depends on (0,1): group 0's bundle must come first anyway
@@ -178,9 +201,18 @@ def test_random_larger_instances_validate_and_beat_the_fixed_orders():
     for _ in range(20):
         ng, nc = rng.randint(6, 12), rng.randint(2, 8)
         done = {(g, c) for g in range(ng) for c in range(nc) if rng.random() < 0.6}
-        p = RecoveryProblem(ng, nc, done, {b for b in done if rng.random() < 0.9}, costs={
-            "weights": [rng.uniform(0.5, 2) for _ in range(ng)], "kv": rng.uniform(0.1, 1), "hidden": 0.1,
-            "compute": [[rng.uniform(0.5, 1.5) * (1 + 0.2 * c) for c in range(nc)] for _ in range(ng)]})
+        p = RecoveryProblem(
+            ng,
+            nc,
+            done,
+            {b for b in done if rng.random() < 0.9},
+            costs={
+                "weights": [rng.uniform(0.5, 2) for _ in range(ng)],
+                "kv": rng.uniform(0.1, 1),
+                "hidden": 0.1,
+                "compute": [[rng.uniform(0.5, 1.5) * (1 + 0.2 * c) for c in range(nc)] for _ in range(ng)],
+            },
+        )
         plan = make_plan("optimal", p)
         value = simulate(plan, p).makespan
         assert value <= min(simulate(make_plan(n, p), p).makespan for n in ("chunk-first", "layer-first")) + TOL
@@ -202,9 +234,20 @@ def test_reprojection_is_released_by_its_own_input_alone():
     # computed after (0,0). Reading group 1 first lets the long re-projection hide W0's read:
     #   W1 [0,1] H01 [1,2] W0 [2,7] | reproject (1,1) [2,8] (0,0) [8,9] (1,0) [9,10] | KV01, H11 [7,7.2]
     # whereas group 0 first gives W0 [0,5] W1 [5,6] H01 [6,7] -> reproject [7,13].
-    p = RecoveryProblem(2, 2, {(0, 1), (1, 1)}, {(0, 1), (1, 1)}, kv_missing={(1, 1)}, costs={
-        "weights": [5.0, 1.0], "kv": 0.1, "hidden": [[1.0, 1.0], [1.0, 0.1]], "compute": 1.0,
-        "reproject": [[1.0, 1.0], [1.0, 6.0]]})
+    p = RecoveryProblem(
+        2,
+        2,
+        {(0, 1), (1, 1)},
+        {(0, 1), (1, 1)},
+        kv_missing={(1, 1)},
+        costs={
+            "weights": [5.0, 1.0],
+            "kv": 0.1,
+            "hidden": [[1.0, 1.0], [1.0, 0.1]],
+            "compute": 1.0,
+            "reproject": [[1.0, 1.0], [1.0, 6.0]],
+        },
+    )
     sol = solve(p)
     assert sol.group_order == [1, 0]
     assert sol.group_order_makespan == pytest.approx(10.0) and sol.makespan == pytest.approx(10.0)
@@ -221,9 +264,18 @@ def test_a_tie_with_layer_first_runs_layer_first_itself():
     plain = layer_first(tie)
     assert sol.chosen == "layer-first (tie)"
     assert sol.plan.order_digest() == plain.order_digest() and sol.plan.planner == "optimal"
-    better = RecoveryProblem(2, 2, {(0, 0), (1, 0), (0, 1)}, {(0, 0), (1, 0), (0, 1)}, costs={
-        "weights": [1.0, 1.0], "kv": [[6.0, 0.0], [0.5, 0.0]], "hidden": [[1.0, 1.0], [1.0, 1.0]],
-        "compute": [[1.0, 1.0], [1.0, 6.0]]})
+    better = RecoveryProblem(
+        2,
+        2,
+        {(0, 0), (1, 0), (0, 1)},
+        {(0, 0), (1, 0), (0, 1)},
+        costs={
+            "weights": [1.0, 1.0],
+            "kv": [[6.0, 0.0], [0.5, 0.0]],
+            "hidden": [[1.0, 1.0], [1.0, 1.0]],
+            "compute": [[1.0, 1.0], [1.0, 6.0]],
+        },
+    )
     sol = solve(better)
     assert sol.chosen != "layer-first (tie)"
     assert sol.makespan < simulate(layer_first(better), better).makespan - TOL

@@ -1,8 +1,10 @@
 """The lifecycle simulator: record sizes are the engine's, sessions behave like the engine's
 phases across cuts, and the real-size figures are computable (fast: no model runs)."""
+
 import math
 
 import pytest
+from testkit import GEOMETRY, MAX_NEW, engine, inputs_for
 
 from common.record import Kind, TensorSpec, encode, encoded_size
 from flight.checkpoint.policies import Geometry
@@ -10,27 +12,40 @@ from hil.sim.lifecycle import Durable, RequestModel, trace_windows
 from hil.sim.models import REAL_MODELS, Request, frames_request, spec_from_dir
 from hil.sim.platform import Platform, Storage, target_platform
 
-from testkit import GEOMETRY, MAX_NEW, engine, inputs_for
-
 POLICIES = ("orbitweaver", "sonic-layer", "sonic-chunk", "hcache", "sonic-layer+", "sonic-chunk+", "hcache+")
 
 
 def test_encoded_size_is_the_encoders_size():
     import torch
 
-    tensors = {"k.0": torch.zeros(1, 2, 7, 32, dtype=torch.bfloat16), "v.0": torch.ones(1, 2, 7, 32),
-               "hidden": torch.zeros(3, 5)}
+    tensors = {
+        "k.0": torch.zeros(1, 2, 7, 32, dtype=torch.bfloat16),
+        "v.0": torch.ones(1, 2, 7, 32),
+        "hidden": torch.zeros(3, 5),
+    }
     meta = {"group": 3, "chunk": 11, "layers": [6, 8], "tokens": [16, 23]}
     real = encode(Kind.PREFILL_BLOCK, meta, tensors, salt=(1 << 62) + 12345).nbytes
-    specs = {"k.0": TensorSpec("bfloat16", (1, 2, 7, 32)), "v.0": TensorSpec("float32", (1, 2, 7, 32)),
-             "hidden": TensorSpec("float32", (3, 5))}
+    specs = {
+        "k.0": TensorSpec("bfloat16", (1, 2, 7, 32)),
+        "v.0": TensorSpec("float32", (1, 2, 7, 32)),
+        "hidden": TensorSpec("float32", (3, 5)),
+    }
     assert encoded_size(Kind.PREFILL_BLOCK, meta, specs) == real
 
 
 def _instant(pace=1.0):
     """A platform where every unit takes `pace` and storage is instant."""
-    return Platform("test", Storage(1e15, 0.0, 1e15, 0.0), boot_s=0.0, first_start_s=0.0, setup_s=0.0,
-                    vision_block_s=pace, vision_extra_s=0.0, decode_step_s=pace, pace_s=pace)
+    return Platform(
+        "test",
+        Storage(1e15, 0.0, 1e15, 0.0),
+        boot_s=0.0,
+        first_start_s=0.0,
+        setup_s=0.0,
+        vision_block_s=pace,
+        vision_extra_s=0.0,
+        decode_step_s=pace,
+        pace_s=pace,
+    )
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -88,8 +103,13 @@ def test_a_cut_in_prefill_resumes_and_loses_at_most_the_block_in_flight():
 def test_durable_state_keeps_only_commits_before_the_cut():
     spec = REAL_MODELS["qwen3-vl-2b"]
     request = frames_request(1, 1024, new_tokens=4)
-    m = RequestModel(spec, request, target_platform(spec, request), "sonic-layer",
-                     Geometry(chunk=512, group=4, decode_every=4, vision_every=4))
+    m = RequestModel(
+        spec,
+        request,
+        target_platform(spec, request),
+        "sonic-layer",
+        Geometry(chunk=512, group=4, decode_every=4, vision_every=4),
+    )
     res = m.uninterrupted()
     blocks = sorted((c.t, c.key) for c in res.commits if c.kind == "block")
     cut = blocks[5][0] + 1e-9

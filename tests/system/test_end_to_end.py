@@ -4,6 +4,7 @@ in decode -- a payload killed in the middle of an image uplink, and the bus itse
 restarted mid-run. Every task completes with the
 uninterrupted answer; no task is lost or run twice; the uplink resumes without re-sending a
 chunk."""
+
 from __future__ import annotations
 
 import os
@@ -20,7 +21,6 @@ import traces
 from common.record import Kind, decode
 from common.wire.link import Endpoints, init_keys
 from ground.client import DEFAULT_WINDOW, GroundClient
-
 from hil import buslog as bl
 from hil.bus import BusConfig, BusProcess
 from hil.testbench import BenchConfig, RequestSpec, reference_run
@@ -45,9 +45,18 @@ def _trace(path: Path) -> str:
         windows.append(PowerWindow(t, t + 8.0, cause, lead))
         t += 9.5
     windows.append(PowerWindow(t, 400.0, None, 0.0))
-    traces.dump(traces.Trace.from_windows("e2e", 400.0, windows, reference_request_s=10.0,
-                                          description="end-to-end test: ten 8 s windows, then on",
-                                          source={"kind": "manual"}, assumptions=["test"]), path)
+    traces.dump(
+        traces.Trace.from_windows(
+            "e2e",
+            400.0,
+            windows,
+            reference_request_s=10.0,
+            description="end-to-end test: ten 8 s windows, then on",
+            source={"kind": "manual"},
+            assumptions=["test"],
+        ),
+        path,
+    )
     return str(path)
 
 
@@ -87,9 +96,11 @@ def test_three_tasks_through_cuts_payload_reboot_mid_uplink_and_bus_restart(mode
     model = model_dirs["qwen3-vl"]
     samples = sorted(str(p) for p in (Path(__file__).resolve().parents[2] / "hil" / "samples").glob("*.png"))
     big = _big_png(tmp_path / "big.png")
-    specs = [RequestSpec((samples[0], samples[1]), "count the ships near the coast", 12),
-             RequestSpec((samples[2], samples[3]), "describe the clouds over the fields", 12),
-             RequestSpec((big,), "report any fire or flood in this scene", 12)]
+    specs = [
+        RequestSpec((samples[0], samples[1]), "count the ships near the coast", 12),
+        RequestSpec((samples[2], samples[3]), "describe the clouds over the fields", 12),
+        RequestSpec((big,), "report any fire or flood in this scene", 12),
+    ]
     cfg = BenchConfig(trace="demo", model=model, out_dir=str(tmp_path), **ENGINE)
     refs = [reference_run(model, s, cfg, str(tmp_path / f"ref{i}")) for i, s in enumerate(specs)]
 
@@ -98,12 +109,33 @@ def test_three_tasks_through_cuts_payload_reboot_mid_uplink_and_bus_restart(mode
     data = tmp_path / "bus"
     ports = [_free_port() for _ in range(3)]
     endpoints = Endpoints(*(f"tcp://127.0.0.1:{p}" for p in ports))
-    flight_args = ["--chunk", str(ENGINE["chunk"]), "--group", str(ENGINE["group"]), "--decode-every",
-                   str(ENGINE["decode_every"]), "--vision-every", "1", "--threads", "1", "--pace-ms", str(PACE_MS),
-                   "--device", "cpu"]
-    bus_cfg = BusConfig(trace=_trace(tmp_path / "e2e.jsonl"), data_dir=str(data), keys_dir=keys, time_scale=1.0,
-                        endpoints=endpoints, model=model, flight_args=flight_args, fdir_off_s=1.0,
-                        heartbeat_timeout_s=30.0)
+    flight_args = [
+        "--chunk",
+        str(ENGINE["chunk"]),
+        "--group",
+        str(ENGINE["group"]),
+        "--decode-every",
+        str(ENGINE["decode_every"]),
+        "--vision-every",
+        "1",
+        "--threads",
+        "1",
+        "--pace-ms",
+        str(PACE_MS),
+        "--device",
+        "cpu",
+    ]
+    bus_cfg = BusConfig(
+        trace=_trace(tmp_path / "e2e.jsonl"),
+        data_dir=str(data),
+        keys_dir=keys,
+        time_scale=1.0,
+        endpoints=endpoints,
+        model=model,
+        flight_args=flight_args,
+        fdir_off_s=1.0,
+        heartbeat_timeout_s=30.0,
+    )
     bus = BusProcess(bus_cfg).start()
     uplinks, killed = {}, threading.Event()
     phase_kills: list[str] = []
@@ -122,7 +154,11 @@ def test_three_tasks_through_cuts_payload_reboot_mid_uplink_and_bus_restart(mode
             except (OSError, ValueError):
                 entries = []
             progress = [e for e in entries[seen:] if e.kind == bl.PAYLOAD_REPORT and e.data.get("type") == "PROGRESS"]
-            if progress and wanted[0] in (None, progress[-1].data.get("phase")) and progress[-1].data.get("done", 0) >= 2:
+            if (
+                progress
+                and wanted[0] in (None, progress[-1].data.get("phase"))
+                and progress[-1].data.get("done", 0) >= 2
+            ):
                 pids = _flight_pids(str(data))
                 if pids:
                     for pid in pids:
@@ -161,13 +197,15 @@ def test_three_tasks_through_cuts_payload_reboot_mid_uplink_and_bus_restart(mode
             time.sleep(0.02)
 
     try:
-        with GroundClient(keys, endpoints=endpoints, timeout_s=15.0, retries=100, progress=False,
-                          notify=lambda s: None) as ground:
+        with GroundClient(
+            keys, endpoints=endpoints, timeout_s=15.0, retries=100, progress=False, notify=lambda s: None
+        ) as ground:
             for i, spec in enumerate(specs):
                 if i == 2:
                     threading.Thread(target=kill_payload_mid_uplink, daemon=True).start()
-                uplinks[f"t{i}"] = ground.uplink(list(spec.images), spec.prompt, max_new_tokens=spec.max_new_tokens,
-                                                 task_id=f"t{i}")
+                uplinks[f"t{i}"] = ground.uplink(
+                    list(spec.images), spec.prompt, max_new_tokens=spec.max_new_tokens, task_id=f"t{i}"
+                )
             assert killed.is_set(), "the payload was never killed during the big uplink"
             watcher.start()
             time.sleep(6)
@@ -189,11 +227,16 @@ def test_three_tasks_through_cuts_payload_reboot_mid_uplink_and_bus_restart(mode
     assert big_upload.verified
     assert big_upload.chunks <= big_upload.chunks_sent <= big_upload.chunks + DEFAULT_WINDOW
     first_run = next(iter(bl.runs(bl.read_log(data / bl.LOG_FILE)).values()))
-    chunk_times = [e.wall_s for e in first_run if e.kind == bl.COMMAND_FORWARDED and e.data.get("type") == "IMAGE_CHUNK"]
+    chunk_times = [
+        e.wall_s for e in first_run if e.kind == bl.COMMAND_FORWARDED and e.data.get("type") == "IMAGE_CHUNK"
+    ]
     exits = [e.wall_s for e in first_run if e.kind in (bl.PAYLOAD_EXITED, bl.FDIR_ACTION)]
     assert any(min(chunk_times) < t < max(chunk_times) for t in exits), "no payload reboot during the uplink"
-    completions = [e for e in bl.read_log(data / bl.LOG_FILE)
-                   if e.kind == bl.PAYLOAD_REPORT and e.data.get("type") == "EVENT" and e.data.get("event") == "IMAGE_COMPLETE"]
+    completions = [
+        e
+        for e in bl.read_log(data / bl.LOG_FILE)
+        if e.kind == bl.PAYLOAD_REPORT and e.data.get("type") == "EVENT" and e.data.get("event") == "IMAGE_COMPLETE"
+    ]
     assert sum("big-" in e.data.get("text", "") for e in completions) == 1
     # no task lost or run twice: none left in the payload's journal of live tasks, each completed
     # in the result store, and completed once
@@ -201,8 +244,11 @@ def test_three_tasks_through_cuts_payload_reboot_mid_uplink_and_bus_restart(mode
     live = {e["task"]["task_id"] for e in journal if e["op"] in ("submit", "task")}
     live -= {e["task_id"] for e in journal if e["op"] == "finished"}
     assert not live & {"t0", "t1", "t2"}
-    completions = [e.data.get("task_id") for e in bl.read_log(data / bl.LOG_FILE)
-                   if e.kind == bl.PAYLOAD_REPORT and e.data.get("event") == "TASK_COMPLETED"]
+    completions = [
+        e.data.get("task_id")
+        for e in bl.read_log(data / bl.LOG_FILE)
+        if e.kind == bl.PAYLOAD_REPORT and e.data.get("event") == "TASK_COMPLETED"
+    ]
     for task in ("t0", "t1", "t2"):
         stored, _ = decode((data / "payload" / "results" / f"{task}.rec").read_bytes(), expect_kind=Kind.FINISHED_TASK)
         assert stored.meta["task"]["state"] == "completed"

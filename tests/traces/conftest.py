@@ -1,10 +1,10 @@
 """Shared fixtures for the trace tests."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-
 from trace_testkit import EXAMPLE_LINES, write_lines  # noqa: F401
 
 

@@ -1,5 +1,6 @@
 """BUPT-1 importer: re-importing the real telemetry reproduces the shipped trace, and the imported
 trace is consistent with the raw logs."""
+
 from __future__ import annotations
 
 import csv

@@ -1,4 +1,5 @@
 """Trace commands as registered into an argparse tree (as `ow hil` does) and via `python -m traces`."""
+
 from __future__ import annotations
 
 import json
@@ -7,13 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from trace_testkit import run, write_lines
 
 from common.cli import CliError
 from traces import load
 from traces.format import dumps
 from traces.presets import generate
-
-from trace_testkit import run, write_lines
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,8 +24,10 @@ def test_trace_info_prints_the_statistics(name: str, capsys):
     out = capsys.readouterr().out
     s = load(name).stats()
     assert f"windows      {s.windows}" in out
-    assert f"cuts         {s.cuts}: power {s.cuts_by_cause['power']}, thermal {s.cuts_by_cause['thermal']}, " \
-           f"fdir {s.cuts_by_cause['fdir']}, contention {s.cuts_by_cause['contention']}" in out
+    assert (
+        f"cuts         {s.cuts}: power {s.cuts_by_cause['power']}, thermal {s.cuts_by_cause['thermal']}, "
+        f"fdir {s.cuts_by_cause['fdir']}, contention {s.cuts_by_cause['contention']}" in out
+    )
     assert f"mean {round(s.window_mean_s, 1):g} s" in out
     assert f"duty cycle   {100 * s.duty_cycle:.1f} %" in out
     assert f"warning      {s.warned_cuts} of {s.cuts} cuts warned" in out

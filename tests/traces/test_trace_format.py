@@ -1,21 +1,21 @@
 """Trace file format: the validator rejects each kind of malformation at the right file and line,
 valid files round-trip exactly, and the documentation's example is valid."""
+
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from trace_testkit import write_lines
 
 import traces
 from traces import CutCause, PowerWindow, TelemetrySample, Trace, TraceError
 from traces.format import dumps, load, loads, validate, validate_lines
-
-from trace_testkit import write_lines
 
 Mutation = Callable[[list[str]], list[str]]
 
@@ -81,44 +81,132 @@ BROKEN = [
     ("unknown-event-type", replace_line(13, '{"type":"reboot","t":8}'), 13, 'unknown event type "reboot"'),
     ("event-unknown-key", replace_line(17, '{"type":"cut","t":11,"cause":"fdir","lead":0}'), 17, 'unknown key "lead"'),
     ("cut-missing-cause", replace_line(17, '{"type":"cut","t":11,"lead_s":0}'), 17, 'missing "cause"'),
-    ("cut-unknown-cause", replace_line(17, '{"type":"cut","t":11,"cause":"solar","lead_s":0}'), 17,
-     "the cause must be one of power, thermal, fdir, contention"),
-    ("cut-null-cause", replace_line(17, '{"type":"cut","t":11,"cause":null,"lead_s":0}'), 17, "the cause must be one of"),
+    (
+        "cut-unknown-cause",
+        replace_line(17, '{"type":"cut","t":11,"cause":"solar","lead_s":0}'),
+        17,
+        "the cause must be one of power, thermal, fdir, contention",
+    ),
+    (
+        "cut-null-cause",
+        replace_line(17, '{"type":"cut","t":11,"cause":null,"lead_s":0}'),
+        17,
+        "the cause must be one of",
+    ),
     ("t-not-number", replace_line(13, '{"type":"power_on","t":"8"}'), 13, '"t" must be a number'),
     ("t-boolean", replace_line(13, '{"type":"power_on","t":true}'), 13, '"t" must be a number'),
-    ("negative-lead", replace_line(17, '{"type":"cut","t":11,"cause":"power","lead_s":-1}'), 17, "must be a number >= 0"),
+    (
+        "negative-lead",
+        replace_line(17, '{"type":"cut","t":11,"cause":"power","lead_s":-1}'),
+        17,
+        "must be a number >= 0",
+    ),
     ("event-after-end", replace_line(17, '{"type":"cut","t":13,"cause":"fdir","lead_s":0}'), 17, "outside the trace"),
     ("time-backwards", replace_line(13, '{"type":"power_on","t":6.5}'), 13, "time goes backwards"),
-    ("event-after-same-time-sample", lambda ls: ls[:12] + [ls[13], ls[12]] + ls[14:], 14,
-     "comes after the telemetry sample at the same time"),
+    (
+        "event-after-same-time-sample",
+        lambda ls: ls[:12] + [ls[13], ls[12]] + ls[14:],
+        14,
+        "comes after the telemetry sample at the same time",
+    ),
     ("double-power-on", replace_line(9, '{"type":"power_on","t":5}'), 9, "already on"),
     ("cut-while-off", insert_before(12, '{"type":"cut","t":7,"cause":"power","lead_s":0}'), 12, "already off"),
-    ("zero-length-window", lambda ls: ls[:13] + ['{"type":"cut","t":8,"cause":"fdir","lead_s":0}'] + ls[13:16] + ls[17:],
-     14, "a window must be longer than 0"),
-    ("zero-off-time", lambda ls: ls[:9] + ['{"type":"power_on","t":5}'] + ls[9:12] + ls[13:], 10,
-     "an off period must be longer than 0"),
-    ("warning-while-off", insert_before(12, '{"type":"warning","t":7,"cause":"power","lead_s":4}'), 12, "while the payload is off"),
-    ("warning-zero-lead", replace_line(6, '{"type":"warning","t":3,"cause":"thermal","lead_s":0}'), 6, "a warning needs lead_s > 0"),
-    ("second-warning", insert_before(7, '{"type":"warning","t":3,"cause":"thermal","lead_s":2}'), 7, "second warning in one window"),
-    ("warning-wrong-time", replace_line(6, '{"type":"warning","t":3,"cause":"thermal","lead_s":3}'), 6,
-     "announces a cut at t=6, but the window's cut is at t=5 (line 9)"),
-    ("warning-cause-mismatch", replace_line(9, '{"type":"cut","t":5,"cause":"power","lead_s":2}'), 9,
-     "but its warning (line 6) announced 'thermal'"),
+    (
+        "zero-length-window",
+        lambda ls: ls[:13] + ['{"type":"cut","t":8,"cause":"fdir","lead_s":0}'] + ls[13:16] + ls[17:],
+        14,
+        "a window must be longer than 0",
+    ),
+    (
+        "zero-off-time",
+        lambda ls: ls[:9] + ['{"type":"power_on","t":5}'] + ls[9:12] + ls[13:],
+        10,
+        "an off period must be longer than 0",
+    ),
+    (
+        "warning-while-off",
+        insert_before(12, '{"type":"warning","t":7,"cause":"power","lead_s":4}'),
+        12,
+        "while the payload is off",
+    ),
+    (
+        "warning-zero-lead",
+        replace_line(6, '{"type":"warning","t":3,"cause":"thermal","lead_s":0}'),
+        6,
+        "a warning needs lead_s > 0",
+    ),
+    (
+        "second-warning",
+        insert_before(7, '{"type":"warning","t":3,"cause":"thermal","lead_s":2}'),
+        7,
+        "second warning in one window",
+    ),
+    (
+        "warning-wrong-time",
+        replace_line(6, '{"type":"warning","t":3,"cause":"thermal","lead_s":3}'),
+        6,
+        "announces a cut at t=6, but the window's cut is at t=5 (line 9)",
+    ),
+    (
+        "warning-cause-mismatch",
+        replace_line(9, '{"type":"cut","t":5,"cause":"power","lead_s":2}'),
+        9,
+        "but its warning (line 6) announced 'thermal'",
+    ),
     ("cut-lead-without-warning", delete_line(6), 8, "has lead_s=2 but no warning in its window"),
-    ("cut-lead-zero-after-warning", replace_line(9, '{"type":"cut","t":5,"cause":"thermal","lead_s":0}'), 9,
-     "its warning (line 6) came 2 s before"),
-    ("fdir-with-lead", lambda ls: ls[:15] + ['{"type":"warning","t":10,"cause":"fdir","lead_s":1}', ls[15],
-                                             '{"type":"cut","t":11,"cause":"fdir","lead_s":1}'] + ls[17:],
-     18, "FDIR resets are never announced (lead_s must be 0)"),
-    ("fdir-warning", lambda ls: ls[:15] + ['{"type":"warning","t":10,"cause":"fdir","lead_s":1}', ls[15],
-                                           '{"type":"cut","t":11,"cause":"fdir","lead_s":1}'] + ls[17:],
-     16, "warning with cause 'fdir'"),
-    ("warning-past-end", lambda ls: ls[:16] + ['{"type":"warning","t":11,"cause":"power","lead_s":5}'] + ls[17:], 17,
-     "after the end of the trace"),
-    ("warning-never-cut", lambda ls: ls[:16] + ['{"type":"warning","t":11,"cause":"power","lead_s":1}'] + ls[17:], 17,
-     "the trace ends before any cut"),
+    (
+        "cut-lead-zero-after-warning",
+        replace_line(9, '{"type":"cut","t":5,"cause":"thermal","lead_s":0}'),
+        9,
+        "its warning (line 6) came 2 s before",
+    ),
+    (
+        "fdir-with-lead",
+        lambda ls: (
+            ls[:15]
+            + [
+                '{"type":"warning","t":10,"cause":"fdir","lead_s":1}',
+                ls[15],
+                '{"type":"cut","t":11,"cause":"fdir","lead_s":1}',
+            ]
+            + ls[17:]
+        ),
+        18,
+        "FDIR resets are never announced (lead_s must be 0)",
+    ),
+    (
+        "fdir-warning",
+        lambda ls: (
+            ls[:15]
+            + [
+                '{"type":"warning","t":10,"cause":"fdir","lead_s":1}',
+                ls[15],
+                '{"type":"cut","t":11,"cause":"fdir","lead_s":1}',
+            ]
+            + ls[17:]
+        ),
+        16,
+        "warning with cause 'fdir'",
+    ),
+    (
+        "warning-past-end",
+        lambda ls: ls[:16] + ['{"type":"warning","t":11,"cause":"power","lead_s":5}'] + ls[17:],
+        17,
+        "after the end of the trace",
+    ),
+    (
+        "warning-never-cut",
+        lambda ls: ls[:16] + ['{"type":"warning","t":11,"cause":"power","lead_s":1}'] + ls[17:],
+        17,
+        "the trace ends before any cut",
+    ),
     ("telemetry-gap", delete_line(11), 11, "telemetry sample 6 expected at t=6, found t=7"),
-    ("telemetry-duplicate", insert_before(11, "[5,16.21,0.95,55,0]"), 11, "telemetry sample 6 expected at t=6, found t=5"),
+    (
+        "telemetry-duplicate",
+        insert_before(11, "[5,16.21,0.95,55,0]"),
+        11,
+        "telemetry sample 6 expected at t=6, found t=5",
+    ),
     ("telemetry-arity", replace_line(11, "[6,16.21,0.95,52.1]"), 11, "has 4 values; expected 5"),
     ("telemetry-soc-range", replace_line(11, "[6,16.21,1.5,52.1,0]"), 11, "battery_soc=1.5 at t=6 is outside [0, 1]"),
     ("telemetry-negative-power", replace_line(11, "[6,16.21,0.95,52.1,-3]"), 11, "payload_power_w=-3"),
@@ -151,7 +239,7 @@ def test_validator_reports_file_and_line(tmp_path: Path, example_lines, mutation
         (b"", 0, "empty file"),
         (b"\xef\xbb\xbf", 1, "byte-order mark"),
         (None, 19, "does not end with a newline"),
-        (b"{\"format\":\"orbitweaver-trace\"\xff}\n", 1, "not valid UTF-8"),
+        (b'{"format":"orbitweaver-trace"\xff}\n', 1, "not valid UTF-8"),
     ],
     ids=["empty", "bom", "truncated", "not-utf8"],
 )

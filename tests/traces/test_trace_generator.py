@@ -1,4 +1,5 @@
 """Physical generator: determinism and physics sanity (orbit, thermal, battery, FDIR, contention)."""
+
 from __future__ import annotations
 
 import math
@@ -85,7 +86,7 @@ def test_battery_drains_in_eclipse_and_brown_out_thresholds_hold():
     assert len(intervals) == 3
     for start, end in intervals:
         # No harvest in eclipse: the state of charge can only fall (allow equal rounded values).
-        assert all(b <= a for a, b in zip(soc[start + 1:end], soc[start + 2:end]))
+        assert all(b <= a for a, b in zip(soc[start + 1 : end], soc[start + 2 : end]))
         assert soc[end - 1] < soc[start]
     power_cuts = [c for c in trace.cuts() if c.cause is CutCause.POWER]
     assert len(power_cuts) >= 3
@@ -131,7 +132,7 @@ def test_payload_heats_from_45_to_55_in_48_s_and_is_cut_there():
         assert abs(window.length_s - expected) <= 1.2
     # Off, the payload cools towards the 25 C structure and restarts at 45 C.
     for before, after in zip(windows, windows[1:]):
-        cooling = temps[int(before.end_s) + 1:int(after.start_s) + 1]
+        cooling = temps[int(before.end_s) + 1 : int(after.start_s) + 1]
         assert all(b < a for a, b in zip(cooling, cooling[1:]))
         assert cooling[-1] <= 45.0 < cooling[-2]
     # Thermal cut frequency: one heat/cool cycle of 48 s + 48 s (symmetric around 25 / 75 C).

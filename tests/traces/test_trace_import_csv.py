@@ -3,12 +3,14 @@
 and line, stopping or warning as docs/trace-format.md section 10 says; the other BUPT-1 layouts
 (Unix time stamps, two payloads side by side, multiplexed temperature and solar channels); the bus
 plays an imported trace."""
+
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
 import pytest
+from trace_testkit import run
 
 from common.cli import CliError
 from traces import CutCause, load, shipped_path
@@ -16,16 +18,48 @@ from traces.format import validate
 from traces.importers import bupt1
 from traces.importers.bupt1 import default_data_dir
 
-from trace_testkit import run
-
 DATA = default_data_dir()
 needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"BUPT-1 data folder {DATA} is absent")
 
-ENERGY = ["--time", "Time", "--time-unit", "datetime", "--spread-repeats", "--current", "I_Atlas200DK-B",
-          "--on-above", "100", "--voltage", "Total_U", "--voltage-unit", "mV", "--battery", "Battery_U",
-          "--battery-unit", "mV", "--no-reading", "Battery_U=0", "--payload-volts", "12"]
-OVERHEAT = ["--time", "TIME", "--time-unit", "min", "--current", "I_Atlas200DK-B", "--on-above", "100",
-            "--temperature", "ATLAS_B_TEMP", "--thermal-at", "30", "--payload-volts", "12"]
+ENERGY = [
+    "--time",
+    "Time",
+    "--time-unit",
+    "datetime",
+    "--spread-repeats",
+    "--current",
+    "I_Atlas200DK-B",
+    "--on-above",
+    "100",
+    "--voltage",
+    "Total_U",
+    "--voltage-unit",
+    "mV",
+    "--battery",
+    "Battery_U",
+    "--battery-unit",
+    "mV",
+    "--no-reading",
+    "Battery_U=0",
+    "--payload-volts",
+    "12",
+]
+OVERHEAT = [
+    "--time",
+    "TIME",
+    "--time-unit",
+    "min",
+    "--current",
+    "I_Atlas200DK-B",
+    "--on-above",
+    "100",
+    "--temperature",
+    "ATLAS_B_TEMP",
+    "--thermal-at",
+    "30",
+    "--payload-volts",
+    "12",
+]
 
 
 def import_csv_cli(files, options, out: Path, *extra: str) -> int:
@@ -46,8 +80,12 @@ def failure(files, options, out: Path, *extra: str) -> CliError:
 def test_the_generic_importer_turns_the_bupt1_files_into_the_shipped_trace(tmp_path, capsys):
     energy, overheat = tmp_path / "energy.jsonl", tmp_path / "overheat.jsonl"
     assert import_csv_cli([DATA / bupt1.ENERGY_ALL, DATA / bupt1.ENERGY_PAYLOAD], ENERGY, energy) == 0
-    assert import_csv_cli([DATA / bupt1.OVERHEAT_POWER, DATA / bupt1.OVERHEAT_TEMPERATURE], OVERHEAT, overheat,
-                          "--from", "25200") == 0
+    assert (
+        import_csv_cli(
+            [DATA / bupt1.OVERHEAT_POWER, DATA / bupt1.OVERHEAT_TEMPERATURE], OVERHEAT, overheat, "--from", "25200"
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     assert "warning" not in err, err
     assert "the payload is on at the start" in err  # the excerpt's first power_on, said out loud
@@ -61,8 +99,10 @@ def test_the_generic_importer_turns_the_bupt1_files_into_the_shipped_trace(tmp_p
     preset = tmp_path / "bupt1.jsonl"
     assert run(["trace-import-bupt1", "--data", str(DATA), "--out", str(preset)]) == 0
     assert preset.read_bytes() == shipped_path("bupt1").read_bytes()
-    assert [files for files, _ in bupt1.preset()] == [(bupt1.ENERGY_ALL, bupt1.ENERGY_PAYLOAD),
-                                                      (bupt1.OVERHEAT_POWER, bupt1.OVERHEAT_TEMPERATURE)]
+    assert [files for files, _ in bupt1.preset()] == [
+        (bupt1.ENERGY_ALL, bupt1.ENERGY_PAYLOAD),
+        (bupt1.OVERHEAT_POWER, bupt1.OVERHEAT_TEMPERATURE),
+    ]
 
 
 def _copy(source: Path, target: Path, lines: int, edit=None) -> Path:
@@ -93,25 +133,36 @@ def overheat_copy(tmp_path):
 def _set(line: int, text: str):
     def edit(rows):
         rows[line - 1] = text
+
     return edit
 
 
 def _cell(line: int, text: str):
     """Replace the value (second cell) of a line, keeping its time stamp."""
+
     def edit(rows):
         rows[line - 1] = rows[line - 1].split(",")[0] + "," + text
+
     return edit
 
 
-@pytest.mark.parametrize("damage, file_index, line, message", [
-    (dict(temperature_edit=_cell(5, "hot")), 1, 5, "column ATLAS_B_TEMP is not a number: 'hot'"),
-    (dict(temperature_edit=_cell(5, "nan")), 1, 5, "column ATLAS_B_TEMP is not a finite number"),
-    (dict(temperature_edit=_cell(7, "300")), 1, 7, "temperature 300 C is outside the trace format's range"),
-    (dict(power_edit=lambda rows: rows.__setitem__(slice(10, 12), [rows[11], rows[10]])), 0, 12,
-     "time goes backward: TIME is at 18 s here but at 20 s on line 11"),
-    (dict(temperature_edit=_set(1, "TIME,ATLAS_TEMP")), 0, 1, "missing column(s) ATLAS_B_TEMP"),
-    (dict(power_edit=_cell(40, "580,1")), 0, 40, "3 cells, the header has 2 columns"),
-], ids=["not-a-number", "nan", "out-of-range", "backward-time", "missing-column", "extra-cell"])
+@pytest.mark.parametrize(
+    "damage, file_index, line, message",
+    [
+        (dict(temperature_edit=_cell(5, "hot")), 1, 5, "column ATLAS_B_TEMP is not a number: 'hot'"),
+        (dict(temperature_edit=_cell(5, "nan")), 1, 5, "column ATLAS_B_TEMP is not a finite number"),
+        (dict(temperature_edit=_cell(7, "300")), 1, 7, "temperature 300 C is outside the trace format's range"),
+        (
+            dict(power_edit=lambda rows: rows.__setitem__(slice(10, 12), [rows[11], rows[10]])),
+            0,
+            12,
+            "time goes backward: TIME is at 18 s here but at 20 s on line 11",
+        ),
+        (dict(temperature_edit=_set(1, "TIME,ATLAS_TEMP")), 0, 1, "missing column(s) ATLAS_B_TEMP"),
+        (dict(power_edit=_cell(40, "580,1")), 0, 40, "3 cells, the header has 2 columns"),
+    ],
+    ids=["not-a-number", "nan", "out-of-range", "backward-time", "missing-column", "extra-cell"],
+)
 def test_damaged_copies_stop_with_file_and_line(overheat_copy, tmp_path, damage, file_index, line, message):
     files = overheat_copy(**damage)
     error = failure(files, OVERHEAT, tmp_path / "out.jsonl")
@@ -129,12 +180,18 @@ def test_gaps_repeats_and_empty_cells_are_warnings_and_the_import_goes_on(overhe
     assert import_csv_cli(files, OVERHEAT, out) == 0
     err = capsys.readouterr().err.splitlines()
     power, temperature = files
-    assert f"{power}:21: warning: same time stamp as line 20: the later row is the reading at that time " \
-           "(--spread-repeats takes such rows as evenly spaced samples)" in err
-    assert f"{power}:101: warning: gap of 122 s after line 100 (more than 4 s): the reading of line 100 is " \
-           "held across it" in err
-    assert f"{temperature}:30: warning: column ATLAS_B_TEMP is empty: no reading in this row (the previous " \
-           "one holds)" in err
+    assert (
+        f"{power}:21: warning: same time stamp as line 20: the later row is the reading at that time "
+        "(--spread-repeats takes such rows as evenly spaced samples)" in err
+    )
+    assert (
+        f"{power}:101: warning: gap of 122 s after line 100 (more than 4 s): the reading of line 100 is "
+        "held across it" in err
+    )
+    assert (
+        f"{temperature}:30: warning: column ATLAS_B_TEMP is empty: no reading in this row (the previous "
+        "one holds)" in err
+    )
     assert validate(out) == []
     trace = load(out)
     # the reading before the gap holds through it: nothing interpolated
@@ -147,16 +204,21 @@ def test_an_excerpt_outside_the_data_is_refused(overheat_copy, tmp_path):
     late = failure(files, OVERHEAT, tmp_path / "o", "--to", "700")
     assert "is after the end of the data (log time 596 s)" in str(late)
     assert "has no reading at or before the start" in str(failure(files, OVERHEAT, tmp_path / "o", "--from", "-10"))
-    wrong = failure(files, ["--time", "TIME", "--current", "I_Atlas200DK-B", "--on-above", "100",
-                            "--thermal-at", "30"], tmp_path / "o")
+    wrong = failure(
+        files,
+        ["--time", "TIME", "--current", "I_Atlas200DK-B", "--on-above", "100", "--thermal-at", "30"],
+        tmp_path / "o",
+    )
     assert wrong.code == 2 and "--thermal-at needs --temperature" in str(wrong)
 
 
 def test_minute_stamps_repeat_unless_spread_and_uneven_minutes_are_reported(tmp_path, capsys):
     if not DATA.is_dir():
         pytest.skip(f"BUPT-1 data folder {DATA} is absent")
-    energy = [_copy(DATA / bupt1.ENERGY_ALL, tmp_path / "all.csv", 601),
-              _copy(DATA / bupt1.ENERGY_PAYLOAD, tmp_path / "payload.csv", 301)]
+    energy = [
+        _copy(DATA / bupt1.ENERGY_ALL, tmp_path / "all.csv", 601),
+        _copy(DATA / bupt1.ENERGY_PAYLOAD, tmp_path / "payload.csv", 301),
+    ]
     out = tmp_path / "out.jsonl"
     no_spread = [option for option in ENERGY if option != "--spread-repeats"]
     assert import_csv_cli(energy, no_spread, out) == 0
@@ -171,7 +233,8 @@ def test_minute_stamps_repeat_unless_spread_and_uneven_minutes_are_reported(tmp_
     assert f"{energy[0]}:182: warning: 59 rows share this time stamp where 60 usually do" in err
     seconds = [option if option != "datetime" else "s" for option in ENERGY]
     assert "is a date-time, not a number in s: '2023/3/2 00:00' (--time-unit datetime)" in str(
-        failure(energy, seconds, tmp_path / "s"))
+        failure(energy, seconds, tmp_path / "s")
+    )
     voltage_in_volts = [option if option != "mV" else "V" for option in ENERGY]
     assert "is the column in mV? (--voltage-unit mV)" in str(failure(energy, voltage_in_volts, tmp_path / "v"))
 
@@ -183,15 +246,18 @@ def _side_by_side(path: Path) -> Path:
     """The layout of BUPT-1's atlasAB_surtemp.csv: Unix time stamps, two payloads' currents and
     temperatures side by side, two solar channels, temperatures multiplexed (0 in rows that carry
     no reading). Atlas B runs from 3 s until it reaches 30 C at 150 s; Atlas A from 50 s to 100 s."""
-    lines = ["TIME,ATLAS_A_TEMP,ATLAS_B_TEMP,PI_A_TEMP,MPPT1_Uin,MPPT1_Iin,MPPT2_Uin,MPPT2_Iin,"
-             "I_Atlas200DK-A,I_Atlas200DK-B"]
+    lines = [
+        "TIME,ATLAS_A_TEMP,ATLAS_B_TEMP,PI_A_TEMP,MPPT1_Uin,MPPT1_Iin,MPPT2_Uin,MPPT2_Iin,I_Atlas200DK-A,I_Atlas200DK-B"
+    ]
     for i in range(200):
         sampled = i % 4 < 2
         temp_a, temp_b = (10.0 + i / 50, 2.0 + 29 * min(i, 150) / 150) if sampled else (0.0, 0.0)
         current_a = 600.0 if 50 <= i < 100 else 0.0
         current_b = 620.0 if 3 <= i < 150 else 0.0
-        lines.append(f"{1690106650 + i},{temp_a:.1f},{temp_b:.1f},{1.0 if sampled else 0.0},16000.0,110.0,15600.0,"
-                     f"1970.0,{current_a},{current_b}")
+        lines.append(
+            f"{1690106650 + i},{temp_a:.1f},{temp_b:.1f},{1.0 if sampled else 0.0},16000.0,110.0,15600.0,"
+            f"1970.0,{current_a},{current_b}"
+        )
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -200,10 +266,32 @@ def test_unix_time_two_payloads_side_by_side_and_multiplexed_temperatures(tmp_pa
     log = _side_by_side(tmp_path / "atlasAB_surtemp.csv")
     common = ["--time", "TIME", "--time-unit", "unix", "--on-above", "100", "--thermal-at", "30"]
     b, a = tmp_path / "b.jsonl", tmp_path / "a.jsonl"
-    assert import_csv_cli([log], common + ["--current", "I_Atlas200DK-B", "--temperature", "ATLAS_B_TEMP",
-                                           "--no-reading", "ATLAS_B_TEMP=0"], b) == 0
-    assert import_csv_cli([log], common + ["--current", "I_Atlas200DK-A", "--temperature", "ATLAS_A_TEMP",
-                                           "--no-reading", "ATLAS_A_TEMP=0", "--name", "atlas-a"], a) == 0
+    assert (
+        import_csv_cli(
+            [log],
+            common + ["--current", "I_Atlas200DK-B", "--temperature", "ATLAS_B_TEMP", "--no-reading", "ATLAS_B_TEMP=0"],
+            b,
+        )
+        == 0
+    )
+    assert (
+        import_csv_cli(
+            [log],
+            common
+            + [
+                "--current",
+                "I_Atlas200DK-A",
+                "--temperature",
+                "ATLAS_A_TEMP",
+                "--no-reading",
+                "ATLAS_A_TEMP=0",
+                "--name",
+                "atlas-a",
+            ],
+            a,
+        )
+        == 0
+    )
     notes = capsys.readouterr().err
     assert "log time 0 is the first time stamp, 1690106650 s after 1970-01-01 UTC (2023-07-23 10:04:10 UTC)" in notes
     trace_b, trace_a = load(b), load(a)
@@ -227,13 +315,43 @@ def test_the_bus_plays_an_imported_trace(tmp_path):
 
     log = _side_by_side(tmp_path / "atlasAB_surtemp.csv")
     trace = tmp_path / "b.jsonl"
-    assert import_csv_cli([log], ["--time", "TIME", "--time-unit", "unix", "--on-above", "100", "--current",
-                                  "I_Atlas200DK-B", "--temperature", "ATLAS_B_TEMP", "--thermal-at", "30",
-                                  "--no-reading", "ATLAS_B_TEMP=0", "--payload-volts", "12"], trace) == 0
+    assert (
+        import_csv_cli(
+            [log],
+            [
+                "--time",
+                "TIME",
+                "--time-unit",
+                "unix",
+                "--on-above",
+                "100",
+                "--current",
+                "I_Atlas200DK-B",
+                "--temperature",
+                "ATLAS_B_TEMP",
+                "--thermal-at",
+                "30",
+                "--no-reading",
+                "ATLAS_B_TEMP=0",
+                "--payload-volts",
+                "12",
+            ],
+            trace,
+        )
+        == 0
+    )
     init_keys(tmp_path / "keys")
-    cfg = BusConfig(trace=str(trace), data_dir=tmp_path / "bus", keys_dir=tmp_path / "keys", time_scale=0.02,
-                    endpoints=Endpoints("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", "tcp://127.0.0.1:*"),
-                    payload_command=["sleep", "600"], boot_timeout_s=0, heartbeat_timeout_s=0, stop_at_end=True)
+    cfg = BusConfig(
+        trace=str(trace),
+        data_dir=tmp_path / "bus",
+        keys_dir=tmp_path / "keys",
+        time_scale=0.02,
+        endpoints=Endpoints("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", "tcp://127.0.0.1:*"),
+        payload_command=["sleep", "600"],
+        boot_timeout_s=0,
+        heartbeat_timeout_s=0,
+        stop_at_end=True,
+    )
     bus = BusThread(cfg).start()
     try:
         bus._thread.join(120)  # the trace's 199 s at 0.02 wall s per trace s, then the bus stops itself
@@ -249,6 +367,12 @@ def test_help_explains_the_mapping(capsys):
     with pytest.raises(SystemExit):
         run(["trace-import-csv", "--help"])
     text = re.sub(r"\s+", " ", capsys.readouterr().out)
-    for phrase in ("--on-above MILLIAMPS", "--time-unit {s,min,ms,unix,datetime}", "latest reading at or before",
-                   "FILE:LINE", "--spread-repeats", "examples"):
+    for phrase in (
+        "--on-above MILLIAMPS",
+        "--time-unit {s,min,ms,unix,datetime}",
+        "latest reading at or before",
+        "FILE:LINE",
+        "--spread-repeats",
+        "examples",
+    ):
         assert phrase in text

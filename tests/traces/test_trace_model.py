@@ -1,4 +1,5 @@
 """Typed trace API: windows, cuts, statistics, time scaling, concatenation, lookups."""
+
 from __future__ import annotations
 
 import math
@@ -127,10 +128,16 @@ def test_is_on_at_and_telemetry_at(hand_made: Trace):
 
 
 def test_concat_merges_a_window_open_at_the_seam():
-    first = Trace.from_windows("a", 10.0, [PowerWindow(2.0, 10.0, None)],
-                               telemetry=flat_telemetry(10), telemetry_period_s=1.0)
-    second = Trace.from_windows("b", 10.0, [PowerWindow(0.0, 4.0, CutCause.CONTENTION, 1.0)],
-                                telemetry=flat_telemetry(10), telemetry_period_s=1.0)
+    first = Trace.from_windows(
+        "a", 10.0, [PowerWindow(2.0, 10.0, None)], telemetry=flat_telemetry(10), telemetry_period_s=1.0
+    )
+    second = Trace.from_windows(
+        "b",
+        10.0,
+        [PowerWindow(0.0, 4.0, CutCause.CONTENTION, 1.0)],
+        telemetry=flat_telemetry(10),
+        telemetry_period_s=1.0,
+    )
     joined = first.concat(second, name="ab")
     assert joined.problems() == []
     assert joined.duration_s == 20.0
@@ -149,8 +156,13 @@ def test_concat_refuses_an_inconsistent_seam():
 
 
 def test_repeated_builds_a_longer_valid_trace():
-    one = Trace.from_windows("r", 100.0, [PowerWindow(10.0, 40.0, CutCause.THERMAL, 5.0)],
-                             telemetry=flat_telemetry(100), telemetry_period_s=1.0)
+    one = Trace.from_windows(
+        "r",
+        100.0,
+        [PowerWindow(10.0, 40.0, CutCause.THERMAL, 5.0)],
+        telemetry=flat_telemetry(100),
+        telemetry_period_s=1.0,
+    )
     many = one.repeated(5)
     assert many.problems() == []
     assert many.duration_s == 500.0

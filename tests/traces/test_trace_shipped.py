@@ -1,5 +1,6 @@
 """The traces shipped in traces/data/: valid, small, regenerable byte for byte, and each shaped
 the way its documentation says."""
+
 from __future__ import annotations
 
 import pytest

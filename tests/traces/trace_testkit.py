@@ -1,4 +1,5 @@
 """Helpers shared by the trace tests (importable: pytest puts each test folder on sys.path)."""
+
 from __future__ import annotations
 
 import argparse

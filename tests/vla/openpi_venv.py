@@ -4,6 +4,7 @@ openpi-client pins numpy<2 (this project uses numpy 2), so it gets its own virtu
 built once from the package registry and cached in `.venv-openpi/` at the repository root
 (override with OW_OPENPI_VENV); the registry is reached only to build it.
 """
+
 import fcntl
 import os
 import shutil
@@ -17,9 +18,17 @@ REPO = Path(__file__).resolve().parents[2]
 OPENPI_CLIENT = "openpi-client==0.1.2"
 # openpi-client 0.1.2 imports typing_extensions without declaring it as a dependency.
 UNDECLARED = ["typing_extensions"]
-NETWORK_ERRORS = ("NewConnectionError", "Temporary failure in name resolution", "Network is unreachable",
-                  "Could not fetch URL", "No matching distribution found", "ConnectTimeout", "ReadTimeout",
-                  "Connection refused", "ProxyError")
+NETWORK_ERRORS = (
+    "NewConnectionError",
+    "Temporary failure in name resolution",
+    "Network is unreachable",
+    "Could not fetch URL",
+    "No matching distribution found",
+    "ConnectTimeout",
+    "ReadTimeout",
+    "Connection refused",
+    "ProxyError",
+)
 
 
 def openpi_python() -> Path:
@@ -33,9 +42,12 @@ def openpi_python() -> Path:
             return py
         shutil.rmtree(root, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "venv", str(root)], check=True)
-        pip = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", OPENPI_CLIENT,
-                              *UNDECLARED],
-                             capture_output=True, text=True, timeout=600)
+        pip = subprocess.run(
+            [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", OPENPI_CLIENT, *UNDECLARED],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         if pip.returncode != 0:
             shutil.rmtree(root, ignore_errors=True)
             text = pip.stdout + pip.stderr

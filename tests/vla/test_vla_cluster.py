@@ -8,6 +8,7 @@ the same observation. Then the worker node is killed (SIGKILL to its whole proce
 model comes back on the head node, served again with the right answers; a robot with a wrong key
 is refused. No timed asserts: every wait is a hang guard with a generous limit.
 """
+
 import json
 import os
 import shutil
@@ -21,7 +22,6 @@ import time
 import numpy as np
 import psutil
 import pytest
-
 from openpi_venv import REPO, openpi_python
 
 pytest.importorskip("ray.serve", reason="Ray Serve is in the test extra; `make venv` installs it")
@@ -31,10 +31,15 @@ TOKEN = "cluster-test-robot-key-0001"
 # Each node its own loopback address: Ray turns 127.0.0.1 into the machine's routable address,
 # and every packet of this test stays on loopback.
 HEAD_IP, WORKER_IP = "127.0.0.2", "127.0.0.3"
-RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_health_check_period_ms": "1000",
-           "RAY_health_check_failure_threshold": "5", "OMP_NUM_THREADS": "1", "RAY_DEDUP_LOGS": "0"}
+RAY_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_failure_threshold": "5",
+    "OMP_NUM_THREADS": "1",
+    "RAY_DEDUP_LOGS": "0",
+}
 
-CLIENT = r'''
+CLIENT = r"""
 import json, sys, time, zlib
 import numpy as np
 from openpi_client import msgpack_numpy
@@ -74,7 +79,7 @@ try:
 except Exception as exc:
     refused = f"{type(exc).__name__}: {exc}"
 json.dump({"records": records, "refused": refused}, open(out + ".json", "w"))
-'''
+"""
 
 
 def _free_ports(n):
@@ -91,20 +96,37 @@ def _ray_node(tmp, short, name, ip, resources, *, head_port=None, gcs=None):
     """A `ray start --block` node in its own session; returns the process (its tree is the node).
     Its temp dir is under a short path: Ray's unix socket paths must stay under 108 bytes."""
     nm, om, agent_grpc, agent_http, metrics, rt_env = _free_ports(6)
-    args = [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--block", "--disable-usage-stats",
-            f"--node-ip-address={ip}", "--num-cpus=2", f"--resources={json.dumps(resources)}",
-            f"--temp-dir={short}/{name}", f"--node-manager-port={nm}", f"--object-manager-port={om}",
-            f"--dashboard-agent-grpc-port={agent_grpc}", f"--dashboard-agent-listen-port={agent_http}",
-            f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={rt_env}"]
+    args = [
+        os.path.join(os.path.dirname(sys.executable), "ray"),
+        "start",
+        "--block",
+        "--disable-usage-stats",
+        f"--node-ip-address={ip}",
+        "--num-cpus=2",
+        f"--resources={json.dumps(resources)}",
+        f"--temp-dir={short}/{name}",
+        f"--node-manager-port={nm}",
+        f"--object-manager-port={om}",
+        f"--dashboard-agent-grpc-port={agent_grpc}",
+        f"--dashboard-agent-listen-port={agent_http}",
+        f"--metrics-export-port={metrics}",
+        f"--runtime-env-agent-port={rt_env}",
+    ]
     if head_port:
         client_port, dash = _free_ports(2)
-        args += ["--head", f"--port={head_port}", "--include-dashboard=false", f"--ray-client-server-port={client_port}",
-                 f"--dashboard-port={dash}"]
+        args += [
+            "--head",
+            f"--port={head_port}",
+            "--include-dashboard=false",
+            f"--ray-client-server-port={client_port}",
+            f"--dashboard-port={dash}",
+        ]
     else:
         args += [f"--address={gcs}"]
     log = open(tmp / f"{name}.log", "w")
-    return subprocess.Popen(args, cwd=REPO, env={**os.environ, **RAY_ENV}, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(
+        args, cwd=REPO, env={**os.environ, **RAY_ENV}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def _await_node(tmp, name, proc, relaunch):
@@ -163,8 +185,12 @@ def _expected_actions(model, record, arrays, n):
     from common.vla.models import Observation, VlaPolicy
 
     policy = _policies.setdefault(model, VlaPolicy(MODELS[model]))
-    obs = Observation([arrays[f"image{n}"], arrays[f"wrist{n}"]], arrays[f"state{n}"].astype(np.float32),
-                      record["prompt"], record["seed"])
+    obs = Observation(
+        [arrays[f"image{n}"], arrays[f"wrist{n}"]],
+        arrays[f"state{n}"].astype(np.float32),
+        record["prompt"],
+        record["seed"],
+    )
     return policy.infer(obs)
 
 
@@ -173,8 +199,12 @@ _policies = {}
 
 def _ask(py, port, tmp, tag, seed):
     out = tmp / tag
-    run = subprocess.run([str(py), str(tmp / "robot.py"), str(port), TOKEN, str(out), str(seed)],
-                         capture_output=True, text=True, timeout=400)
+    run = subprocess.run(
+        [str(py), str(tmp / "robot.py"), str(port), TOKEN, str(out), str(seed)],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     doc = json.loads((tmp / f"{tag}.json").read_text())
     arrays = np.load(tmp / f"{tag}.npz")
@@ -196,6 +226,7 @@ def test_plan_served_by_two_ray_nodes_survives_losing_one(tmp_path):
     short = tempfile.mkdtemp(prefix="owray-", dir="/tmp")
     head = worker = cluster = None
     try:
+
         def start_head():
             return _ray_node(tmp_path, short, "head", HEAD_IP, {"vla_gpu": 2, "vla_head": 1}, head_port=gcs_port)
 
@@ -208,18 +239,54 @@ def test_plan_served_by_two_ray_nodes_survives_losing_one(tmp_path):
         head = _await_node(tmp_path, "head", head, start_head)
         worker = _await_node(tmp_path, "worker", worker, start_worker)
         phase("two nodes up")
-        plan = {"format": "orbitweaver.vla.plan/1", "profile": "test", "placement": "pi0:0;smolvla:1", "n_gpus": 2,
-                "robots": {"pi0": 2, "smolvla": 2},
-                "gpus": [{"gpu": 0, "robots": {"pi0": 2}}, {"gpu": 1, "robots": {"smolvla": 2}}]}
+        plan = {
+            "format": "orbitweaver.vla.plan/1",
+            "profile": "test",
+            "placement": "pi0:0;smolvla:1",
+            "n_gpus": 2,
+            "robots": {"pi0": 2, "smolvla": 2},
+            "gpus": [{"gpu": 0, "robots": {"pi0": 2}}, {"gpu": 1, "robots": {"smolvla": 2}}],
+        }
         (tmp_path / "plan.json").write_text(json.dumps(plan))
         log = open(tmp_path / "cluster.log", "w")
         cluster = subprocess.Popen(
-            [sys.executable, "-m", "common.cli", "vla", "cluster", "--address", f"{HEAD_IP}:{gcs_port}",
-             "--node-ip-address", HEAD_IP,
-             "--plan", str(tmp_path / "plan.json"), "--port", str(serve_port), "--token", TOKEN,
-             "--gpu-resource", "vla_gpu", "--gateway-resource", "vla_head", "--proxy-location", "head",
-             "--slo-ms", "5000", "--batch-sizes", "1", "--max-batch", "1", "--watch-interval", "2", "--no-warm-up"],
-            cwd=REPO, env={**os.environ, **RAY_ENV}, stdout=log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "common.cli",
+                "vla",
+                "cluster",
+                "--address",
+                f"{HEAD_IP}:{gcs_port}",
+                "--node-ip-address",
+                HEAD_IP,
+                "--plan",
+                str(tmp_path / "plan.json"),
+                "--port",
+                str(serve_port),
+                "--token",
+                TOKEN,
+                "--gpu-resource",
+                "vla_gpu",
+                "--gateway-resource",
+                "vla_head",
+                "--proxy-location",
+                "head",
+                "--slo-ms",
+                "5000",
+                "--batch-sizes",
+                "1",
+                "--max-batch",
+                "1",
+                "--watch-interval",
+                "2",
+                "--no-warm-up",
+            ],
+            cwd=REPO,
+            env={**os.environ, **RAY_ENV},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         _wait_for(tmp_path / "cluster.log", "serving ws://127.0.0.1", cluster, 400)
         phase("plan deployed")
 

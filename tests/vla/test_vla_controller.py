@@ -4,6 +4,7 @@ Simulation is deterministic for given seeds and the ILP gets time to prove its o
 checks are exact, not statistical: they replay each checked plan with seeds the controller never
 saw and require every model to meet 98 %.
 """
+
 import pytest
 
 from common.vla import sim
@@ -47,15 +48,15 @@ def _replay(profile, robots, plan, seed):
 CASES = [  # (name, placement, robots, does a plan within the limits exist)
     ("4 SmolVLA variants x 8 on 2 GPUs", Placement.colocate(SMOL, 2), {m: 8 for m in SMOL}, True),
     ("pi0 (8, 8, 8, 24) on 4 GPUs", Placement.colocate(PI0, 4), dict(zip(PI0, (8, 8, 8, 24))), False),
-    ("8 models x 3, groups", Placement.parse("pi0*:0,1;smolvla*:2,3", PI0 + SMOL, 4), {m: 3 for m in PI0 + SMOL},
-     True),
+    ("8 models x 3, groups", Placement.parse("pi0*:0,1;smolvla*:2,3", PI0 + SMOL, 4), {m: 3 for m in PI0 + SMOL}, True),
     ("8 models x 3, mix", Placement.colocate(PI0 + SMOL, 4), {m: 3 for m in PI0 + SMOL}, True),
 ]
 
 
 @pytest.mark.parametrize("name,placement,robots,fits", CASES, ids=[c[0] for c in CASES])
-def test_every_emitted_plan_meets_the_slo_for_every_model_in_replays(profile, controller, name, placement, robots,
-                                                                     fits):
+def test_every_emitted_plan_meets_the_slo_for_every_model_in_replays(
+    profile, controller, name, placement, robots, fits
+):
     plan = controller.plan(placement, robots)
     assert plan.feasible == fits
     if not plan.feasible:  # flagged, never emitted as within limits

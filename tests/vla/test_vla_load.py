@@ -5,21 +5,23 @@ shared robot token and a two-GPU plan (pi0 on GPU 0, SmolVLA on GPU 1); the load
 robots would, over websockets in the openpi wire format with emulated WiFi delays. The SLO is set
 far above this shared CPU's latency: these tests check what is served and reported, never speed.
 """
+
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+from openpi_venv import REPO
 
 from common.vla.server import load_keys, robot_for_key
 
-from openpi_venv import REPO
-
 pytestmark = pytest.mark.xdist_group("vla-load")  # one server for the module's tests
 TOKEN = "load-test-shared-token-42"
-PLAN = {"format": "orbitweaver.vla.plan/1", "gpus": [{"gpu": 0, "robots": {"pi0": 2}},
-                                                     {"gpu": 1, "robots": {"smolvla": 1}}]}
+PLAN = {
+    "format": "orbitweaver.vla.plan/1",
+    "gpus": [{"gpu": 0, "robots": {"pi0": 2}}, {"gpu": 1, "robots": {"smolvla": 1}}],
+}
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +29,35 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     (tmp / "plan.json").write_text(json.dumps(PLAN))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "common.cli", "vla", "serve", "--plan", str(tmp / "plan.json"), "--host", "0.0.0.0",
-         "--port", "0", "--token", TOKEN, "--slo-ms", "20000", "--threads", "2", "--batch-sizes", "1,2",
-         "--log-level", "warning"],
-        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "common.cli",
+            "vla",
+            "serve",
+            "--plan",
+            str(tmp / "plan.json"),
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "0",
+            "--token",
+            TOKEN,
+            "--slo-ms",
+            "20000",
+            "--threads",
+            "2",
+            "--batch-sizes",
+            "1,2",
+            "--log-level",
+            "warning",
+        ],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         first = proc.stdout.readline()
         line = proc.stdout.readline()
@@ -48,9 +75,14 @@ def server(tmp_path_factory):
 
 def _load(server, *extra):
     out = server["tmp"] / f"load{len(extra)}.json"
-    run = subprocess.run([sys.executable, "-m", "common.cli", "vla", "load", "--url", server["url"], "--json", str(out),
-                          *extra], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                         text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-m", "common.cli", "vla", "load", "--url", server["url"], "--json", str(out), *extra],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return run, json.loads(out.read_text())
 
 

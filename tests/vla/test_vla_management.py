@@ -1,11 +1,20 @@
 """Placement and the traffic-control integer program (acceptance: equals brute force; solves 8x4)."""
+
 import random
 
 import pytest
 
 from common.vla.config import EIGHT_MODELS
-from common.vla.management import (Placement, assign_brute_force, assign_eps, assign_greedy, assign_ilp,
-                                   assign_smg, gpu_load, robot_limits)
+from common.vla.management import (
+    Placement,
+    assign_brute_force,
+    assign_eps,
+    assign_greedy,
+    assign_ilp,
+    assign_smg,
+    gpu_load,
+    robot_limits,
+)
 
 
 def _instances(n):
@@ -17,7 +26,9 @@ def _instances(n):
         elif i % 3 == 1:
             pl = Placement.groups([(models[:-1] or models, [0, 1]), (models[-1:] if len(models) > 1 else [], [2])])
         else:
-            pl = Placement(f"random-{i}", 3, {m: tuple(sorted(rng.sample(range(3), rng.randint(1, 3)))) for m in models})
+            pl = Placement(
+                f"random-{i}", 3, {m: tuple(sorted(rng.sample(range(3), rng.randint(1, 3)))) for m in models}
+            )
         robots = {m: rng.randint(0, 7) for m in models}
         limits = {m: rng.randint(2, 9) for m in models}
         yield pl, robots, limits
@@ -41,8 +52,14 @@ def _colocation_instances(n):
     """Like _instances, with limits that fall as models share a GPU (k-th entry: k models)."""
     rng = random.Random(99)
     for pl, robots, limits in _instances(n):
-        yield pl, robots, {m: tuple(max(1, round(lim * f)) for f in (1.0, 0.6, 0.35)[: rng.randint(2, 3)])
-                           for m, lim in limits.items()}
+        yield (
+            pl,
+            robots,
+            {
+                m: tuple(max(1, round(lim * f)) for f in (1.0, 0.6, 0.35)[: rng.randint(2, 3)])
+                for m, lim in limits.items()
+            },
+        )
 
 
 @pytest.mark.parametrize("case", list(range(20)))
@@ -57,8 +74,11 @@ def test_colocation_aware_ilp_equals_brute_force(case):
 
 
 def _random_8x4(rng):
-    pl = Placement.colocate(EIGHT_MODELS, 4) if rng.random() < 0.5 else Placement.parse(
-        "pi0*:0,1;smolvla*:2,3", list(EIGHT_MODELS), 4)
+    pl = (
+        Placement.colocate(EIGHT_MODELS, 4)
+        if rng.random() < 0.5
+        else Placement.parse("pi0*:0,1;smolvla*:2,3", list(EIGHT_MODELS), 4)
+    )
     return pl, {m: rng.randint(0, 12) for m in EIGHT_MODELS}, {m: rng.randint(8, 40) for m in EIGHT_MODELS}
 
 
@@ -141,6 +161,7 @@ def test_placement_parsing():
 def test_robot_limits_come_from_simulation_and_are_shared_by_variants():
     from common.vla.profiles import load_profile
 
-    limits = robot_limits(load_profile("rtx-pro-6000x4"), ["smolvla", "smolvla-ft1"], max_batch=4, epochs=1,
-                          duration_s=4.0, cap=128)
+    limits = robot_limits(
+        load_profile("rtx-pro-6000x4"), ["smolvla", "smolvla-ft1"], max_batch=4, epochs=1, duration_s=4.0, cap=128
+    )
     assert limits["smolvla"] == limits["smolvla-ft1"] > 0

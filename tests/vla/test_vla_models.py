@@ -1,4 +1,5 @@
 """The two-stage model: real torch modules, batched tensors in, action chunks out."""
+
 import dataclasses
 
 import numpy as np

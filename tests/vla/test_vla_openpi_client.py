@@ -5,6 +5,7 @@ environment, built once from the package registry and cached in `.venv-openpi/` 
 repository root (override with OW_OPENPI_VENV); the registry is reached only to build it. The client runs there, the server is a real
 `ow vla serve` process here, and they talk over 127.0.0.1.
 """
+
 import json
 import os
 import subprocess
@@ -12,10 +13,9 @@ import sys
 import time
 
 import pytest
-
 from openpi_venv import REPO, openpi_python
 
-CLIENT = r'''
+CLIENT = r"""
 import json, sys
 import numpy as np
 from openpi_client import image_tools
@@ -43,16 +43,36 @@ other = WebsocketClientPolicy(host=f"ws://127.0.0.1:{port}/smolvla")
 out["other_model"] = other.get_server_metadata()["model"]
 out["other_actions"] = list(other.infer(obs)["actions"].shape)
 print(json.dumps(out))
-'''
+"""
 
 
 @pytest.fixture
 def served_port():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "common.cli", "vla", "serve", "--port", "0", "--models", "pi0,smolvla",
-         "--slo-ms", "2000", "--threads", "2", "--log-level", "warning"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "common.cli",
+            "vla",
+            "serve",
+            "--port",
+            "0",
+            "--models",
+            "pi0,smolvla",
+            "--slo-ms",
+            "2000",
+            "--threads",
+            "2",
+            "--log-level",
+            "warning",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         if line.startswith("warming up"):  # the server warms up before it accepts robots

@@ -1,4 +1,5 @@
 """Acceptance: ESF beats RR and LQF when co-located models' SLOs differ (simulated, shared scheduler)."""
+
 import pytest
 
 from common.vla import sim
@@ -30,6 +31,8 @@ def test_esf_beats_rr_and_lqf_when_slos_differ(profile):
 def test_policies_tie_when_queues_are_alike(profile):
     # Paper §5.3: ESF has little advantage when co-located models share architecture and SLO.
     robots = {"pi0": 6, "pi0-ft1": 6}
-    att = [sim.simulate(sim.robion(policy=p, max_batch=2), SETTINGS.workload(robots), profile).attainment
-           for p in ("esf", "rr", "lqf")]
+    att = [
+        sim.simulate(sim.robion(policy=p, max_batch=2), SETTINGS.workload(robots), profile).attainment
+        for p in ("esf", "rr", "lqf")
+    ]
     assert max(att) - min(att) < 0.05

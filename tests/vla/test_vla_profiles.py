@@ -1,4 +1,5 @@
 """Profile tables: shipped GPU profiles (assumptions in the file) and live CPU profiling."""
+
 import json
 
 import pytest

@@ -1,4 +1,5 @@
 """Acceptance: the same scheduler code drives the simulator and the real CPU backend."""
+
 import numpy as np
 import pytest
 
@@ -24,8 +25,18 @@ def policies():
 def _positions(records, order):
     """Plan records with request ids replaced by backlog positions (ids differ between runs)."""
     pos = {rid: i for i, rid in enumerate(order)}
-    return [PlanRecord(r.index, r.vlm_model, tuple(pos[i] for i in r.vlm_requests), r.adit_model,
-                       tuple(pos[i] for i in r.adit_requests), r.vlm_share, r.sequential) for r in records]
+    return [
+        PlanRecord(
+            r.index,
+            r.vlm_model,
+            tuple(pos[i] for i in r.vlm_requests),
+            r.adit_model,
+            tuple(pos[i] for i in r.adit_requests),
+            r.vlm_share,
+            r.sequential,
+        )
+        for r in records
+    ]
 
 
 def _spy(monkeypatch):
@@ -73,8 +84,9 @@ def test_simulator_and_cpu_engine_make_identical_decisions(policies, monkeypatch
 
 def test_engine_results_match_the_unbatched_model(policies):
     """Requests batched and pipelined by the real engine get the chunk the model gives alone."""
-    engine = ServingEngine.build(["pi0", "smolvla"], slo_ms=SLO_MS, max_batch=4, batch_sizes=(1, 2, 4),
-                                 backend="cpu", threads=2)
+    engine = ServingEngine.build(
+        ["pi0", "smolvla"], slo_ms=SLO_MS, max_batch=4, batch_sizes=(1, 2, 4), backend="cpu", threads=2
+    )
     obs = [example_observation(i) for i in range(6)]
     with engine:
         futs = [engine.submit(m, engine.policies[m].prepare(o)) for m, o in zip(["pi0", "smolvla"] * 3, obs)]
@@ -96,9 +108,12 @@ def test_a_failing_batch_fails_its_requests_and_the_engine_keeps_serving(policie
             return super().run_vlm(batch, padded)
 
     flaky = Flaky(MODELS["smolvla"])
-    engine = ServingEngine({"smolvla": flaky}, LockstepScheduler({"smolvla": "smolvla"}, max_batch=1,
-                                                                  batch_sizes=(1,)), CpuLockstepBackend(2),
-                           {"smolvla": 500.0})
+    engine = ServingEngine(
+        {"smolvla": flaky},
+        LockstepScheduler({"smolvla": "smolvla"}, max_batch=1, batch_sizes=(1,)),
+        CpuLockstepBackend(2),
+        {"smolvla": 500.0},
+    )
     with engine:
         first = engine.submit("smolvla", flaky.prepare(example_observation(0)))
         with pytest.raises(RuntimeError, match="injected"):

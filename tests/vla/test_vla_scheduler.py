@@ -1,4 +1,5 @@
 """The shared scheduler: queue policies, lockstep pipelining, fixed batches."""
+
 from collections import deque
 
 import pytest
@@ -6,8 +7,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.vla.profiles import load_profile
-from common.vla.scheduler import (EarliestSloFirst, LockstepScheduler, LongestQueueFirst, RoundRobin,
-                                  SequentialScheduler, Stage, VlaRequest)
+from common.vla.scheduler import (
+    EarliestSloFirst,
+    LockstepScheduler,
+    LongestQueueFirst,
+    RoundRobin,
+    SequentialScheduler,
+    Stage,
+    VlaRequest,
+)
 
 MODELS = {"pi0": "pi0", "pi0-ft1": "pi0", "smolvla": "smolvla"}
 
@@ -71,8 +79,11 @@ def test_profile_sets_the_vlm_share_per_batch_pair():
     plan = s.plan(0.0)
     best = prof.lockstep("pi0", 4, "pi0", 4)
     assert plan.vlm_share == best.vlm_share and plan.predicted_ms == best.lockstep_ms
-    assert best.lockstep_ms == min(e.lockstep_ms for e in prof.locksteps
-                                   if (e.vlm_arch, e.vlm_batch, e.adit_arch, e.adit_batch) == ("pi0", 4, "pi0", 4))
+    assert best.lockstep_ms == min(
+        e.lockstep_ms
+        for e in prof.locksteps
+        if (e.vlm_arch, e.vlm_batch, e.adit_arch, e.adit_batch) == ("pi0", 4, "pi0", 4)
+    )
     static = LockstepScheduler({"pi0": "pi0"}, max_batch=4, profile=prof, sm_mode="static", static_share=0.5)
     for _ in range(8):
         static.submit(req("pi0", 1.0))
@@ -96,9 +107,12 @@ def test_unknown_model_is_refused():
 
 
 @settings(max_examples=60, deadline=None)
-@given(arrivals=st.lists(st.tuples(st.sampled_from(list(MODELS)), st.floats(0.05, 2.0)), min_size=1, max_size=40),
-       policy=st.sampled_from(["esf", "rr", "lqf"]), max_batch=st.sampled_from([1, 2, 4]),
-       per_step=st.integers(0, 3))
+@given(
+    arrivals=st.lists(st.tuples(st.sampled_from(list(MODELS)), st.floats(0.05, 2.0)), min_size=1, max_size=40),
+    policy=st.sampled_from(["esf", "rr", "lqf"]),
+    max_batch=st.sampled_from([1, 2, 4]),
+    per_step=st.integers(0, 3),
+)
 def test_every_request_completes_once_in_single_model_batches(arrivals, policy, max_batch, per_step):
     s = LockstepScheduler(MODELS, policy=policy, max_batch=max_batch, batch_sizes=(1, 2, 4))
     pending = [req(m, d) for m, d in arrivals]

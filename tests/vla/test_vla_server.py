@@ -1,4 +1,5 @@
 """The policy endpoint: openpi wire format, clear errors, other robots unaffected, loopback only."""
+
 import threading
 
 import msgpack
@@ -23,8 +24,14 @@ def libero_obs(seed=0):
 
 @pytest.fixture(scope="module")
 def server():
-    engine = ServingEngine.build(["pi0", "smolvla"], slo_ms={"pi0": 2000.0, "smolvla": 2000.0}, max_batch=2,
-                                 batch_sizes=(1, 2), backend="cpu", threads=2).start()
+    engine = ServingEngine.build(
+        ["pi0", "smolvla"],
+        slo_ms={"pi0": 2000.0, "smolvla": 2000.0},
+        max_batch=2,
+        batch_sizes=(1, 2),
+        backend="cpu",
+        threads=2,
+    ).start()
     srv = PolicyServer(engine, ServerConfig(port=0, max_request_bytes=400_000)).start()
     yield srv
     srv.stop()
@@ -67,8 +74,12 @@ BAD = [
     (wire.packb({**libero_obs(), "observation/image": np.zeros((224, 224, 3), np.int8)}), "uint8 or float"),
     (wire.packb({**libero_obs(), "prompt": 7}), "string"),
     # an array header whose byte count does not match its shape
-    (msgpack.packb({"observation/state": {b"__ndarray__": True, b"data": b"\0" * 3, b"dtype": "<f4",
-                                          b"shape": [8]}}), "do not hold"),
+    (
+        msgpack.packb(
+            {"observation/state": {b"__ndarray__": True, b"data": b"\0" * 3, b"dtype": "<f4", b"shape": [8]}}
+        ),
+        "do not hold",
+    ),
     # object arrays are refused (openpi's packer refuses them too; never unpickle a robot's bytes)
     (msgpack.packb({"x": {b"__ndarray__": True, b"data": b"", b"dtype": "|O", b"shape": [0]}}), "not accepted"),
 ]

@@ -1,4 +1,5 @@
 """The discrete-event simulator: traffic, network, SLO accounting, systems."""
+
 import math
 
 import pytest
@@ -63,8 +64,13 @@ def test_assignment_must_place_every_robot(profile):
 
 def test_multi_gpu_assignment_routes_robots(profile):
     seen = {}
-    sim.simulate(sim.robion(), w({"pi0": 4, "smolvla": 4}, epochs=1), profile,
-                 assignment={("pi0", 0): 4, ("smolvla", 1): 4}, on_scheduler=lambda g, s: seen.setdefault(g, s))
+    sim.simulate(
+        sim.robion(),
+        w({"pi0": 4, "smolvla": 4}, epochs=1),
+        profile,
+        assignment={("pi0", 0): 4, ("smolvla", 1): 4},
+        on_scheduler=lambda g, s: seen.setdefault(g, s),
+    )
     assert set(seen) == {0, 1} and list(seen[0].models) == ["pi0"] and list(seen[1].models) == ["smolvla"]
 
 

@@ -1,5 +1,6 @@
 """Shared fixtures of the wire tests. A test that takes a `sample` argument runs once per
 message type."""
+
 from __future__ import annotations
 
 import pytest

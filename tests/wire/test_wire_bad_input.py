@@ -1,4 +1,5 @@
 """Each class of bad input is rejected by decode with its own response code."""
+
 from __future__ import annotations
 
 import hashlib
@@ -28,8 +29,14 @@ def uplink(**changes) -> bytes:
 def chunk(**changes) -> bytes:
     data = b"chunk-data"
     body = {
-        "image": "img1", "index": 0, "total": 2, "offset": 0, "image_size": 20, "data": data,
-        "crc32c": m.crc32c(data), "sha256": hashlib.sha256(b"x").digest(),
+        "image": "img1",
+        "index": 0,
+        "total": 2,
+        "offset": 0,
+        "image_size": 20,
+        "data": data,
+        "crc32c": m.crc32c(data),
+        "sha256": hashlib.sha256(b"x").digest(),
     }
     body.update(changes)
     return body_packet({k: v for k, v in body.items() if v is not DROP}, MessageType.IMAGE_CHUNK)
@@ -75,11 +82,23 @@ CASES = [
     ("no-secondary-header-flag", lambda: edit(VALID, 0, lambda b: b & ~0x08), ResponseCode.MALFORMED_PACKET),
     ("segmented", lambda: edit(VALID, 2, lambda b: b & 0x3F), ResponseCode.MALFORMED_PACKET),
     ("reserved-ack-bits", lambda: body_packet({}, MessageType.STATUS, ack_flags=0x10), ResponseCode.MALFORMED_PACKET),
-    ("ack-flags-in-tm", lambda: body_packet({"key": 1}, MessageType.PONG, PacketType.TM, ack_flags=1), ResponseCode.MALFORMED_PACKET),
+    (
+        "ack-flags-in-tm",
+        lambda: body_packet({"key": 1}, MessageType.PONG, PacketType.TM, ack_flags=1),
+        ResponseCode.MALFORMED_PACKET,
+    ),
     ("unknown-command", lambda: body_packet({}, 0x01FF), ResponseCode.UNKNOWN_COMMAND),
     ("unknown-telemetry", lambda: body_packet({}, 0x03FF, PacketType.TM), ResponseCode.UNKNOWN_MESSAGE_TYPE),
-    ("command-in-tm-packet", lambda: body_packet({"key": 1}, MessageType.PING, PacketType.TM), ResponseCode.WRONG_PACKET_TYPE),
-    ("telemetry-in-tc-packet", lambda: body_packet({"key": 1}, MessageType.PONG, PacketType.TC), ResponseCode.WRONG_PACKET_TYPE),
+    (
+        "command-in-tm-packet",
+        lambda: body_packet({"key": 1}, MessageType.PING, PacketType.TM),
+        ResponseCode.WRONG_PACKET_TYPE,
+    ),
+    (
+        "telemetry-in-tc-packet",
+        lambda: body_packet({"key": 1}, MessageType.PONG, PacketType.TC),
+        ResponseCode.WRONG_PACKET_TYPE,
+    ),
     # body
     ("msgpack-reserved-byte", lambda: body_packet(b"\xc1"), ResponseCode.BODY_UNDECODABLE),
     ("msgpack-truncated", lambda: body_packet(b"\x82\xa1a"), ResponseCode.BODY_UNDECODABLE),
@@ -144,19 +163,40 @@ def test_valid_baselines_decode():
 
 def test_every_decode_code_is_exercised():
     decode_codes = {
-        ResponseCode.MALFORMED_PACKET, ResponseCode.OVERSIZED_PACKET, ResponseCode.BAD_LENGTH, ResponseCode.BAD_CRC,
-        ResponseCode.BAD_VERSION, ResponseCode.WRONG_PACKET_TYPE, ResponseCode.UNKNOWN_COMMAND,
-        ResponseCode.UNKNOWN_MESSAGE_TYPE, ResponseCode.BODY_UNDECODABLE, ResponseCode.MISSING_FIELD,
-        ResponseCode.UNEXPECTED_FIELD, ResponseCode.BAD_FIELD_TYPE, ResponseCode.BAD_FIELD_VALUE,
-        ResponseCode.FIELD_TOO_LONG, ResponseCode.INVALID_UTF8, ResponseCode.PATH_LIKE_NAME, ResponseCode.BAD_NAME,
-        ResponseCode.IMAGE_TOO_LARGE, ResponseCode.CHUNK_CRC_MISMATCH, ResponseCode.CHUNK_OUT_OF_RANGE,
+        ResponseCode.MALFORMED_PACKET,
+        ResponseCode.OVERSIZED_PACKET,
+        ResponseCode.BAD_LENGTH,
+        ResponseCode.BAD_CRC,
+        ResponseCode.BAD_VERSION,
+        ResponseCode.WRONG_PACKET_TYPE,
+        ResponseCode.UNKNOWN_COMMAND,
+        ResponseCode.UNKNOWN_MESSAGE_TYPE,
+        ResponseCode.BODY_UNDECODABLE,
+        ResponseCode.MISSING_FIELD,
+        ResponseCode.UNEXPECTED_FIELD,
+        ResponseCode.BAD_FIELD_TYPE,
+        ResponseCode.BAD_FIELD_VALUE,
+        ResponseCode.FIELD_TOO_LONG,
+        ResponseCode.INVALID_UTF8,
+        ResponseCode.PATH_LIKE_NAME,
+        ResponseCode.BAD_NAME,
+        ResponseCode.IMAGE_TOO_LARGE,
+        ResponseCode.CHUNK_CRC_MISMATCH,
+        ResponseCode.CHUNK_OUT_OF_RANGE,
     }
     assert {c[2] for c in CASES} == decode_codes
 
 
 def test_rejection_carries_the_request_and_header():
-    packet = frame(PacketType.TC, Apid.PAYLOAD, (2 << 14) | 9, MessageType.UPLINK_TASK,
-                   msgpack.packb({"task_id": "../x"}), source_id=4, time_us=0)
+    packet = frame(
+        PacketType.TC,
+        Apid.PAYLOAD,
+        (2 << 14) | 9,
+        MessageType.UPLINK_TASK,
+        msgpack.packb({"task_id": "../x"}),
+        source_id=4,
+        time_us=0,
+    )
     with pytest.raises(WireError) as info:
         decode(packet)
     err = info.value

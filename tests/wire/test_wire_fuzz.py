@@ -1,17 +1,17 @@
 """Bounded fuzzing of the packet decoder: whatever the bytes, decode returns a message or raises
 WireError with a real response code, never another exception and never INTERNAL_ERROR (which
 would mean the decoder's own safety net caught a defect)."""
+
 from __future__ import annotations
 
 import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from wire_samples import sample_messages  # tests/wire is on sys.path under pytest
 
 from common.wire import Apid, ResponseCode, WireError, decode, encode
 from common.wire.messages import all_message_classes
 from common.wire.packet import PacketType, crc16, frame
-
-from wire_samples import sample_messages  # tests/wire is on sys.path under pytest
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SAMPLES = sample_messages()
@@ -26,8 +26,16 @@ def assert_decodes_or_rejects(data: bytes):
         assert isinstance(err.code, ResponseCode)
         return None
     # Whatever decoded is a valid message: it re-encodes and decodes to the same thing.
-    again = decode(encode(message, header.apid, header.seq, source_id=header.source_id, time_us=header.time_us,
-                          ack_flags=header.ack_flags))
+    again = decode(
+        encode(
+            message,
+            header.apid,
+            header.seq,
+            source_id=header.source_id,
+            time_us=header.time_us,
+            ack_flags=header.ack_flags,
+        )
+    )
     assert again[1] == message
     return message
 
@@ -117,7 +125,9 @@ def test_perturbed_bodies(sample_and_body):
 @given(st.sampled_from(all_message_classes()), msgpack_values, st.booleans())
 def test_arbitrary_bodies_for_every_type(cls, body, as_tc):
     raw = msgpack.packb(body, use_bin_type=True)
-    assert_decodes_or_rejects(frame(PacketType.TC if as_tc else PacketType.TM, Apid.PAYLOAD, 1, cls.TYPE, raw, time_us=0))
+    assert_decodes_or_rejects(
+        frame(PacketType.TC if as_tc else PacketType.TM, Apid.PAYLOAD, 1, cls.TYPE, raw, time_us=0)
+    )
 
 
 @FUZZ

@@ -1,4 +1,5 @@
 """CurveZMQ links on 127.0.0.1: the right key exchanges packets, any other key gets nothing."""
+
 from __future__ import annotations
 
 import shutil
@@ -160,9 +161,14 @@ def test_newly_authorized_client_admitted_without_restart(tmp_path, context, key
 
 def test_init_keys_layout_permissions_and_idempotence(tmp_path):
     layout = init_keys(tmp_path / "keys")
-    for path in (layout.server_public, layout.server_secret, layout.client_secret("ground"),
-                 layout.client_secret("payload"), layout.authorized_dir / "ground.key",
-                 layout.authorized_dir / "payload.key"):
+    for path in (
+        layout.server_public,
+        layout.server_secret,
+        layout.client_secret("ground"),
+        layout.client_secret("payload"),
+        layout.authorized_dir / "ground.key",
+        layout.authorized_dir / "payload.key",
+    ):
         assert path.is_file(), path
     assert stat.S_IMODE(layout.server_secret.stat().st_mode) == 0o600
     assert stat.S_IMODE(layout.client_secret("ground").stat().st_mode) == 0o600

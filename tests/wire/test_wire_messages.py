@@ -1,4 +1,5 @@
 """Round trips for every message type, and the helpers messages offer."""
+
 from __future__ import annotations
 
 import hashlib
@@ -101,7 +102,9 @@ def test_housekeeping_channels(all_samples):
 
 
 def test_rejected_from_error_names_the_command():
-    packet = encode(m.UplinkTask(task_id="t", prompt="p", images=[], max_new_tokens=1, priority=0), Apid.PAYLOAD, 77, source_id=2)
+    packet = encode(
+        m.UplinkTask(task_id="t", prompt="p", images=[], max_new_tokens=1, priority=0), Apid.PAYLOAD, 77, source_id=2
+    )
     damaged = bytearray(packet)
     damaged[-5] ^= 0xFF
     with pytest.raises(WireError) as info:
@@ -154,6 +157,7 @@ def test_every_bounded_text_field_takes_a_clipped_value():
     long = "é☁" * 40000
     m.Event(event_id=1, text=clip_utf8(long, MAX_EVENT_TEXT_BYTES))
     m.Failed(tc_apid=32, tc_source=1, tc_seq=1, tc_type=272, code=600, reason=clip_utf8(long, MAX_REASON_BYTES))
-    m.TaskResult(task_id="t", token_ids=[], text=clip_utf8(long, MAX_RESULT_TEXT_BYTES), logits_sha256=b"\0" * 32,
-                 timings={})
+    m.TaskResult(
+        task_id="t", token_ids=[], text=clip_utf8(long, MAX_RESULT_TEXT_BYTES), logits_sha256=b"\0" * 32, timings={}
+    )
     m.FdirReport(trace_time_s=0.0, mode="safe", fault_count=1, last_fault=clip_utf8(long, MAX_EVENT_TEXT_BYTES))

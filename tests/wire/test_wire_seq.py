@@ -1,4 +1,5 @@
 """Sequence counters and the replay guard, including wrap-around and restarts."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,6 @@
 """The implementation matches docs/wire-protocol.md, CCSDS and the PUS CRC as implemented
 independently by `spacepackets`."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,7 +42,7 @@ def test_crc_matches_spacepackets(all_samples):
 def test_golden_packet_built_by_hand():
     """PING key=42, APID 0x020, seq 1 in epoch 0, source 1, time 0, all acks."""
     body = bytes.fromhex("81a36b65792a")  # msgpack {"key": 42}
-    secondary = bytes.fromhex("01" "0f" "0101" "0001" "0000" "0000000000000000")
+    secondary = bytes.fromhex("010f0101000100000000000000000000")
     data_len = len(secondary) + len(body) + 2 - 1
     primary = bytes([0b000_1_1_000, 0x20, 0b11_000000, 0x01]) + data_len.to_bytes(2, "big")
     unsigned = primary + secondary + body
@@ -70,7 +71,10 @@ def test_numbers_are_unique(enum_type):
 
 def test_doc_message_type_table():
     rows = re.findall(r"^\| `(0x[0-9a-f]{4})` \| (\w+) \| (TC|TM) \| `(\w+)` \|$", section("## 3. Message types"), re.M)
-    expected = [(f"{c.TYPE:#06x}", c.TYPE.name, "TC" if c.TYPE.is_command else "TM", c.__name__) for c in m.all_message_classes()]
+    expected = [
+        (f"{c.TYPE:#06x}", c.TYPE.name, "TC" if c.TYPE.is_command else "TM", c.__name__)
+        for c in m.all_message_classes()
+    ]
     assert rows == expected
 
 

@@ -1,4 +1,5 @@
 """One valid instance of every message type, shared by the wire tests."""
+
 from __future__ import annotations
 
 import hashlib
@@ -14,7 +15,13 @@ def sample_messages() -> list[m.Message]:
     return [
         m.Ping(key=0xDEADBEEF),
         m.Status(),
-        m.UplinkTask(task_id="task-001", prompt="Describe the cloud cover. Ünïcødé ☁", images=["img_a.png", "img_b"], max_new_tokens=64, priority=7),
+        m.UplinkTask(
+            task_id="task-001",
+            prompt="Describe the cloud cover. Ünïcødé ☁",
+            images=["img_a.png", "img_b"],
+            max_new_tokens=64,
+            priority=7,
+        ),
         m.CancelTask(task_id="task-001"),
         m.SetPriority(task_id="task-001", priority=255),
         m.DownlinkResult(task_id="task-001"),
@@ -27,13 +34,28 @@ def sample_messages() -> list[m.Message]:
         m.Completed(**_REQ, task_id="task-001"),
         m.Failed(**_REQ, code=ResponseCode.INFERENCE_ERROR, reason="out of memory"),
         m.Housekeeping(
-            queue_depth=2, current_task="task-001", phase=TaskPhase.DECODE, progress_done=10, progress_total=64,
-            checkpoint_bytes=123_456_789_012, disk_free_bytes=2**40, boot_count=3, command_count=17, error_count=1, uptime_s=12.5,
+            queue_depth=2,
+            current_task="task-001",
+            phase=TaskPhase.DECODE,
+            progress_done=10,
+            progress_total=64,
+            checkpoint_bytes=123_456_789_012,
+            disk_free_bytes=2**40,
+            boot_count=3,
+            command_count=17,
+            error_count=1,
+            uptime_s=12.5,
         ),
-        m.Event(event_id=EventId.TASK_RESUMED, text="resumed after power cut at prefill block (2, 3)", task_id="task-001"),
+        m.Event(
+            event_id=EventId.TASK_RESUMED, text="resumed after power cut at prefill block (2, 3)", task_id="task-001"
+        ),
         m.TaskResult(
-            task_id="task-001", token_ids=[1, 2, 3, 151643], text="Scattered cumulus.",
-            logits_sha256=hashlib.sha256(b"logits").digest(), timings={"prefill": 1.25, "decode": 3.0}, interruptions=2,
+            task_id="task-001",
+            token_ids=[1, 2, 3, 151643],
+            text="Scattered cumulus.",
+            logits_sha256=hashlib.sha256(b"logits").digest(),
+            timings={"prefill": 1.25, "decode": 3.0},
+            interruptions=2,
         ),
         m.Heartbeat(boot_count=3, uptime_s=1.0, current_task=None, phase=None),
         m.Pong(key=0xDEADBEEF),
@@ -46,7 +68,11 @@ def sample_messages() -> list[m.Message]:
         m.ListQuarantine(),
         m.ReleaseQuarantine(item="task:task-001"),
         m.ListLostTasks(),
-        m.QuarantineList(items=["task:task-001", "command:PING:0123456789abcdef"], exits=[3, 3],
-                         reasons=["boot 4 ended by itself", "injected fault"], total=2),
+        m.QuarantineList(
+            items=["task:task-001", "command:PING:0123456789abcdef"],
+            exits=[3, 3],
+            reasons=["boot 4 ended by itself", "injected fault"],
+            total=2,
+        ),
         m.LostTasks(task_ids=["task-002"], total=1, bytes_dropped=336, records_dropped=1, unnamed=0),
     ]

@@ -48,14 +48,15 @@ two imported segments are joined. How each quantity is derived (every number is 
   - 1 Hz resampling: each second takes the latest reading at or before it (what a bus publishing
     its housekeeping at 1 Hz would show); nothing is interpolated.
 """
+
 from __future__ import annotations
 
 import csv
 import hashlib
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Sequence
 
 from traces.generator import BUPT1_PACK_OCV
 from traces.importers.csv_import import CsvImport, CsvImportError, Imported, import_csv
@@ -102,16 +103,40 @@ class Bupt1Import:
 def preset(params: Bupt1Import = Bupt1Import()) -> list[tuple[tuple[str, ...], CsvImport]]:
     """The generic importer's files and column mapping for each segment, in trace order (the
     same as the `ow hil trace-import-csv` commands in docs/trace-format.md section 10)."""
-    common = dict(current="I_Atlas200DK-B", on_above_ma=params.payload_on_threshold_ma,
-                  payload_volts=params.payload_rail_v, other_cause=params.unexplained_cut_cause,
-                  reference_request_s=params.reference_request_s, name=params.name)
+    common = dict(
+        current="I_Atlas200DK-B",
+        on_above_ma=params.payload_on_threshold_ma,
+        payload_volts=params.payload_rail_v,
+        other_cause=params.unexplained_cut_cause,
+        reference_request_s=params.reference_request_s,
+        name=params.name,
+    )
     return [
-        ((ENERGY_ALL, ENERGY_PAYLOAD),
-         CsvImport(time="Time", time_unit="datetime", spread_repeats=True, voltage="Total_U", voltage_unit="mV",
-                   battery="Battery_U", battery_unit="mV", no_reading={"Battery_U": 0.0}, **common)),
-        ((OVERHEAT_POWER, OVERHEAT_TEMPERATURE),
-         CsvImport(time="TIME", time_unit="min", temperature="ATLAS_B_TEMP", thermal_at_c=params.thermal_cut_c,
-                   from_s=params.overheat_from_min * 60.0, **common)),
+        (
+            (ENERGY_ALL, ENERGY_PAYLOAD),
+            CsvImport(
+                time="Time",
+                time_unit="datetime",
+                spread_repeats=True,
+                voltage="Total_U",
+                voltage_unit="mV",
+                battery="Battery_U",
+                battery_unit="mV",
+                no_reading={"Battery_U": 0.0},
+                **common,
+            ),
+        ),
+        (
+            (OVERHEAT_POWER, OVERHEAT_TEMPERATURE),
+            CsvImport(
+                time="TIME",
+                time_unit="min",
+                temperature="ATLAS_B_TEMP",
+                thermal_at_c=params.thermal_cut_c,
+                from_s=params.overheat_from_min * 60.0,
+                **common,
+            ),
+        ),
     ]
 
 
@@ -151,8 +176,9 @@ def import_bupt1(data_dir: str | os.PathLike[str] | None = None, params: Bupt1Im
     return import_bupt1_reported(data_dir, params).trace
 
 
-def import_bupt1_reported(data_dir: str | os.PathLike[str] | None = None,
-                          params: Bupt1Import = Bupt1Import()) -> Imported:
+def import_bupt1_reported(
+    data_dir: str | os.PathLike[str] | None = None, params: Bupt1Import = Bupt1Import()
+) -> Imported:
     """`import_bupt1`, with the generic importer's warnings and notes for each segment."""
     directory = Path(data_dir) if data_dir is not None else default_data_dir()
     if not directory.is_dir():
@@ -166,12 +192,15 @@ def import_bupt1_reported(data_dir: str | os.PathLike[str] | None = None,
     for name, expected in ((ENERGY_ALL, ENERGY_SEGMENT_S), (ENERGY_PAYLOAD, ENERGY_SEGMENT_S // 2)):
         rows = _count_rows(directory / name)
         if rows != expected:
-            raise Bupt1DataError(f"{directory / name}:0: expected {expected} rows (2 h at "
-                                 f"{'1 Hz' if expected == ENERGY_SEGMENT_S else 'one row per 2 s'}), found {rows}")
+            raise Bupt1DataError(
+                f"{directory / name}:0: expected {expected} rows (2 h at "
+                f"{'1 Hz' if expected == ENERGY_SEGMENT_S else 'one row per 2 s'}), found {rows}"
+            )
     energy, overheat = (segment.trace for segment in segments)
     if energy.duration_s != ENERGY_SEGMENT_S:
-        raise Bupt1DataError(f"{directory / ENERGY_ALL}:0: the energy log covers {energy.duration_s:g} s, not "
-                             f"{ENERGY_SEGMENT_S} s")
+        raise Bupt1DataError(
+            f"{directory / ENERGY_ALL}:0: the energy log covers {energy.duration_s:g} s, not {ENERGY_SEGMENT_S} s"
+        )
     if energy.windows() and energy.windows()[-1].is_open:
         raise Bupt1DataError(
             f"{directory}:0: the payload is still on at the end of segment 1; segments "
@@ -201,11 +230,18 @@ def import_bupt1_reported(data_dir: str | os.PathLike[str] | None = None,
             "inputs": inputs,
             "parameters": asdict(params),
             "segments": [
-                {"trace_start_s": 0, "trace_end_s": ENERGY_SEGMENT_S,
-                 "from": f"{ENERGY_ALL}, {ENERGY_PAYLOAD}", "log_time": "2023-03-02 00:00-02:00"},
-                {"trace_start_s": ENERGY_SEGMENT_S, "trace_end_s": offset,
-                 "from": f"{OVERHEAT_POWER}, {OVERHEAT_TEMPERATURE}",
-                 "log_time": f"test minutes {params.overheat_from_min:g}-{params.overheat_from_min + overheat.duration_s / 60:.1f}"},
+                {
+                    "trace_start_s": 0,
+                    "trace_end_s": ENERGY_SEGMENT_S,
+                    "from": f"{ENERGY_ALL}, {ENERGY_PAYLOAD}",
+                    "log_time": "2023-03-02 00:00-02:00",
+                },
+                {
+                    "trace_start_s": ENERGY_SEGMENT_S,
+                    "trace_end_s": offset,
+                    "from": f"{OVERHEAT_POWER}, {OVERHEAT_TEMPERATURE}",
+                    "log_time": f"test minutes {params.overheat_from_min:g}-{params.overheat_from_min + overheat.duration_s / 60:.1f}",
+                },
             ],
             "battery_curve_soc_v": [list(point) for point in BUPT1_PACK_OCV],
         },
@@ -230,5 +266,6 @@ def import_bupt1_reported(data_dir: str | os.PathLike[str] | None = None,
             "minutes, over 10 requests each): BUPT-1 runs its payload in long sessions.",
         ),
     )
-    return Imported(trace, [w for segment in segments for w in segment.warnings],
-                    [n for segment in segments for n in segment.notes])
+    return Imported(
+        trace, [w for segment in segments for w in segment.warnings], [n for segment in segments for n in segment.notes]
+    )

@@ -19,6 +19,7 @@ Reported with file and line: a missing column, time going backward, a cell that 
 number, a reading outside the trace format's range (errors: the import stops); time gaps,
 repeated stamps, empty cells, an uneven number of rows per stamp (warnings: it goes on).
 """
+
 from __future__ import annotations
 
 import calendar
@@ -29,9 +30,9 @@ import os
 import re
 import statistics
 from bisect import bisect_right
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from traces.format import NAME_PATTERN
 from traces.generator import soc_from_voltage
@@ -94,10 +95,12 @@ class CsvImport:
         def bad(message: str) -> CsvImportOptionsError:
             return CsvImportOptionsError(message)
 
-        for value, allowed, what in ((self.time_unit, TIME_UNITS, "time unit"),
-                                     (self.current_unit, CURRENT_UNITS, "current unit"),
-                                     (self.voltage_unit, VOLTAGE_UNITS, "voltage unit"),
-                                     (self.battery_unit, BATTERY_UNITS, "battery unit")):
+        for value, allowed, what in (
+            (self.time_unit, TIME_UNITS, "time unit"),
+            (self.current_unit, CURRENT_UNITS, "current unit"),
+            (self.voltage_unit, VOLTAGE_UNITS, "voltage unit"),
+            (self.battery_unit, BATTERY_UNITS, "battery unit"),
+        ):
             if value not in allowed:
                 raise bad(f"{what} {value!r} is not one of {', '.join(allowed)}")
         if not math.isfinite(self.on_above_ma):
@@ -125,8 +128,12 @@ class CsvImport:
 
     def channels(self) -> dict[str, str]:
         """Trace channel -> CSV column, for the mapped channels."""
-        mapping = {"current": self.current, "temperature": self.temperature, "voltage": self.voltage,
-                   "battery": self.battery}
+        mapping = {
+            "current": self.current,
+            "temperature": self.temperature,
+            "voltage": self.voltage,
+            "battery": self.battery,
+        }
         return {channel: column for channel, column in mapping.items() if column}
 
 
@@ -176,8 +183,9 @@ class _Warnings:
     def finish(self) -> list[str]:
         for (path, kind), count in self._counts.items():
             if count > WARNINGS_LISTED:
-                self.lines.append(f"{path}:0: warning: {count - WARNINGS_LISTED} more {kind} not listed "
-                                  f"({count} in all)")
+                self.lines.append(
+                    f"{path}:0: warning: {count - WARNINGS_LISTED} more {kind} not listed ({count} in all)"
+                )
         return self.lines
 
 
@@ -208,10 +216,16 @@ def _parse_time(path: Path, line: int, column: str, text: str, unit: str) -> tup
             raise CsvImportError(f"{path}:{line}: column {column} is not a date-time (YYYY-MM-DD HH:MM[:SS]): {text!r}")
         year, month, day, hour, minute, second, fraction, zone = match.groups()
         try:
-            epoch = calendar.timegm((int(year), int(month), int(day), int(hour), int(minute), int(second or 0),
-                                     0, 0, 0))
-            if not (1 <= int(month) <= 12 and 1 <= int(day) <= 31 and int(hour) < 24 and int(minute) < 60
-                    and int(second or 0) < 61):
+            epoch = calendar.timegm(
+                (int(year), int(month), int(day), int(hour), int(minute), int(second or 0), 0, 0, 0)
+            )
+            if not (
+                1 <= int(month) <= 12
+                and 1 <= int(day) <= 31
+                and int(hour) < 24
+                and int(minute) < 60
+                and int(second or 0) < 61
+            ):
                 raise ValueError
         except (ValueError, OverflowError):
             raise CsvImportError(f"{path}:{line}: column {column} is not a valid date-time: {text!r}") from None
@@ -222,8 +236,9 @@ def _parse_time(path: Path, line: int, column: str, text: str, unit: str) -> tup
         resolution = 60.0 if second is None else (10.0 ** -(len(fraction) - 1) if fraction else 1.0)
         return epoch + (float(fraction) if fraction else 0.0), resolution
     if _DATETIME.match(text):
-        raise CsvImportError(f"{path}:{line}: column {column} is a date-time, not a number in {unit}: {text!r} "
-                             "(--time-unit datetime)")
+        raise CsvImportError(
+            f"{path}:{line}: column {column} is a date-time, not a number in {unit}: {text!r} (--time-unit datetime)"
+        )
     value = _parse_number(path, line, column, text)
     scale = {"s": 1.0, "min": 60.0, "ms": 0.001, "unix": 1.0}[unit]
     return value * scale, _written_resolution(text) * scale
@@ -259,7 +274,7 @@ def _read_table(path: Path, params: CsvImport, wanted: dict[str, str]) -> tuple[
                 line = reader.line_num
                 if not cells or all(not c.strip() for c in cells):
                     continue  # a blank line (an editor's trailing newline)
-                if len(cells) < len(header) or any(c.strip() for c in cells[len(header):]):
+                if len(cells) < len(header) or any(c.strip() for c in cells[len(header) :]):
                     raise CsvImportError(f"{path}:{line}: {len(cells)} cells, the header has {len(header)} columns")
                 raw, resolution = _parse_time(path, line, params.time, cells[time_index], params.time_unit)
                 rows.append((line, raw, resolution, {channel: cells[i] for channel, i in indices.items()}))
@@ -274,8 +289,9 @@ def _row_times(path: Path, rows: list, params: CsvImport, warnings: _Warnings) -
     times = [raw for _, raw, _, _ in rows]
     for (line_a, a, _, _), (line_b, b, _, _) in zip(rows, rows[1:]):
         if b < a:
-            raise CsvImportError(f"{path}:{line_b}: time goes backward: {params.time} is at {b:g} s here but at "
-                                 f"{a:g} s on line {line_a}")
+            raise CsvImportError(
+                f"{path}:{line_b}: time goes backward: {params.time} is at {b:g} s here but at {a:g} s on line {line_a}"
+            )
     end = times[-1] if times else 0.0
     if params.spread_repeats:
         groups: list[tuple[int, int]] = []  # (first row index, count) per distinct stamp
@@ -288,38 +304,54 @@ def _row_times(path: Path, rows: list, params: CsvImport, warnings: _Warnings) -
         for first, count in groups:
             resolution = rows[first][2]
             if count > 1 and resolution <= 0:
-                raise CsvImportError(f"{path}:{rows[first][0]}: --spread-repeats needs stamps of a fixed written "
-                                     f"precision, not {rows[first][1]!r}")
+                raise CsvImportError(
+                    f"{path}:{rows[first][0]}: --spread-repeats needs stamps of a fixed written "
+                    f"precision, not {rows[first][1]!r}"
+                )
             for j in range(count):
                 spread[first + j] = times[first] + j * resolution / count
         for (line_a, _, _, _), (line_b, _, _, _), a, b in zip(rows, rows[1:], spread, spread[1:]):
             if b <= a:
-                raise CsvImportError(f"{path}:{line_b}: time goes backward: the rows spread over the stamp of "
-                                     f"line {line_a} run past this row's stamp")
+                raise CsvImportError(
+                    f"{path}:{line_b}: time goes backward: the rows spread over the stamp of "
+                    f"line {line_a} run past this row's stamp"
+                )
         sizes = [count for _, count in groups[1:-1]]
         if sizes:
             usual = statistics.mode(sizes)
             for first, count in groups[1:-1]:
                 if count != usual:
-                    warnings.add(path, rows[first][0], "uneven stamps",
-                                 f"{count} rows share this time stamp where {usual} usually do: their spacing differs")
+                    warnings.add(
+                        path,
+                        rows[first][0],
+                        "uneven stamps",
+                        f"{count} rows share this time stamp where {usual} usually do: their spacing differs",
+                    )
         last_first, _ = groups[-1]
         end = times[last_first] + rows[last_first][2]
         times = spread
     else:
         for (line_a, a, _, _), (line_b, b, _, _) in zip(rows, rows[1:]):
             if b == a:
-                warnings.add(path, line_b, "repeated time stamps",
-                             f"same time stamp as line {line_a}: the later row is the reading at that time "
-                             "(--spread-repeats takes such rows as evenly spaced samples)")
+                warnings.add(
+                    path,
+                    line_b,
+                    "repeated time stamps",
+                    f"same time stamp as line {line_a}: the later row is the reading at that time "
+                    "(--spread-repeats takes such rows as evenly spaced samples)",
+                )
     steps = [b - a for a, b in zip(times, times[1:]) if b > a]
     if steps:
         limit = params.max_gap_s if params.max_gap_s is not None else 2 * statistics.median(steps)
         for (line_a, _, _, _), (line_b, _, _, _), a, b in zip(rows, rows[1:], times, times[1:]):
             if b - a > limit + 1e-9:
-                warnings.add(path, line_b, "time gaps",
-                             f"gap of {b - a:g} s after line {line_a} (more than {limit:g} s): the reading of "
-                             f"line {line_a} is held across it")
+                warnings.add(
+                    path,
+                    line_b,
+                    "time gaps",
+                    f"gap of {b - a:g} s after line {line_a} (more than {limit:g} s): the reading of "
+                    f"line {line_a} is held across it",
+                )
     return times, end
 
 
@@ -340,8 +372,9 @@ def _convert(channel: str, value: float, params: CsvImport) -> float:
     return value
 
 
-def _load(paths: Sequence[Path], params: CsvImport,
-          warnings: _Warnings) -> tuple[dict[str, list[_Reading]], dict[str, Path], float, float]:
+def _load(
+    paths: Sequence[Path], params: CsvImport, warnings: _Warnings
+) -> tuple[dict[str, list[_Reading]], dict[str, Path], float, float]:
     """Readings per channel on the log axis, which file each channel came from, the log-axis
     origin (raw seconds) and the end of the data on the log axis."""
     channels = params.channels()
@@ -352,8 +385,9 @@ def _load(paths: Sequence[Path], params: CsvImport,
         for channel, column in channels.items():
             if column in header:
                 if channel in found:
-                    raise CsvImportError(f"{path}:1: column {column!r} is also in {found[channel]}: "
-                                         "which one is meant is ambiguous")
+                    raise CsvImportError(
+                        f"{path}:1: column {column!r} is also in {found[channel]}: which one is meant is ambiguous"
+                    )
                 found[channel] = path
         if not rows:
             raise CsvImportError(f"{path}:2: no data rows")
@@ -377,8 +411,12 @@ def _load(paths: Sequence[Path], params: CsvImport,
                 column = channels[channel]
                 text = cells[channel].strip()
                 if not text:
-                    warnings.add(path, line, f"empty cells in {column}",
-                                 f"column {column} is empty: no reading in this row (the previous one holds)")
+                    warnings.add(
+                        path,
+                        line,
+                        f"empty cells in {column}",
+                        f"column {column} is empty: no reading in this row (the previous one holds)",
+                    )
                     continue
                 value = _parse_number(path, line, column, text)
                 if column in params.no_reading and value == params.no_reading[column]:
@@ -426,8 +464,10 @@ def _checked(channel: str, reading: _Reading | None, value: float | None, found:
     (low, high), unit, digits, hint = _RANGES[channel]
     if not low <= value <= high:
         source = found["current" if channel == "power" else channel]
-        raise CsvImportError(f"{source}:{reading.line}: {channel} {value:g} {unit} is outside the trace format's "
-                             f"range [{low:g}, {high:g}]: {hint}")
+        raise CsvImportError(
+            f"{source}:{reading.line}: {channel} {value:g} {unit} is outside the trace format's "
+            f"range [{low:g}, {high:g}]: {hint}"
+        )
     return round(value, digits)
 
 
@@ -448,19 +488,23 @@ def import_csv(files: Sequence[str | os.PathLike[str]], params: CsvImport) -> Im
     start = params.from_s if params.from_s is not None else current[0].t
     at_start = _latest(current, start)
     if at_start is None:
-        raise CsvImportError(f"{found['current']}:{current[0].line}: the payload current has no reading at or before "
-                             f"the start (log time {start:g} s; the first is at {current[0].t:g} s): the payload "
-                             "state there is unknown; start at or after the first reading (--from)")
+        raise CsvImportError(
+            f"{found['current']}:{current[0].line}: the payload current has no reading at or before "
+            f"the start (log time {start:g} s; the first is at {current[0].t:g} s): the payload "
+            "state there is unknown; start at or after the first reading (--from)"
+        )
     end = data_end
     if params.to_s is not None:
         if params.to_s > data_end + 1e-6:
-            raise CsvImportError(f"{found['current']}:0: --to {params.to_s:g} is after the end of the data "
-                                 f"(log time {data_end:g} s)")
+            raise CsvImportError(
+                f"{found['current']}:0: --to {params.to_s:g} is after the end of the data (log time {data_end:g} s)"
+            )
         end = params.to_s
     duration = math.floor(end - start + 1e-6)
     if duration < 1:
-        raise CsvImportError(f"{found['current']}:0: nothing to import: the data from log time {start:g} s ends at "
-                             f"{end:g} s")
+        raise CsvImportError(
+            f"{found['current']}:0: nothing to import: the data from log time {start:g} s ends at {end:g} s"
+        )
 
     def trace_time(t: float) -> float:
         return round(t - start, 3)
@@ -498,19 +542,30 @@ def import_csv(files: Sequence[str | os.PathLike[str]], params: CsvImport) -> Im
     for k in seconds:
         amps = held["current"][k]
         power = None if params.payload_volts is None or amps is None else amps.value * params.payload_volts / 1000.0
-        samples.append(TelemetrySample(float(k), value("voltage", k), value("battery", k), value("temperature", k),
-                                       _checked("power", amps, power, found)))
+        samples.append(
+            TelemetrySample(
+                float(k),
+                value("voltage", k),
+                value("battery", k),
+                value("temperature", k),
+                _checked("power", amps, power, found),
+            )
+        )
 
     notes = []
     if params.time_unit in ("unix", "datetime"):
-        notes.append(f"log time 0 is the first time stamp, {origin:.0f} s after 1970-01-01 UTC "
-                     f"({_utc(origin)}); the trace starts at log time {start:g} s")
+        notes.append(
+            f"log time 0 is the first time stamp, {origin:.0f} s after 1970-01-01 UTC "
+            f"({_utc(origin)}); the trace starts at log time {start:g} s"
+        )
     else:
         in_unit = start / _unit_seconds(params.time_unit)
         notes.append(f"the trace starts at log time {start:g} s ({params.time} = {in_unit:g} {params.time_unit})")
     if at_start.value > threshold:
-        notes.append(f"the payload is on at the start ({found['current']}:{at_start.line}): the trace's first "
-                     "power_on marks the start of the excerpt, not a switch-on")
+        notes.append(
+            f"the payload is on at the start ({found['current']}:{at_start.line}): the trace's first "
+            "power_on marks the start of the excerpt, not a switch-on"
+        )
     if not events:
         notes.append(f"{params.current} never exceeds {threshold:g} mA in the excerpt: the payload is off throughout")
 
@@ -518,16 +573,23 @@ def import_csv(files: Sequence[str | os.PathLike[str]], params: CsvImport) -> Im
     inputs = {str(p.name): {"sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for p in paths}
     trace = Trace(
         name=name,
-        description=(f"Imported from {', '.join(p.name for p in paths)}: payload on while {params.current} > "
-                     f"{threshold:g} mA, log time {start:g}-{start + duration:g} s."),
+        description=(
+            f"Imported from {', '.join(p.name for p in paths)}: payload on while {params.current} > "
+            f"{threshold:g} mA, log time {start:g}-{start + duration:g} s."
+        ),
         duration_s=float(duration),
         events=tuple(events),
         telemetry=tuple(samples),
         telemetry_period_s=1.0,
         reference_request_s=params.reference_request_s,
         time_scale=1.0,
-        source={"kind": "import", "importer": "traces.importers.csv_import.import_csv", "inputs": inputs,
-                "parameters": asdict(params), "log_start_s": start},
+        source={
+            "kind": "import",
+            "importer": "traces.importers.csv_import.import_csv",
+            "inputs": inputs,
+            "parameters": asdict(params),
+            "log_start_s": start,
+        },
         assumptions=tuple(_assumptions(params, at_start.value > threshold)),
     )
     # Valid by construction (the writer validates again): ordered switches at distinct times,
@@ -549,22 +611,28 @@ def _assumptions(params: CsvImport, on_at_start: bool) -> list[str]:
     current = f"{params.current} ({params.current_unit})"
     out = [f"Payload on while {current} > {params.on_above_ma:g} mA; a switch at the first reading on the other side."]
     if params.thermal_at_c is not None:
-        out.append(f"A cut is thermal when {params.temperature} at the switch-off is >= {params.thermal_at_c:g} C; "
-                   f"other cuts: {params.other_cause} (the log gives no reason).")
+        out.append(
+            f"A cut is thermal when {params.temperature} at the switch-off is >= {params.thermal_at_c:g} C; "
+            f"other cuts: {params.other_cause} (the log gives no reason)."
+        )
     else:
         out.append(f"Every cut: {params.other_cause} (no thermal rule given; the log gives no reason).")
     out.append("No warnings: the log records no shutdown notice (all leads 0).")
     if params.payload_volts is not None:
         out.append(f"Payload power = {params.current} x {params.payload_volts:g} V (the payload's supply rail).")
     if params.battery is not None and params.battery_unit in ("V", "mV"):
-        out.append(f"Battery state of charge from {params.battery} through the BUPT-1 Li-ion pack's discharge "
-                   f"curve (4 cells in series, scaled to {params.battery_cells}).")
+        out.append(
+            f"Battery state of charge from {params.battery} through the BUPT-1 Li-ion pack's discharge "
+            f"curve (4 cells in series, scaled to {params.battery_cells})."
+        )
     if params.no_reading:
         out.append("Not a reading: " + ", ".join(f"{c} = {v:g}" for c, v in params.no_reading.items()) + ".")
     if params.spread_repeats:
         out.append("Rows sharing a time stamp are evenly spaced samples within the stamp's resolution.")
-    out.append("1 Hz telemetry holds the latest reading at or before each second; nothing is interpolated; "
-               "unmapped channels are null.")
+    out.append(
+        "1 Hz telemetry holds the latest reading at or before each second; nothing is interpolated; "
+        "unmapped channels are null."
+    )
     if on_at_start:
         out.append("The payload is on at the start of the excerpt: the first power_on marks that start.")
     return out
