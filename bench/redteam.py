@@ -29,8 +29,31 @@ def main(argv=None) -> int:
     p.add_argument("--frames", type=int, default=1_000_000, help="frames for each fuzzer (default 1,000,000)")
     p.add_argument("--kills", type=int, default=1000, help="payload cuts in the kill campaign (default 1000)")
     p.add_argument("--bus-kill-every", type=int, default=40, help="SIGKILL the bus after every N cuts (default 40)")
-    p.add_argument("--tasks", type=int, default=None, help="tasks uplinked during the campaign (default kills / 5)")
+    p.add_argument(
+        "--tasks", type=int, default=None, help="tasks uplinked during the campaign (default: as many as kills)"
+    )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--work-s",
+        type=float,
+        nargs=2,
+        default=(0.1, 4.0),
+        metavar=("MIN", "MAX"),
+        help="working time of each window before its cut, drawn uniformly (default 0.1 4.0 s)",
+    )
+    p.add_argument(
+        "--boot-s",
+        type=float,
+        default=1.0,
+        help="emulated payload boot: each power-up forks the payload from a pre-loaded zygote and waits this "
+        "long (default 1.0 s); 0 or less: exec the payload at every power-up (this machine's real cold start)",
+    )
+    p.add_argument(
+        "--pace-ms",
+        type=int,
+        default=60,
+        help="the payload's --pace-ms during the campaign: every block and step lasts at least this long (default 60)",
+    )
     p.add_argument("--model", default=None, help="model directory (default: build the tiny Qwen3-VL under --out)")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "redteam"))
     p.add_argument("--nice", type=int, default=0, help="niceness of the campaign's bus and payload processes")
@@ -91,6 +114,9 @@ def main(argv=None) -> int:
             bus_kill_every=args.bus_kill_every,
             seed=args.seed,
             tasks=args.tasks,
+            work_s=tuple(args.work_s),
+            pace_ms=args.pace_ms,
+            boot_s=args.boot_s if args.boot_s > 0 else None,
             say=say,
             nice=args.nice,
         ).run()

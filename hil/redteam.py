@@ -476,6 +476,7 @@ def bus_worker(spec_path: str) -> int:
         heartbeat_timeout_s=60.0,
         boot_timeout_s=300.0,
         ready_file=spec["ready_file"],
+        boot_trace_s=spec.get("boot_trace_s"),
     )
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
@@ -525,7 +526,14 @@ class KillCampaign:
     """docs/hil.md "Red team": the real bus, payload and ground on loopback; the bus cuts the
     payload `kills` times at random instants of its working life and is itself SIGKILLed every
     `bus_kill_every` cuts (and restarted on the same store); tasks of mixed sizes (1-3 pictures up
-    to 640x480, prompts of 1-300 words, 1-16 tokens) are uplinked throughout."""
+    to 320x240, prompts of 1-300 words, 1-32 tokens) are uplinked throughout, up to `outstanding`
+    unanswered at a time. Every block and step is paced to at least `pace_ms` (the payload's
+    `--pace-ms`, standing in for a slower target) so that the tiny model's tasks last seconds, the
+    queue stays full and the cuts land in vision, prefill, decode, record writes and reports rather
+    than in an idle payload waiting for the next uplink. With `boot_s` set, each payload is forked
+    at power-on from the testbench's zygote (its libraries imported, nothing else; the boot takes
+    `boot_s`, docs/hil.md) so that a thousand cuts fit in an afternoon; with None, every power-on
+    execs the payload and pays this machine's real cold start (the boot itself is then cut too)."""
 
     def __init__(
         self,
@@ -535,7 +543,10 @@ class KillCampaign:
         bus_kill_every: int = 40,
         seed: int = 0,
         tasks: int | None = None,
-        work_s: tuple[float, float] = (0.2, 6.0),
+        work_s: tuple[float, float] = (0.1, 4.0),
+        pace_ms: int = 60,
+        outstanding: int = 12,
+        boot_s: float | None = 1.0,
         boot_kill_fraction: float = 0.1,
         say=print,
         nice: int = 0,
@@ -545,8 +556,11 @@ class KillCampaign:
         self.kills = kills
         self.bus_kill_every = bus_kill_every
         self.seed = seed
-        self.tasks_target = tasks if tasks is not None else max(4, kills // 5)
+        self.tasks_target = tasks if tasks is not None else max(4, kills)
         self.work_s = work_s
+        self.pace_ms = pace_ms
+        self.boot_s = boot_s
+        self.outstanding = outstanding
         self.boot_kill_fraction = boot_kill_fraction
         self.say = say
         self.nice = nice
@@ -566,10 +580,11 @@ class KillCampaign:
             "data_dir": os.path.join(self.out, "bus"),
             "keys": self.keys,
             "model": self.model,
-            "flight_args": CAMPAIGN_FLIGHT_ARGS,
+            "flight_args": CAMPAIGN_FLIGHT_ARGS + (["--pace-ms", str(self.pace_ms)] if self.pace_ms else []),
             "start_at_s": start_at_s,
             "ready_file": ready,
             "boot_kill_fraction": self.boot_kill_fraction,
+            "boot_trace_s": self.boot_s,
             "seed": self.rng.randrange(2**31),
             "endpoints": {
                 "commands": self.endpoints.commands,
@@ -585,7 +600,7 @@ class KillCampaign:
         if self.nice:
             cmd = ["nice", "-n", str(self.nice)] + cmd
         proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 900  # a zygote's imports take minutes on a loaded machine
         while not os.path.exists(ready):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"campaign bus did not start (see {self.out}/bus-stderr.log)")
@@ -653,10 +668,10 @@ class KillCampaign:
                     for j in range(rng.randint(1, 3)):
                         path = os.path.join(pictures_dir, f"t{n:05d}-{j}.png")
                         with open(path, "wb") as f:
-                            f.write(_noise_png(rng, rng.randint(32, 640), rng.randint(32, 480)))
+                            f.write(_noise_png(rng, rng.randint(32, 320), rng.randint(32, 240)))
                         paths.append(path)
                     prompt = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(1, 300)))
-                    spec = {"images": paths, "prompt": prompt, "max_new_tokens": rng.randint(1, 16)}
+                    spec = {"images": paths, "prompt": prompt, "max_new_tokens": rng.randint(1, 32)}
                     task_id = f"rt{n:05d}"
                     try:
                         ground.uplink(paths, prompt, max_new_tokens=spec["max_new_tokens"], task_id=task_id)
@@ -664,7 +679,7 @@ class KillCampaign:
                     except GroundError as exc:
                         report.notes.append(f"uplink {task_id}: {exc}")
                     n += 1
-                    while not stop.is_set() and len(specs) - len(results) > 6:
+                    while not stop.is_set() and len(specs) - len(results) >= self.outstanding:
                         self._collect(ground, specs, results, wait_s=2.0)
 
         ground_thread = threading.Thread(target=ground_loop, name="campaign-ground", daemon=True)
