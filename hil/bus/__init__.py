@@ -30,6 +30,7 @@ Where things are (one concern per module; `Bus` is built up from them in this or
 from hil.bus.base import BusBase, Pacer, request_fields
 from hil.bus.clock import TRACE_CAUSE, TraceAction, TraceClock, trace_actions
 from hil.bus.config import (
+    FLIGHT_RUN_ARGS,
     PAYLOAD_CLIENT,
     PLACEHOLDERS,
     REMOTE_PAYLOAD_COMMAND,
@@ -47,6 +48,7 @@ from hil.bus.telemetry import TelemetryPart
 from hil.bus.timeline import IDLE_CONFIRM_S, POLL_MAX_S, SKIP_MIN_S, TimelinePart
 
 __all__ = [
+    "FLIGHT_RUN_ARGS",
     "GROUND_SOURCE_IDS",
     "IDLE_CONFIRM_S",
     "PAYLOAD_CLIENT",

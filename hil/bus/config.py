@@ -16,28 +16,8 @@ from common.wire.link import Endpoints
 PAYLOAD_CLIENT = "payload"
 
 
-def default_payload_command(python: str | None = None) -> list[str]:
-    """`ow flight run ...` as the local driver spawns it (the `ow` of this interpreter)."""
-    return [
-        python or sys.executable,
-        "-m",
-        "common.cli",
-        "flight",
-        "run",
-        "--data-dir",
-        "{payload_data_dir}",
-        "--model",
-        "{model}",
-        "--keys",
-        "{keys}",
-        "--payload-endpoint",
-        "{payload_endpoint}",
-    ]
-
-
-#: The same for a remote board, where `ow` is on the PATH of the SSH login.
-REMOTE_PAYLOAD_COMMAND = [
-    "ow",
+#: `ow flight run` with its placeholders, after whatever runs `ow`.
+FLIGHT_RUN_ARGS = (
     "flight",
     "run",
     "--data-dir",
@@ -48,7 +28,16 @@ REMOTE_PAYLOAD_COMMAND = [
     "{keys}",
     "--payload-endpoint",
     "{payload_endpoint}",
-]
+)
+
+
+def default_payload_command(python: str | None = None) -> list[str]:
+    """`ow flight run ...` as the local driver spawns it (the `ow` of this interpreter)."""
+    return [python or sys.executable, "-m", "common.cli", *FLIGHT_RUN_ARGS]
+
+
+#: The same for a remote board, where `ow` is on the PATH of the SSH login.
+REMOTE_PAYLOAD_COMMAND = ["ow", *FLIGHT_RUN_ARGS]
 
 PLACEHOLDERS = ("python", "payload_data_dir", "bus_data_dir", "model", "keys", "payload_endpoint")
 
