@@ -1,5 +1,5 @@
 """Trace time and the trace's actions: when each power-on, warning and cut of the trace happens
-on the monotonic clock (docs/bus.md §2).
+on the monotonic clock (docs/bus.md §1, §2).
 
 `time_scale` is wall seconds per trace second. Trace second t happens at wall time
 (t - start_at) × time_scale after start; the bus clock carried in telemetry (`trace_time_s`,

@@ -1,6 +1,6 @@
 """`Bus`: the parts put together, and its life: `start()` locks the data directory, binds the three
 sockets and opens the command store and the run log; `run()` is the main loop; shutdown cuts the
-payload and closes everything (docs/bus.md §1, §7)."""
+payload and closes everything (docs/bus.md §7, §8)."""
 
 from __future__ import annotations
 

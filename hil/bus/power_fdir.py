@@ -1,5 +1,5 @@
 """Power and FDIR: the payload's power switch follows the trace unless FDIR holds it off; FDIR
-power-cycles a payload that exits by itself, does not boot or stops its heartbeat (docs/bus.md §3).
+power-cycles a payload that exits by itself, does not boot or stops its heartbeat (docs/bus.md §2, §3, §6).
 Also how the switch is built for each driver (local process, ssh, commands)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The trace timeline: the trace's power-ons, warnings and cuts when they fall due, its end, and
-skip-idle's jumps of the clock over spans where nothing can happen (docs/bus.md §2)."""
+skip-idle's jumps of the clock over spans where nothing can happen (docs/bus.md §1, §2)."""
 
 from __future__ import annotations
 
