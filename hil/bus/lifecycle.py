@@ -203,6 +203,9 @@ class Bus(RelayPart):
         return 0
 
     def _step(self) -> None:
+        """One round of the main loop, each part in turn: the replay pacer, skip-idle, the trace's
+        due actions, telemetry, the payload's health, power, forwarding; then packets until the
+        next action is due (at most POLL_MAX_S)."""
         now = time.monotonic()
         if self.pacer is not None:
             self.pacer.step(self, now)
