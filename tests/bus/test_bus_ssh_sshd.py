@@ -81,7 +81,7 @@ def group_members(pgid: int) -> list[int]:
     return out
 
 
-def families(path: Path, count: int) -> list[tuple[int, int]]:
+def families(path: Path, count: int) -> list[tuple[int, ...]]:
     """The (leader, child) pids of the first `count` boots of the FAMILY payload."""
 
     def read():
