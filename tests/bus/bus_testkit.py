@@ -8,6 +8,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -25,7 +26,7 @@ LOOPBACK = Endpoints(commands="tcp://127.0.0.1:*", payload="tcp://127.0.0.1:*", 
 
 def write_trace(path: Path, duration_s: float, windows: list[PowerWindow], *, telemetry: bool = True) -> Path:
     """A valid trace file with these windows and (optionally) a 1 Hz telemetry sample every second."""
-    samples = ()
+    samples: tuple[TelemetrySample, ...] = ()
     if telemetry:
         samples = tuple(
             TelemetrySample(
@@ -70,7 +71,7 @@ def scripted_payload_command(record: Path, *extra: str) -> list[str]:
 def bus_config(
     tmp_path: Path, keys: KeyLayout, trace: Path, record: Path, *, payload_args: tuple = (), **overrides
 ) -> BusConfig:
-    settings = dict(
+    settings: dict[str, Any] = dict(
         trace=str(trace),
         data_dir=tmp_path / "bus",
         keys_dir=keys.root,
@@ -128,7 +129,7 @@ class GroundStation:
     def collect(self, duration_s: float) -> list[tuple]:
         """Every (header, message) that arrives within `duration_s`, added to `inbox`."""
         deadline = time.monotonic() + duration_s
-        got = []
+        got: list[tuple] = []
         while (remaining := deadline - time.monotonic()) > 0:
             received = recv_packet(self.sock, timeout_s=min(remaining, 0.1))
             if received is not None:

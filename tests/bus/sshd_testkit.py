@@ -197,6 +197,7 @@ class SshServer:
     def _remember_sessions(self) -> None:
         import psutil
 
+        assert self.proc is not None  # called while sshd runs
         try:
             self.sessions.update(psutil.Process(self.proc.pid).children(recursive=True))
         except psutil.Error:

@@ -24,7 +24,7 @@ seen = {
     "preloaded": "hil.power" in sys.modules,
     "argv": sys.argv[1:],
 }
-hil.power._zygote_probe_marker = os.getpid()  # an earlier payload's state, if it survived
+hil.power._zygote_probe_marker = os.getpid()  # type: ignore[attr-defined]  # an earlier payload's state, if it survived
 import zygote_probe_extra  # noqa: E402,F401
 
 with open(record, "a") as f:

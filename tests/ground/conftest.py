@@ -18,7 +18,7 @@ from common.wire.link import KeyLayout, init_keys
 
 @dataclasses.dataclass
 class Outcome:
-    code: int
+    code: int | str | None  # what main() returned, or a SystemExit's code
     out: str
     err: str
 
@@ -58,6 +58,7 @@ def ow(monkeypatch, capsys):
 
     def run(*args) -> Outcome:
         capsys.readouterr()
+        code: int | str | None
         try:
             code = common.cli.main([str(a) for a in args])
         except SystemExit as exc:  # argparse usage errors

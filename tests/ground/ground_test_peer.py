@@ -30,6 +30,7 @@ from common.wire import (
     Apid,
     MessageType,
     NodeId,
+    PacketHeader,
     PowerCause,
     ReplayError,
     ReplayGuard,
@@ -74,7 +75,7 @@ class ScriptedBusPayloadPeer:
         self.boot_count = 1
         self.booted_at = time.monotonic()
         # --- what happened, for assertions ---
-        self.commands: list[tuple[str | None, object, m.Message]] = []
+        self.commands: list[tuple[str | None, PacketHeader, m.Message]] = []
         self.replays: list = []
         self.chunk_receipts: Counter = Counter()
         self.stored_before_cut: set[tuple[str, int]] = set()
@@ -337,7 +338,7 @@ class ScriptedBusPayloadPeer:
         task["state"] = "completed"
         task["result"] = m.TaskResult(
             task_id=task_id,
-            token_ids=[5, 6, 7],
+            token_ids=(5, 6, 7),
             text=RESULT_TEXT,
             logits_sha256=bytes(32),
             timings={"prefill": 0.25, "total": 0.5},

@@ -1,0 +1,59 @@
+"""`GroundClient`: every ground operation, callable in-process (the CLI is a thin layer on it).
+
+    with GroundClient("keys", endpoints=Endpoints(commands=..., telemetry=...)) as ground:
+        rtt = ground.ping()
+        hk = ground.status()
+        up = ground.uplink(["a.png"], "describe the coast", max_new_tokens=32)
+        result = ground.result(up.task_id, wait=True)
+
+Answers are correlated by request id (APID, source id, sequence number, type) and task id, from
+the commands link and the telemetry link alike (ground.link). Nothing here assumes an answer
+comes back: every wait has a timeout, and an uplink that stops hearing back re-asks the payload
+what it holds (IMAGE_QUERY) and sends only what is missing, so it resumes after link loss, a bus
+restart or a payload power cut without sending a held chunk again or queueing a task twice.
+
+Where things are (`GroundClient` is built up from them in this order):
+
+    session.py        link, arrivals, command/reply matching (CommandSession)
+    upload.py         resumable image upload (ImageUploader, ImageUpload)
+    tasks.py          uplink, task list, resend/cancel/priority (TaskTracker, UplinkResult)
+    results.py        DOWNLINK_RESULT, waiting, local storage (ResultStore)
+    ground_client.py  GroundClient: ping, status, quarantine, lost tasks, telemetry
+"""
+
+from ground.client.ground_client import GroundClient
+from ground.client.results import ResultStore
+from ground.client.session import (
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_RETRIES,
+    DEFAULT_TIMEOUT_S,
+    DEFAULT_WINDOW,
+    REPORT_MEMORY,
+    RESYNC_CODES,
+    CommandSession,
+    request_dict,
+    request_from_dict,
+)
+from ground.client.tasks import FINAL_TASK_STATES, TaskTracker, UplinkResult
+from ground.client.upload import ImageUpload, ImageUploader
+from ground.errors import GroundError
+
+__all__ = [
+    "DEFAULT_MAX_NEW_TOKENS",
+    "DEFAULT_RETRIES",
+    "DEFAULT_TIMEOUT_S",
+    "DEFAULT_WINDOW",
+    "FINAL_TASK_STATES",
+    "REPORT_MEMORY",
+    "RESYNC_CODES",
+    "CommandSession",
+    "GroundClient",
+    "GroundError",
+    "ImageUpload",
+    "ImageUploader",
+    "ResultStore",
+    "TaskTracker",
+    "UplinkResult",
+    "request_dict",
+    "request_from_dict",
+]

@@ -1,0 +1,82 @@
+"""Result storage: DOWNLINK_RESULT until the task's TASK_RESULT comes (waiting for its COMPLETED
+or FAILED if asked to), saved in local state with the time it came down."""
+
+from __future__ import annotations
+
+import time
+
+from common.wire import ResponseCode
+from common.wire import messages as m
+from ground.client.tasks import TaskTracker
+from ground.errors import CommandRejected, NoAnswer
+from ground.images import check_operator_name
+from ground.report import to_jsonable
+
+
+class ResultStore(TaskTracker):
+    """Results asked for, waited for and kept."""
+
+    def result(
+        self, task_id: str, *, wait: bool = False, max_wait_s: float | None = None, poll_s: float = 30.0
+    ) -> m.TaskResult:
+        """DOWNLINK_RESULT -> TASK_RESULT. With `wait`, a task not finished yet is waited for:
+        its COMPLETED (then asked again), FAILED (CommandRejected, failed=True), or `poll_s`
+        passing (asked again, in case the COMPLETED was missed). Saves the result locally."""
+        task_id = check_operator_name(task_id, "task id")
+        self._track_task(task_id)
+        deadline = None if max_wait_s is None else time.monotonic() + max_wait_s
+        self._watched.setdefault(task_id, ())
+        said_silent = False
+        completed_acted_on = -1  # arrival number of the last COMPLETED that made us ask again
+        while True:
+            known = self.state.task(task_id) or {}
+            if wait and known.get("state") in ("failed", "cancelled"):
+                code = ResponseCode.__members__.get(str(known.get("code")), ResponseCode.INTERNAL_ERROR)
+                raise CommandRejected(f"task {task_id}", code, known.get("reason", ""), failed=True)
+            try:
+                _, result = self._transact(
+                    m.DownlinkResult(task_id=task_id),
+                    f"DOWNLINK_RESULT {task_id}",
+                    reply=lambda mark: self._after(self._results.get(task_id), mark),
+                )
+                self._store_result(result)
+                return result
+            except CommandRejected as exc:
+                if not wait or exc.code != ResponseCode.RESULT_NOT_READY:
+                    raise
+                # Any final report seen in this session counts, even one that came before we asked.
+                seen = self._task_final.get(task_id)
+                if seen is not None and isinstance(seen[1], m.Failed):
+                    raise CommandRejected(f"task {task_id}", seen[1].code, seen[1].reason, failed=True) from None
+                if seen is not None and seen[0] > completed_acted_on:
+                    completed_acted_on = seen[0]  # completed meanwhile: ask again at once
+                    continue
+                mark = self._arrivals
+
+                def final_report(mark: int = mark) -> m.Verification | None:
+                    return self._after(self._task_final.get(task_id), mark)
+
+                final = self._wait(final_report, self._until(deadline, poll_s))
+                if isinstance(final, m.Failed):
+                    raise CommandRejected(f"task {task_id}", final.code, final.reason, failed=True) from None
+            except NoAnswer as exc:
+                if not wait:
+                    raise
+                if not said_silent:
+                    self._notify(f"{exc}; still waiting")
+                    said_silent = True
+            if deadline is not None and time.monotonic() >= deadline:
+                raise NoAnswer(f"task {task_id}: no result within {max_wait_s:g} s")
+
+    @staticmethod
+    def _until(deadline: float | None, poll_s: float) -> float:
+        if deadline is None:
+            return poll_s
+        return max(0.0, min(poll_s, deadline - time.monotonic()))
+
+    def _store_result(self, result: m.TaskResult) -> None:
+        record = to_jsonable(result)
+        record["downlinked"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.state.save_result(result.task_id, record)
+        if self.state.task(result.task_id) is not None:
+            self.state.update_task(result.task_id, state="completed", result_tokens=len(result.token_ids))

@@ -1,0 +1,312 @@
+"""Command/reply matching: the session's link to the bus, every packet that arrives sorted by what it
+answers, and `_transact`, which sends a telecommand and waits for its outcome.
+
+Answers are correlated by request id (APID, source id, sequence number, type) and task id, from
+the commands link and the telemetry link alike (ground.link). Nothing here assumes an answer
+comes back: every wait has a timeout."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Self
+
+import zmq
+
+from common import log
+from common.wire import Apid, MessageType, NodeId, RequestRef, ResponseCode
+from common.wire import messages as m
+from common.wire.ids import DEFAULT_CHUNK_DATA_BYTES
+from common.wire.link import Endpoints, KeyLayout
+from ground.errors import CommandRejected, LocalInputError, NoAnswer
+from ground.images import check_chunk_bytes, check_operator_name
+from ground.link import GroundLink, Telemetry
+from ground.state import GroundState
+
+_log = log.get("ground.client")
+
+DEFAULT_TIMEOUT_S = 10.0
+DEFAULT_RETRIES = 12
+DEFAULT_WINDOW = 8
+DEFAULT_MAX_NEW_TOKENS = 64
+#: Reports remembered per client (a long campaign must not grow memory without bound).
+REPORT_MEMORY = 65536
+#: Rejections that mean "our sequence counter is off", fixed by resynchronising and resending.
+RESYNC_CODES = (ResponseCode.REPLAYED_SEQUENCE, ResponseCode.SEQUENCE_TOO_FAR_AHEAD)
+
+
+def request_dict(ref: RequestRef) -> dict:
+    return {"apid": ref.apid, "source_id": ref.source_id, "seq": ref.seq, "message_type": ref.message_type}
+
+
+def request_from_dict(d: dict) -> RequestRef:
+    return RequestRef(apid=d["apid"], source_id=d["source_id"], seq=d["seq"], message_type=d["message_type"])
+
+
+class CommandSession:
+    """The link, what has arrived, and sending with outcome matching (arguments: GroundClient)."""
+
+    def __init__(
+        self,
+        keys_dir: str | os.PathLike,
+        *,
+        station: str = "ground",
+        source_id: int = NodeId.GROUND,
+        endpoints: Endpoints | None = None,
+        state_dir: str | os.PathLike | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        retries: int = DEFAULT_RETRIES,
+        window: int = DEFAULT_WINDOW,
+        chunk_bytes: int = DEFAULT_CHUNK_DATA_BYTES,
+        notify: Callable[[str], None] | None = None,
+        progress: bool | None = False,
+        context: zmq.Context | None = None,
+        commands: bool = True,
+    ):
+        if not 1 <= int(source_id) <= 0xFF:
+            raise LocalInputError(f"source id {source_id} outside 1..255 (ground stations)")
+        if timeout_s <= 0 or retries < 0 or window < 1:
+            raise LocalInputError("timeout must be > 0, retries >= 0, window >= 1")
+        self.layout = KeyLayout(Path(keys_dir))
+        self.station = check_operator_name(station, "station name")
+        self.source_id = int(source_id)
+        self.endpoints = endpoints or Endpoints.from_env()
+        self.state = GroundState(state_dir if state_dir is not None else self.layout.state_dir)
+        self.timeout_s = float(timeout_s)
+        self.retries = int(retries)
+        self.window = int(window)
+        self.chunk_bytes = check_chunk_bytes(chunk_bytes)
+        self.progress = progress
+        self._notify_fn = notify
+        self.link = GroundLink(
+            self.layout.root,
+            station=self.station,
+            endpoints=self.endpoints,
+            handshake_timeout_s=self.timeout_s,
+            commands=commands,
+            context=context,
+        )
+        # --- what has arrived (filled by _note) ---
+        self._arrivals = 0
+        self._reports: OrderedDict[RequestRef, list[tuple[int, m.Verification]]] = OrderedDict()
+        self._image_status: dict[str, tuple[int, m.ImageStatus]] = {}
+        self._pongs: dict[int, tuple[int, float]] = {}
+        self._housekeeping: tuple[int, m.Housekeeping] | None = None
+        self._results: dict[str, tuple[int, m.TaskResult]] = {}
+        self._quarantine: tuple[int, m.QuarantineList] | None = None
+        self._lost: tuple[int, m.LostTasks] | None = None
+        self._task_final: dict[str, tuple[int, m.Verification]] = {}
+        self._task_requests: dict[RequestRef, str] = {}
+        self._refused_by_bus: set[RequestRef] = set()
+        self._watched: dict[str, tuple] = {}
+        self.payload_on: bool | None = None
+        self.power_cause: str | None = None
+        self.observers: list[Callable[[Telemetry], None]] = []
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    def open(self) -> Self:
+        """Connect to the bus (CURVE handshake on both links); idempotent. Raises LinkRefused
+        (key not authorized), NoAnswer (no bus) or LocalInputError (keys missing)."""
+        self.link.open()
+        return self
+
+    def close(self) -> None:
+        self.link.close()
+
+    def __enter__(self) -> Self:
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _notify(self, text: str) -> None:
+        if self._notify_fn is not None:
+            self._notify_fn(text)
+        else:
+            _log.warning("ground_notice", text=text)
+
+    # --- receiving ----------------------------------------------------------------------------
+    def _pump(self, timeout_s: float) -> None:
+        for packet in self.link.receive(timeout_s):
+            self._note(packet)
+
+    def _note(self, packet: Telemetry) -> None:
+        self._arrivals += 1
+        n = self._arrivals
+        msg = packet.message
+        if isinstance(msg, m.Verification):
+            if msg.tc_source == self.source_id and msg.tc_apid == Apid.PAYLOAD:
+                self._reports.setdefault(msg.request, []).append((n, msg))
+                if isinstance(msg, m.Rejected) and packet.header.apid == Apid.BUS:
+                    self._refused_by_bus.add(msg.request)
+                if len(self._reports) > REPORT_MEMORY:
+                    self._reports.popitem(last=False)
+            if msg.tc_type == MessageType.UPLINK_TASK:
+                task_id = msg.task_id or self._task_requests.get(msg.request)
+                if task_id is not None:
+                    self._note_task_report(n, task_id, msg)
+        elif isinstance(msg, m.ImageStatus):
+            self._image_status[msg.image] = (n, msg)
+        elif isinstance(msg, m.Pong):
+            self._pongs[msg.key] = (n, packet.received_at)
+        elif isinstance(msg, m.Housekeeping):
+            self._housekeeping = (n, msg)
+        elif isinstance(msg, m.TaskResult):
+            self._results[msg.task_id] = (n, msg)
+        elif isinstance(msg, m.QuarantineList):
+            self._quarantine = (n, msg)
+        elif isinstance(msg, m.LostTasks):
+            self._lost = (n, msg)
+        elif isinstance(msg, (m.PowerReport, m.PowerStateChange)):
+            self.payload_on = msg.payload_on
+            if isinstance(msg, m.PowerStateChange):
+                self.power_cause = str(msg.cause)
+        for observer in self.observers:
+            observer(packet)
+
+    def _note_task_report(self, n: int, task_id: str, msg: m.Verification) -> None:
+        """Reports about a task's execution: they refer to its UPLINK_TASK's request id."""
+        if isinstance(msg, (m.Completed, m.Failed)):
+            self._task_final[task_id] = (n, msg)
+            if self.state.task(task_id) is not None:  # one of ours: keep the task list current
+                if isinstance(msg, m.Completed):
+                    self.state.update_task(task_id, state="completed")
+                else:
+                    state = "cancelled" if msg.code == ResponseCode.CANCELLED else "failed"
+                    self.state.update_task(task_id, state=state, code=msg.code.name, reason=msg.reason)
+        if task_id in self._watched:
+            key: tuple
+            if isinstance(msg, m.Started):
+                key = ("started",)
+                text = f"task {task_id}: started"
+            elif isinstance(msg, m.Progress):
+                key = (str(msg.phase), msg.done == msg.total)
+                text = f"task {task_id}: {msg.phase} {msg.done}/{msg.total}"
+            else:
+                return
+            if self._watched[task_id] != key:
+                self._watched[task_id] = key
+                self._notify(text)
+
+    def _wait(self, condition: Callable[[], Any], timeout_s: float) -> Any:
+        """Pump packets until `condition()` is not None (returned) or `timeout_s` passes (None)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            value = condition()
+            if value is not None:
+                return value
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            self._pump(min(remaining, 0.5))
+
+    # --- sending ------------------------------------------------------------------------------
+    def _send(self, message: m.Message) -> RequestRef:
+        seq = self.state.counter.next(Apid.PAYLOAD)
+        self.link.send(message, seq, source_id=self.source_id, timeout_s=self.timeout_s)
+        _log.debug("ground_sent", type=message.TYPE.name, seq=seq)
+        return RequestRef(apid=int(Apid.PAYLOAD), source_id=self.source_id, seq=seq, message_type=int(message.TYPE))
+
+    def _resync(self, report: m.Rejected) -> None:
+        """REPLAYED_SEQUENCE: our counter is behind what the payload has seen from this source
+        (lost state, or another ground process using the same source id). Move past it (§6.4).
+        SEQUENCE_TOO_FAR_AHEAD: it ran beyond the payload's forward window; continue just after
+        the payload's highest accepted number instead."""
+        highest = report.highest_seq
+        assert highest is not None  # callers resynchronise only on reports that carry it
+        if report.code == ResponseCode.SEQUENCE_TOO_FAR_AHEAD:
+            self.state.counter.rebase(Apid.PAYLOAD, highest)
+            self._notify(
+                f"payload reports sequence {report.tc_seq} as too far ahead of its highest accepted "
+                f"{report.highest_seq}; sequence counter rebased, sending again"
+            )
+            return
+        self.state.counter.advance_past(Apid.PAYLOAD, highest)
+        self._notify(
+            f"payload reports sequence {report.tc_seq} as already used (highest accepted {report.highest_seq}); "
+            "sequence counter moved past it, sending again"
+        )
+
+    def _rejection(self, what: str, report: m.Rejected | m.Failed) -> CommandRejected:
+        by = "bus" if report.request in self._refused_by_bus else "payload"
+        return CommandRejected(what, report.code, report.reason, failed=isinstance(report, m.Failed), by=by)
+
+    def _silence(self, what: str, waited_s: float) -> str:
+        if self.payload_on is False:
+            cause = f" ({self.power_cause})" if self.power_cause else ""
+            return (
+                f"{what}: no answer within {waited_s:g} s: the bus reports the payload powered off{cause}; "
+                "commands are queued at the bus"
+            )
+        return f"{what}: no answer within {waited_s:g} s: payload not answering; commands are queued at the bus"
+
+    def _verdict(self, refs: list[RequestRef], want: type) -> m.Verification | None:
+        """A Rejected/Failed about any of `refs`, else a report of class `want`, else None."""
+        found = None
+        for ref in refs:
+            for _, report in self._reports.get(ref, ()):
+                if isinstance(report, (m.Rejected, m.Failed)):
+                    return report
+                if found is None and isinstance(report, want):
+                    found = report
+        return found
+
+    def _transact(
+        self,
+        message: m.Message,
+        what: str,
+        *,
+        reply: Callable[[int], Any] | None = None,
+        completion: bool = False,
+        retries: int = 0,
+        on_send: Callable[[RequestRef], None] | None = None,
+    ) -> tuple[RequestRef, Any]:
+        """Send `message` and wait for its outcome: `reply(mark)` not None (a reply packet that
+        arrived after `mark`), else COMPLETED (`completion`) or ACCEPTED. REJECTED/FAILED raise
+        CommandRejected, except REPLAYED_SEQUENCE, which resynchronises and sends again. With
+        `retries`, an unanswered command is sent again (only for idempotent commands); reports
+        about any of the copies count."""
+        refs: list[RequestRef] = []
+        mark = self._arrivals
+        stalls = resyncs = 0
+        want = m.Completed if completion else m.Accepted
+        while True:
+            ref = self._send(message)
+            refs.append(ref)
+            if on_send is not None:
+                on_send(ref)
+
+            def outcome():
+                verdict = self._verdict(refs, want)
+                if isinstance(verdict, (m.Rejected, m.Failed)):
+                    return verdict
+                if reply is not None:
+                    value = reply(mark)
+                    return None if value is None else (refs[-1], value)
+                return None if verdict is None else (verdict.request, verdict)
+
+            result = self._wait(outcome, self.timeout_s)
+            if result is None:
+                stalls += 1
+                if stalls > retries:
+                    raise NoAnswer(self._silence(what, self.timeout_s))
+                self._notify(f"{self._silence(what, self.timeout_s)}; sending again ({stalls}/{retries})")
+                continue
+            if isinstance(result, m.Rejected):
+                if result.code in RESYNC_CODES and result.highest_seq is not None and resyncs < 3:
+                    resyncs += 1
+                    refs.remove(result.request)
+                    self._resync(result)
+                    continue
+                raise self._rejection(what, result)
+            if isinstance(result, m.Failed):
+                raise CommandRejected(what, result.code, result.reason, failed=True)
+            return result
+
+    @staticmethod
+    def _after(entry: tuple | None, mark: int) -> Any:
+        """The value of an (arrival number, value) entry that arrived after `mark`, else None."""
+        return entry[1] if entry is not None and entry[0] > mark else None

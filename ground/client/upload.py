@@ -1,0 +1,217 @@
+"""Resumable image upload: ask the payload what it holds (IMAGE_QUERY), send only the missing
+chunks with a window of acknowledgements in flight, and when answers stop, ask again and resume,
+so that an upload survives link loss, a bus restart or a payload power cut without sending a
+held chunk twice."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from common.wire import RequestRef, ResponseCode
+from common.wire import messages as m
+from common.wire.ids import MAX_CHUNK_DATA_BYTES
+from ground.client.session import RESYNC_CODES, CommandSession
+from ground.errors import CommandRejected, NoAnswer
+from ground.images import PreparedImage
+
+
+@dataclass
+class ImageUpload:
+    """What happened to one image during an uplink."""
+
+    path: str
+    name: str
+    size: int
+    sha256: str
+    chunks: int
+    #: chunks the payload already held when the uplink started (not sent)
+    held_before: int = 0
+    #: IMAGE_CHUNK packets sent (a chunk lost with the link is sent again and counted again)
+    chunks_sent: int = 0
+    queries: int = 0
+    #: rounds that stopped hearing back and resumed with IMAGE_QUERY
+    resumes: int = 0
+    verified: bool = False
+
+
+class ImageUploader(CommandSession):
+    """IMAGE_QUERY and IMAGE_CHUNK, resumed across silences."""
+
+    def query_image(self, name: str) -> m.ImageStatus:
+        _, status = self._transact(
+            m.ImageQuery(image=name),
+            f"IMAGE_QUERY {name}",
+            reply=lambda mark: self._after(self._image_status.get(name), mark),
+        )
+        return status
+
+    def upload_image(self, image: PreparedImage) -> ImageUpload:
+        """Send the chunks of `image` the payload does not hold, until it reports the file
+        verified. Resumes by re-querying whenever answers stop for `timeout_s`."""
+        chunks = image.chunks(self.chunk_bytes)
+        stats = ImageUpload(
+            path=image.path, name=image.name, size=image.size, sha256=image.sha256.hex(), chunks=len(chunks)
+        )
+        bar = self._progress_bar(image)
+        stalls = 0
+        first_answer = True
+        try:
+            while True:
+                try:
+                    status = self.query_image(image.name)
+                    stats.queries += 1
+                except NoAnswer as exc:
+                    stalls += 1
+                    stats.resumes += 1
+                    self._give_up_after(stalls, exc, image)
+                    self._notify(f"{exc}; asking again ({stalls}/{self.retries})")
+                    continue
+                if status.verified:
+                    if status.image_size != image.size:
+                        raise CommandRejected(
+                            f"image {image.name}",
+                            ResponseCode.CHUNK_CONFLICT,
+                            f"the payload holds a verified {status.image_size}-byte file under this name, "
+                            f"ours has {image.size}",
+                        )
+                    if first_answer:
+                        stats.held_before = len(chunks)
+                    bar.update(image.size - bar.n)
+                    stats.verified = True
+                    return stats
+                if status.total and status.total != len(chunks):
+                    chunks = self._adopt_chunking(image, status, chunks)
+                    stats.chunks = len(chunks)
+                missing = status.missing() if status.total else list(range(len(chunks)))
+                missing_set = set(missing)
+                held = [c for c in chunks if c.index not in missing_set]
+                if first_answer:
+                    stats.held_before = len(held)
+                    first_answer = False
+                    if held:
+                        self._notify(
+                            f"image {image.name}: payload already holds {len(held)}/{len(chunks)} chunks; "
+                            f"sending {len(missing)}"
+                        )
+                bar.n = sum(len(c.data) for c in held)
+                bar.refresh()
+                if not missing:
+                    # Every chunk held but not verified yet: the payload is still checking the file.
+                    stalls += 1
+                    self._give_up_after(
+                        stalls,
+                        NoAnswer(f"image {image.name}: payload holds every chunk but does not report it verified"),
+                        image,
+                    )
+                    self._pump(min(self.timeout_s, 1.0))
+                    continue
+                try:
+                    acked, finished = self._send_chunks(image, chunks, missing, bar, stats)
+                except NoAnswer:
+                    acked, finished = 0, False  # the link would not take a chunk: same as no answer
+                if finished:
+                    stalls = 0
+                    continue
+                # Acknowledgements stopped: ask what the payload holds now and send only that.
+                stalls = 0 if acked else stalls + 1
+                stats.resumes += 1
+                silence = NoAnswer(self._silence(f"image {image.name}", self.timeout_s))
+                self._give_up_after(stalls, silence, image)
+                count = f" ({stalls}/{self.retries} unanswered rounds)" if stalls else ""
+                self._notify(f"{silence}; re-querying to resume{count}")
+        finally:
+            bar.close()
+
+    def _give_up_after(self, stalls: int, exc: NoAnswer, image: PreparedImage) -> None:
+        if stalls > self.retries:
+            raise NoAnswer(
+                f"{exc}; gave up after {stalls} unanswered rounds. Chunks already delivered stay on board: "
+                "run the same uplink again to resume"
+            ) from None
+
+    def _adopt_chunking(
+        self, image: PreparedImage, status: m.ImageStatus, chunks: list[m.ImageChunk]
+    ) -> list[m.ImageChunk]:
+        """The payload holds part of this image cut into another number of chunks (an earlier
+        uplink with another --chunk-bytes). Cut ours the same way, so that the held chunks count
+        and none conflicts: with the chunk size this station recorded for the image, else with
+        the one power-of-two size (or the maximum) that gives that many chunks. If none fits,
+        the payload would refuse our chunks: say so, with the fix."""
+
+        def fits(size: int) -> bool:
+            return 1 <= size <= MAX_CHUNK_DATA_BYTES and math.ceil(image.size / size) == status.total
+
+        recorded = [t.get("chunk_bytes") for t in self.state.tasks() if image.name in t.get("images", [])]
+        candidates = [c for c in recorded if isinstance(c, int) and fits(c)]
+        if not candidates:
+            candidates = [c for c in [1 << k for k in range(9, 16)] + [MAX_CHUNK_DATA_BYTES] if fits(c)]
+        if status.image_size != image.size or not candidates:
+            raise CommandRejected(
+                f"image {image.name}",
+                ResponseCode.CHUNK_CONFLICT,
+                f"the payload holds part of this image cut into {status.total} chunks by an earlier upload with "
+                "another chunk size; run the uplink with the --chunk-bytes used then",
+            )
+        size = candidates[0]
+        self._notify(
+            f"image {image.name}: payload holds it in {status.total} chunks; using {size}-byte chunks to match"
+        )
+        return image.chunks(size)
+
+    def _send_chunks(
+        self, image: PreparedImage, chunks: list[m.ImageChunk], missing: list[int], bar, stats: ImageUpload
+    ) -> tuple[int, bool]:
+        """Send `missing` with at most `window` unacknowledged. Returns (acknowledged, finished):
+        it stops early, unfinished, when no acknowledgement arrives for `timeout_s`."""
+        queue = deque(missing)
+        inflight: dict[RequestRef, m.ImageChunk] = {}
+        acked = resyncs = 0
+        last_progress = time.monotonic()
+        while queue or inflight:
+            while queue and len(inflight) < self.window:
+                chunk = chunks[queue.popleft()]
+                inflight[self._send(chunk)] = chunk
+                stats.chunks_sent += 1
+            self._pump(0.2)
+            for ref, chunk in list(inflight.items()):
+                verdict = self._verdict([ref], m.Accepted)
+                if verdict is None:
+                    continue
+                del inflight[ref]
+                last_progress = time.monotonic()
+                if not isinstance(verdict, (m.Rejected, m.Failed)):  # the ACCEPTED asked for
+                    acked += 1
+                    bar.update(len(chunk.data))
+                elif (
+                    isinstance(verdict, m.Rejected)
+                    and verdict.code in RESYNC_CODES
+                    and verdict.highest_seq is not None
+                    and resyncs < 3
+                ):
+                    resyncs += 1
+                    self._resync(verdict)
+                    queue.appendleft(chunk.index)
+                else:
+                    raise self._rejection(f"image {image.name} ({image.path}) chunk {chunk.index}", verdict)
+            if inflight and time.monotonic() - last_progress > self.timeout_s:
+                return acked, False
+        return acked, True
+
+    def _progress_bar(self, image: PreparedImage) -> tqdm:
+        return tqdm(
+            total=image.size,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc=image.name,
+            file=sys.stderr,
+            disable=None if self.progress is None else not self.progress,
+            leave=True,
+            dynamic_ncols=True,
+        )
