@@ -13,11 +13,14 @@ import math
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import crc32c as _crc32c
 import msgpack
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _torch():
@@ -56,8 +59,24 @@ class Kind(enum.IntEnum):
     BUS_COMMAND = 32
 
 
+#: Every reason a record is rejected with (docs/record-format.md §2 says when each applies).
+REASONS = (
+    "truncated",
+    "bad_magic",
+    "bad_version",
+    "bad_length",
+    "header_crc",
+    "bad_kind",
+    "bad_meta",
+    "no_commit",
+    "record_crc",
+    "tensor_crc",
+    "stale_salt",
+)
+
+
 class RecordError(Exception):
-    """A record was rejected. `reason` is one of the names in docs/record-format.md §2."""
+    """A record was rejected. `reason` is one of `REASONS` (docs/record-format.md §2)."""
 
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"{reason}: {detail}" if detail else reason)
@@ -88,7 +107,8 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-# Item sizes by dtype name, so that records can be checked without importing torch.
+# Item sizes by dtype name (docs/record-format.md §1 lists the same), so that records can be
+# checked and sized without importing torch.
 ITEMSIZE = {
     "float64": 8,
     "float32": 4,
@@ -206,20 +226,7 @@ class TensorSpec:
         n = 1
         for d in self.shape:
             n *= int(d)
-        return n * _DTYPE_SIZES[self.dtype]
-
-
-_DTYPE_SIZES = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "int64": 8,
-    "int32": 4,
-    "int8": 1,
-    "uint8": 1,
-    "bool": 1,
-    "float64": 8,
-}
+        return n * ITEMSIZE[self.dtype]
 
 
 def encoded_size(kind: Kind, meta: dict | None, tensors: dict[str, TensorSpec]) -> int:
@@ -286,6 +293,10 @@ def _parse_header(buf, base: int = 0, available: int | None = None) -> Header:
     crc = masked_crc(meta_bytes, crc32c(bytes(buf[base : base + 20])))
     if crc != header_crc:
         raise RecordError("header_crc")
+    if kind not in _KINDS:
+        # A verified header naming a kind this format version does not define: written by a
+        # newer or foreign writer, never by a flipped bit (the header CRC covers the kind).
+        raise RecordError("bad_kind", f"kind {kind} is not defined")
     try:
         meta = msgpack.unpackb(meta_bytes, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several types; all mean the same here
@@ -295,9 +306,16 @@ def _parse_header(buf, base: int = 0, available: int | None = None) -> Header:
     return Header(kind, meta, align(HEADER_LEN + meta_len), payload_len)
 
 
+_KINDS = frozenset(int(k) for k in Kind)
+
+
 def _check_table(header: Header) -> None:
+    names = set()
     for entry in header.meta["tensors"]:
         try:
+            if not isinstance(entry["name"], str) or entry["name"] in names:
+                raise RecordError("bad_meta", f"tensor name {entry['name']!r} is not a new string")
+            names.add(entry["name"])
             if entry["dtype"] not in ITEMSIZE:
                 raise RecordError("bad_meta", f"unknown dtype {entry['dtype']!r}")
             nbytes = math.prod(entry["shape"]) * ITEMSIZE[entry["dtype"]]
@@ -342,7 +360,7 @@ def decode(buf, base: int = 0, expect_kind: Kind | None = None) -> tuple[Record,
         raise RecordError("bad_meta", f"kind {header.kind}, expected {int(expect_kind)}")
     tensors = {e["name"]: _tensor_from(buf, base + header.payload_offset, e) for e in header.meta["tensors"]}
     meta = {k: v for k, v in header.meta.items() if k != "tensors"}
-    return Record(Kind(header.kind) if header.kind in Kind._value2member_map_ else header.kind, meta, tensors), total
+    return Record(Kind(header.kind), meta, tensors), total
 
 
 def iter_records(buf) -> Iterator[tuple[Record, int, int]]:
