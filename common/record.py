@@ -13,7 +13,7 @@ import math
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, Protocol
 
 import crc32c as _crc32c
 import msgpack
@@ -140,7 +140,7 @@ def aligned_buffer(nbytes: int) -> memoryview:
     like the original."""
     raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
     start = (-raw.ctypes.data) % ALIGN
-    return memoryview(raw[start : start + nbytes])
+    return raw[start : start + nbytes].data
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -151,7 +151,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.view(-1).view(_torch().uint8).numpy())
+    return t.view(-1).view(_torch().uint8).numpy().data
 
 
 @dataclass
@@ -249,7 +249,7 @@ def encode(
     header_crc = masked_crc(meta_bytes, crc32c(head))
     head += struct.pack("<I", header_crc)
     prefix_len = align(HEADER_LEN + len(meta_bytes))
-    chunks = [head, meta_bytes, bytes(prefix_len - HEADER_LEN - len(meta_bytes))]
+    chunks: list[bytes | memoryview] = [head, meta_bytes, bytes(prefix_len - HEADER_LEN - len(meta_bytes))]
     pos = 0
     for off, view in views:
         if off > pos:
@@ -377,7 +377,17 @@ def iter_records(buf) -> Iterator[tuple[Record, int, int]]:
         pos += length
 
 
-def read_envelope(f: BinaryIO, file_size: int) -> Header:
+class ReadableFile(Protocol):
+    """What the partial readers need of a file object (a raw file, BytesIO, ...)."""
+
+    def seek(self, offset: int, whence: int = 0, /) -> int: ...
+
+    def read(self, size: int = -1, /) -> bytes: ...
+
+    def readinto(self, buffer: Any, /) -> int | None: ...
+
+
+def read_envelope(f: ReadableFile, file_size: int) -> Header:
     """Verify a whole-file record's header, tensor table and commit footer without its payload."""
     f.seek(0)
     head = f.read(min(file_size, 4096))
@@ -401,7 +411,7 @@ def read_envelope(f: BinaryIO, file_size: int) -> Header:
     return header
 
 
-def read_partial(f: BinaryIO, names: set[str] | None, file_size: int) -> Record:
+def read_partial(f: ReadableFile, names: set[str] | None, file_size: int) -> Record:
     """Read a whole-file record's header and only the tensors in `names` (None = all).
 
     Verifies the header CRC, the commit footer and the CRC of every tensor read. The whole-record

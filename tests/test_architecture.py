@@ -72,15 +72,15 @@ def _imports_of(module: str, path: Path) -> Iterator[Import]:
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     rel = str(path.relative_to(ROOT))
     for node in ast.walk(tree):
-        targets: list[str] = []
         if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
+            for alias in node.names:
+                yield Import(module, alias.name, rel, node.lineno)
         elif isinstance(node, ast.ImportFrom):
             base = _resolve(module, path.name == "__init__.py", node)
-            # `from pkg import mod` imports the module pkg.mod when there is one
-            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
-        for target in targets:
-            yield Import(module, target, rel, node.lineno)
+            for alias in node.names:
+                # `from pkg import mod` imports the module pkg.mod when there is one
+                target = f"{base}.{alias.name}"
+                yield Import(module, target if target in MODULES else base, rel, node.lineno)
 
 
 # one entry per (file, line, target): `from a import x, y` is one import of `a`

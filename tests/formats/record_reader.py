@@ -178,7 +178,8 @@ def padding_is_zero(buf: bytes, record: ParsedRecord) -> bool:
 
 def read_log(buf: bytes) -> tuple[list[ParsedRecord], Rejected | None]:
     """An appended file: consecutive records from offset 0, stopping at the first rejected one."""
-    records, pos = [], 0
+    records: list[ParsedRecord] = []
+    pos = 0
     while pos < len(buf):
         try:
             record = read_record(buf, pos)

@@ -23,6 +23,7 @@ from common.wire import WireError
 from common.wire import decode as project_decode
 from common.wire.link import Endpoints, KeyLayout, client_socket, init_keys, recv_packet
 from ground.client import GroundClient
+from ground.errors import CommandRejected
 from hil.bus import BusConfig, BusProcess
 from traces.model import CutCause, PowerWindow, TelemetrySample
 
@@ -30,9 +31,10 @@ ROOT = Path(__file__).resolve().parents[2]
 BUS_LOGS = sorted((ROOT / "hil" / "replays").glob("*.jsonl"))
 
 
-def _logged_telecommands() -> list[tuple[dict, bytes]]:
+def _logged_telecommands(logs: list[Path] = BUS_LOGS) -> list[tuple[dict, bytes]]:
+    """(log entry, packet) of every telecommand a bus log kept (`command_received`)."""
     found = []
-    for path in BUS_LOGS:
+    for path in logs:
         for line in path.read_text(encoding="utf-8").splitlines():
             entry = json.loads(line)
             if entry.get("kind") == "command_received" and entry.get("packet"):
@@ -173,7 +175,7 @@ def test_real_telemetry_decodes_as_documented(model_dirs, tmp_path):
             ground.query_image(up.images[0].name)
             ground.quarantine()
             ground.lost_tasks()
-            with pytest.raises(Exception):  # noqa: B017 - REJECTED(UNKNOWN_TASK), as the ground reports it
+            with pytest.raises(CommandRejected, match="UNKNOWN_TASK"):
                 ground.cancel("no-such-task")
             drain(1.5)
     finally:
@@ -211,8 +213,16 @@ def test_real_telemetry_decodes_as_documented(model_dirs, tmp_path):
     }
     assert wanted <= set(seen), f"never captured: {sorted(wanted - set(seen))}"
     assert seen["TASK_RESULT"] >= 2 and unprompted_result, "TASK_RESULT on completion and on DOWNLINK_RESULT"
+    # the ground's telecommands, as the bus kept them in its log
+    commands = _logged_telecommands([tmp_path / "bus" / "bus-log.jsonl"])
+    sent = {decode(data).type_name for _, data in commands}
+    for entry, data in commands:
+        packet = decode(data)
+        assert packet.telecommand and packet.type_name == entry["type"]
+        _same_message(packet, data)
+    assert {"PING", "STATUS", "UPLINK_TASK", "DOWNLINK_RESULT", "LIST_QUARANTINE", "LIST_LOST_TASKS"} <= sent
     # flipped bits in one real packet of each type
     by_type = {}
-    for data in captured:
+    for data in captured + [data for _, data in commands]:
         by_type.setdefault(decode(data).type_name, data)
     assert sum(_check_flips(data, _positions(data)) for data in by_type.values()) > 1000
