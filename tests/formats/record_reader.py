@@ -128,7 +128,7 @@ def read_record(buf: bytes, start: int = 0) -> ParsedRecord:
         raise Rejected("bad_meta", "no tensor table")
     names = set()
     for entry in meta["tensors"]:
-        if not isinstance(entry, dict) or set(entry) != {"name", "dtype", "shape", "offset", "nbytes", "crc"}:
+        if not isinstance(entry, dict) or not {"name", "dtype", "shape", "offset", "nbytes", "crc"} <= set(entry):
             raise Rejected("bad_meta", f"table entry {entry!r}")
         if not isinstance(entry["name"], str) or entry["name"] in names or entry["dtype"] not in ITEMSIZE:
             raise Rejected("bad_meta", f"table entry {entry!r}")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from wire_decoder import DOC, FIELDS, MESSAGE_TYPES, Undecodable, decode
+from wire_decoder import APIDS, DOC, FIELDS, MESSAGE_TYPES, Undecodable, decode
 
 import traces
 from common.wire import WireError
@@ -188,6 +188,11 @@ def test_real_telemetry_decodes_as_documented(model_dirs, tmp_path):
         packet = decode(data)
         assert not packet.telecommand
         _same_message(packet, data)
+        # §3, §5.1: payload telemetry on APID PAYLOAD from the payload, bus telemetry on APID BUS
+        if packet.type_number >> 8 == 0x03:
+            assert (APIDS[packet.apid], packet.source_id) == ("PAYLOAD", 0x0200), packet.type_name
+        if packet.type_number >> 8 == 0x04:
+            assert (APIDS[packet.apid], packet.source_id) == ("BUS", 0x0100), packet.type_name
         seen[packet.type_name] = seen.get(packet.type_name, 0) + 1
         if packet.type_name == "TASK_RESULT" and seen.get("COMPLETED") and seen["TASK_RESULT"] == 1:
             unprompted_result = True
