@@ -10,6 +10,8 @@ the same reason `common.record` gives.
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import re
 import shutil
@@ -75,24 +77,45 @@ def _snapshot(src: Path, dst: Path) -> Path:
     return dst
 
 
-@pytest.fixture(scope="module")
-def written(model_dirs, tmp_path_factory):
-    """{label: [(phase of the cut or "completed", snapshot directory)]} plus the temp names seen."""
-    root = tmp_path_factory.mktemp("records")
-    model = load_model(model_dirs["qwen3-vl"], device="cpu")
+def _make_checkpoints(model_dir: str, root: Path) -> dict:
+    model = load_model(model_dir, device="cpu")
     inputs = inputs_for(model)
     fs = TempWatchingFS()
-    snapshots: dict[str, list[tuple[str, Path]]] = {}
+    snapshots: dict[str, list[tuple[str, str]]] = {}
     for label, policy, options in RUNS:
         ckpt = root / label
         for phase, event, n in CUTS:
             cut = CutAfter(n, names=(event,))
             with pytest.raises(SimulatedCut):
                 engine(model, GEOMETRY, policy, events=cut.event, fs=fs, **options).run(inputs, str(ckpt), MAX_NEW)
-            snapshots.setdefault(label, []).append((phase, _snapshot(ckpt, root / "snap" / label / phase)))
+            snapshots.setdefault(label, []).append((phase, str(_snapshot(ckpt, root / "snap" / label / phase))))
         engine(model, GEOMETRY, policy, fs=fs, **options).run(inputs, str(ckpt), MAX_NEW)
-        snapshots[label].append(("completed", _snapshot(ckpt, root / "snap" / label / "completed")))
-    return {"snapshots": snapshots, "temps": fs.temp_names, "config": model.config}
+        snapshots[label].append(("completed", str(_snapshot(ckpt, root / "snap" / label / "completed"))))
+    return {"snapshots": snapshots, "temps": fs.temp_names, "pid": os.getpid(), "dims": _text_dims(model.config)}
+
+
+@pytest.fixture(scope="session")
+def written(model_dirs, tmp_path_factory):
+    """{"snapshots": {label: [(phase of the cut or "completed", snapshot directory)]}, "temps":
+    temporary names seen, "pid": of the writer, "dims": of the text model}.
+
+    Made once per run: under pytest-xdist the workers share their base directory's parent, and
+    the first worker to get here makes the checkpoints while the other waits on the lock."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = tmp_path_factory.getbasetemp().parent / "format-records"
+        root.mkdir(exist_ok=True)
+    else:
+        root = tmp_path_factory.mktemp("format-records")
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        index = root / "index.json"
+        if not index.exists():
+            index.write_text(json.dumps(_make_checkpoints(model_dirs["qwen3-vl"], root)))
+        made = json.loads(index.read_text())
+    made["snapshots"] = {
+        label: [(phase, Path(path)) for phase, path in found] for label, found in made["snapshots"].items()
+    }
+    return made
 
 
 def _files(directory: Path) -> list[Path]:
@@ -145,7 +168,7 @@ def _check_kv(record: ParsedRecord, layers, tokens: int, dims, int8: bool, where
 
 
 def test_every_real_record_reads_as_documented(written):
-    dims = _text_dims(written["config"])
+    dims = written["dims"]
     documented_manifest = _manifest_keys_of_doc()
     checked = {kind: 0 for kind in KINDS.values()}
     for label, snapshots in written["snapshots"].items():
@@ -281,7 +304,7 @@ def test_temporary_file_names_are_the_documented_ones(written):
     for final, name, thread in temps:
         match = re.fullmatch(rf"\.{re.escape(final)}\.(\d+)\.(\d+)\.(\d+)\.tmp", name)
         assert match, name
-        assert int(match.group(1)) == os.getpid() and int(match.group(2)) == thread, name
+        assert int(match.group(1)) == written["pid"] and int(match.group(2)) == thread, name
 
 
 def _expected_reason(buf: bytes, start: int, position: int) -> str:
