@@ -293,10 +293,6 @@ def _parse_header(buf, base: int = 0, available: int | None = None) -> Header:
     crc = masked_crc(meta_bytes, crc32c(bytes(buf[base : base + 20])))
     if crc != header_crc:
         raise RecordError("header_crc")
-    if kind not in _KINDS:
-        # A verified header naming a kind this format version does not define: written by a
-        # newer or foreign writer, never by a flipped bit (the header CRC covers the kind).
-        raise RecordError("bad_kind", f"kind {kind} is not defined")
     try:
         meta = msgpack.unpackb(meta_bytes, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several types; all mean the same here
@@ -307,6 +303,14 @@ def _parse_header(buf, base: int = 0, available: int | None = None) -> Header:
 
 
 _KINDS = frozenset(int(k) for k in Kind)
+
+
+def _check_kind(header: Header) -> None:
+    """A verified header naming a kind this format version does not define was written by a newer
+    or foreign writer, never made by a flipped bit (the header CRC covers the kind). Checked after
+    `_parse_header`, which the journal reader also uses to trust a damaged record's length."""
+    if header.kind not in _KINDS:
+        raise RecordError("bad_kind", f"kind {header.kind} is not defined")
 
 
 def _check_table(header: Header) -> None:
@@ -345,6 +349,7 @@ def decode(buf, base: int = 0, expect_kind: Kind | None = None) -> tuple[Record,
 
     Tensors are views into `buf` (a bytearray keeps them writable and alive)."""
     header = _parse_header(buf, base)
+    _check_kind(header)
     _check_table(header)
     total = header.record_len
     if len(buf) - base < total:
@@ -399,6 +404,7 @@ def read_envelope(f: ReadableFile, file_size: int) -> Header:
         f.seek(0)
         head = f.read(file_size)
         header = _parse_header(head, 0, file_size)
+    _check_kind(header)
     _check_table(header)
     if file_size < header.record_len:
         raise RecordError("truncated", f"need {header.record_len} bytes, have {file_size}")

@@ -118,14 +118,14 @@ def read_record(buf: bytes, start: int = 0) -> ParsedRecord:
     meta_bytes = bytes(buf[start + 24 : start + 24 + meta_len])
     if masked_crc(bytes(buf[start : start + 20]) + meta_bytes) != header_crc:
         raise Rejected("header_crc")
-    if kind not in KINDS:
-        raise Rejected("bad_kind", str(kind))
     try:
         meta = msgpack.unpackb(meta_bytes, raw=False, strict_map_key=True)
     except Exception as exc:  # any msgpack failure is the same verdict
         raise Rejected("bad_meta", str(exc)) from None
     if not isinstance(meta, dict) or not isinstance(meta.get("tensors"), list):
         raise Rejected("bad_meta", "no tensor table")
+    if kind not in KINDS:
+        raise Rejected("bad_kind", str(kind))
     names = set()
     for entry in meta["tensors"]:
         if not isinstance(entry, dict) or not {"name", "dtype", "shape", "offset", "nbytes", "crc"} <= set(entry):

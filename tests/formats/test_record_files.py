@@ -382,7 +382,7 @@ def test_the_reasons_are_the_documented_ones():
 
 
 def test_an_undefined_kind_is_rejected_by_name(tmp_path):
-    """§2 step 7: a verified record of a kind §3 does not define is `bad_kind`, whole or partial."""
+    """§2 step 8: a verified record of a kind §3 does not define is `bad_kind`, whole or partial."""
     assert 9 not in KINDS and 9 not in set(project_record.Kind)
     data = project_record.encode(9, {"x": 1}, {"t": torch.arange(3)}).to_bytes()  # type: ignore[arg-type]
     with pytest.raises(Rejected, match="bad_kind"):
