@@ -13,11 +13,14 @@ import math
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import TYPE_CHECKING, Any, Protocol
 
 import crc32c as _crc32c
 import msgpack
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _torch():
@@ -56,8 +59,24 @@ class Kind(enum.IntEnum):
     BUS_COMMAND = 32
 
 
+#: Every reason a record is rejected with (docs/record-format.md §2 says when each applies).
+REASONS = (
+    "truncated",
+    "bad_magic",
+    "bad_version",
+    "bad_length",
+    "header_crc",
+    "bad_kind",
+    "bad_meta",
+    "no_commit",
+    "record_crc",
+    "tensor_crc",
+    "stale_salt",
+)
+
+
 class RecordError(Exception):
-    """A record was rejected. `reason` is one of the names in docs/record-format.md §2."""
+    """A record was rejected. `reason` is one of `REASONS` (docs/record-format.md §2)."""
 
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"{reason}: {detail}" if detail else reason)
@@ -88,7 +107,8 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-# Item sizes by dtype name, so that records can be checked without importing torch.
+# Item sizes by dtype name (docs/record-format.md §1 lists the same), so that records can be
+# checked and sized without importing torch.
 ITEMSIZE = {
     "float64": 8,
     "float32": 4,
@@ -120,7 +140,7 @@ def aligned_buffer(nbytes: int) -> memoryview:
     like the original."""
     raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
     start = (-raw.ctypes.data) % ALIGN
-    return memoryview(raw[start : start + nbytes])
+    return raw[start : start + nbytes].data
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -131,7 +151,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.view(-1).view(_torch().uint8).numpy())
+    return t.view(-1).view(_torch().uint8).numpy().data
 
 
 @dataclass
@@ -206,20 +226,7 @@ class TensorSpec:
         n = 1
         for d in self.shape:
             n *= int(d)
-        return n * _DTYPE_SIZES[self.dtype]
-
-
-_DTYPE_SIZES = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "int64": 8,
-    "int32": 4,
-    "int8": 1,
-    "uint8": 1,
-    "bool": 1,
-    "float64": 8,
-}
+        return n * ITEMSIZE[self.dtype]
 
 
 def encoded_size(kind: Kind, meta: dict | None, tensors: dict[str, TensorSpec]) -> int:
@@ -242,7 +249,7 @@ def encode(
     header_crc = masked_crc(meta_bytes, crc32c(head))
     head += struct.pack("<I", header_crc)
     prefix_len = align(HEADER_LEN + len(meta_bytes))
-    chunks = [head, meta_bytes, bytes(prefix_len - HEADER_LEN - len(meta_bytes))]
+    chunks: list[bytes | memoryview] = [head, meta_bytes, bytes(prefix_len - HEADER_LEN - len(meta_bytes))]
     pos = 0
     for off, view in views:
         if off > pos:
@@ -295,9 +302,24 @@ def _parse_header(buf, base: int = 0, available: int | None = None) -> Header:
     return Header(kind, meta, align(HEADER_LEN + meta_len), payload_len)
 
 
+_KINDS = frozenset(int(k) for k in Kind)
+
+
+def _check_kind(header: Header) -> None:
+    """A verified header naming a kind this format version does not define was written by a newer
+    or foreign writer, never made by a flipped bit (the header CRC covers the kind). Checked after
+    `_parse_header`, which the journal reader also uses to trust a damaged record's length."""
+    if header.kind not in _KINDS:
+        raise RecordError("bad_kind", f"kind {header.kind} is not defined")
+
+
 def _check_table(header: Header) -> None:
+    names = set()
     for entry in header.meta["tensors"]:
         try:
+            if not isinstance(entry["name"], str) or entry["name"] in names:
+                raise RecordError("bad_meta", f"tensor name {entry['name']!r} is not a new string")
+            names.add(entry["name"])
             if entry["dtype"] not in ITEMSIZE:
                 raise RecordError("bad_meta", f"unknown dtype {entry['dtype']!r}")
             nbytes = math.prod(entry["shape"]) * ITEMSIZE[entry["dtype"]]
@@ -327,6 +349,7 @@ def decode(buf, base: int = 0, expect_kind: Kind | None = None) -> tuple[Record,
 
     Tensors are views into `buf` (a bytearray keeps them writable and alive)."""
     header = _parse_header(buf, base)
+    _check_kind(header)
     _check_table(header)
     total = header.record_len
     if len(buf) - base < total:
@@ -342,7 +365,7 @@ def decode(buf, base: int = 0, expect_kind: Kind | None = None) -> tuple[Record,
         raise RecordError("bad_meta", f"kind {header.kind}, expected {int(expect_kind)}")
     tensors = {e["name"]: _tensor_from(buf, base + header.payload_offset, e) for e in header.meta["tensors"]}
     meta = {k: v for k, v in header.meta.items() if k != "tensors"}
-    return Record(Kind(header.kind) if header.kind in Kind._value2member_map_ else header.kind, meta, tensors), total
+    return Record(Kind(header.kind), meta, tensors), total
 
 
 def iter_records(buf) -> Iterator[tuple[Record, int, int]]:
@@ -359,7 +382,17 @@ def iter_records(buf) -> Iterator[tuple[Record, int, int]]:
         pos += length
 
 
-def read_envelope(f: BinaryIO, file_size: int) -> Header:
+class ReadableFile(Protocol):
+    """What the partial readers need of a file object (a raw file, BytesIO, ...)."""
+
+    def seek(self, offset: int, whence: int = 0, /) -> int: ...
+
+    def read(self, size: int = -1, /) -> bytes: ...
+
+    def readinto(self, buffer: Any, /) -> int | None: ...
+
+
+def read_envelope(f: ReadableFile, file_size: int) -> Header:
     """Verify a whole-file record's header, tensor table and commit footer without its payload."""
     f.seek(0)
     head = f.read(min(file_size, 4096))
@@ -371,6 +404,7 @@ def read_envelope(f: BinaryIO, file_size: int) -> Header:
         f.seek(0)
         head = f.read(file_size)
         header = _parse_header(head, 0, file_size)
+    _check_kind(header)
     _check_table(header)
     if file_size < header.record_len:
         raise RecordError("truncated", f"need {header.record_len} bytes, have {file_size}")
@@ -383,7 +417,7 @@ def read_envelope(f: BinaryIO, file_size: int) -> Header:
     return header
 
 
-def read_partial(f: BinaryIO, names: set[str] | None, file_size: int) -> Record:
+def read_partial(f: ReadableFile, names: set[str] | None, file_size: int) -> Record:
     """Read a whole-file record's header and only the tensors in `names` (None = all).
 
     Verifies the header CRC, the commit footer and the CRC of every tensor read. The whole-record

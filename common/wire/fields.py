@@ -40,7 +40,8 @@ def check_name(value: Any, field: str) -> str:
     if not value or len(value) > MAX_NAME_CHARS or not _NAME_RE.match(value):
         raise WireError(
             ResponseCode.BAD_NAME,
-            f"{field}: name {value[:80]!r} must be 1..{MAX_NAME_CHARS} characters of [A-Za-z0-9._-], starting alphanumeric",
+            f"{field}: name {value[:80]!r} must be 1..{MAX_NAME_CHARS} characters of [A-Za-z0-9._-], "
+            "starting alphanumeric",
             field=field,
         )
     return value

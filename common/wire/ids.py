@@ -176,7 +176,11 @@ class ResponseCode(enum.IntEnum):
     management, 6xx execution.
     """
 
-    def __new__(cls, value: int, description: str) -> ResponseCode:
+    description: str
+
+    # The default only lets a type checker accept the lookup `ResponseCode(value)`, which never
+    # calls __new__ (every member is declared with its description below).
+    def __new__(cls, value: int, description: str = "") -> ResponseCode:
         member = int.__new__(cls, value)
         member._value_ = value
         member.description = description
@@ -260,6 +264,8 @@ class Severity(enum.IntEnum):
 class EventId(enum.IntEnum):
     """Payload and bus events; each has one fixed severity (`EventId.X.severity`)."""
 
+    severity: Severity
+
     def __new__(cls, value: int, severity: Severity) -> EventId:
         member = int.__new__(cls, value)
         member._value_ = value
@@ -319,6 +325,8 @@ class EventId(enum.IntEnum):
 class TlmChannel(enum.IntEnum):
     """Telemetry channels (F Prime style): each is one field of a telemetry message, so that
     ground tools can plot and limit-check by channel id. `unit` is SI or a count."""
+
+    unit: str
 
     def __new__(cls, value: int, unit: str) -> TlmChannel:
         member = int.__new__(cls, value)

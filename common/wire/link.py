@@ -302,7 +302,7 @@ def client_socket(
             sock.setsockopt(zmq.SUBSCRIBE, subscribe)
         monitor = sock.get_monitor_socket() if handshake_timeout_s is not None else None
         sock.connect(endpoint)
-        if monitor is not None:
+        if monitor is not None and handshake_timeout_s is not None:
             try:
                 _await_handshake(monitor, endpoint, client_name, handshake_timeout_s)
             finally:
@@ -314,7 +314,7 @@ def client_socket(
     return sock
 
 
-_AUTH_FAILURES = {
+_AUTH_FAILURES: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "key refused by the server",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed (server key mismatch?)",
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
@@ -345,7 +345,7 @@ def _await_handshake(monitor: zmq.Socket, endpoint: str, client_name: str, timeo
 
 def bound_endpoint(sock: zmq.Socket) -> str:
     """The endpoint a socket actually bound (resolves a '*' port)."""
-    return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
 @dataclass(frozen=True)
@@ -388,6 +388,7 @@ def recv_packet(sock: zmq.Socket, *, timeout_s: float) -> Received | None:
         user_id = frames[-1].get("User-Id")
     except zmq.ZMQError:
         user_id = None
+    user_id = user_id if isinstance(user_id, str) else None
     # A well-behaved peer sends one frame; anything else is joined so that decode rejects it.
     packet = frames[0].bytes if len(frames) == 1 else b"".join(f.bytes for f in frames)
     return Received(packet=packet, routing_id=routing_id, user_id=user_id)

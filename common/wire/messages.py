@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Self
 
 import crc32c as _crc32c_lib
@@ -56,7 +56,8 @@ _REGISTRY: dict[int, type[Message]] = {}
 
 def wire(spec: f.Spec, *, default: Any = dataclasses.MISSING, channel: TlmChannel | None = None) -> Any:
     """Declare a message field: its wire spec, an optional default (the field may then be absent
-    on the wire) and the telemetry channel it feeds."""
+    on the wire) and the telemetry channel it feeds. List fields are annotated `Sequence`: any
+    sequence is accepted and the spec stores it as a tuple."""
     return dataclasses.field(default=default, metadata={"spec": spec, "channel": channel})
 
 
@@ -151,7 +152,7 @@ class UplinkTask(Message):
     TYPE = MessageType.UPLINK_TASK
     task_id: str = wire(f.Name())
     prompt: str = wire(f.Text(MAX_PROMPT_BYTES, min_chars=1))
-    images: tuple[str, ...] = wire(f.ListOf(f.Name(), MAX_IMAGES_PER_TASK, unique=True))
+    images: Sequence[str] = wire(f.ListOf(f.Name(), MAX_IMAGES_PER_TASK, unique=True))
     max_new_tokens: int = wire(f.UInt(MAX_NEW_TOKENS, minimum=1))
     priority: int = wire(f.UInt(MAX_PRIORITY))
 
@@ -412,7 +413,7 @@ class Event(Message):
 class TaskResult(Message):
     TYPE = MessageType.TASK_RESULT
     task_id: str = wire(f.Name())
-    token_ids: tuple[int, ...] = wire(f.ListOf(f.UInt(U32), MAX_NEW_TOKENS))
+    token_ids: Sequence[int] = wire(f.ListOf(f.UInt(U32), MAX_NEW_TOKENS))
     text: str = wire(f.Text(MAX_RESULT_TEXT_BYTES))
     #: SHA-256 over the generated logits, for bitwise comparisons between runs.
     logits_sha256: bytes = wire(f.Digest(32))
@@ -569,9 +570,9 @@ class QuarantineList(Message):
     where. `total` counts every quarantined item (the list holds at most 64)."""
 
     TYPE = MessageType.QUARANTINE_LIST
-    items: tuple[str, ...] = wire(f.ListOf(f.Text(MAX_ITEM_BYTES), MAX_LISTED_ITEMS))
-    exits: tuple[int, ...] = wire(f.ListOf(f.UInt(U32), MAX_LISTED_ITEMS))
-    reasons: tuple[str, ...] = wire(f.ListOf(f.Text(MAX_REASON_BYTES), MAX_LISTED_ITEMS))
+    items: Sequence[str] = wire(f.ListOf(f.Text(MAX_ITEM_BYTES), MAX_LISTED_ITEMS))
+    exits: Sequence[int] = wire(f.ListOf(f.UInt(U32), MAX_LISTED_ITEMS))
+    reasons: Sequence[str] = wire(f.ListOf(f.Text(MAX_REASON_BYTES), MAX_LISTED_ITEMS))
     total: int = wire(f.UInt(U32))
 
     def _validate(self) -> None:
@@ -588,7 +589,7 @@ class LostTasks(Message):
     damaged regions, of which `unnamed` held tasks it could not name."""
 
     TYPE = MessageType.LOST_TASKS
-    task_ids: tuple[str, ...] = wire(f.ListOf(f.Name(), MAX_LISTED_TASKS))
+    task_ids: Sequence[str] = wire(f.ListOf(f.Name(), MAX_LISTED_TASKS))
     total: int = wire(f.UInt(U32))
     bytes_dropped: int = wire(f.UInt(U64))
     records_dropped: int = wire(f.UInt(U32))

@@ -65,7 +65,7 @@ def _seal(magic: bytes, entries: list[bytes]) -> bytes:
     return blob + _CRC.pack(zlib.crc32(blob))
 
 
-def _unseal(magic: bytes, data: bytes, entry: struct.Struct) -> Iterable[tuple]:
+def _unseal(magic: bytes, data: bytes | memoryview, entry: struct.Struct) -> Iterable[tuple]:
     data = bytes(data)
     if len(data) < _PREAMBLE.size + _CRC.size:
         raise SequenceStateError("state too short")
@@ -120,7 +120,7 @@ class SequenceCounter:
         return _seal(_COUNTER_MAGIC, [_COUNTER_ENTRY.pack(a, s) for a, s in sorted(self._next.items())])
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> SequenceCounter:
+    def from_bytes(cls, data: bytes | memoryview) -> SequenceCounter:
         try:
             return cls({apid: seq for apid, seq in _unseal(_COUNTER_MAGIC, data, _COUNTER_ENTRY)})
         except ValueError as exc:
@@ -236,7 +236,8 @@ class ReplayGuard:
         behind = -ahead
         if behind >= self.WINDOW:
             raise ReplayError(
-                f"apid {apid:#05x} source {source_id}: seq {seq} is {behind} behind {highest}, outside the replay window",
+                f"apid {apid:#05x} source {source_id}: seq {seq} is {behind} behind {highest}, "
+                "outside the replay window",
                 highest=highest,
             )
         if bitmap >> behind & 1:
@@ -250,7 +251,7 @@ class ReplayGuard:
         )
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> ReplayGuard:
+    def from_bytes(cls, data: bytes | memoryview) -> ReplayGuard:
         guard = cls()
         for apid, source_id, highest, bitmap in _unseal(_GUARD_MAGIC, data, _GUARD_ENTRY):
             if apid > 0x7FF or highest > SEQ_MAX or not bitmap & 1:

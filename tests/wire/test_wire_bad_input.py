@@ -50,9 +50,9 @@ def recrc(packet: bytes | bytearray) -> bytes:
 
 
 def edit(packet: bytes, offset: int, fn) -> bytes:
-    packet = bytearray(packet)
-    packet[offset] = fn(packet[offset])
-    return recrc(packet)
+    changed = bytearray(packet)
+    changed[offset] = fn(changed[offset])
+    return recrc(changed)
 
 
 def utf8_broken(key_or_value: str) -> bytes:

@@ -6,6 +6,8 @@ import hashlib
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from common.wire import Apid, MessageType, NodeId, ResponseCode, WireError, decode, encode
 from common.wire import messages as m
@@ -128,10 +130,6 @@ def test_messages_are_immutable(all_samples):
         for field in sample.pack():
             with pytest.raises(AttributeError):
                 setattr(sample, field, None)
-
-
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 
 @settings(max_examples=300, deadline=None)

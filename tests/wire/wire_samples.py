@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 from common.wire import messages as m
 from common.wire.ids import EventId, FdirMode, PowerCause, ResponseCode, TaskPhase
 
-_REQ = dict(tc_apid=0x020, tc_source=1, tc_seq=16384 + 5, tc_type=0x0110)
+_REQ: dict[str, Any] = dict(tc_apid=0x020, tc_source=1, tc_seq=16384 + 5, tc_type=0x0110)
 
 
 def sample_messages() -> list[m.Message]:

@@ -1,0 +1,220 @@
+"""The import rules of docs/architecture.md, checked against the code's actual imports.
+
+Every module of the product is parsed with `ast`; every `import` and `from ... import` counts,
+at module level or inside a function or class (an import inside a function is still a
+dependency, only a hidden one), relative imports resolved against the importing package. A
+failure names each offending import as `file:line`.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("common", "flight", "hil", "ground", "traces", "bench")
+
+
+@dataclass(frozen=True)
+class Import:
+    importer: str  # dotted module name
+    target: str  # dotted name of the module (or package) imported
+    path: str  # file, relative to the repository root
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.importer} imports {self.target}"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            found[_module_name(path)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _resolve(importer: str, is_package: bool, node: ast.ImportFrom) -> str:
+    """The absolute module a `from` import names (PEP 328)."""
+    if not node.level:
+        return node.module or ""
+    base = importer.split(".")
+    if not is_package:
+        base = base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _known(name: str) -> str | None:
+    """`name` or the nearest enclosing package that is one of our modules."""
+    while name:
+        if name in MODULES:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _imports_of(module: str, path: Path) -> Iterator[Import]:
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    rel = str(path.relative_to(ROOT))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield Import(module, alias.name, rel, node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(module, path.name == "__init__.py", node)
+            for alias in node.names:
+                # `from pkg import mod` imports the module pkg.mod when there is one
+                target = f"{base}.{alias.name}"
+                yield Import(module, target if target in MODULES else base, rel, node.lineno)
+
+
+# one entry per (file, line, target): `from a import x, y` is one import of `a`
+IMPORTS = list(dict.fromkeys(imp for module, path in MODULES.items() for imp in _imports_of(module, path)))
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def _violations(
+    importers: str | tuple[str, ...], forbidden: tuple[str, ...], exempt: tuple[str, ...] = ()
+) -> list[str]:
+    importers = (importers,) if isinstance(importers, str) else importers
+    return [
+        str(imp)
+        for imp in IMPORTS
+        if any(_within(imp.importer, p) for p in importers)
+        and not any(_within(imp.importer, p) for p in exempt)
+        and any(_within(imp.target, f) for f in forbidden)
+    ]
+
+
+def test_the_parser_sees_the_code():
+    """The rules below would pass vacuously if nothing were found."""
+    assert {"common.record", "flight.checkpoint.store", "hil.testbench", "ground.cli", "traces.model"} <= set(MODULES)
+    assert any(imp.importer == "flight.checkpoint.store" and imp.target == "common.record" for imp in IMPORTS)
+    # imports inside functions count too
+    assert any(imp.importer == "flight.cli" and imp.target.startswith("flight.model") for imp in IMPORTS)
+
+
+@pytest.mark.parametrize(
+    ("rule", "importers", "forbidden", "exempt"),
+    [
+        ("common imports no flight, hil or ground", "common", ("flight", "hil", "ground"), ()),
+        ("ground reaches the payload only over the wire", "ground", ("flight", "hil"), ()),
+        ("flight never imports hil or ground", "flight", ("hil", "ground"), ()),
+        ("traces imports no flight, hil or ground", "traces", ("flight", "hil", "ground"), ()),
+        (
+            "the VLA scheduler is independent of the flight stack",
+            "common.vla",
+            ("flight", "hil", "ground", "traces"),
+            (),
+        ),
+        (
+            "the flight stack does not use the VLA scheduler",
+            ("flight", "hil", "ground", "traces"),
+            ("common.vla",),
+            (),
+        ),
+    ],
+)
+def test_import_rule(rule, importers, forbidden, exempt):
+    bad = _violations(importers, forbidden, exempt)
+    if bad:
+        pytest.fail(f"{rule}; broken by:\n  " + "\n  ".join(bad), pytrace=False)
+
+
+def _cycle_scope(module: str) -> bool:
+    """Modules that must form no import cycle: flight/, traces/ and every command-line module."""
+    leaf = module.rpartition(".")[2]
+    return _within(module, "flight") or _within(module, "traces") or leaf == "cli" or leaf.endswith("_cli")
+
+
+def _strongly_connected(nodes: list[str], edges: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm (iterative): the components with more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = 0
+    for root in nodes:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges.get(root, ()))))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            advanced = False
+            for child in children:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges.get(child, ())))))
+                    advanced = True
+                    break
+                if child in on_stack:
+                    low[node] = min(low[node], index[child])
+            if advanced:
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def import_cycles() -> list[list[Import]]:
+    """Each cycle among the scoped modules, as the imports that close it."""
+    scoped = sorted(m for m in MODULES if _cycle_scope(m))
+    edges: dict[str, set[str]] = {}
+    sites: dict[tuple[str, str], list[Import]] = {}
+    for imp in IMPORTS:
+        target = _known(imp.target)
+        if target is None or target == imp.importer or imp.importer not in scoped or target not in scoped:
+            continue
+        edges.setdefault(imp.importer, set()).add(target)
+        sites.setdefault((imp.importer, target), []).append(imp)
+    cycles = []
+    for component in _strongly_connected(scoped, edges):
+        members = set(component)
+        cycles.append(
+            [imp for (a, b), found in sorted(sites.items()) if a in members and b in members for imp in found]
+        )
+    return cycles
+
+
+def test_no_import_cycles_in_flight_traces_and_the_clis():
+    cycles = import_cycles()
+    report = "\n".join("cycle:\n  " + "\n  ".join(str(imp) for imp in cycle) for cycle in cycles)
+    if cycles:
+        pytest.fail(f"import cycles (each listed with the imports that close it):\n{report}", pytrace=False)
