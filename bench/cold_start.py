@@ -37,8 +37,6 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests", "flight"))  # the scripted bus of the payload tests
 
 IMPORT_TORCH = "import torch"
 IMPORT_STACK = "import torch, transformers; from transformers import Qwen3VLForConditionalGeneration"
@@ -56,10 +54,9 @@ def _env() -> dict:
 
 def timed_peer(keys_dir: str):
     """The payload tests' scripted bus, stamping each packet with its arrival time."""
-    from buspeer import BusPeer
-
     from common.wire import decode
     from common.wire.link import recv_packet
+    from tests.flight.buspeer import BusPeer
 
     class TimedPeer(BusPeer):
         def __init__(self, keys):
@@ -83,7 +80,7 @@ class Payload:
     """One `ow flight run` against the scripted bus; the measured instants are relative to exec."""
 
     def __init__(self, bus, data_dir: str, model: str, keys: str, log_path: str):
-        from buspeer import spawn_flight
+        from tests.flight.buspeer import spawn_flight
 
         self.bus = bus
         self.mark = len(bus.received)

@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     none, ow = runs["none"], runs["orbitweaver"]
     assert all(x["token_ids"] == none[0]["token_ids"] for x in none + ow), "policies disagree on the answer"
     med = {k: statistics.median(x["wall_s"] for x in v) for k, v in runs.items()}
-    ratios = [b["wall_s"] / a["wall_s"] for a, b in zip(none, ow)]
+    ratios = [b["wall_s"] / a["wall_s"] for a, b in zip(none, ow, strict=True)]
     written = ow[0]["bytes_written"]
     ckpt_write_s = max(ow[0]["write_s"], 1e-9)
     rss = {k: statistics.median(x["peak_rss_bytes"] for x in v) for k, v in runs.items()}
@@ -237,7 +237,8 @@ def main(argv=None) -> int:
         f"ratio {report['checkpoint_write_bytes_per_s'] / dd:.2f}"
     )
     print(
-        f"  peak RSS:                none {rss['none'] / 2**20:.0f} MiB   orbitweaver {rss['orbitweaver'] / 2**20:.0f} MiB"
+        f"  peak RSS:                none {rss['none'] / 2**20:.0f} MiB   orbitweaver "
+        f"{rss['orbitweaver'] / 2**20:.0f} MiB"
         f"   delta {report['peak_rss_delta_bytes'] / 2**20:+.1f} MiB = {report['peak_rss_delta_blocks']:+.2f} "
         f"blocks of {block / 2**20:.2f} MiB (median of the runs; allocator noise is a few MiB)"
     )

@@ -186,7 +186,7 @@ def main(argv=None) -> int:
 
         def resume(ckpt_template, policy, planner, read_bps, fresh=False):
             runs = []
-            for r in range(args.repeats):
+            for _ in range(args.repeats):
                 ckpt = os.path.join(scratch, "resume")
                 shutil.rmtree(ckpt, ignore_errors=True)
                 if not fresh:

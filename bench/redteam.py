@@ -15,13 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
 
 
 def main(argv=None) -> int:
@@ -68,7 +66,8 @@ def main(argv=None) -> int:
         report["dispatch"] = to_dict(dispatch)
         say(
             f"[redteam] dispatch: {dispatch.frames} frames ({dispatch.command_frames} telecommands or undecodable), "
-            f"{dispatch.accepted} accepted, {sum(dispatch.rejected.values())} rejected in {len(dispatch.rejected)} codes, "
+            f"{dispatch.accepted} accepted, {sum(dispatch.rejected.values())} rejected in {len(dispatch.rejected)} "
+            f"codes, "
             f"{len(dispatch.verdict_violations)} verdict violations, {len(dispatch.escaped)} escaped, "
             f"{dispatch.command_faults} handler faults, RSS growth {dispatch.rss_growth_bytes >> 10} KiB, "
             f"{dispatch.seconds:.0f} s"

@@ -21,7 +21,6 @@ from concurrent.futures import ProcessPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
 
 CONFIGS = {
     "2b-agx": dict(model="qwen3-vl-2b", target="orin-agx", frames=8, tokens_per_frame=2048),

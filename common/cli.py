@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from common.errors import CliError  # noqa: F401  (re-exported: components raise common.cli.CliError)
+
 # (module, what it adds). Each module defines `register(subparsers) -> None`.
 COMPONENTS = [
     ("flight.cli", "ow model, ow infer, ow flight"),
@@ -17,9 +19,6 @@ COMPONENTS = [
     ("ground.cli", "ow ground"),
     ("common.vla.cli", "ow vla"),
 ]
-
-
-from common.errors import CliError  # noqa: F401  (re-exported: components raise common.cli.CliError)
 
 #: Commands whose start-up time matters, with the one component they need: `ow flight run` is
 #: what the bus powers on, and it must answer the bus within a fraction of a second of exec.

@@ -384,22 +384,26 @@ def cmd_keys_init(args) -> int:
     r = layout.root
     print(f"keys in {layout.root.resolve()}")
     print(
-        f"  bus server pair   {layout.server_public.relative_to(r)}, {layout.server_secret.relative_to(r)} ({state(server_existed)})"
+        f"  bus server pair   {layout.server_public.relative_to(r)}, {layout.server_secret.relative_to(r)} "
+        f"({state(server_existed)})"
     )
     for n in clients:
         print(
-            f"  client {n:<10} {layout.client_public(n).relative_to(r)}, {layout.client_secret(n).relative_to(r)} ({state(existed[n])})"
+            f"  client {n:<10} {layout.client_public(n).relative_to(r)}, {layout.client_secret(n).relative_to(r)} "
+            f"({state(existed[n])})"
         )
     print(f"  bus admits        {', '.join(str((layout.authorized_dir / f'{n}.key').relative_to(r)) for n in clients)}")
     print(f"  ground state      {layout.state_dir.relative_to(r)}/")
     print("where each file goes:")
     print(f"  bus:      {layout.server_dir.relative_to(r)}/ (both files) and {layout.authorized_dir.relative_to(r)}/")
     print(
-        f"  payload:  {layout.client_secret('payload').relative_to(r)}, {layout.client_public('payload').relative_to(r)} "
+        f"  payload:  {layout.client_secret('payload').relative_to(r)}, "
+        f"{layout.client_public('payload').relative_to(r)} "
         f"and {layout.server_public.relative_to(r)}"
     )
     print(
-        f"  ground:   {layout.client_secret(args.station).relative_to(r)}, {layout.client_public(args.station).relative_to(r)}, "
+        f"  ground:   {layout.client_secret(args.station).relative_to(r)}, "
+        f"{layout.client_public(args.station).relative_to(r)}, "
         f"{layout.server_public.relative_to(r)} and {layout.state_dir.relative_to(r)}/"
     )
     print("  secret keys (*.key_secret) never leave the machine they belong to")
@@ -593,14 +597,14 @@ def cmd_quarantine(args) -> int:
                 "total": listing.total,
                 "items": [
                     {"item": i, "exits": n, "reason": r}
-                    for i, n, r in zip(listing.items, listing.exits, listing.reasons)
+                    for i, n, r in zip(listing.items, listing.exits, listing.reasons, strict=True)
                 ],
             }
         )
     elif not listing.items:
         print("nothing quarantined", flush=True)
     else:
-        for item, exits, reason in zip(listing.items, listing.exits, listing.reasons):
+        for item, exits, reason in zip(listing.items, listing.exits, listing.reasons, strict=True):
             print(f"{item}  {exits} exit(s)  {reason}", flush=True)
         if listing.total > len(listing.items):
             print(f"... {listing.total - len(listing.items)} more", flush=True)

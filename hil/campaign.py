@@ -151,7 +151,7 @@ def load_cells(out: Path) -> list[CampaignCell]:
 
     data = json.loads((Path(out) / "campaign.json").read_text())
     cells = []
-    for row, run in zip(data["rows"], data["runs"]):
+    for row, run in zip(data["rows"], data["runs"], strict=True):
         run = dict(run)
         run["requests"] = [RequestReport(**q) for q in run["requests"]]
         cells.append(

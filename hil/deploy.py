@@ -42,7 +42,7 @@ def deployment_trace(name: str, seed: int, hours: float, thermal: bool):
 
     rng = random.Random(seed)
     duration = hours * 3600.0
-    windows, t = [], 0.0
+    windows = []
     fdir_times = []
     x = rng.expovariate(1 / 86400.0)
     while x < duration:

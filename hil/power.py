@@ -85,10 +85,10 @@ class PowerSwitch(ABC):
         payload process ended by itself (crash, exit) while the switch was on, else None."""
         return None
 
-    def reset(self) -> None:
+    def reset(self) -> None:  # noqa: B027 - an optional hook: doing nothing is the right default
         """Make sure nothing is left powered from a previous bus run (called once at start)."""
 
-    def prepare(self, timeout_s: float = 600.0) -> None:
+    def prepare(self, timeout_s: float = 600.0) -> None:  # noqa: B027 - optional hook, no-op by default
         """Get ready to power the payload without delay (called once before the trace clock
         starts; the local driver's zygote imports the payload's libraries here)."""
 

@@ -34,14 +34,14 @@ class LockstepTiming:
 def run_vlm_batch(policy: VlaPolicy, batch: StageBatch) -> None:
     reqs = batch.requests
     prefixes = policy.run_vlm([r.payload for r in reqs], batch.padded_size)
-    for r, p in zip(reqs, prefixes):
+    for r, p in zip(reqs, prefixes, strict=True):
         r.prefix = p
 
 
 def run_adit_batch(policy: VlaPolicy, batch: StageBatch) -> None:
     reqs = batch.requests
     actions = policy.run_adit([r.prefix for r in reqs], [r.payload for r in reqs], batch.padded_size)
-    for r, a in zip(reqs, actions):
+    for r, a in zip(reqs, actions, strict=True):
         r.result = a
         r.prefix = None  # the prefix cache is not needed once the chunk exists
 

@@ -95,7 +95,9 @@ def best_max_robots(
     best = (0, s.max_batches[0], None)
     for mb in s.max_batches:
         system = make(mb)
-        n, seen = sim.max_robots(lambda k: sim.simulate(system, s.workload(robots_for(k), seed), profile), TARGET, cap)
+        n, seen = sim.max_robots(
+            lambda k, system=system: sim.simulate(system, s.workload(robots_for(k), seed), profile), TARGET, cap
+        )
         if n > best[0]:
             best = (n, mb, seen.get(n))
     return best
@@ -317,7 +319,7 @@ def traffic(
     rep.add(f"{'robots per variant':20} {'ILP (Robion)':>22} {'SMG':>18} {'EPS':>18}   SMG/ILP  EPS/ILP")
     out, smg_r, eps_r = {}, [], []
     for dist in ((8, 8, 8, 24), (28, 16, 16, 8), (12, 12, 12, 12), (6, 6, 6, 6)):
-        robots = dict(zip(models, dist))
+        robots = dict(zip(models, dist, strict=True))
         plan = controller.plan(placement, robots)
         counts = {
             "ilp": plan.counts,
@@ -443,7 +445,8 @@ def multi_model(
     rep.add(
         f"best placement {best_spec}: {out[best_spec]['robots']} robots (paper: {PAPER['eight_by_four']}); "
         f"replays of every placement's plan meeting {TARGET:.0%} for every model: "
-        f"{sum(1 for v in out.values() if v['all_replays_meet'])} of {sum(1 for v in out.values() if v['replay_worst'])}"
+        f"{sum(1 for v in out.values() if v['all_replays_meet'])} of "
+        f"{sum(1 for v in out.values() if v['replay_worst'])}"
     )
     rep.add()
     return out
@@ -463,7 +466,10 @@ def inter_gpu(
 
     out["robion-x4"], _ = sim.max_robots(robion_run, TARGET, cap=128)
     for k in (1, 2, 3):
-        system_for = lambda mb, k=k: sim.disaggregated(k, 4 - k, max_batch=mb)
+
+        def system_for(mb, k=k):
+            return sim.disaggregated(k, 4 - k, max_batch=mb)
+
         out[f"dis-{k}:{4 - k}"], _, _ = best_max_robots(system_for, lambda n: {"pi0": n}, profile, s)
     for name, n in out.items():
         rep.add(f"{name:12} max robots at {TARGET:.0%}: {n}")

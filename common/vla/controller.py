@@ -138,7 +138,9 @@ def colocation_limits(
         for k in range(1, len(variants) + 1):
             cap = settings.cap if k == 1 else max(1, table[-1] // k)
             per, _ = sim.max_robots(
-                lambda n: _worst_equal_split(profile, variants[:k], n, settings, mb), settings.plan_target, cap=cap
+                lambda n, k=k, variants=variants, mb=mb: _worst_equal_split(profile, variants[:k], n, settings, mb),
+                settings.plan_target,
+                cap=cap,
             )
             total = min(per * k, table[-1]) if table else per
             if total == 0:

@@ -153,7 +153,7 @@ class ServingEngine:
             arch = model_spec(model).arch
             for size in self.scheduler.batch_sizes:
 
-                def batch(stage):
+                def batch(stage, model=model, policy=policy, arch=arch, size=size):
                     reqs = tuple(
                         VlaRequest(model, 0.0, 0.0, 1.0, payload=policy.prepare(example_observation(i)))
                         for i in range(size)

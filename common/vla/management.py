@@ -223,7 +223,7 @@ def assign_greedy(placement: Placement, robots: Mapping[str, int], limits: Limit
     on: dict[int, dict[str, int]] = {g: {} for g in range(placement.n_gpus)}
     for m in sorted(robots, key=lambda m: -robots[m] * _per_robot(limits, m, 1)):
 
-        def cost(g):
+        def cost(g, m=m):
             after = {**on[g], m: robots[m]}
             return gpu_load(after, limits), len(after)
 
@@ -307,7 +307,7 @@ def assign_ilp(
             add({iw[g, k]: 1.0 for k in ks[g]}, 0.0, 1.0)
         for k in ks[g]:
             load = {ix[i]: _per_robot(limits, pairs[i][0], max(k, 1)) for i in on_gpu[g]}
-            big = sum(robots[pairs[i][0]] * c for i, c in zip(on_gpu[g], load.values())) if aware else 0.0
+            big = sum(robots[pairs[i][0]] * c for i, c in zip(on_gpu[g], load.values(), strict=True)) if aware else 0.0
             off = {iw[g, k]: big} if aware else {}  # the row binds only where w[g,k] = 1
             add(load | off | {io: -1.0}, -np.inf, 1.0 + big)  # load <= 1 + o
             add(load | off | {iz: -1.0}, -np.inf, big)  # load <= z
@@ -437,7 +437,7 @@ def assign_brute_force(
     total = 1
     for m, r in robots.items():
         gpus = placement.hosts[m]
-        options = [dict(zip([(m, g) for g in gpus], comp)) for comp in _compositions(r, len(gpus))]
+        options = [dict(zip([(m, g) for g in gpus], comp, strict=True)) for comp in _compositions(r, len(gpus))]
         per_model.append(options)
         total *= len(options)
     if total > max_candidates:
@@ -510,7 +510,7 @@ def robot_limits(
             mb = max_batch[m] if isinstance(max_batch, Mapping) else max_batch
             system = sim.robion(max_batch=mb)
             by_arch[arch], _ = sim.max_robots(
-                lambda n: sim.simulate(
+                lambda n, system=system, arch=arch: sim.simulate(
                     system, sim.Workload({arch: n}, epochs=epochs, duration_s=duration_s, seed=seed), profile
                 ),
                 target=target,

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from common.vla.profiles import ProfileTable
 
 
-class Stage(str, enum.Enum):
+class Stage(enum.StrEnum):
     VLM = "vlm"
     ADIT = "adit"
 

@@ -313,7 +313,8 @@ class PolicyServer:
         return name if name in self.router.models() else None
 
     async def _handler(self, ws: ServerConnection) -> None:
-        peer = "%s:%s" % tuple(ws.remote_address[:2])
+        host, port = ws.remote_address[:2]
+        peer = f"{host}:{port}"
         robot = getattr(ws, "robot_name", None) or peer
         model = self._model_for(ws.request.path)
         if model is None:

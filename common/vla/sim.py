@@ -492,7 +492,7 @@ def simulate(
                 offset = rng.uniform(0.0, period)
                 sends = np.arange(offset, workload.duration_s, period)
                 up, down = network.delays(rng, len(sends))
-                for t, u, d in zip(sends, up, down):
+                for t, u, d in zip(sends, up, down, strict=True):
                     req = VlaRequest(m, sent_at=float(t), arrived_at=float(t + u), deadline=float(t) + slo[m])
                     down_delay[req.request_id] = float(d)
                     if t >= workload.warmup_s:

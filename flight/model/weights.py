@@ -157,7 +157,7 @@ class WeightStore:
         start = time.perf_counter()
         module = self.model.get_submodule(prefix)
         state = {}
-        for name, param in module.named_parameters(recurse=True):
+        for name, _param in module.named_parameters(recurse=True):
             full = f"{prefix}.{name}"
             if full not in self._where and self.tied.get(full) not in self._where:
                 raise KeyError(f"weight {full} not found in the model files")
@@ -165,7 +165,7 @@ class WeightStore:
         module.load_state_dict(state, strict=False, assign=True)
         # Non-persistent buffers (rotary inverse frequencies) are not in the files: rebuild the
         # module that owns them on the real device, exactly as its constructor computes them.
-        for child_name, child in list(module.named_modules()):
+        for _child_name, child in list(module.named_modules()):
             if any(b.is_meta for b in child.buffers(recurse=False)):
                 rebuilt = _rebuild_buffers(child, self.device)
                 for bname, buf in rebuilt.items():

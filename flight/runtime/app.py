@@ -515,7 +515,8 @@ class FlightApp(CommandHandlers):
             self.send(m.Started.about(request, task_id=task.task_id))
             self.event(
                 EventId.TASK_RESUMED if resumed else EventId.TASK_STARTED,
-                f"task {task.task_id} {'resumed after ' + str(task.interruptions) + ' cut(s)' if resumed else 'started'}",
+                f"task {task.task_id} "
+                f"{'resumed after ' + str(task.interruptions) + ' cut(s)' if resumed else 'started'}",
                 task.task_id,
             )
             try:
@@ -589,7 +590,10 @@ class FlightApp(CommandHandlers):
         """Tokenize and process the task's verified images once, and store the result."""
         from flight.model.inputs import build_inputs, decode_image, save_inputs
 
-        images = [decode_image(content, name, model.image_processor) for name, content in zip(task.images, contents)]
+        images = [
+            decode_image(content, name, model.image_processor)
+            for name, content in zip(task.images, contents, strict=True)
+        ]
         inputs = build_inputs(model.tokenizer, model.image_processor, images, task.prompt, model.adapter.image_token_id)
         del images
         try:

@@ -76,12 +76,12 @@ def run_facts(run_dir: str) -> dict:
             boot_by_power_up[on] = s - on
     # The task's setup before its first unit (images, inputs, store scan): the first session that
     # reports a vision unit, from its STARTED to that report, less one unit (below).
-    first_progress, first_unit = None, None
+    first_unit = None
     for i, s in enumerate(started):
         end = started[i + 1] if i + 1 < len(started) else float("inf")
         first = next((e for e in mine if e.get("type") == "PROGRESS" and s < e.trace_s < end), None)
         if first is not None and first.get("phase") == "vision":
-            first_progress, first_unit = first.trace_s, first.trace_s - s
+            first_unit = first.trace_s - s
             break
     # A vision block of the small model on two 512 px images computes for longer than the pace on
     # a loaded machine: its time is measured as the payload ran it, from consecutive vision

@@ -76,7 +76,7 @@ def test_commands_sent_while_the_payload_is_off_arrive_in_order_after_power_up(t
     got = accepted(record)
     assert [r["seq"] for r in got] == [seq for seq, _ in sent], "in order, each exactly once"
     assert [r["task_id"] for r in got] == [getattr(msg, "task_id", None) for _, msg in sent]
-    for seq, message in sent:
+    for seq, _message in sent:
         assert len(reports_for(ground.inbox, seq, m.Accepted)) == 1
         assert len(reports_for(ground.inbox, seq, m.Completed)) == 1
     pongs = sorted(msg.key for _, msg in ground.inbox if isinstance(msg, m.Pong))

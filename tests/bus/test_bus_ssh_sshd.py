@@ -310,7 +310,9 @@ def test_bus_cuts_over_ssh_on_the_trace_and_power_cycles_a_lost_connection(sshd,
     log = entries(data)
     assert not kinds(log, bl.SWITCH_ERROR)
     ons, offs = kinds(log, bl.POWER_ON), kinds(log, bl.POWER_OFF)
-    assert len(ons) == len(offs) == 3 and all(a.n < b.n for a, b in zip(ons, offs)), "never two payloads at once"
+    assert len(ons) == len(offs) == 3 and all(a.n < b.n for a, b in zip(ons, offs, strict=True)), (
+        "never two payloads at once"
+    )
 
 
 def _refused_key(sshd, tmp_path):

@@ -49,7 +49,9 @@ def test_forked_payload_waits_out_the_boot_and_keeps_nothing_across_a_cut(tmp_pa
             powered_at = time.monotonic()
             switch.on()
             pid = switch.pid
-            first = wait_for(lambda: len(_records(record)) == boot and _records(record)[-1], 30, what="probe record")
+            first = wait_for(
+                lambda boot=boot: len(_records(record)) == boot and _records(record)[-1], 30, what="probe record"
+            )
             seen.append(first)
             # the emulated boot: nothing of the payload runs before power-on + boot_s
             assert first["started_monotonic"] >= powered_at + boot_s

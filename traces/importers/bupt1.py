@@ -240,7 +240,10 @@ def import_bupt1_reported(
                     "trace_start_s": ENERGY_SEGMENT_S,
                     "trace_end_s": offset,
                     "from": f"{OVERHEAT_POWER}, {OVERHEAT_TEMPERATURE}",
-                    "log_time": f"test minutes {params.overheat_from_min:g}-{params.overheat_from_min + overheat.duration_s / 60:.1f}",
+                    "log_time": (
+                        f"test minutes {params.overheat_from_min:g}-"
+                        f"{params.overheat_from_min + overheat.duration_s / 60:.1f}"
+                    ),
                 },
             ],
             "battery_curve_soc_v": [list(point) for point in BUPT1_PACK_OCV],
