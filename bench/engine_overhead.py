@@ -25,6 +25,11 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+from PIL import Image
+
+from flight.checkpoint.policies import Geometry
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -32,6 +37,7 @@ ROOT = os.path.dirname(HERE)
 def ensure_model(size: str, arch: str = "qwen3-vl") -> str:
     path = os.path.join(ROOT, "runs", "models", f"{arch}-{size}-bf16")
     if not os.path.exists(os.path.join(path, "model.safetensors")):
+        # lazy: torch/transformers (seconds): the parent only spawns and times the children
         from flight.model.tiny import build_tiny
 
         print(f"building the {size} model in {path} ...", file=sys.stderr)
@@ -40,9 +46,6 @@ def ensure_model(size: str, arch: str = "qwen3-vl") -> str:
 
 
 def ensure_images(n: int, side: int) -> list[str]:
-    import numpy as np
-    from PIL import Image
-
     d = os.path.join(ROOT, "runs", "bench-images")
     os.makedirs(d, exist_ok=True)
     paths = []
@@ -60,9 +63,10 @@ def ensure_images(n: int, side: int) -> list[str]:
 
 def worker(args) -> None:
     """One request in this process; prints one JSON line."""
+    # lazy: torch/transformers (seconds): the parent only spawns and times the children
     import torch
 
-    from flight.checkpoint.policies import Geometry
+    # lazy: torch/transformers (seconds): the parent only spawns and times the children
     from flight.engine import Engine, EngineOptions
     from flight.model.inputs import inputs_from_files
     from flight.model.loader import load_model

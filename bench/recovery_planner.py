@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 
+from bench.engine_overhead import ensure_model
 from flight.recovery import optimal as optimal_module
 from flight.recovery.cost import (
     MODELS,
@@ -47,7 +48,6 @@ PROGRESS = (0.25, 0.5, 0.75)
 
 def ensure_small_model() -> str:
     """The `small` bf16 model, built once (the same directory the engine benchmark uses)."""
-    from bench.engine_overhead import ensure_model
 
     return ensure_model("small")
 

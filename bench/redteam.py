@@ -18,6 +18,9 @@ import os
 import tempfile
 import time
 
+from common import log
+from hil.redteam import KillCampaign, fuzz_decoder, fuzz_dispatch, to_dict
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -36,10 +39,8 @@ def main(argv=None) -> int:
     p.add_argument("--skip-campaign", action="store_true")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    from common import log
 
     log.setup("error", component="redteam")
-    from hil.redteam import KillCampaign, fuzz_decoder, fuzz_dispatch, to_dict
 
     say = lambda s: print(s, flush=True)  # noqa: E731
     report: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "frames": args.frames, "seed": args.seed}
@@ -79,6 +80,7 @@ def main(argv=None) -> int:
         if model is None:
             model = os.path.join(args.out, "model")
             if not os.path.exists(os.path.join(model, "config.json")):
+                # lazy: torch/transformers (seconds): the parent only spawns and times the children
                 from flight.model.tiny import build_tiny
 
                 build_tiny("qwen3-vl", "tiny", 0, model)

@@ -25,7 +25,13 @@ import sys
 import tempfile
 import time
 
+from bench import engine_overhead, recovery_latency, recovery_planner, sim_figures
+from bench import report as rep
+from common import log as owlog
 from common import machine
+from flight.checkpoint.policies import Geometry
+from hil.campaign import run_campaign
+from hil.testbench import BenchConfig, PowerModel, RequestSpec
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -54,11 +60,10 @@ def machine_header() -> dict:
 
 def bytes_and_energy(model_dir: str, images_by_size: dict, prompt: str, rounds: int = 3) -> dict:
     """Uninterrupted run of every policy; bytes written and the power-model energy."""
-    from flight.checkpoint.policies import Geometry
+    # lazy: torch/transformers (seconds): the parent only spawns and times the children
     from flight.engine import Engine, EngineOptions
     from flight.model.inputs import inputs_from_files
     from flight.model.loader import load_model
-    from hil.testbench import PowerModel
 
     power = PowerModel()
     out = {}
@@ -85,7 +90,7 @@ def bytes_and_energy(model_dir: str, images_by_size: dict, prompt: str, rounds: 
 def decode_compression(model_dir: str, images: list, prompt: str) -> dict:
     """Cut late in decode; resume with full and with int8 decode records: recovery time, bytes,
     and how far the answer moves."""
-    from flight.checkpoint.policies import Geometry
+    # lazy: torch/transformers (seconds): the parent only spawns and times the children
     from flight.engine import Engine, EngineOptions, SimulatedCut
     from flight.model.inputs import inputs_from_files
     from flight.model.loader import load_model
@@ -150,8 +155,6 @@ def e2e_campaign(
     short answer) as in the paper's multi-frame missions, paced and storage-emulated, the boot
     emulated; every trace x workload x seed, OrbitWeaver with fixed and adaptive cadence beside
     the baselines (hil/campaign.py)."""
-    from hil.campaign import run_campaign
-    from hil.testbench import BenchConfig, RequestSpec
 
     base = BenchConfig(
         trace=traces[0],
@@ -205,9 +208,11 @@ def e2e_campaign(
 
 
 def plot_bars(path, title, groups, series, ylabel):
+    # lazy: matplotlib (~0.5 s), only to draw the plots
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: matplotlib (~0.5 s), only to draw the plots
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(1.5 + 1.4 * len(groups), 3.2))
@@ -240,10 +245,8 @@ def main(argv=None) -> int:
         help="measure nothing: write the report from the parts in OUT (missing parts are left out)",
     )
     args = p.parse_args(argv)
-    from common import log as owlog
 
     owlog.setup("error")
-    from bench import engine_overhead, recovery_latency, recovery_planner, sim_figures
 
     out = args.out
     os.makedirs(out, exist_ok=True)
@@ -372,7 +375,6 @@ def write_report(out: str, d: dict) -> None:
         f"Jetson AGX Orin with NVMe (docs/recovery.md §7).",
         "",
     ]
-    from bench import report as rep
 
     e2e = d.get("e2e", []) + d.get("e2e_plus", [])
     lines += rep.summary_lines(d)
