@@ -22,7 +22,7 @@ COMPONENTS = [
 
 #: Commands whose start-up time matters, with the one component they need: `ow flight run` is
 #: what the bus powers on, and it must answer the bus within a fraction of a second of exec.
-FAST_PATHS = {("flight", "run"): "flight.runtime.cli"}
+FAST_PATHS: dict[tuple[str, ...], str] = {("flight", "run"): "flight.runtime.cli"}
 
 
 def build_parser(components: list[str] | None = None) -> argparse.ArgumentParser:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from common.vla import sim
+from common.vla.analytic import SLO_FACTOR
 from common.vla.config import EIGHT_MODELS, model_spec
 from common.vla.controller import ControllerSettings, TrafficController
 from common.vla.management import DEFAULT_ILP_TIME_LIMIT_S, Placement, assign_eps, assign_ilp, assign_smg
@@ -109,9 +110,8 @@ def best_max_robots(
 def base_slo_factor(profile: ProfileTable) -> float:
     """The SLO factor a profile's SLOs were made with (SLO is proportional to it)."""
     if profile.backend == "analytic-gpu":
-        from common.vla.analytic import SLO_FACTOR
-
         return SLO_FACTOR
+    # lazy: torch/transformers (seconds to import), only the experiments that profile
     from common.vla.profiler import DEFAULT_SLO_FACTOR
 
     return float(profile.device.get("slo_factor", DEFAULT_SLO_FACTOR))

@@ -27,7 +27,9 @@ import ray
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from ray import serve
 
+from common.vla.engine import ServingEngine
 from common.vla.server import DEFAULT_MAX_REQUEST_BYTES, Router, answer, metadata, robot_for_key
+from common.vla.wire import packb
 
 APP_NAME = "orbitweaver-vla"
 app = FastAPI(title="orbitweaver VLA gateway", docs_url=None, redoc_url=None, openapi_url=None)
@@ -37,8 +39,6 @@ class GpuServer:
     """One GPU of the plan: its models, their lockstep scheduler and engine (Ray Serve replica)."""
 
     def __init__(self, gpu: int, models: list[str], engine_options: dict):
-        from common.vla.engine import ServingEngine
-
         opts = dict(engine_options)
         self.gpu, self.models = gpu, list(models)
         self.max_request_bytes = opts.pop("max_request_bytes", DEFAULT_MAX_REQUEST_BYTES)
@@ -116,7 +116,6 @@ class Gateway:
         index, _ = self.router.acquire(model)
         gpu = self.order[index]
         handle = self.handles[gpu]
-        from common.vla.wire import packb
 
         try:
             try:
@@ -205,7 +204,7 @@ def deploy(
 
 def placements() -> dict[str, dict]:
     """Where each GPU deployment's replica runs now: name -> {node, pid, gpu, models, served}."""
-    out = {}
+    out: dict[str, dict] = {}
     app_status = serve.status().applications.get(APP_NAME)
     if app_status is None:
         return out

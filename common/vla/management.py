@@ -39,12 +39,16 @@ Baselines, as the paper names them (our reading, see docs/vla.md):
 
 from __future__ import annotations
 
+import fnmatch
 import itertools
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from common.vla import sim
+from common.vla.config import model_spec
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,8 @@ class Placement:
         cls, groups: list[tuple[list[str], list[int]]], n_gpus: int | None = None, name: str | None = None
     ) -> Placement:
         """Disjoint GPU groups, each hosting its models (a model may appear in one group only)."""
-        hosts, used = {}, set()
+        hosts: dict[str, tuple[int, ...]] = {}
+        used: set[int] = set()
         for models, gpus in groups:
             if used & set(gpus):
                 raise ValueError("GPU groups must be disjoint")
@@ -98,7 +103,6 @@ class Placement:
     @classmethod
     def parse(cls, spec: str, models: list[str], n_gpus: int) -> Placement:
         """'mix', or groups like 'pi0*:0,1;smolvla*:2,3' (model globs : GPU list, ';' between groups)."""
-        import fnmatch
 
         if spec == "mix":
             return cls.colocate(models, n_gpus)
@@ -254,6 +258,7 @@ def assign_ilp(
     With co-location-aware limits (a sequence per model), binaries w[g,k] say that GPU g hosts
     exactly k models and switch on that GPU's load row for k (big-M rows for the other k).
     """
+    # lazy: scipy (~0.3 s), only for the ILP assigner
     from scipy.optimize import Bounds, LinearConstraint, milp
 
     robots = {m: int(n) for m, n in robots.items() if n > 0}
@@ -397,7 +402,8 @@ def assign_ilp(
         # 5. balance: the sum of a convex penalty of each GPU's load (GPUs below the peak even out)
         c_balance,
     ]
-    best, fixed = None, []
+    best = None
+    fixed: list = []  # constraints fixed by the stages solved so far
     for stage, c in enumerate(stages):
         res = solve(c, fixed)
         if res is None:
@@ -455,7 +461,8 @@ def assign_brute_force(
 
 def assign_smg(placement: Placement, robots: Mapping[str, int], limits: Mapping[str, float]) -> TrafficAssignment:
     """SMG: each model's robots all on one GPU, homes spread round-robin over its hosts."""
-    counts, turn = {}, {}
+    counts: dict[tuple[str, int], int] = {}
+    turn: dict[tuple[int, ...], int] = {}
     for m, r in robots.items():
         gpus = placement.hosts[m]
         k = turn.get(gpus, 0)
@@ -499,8 +506,6 @@ def robot_limits(
     """Most robots of each model one GPU serves alone at `target` attainment (Robion §4.2.2),
     found by simulating the lockstep engine with the profile. Variants share their architecture's
     result, as they share its profile."""
-    from common.vla import sim
-    from common.vla.config import model_spec
 
     by_arch: dict[str, int] = {}
     out = {}

@@ -37,6 +37,7 @@ import websockets
 from websockets.asyncio.server import ServerConnection, serve
 
 from common import log as ow_log
+from common.vla.config import model_spec
 from common.vla.engine import ServingEngine
 from common.vla.wire import (
     IMAGE_KEYS,
@@ -187,8 +188,6 @@ async def answer(
 
 
 def metadata(engine: ServingEngine, model: str, max_request_bytes: int, extra: dict | None = None) -> dict:
-    from common.vla.config import model_spec
-
     cfg = model_spec(model).arch_config
     return {
         "server": "orbitweaver-vla",
