@@ -16,7 +16,6 @@ retries a failed action and raises an FDIR fault.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import secrets
 import shlex
@@ -29,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from common import log
+from hil.zygote import ZygoteError, die_with_parent
 
 _log = log.get("hil.power")
 
@@ -36,21 +36,6 @@ _log = log.get("hil.power")
 COMMAND_TIMEOUT_S = 30.0
 #: ssh exits with 255 when the connection itself failed (host down, rebooting, refused key).
 SSH_TRANSPORT_FAILURE = 255
-
-_PR_SET_PDEATHSIG = 1
-try:
-    _libc = ctypes.CDLL(None, use_errno=True)
-    _prctl = _libc.prctl
-except (OSError, AttributeError):  # not Linux: no parent-death signal
-    _prctl = None
-
-
-def _die_with_parent() -> None:
-    """Runs in the forked child before exec: SIGKILL it when the bus's thread that spawned it
-    exits, so a bus that is itself killed never leaves a powered payload behind (a restarted bus
-    would otherwise start a second flight process on the same data directory)."""
-    if _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 class PowerSwitchError(RuntimeError):
@@ -152,7 +137,7 @@ class _ChildSession:
                 env=env,
                 cwd=self.cwd,
                 start_new_session=True,  # own session and process group: killpg reaches all of it
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
                 close_fds=True,
             )
         except OSError as exc:
@@ -218,8 +203,6 @@ class _ForkedSession:
         self.exit_status: int | None = None
 
     def start(self, banner: str) -> int:
-        from hil.zygote import ZygoteError
-
         deadline = time.monotonic() + self.boot_s  # power is applied now; the boot ends then
         if self.output_path is not None:
             self.output_path.parent.mkdir(parents=True, exist_ok=True)
@@ -246,8 +229,6 @@ class _ForkedSession:
         return self._pid
 
     def _reap(self, block: bool) -> int | None:
-        from hil.zygote import ZygoteError
-
         try:
             return self.zygote.reap(self._pid, block, timeout_s=10.0 if block else 5.0)
         except ZygoteError as exc:
@@ -321,8 +302,6 @@ class LocalProcessSwitch(PowerSwitch):
 
     def prepare(self, timeout_s: float = 600.0) -> None:
         if self.zygote is not None:
-            from hil.zygote import ZygoteError
-
             try:
                 self.zygote.wait_ready(timeout_s)
             except ZygoteError as exc:

@@ -39,14 +39,18 @@ import ctypes
 import importlib
 import json
 import os
+import random
+import runpy
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 #: What the flight payload's boot image holds: the modules `ow flight run` imports before its
 #: first unit of inference work (flight/runtime/preload.py lists them).
@@ -55,8 +59,23 @@ _MAX_MESSAGE = 1 << 20
 _PR_SET_PDEATHSIG = 1
 
 
+_prctl: Any
+try:
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux: no parent-death signal
+    _prctl = None
+
+
 class ZygoteError(RuntimeError):
     """The zygote could not start, or could not fork a payload."""
+
+
+def die_with_parent() -> None:
+    """Runs in a forked child before exec: SIGKILL it when the thread that spawned it exits, so a
+    bus (or zygote) that is itself killed never leaves a powered payload behind (a restarted bus
+    would otherwise start a second flight process on the same data directory)."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def thread_count() -> int:
@@ -103,7 +122,6 @@ def _redirect_stdio(output: str | None) -> None:
 
 def _fresh_process_state() -> None:
     """What a fresh interpreter would not share with its siblings: random seeds."""
-    import random
 
     random.seed()
     numpy = sys.modules.get("numpy")
@@ -116,7 +134,6 @@ def _run_as_main(argv: Sequence[str]) -> int:
     same_python = os.path.realpath(argv[0]) == os.path.realpath(sys.executable)
     if not (same_python and len(argv) >= 3 and argv[1] == "-m"):
         os.execv(argv[0], list(argv))  # a command the zygote cannot run in-process: a real exec
-    import runpy
 
     sys.argv = [argv[2], *argv[3:]]
     try:
@@ -154,8 +171,6 @@ def _payload_main(request: dict, zygote_pid: int, control: socket.socket, starte
             time.sleep(delay)
         code = _run_as_main(request["argv"])
     except BaseException:  # report, never fall back into the zygote's loop
-        import traceback
-
         traceback.print_exc()
     finally:
         for stream in (sys.stdout, sys.stderr):
@@ -286,12 +301,10 @@ class Zygote:
         self._next_id = 0
 
     def start(self) -> Zygote:
-        from hil.power import _die_with_parent
-
         if self.proc is not None:
             return self
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        out = subprocess.DEVNULL
+        out: Any = subprocess.DEVNULL  # or the log file, closed below
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             out = open(self.log_path, "ab")
@@ -305,7 +318,7 @@ class Zygote:
                 cwd=self.cwd,
                 pass_fds=(theirs.fileno(),),
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         except OSError as exc:
             ours.close()
