@@ -14,6 +14,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -73,7 +74,7 @@ class WeightStore:
         self._loaded: set[str] = set()
         self._loading: dict[str, threading.Event] = {}
         self._lock = threading.Lock()
-        self._handles: dict[str, object] = {}
+        self._handles: dict[str, Any] = {}  # safetensors' safe_open handles
         self._prefetch: threading.Thread | None = None
         self._stop = False
 
@@ -119,7 +120,7 @@ class WeightStore:
                 return
             event = self._loading.get(prefix)
             owner = event is None
-            if owner:
+            if event is None:
                 event = self._loading[prefix] = threading.Event()
         if not owner:
             event.wait()
