@@ -48,7 +48,7 @@ def sim_uninterrupted(entry: dict) -> dict:
     """Per policy over prompt lengths: slowdown vs OrbitWeaver, bytes vs OrbitWeaver, OW overhead
     and energy vs none (simulated, real sizes)."""
     rows = entry["fig12_14"]
-    out = {}
+    out: dict = {}
     for tokens in sorted({r["prompt_tokens"] for r in rows}):
         cell = {r["policy"]: r for r in rows if r["prompt_tokens"] == tokens}
         ow = cell["orbitweaver"]

@@ -160,7 +160,7 @@ def open_reduced(source, name: str, limits: ProcessorLimits | None):
             with Image.open(fp) as im:
                 target = plan(im, name, limits)
                 im.load()
-                picture = im
+                picture: Image.Image = im
                 if target is not None:
                     factor = min(picture.width // target[0], picture.height // target[1])
                     if factor >= 2:

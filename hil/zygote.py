@@ -223,7 +223,7 @@ def serve(fd: int, preload: Sequence[str]) -> int:
         module = importlib.import_module(name)
         if function:
             getattr(module, function)()
-    ready = {
+    ready: dict[str, Any] = {
         "ready": True,
         "pid": os.getpid(),
         "import_s": round(time.perf_counter() - started, 3),
@@ -337,16 +337,18 @@ class Zygote:
                 return self.info
             if self.proc is None:
                 self.start()
-            self._sock.settimeout(timeout_s)
+            sock, proc = self._sock, self.proc
+            assert sock is not None and proc is not None  # start() set both
+            sock.settimeout(timeout_s)
             try:
-                data = self._sock.recv(_MAX_MESSAGE)
+                data = sock.recv(_MAX_MESSAGE)
             except (TimeoutError, OSError) as exc:
                 raise ZygoteError(f"zygote not ready within {timeout_s:g} s: {exc}") from None
             finally:
-                self._sock.settimeout(None)
+                sock.settimeout(None)
             if not data:
                 raise ZygoteError(
-                    f"zygote exited with {self.proc.wait()} before it was ready (see {self.log_path or 'its output'})"
+                    f"zygote exited with {proc.wait()} before it was ready (see {self.log_path or 'its output'})"
                 )
             info = json.loads(data)
             if "error" in info:
@@ -360,11 +362,13 @@ class Zygote:
             self._next_id += 1
             request["id"] = self._next_id
             deadline = time.monotonic() + timeout_s
+            sock = self._sock
+            assert sock is not None  # wait_ready() started the zygote
             try:
-                self._sock.sendall(json.dumps(request).encode())
+                sock.sendall(json.dumps(request).encode())
                 while True:  # replies to requests that timed out earlier are skipped
-                    self._sock.settimeout(max(0.001, deadline - time.monotonic()))
-                    data = self._sock.recv(_MAX_MESSAGE)
+                    sock.settimeout(max(0.001, deadline - time.monotonic()))
+                    data = sock.recv(_MAX_MESSAGE)
                     if not data:
                         raise ZygoteError("the zygote has exited")
                     reply = json.loads(data)

@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -221,8 +222,8 @@ def _cmd_import_bupt1(args: argparse.Namespace) -> int:
 
 def _cmd_regenerate(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir) if args.out_dir else DATA_DIR
-    builders: list[tuple[str, Callable[[], Any]]] = [(name, lambda n=name: generate(n)) for name in GENERATED_NAMES]
-    builders.append(("bupt1", lambda: import_bupt1(args.data)))
+    builders: list[tuple[str, Callable[[], Any]]] = [(name, partial(generate, name)) for name in GENERATED_NAMES]
+    builders.append(("bupt1", partial(import_bupt1, args.data)))
     status = 0
     for name, build in builders:
         target = out_dir / f"{name}{SUFFIX}"

@@ -110,8 +110,9 @@ class CpuLockstepBackend:
             tv, ta = self.split(plan.vlm_share)
         else:  # one stage alone gets the whole machine
             tv = ta = self.total_threads
-        fv = self._vlm.submit(lambda: run_vlm_batch(policies[plan.vlm.model], plan.vlm), tv) if plan.vlm else None
-        fa = self._adit.submit(lambda: run_adit_batch(policies[plan.adit.model], plan.adit), ta) if plan.adit else None
+        vlm, adit = plan.vlm, plan.adit
+        fv = self._vlm.submit(lambda: run_vlm_batch(policies[vlm.model], vlm), tv) if vlm else None
+        fa = self._adit.submit(lambda: run_adit_batch(policies[adit.model], adit), ta) if adit else None
         # Lockstep barrier: wait for both stages; raise the first failure after both are done.
         results = []
         for f in (fv, fa):

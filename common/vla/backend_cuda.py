@@ -56,6 +56,7 @@ class CudaLockstepBackend:
         start = torch.cuda.Event(enable_timing=True)
         v_end, a_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if plan.sequential:
+            assert plan.vlm is not None and plan.adit is not None  # sequential: both stages, same requests
             with torch.cuda.stream(self.full_stream):
                 start.record()
                 run_vlm_batch(policies[plan.vlm.model], plan.vlm)

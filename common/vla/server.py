@@ -55,7 +55,7 @@ DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # a LIBERO observation is ~0.3 MB
 
 def is_loopback(host: str) -> bool:
     try:
-        addrs = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        addrs = {str(info[4][0]) for info in socket.getaddrinfo(host, None)}
     except socket.gaierror as exc:
         raise ValueError(f"cannot resolve host {host!r}: {exc}") from None
     return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
@@ -294,7 +294,7 @@ class PolicyServer:
             self.refused += 1
             self._log.warning("vla_robot_refused", peer=str(connection.remote_address[0]), reason=reason)
             return connection.respond(http.HTTPStatus.UNAUTHORIZED, f"{reason}\n")
-        connection.robot_name = name
+        connection.robot_name = name  # type: ignore[attr-defined]  # per-connection data, read by _handler
         return None
 
     # ---- one robot ----
@@ -315,6 +315,7 @@ class PolicyServer:
         host, port = ws.remote_address[:2]
         peer = f"{host}:{port}"
         robot = getattr(ws, "robot_name", None) or peer
+        assert ws.request is not None  # handlers run after the opening handshake
         model = self._model_for(ws.request.path)
         if model is None:
             await ws.send(f"error: unknown model path {ws.request.path!r}; serving {', '.join(self.router.models())}")

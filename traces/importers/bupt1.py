@@ -57,6 +57,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from traces.generator import BUPT1_PACK_OCV
 from traces.importers.csv_import import CsvImport, CsvImportError, Imported, import_csv
@@ -103,7 +104,7 @@ class Bupt1Import:
 def preset(params: Bupt1Import = Bupt1Import()) -> list[tuple[tuple[str, ...], CsvImport]]:
     """The generic importer's files and column mapping for each segment, in trace order (the
     same as the `ow hil trace-import-csv` commands in docs/trace-format.md section 10)."""
-    common = dict(
+    common: dict[str, Any] = dict(
         current="I_Atlas200DK-B",
         on_above_ma=params.payload_on_threshold_ma,
         payload_volts=params.payload_rail_v,
