@@ -188,13 +188,15 @@ def summary_lines(d: dict) -> list[str]:
     )
     rec = d.get("recovery")
     for measure, label in (("restart_latency_s", "restart latency"), ("finish_prefill_s", "time to finish prefill")):
-        real = real_restart(rec, "restart_latency_s" if measure == "restart_latency_s" else "latency_s") if rec else {}
+        measured = (
+            real_restart(rec, "restart_latency_s" if measure == "restart_latency_s" else "latency_s") if rec else {}
+        )
         for base in BASES:
             lines.append(
                 f"| 11 | {label}: {base} / OrbitWeaver, 25-75 % prefill | "
                 f"{'1.22-6.97x (over the baselines)' if base == 'sonic-layer' else 'within 1.22-6.97x'} | "
                 + " | ".join(_range(sim_restart(v, measure).get(base, [])) for v in sim.values())
-                + f" | {_range(real.get(base, []))} (target-emulated) |"
+                + f" | {_range(measured.get(base, []))} (target-emulated) |"
             )
     pt = next(
         (

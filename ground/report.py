@@ -9,7 +9,7 @@ import time
 from types import MappingProxyType
 from typing import Any
 
-from common.wire import MessageType
+from common.wire import MessageType, Severity
 from common.wire import messages as m
 from ground.link import Telemetry
 
@@ -50,7 +50,7 @@ def packet_record(packet: Telemetry, number: int | None = None) -> dict:
         "body": to_jsonable(packet.message),
     }
     if isinstance(packet.message, m.Event):
-        record["severity"] = packet.message.severity.name
+        record["severity"] = _severity(packet.message).name
     return record
 
 
@@ -74,7 +74,7 @@ def describe(message: m.Message) -> str:
     """The body of one packet in a few words (without time or type)."""
     if isinstance(message, m.Event):
         task = f" [{message.task_id}]" if message.task_id else ""
-        return f"{message.severity.name} {message.event_id.name}{task}: {message.text}"
+        return f"{_severity(message).name} {message.event_id.name}{task}: {message.text}"
     if isinstance(message, m.Verification):
         about = f"{_type_name(message.tc_type)} seq {message.tc_seq} from source {message.tc_source}"
         task = f" task {message.task_id}" if message.task_id else ""
@@ -135,6 +135,11 @@ def describe(message: m.Message) -> str:
             f"bytes skipped in {message.records_dropped} region(s), {message.unnamed} unnamed"
         )
     return str(to_jsonable(message))
+
+
+def _severity(event: m.Event) -> Severity:
+    """An event's severity: the wire field, which Event fills in from its id when a packet omits it."""
+    return event.severity if event.severity is not None else event.event_id.severity
 
 
 def packet_line(packet: Telemetry, number: int | None = None) -> str:

@@ -26,6 +26,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from common import log
 from hil.zygote import ZygoteError, die_with_parent
@@ -118,7 +119,7 @@ class _ChildSession:
         self.exit_status: int | None = None
 
     def start(self, banner: str) -> int:
-        out = subprocess.DEVNULL
+        out: Any = subprocess.DEVNULL  # or the output file
         handle = None
         if self.output_path is not None:
             self.output_path.parent.mkdir(parents=True, exist_ok=True)
@@ -293,6 +294,7 @@ class LocalProcessSwitch(PowerSwitch):
         output = Path(output_path) if output_path else None
         self.zygote = zygote
         self.boot_s = boot_s
+        self.session: _ForkedSession | _ChildSession
         if zygote is not None:
             self.session = _ForkedSession(zygote, argv, output, env, cwd, boot_s)
         else:
@@ -350,7 +352,7 @@ class LocalProcessSwitch(PowerSwitch):
         self.pidfile.unlink(missing_ok=True)
 
     def describe(self) -> dict:
-        info = {"driver": self.driver, "argv": list(self.session.argv), "pid": self.pid}
+        info: dict[str, Any] = {"driver": self.driver, "argv": list(self.session.argv), "pid": self.pid}
         if self.zygote is not None:
             info.update(zygote=self.zygote.describe(), emulated_boot_s=self.boot_s)
         return info
@@ -559,6 +561,7 @@ class SshSwitch(PowerSwitch):
         session = _ChildSession(self.start_argv(nonce), log_path, None, None)
         session.start(f"payload boot {self.boots} via {self.transport[0]}")
         deadline = time.monotonic() + self.timeout_s
+        assert session.proc is not None  # start() returned: the process exists
         while True:
             ended = session.proc.poll()  # read before the log: a marker then an exit is a start
             text = _read_from(log_path, offset)

@@ -93,12 +93,14 @@ def best_max_robots(
     seed: int | None = None,
 ) -> tuple[int, int, sim.SimResult | None]:
     """Max load at the target (every model) over the allowed max batch sizes: (robots, max_batch, result)."""
-    best = (0, s.max_batches[0], None)
+    best: tuple[int, int, sim.SimResult | None] = (0, s.max_batches[0], None)
     for mb in s.max_batches:
         system = make(mb)
-        n, seen = sim.max_robots(
-            lambda k, system=system: sim.simulate(system, s.workload(robots_for(k), seed), profile), TARGET, cap
-        )
+
+        def run(k: int, system: sim.SystemConfig = system) -> sim.SimResult:
+            return sim.simulate(system, s.workload(robots_for(k), seed), profile)
+
+        n, seen = sim.max_robots(run, TARGET, cap)
         if n > best[0]:
             best = (n, mb, seen.get(n))
     return best

@@ -145,11 +145,11 @@ def colocation_limits(
         table: list[int] = []
         for k in range(1, len(variants) + 1):
             cap = settings.cap if k == 1 else max(1, table[-1] // k)
-            per, _ = sim.max_robots(
-                lambda n, k=k, variants=variants, mb=mb: _worst_equal_split(profile, variants[:k], n, settings, mb),
-                settings.plan_target,
-                cap=cap,
-            )
+
+            def worst(n: int, models: list[str] = variants[:k], mb: Mapping[str, int] = mb) -> sim.SimResult:
+                return _worst_equal_split(profile, models, n, settings, mb)
+
+            per, _ = sim.max_robots(worst, settings.plan_target, cap=cap)
             total = min(per * k, table[-1]) if table else per
             if total == 0:
                 break

@@ -514,13 +514,12 @@ def robot_limits(
         if arch not in by_arch:
             mb = max_batch[m] if isinstance(max_batch, Mapping) else max_batch
             system = sim.robion(max_batch=mb)
-            by_arch[arch], _ = sim.max_robots(
-                lambda n, system=system, arch=arch: sim.simulate(
-                    system, sim.Workload({arch: n}, epochs=epochs, duration_s=duration_s, seed=seed), profile
-                ),
-                target=target,
-                cap=cap,
-            )
+
+            def run(n: int, system: sim.SystemConfig = system, arch: str = arch) -> sim.SimResult:
+                workload = sim.Workload({arch: n}, epochs=epochs, duration_s=duration_s, seed=seed)
+                return sim.simulate(system, workload, profile)
+
+            by_arch[arch], _ = sim.max_robots(run, target=target, cap=cap)
         out[m] = by_arch[arch]
     return out
 
