@@ -12,6 +12,8 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
 from common.vla import sim
 from common.vla.analytic import SLO_FACTOR
@@ -82,6 +84,11 @@ def _ratio(a: float, b: float) -> float:
 
 def _fmt_ratio(r: float) -> str:
     return "inf" if r == float("inf") else f"{r:.2f}x"
+
+
+def _robots_of(model: str, n: int) -> dict[str, int]:
+    """`n` robots of one model: the load a single-model sweep puts on the server."""
+    return {model: n}
 
 
 def best_max_robots(
@@ -157,14 +164,15 @@ def single_model(profile: ProfileTable, s: BenchSettings, rep: BenchReport) -> d
         f"{'factor':>6} {'model':8} {'SLO ms':>7} {'robion':>8} {'monolithic':>10} {'omni-style':>10}"
         f"   {'robion/mono':>12} {'robion/omni':>12}"
     )
-    rows, best_mb = [], {}
+    rows: list[dict[str, Any]] = []
+    best_mb: dict[str, Any] = {}
     for f in factors:
         prof = slo_scaled(profile, f)
         for m in s.models:
             per_seed = []
             for seed in s.seeds:
                 res = {
-                    k: best_max_robots(mk, lambda n, m=m: {m: n}, prof, s, seed=seed)
+                    k: best_max_robots(mk, partial(_robots_of, m), prof, s, seed=seed)
                     for k, mk in SINGLE_SYSTEMS.items()
                 }
                 per_seed.append({k: v[0] for k, v in res.items()})
@@ -187,7 +195,7 @@ def single_model(profile: ProfileTable, s: BenchSettings, rep: BenchReport) -> d
                 f"{_band([_ratio(r['robion'], r['vllm-omni-style']) for r in per_seed]):>12}"
             )
     # The paper's headline is a mean over models; one mean per (factor, seed), then the band.
-    means = {}
+    means: dict[str, Any] = {}
     for key, other in (("vs_monolithic", "monolithic"), ("vs_omni", "vllm-omni-style")):
         per_point = []
         for f in factors:
@@ -223,7 +231,7 @@ def single_model(profile: ProfileTable, s: BenchSettings, rep: BenchReport) -> d
         at_base = next(r for r in rows if r["factor"] == base and r["seed"] == seed and r["model"] == m)
         static, _, _ = best_max_robots(
             lambda mb: sim.robion(max_batch=mb, sm_mode="static", static_share=96 / 188),
-            lambda n, m=m: {m: n},
+            partial(_robots_of, m),
             profile,
             s,
             seed=seed,
@@ -510,7 +518,7 @@ def run_bench(
         for arch in ("pi0", "smolvla"):
             arch_mb[arch] = (
                 best_mb.get(arch)
-                or best_max_robots(lambda b: sim.robion(max_batch=b), lambda n, a=arch: {a: n}, profile, settings)[1]
+                or best_max_robots(lambda b: sim.robion(max_batch=b), partial(_robots_of, arch), profile, settings)[1]
             )
         mb = {m: arch_mb[model_spec(m).arch] for m in EIGHT_MODELS}
         cs = settings.controller

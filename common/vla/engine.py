@@ -243,6 +243,7 @@ class ServingEngine:
 
     def _resolve(self, r: VlaRequest, fut: Future | None) -> None:
         slo = self.slo_ms[r.model]
+        assert r.done_at is not None and r.vlm_done_at is not None  # the scheduler completed it
         total = (r.done_at - r.arrived_at) * 1e3
         result = PolicyResult(
             r.result, r.model, r.request_id, (r.vlm_done_at - r.arrived_at) * 1e3, total, slo, total <= slo

@@ -271,7 +271,7 @@ def assign_ilp(
     n, n_gpus = len(pairs), placement.n_gpus
     on_gpu = {g: [i for i, (_, gg) in enumerate(pairs) if gg == g] for g in range(n_gpus)}
     # Per-k rows when limits vary with k, or when a GPU could hold more models than a table covers.
-    tables = [limits[m] for m in robots if not isinstance(limits[m], (int, float))]
+    tables = [t for t in (limits[m] for m in robots) if not isinstance(t, (int, float))]
     most = max((len(v) for v in on_gpu.values()), default=0)
     aware = colocation_aware({m: limits[m] for m in robots}) or any(len(t) < most for t in tables)
     # GPU g's possible model counts k, each with its own load row (one row when limits ignore k).
@@ -297,7 +297,9 @@ def assign_ilp(
         row = np.zeros(nv)
         for j, v in entries.items():
             row[j] += v
-        rows.append(row), lo.append(low), hi.append(high)
+        rows.append(row)
+        lo.append(low)
+        hi.append(high)
 
     for m, r in robots.items():  # every robot placed
         add({ix[i]: 1.0 for i, (mm, _) in enumerate(pairs) if mm == m}, r, r)
