@@ -20,8 +20,10 @@ Needs `ray[serve]` (the `cluster` extra). See docs/vla.md for running it on real
 # No `from __future__ import annotations` here: FastAPI must see the real WebSocket annotation
 # through Ray Serve's class-based view, or it takes `ws` for a query parameter (close code 1008).
 import asyncio
+import logging
 import os
 import time
+from typing import Any
 
 import ray
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
@@ -163,11 +165,13 @@ def build_app(
     request_timeout_s: float = 60.0,
 ):
     """The Serve application for a plan: `layout` is GPU -> {model: robots}."""
+    gpu_opts: dict[str, Any]
     if gpu_resource == "GPU":
         gpu_opts = {"num_gpus": 1, "num_cpus": 0}
     else:  # a stand-in accelerator resource (CPU clusters, tests)
         gpu_opts = {"num_cpus": 0, "resources": {gpu_resource: 1}}
-    gpu_deployment = serve.deployment(GpuServer)
+    # serve.deployment(cls) returns a Deployment; ray annotates only its decorator-factory form.
+    gpu_deployment: Any = serve.deployment(GpuServer)
     handles = {}
     for g, robots in sorted(layout.items()):
         handles[g] = gpu_deployment.options(
@@ -177,7 +181,7 @@ def build_app(
             health_check_period_s=5,
             graceful_shutdown_timeout_s=5,
         ).bind(g, sorted(robots), engine_options)
-    gateway = serve.deployment(Gateway).options(
+    gateway = serve.deployment(Gateway).options(  # type: ignore[attr-defined]  # as above
         name="gateway",
         num_replicas=1,
         max_ongoing_requests=10_000,
@@ -197,7 +201,7 @@ def deploy(
     **app_kw,
 ) -> None:
     """Connect to the Ray cluster, start Serve's proxy and run the application (returns when ready)."""
-    ray.init(address=address, log_to_driver=False, logging_level="warning", _node_ip_address=node_ip_address)
+    ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING, _node_ip_address=node_ip_address)
     serve.start(http_options={"host": host, "port": port, "location": proxy_location})
     serve.run(build_app(layout, **app_kw), name=APP_NAME, route_prefix="/", blocking=False)
 
