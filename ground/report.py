@@ -138,8 +138,9 @@ def describe(message: m.Message) -> str:
 
 
 def _severity(event: m.Event) -> Severity:
-    """An event's severity: the wire field, which Event fills in from its id when a packet omits it."""
-    return event.severity if event.severity is not None else event.event_id.severity
+    """An event's severity (never None once decoded: Event fills it in from its id)."""
+    assert event.severity is not None
+    return event.severity
 
 
 def packet_line(packet: Telemetry, number: int | None = None) -> str:
