@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo lint test bench clean
 
 venv: $(STAMP)
 
@@ -22,9 +22,21 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python -m hil.demo
 
+# The checks that catch mistakes before the suite runs (docs/architecture.md "Habits"): ruff's lint
+# and format check over all the code, mypy over the packages (incremental: .mypy_cache/ keeps a
+# second run to seconds).
+LINT_PATHS := common flight ground hil traces bench tests
+TYPED_PACKAGES := common flight ground hil traces bench
+
+lint: $(STAMP)
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/ruff format --check $(LINT_PATHS)
+	$(BIN)/mypy $(TYPED_PACKAGES)
+
 # The SSH power-switch tests run a real sshd: Debian's openssh-server, installed when missing
 # (root and apt-get only; otherwise those tests skip and say why).
 test: $(STAMP)
+	$(MAKE) --no-print-directory lint
 	$(BIN)/python tests/bus/sshd_testkit.py --install
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
@@ -32,4 +44,4 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.run_all
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache runs
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache runs

@@ -35,10 +35,16 @@ import sys
 import tempfile
 import time
 
+from bench.recovery_latency import drop_cache
+from common.wire import decode
+from common.wire import messages as m
+from common.wire.link import recv_packet
+from hil.testbench import SAMPLES
+from hil.testbench_cli import ensure_model
+from tests.flight.buspeer import BusPeer, spawn_flight
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests", "flight"))  # the scripted bus of the payload tests
 
 IMPORT_TORCH = "import torch"
 IMPORT_STACK = "import torch, transformers; from transformers import Qwen3VLForConditionalGeneration"
@@ -56,10 +62,6 @@ def _env() -> dict:
 
 def timed_peer(keys_dir: str):
     """The payload tests' scripted bus, stamping each packet with its arrival time."""
-    from buspeer import BusPeer
-
-    from common.wire import decode
-    from common.wire.link import recv_packet
 
     class TimedPeer(BusPeer):
         def __init__(self, keys):
@@ -83,8 +85,6 @@ class Payload:
     """One `ow flight run` against the scripted bus; the measured instants are relative to exec."""
 
     def __init__(self, bus, data_dir: str, model: str, keys: str, log_path: str):
-        from buspeer import spawn_flight
-
         self.bus = bus
         self.mark = len(bus.received)
         self.started = time.perf_counter()
@@ -104,8 +104,6 @@ class Payload:
 
 def prepare(bus, work: str, model: str, keys: str) -> str:
     """A data directory holding a task that has started and made some progress, then was cut."""
-    from common.wire import messages as m
-    from hil.testbench import SAMPLES
 
     data = os.path.join(work, "data")
     payload = Payload(bus, data, model, keys, os.path.join(work, "prepare.log"))
@@ -139,14 +137,10 @@ def prepare(bus, work: str, model: str, keys: str) -> str:
 
 
 def measure_boot(bus, snapshot: str, work: str, model: str, keys: str, cold: bool) -> dict:
-    from common.wire import messages as m
-
     data = os.path.join(work, "data")
     shutil.rmtree(data, ignore_errors=True)
     shutil.copytree(snapshot, data)
     if cold:
-        from bench.recovery_latency import drop_cache
-
         drop_cache([model, data])
     payload = Payload(bus, data, model, keys, os.path.join(work, "boots.log"))
     try:
@@ -171,7 +165,6 @@ def main(argv=None) -> int:
     )
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench", "cold_start.json"))
     args = p.parse_args(argv)
-    from hil.testbench_cli import ensure_model
 
     model = ensure_model(args.model)
     os.makedirs(os.path.join(ROOT, "runs"), exist_ok=True)

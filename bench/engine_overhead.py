@@ -25,6 +25,11 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+from PIL import Image
+
+from flight.checkpoint.policies import Geometry
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -32,6 +37,7 @@ ROOT = os.path.dirname(HERE)
 def ensure_model(size: str, arch: str = "qwen3-vl") -> str:
     path = os.path.join(ROOT, "runs", "models", f"{arch}-{size}-bf16")
     if not os.path.exists(os.path.join(path, "model.safetensors")):
+        # lazy: torch/transformers (seconds): the parent only spawns and times the children
         from flight.model.tiny import build_tiny
 
         print(f"building the {size} model in {path} ...", file=sys.stderr)
@@ -40,9 +46,6 @@ def ensure_model(size: str, arch: str = "qwen3-vl") -> str:
 
 
 def ensure_images(n: int, side: int) -> list[str]:
-    import numpy as np
-    from PIL import Image
-
     d = os.path.join(ROOT, "runs", "bench-images")
     os.makedirs(d, exist_ok=True)
     paths = []
@@ -60,9 +63,10 @@ def ensure_images(n: int, side: int) -> list[str]:
 
 def worker(args) -> None:
     """One request in this process; prints one JSON line."""
+    # lazy: torch/transformers (seconds): the parent only spawns and times the children
     import torch
 
-    from flight.checkpoint.policies import Geometry
+    # lazy: torch/transformers (seconds): the parent only spawns and times the children
     from flight.engine import Engine, EngineOptions
     from flight.model.inputs import inputs_from_files
     from flight.model.loader import load_model
@@ -188,7 +192,7 @@ def main(argv=None) -> int:
     none, ow = runs["none"], runs["orbitweaver"]
     assert all(x["token_ids"] == none[0]["token_ids"] for x in none + ow), "policies disagree on the answer"
     med = {k: statistics.median(x["wall_s"] for x in v) for k, v in runs.items()}
-    ratios = [b["wall_s"] / a["wall_s"] for a, b in zip(none, ow)]
+    ratios = [b["wall_s"] / a["wall_s"] for a, b in zip(none, ow, strict=True)]
     written = ow[0]["bytes_written"]
     ckpt_write_s = max(ow[0]["write_s"], 1e-9)
     rss = {k: statistics.median(x["peak_rss_bytes"] for x in v) for k, v in runs.items()}
@@ -237,7 +241,8 @@ def main(argv=None) -> int:
         f"ratio {report['checkpoint_write_bytes_per_s'] / dd:.2f}"
     )
     print(
-        f"  peak RSS:                none {rss['none'] / 2**20:.0f} MiB   orbitweaver {rss['orbitweaver'] / 2**20:.0f} MiB"
+        f"  peak RSS:                none {rss['none'] / 2**20:.0f} MiB   orbitweaver "
+        f"{rss['orbitweaver'] / 2**20:.0f} MiB"
         f"   delta {report['peak_rss_delta_bytes'] / 2**20:+.1f} MiB = {report['peak_rss_delta_blocks']:+.2f} "
         f"blocks of {block / 2**20:.2f} MiB (median of the runs; allocator noise is a few MiB)"
     )

@@ -32,6 +32,11 @@ import sys
 import tempfile
 import time
 
+from bench.engine_overhead import ensure_images, ensure_model
+from common.durable import ThrottledFS
+from flight.checkpoint.policies import Geometry, get_policy
+from flight.recovery.cost import ModelDims, calibrate, native_and_emulated
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PLANNERS = ("chunk-first", "layer-first", "optimal")
@@ -55,6 +60,7 @@ def drop_cache(paths) -> None:
 
 
 def _inputs(model, images, prompt):
+    # lazy: torch/transformers (seconds): the parent only spawns and times the children
     from flight.model.inputs import inputs_from_files
 
     return inputs_from_files(model, images, prompt)
@@ -62,7 +68,7 @@ def _inputs(model, images, prompt):
 
 def make_checkpoint(model_dir, images, prompt, geometry, fraction, out, policy="orbitweaver") -> dict:
     """Run the request until `fraction` of its prefill blocks are done, then cut (in-process)."""
-    from flight.checkpoint.policies import get_policy
+    # lazy: torch/transformers (seconds): the parent only spawns and times the children
     from flight.engine import Engine, EngineOptions, SimulatedCut
     from flight.model.loader import load_model
 
@@ -89,10 +95,10 @@ def make_checkpoint(model_dir, images, prompt, geometry, fraction, out, policy="
 
 
 def worker(args) -> None:
+    # lazy: torch/transformers (seconds): the parent only spawns and times the children
     import torch
 
-    from common.durable import ThrottledFS
-    from flight.checkpoint.policies import Geometry
+    # lazy: torch/transformers (seconds): the parent only spawns and times the children
     from flight.engine import Engine, EngineOptions
     from flight.model.loader import load_model
 
@@ -128,8 +134,6 @@ def worker(args) -> None:
 
 
 def main(argv=None) -> int:
-    from bench.engine_overhead import ensure_images, ensure_model
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--chunk", type=int, default=128)
@@ -161,9 +165,8 @@ def main(argv=None) -> int:
         worker(args)
         return 0
 
-    from flight.checkpoint.policies import Geometry
+    # lazy: torch/transformers (seconds): the parent only spawns and times the children
     from flight.model.loader import load_model
-    from flight.recovery.cost import ModelDims, calibrate, native_and_emulated
 
     model_dir = ensure_model("small")
     images = ensure_images(4, 512)
@@ -186,7 +189,7 @@ def main(argv=None) -> int:
 
         def resume(ckpt_template, policy, planner, read_bps, fresh=False):
             runs = []
-            for r in range(args.repeats):
+            for _ in range(args.repeats):
                 ckpt = os.path.join(scratch, "resume")
                 shutil.rmtree(ckpt, ignore_errors=True)
                 if not fresh:

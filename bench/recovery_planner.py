@@ -26,29 +26,28 @@ import statistics
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-
-from flight.recovery import optimal as optimal_module  # noqa: E402
+from bench.engine_overhead import ensure_model
+from flight.recovery import optimal as optimal_module
 from flight.recovery.cost import (
     MODELS,
     ORIN_AGX_NVME,
     CostModel,
     calibrate,
     even_chunks,
-    even_groups,  # noqa: E402
+    even_groups,
     native_and_emulated,
 )
-from flight.recovery.optimal import analyse, best_compute_order, lower_bound, solve  # noqa: E402
-from flight.recovery.plan import PlanError, RecoveryPlan, RecoveryProblem, make_plan  # noqa: E402
-from flight.recovery.simulate import simulate  # noqa: E402
+from flight.recovery.optimal import analyse, best_compute_order, lower_bound, solve
+from flight.recovery.plan import PlanError, RecoveryPlan, RecoveryProblem, make_plan
+from flight.recovery.simulate import simulate
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 PROGRESS = (0.25, 0.5, 0.75)
 
 
 def ensure_small_model() -> str:
     """The `small` bf16 model, built once (the same directory the engine benchmark uses)."""
-    from bench.engine_overhead import ensure_model
 
     return ensure_model("small")
 

@@ -15,13 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 
+from common import log
+from hil.redteam import KillCampaign, fuzz_decoder, fuzz_dispatch, to_dict
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
 
 
 def main(argv=None) -> int:
@@ -61,10 +62,8 @@ def main(argv=None) -> int:
     p.add_argument("--skip-campaign", action="store_true")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    from common import log
 
     log.setup("error", component="redteam")
-    from hil.redteam import KillCampaign, fuzz_decoder, fuzz_dispatch, to_dict
 
     say = lambda s: print(s, flush=True)  # noqa: E731
     report: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "frames": args.frames, "seed": args.seed}
@@ -91,7 +90,8 @@ def main(argv=None) -> int:
         report["dispatch"] = to_dict(dispatch)
         say(
             f"[redteam] dispatch: {dispatch.frames} frames ({dispatch.command_frames} telecommands or undecodable), "
-            f"{dispatch.accepted} accepted, {sum(dispatch.rejected.values())} rejected in {len(dispatch.rejected)} codes, "
+            f"{dispatch.accepted} accepted, {sum(dispatch.rejected.values())} rejected in {len(dispatch.rejected)} "
+            f"codes, "
             f"{len(dispatch.verdict_violations)} verdict violations, {len(dispatch.escaped)} escaped, "
             f"{dispatch.command_faults} handler faults, RSS growth {dispatch.rss_growth_bytes >> 10} KiB, "
             f"{dispatch.seconds:.0f} s"
@@ -103,6 +103,7 @@ def main(argv=None) -> int:
         if model is None:
             model = os.path.join(args.out, "model")
             if not os.path.exists(os.path.join(model, "config.json")):
+                # lazy: torch/transformers (seconds): the parent only spawns and times the children
                 from flight.model.tiny import build_tiny
 
                 build_tiny("qwen3-vl", "tiny", 0, model)

@@ -48,7 +48,7 @@ def sim_uninterrupted(entry: dict) -> dict:
     """Per policy over prompt lengths: slowdown vs OrbitWeaver, bytes vs OrbitWeaver, OW overhead
     and energy vs none (simulated, real sizes)."""
     rows = entry["fig12_14"]
-    out = {}
+    out: dict = {}
     for tokens in sorted({r["prompt_tokens"] for r in rows}):
         cell = {r["policy"]: r for r in rows if r["prompt_tokens"] == tokens}
         ow = cell["orbitweaver"]
@@ -99,6 +99,11 @@ def real_restart(rec: dict, measure: str, mode: str = "target-emulated") -> dict
     return out
 
 
+def _completed(e2e: list, policy: str) -> float:
+    """Requests `policy` completed over every real-process run (each row's rate times its requests)."""
+    return sum(r["completed"] * r.get("requests", 1) for r in e2e if r["policy"] == policy)
+
+
 def summary_lines(d: dict) -> list[str]:
     sim = d.get("sim", {}).get("configs", {})
     lines = [
@@ -117,7 +122,7 @@ def summary_lines(d: dict) -> list[str]:
     for base in BASES:
         paper_geo, paper_max = PAPER_E2E[base]
         cells = []
-        for k, v in sim.items():
+        for v in sim.values():
             s = v["fig10"]["summary"]["speedup"]
             cells.append(
                 f"{_x(s[base]['geomean'])} (max {_x(s[base]['max'])}); strengthened "
@@ -136,12 +141,12 @@ def summary_lines(d: dict) -> list[str]:
             f"(max {_x(mxp)}, {np_} cells) |"
         )
     comp = []
-    for k, v in sim.items():
+    for v in sim.values():
         c = v["fig10"]["summary"]["completion"]
         comp.append(", ".join(f"{p} {c[p]:.0%}" for p in ("orbitweaver",) + BASES))
     # requests completed per policy over every real-process run (trace x workload x seed)
     real_comp = ", ".join(
-        f"{p} {sum(r['completed'] * r.get('requests', 1) for r in e2e if r['policy'] == p) / max(1, sum(r.get('requests', 1) for r in e2e if r['policy'] == p)):.0%}"
+        f"{p} {_completed(e2e, p) / max(1, sum(r.get('requests', 1) for r in e2e if r['policy'] == p)):.0%}"
         for p in sorted({r["policy"] for r in e2e})
     )
     lines.append(
@@ -183,13 +188,15 @@ def summary_lines(d: dict) -> list[str]:
     )
     rec = d.get("recovery")
     for measure, label in (("restart_latency_s", "restart latency"), ("finish_prefill_s", "time to finish prefill")):
-        real = real_restart(rec, "restart_latency_s" if measure == "restart_latency_s" else "latency_s") if rec else {}
+        measured = (
+            real_restart(rec, "restart_latency_s" if measure == "restart_latency_s" else "latency_s") if rec else {}
+        )
         for base in BASES:
             lines.append(
                 f"| 11 | {label}: {base} / OrbitWeaver, 25-75 % prefill | "
                 f"{'1.22-6.97x (over the baselines)' if base == 'sonic-layer' else 'within 1.22-6.97x'} | "
                 + " | ".join(_range(sim_restart(v, measure).get(base, [])) for v in sim.values())
-                + f" | {_range(real.get(base, []))} (target-emulated) |"
+                + f" | {_range(measured.get(base, []))} (target-emulated) |"
             )
     pt = next(
         (

@@ -25,11 +25,16 @@ import sys
 import tempfile
 import time
 
+from bench import engine_overhead, recovery_latency, recovery_planner, sim_figures
+from bench import report as rep
+from common import log as owlog
 from common import machine
+from flight.checkpoint.policies import Geometry
+from hil.campaign import run_campaign
+from hil.testbench import BenchConfig, PowerModel, RequestSpec
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
 
 PAPER = {
     "e2e_speedup": {"sonic-layer": 2.95, "sonic-chunk": 1.98, "hcache": 1.65},
@@ -55,11 +60,10 @@ def machine_header() -> dict:
 
 def bytes_and_energy(model_dir: str, images_by_size: dict, prompt: str, rounds: int = 3) -> dict:
     """Uninterrupted run of every policy; bytes written and the power-model energy."""
-    from flight.checkpoint.policies import Geometry
+    # lazy: torch/transformers (seconds): the parent only spawns and times the children
     from flight.engine import Engine, EngineOptions
     from flight.model.inputs import inputs_from_files
     from flight.model.loader import load_model
-    from hil.testbench import PowerModel
 
     power = PowerModel()
     out = {}
@@ -67,7 +71,7 @@ def bytes_and_energy(model_dir: str, images_by_size: dict, prompt: str, rounds: 
     for label, images in images_by_size.items():
         inputs = inputs_from_files(model, images, prompt)
         rows, walls = {}, {}
-        for round_ in range(rounds):  # interleaved rounds, the fastest of each: less noise than one run
+        for _round in range(rounds):  # interleaved rounds, the fastest of each: less noise than one run
             for policy in ("none",) + POLICIES + STRENGTHENED:
                 with tempfile.TemporaryDirectory(dir=os.path.join(ROOT, "runs")) as d:
                     start = time.perf_counter()
@@ -86,7 +90,7 @@ def bytes_and_energy(model_dir: str, images_by_size: dict, prompt: str, rounds: 
 def decode_compression(model_dir: str, images: list, prompt: str) -> dict:
     """Cut late in decode; resume with full and with int8 decode records: recovery time, bytes,
     and how far the answer moves."""
-    from flight.checkpoint.policies import Geometry
+    # lazy: torch/transformers (seconds): the parent only spawns and times the children
     from flight.engine import Engine, EngineOptions, SimulatedCut
     from flight.model.inputs import inputs_from_files
     from flight.model.loader import load_model
@@ -102,7 +106,7 @@ def decode_compression(model_dir: str, images: list, prompt: str) -> dict:
         with tempfile.TemporaryDirectory(dir=os.path.join(ROOT, "runs")) as d:
             seen = {"n": 0}
 
-            def cut(name, **_):
+            def cut(name, seen=seen, **_):
                 if name == "decode_step_done":
                     seen["n"] += 1
                     if seen["n"] == n - 3:
@@ -117,7 +121,8 @@ def decode_compression(model_dir: str, images: list, prompt: str) -> dict:
             log_bytes = os.path.getsize(os.path.join(d, "decode.log"))
             fresh = load_model(model_dir, device="cpu")
             r = Engine(fresh, EngineOptions(geometry=geometry, decode_kv_compression=mode)).run(inputs, d, n)
-            same = sum(a == b for a, b in zip(r.token_ids, ref.token_ids))
+            # A shorter answer (it should never be) counts its missing tokens as not equal.
+            same = sum(a == b for a, b in zip(r.token_ids, ref.token_ids, strict=False))
             out[mode] = {
                 "decode_log_bytes": log_bytes,
                 "restore_s": r.phase_seconds["restore"] + r.phase_seconds["prefill"],
@@ -150,8 +155,6 @@ def e2e_campaign(
     short answer) as in the paper's multi-frame missions, paced and storage-emulated, the boot
     emulated; every trace x workload x seed, OrbitWeaver with fixed and adaptive cadence beside
     the baselines (hil/campaign.py)."""
-    from hil.campaign import run_campaign
-    from hil.testbench import BenchConfig, RequestSpec
 
     base = BenchConfig(
         trace=traces[0],
@@ -205,9 +208,11 @@ def e2e_campaign(
 
 
 def plot_bars(path, title, groups, series, ylabel):
+    # lazy: matplotlib (~0.5 s), only to draw the plots
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: matplotlib (~0.5 s), only to draw the plots
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(1.5 + 1.4 * len(groups), 3.2))
@@ -240,10 +245,8 @@ def main(argv=None) -> int:
         help="measure nothing: write the report from the parts in OUT (missing parts are left out)",
     )
     args = p.parse_args(argv)
-    from common import log as owlog
 
     owlog.setup("error")
-    from bench import engine_overhead, recovery_latency, recovery_planner, sim_figures
 
     out = args.out
     os.makedirs(out, exist_ok=True)
@@ -252,7 +255,10 @@ def main(argv=None) -> int:
     model = engine_overhead.ensure_model("small") if not args.report_only else ""
     small_imgs = engine_overhead.ensure_images(4, 512)
     large_imgs = engine_overhead.ensure_images(8, 512)
-    prompt = "describe every change between these scenes and count the ships near the coast , then list the damaged buildings"
+    prompt = (
+        "describe every change between these scenes and count the ships near the coast , then list the damaged "
+        "buildings"
+    )
 
     def part(name: str, title: str, measure):
         """Measure one part (or reuse its JSON with --reuse) and keep it in `data`."""
@@ -369,7 +375,6 @@ def write_report(out: str, d: dict) -> None:
         f"Jetson AGX Orin with NVMe (docs/recovery.md §7).",
         "",
     ]
-    from bench import report as rep
 
     e2e = d.get("e2e", []) + d.get("e2e_plus", [])
     lines += rep.summary_lines(d)
@@ -411,12 +416,15 @@ def _engine_sections(out: str, d: dict) -> list:
         lines += [
             "## Fig. 12 — uninterrupted overhead (real engine, this CPU)",
             "",
-            f"{ov['model']}, {ov['prompt_tokens']} prompt tokens, C={ov['geometry']['chunk']} G={ov['geometry']['group']} "
+            f"{ov['model']}, {ov['prompt_tokens']} prompt tokens, C={ov['geometry']['chunk']} "
+            f"G={ov['geometry']['group']} "
             f"D={ov['geometry']['decode_every']}: none {ov['wall_s_median']['none']:.2f} s, orbitweaver "
             f"{ov['wall_s_median']['orbitweaver']:.2f} s (median), ratio {ov['overhead_ratio_median']:.3f}; per round "
-            f"{', '.join(f'{x:.3f}' for x in ov['overhead_ratios'])}. Checkpoints: {ov['bytes_written'] / 2**20:.1f} MiB, "
+            f"{', '.join(f'{x:.3f}' for x in ov['overhead_ratios'])}. Checkpoints: "
+            f"{ov['bytes_written'] / 2**20:.1f} MiB, "
             f"written at {ov['checkpoint_write_bytes_per_s'] / 2**20:.0f} MiB/s in the background (dd with fsync: "
-            f"{ov['dd_write_bytes_per_s'] / 2**20:.0f} MiB/s). Peak RSS delta {ov['peak_rss_delta_bytes'] / 2**20:+.1f} MiB = "
+            f"{ov['dd_write_bytes_per_s'] / 2**20:.0f} MiB/s). Peak RSS delta "
+            f"{ov['peak_rss_delta_bytes'] / 2**20:+.1f} MiB = "
             f"{ov['peak_rss_delta_blocks']:+.2f} prefill blocks (median of the runs; allocator noise is a few MiB). "
             f"State held by checkpointing at its peak (exact, from the writer): "
             + ", ".join(f"{ph} {n:.2f}" for ph, n in ov.get("held_state_peak_blocks", {}).items())
@@ -430,7 +438,7 @@ def _engine_sections(out: str, d: dict) -> list:
             "Fig. 13: bytes written, uninterrupted",
             labels,
             {
-                pol: [be[l][pol]["bytes"] / 2**20 for l in labels]
+                pol: [be[label][pol]["bytes"] / 2**20 for label in labels]
                 for pol in POLICIES + STRENGTHENED
                 if pol in be[labels[0]]
             },
@@ -441,7 +449,7 @@ def _engine_sections(out: str, d: dict) -> list:
             "Fig. 14: energy (power model), uninterrupted",
             labels,
             {
-                pol: [be[l][pol]["energy_j"] for l in labels]
+                pol: [be[label][pol]["energy_j"] for label in labels]
                 for pol in ("none",) + POLICIES + STRENGTHENED
                 if pol in be[labels[0]]
             },
@@ -453,12 +461,13 @@ def _engine_sections(out: str, d: dict) -> list:
             "| prompt | policy | tokens | MiB written | vs orbitweaver | wall (s) | energy (J) |",
             "|---|---|---|---|---|---|---|",
         ]
-        for l in labels:
-            for pol in [p for p in ("none",) + POLICIES + STRENGTHENED if p in be[l]]:
-                r = be[l][pol]
-                rel = r["bytes"] / be[l]["orbitweaver"]["bytes"] if be[l]["orbitweaver"]["bytes"] else 0
+        for label in labels:
+            for pol in [p for p in ("none",) + POLICIES + STRENGTHENED if p in be[label]]:
+                r = be[label][pol]
+                rel = r["bytes"] / be[label]["orbitweaver"]["bytes"] if be[label]["orbitweaver"]["bytes"] else 0
                 lines.append(
-                    f"| {l} | {pol} | {r['tokens']} | {r['bytes'] / 2**20:.1f} | {rel:.2f}x | {r['wall_s']:.2f} | {r['energy_j']:.0f} |"
+                    f"| {label} | {pol} | {r['tokens']} | {r['bytes'] / 2**20:.1f} | {rel:.2f}x | {r['wall_s']:.2f} | "
+                    f"{r['energy_j']:.0f} |"
                 )
         lines += [
             "",
@@ -510,7 +519,8 @@ def _engine_sections(out: str, d: dict) -> list:
         plan_rows = [r for r in d["planner"]["makespan"] if r["column"] == "target-emulated"]
         lines += [
             "",
-            "Simulated plans at the real dimensions (docs/recovery.md), makespan over the lower bound, target-emulated:",
+            "Simulated plans at the real dimensions (docs/recovery.md), makespan over the lower bound, "
+            "target-emulated:",
             "",
             "| model | frontier | done | chunk-first | layer-first | optimal |",
             "|---|---|---|---|---|---|",
@@ -531,7 +541,8 @@ def _engine_sections(out: str, d: dict) -> list:
         ]
         for mode, r in c.items():
             lines.append(
-                f"| {mode} | {r['decode_log_bytes'] / 2**20:.2f} MiB | {r['restore_s']:.3f} | {r['tokens_equal']}/{r['tokens']} | "
+                f"| {mode} | {r['decode_log_bytes'] / 2**20:.2f} MiB | {r['restore_s']:.3f} | "
+                f"{r['tokens_equal']}/{r['tokens']} | "
                 f"{'yes' if r['bitwise'] else 'no'} | {r['max_logit_diff']:.3g} |"
             )
     return lines
@@ -551,7 +562,8 @@ def _e2e_section(out: str, e2e: list) -> list:
         "strengthened ones (`+`), and OrbitWeaver with the adaptive cadence. e2e is the mean over the "
         "requests that completed; `completed` says how many did.",
         "",
-        "| trace | workload | seed | policy | completed | outputs | e2e (trace s) | cuts | MiB | energy (J) | wall (s) |",
+        "| trace | workload | seed | policy | completed | outputs | e2e (trace s) | cuts | MiB | energy (J) "
+        "| wall (s) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in e2e:

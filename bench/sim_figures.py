@@ -19,9 +19,10 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
+from flight.checkpoint.policies import Geometry
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
 
 CONFIGS = {
     "2b-agx": dict(model="qwen3-vl-2b", target="orin-agx", frames=8, tokens_per_frame=2048),
@@ -32,6 +33,7 @@ COMMIT_BAND = (0.25e-3, 4e-3)  # seconds per durable record commit (two NVMe flu
 
 
 def _fig10_one(args):
+    # lazy: torch/transformers (seconds): the parent only spawns and times the children
     from hil.sim.figures import Config, fig10
 
     cfg, trace, seeds, n = args
@@ -39,6 +41,7 @@ def _fig10_one(args):
 
 
 def fig10_parallel(cfg: dict, seeds, n_arrivals: int, workers: int = 2) -> dict:
+    # lazy: torch/transformers (seconds): the parent only spawns and times the children
     from hil.sim.figures import PAPER_POLICIES, STRENGTHENED, TRACES, Config, summarise10
 
     with ProcessPoolExecutor(workers) as pool:
@@ -51,6 +54,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="one seed, 8 arrivals, no parameter band")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench", "sim.json"))
     args = p.parse_args(argv)
+    # lazy: torch/transformers (seconds): the parent only spawns and times the children
     from hil.sim.figures import Config, fig11, fig12_14
 
     seeds = (0,) if args.quick else (0, 1, 2)
@@ -86,7 +90,7 @@ def main(argv=None) -> int:
 
 def validation(run_dirs: list[str], model_dir: str, images, prompt: str, out_path: str) -> dict:
     """The simulator against the real-process campaign's runs (hil/sim/validate.py)."""
-    from flight.checkpoint.policies import Geometry
+    # lazy: torch/transformers (seconds): the parent only spawns and times the children
     from hil.sim.validate import validate
 
     result = validate(run_dirs, model_dir, images, prompt, 8, Geometry(64, 2, 4, 2), os.path.dirname(out_path))

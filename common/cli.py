@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from common.errors import CliError  # noqa: F401  (re-exported: components raise common.cli.CliError)
+
 # (module, what it adds). Each module defines `register(subparsers) -> None`.
 COMPONENTS = [
     ("flight.cli", "ow model, ow infer, ow flight"),
@@ -18,12 +20,9 @@ COMPONENTS = [
     ("common.vla.cli", "ow vla"),
 ]
 
-
-from common.errors import CliError  # noqa: F401  (re-exported: components raise common.cli.CliError)
-
 #: Commands whose start-up time matters, with the one component they need: `ow flight run` is
 #: what the bus powers on, and it must answer the bus within a fraction of a second of exec.
-FAST_PATHS = {("flight", "run"): "flight.runtime.cli"}
+FAST_PATHS: dict[tuple[str, ...], str] = {("flight", "run"): "flight.runtime.cli"}
 
 
 def build_parser(components: list[str] | None = None) -> argparse.ArgumentParser:

@@ -128,7 +128,7 @@ class DurableFS:
 
     def read(self, path: str) -> memoryview:
         """The whole file, in a 64-byte aligned buffer (see common.record.aligned_buffer)."""
-        from common.record import aligned_buffer
+        from common.record import aligned_buffer  # lazy: numpy; `ow --help` and the bus load this module
 
         with self.open_read(path) as f:
             size = os.fstat(f.fileno()).st_size

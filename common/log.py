@@ -11,6 +11,7 @@ import sys
 from typing import TextIO
 
 import structlog
+from structlog.typing import Processor
 
 _configured = False
 
@@ -19,7 +20,7 @@ def setup(level: str = "info", stream: TextIO | None = None, component: str | No
     """Configure structlog to write JSON lines to `stream` (stderr by default)."""
     global _configured
     stream = stream or sys.stderr
-    processors = [
+    processors: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),

@@ -12,8 +12,13 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
-from ground.errors import EXIT_OK
+from common import log
+from common.cli import CliError
+from common.wire import WireError
+from common.wire.link import DEFAULT_CLIENTS, Endpoints, KeyLayout, init_keys
+from ground.errors import EXIT_OK, GroundError, LocalInputError
 
 _EPILOG = (
     "exit status: 0 ok; 2 usage; 3 rejected or failed by the payload; 4 no answer (payload off, bus down) "
@@ -22,8 +27,6 @@ _EPILOG = (
 
 
 def _common_options() -> argparse.ArgumentParser:
-    from common.wire.link import Endpoints
-
     defaults = Endpoints.from_env()
     common = argparse.ArgumentParser(add_help=False)
     g = common.add_argument_group("link and station")
@@ -288,10 +291,6 @@ def _guarded(handler):
     """Run a handler with logging on stderr; ground errors become one-line CLI errors."""
 
     def run(args) -> int:
-        from common import log
-        from common.cli import CliError
-        from ground.errors import GroundError
-
         log.setup(level=args.log_level, stream=sys.stderr, component="ground")
         try:
             return handler(args) or EXIT_OK
@@ -306,6 +305,7 @@ def _keys_dir(args) -> str:
 
 
 def _notify(text: str) -> None:
+    # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
     from tqdm import tqdm
 
     tqdm.write(f"ow ground: {text}", file=sys.stderr)
@@ -313,7 +313,7 @@ def _notify(text: str) -> None:
 
 
 def _client(args, **overrides):
-    from common.wire.link import Endpoints
+    # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
     from ground.client import GroundClient
 
     endpoints = Endpoints.from_env()
@@ -338,11 +338,6 @@ def _print_json(data) -> None:
 
 
 def cmd_keys_init(args) -> int:
-    from pathlib import Path
-
-    from common.wire import WireError
-    from common.wire.link import DEFAULT_CLIENTS, KeyLayout, init_keys
-    from ground.errors import LocalInputError
 
     root = _keys_dir(args)
     clients = list(dict.fromkeys([*DEFAULT_CLIENTS, args.station, *args.client]))
@@ -384,22 +379,26 @@ def cmd_keys_init(args) -> int:
     r = layout.root
     print(f"keys in {layout.root.resolve()}")
     print(
-        f"  bus server pair   {layout.server_public.relative_to(r)}, {layout.server_secret.relative_to(r)} ({state(server_existed)})"
+        f"  bus server pair   {layout.server_public.relative_to(r)}, {layout.server_secret.relative_to(r)} "
+        f"({state(server_existed)})"
     )
     for n in clients:
         print(
-            f"  client {n:<10} {layout.client_public(n).relative_to(r)}, {layout.client_secret(n).relative_to(r)} ({state(existed[n])})"
+            f"  client {n:<10} {layout.client_public(n).relative_to(r)}, {layout.client_secret(n).relative_to(r)} "
+            f"({state(existed[n])})"
         )
     print(f"  bus admits        {', '.join(str((layout.authorized_dir / f'{n}.key').relative_to(r)) for n in clients)}")
     print(f"  ground state      {layout.state_dir.relative_to(r)}/")
     print("where each file goes:")
     print(f"  bus:      {layout.server_dir.relative_to(r)}/ (both files) and {layout.authorized_dir.relative_to(r)}/")
     print(
-        f"  payload:  {layout.client_secret('payload').relative_to(r)}, {layout.client_public('payload').relative_to(r)} "
+        f"  payload:  {layout.client_secret('payload').relative_to(r)}, "
+        f"{layout.client_public('payload').relative_to(r)} "
         f"and {layout.server_public.relative_to(r)}"
     )
     print(
-        f"  ground:   {layout.client_secret(args.station).relative_to(r)}, {layout.client_public(args.station).relative_to(r)}, "
+        f"  ground:   {layout.client_secret(args.station).relative_to(r)}, "
+        f"{layout.client_public(args.station).relative_to(r)}, "
         f"{layout.server_public.relative_to(r)} and {layout.state_dir.relative_to(r)}/"
     )
     print("  secret keys (*.key_secret) never leave the machine they belong to")
@@ -407,7 +406,7 @@ def cmd_keys_init(args) -> int:
 
 
 def cmd_uplink(args) -> int:
-    from ground.errors import LocalInputError
+    # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
     from ground.images import check_chunk_bytes
 
     if args.window < 1 or args.retries < 0:
@@ -448,6 +447,7 @@ def cmd_uplink(args) -> int:
 
 
 def _precheck_uplink(client, args) -> None:
+    # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
     from ground.images import check_max_new_tokens, check_operator_name, check_priority, check_prompt, prepare_images
 
     check_prompt(args.prompt)
@@ -459,6 +459,7 @@ def _precheck_uplink(client, args) -> None:
 
 
 def cmd_status(args) -> int:
+    # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
     from ground.report import housekeeping_text, to_jsonable
 
     with _client(args) as client:
@@ -471,13 +472,11 @@ def cmd_status(args) -> int:
 
 
 def cmd_results(args) -> int:
+    # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
     from ground.report import result_text, tasks_table, to_jsonable
 
     if args.task is None:
-        from pathlib import Path
-
-        from common.wire.link import KeyLayout
-        from ground.state import GroundState
+        from ground.state import GroundState  # lazy: numpy; `ow --help` imports this module
 
         state = GroundState(args.state_dir or KeyLayout(Path(_keys_dir(args))).state_dir)
         tasks = state.tasks() if state.tasks_path.exists() else []
@@ -496,6 +495,7 @@ def cmd_results(args) -> int:
 
 
 def cmd_events(args) -> int:
+    # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
     from ground.report import archived_line, describe, packet_line, packet_record
     from ground.state import file_lock
 
@@ -541,8 +541,6 @@ def cmd_events(args) -> int:
 
 
 def cmd_ping(args) -> int:
-    from ground.errors import LocalInputError
-
     if args.count < 1:
         raise LocalInputError("--count must be >= 1")
     with _client(args) as client:
@@ -593,14 +591,14 @@ def cmd_quarantine(args) -> int:
                 "total": listing.total,
                 "items": [
                     {"item": i, "exits": n, "reason": r}
-                    for i, n, r in zip(listing.items, listing.exits, listing.reasons)
+                    for i, n, r in zip(listing.items, listing.exits, listing.reasons, strict=True)
                 ],
             }
         )
     elif not listing.items:
         print("nothing quarantined", flush=True)
     else:
-        for item, exits, reason in zip(listing.items, listing.exits, listing.reasons):
+        for item, exits, reason in zip(listing.items, listing.exits, listing.reasons, strict=True):
             print(f"{item}  {exits} exit(s)  {reason}", flush=True)
         if listing.total > len(listing.items):
             print(f"... {listing.total - len(listing.items)} more", flush=True)

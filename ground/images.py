@@ -14,6 +14,9 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from PIL import Image
+
+from common.imagecheck import ImageRejected, plan
 from common.wire import WireError
 from common.wire import messages as m
 from common.wire.fields import check_name
@@ -98,9 +101,6 @@ def prepare_image(path: str) -> PreparedImage:
         raise LocalInputError(f"image {shown}: {exc.strerror}") from None
     if len(content) > MAX_IMAGE_BYTES or not content:  # changed under us
         raise LocalInputError(f"image {shown}: size changed while reading ({len(content)} bytes)")
-    from PIL import Image
-
-    from common.imagecheck import ImageRejected, plan
 
     try:
         with Image.open(io.BytesIO(content)) as im:

@@ -9,7 +9,7 @@ import time
 from types import MappingProxyType
 from typing import Any
 
-from common.wire import MessageType
+from common.wire import MessageType, Severity
 from common.wire import messages as m
 from ground.link import Telemetry
 
@@ -50,7 +50,7 @@ def packet_record(packet: Telemetry, number: int | None = None) -> dict:
         "body": to_jsonable(packet.message),
     }
     if isinstance(packet.message, m.Event):
-        record["severity"] = packet.message.severity.name
+        record["severity"] = _severity(packet.message).name
     return record
 
 
@@ -74,7 +74,7 @@ def describe(message: m.Message) -> str:
     """The body of one packet in a few words (without time or type)."""
     if isinstance(message, m.Event):
         task = f" [{message.task_id}]" if message.task_id else ""
-        return f"{message.severity.name} {message.event_id.name}{task}: {message.text}"
+        return f"{_severity(message).name} {message.event_id.name}{task}: {message.text}"
     if isinstance(message, m.Verification):
         about = f"{_type_name(message.tc_type)} seq {message.tc_seq} from source {message.tc_source}"
         task = f" task {message.task_id}" if message.task_id else ""
@@ -88,7 +88,8 @@ def describe(message: m.Message) -> str:
         phase = f" {message.phase} {message.progress_done}/{message.progress_total}" if message.phase else ""
         return (
             f"queue {message.queue_depth}, task {task}{phase}, checkpoints {human_bytes(message.checkpoint_bytes)}, "
-            f"disk free {human_bytes(message.disk_free_bytes)}, boot {message.boot_count}, commands {message.command_count}, "
+            f"disk free {human_bytes(message.disk_free_bytes)}, boot {message.boot_count}, commands "
+            f"{message.command_count}, "
             f"errors {message.error_count}, up {message.uptime_s:.1f} s"
         )
     if isinstance(message, m.Heartbeat):
@@ -102,7 +103,10 @@ def describe(message: m.Message) -> str:
         if message.total == 0:
             return f"{message.image}: no chunk held"
         held = message.total - len(message.missing())
-        return f"{message.image}: {held}/{message.total} chunks of {message.image_size} bytes{', verified' if message.verified else ''}"
+        return (
+            f"{message.image}: {held}/{message.total} chunks of {message.image_size} "
+            f"bytes{', verified' if message.verified else ''}"
+        )
     if isinstance(message, m.PowerReport):
         state = "on" if message.payload_on else "OFF"
         return (
@@ -110,7 +114,10 @@ def describe(message: m.Message) -> str:
             f"battery {message.battery_soc * 100:.0f} % (t={message.trace_time_s:.1f} s)"
         )
     if isinstance(message, m.ThermalReport):
-        return f"payload {message.payload_temp_c:.1f} degC, bus {message.bus_temp_c:.1f} degC (t={message.trace_time_s:.1f} s)"
+        return (
+            f"payload {message.payload_temp_c:.1f} degC, bus {message.bus_temp_c:.1f} degC "
+            f"(t={message.trace_time_s:.1f} s)"
+        )
     if isinstance(message, m.FdirReport):
         last = f", last fault: {message.last_fault}" if message.last_fault else ""
         return f"mode {message.mode}, {message.fault_count} faults{last} (t={message.trace_time_s:.1f} s)"
@@ -120,7 +127,7 @@ def describe(message: m.Message) -> str:
         state = "ON" if message.payload_on else "OFF"
         return f"payload power {state} ({message.cause}) (t={message.trace_time_s:.1f} s)"
     if isinstance(message, m.QuarantineList):
-        items = ", ".join(f"{i} ({n})" for i, n in zip(message.items, message.exits)) or "nothing"
+        items = ", ".join(f"{i} ({n})" for i, n in zip(message.items, message.exits, strict=True)) or "nothing"
         return f"{message.total} quarantined: {items}"
     if isinstance(message, m.LostTasks):
         return (
@@ -130,11 +137,20 @@ def describe(message: m.Message) -> str:
     return str(to_jsonable(message))
 
 
+def _severity(event: m.Event) -> Severity:
+    """An event's severity (never None once decoded: Event fills it in from its id)."""
+    assert event.severity is not None
+    return event.severity
+
+
 def packet_line(packet: Telemetry, number: int | None = None) -> str:
     """`#n  2025-01-01T12:00:00.123Z  PAYLOAD  EVENT  WARNING_HI TASK_FAILED [t-x]: ...`"""
     origin = {0x010: "BUS", 0x020: "PAYLOAD"}.get(packet.header.apid, f"APID{packet.header.apid:#05x}")
     prefix = f"#{number} " if number is not None else ""
-    return f"{prefix}{iso_time(packet.header.time_us / 1e6)} {origin:<7} {packet.message.TYPE.name:<16} {describe(packet.message)}"
+    return (
+        f"{prefix}{iso_time(packet.header.time_us / 1e6)} {origin:<7} {packet.message.TYPE.name:<16} "
+        f"{describe(packet.message)}"
+    )
 
 
 def archived_line(entry: dict) -> str:

@@ -70,14 +70,14 @@ class SharedSequenceCounter(DurableSequenceCounter):
             return SequenceCounter.next(self, apid)
         with file_lock(self.lock_path):
             if self._fs.exists(self.path):
-                on_disk = SequenceCounter.from_bytes(self._fs.read(self.path))
+                on_disk = SequenceCounter.from_bytes(bytes(self._fs.read(self.path)))
                 for other_apid, claimed in on_disk._next.items():
                     mine = self._reserved_until.get(other_apid)
                     if mine is None or serial_distance(mine, claimed) > 0:
                         self._reserved_until[other_apid] = claimed
-                claimed = on_disk._next.get(apid)
-                if claimed is not None and serial_distance(seq, claimed) > 0:
-                    self._next[apid] = claimed
+                theirs = on_disk._next.get(apid)
+                if theirs is not None and serial_distance(seq, theirs) > 0:
+                    self._next[apid] = theirs
             return super().next(apid)
 
     def rebase(self, apid: int, seq: int) -> None:

@@ -12,7 +12,9 @@ import shlex
 import signal
 import sys
 
+from common import log
 from common.errors import CliError
+from common.wire.link import Endpoints
 
 EXIT_CONFIG = 2
 
@@ -58,8 +60,6 @@ def _non_negative(text: str) -> float:
 
 
 def add_run_arguments(run: argparse.ArgumentParser) -> None:
-    from common.wire.link import Endpoints
-
     env = Endpoints.from_env()
     g = run.add_argument_group("trace and clock")
     g.add_argument("--trace", required=True, help="trace file or shipped trace name (docs/trace-format.md)")
@@ -294,7 +294,7 @@ def register_bus(subparsers) -> None:
 
 
 def config_from_args(args):
-    from common.wire.link import Endpoints
+    # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
     from hil.bus import BusConfig
 
     return BusConfig(
@@ -347,7 +347,7 @@ def config_from_args(args):
 
 
 def cmd_run(args) -> int:
-    from common import log
+    # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
     from hil.bus import Bus, BusConfigError
 
     log.setup(args.log_level, component="bus")

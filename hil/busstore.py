@@ -34,7 +34,7 @@ from common.wire import AckFlags, WireError, decode, decode_header
 from common.wire.errors import RequestRef
 
 #: Record kind of the store's entries (docs/bus.md §5; kinds below 32 belong to the flight side).
-BUS_COMMAND_KIND = int(rec.Kind.BUS_COMMAND)
+BUS_COMMAND_KIND = rec.Kind.BUS_COMMAND  # an IntEnum: equal to the int a record carries
 STORE_FILE = "commands.log"
 #: Compact at run time once the file is this large and holds nothing live.
 COMPACT_BYTES = 8 << 20

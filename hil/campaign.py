@@ -18,7 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from hil.testbench import BenchConfig, BenchReport, Testbench, default_workload, reference_run
+import traces
+from hil.testbench import BenchConfig, BenchReport, RequestReport, Testbench, default_workload, reference_run
+from traces.catalog import GENERATED_NAMES
 
 DEFAULT_TRACES = ("trace-a", "trace-b", "sat1-like", "sat2-like", "dellingr-like")
 DEFAULT_POLICIES = ("orbitweaver", "sonic-layer", "sonic-chunk", "hcache")
@@ -62,8 +64,6 @@ def workload_requests(base: BenchConfig, n: int, max_new_tokens: int | None = No
 def trace_for_seed(trace: str, seed: int, out_dir: Path) -> str:
     """A generated trace kind gets one realisation per seed (seed 0: the shipped file); other
     traces are used as they are."""
-    import traces
-    from traces.catalog import GENERATED_NAMES
 
     if seed == 0 or trace not in GENERATED_NAMES:
         return trace
@@ -147,11 +147,10 @@ def run_campaign(
 def load_cells(out: Path) -> list[CampaignCell]:
     """The cells of a campaign from its campaign.json (to rewrite the report of a finished or
     stopped campaign)."""
-    from hil.testbench import RequestReport
 
     data = json.loads((Path(out) / "campaign.json").read_text())
     cells = []
-    for row, run in zip(data["rows"], data["runs"]):
+    for row, run in zip(data["rows"], data["runs"], strict=True):
         run = dict(run)
         run["requests"] = [RequestReport(**q) for q in run["requests"]]
         cells.append(
@@ -286,9 +285,11 @@ def speedups(rows: list[dict], reference: str) -> list[dict]:
 
 
 def write_report(out: Path, cells: list[CampaignCell]) -> Path:
+    # lazy: matplotlib (~0.5 s), only to draw the plots
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: matplotlib (~0.5 s), only to draw the plots
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)

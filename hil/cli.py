@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from hil.bus_cli import register_bus
+from traces.cli import register_trace_commands
+
 
 def register(sub) -> None:
-    from hil.bus_cli import register_bus
-    from traces.cli import register_trace_commands
-
     register_bus(sub)
     hil = sub.add_parser(
         "hil",
@@ -18,6 +18,7 @@ def register(sub) -> None:
     hsub.required = True
     register_trace_commands(hsub)
     try:
+        # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
         from hil.testbench_cli import register_testbench
     except ModuleNotFoundError as exc:
         if exc.name != "hil.testbench_cli":

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 
 from common import log as owlog
 from common.wire import messages as m
+from hil.testbench import BenchConfig, Testbench, default_workload
+from hil.testbench_cli import ensure_model
 
 
 class OperatorView:
@@ -48,11 +51,6 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=3)
     args = p.parse_args(argv)
     owlog.setup("error")
-
-    import shutil
-
-    from hil.testbench import BenchConfig, Testbench, default_workload
-    from hil.testbench_cli import ensure_model
 
     view = OperatorView()
     view.say("OrbitWeaver demo: ground -> bus -> payload over ZeroMQ/CurveZMQ, power cut by the bus (SIGKILL)")

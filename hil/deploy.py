@@ -19,7 +19,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import traces
 from common.wire.link import Endpoints, init_keys
+from ground.client import GroundClient
+from ground.errors import GroundError
+from hil import buslog as bl
+from hil.bus import BusConfig, BusProcess
+from hil.testbench import BenchConfig, default_workload, measure_boot_seconds, reference_run
+from traces.model import CutCause, PowerWindow
 
 ORBIT_S = 95 * 60
 SUNLIT_S = 59 * 60
@@ -37,12 +44,10 @@ class DeploySatellite:
 
 def deployment_trace(name: str, seed: int, hours: float, thermal: bool):
     """One satellite's deployment windows (documented in docs/hil.md)."""
-    import traces
-    from traces.model import CutCause, PowerWindow
 
     rng = random.Random(seed)
     duration = hours * 3600.0
-    windows, t = [], 0.0
+    windows = []
     fdir_times = []
     x = rng.expovariate(1 / 86400.0)
     while x < duration:
@@ -110,8 +115,6 @@ def run_deploy(
     model: str, out_dir: str, hours: float = 72.0, requests: int = 50, seed: int = 1, scale: float = 0.03, say=None
 ) -> DeployReport:
     say = say or (lambda line: print(line, flush=True))
-    import traces
-    from hil.testbench import BenchConfig, default_workload, measure_boot_seconds, reference_run
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -178,11 +181,6 @@ def run_deploy(
 
 
 def _drive(sat: DeploySatellite, assignments, workload, refs, model, keys, out: Path, scale, pace_ms, say) -> None:
-    from ground.client import GroundClient
-    from ground.errors import GroundError
-    from hil import buslog as bl
-    from hil.bus import BusConfig, BusProcess
-
     flight_args = [
         "--chunk",
         "16",

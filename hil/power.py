@@ -16,7 +16,6 @@ retries a failed action and raises an FDIR fault.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import secrets
 import shlex
@@ -27,8 +26,10 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from common import log
+from hil.zygote import ZygoteError, die_with_parent
 
 _log = log.get("hil.power")
 
@@ -36,21 +37,6 @@ _log = log.get("hil.power")
 COMMAND_TIMEOUT_S = 30.0
 #: ssh exits with 255 when the connection itself failed (host down, rebooting, refused key).
 SSH_TRANSPORT_FAILURE = 255
-
-_PR_SET_PDEATHSIG = 1
-try:
-    _libc = ctypes.CDLL(None, use_errno=True)
-    _prctl = _libc.prctl
-except (OSError, AttributeError):  # not Linux: no parent-death signal
-    _prctl = None
-
-
-def _die_with_parent() -> None:
-    """Runs in the forked child before exec: SIGKILL it when the bus's thread that spawned it
-    exits, so a bus that is itself killed never leaves a powered payload behind (a restarted bus
-    would otherwise start a second flight process on the same data directory)."""
-    if _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 class PowerSwitchError(RuntimeError):
@@ -85,10 +71,10 @@ class PowerSwitch(ABC):
         payload process ended by itself (crash, exit) while the switch was on, else None."""
         return None
 
-    def reset(self) -> None:
+    def reset(self) -> None:  # noqa: B027 - an optional hook: doing nothing is the right default
         """Make sure nothing is left powered from a previous bus run (called once at start)."""
 
-    def prepare(self, timeout_s: float = 600.0) -> None:
+    def prepare(self, timeout_s: float = 600.0) -> None:  # noqa: B027 - optional hook, no-op by default
         """Get ready to power the payload without delay (called once before the trace clock
         starts; the local driver's zygote imports the payload's libraries here)."""
 
@@ -133,7 +119,7 @@ class _ChildSession:
         self.exit_status: int | None = None
 
     def start(self, banner: str) -> int:
-        out = subprocess.DEVNULL
+        out: Any = subprocess.DEVNULL  # or the output file
         handle = None
         if self.output_path is not None:
             self.output_path.parent.mkdir(parents=True, exist_ok=True)
@@ -152,7 +138,7 @@ class _ChildSession:
                 env=env,
                 cwd=self.cwd,
                 start_new_session=True,  # own session and process group: killpg reaches all of it
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
                 close_fds=True,
             )
         except OSError as exc:
@@ -218,8 +204,6 @@ class _ForkedSession:
         self.exit_status: int | None = None
 
     def start(self, banner: str) -> int:
-        from hil.zygote import ZygoteError
-
         deadline = time.monotonic() + self.boot_s  # power is applied now; the boot ends then
         if self.output_path is not None:
             self.output_path.parent.mkdir(parents=True, exist_ok=True)
@@ -246,8 +230,6 @@ class _ForkedSession:
         return self._pid
 
     def _reap(self, block: bool) -> int | None:
-        from hil.zygote import ZygoteError
-
         try:
             return self.zygote.reap(self._pid, block, timeout_s=10.0 if block else 5.0)
         except ZygoteError as exc:
@@ -312,6 +294,7 @@ class LocalProcessSwitch(PowerSwitch):
         output = Path(output_path) if output_path else None
         self.zygote = zygote
         self.boot_s = boot_s
+        self.session: _ForkedSession | _ChildSession
         if zygote is not None:
             self.session = _ForkedSession(zygote, argv, output, env, cwd, boot_s)
         else:
@@ -321,8 +304,6 @@ class LocalProcessSwitch(PowerSwitch):
 
     def prepare(self, timeout_s: float = 600.0) -> None:
         if self.zygote is not None:
-            from hil.zygote import ZygoteError
-
             try:
                 self.zygote.wait_ready(timeout_s)
             except ZygoteError as exc:
@@ -371,7 +352,7 @@ class LocalProcessSwitch(PowerSwitch):
         self.pidfile.unlink(missing_ok=True)
 
     def describe(self) -> dict:
-        info = {"driver": self.driver, "argv": list(self.session.argv), "pid": self.pid}
+        info: dict[str, Any] = {"driver": self.driver, "argv": list(self.session.argv), "pid": self.pid}
         if self.zygote is not None:
             info.update(zygote=self.zygote.describe(), emulated_boot_s=self.boot_s)
         return info
@@ -580,6 +561,7 @@ class SshSwitch(PowerSwitch):
         session = _ChildSession(self.start_argv(nonce), log_path, None, None)
         session.start(f"payload boot {self.boots} via {self.transport[0]}")
         deadline = time.monotonic() + self.timeout_s
+        assert session.proc is not None  # start() returned: the process exists
         while True:
             ended = session.proc.poll()  # read before the log: a marker then an exit is a start
             text = _read_from(log_path, offset)

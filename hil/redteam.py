@@ -18,20 +18,40 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import io
+import json
 import os
 import random
 import resource
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import msgpack
+import numpy as np
+from PIL import Image
 
-from common.durable import DurableFS
+import traces
+from common import log
+from common.durable import DurableFS, temp_name
 from common.wire import Apid, NodeId, ResponseCode, WireError, decode, encode
 from common.wire import messages as m
 from common.wire.ids import SEQ_MODULUS
+from common.wire.link import Endpoints, init_keys
 from common.wire.packet import PacketType, crc16, frame
+from flight.checkpoint.policies import Geometry
+from flight.runtime.app import FlightApp
+from ground.client import GroundClient
+from ground.errors import CommandRejected, GroundError
+from hil import buslog as bl
+from hil.bus import BusConfig, BusThread
+from traces.model import CutCause, PowerWindow
 
 # --- frames -------------------------------------------------------------------------------------
 
@@ -245,8 +265,6 @@ class NoSyncFS(DurableFS):
     """Real files without fsync: the dispatch fuzzer measures dispatch, not the disk."""
 
     def write_atomic(self, path, chunks):
-        from common.durable import temp_name
-
         tmp = temp_name(path)
         with open(tmp, "wb") as f:
             for chunk in chunks:
@@ -286,8 +304,6 @@ def fuzz_dispatch(frames: int, seed: int, workdir: str, progress=None) -> Dispat
     """Every frame straight into the payload's dispatch (a FlightApp without its worker or link):
     a frame addressed to the payload as a telecommand, or one that does not decode, gets exactly
     one ACCEPTED or REJECTED; a telemetry frame gets none; nothing escapes; no handler faults."""
-    from common.wire.link import init_keys
-    from flight.runtime.app import FlightApp
 
     keys = os.path.join(workdir, "keys")
     init_keys(keys)
@@ -423,8 +439,6 @@ def campaign_trace(
 ) -> str:
     """`kills` windows, each open 0.05 s of trace time plus a random working time (the pacer holds
     the clock through the boot), cut by a random cause; then power stays on for `settle_s`."""
-    import traces
-    from traces.model import CutCause, PowerWindow
 
     rng = random.Random(seed)
     causes = [CutCause.THERMAL, CutCause.POWER, CutCause.FDIR, CutCause.CONTENTION]
@@ -450,14 +464,6 @@ def campaign_trace(
 def bus_worker(spec_path: str) -> int:
     """`python -m hil.redteam bus-worker SPEC`: one bus (with the campaign's pacer) until SIGTERM
     or SIGKILL -- a separate process, so that the campaign can kill the bus too."""
-    import json
-    import signal
-    import threading
-
-    import traces
-    from common import log
-    from common.wire.link import Endpoints
-    from hil.bus import BusConfig, BusThread
 
     log.setup("warning", component="bus")
     spec = json.load(open(spec_path))
@@ -511,11 +517,6 @@ class CampaignReport:
 
 
 def _noise_png(rng: random.Random, width: int, height: int) -> bytes:
-    import io
-
-    import numpy as np
-    from PIL import Image
-
     pixels = np.random.default_rng(rng.randrange(2**32)).integers(0, 255, (height, width, 3), dtype=np.uint8)
     buf = io.BytesIO()
     Image.fromarray(pixels).save(buf, "PNG")
@@ -568,10 +569,6 @@ class KillCampaign:
 
     # -- the bus process --------------------------------------------------------------------------
     def _start_bus(self, start_at_s: float):
-        import json
-        import subprocess
-        import sys
-
         ready = os.path.join(self.out, "bus-ready.json")
         if os.path.exists(ready):
             os.remove(ready)
@@ -609,25 +606,15 @@ class KillCampaign:
 
     def _trace_position(self) -> float:
         """Where the last bus run got to: restart at the next window."""
-        from hil import buslog as bl
 
         entries = bl.read_log(os.path.join(self.out, "bus", bl.LOG_FILE))
         last = max((e.trace_s for e in entries if e.trace_s is not None), default=0.0)
-        import traces
 
         nxt = [w.start_s for w in traces.load(self.trace).windows() if w.start_s > last]
         return nxt[0] if nxt else last
 
     # -- the run ----------------------------------------------------------------------------------------
     def run(self) -> CampaignReport:
-        import signal
-        import socket
-        import threading
-
-        from common.wire.link import Endpoints, init_keys
-        from ground.client import GroundClient
-        from ground.errors import GroundError
-
         os.makedirs(self.out, exist_ok=True)
         started = time.monotonic()
         self.keys = os.path.join(self.out, "keys")
@@ -641,7 +628,6 @@ class KillCampaign:
         # A bus killed in a window costs that window's cut: plan enough windows for `kills` cuts.
         windows = self.kills + (self.kills // self.bus_kill_every + 2 if self.bus_kill_every else 0)
         self.trace = campaign_trace(os.path.join(self.out, "trace.jsonl"), windows, self.seed, self.work_s)
-        import traces
 
         self.settle_start = traces.load(self.trace).windows()[-1].start_s
         report = CampaignReport()
@@ -684,7 +670,6 @@ class KillCampaign:
 
         ground_thread = threading.Thread(target=ground_loop, name="campaign-ground", daemon=True)
         ground_thread.start()
-        from hil import buslog as bl
 
         log_path = os.path.join(self.out, "bus", bl.LOG_FILE)
         last_progress = 0
@@ -743,8 +728,6 @@ class KillCampaign:
         return report
 
     def _collect(self, ground, specs, results, wait_s: float) -> None:
-        from ground.errors import CommandRejected, GroundError
-
         for task_id in [t for t in list(specs) if t not in results]:
             try:
                 results[task_id] = ground.result(task_id)
@@ -757,8 +740,6 @@ class KillCampaign:
 
     # -- the verdict ----------------------------------------------------------------------------------
     def _verify(self, report: CampaignReport, specs: dict, results: dict, log_path: str) -> None:
-        from hil import buslog as bl
-
         entries = bl.read_log(log_path)
         report.tasks = len(specs)
         references = self._references(specs)
@@ -800,7 +781,6 @@ class KillCampaign:
     @staticmethod
     def _activities(entries) -> Counter:
         """What the payload was doing at each cut, as far as the bus saw it."""
-        from hil import buslog as bl
 
         counts, state, in_flight = Counter(), "booting", set()
         for e in entries:
@@ -824,9 +804,7 @@ class KillCampaign:
         return counts
 
     def _references(self, specs: dict) -> dict:
-        import tempfile
-
-        from flight.checkpoint.policies import Geometry
+        # lazy: torch/transformers (seconds), only when the engine runs; the bus and `ow --help` never do
         from flight.engine import Engine, EngineOptions
         from flight.model.inputs import inputs_from_files
         from flight.model.loader import load_model
@@ -843,8 +821,6 @@ class KillCampaign:
         return out
 
     def _write(self, report: CampaignReport, specs, results, wall_s: float, partial: bool) -> None:
-        import json
-
         data = asdict(report)
         data.update(
             passed=report.passed,

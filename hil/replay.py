@@ -28,7 +28,9 @@ recording, whatever the boot costs here, and the trace and the answers still dec
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
+import tempfile
 import threading
 import time
 from collections import deque
@@ -37,8 +39,12 @@ from pathlib import Path
 
 import zmq
 
+import traces
+from common.wire import decode
+from common.wire import messages as m
 from common.wire.link import Endpoints, client_socket, init_keys, recv_packet, send_packet
 from hil import buslog as bl
+from hil.bus import BusConfig, BusThread, default_payload_command
 
 
 @dataclass
@@ -177,8 +183,6 @@ class AnchorPacer:
         return not self.pending
 
     def payload_message(self, bus, message, now: float) -> None:
-        from common.wire import messages as m
-
         if isinstance(message, (m.Started, m.Completed, m.Failed)) and message.tc_type == 0x0110:
             self.seen.add((bus.power_count, message.TYPE.name, message.task_id))
 
@@ -233,7 +237,6 @@ def replay(
     """Replay the first run of `log_path` against this build (see the module doc).
     `payload_start_delay_s` delays every start of the payload process (tests: a slower boot
     than the recording's must not change the outcome)."""
-    from hil.bus import BusConfig, BusThread, default_payload_command
 
     entries = bl.read_log(log_path)
     runs = bl.runs(entries)
@@ -351,8 +354,6 @@ def local_references(
     """Logits hash of each recorded task run uninterrupted here, in this process: its images
     re-assembled from the recorded IMAGE_CHUNK packets and decoded as the payload decodes them,
     the engine geometry from the recorded flight arguments."""
-    from common.wire import decode
-    from common.wire import messages as m
 
     chunks: dict[str, dict[int, bytes]] = {}
     tasks: list[m.UplinkTask] = []
@@ -367,6 +368,7 @@ def local_references(
             tasks.append(message)
     option = {a: flight_args[i + 1] for i, a in enumerate(flight_args[:-1]) if a.startswith("--")}
     try:
+        # lazy: torch/transformers (seconds to import), only when a replay recomputes the answer
         from flight.checkpoint.policies import Geometry
         from flight.engine import Engine, EngineOptions
         from flight.model.inputs import build_inputs, decode_image
@@ -389,8 +391,6 @@ def local_references(
             inputs = build_inputs(
                 loaded.tokenizer, loaded.image_processor, pictures, task.prompt, loaded.adapter.image_token_id
             )
-            import tempfile
-
             with tempfile.TemporaryDirectory() as scratch:
                 result = Engine(loaded, EngineOptions(geometry=geometry, policy="none", threads=threads)).run(
                     inputs, scratch, task.max_new_tokens
@@ -407,9 +407,6 @@ def local_references(
 def _trace_of(run_start: dict, report: ReplayReport) -> str:
     """The recorded trace file, or the shipped trace of the same name (a log recorded on another
     machine), provided its content is the recorded one."""
-    import hashlib
-
-    import traces
 
     path = run_start.get("trace_path")
     if not path or not Path(path).is_file():

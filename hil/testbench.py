@@ -17,7 +17,9 @@ ZeroMQ with CurveZMQ on loopback (or on the configured TCP addresses of a bench)
 
 from __future__ import annotations
 
+import bisect
 import json
+import json as _json
 import os
 import statistics
 import subprocess
@@ -27,8 +29,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import traces
 from common.wire import messages as m
 from common.wire.link import Endpoints, init_keys
+from flight.checkpoint.policies import Geometry
+from flight.recovery.cost import MODELS, ORIN_AGX_NVME, REFERENCE_CHUNK, CostModel
+from ground.client import GroundClient
+from ground.errors import GroundError
+from hil import buslog as bl
+from hil.bus import BusConfig, BusProcess
 
 SAMPLES = Path(__file__).resolve().parent / "samples"
 PROMPTS = [
@@ -210,9 +219,6 @@ def target_storage_mbps(model_dir: str, chunk: int, pace_ms: float) -> tuple[flo
     On the target, reading one layer's KV for a 1,024-token chunk of Qwen3-VL-2B takes r times as
     long as computing that layer on that chunk (flight/recovery/cost.py: Orin numbers). Here a
     layer-chunk is paced to `pace_ms`, so its KV bytes must move in r x pace."""
-    import json as _json
-
-    from flight.recovery.cost import MODELS, ORIN_AGX_NVME, REFERENCE_CHUNK, CostModel
 
     target = CostModel.for_target(MODELS["qwen3-vl-2b"], ORIN_AGX_NVME)
     dims = MODELS["qwen3-vl-2b"]
@@ -254,7 +260,7 @@ def reference_run(model_dir: str, spec: RequestSpec, cfg: BenchConfig, scratch: 
 
 
 def _reference_run(model_dir: str, spec: RequestSpec, cfg: BenchConfig, scratch: str) -> dict:
-    from flight.checkpoint.policies import Geometry
+    # lazy: torch/transformers (seconds), only when the engine runs; the bus and `ow --help` never do
     from flight.engine import Engine, EngineOptions
     from flight.model.inputs import inputs_from_files
     from flight.model.loader import load_model
@@ -284,7 +290,6 @@ class _TelemetryRecorder(threading.Thread):
 
     def __init__(self, keys_dir: str, endpoints: Endpoints, on_packet=None):
         super().__init__(name="telemetry-recorder", daemon=True)
-        from ground.client import GroundClient
 
         self.client = GroundClient(
             keys_dir,
@@ -335,8 +340,6 @@ class Testbench:
 
     # ---- set-up -----------------------------------------------------------------------------------
     def _prepare(self):
-        import traces
-
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
         self.keys = str(self.out / "keys")
@@ -399,10 +402,6 @@ class Testbench:
 
     # ---- the run --------------------------------------------------------------------------------------
     def run(self) -> BenchReport:
-        from ground.client import GroundClient
-        from ground.errors import GroundError
-        from hil.bus import BusConfig, BusProcess
-
         cfg = self.cfg
         self._prepare()
         boot = (
@@ -477,7 +476,6 @@ class Testbench:
     def _wait_for_results(self, ground, tasks, recorder, failures, started, bus_alive=lambda: True) -> dict:
         """Until every task has ended or the trace has (a request finishing in the open window
         after the trace does not count): results as the payload sent them, else downlinked."""
-        from ground.errors import GroundError
 
         cfg = self.cfg
         deadline = started + cfg.timeout_s if cfg.timeout_s else None
@@ -513,8 +511,6 @@ class Testbench:
         return results
 
     def _trace_path(self) -> Path:
-        import traces
-
         return Path(traces.resolve(self.cfg.trace)) if hasattr(traces, "resolve") else Path(self.cfg.trace)
 
     def _show(self, msg: m.Message) -> None:
@@ -537,8 +533,6 @@ class Testbench:
 
     # ---- analysis ---------------------------------------------------------------------------------------
     def _analyse(self, tasks, results, failures, packets, wall) -> BenchReport:
-        from hil import buslog as bl
-
         entries = bl.read_log(self.out / "bus" / bl.LOG_FILE)
         to_trace = _trace_clock(entries, self.scale, self.start_at)
         ons = [e.utc for e in entries if e.kind == bl.POWER_ON]
@@ -659,7 +653,6 @@ class _LogTail:
 
 def _trace_clock(entries, scale: float, start_at: float):
     """utc -> trace seconds, from the bus log (its entries carry both; clock skips are entries)."""
-    import bisect
 
     stamped = [(e.utc, e.trace_s) for e in entries if e.trace_s is not None and e.kind != "run_start"]
     if not stamped:
@@ -688,8 +681,6 @@ def _unit_index(p: m.Progress, totals: dict[str, int]) -> int:
 
 
 def _on_intervals(entries) -> list[tuple[float, float]]:
-    from hil import buslog as bl
-
     out, on = [], None
     for e in entries:
         if e.kind == bl.POWER_ON:

@@ -5,6 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
+
+import traces
+from common import log as owlog
+from common.cli import CliError
+from flight.checkpoint.policies import POLICIES
 
 DEFAULT_MODEL = os.path.join("runs", "models", "qwen3-vl-tiny")
 
@@ -153,7 +159,7 @@ def _common(p) -> None:
 
 def ensure_model(path: str | None) -> str:
     if path:
-        from common.cli import CliError
+        # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
         from flight.model.config import ModelError, read_model_type
 
         try:
@@ -162,6 +168,7 @@ def ensure_model(path: str | None) -> str:
             raise CliError(str(exc), 3) from None
         return path
     if not os.path.exists(os.path.join(DEFAULT_MODEL, "model.safetensors")):
+        # lazy: torch (seconds); `ow --help` imports this module, the subcommand loads its own
         from flight.model.tiny import build_tiny
 
         build_tiny("qwen3-vl", "tiny", 0, DEFAULT_MODEL)
@@ -169,7 +176,7 @@ def ensure_model(path: str | None) -> str:
 
 
 def _config(args, trace: str, policy: str):
-    from common.cli import CliError
+    # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
     from hil.testbench import BenchConfig, default_workload
 
     try:
@@ -203,7 +210,7 @@ def _config(args, trace: str, policy: str):
 
 def parse_boot(text: str | None):
     """--boot-trace-s: None (default: the target's), `real`, or a number of trace seconds."""
-    from common.cli import CliError
+    # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
     from hil.testbench import TARGET_BOOT_TRACE_S
 
     if text is None:
@@ -220,9 +227,6 @@ def parse_boot(text: str | None):
 
 
 def _check_trace(trace: str) -> None:
-    import traces
-    from common.cli import CliError
-
     try:
         traces.resolve(trace)
     except FileNotFoundError as exc:
@@ -233,15 +237,12 @@ def _check_trace(trace: str) -> None:
 
 
 def _check_policy(policy: str) -> None:
-    from common.cli import CliError
-    from flight.checkpoint.policies import POLICIES
-
     if policy not in POLICIES:
         raise CliError(f"unknown policy {policy!r}; choose from {', '.join(sorted(POLICIES))}", 2)
 
 
 def cmd_run(args) -> int:
-    from common import log as owlog
+    # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
     from hil.testbench import Testbench
 
     owlog.setup(args.log_level, component="hil")
@@ -253,8 +254,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_campaign(args) -> int:
-    from common import log as owlog
-    from common.cli import CliError
+    # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
     from hil.campaign import WORKLOADS, run_campaign
 
     owlog.setup(args.log_level, component="hil")
@@ -294,10 +294,7 @@ def cmd_campaign(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    import time
-
-    from common import log as owlog
-    from common.cli import CliError
+    # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
     from hil.replay import replay
 
     owlog.setup("warning", component="hil")
@@ -323,8 +320,7 @@ def cmd_replay(args) -> int:
 
 
 def cmd_deploy(args) -> int:
-    from common import log as owlog
-    from common.cli import CliError
+    # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
     from hil.deploy import run_deploy
 
     owlog.setup("warning", component="hil")

@@ -39,14 +39,18 @@ import ctypes
 import importlib
 import json
 import os
+import random
+import runpy
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 #: What the flight payload's boot image holds: the modules `ow flight run` imports before its
 #: first unit of inference work (flight/runtime/preload.py lists them).
@@ -55,8 +59,23 @@ _MAX_MESSAGE = 1 << 20
 _PR_SET_PDEATHSIG = 1
 
 
+_prctl: Any
+try:
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux: no parent-death signal
+    _prctl = None
+
+
 class ZygoteError(RuntimeError):
     """The zygote could not start, or could not fork a payload."""
+
+
+def die_with_parent() -> None:
+    """Runs in a forked child before exec: SIGKILL it when the thread that spawned it exits, so a
+    bus (or zygote) that is itself killed never leaves a powered payload behind (a restarted bus
+    would otherwise start a second flight process on the same data directory)."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def thread_count() -> int:
@@ -103,7 +122,6 @@ def _redirect_stdio(output: str | None) -> None:
 
 def _fresh_process_state() -> None:
     """What a fresh interpreter would not share with its siblings: random seeds."""
-    import random
 
     random.seed()
     numpy = sys.modules.get("numpy")
@@ -116,7 +134,6 @@ def _run_as_main(argv: Sequence[str]) -> int:
     same_python = os.path.realpath(argv[0]) == os.path.realpath(sys.executable)
     if not (same_python and len(argv) >= 3 and argv[1] == "-m"):
         os.execv(argv[0], list(argv))  # a command the zygote cannot run in-process: a real exec
-    import runpy
 
     sys.argv = [argv[2], *argv[3:]]
     try:
@@ -154,8 +171,6 @@ def _payload_main(request: dict, zygote_pid: int, control: socket.socket, starte
             time.sleep(delay)
         code = _run_as_main(request["argv"])
     except BaseException:  # report, never fall back into the zygote's loop
-        import traceback
-
         traceback.print_exc()
     finally:
         for stream in (sys.stdout, sys.stderr):
@@ -208,7 +223,7 @@ def serve(fd: int, preload: Sequence[str]) -> int:
         module = importlib.import_module(name)
         if function:
             getattr(module, function)()
-    ready = {
+    ready: dict[str, Any] = {
         "ready": True,
         "pid": os.getpid(),
         "import_s": round(time.perf_counter() - started, 3),
@@ -286,12 +301,10 @@ class Zygote:
         self._next_id = 0
 
     def start(self) -> Zygote:
-        from hil.power import _die_with_parent
-
         if self.proc is not None:
             return self
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        out = subprocess.DEVNULL
+        out: Any = subprocess.DEVNULL  # or the log file, closed below
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             out = open(self.log_path, "ab")
@@ -305,7 +318,7 @@ class Zygote:
                 cwd=self.cwd,
                 pass_fds=(theirs.fileno(),),
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         except OSError as exc:
             ours.close()
@@ -324,16 +337,18 @@ class Zygote:
                 return self.info
             if self.proc is None:
                 self.start()
-            self._sock.settimeout(timeout_s)
+            sock, proc = self._sock, self.proc
+            assert sock is not None and proc is not None  # start() set both
+            sock.settimeout(timeout_s)
             try:
-                data = self._sock.recv(_MAX_MESSAGE)
+                data = sock.recv(_MAX_MESSAGE)
             except (TimeoutError, OSError) as exc:
                 raise ZygoteError(f"zygote not ready within {timeout_s:g} s: {exc}") from None
             finally:
-                self._sock.settimeout(None)
+                sock.settimeout(None)
             if not data:
                 raise ZygoteError(
-                    f"zygote exited with {self.proc.wait()} before it was ready (see {self.log_path or 'its output'})"
+                    f"zygote exited with {proc.wait()} before it was ready (see {self.log_path or 'its output'})"
                 )
             info = json.loads(data)
             if "error" in info:
@@ -347,11 +362,13 @@ class Zygote:
             self._next_id += 1
             request["id"] = self._next_id
             deadline = time.monotonic() + timeout_s
+            sock = self._sock
+            assert sock is not None  # wait_ready() started the zygote
             try:
-                self._sock.sendall(json.dumps(request).encode())
+                sock.sendall(json.dumps(request).encode())
                 while True:  # replies to requests that timed out earlier are skipped
-                    self._sock.settimeout(max(0.001, deadline - time.monotonic()))
-                    data = self._sock.recv(_MAX_MESSAGE)
+                    sock.settimeout(max(0.001, deadline - time.monotonic()))
+                    data = sock.recv(_MAX_MESSAGE)
                     if not data:
                         raise ZygoteError("the zygote has exited")
                     reply = json.loads(data)

@@ -3,27 +3,25 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
+from PIL import Image
+
+from flight.checkpoint.policies import Geometry
+from flight.engine import Engine, EngineOptions, SimulatedCut
+from flight.model.inputs import build_inputs
+from flight.model.loader import load_model
 
 ARCHS = ["qwen3-vl", "qwen2.5-vl"]
 
 
 def make_images(seed: int = 0):
     """Two small, different pictures (a noisy gradient and pure noise), deterministic."""
-    from PIL import Image
-
     rng = np.random.default_rng(seed)
     base = np.linspace(0, 255, 128 * 96 * 3).reshape(96, 128, 3)
     first = (base + rng.normal(0, 30, base.shape)).clip(0, 255).astype(np.uint8)
     second = rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)
     return [Image.fromarray(first), Image.fromarray(second)]
 
-
-import torch
-
-from flight.checkpoint.policies import Geometry
-from flight.engine import Engine, EngineOptions, SimulatedCut
-from flight.model.inputs import build_inputs
-from flight.model.loader import load_model
 
 PROMPT = (
     "describe the clouds over the coast and count the ships in the harbor , then compare the two "
@@ -74,7 +72,7 @@ def reference(model_dir: str, inputs, max_new_tokens: int, chunk: int | None):
             enc = ref.model.get_image_features(inputs.pixel_values, inputs.image_grid_thw, return_dict=True)
             out = ref.generate(mm_encoder_outputs={"image": enc}, prefill_chunk_size=chunk, **kw)
     tokens = out.sequences[0, inputs.num_tokens :].tolist()
-    return tokens, [l[0] for l in out.logits]
+    return tokens, [step_logits[0] for step_logits in out.logits]
 
 
 class CutAfter:

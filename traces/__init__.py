@@ -10,7 +10,19 @@ The format is specified in docs/trace-format.md. Typical use by the testbench:
 """
 
 from traces.catalog import DATA_DIR, SHIPPED_NAMES, resolve, shipped_path
-from traces.format import Problem, TraceError, dump, dumps, load, loads, validate, validate_lines
+from traces.format import (
+    Problem,
+    TraceError,
+    dump,
+    dumps,
+    load,
+    loads,
+    parse_lines,
+    trace_problems,
+    trace_to_lines,
+    validate,
+    validate_lines,
+)
 from traces.model import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -49,8 +61,11 @@ __all__ = [
     "generate",
     "load",
     "loads",
+    "parse_lines",
     "resolve",
     "shipped_path",
+    "trace_problems",
+    "trace_to_lines",
     "validate",
     "validate_lines",
 ]

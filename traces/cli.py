@@ -13,20 +13,32 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from common.cli import CliError
+from traces.catalog import DATA_DIR, GENERATED_NAMES, SHIPPED_NAMES, SUFFIX, resolve, resolve_quiet
+from traces.format import TraceError, dump, dumps, load, validate
+from traces.importers.bupt1 import Bupt1DataError, Bupt1Import, import_bupt1, import_bupt1_reported
+from traces.importers.csv_import import (
+    BATTERY_UNITS,
+    CURRENT_UNITS,
+    TIME_UNITS,
+    VOLTAGE_UNITS,
+    CsvImport,
+    CsvImportError,
+    CsvImportOptionsError,
+    import_csv,
+)
+from traces.presets import PRESETS, SHIPPED_SEEDS, generate
+
 
 def _cli_error(message: str, code: int = 2) -> Exception:
-    from common.cli import CliError
-
     return CliError(message, code)
 
 
 def _load(trace_arg: str):
-    from traces.catalog import resolve
-    from traces.format import TraceError, load
-
     try:
         path = resolve(trace_arg)
     except FileNotFoundError as exc:
@@ -97,9 +109,6 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from traces.catalog import resolve_quiet
-    from traces.format import validate
-
     status = 0
     for trace_arg in args.traces:
         path = resolve_quiet(trace_arg)
@@ -114,8 +123,6 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _write(trace, out: str) -> str:
-    from traces.format import TraceError, dump, dumps
-
     if out == "-":
         sys.stdout.write(dumps(trace))
         return "<stdout>"
@@ -135,8 +142,6 @@ def _summary(trace) -> str:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from traces.presets import generate
-
     if args.duration is not None and args.duration <= 0:
         raise _cli_error("--duration must be > 0", 2)
     trace = generate(args.kind, seed=args.seed, duration_s=args.duration)
@@ -175,8 +180,6 @@ def _no_reading(items: list[str]) -> dict[str, float]:
 
 
 def _cmd_import_csv(args: argparse.Namespace) -> int:
-    from traces.importers.csv_import import CsvImport, CsvImportError, CsvImportOptionsError, import_csv
-
     try:
         params = CsvImport(
             time=args.time,
@@ -209,8 +212,6 @@ def _cmd_import_csv(args: argparse.Namespace) -> int:
 
 
 def _cmd_import_bupt1(args: argparse.Namespace) -> int:
-    from traces.importers.bupt1 import Bupt1DataError, Bupt1Import, import_bupt1_reported
-
     params = Bupt1Import(overheat_from_min=args.overheat_from_min)
     try:
         imported = import_bupt1_reported(args.data, params)
@@ -220,14 +221,9 @@ def _cmd_import_bupt1(args: argparse.Namespace) -> int:
 
 
 def _cmd_regenerate(args: argparse.Namespace) -> int:
-    from traces.catalog import DATA_DIR, GENERATED_NAMES, SUFFIX
-    from traces.format import dumps
-    from traces.importers.bupt1 import Bupt1DataError, import_bupt1
-    from traces.presets import generate
-
     out_dir = Path(args.out_dir) if args.out_dir else DATA_DIR
-    builders: list[tuple[str, Callable[[], Any]]] = [(name, lambda n=name: generate(n)) for name in GENERATED_NAMES]
-    builders.append(("bupt1", lambda: import_bupt1(args.data)))
+    builders: list[tuple[str, Callable[[], Any]]] = [(name, partial(generate, name)) for name in GENERATED_NAMES]
+    builders.append(("bupt1", partial(import_bupt1, args.data)))
     status = 0
     for name, build in builders:
         target = out_dir / f"{name}{SUFFIX}"
@@ -250,8 +246,6 @@ def _cmd_regenerate(args: argparse.Namespace) -> int:
 
 def register_trace_commands(subparsers: Any) -> None:
     """Add the trace leaf commands to an argparse `add_subparsers()` object."""
-    from traces.catalog import SHIPPED_NAMES
-    from traces.presets import PRESETS, SHIPPED_SEEDS
 
     shipped = ", ".join(SHIPPED_NAMES)
     p = subparsers.add_parser(
@@ -297,8 +291,6 @@ def register_trace_commands(subparsers: Any) -> None:
     )
     p.add_argument("--out", required=True, metavar="FILE", help="output file, or - for standard output")
     p.set_defaults(func=_cmd_generate)
-
-    from traces.importers.csv_import import BATTERY_UNITS, CURRENT_UNITS, TIME_UNITS, VOLTAGE_UNITS
 
     p = subparsers.add_parser(
         "trace-import-csv",
@@ -460,7 +452,6 @@ def register_trace_commands(subparsers: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m traces`: the trace commands without the rest of `ow`."""
-    from common.cli import CliError
 
     parser = argparse.ArgumentParser(
         prog="python -m traces",

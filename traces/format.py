@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from traces.catalog import resolve_quiet
 from traces.model import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -431,7 +432,7 @@ class _Parser:
             return
         self.sample_times.append((number, float(t)))
         fields: list[float | None] = []
-        for (name, low, high), item in zip(TELEMETRY_RANGES, value[1:]):
+        for (name, low, high), item in zip(TELEMETRY_RANGES, value[1:], strict=True):
             if item is None:
                 fields.append(None)
                 continue
@@ -667,6 +668,11 @@ def validate_lines(lines: Iterable[str], file: str = "<memory>") -> list[Problem
     return _parse(stripped, file, _line_problems(stripped, file))[1]
 
 
+def trace_problems(trace: Trace) -> list[Problem]:
+    """Every invariant `trace` violates (empty when valid): its text form run through the validator."""
+    return validate_lines(trace_to_lines(trace), file=f"<trace {trace.name}>")
+
+
 def parse_lines(lines: Iterable[str], file: str = "<memory>") -> Trace:
     stripped = _strip_newlines(lines)
     trace, problems = _parse(stripped, file, _line_problems(stripped, file))
@@ -698,16 +704,12 @@ def _read(path: str | os.PathLike[str]) -> tuple[Trace | None, list[Problem]]:
 
 def validate(path: str | os.PathLike[str]) -> list[Problem]:
     """Every problem in the trace file at `path` (or a shipped trace name); empty when valid."""
-    from traces.catalog import resolve_quiet
-
     return _read(resolve_quiet(path))[1]
 
 
 def load(path: str | os.PathLike[str]) -> Trace:
     """Read and validate a trace file. `path` may also be a shipped trace name ("trace-a").
     Raises `TraceError` (str: `file:line: message`)."""
-    from traces.catalog import resolve_quiet
-
     trace, problems = _read(resolve_quiet(path))
     if problems:
         raise TraceError(problems)

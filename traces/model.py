@@ -2,8 +2,8 @@
 
 A `Trace` is a header plus a time-ordered tuple of `Event`s and a tuple of `TelemetrySample`s.
 Derived views — `windows()`, `cuts()`, `stats()` — are computed on demand; `scaled()` and
-`concat()` return new traces. Reading and writing files lives in `traces.format`; the methods
-here that touch text (`to_lines`, `from_lines`, `dumps`) delegate to it.
+`concat()` return new traces. The text form (reading, writing, validating) lives in `traces.format`,
+which imports this module and never the other way round.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import pairwise
 from types import MappingProxyType
 from typing import Any
 
@@ -30,7 +31,7 @@ def times_equal(a: float, b: float) -> bool:
     return abs(a - b) <= TIME_TOLERANCE_ABS_S + TIME_TOLERANCE_REL * max(abs(a), abs(b))
 
 
-class CutCause(str, enum.Enum):
+class CutCause(enum.StrEnum):
     """Why the bus takes power away from the payload."""
 
     POWER = "power"  # brown-out protection: SoC / bus voltage below the payload threshold
@@ -38,17 +39,11 @@ class CutCause(str, enum.Enum):
     FDIR = "fdir"  # fault detection, isolation and recovery reset; never announced
     CONTENTION = "contention"  # a scheduled higher-priority payload takes the power budget
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class EventKind(str, enum.Enum):
+class EventKind(enum.StrEnum):
     POWER_ON = "power_on"
     WARNING = "warning"
     CUT = "cut"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,7 +276,7 @@ class Trace:
         for cut in cuts:
             by_cause[cut.cause.value] += 1
         leads = [c.warning_lead_s for c in cuts if c.warning_lead_s > 0]
-        off_gaps = [b.start_s - a.end_s for a, b in zip(windows, windows[1:])]
+        off_gaps = [b.start_s - a.end_s for a, b in pairwise(windows)]
         on_time = sum(lengths)
         return TraceStats(
             duration_s=self.duration_s,
@@ -391,27 +386,3 @@ class Trace:
             name=name or self.name,
             source={"kind": "manual", "repetition_of": thaw(self.source), "times": times},
         )
-
-    # ------------------------------------------------------------------ text form
-
-    def to_lines(self) -> list[str]:
-        """The trace as file lines (each without its trailing newline)."""
-        from traces.format import trace_to_lines
-
-        return trace_to_lines(self)
-
-    @classmethod
-    def from_lines(cls, lines: Iterable[str], file: str = "<memory>") -> Trace:
-        """Parse lines (with or without trailing newlines); raises `TraceError` if invalid."""
-        from traces.format import parse_lines
-
-        return parse_lines(list(lines), file=file)
-
-    def dumps(self) -> str:
-        return "".join(line + "\n" for line in self.to_lines())
-
-    def problems(self) -> list[Problem]:  # noqa: F821 - defined in traces.format
-        """Every invariant this trace violates (empty when valid)."""
-        from traces.format import validate_lines
-
-        return validate_lines(self.to_lines(), file=f"<trace {self.name}>")

@@ -34,14 +34,14 @@ class LockstepTiming:
 def run_vlm_batch(policy: VlaPolicy, batch: StageBatch) -> None:
     reqs = batch.requests
     prefixes = policy.run_vlm([r.payload for r in reqs], batch.padded_size)
-    for r, p in zip(reqs, prefixes):
+    for r, p in zip(reqs, prefixes, strict=True):
         r.prefix = p
 
 
 def run_adit_batch(policy: VlaPolicy, batch: StageBatch) -> None:
     reqs = batch.requests
     actions = policy.run_adit([r.prefix for r in reqs], [r.payload for r in reqs], batch.padded_size)
-    for r, a in zip(reqs, actions):
+    for r, a in zip(reqs, actions, strict=True):
         r.result = a
         r.prefix = None  # the prefix cache is not needed once the chunk exists
 
@@ -110,8 +110,9 @@ class CpuLockstepBackend:
             tv, ta = self.split(plan.vlm_share)
         else:  # one stage alone gets the whole machine
             tv = ta = self.total_threads
-        fv = self._vlm.submit(lambda: run_vlm_batch(policies[plan.vlm.model], plan.vlm), tv) if plan.vlm else None
-        fa = self._adit.submit(lambda: run_adit_batch(policies[plan.adit.model], plan.adit), ta) if plan.adit else None
+        vlm, adit = plan.vlm, plan.adit
+        fv = self._vlm.submit(lambda: run_vlm_batch(policies[vlm.model], vlm), tv) if vlm else None
+        fa = self._adit.submit(lambda: run_adit_batch(policies[adit.model], adit), ta) if adit else None
         # Lockstep barrier: wait for both stages; raise the first failure after both are done.
         results = []
         for f in (fv, fa):

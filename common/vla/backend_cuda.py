@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+from torch.cuda import green_contexts
 
 from common.vla.backend_cpu import LockstepTiming, run_adit_batch, run_vlm_batch
 from common.vla.models import VlaPolicy
@@ -27,8 +28,6 @@ class CudaLockstepBackend:
     name = "cuda"
 
     def __init__(self, device: int = 0):
-        from torch.cuda import green_contexts
-
         self.device = torch.device("cuda", device)
         self.total_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.adit_stream = torch.cuda.Stream(self.device)
@@ -46,6 +45,7 @@ class CudaLockstepBackend:
             return self.full_stream
         sms = self.vlm_sms(share)
         if sms not in self._green:  # created once per SM count, reused at every lockstep
+            # lazy: CUDA green contexts exist only on a GPU
             from torch.cuda.green_contexts import GreenContext
 
             ctx = GreenContext.create(num_sms=sms, device_id=self.device.index)
@@ -56,6 +56,7 @@ class CudaLockstepBackend:
         start = torch.cuda.Event(enable_timing=True)
         v_end, a_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if plan.sequential:
+            assert plan.vlm is not None and plan.adit is not None  # sequential: both stages, same requests
             with torch.cuda.stream(self.full_stream):
                 start.record()
                 run_vlm_batch(policies[plan.vlm.model], plan.vlm)

@@ -12,8 +12,11 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
 from common.vla import sim
+from common.vla.analytic import SLO_FACTOR
 from common.vla.config import EIGHT_MODELS, model_spec
 from common.vla.controller import ControllerSettings, TrafficController
 from common.vla.management import DEFAULT_ILP_TIME_LIMIT_S, Placement, assign_eps, assign_ilp, assign_smg
@@ -83,6 +86,11 @@ def _fmt_ratio(r: float) -> str:
     return "inf" if r == float("inf") else f"{r:.2f}x"
 
 
+def _robots_of(model: str, n: int) -> dict[str, int]:
+    """`n` robots of one model: the load a single-model sweep puts on the server."""
+    return {model: n}
+
+
 def best_max_robots(
     make: Callable[[int], sim.SystemConfig],
     robots_for: Callable[[int], dict[str, int]],
@@ -92,10 +100,14 @@ def best_max_robots(
     seed: int | None = None,
 ) -> tuple[int, int, sim.SimResult | None]:
     """Max load at the target (every model) over the allowed max batch sizes: (robots, max_batch, result)."""
-    best = (0, s.max_batches[0], None)
+    best: tuple[int, int, sim.SimResult | None] = (0, s.max_batches[0], None)
     for mb in s.max_batches:
         system = make(mb)
-        n, seen = sim.max_robots(lambda k: sim.simulate(system, s.workload(robots_for(k), seed), profile), TARGET, cap)
+
+        def run(k: int, system: sim.SystemConfig = system) -> sim.SimResult:
+            return sim.simulate(system, s.workload(robots_for(k), seed), profile)
+
+        n, seen = sim.max_robots(run, TARGET, cap)
         if n > best[0]:
             best = (n, mb, seen.get(n))
     return best
@@ -107,9 +119,8 @@ def best_max_robots(
 def base_slo_factor(profile: ProfileTable) -> float:
     """The SLO factor a profile's SLOs were made with (SLO is proportional to it)."""
     if profile.backend == "analytic-gpu":
-        from common.vla.analytic import SLO_FACTOR
-
         return SLO_FACTOR
+    # lazy: torch/transformers (seconds to import), only the experiments that profile
     from common.vla.profiler import DEFAULT_SLO_FACTOR
 
     return float(profile.device.get("slo_factor", DEFAULT_SLO_FACTOR))
@@ -153,14 +164,15 @@ def single_model(profile: ProfileTable, s: BenchSettings, rep: BenchReport) -> d
         f"{'factor':>6} {'model':8} {'SLO ms':>7} {'robion':>8} {'monolithic':>10} {'omni-style':>10}"
         f"   {'robion/mono':>12} {'robion/omni':>12}"
     )
-    rows, best_mb = [], {}
+    rows: list[dict[str, Any]] = []
+    best_mb: dict[str, Any] = {}
     for f in factors:
         prof = slo_scaled(profile, f)
         for m in s.models:
             per_seed = []
             for seed in s.seeds:
                 res = {
-                    k: best_max_robots(mk, lambda n, m=m: {m: n}, prof, s, seed=seed)
+                    k: best_max_robots(mk, partial(_robots_of, m), prof, s, seed=seed)
                     for k, mk in SINGLE_SYSTEMS.items()
                 }
                 per_seed.append({k: v[0] for k, v in res.items()})
@@ -183,7 +195,7 @@ def single_model(profile: ProfileTable, s: BenchSettings, rep: BenchReport) -> d
                 f"{_band([_ratio(r['robion'], r['vllm-omni-style']) for r in per_seed]):>12}"
             )
     # The paper's headline is a mean over models; one mean per (factor, seed), then the band.
-    means = {}
+    means: dict[str, Any] = {}
     for key, other in (("vs_monolithic", "monolithic"), ("vs_omni", "vllm-omni-style")):
         per_point = []
         for f in factors:
@@ -219,7 +231,7 @@ def single_model(profile: ProfileTable, s: BenchSettings, rep: BenchReport) -> d
         at_base = next(r for r in rows if r["factor"] == base and r["seed"] == seed and r["model"] == m)
         static, _, _ = best_max_robots(
             lambda mb: sim.robion(max_batch=mb, sm_mode="static", static_share=96 / 188),
-            lambda n, m=m: {m: n},
+            partial(_robots_of, m),
             profile,
             s,
             seed=seed,
@@ -317,7 +329,7 @@ def traffic(
     rep.add(f"{'robots per variant':20} {'ILP (Robion)':>22} {'SMG':>18} {'EPS':>18}   SMG/ILP  EPS/ILP")
     out, smg_r, eps_r = {}, [], []
     for dist in ((8, 8, 8, 24), (28, 16, 16, 8), (12, 12, 12, 12), (6, 6, 6, 6)):
-        robots = dict(zip(models, dist))
+        robots = dict(zip(models, dist, strict=True))
         plan = controller.plan(placement, robots)
         counts = {
             "ilp": plan.counts,
@@ -443,7 +455,8 @@ def multi_model(
     rep.add(
         f"best placement {best_spec}: {out[best_spec]['robots']} robots (paper: {PAPER['eight_by_four']}); "
         f"replays of every placement's plan meeting {TARGET:.0%} for every model: "
-        f"{sum(1 for v in out.values() if v['all_replays_meet'])} of {sum(1 for v in out.values() if v['replay_worst'])}"
+        f"{sum(1 for v in out.values() if v['all_replays_meet'])} of "
+        f"{sum(1 for v in out.values() if v['replay_worst'])}"
     )
     rep.add()
     return out
@@ -463,7 +476,10 @@ def inter_gpu(
 
     out["robion-x4"], _ = sim.max_robots(robion_run, TARGET, cap=128)
     for k in (1, 2, 3):
-        system_for = lambda mb, k=k: sim.disaggregated(k, 4 - k, max_batch=mb)
+
+        def system_for(mb, k=k):
+            return sim.disaggregated(k, 4 - k, max_batch=mb)
+
         out[f"dis-{k}:{4 - k}"], _, _ = best_max_robots(system_for, lambda n: {"pi0": n}, profile, s)
     for name, n in out.items():
         rep.add(f"{name:12} max robots at {TARGET:.0%}: {n}")
@@ -502,7 +518,7 @@ def run_bench(
         for arch in ("pi0", "smolvla"):
             arch_mb[arch] = (
                 best_mb.get(arch)
-                or best_max_robots(lambda b: sim.robion(max_batch=b), lambda n, a=arch: {a: n}, profile, settings)[1]
+                or best_max_robots(lambda b: sim.robion(max_batch=b), partial(_robots_of, arch), profile, settings)[1]
             )
         mb = {m: arch_mb[model_spec(m).arch] for m in EIGHT_MODELS}
         cs = settings.controller

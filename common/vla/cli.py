@@ -7,16 +7,23 @@ engine are imported inside the command functions.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
+import signal
 import sys
+import threading
+
+from common import log
+from common.cli import CliError
+from common.vla.config import ARCHS, MODELS
+from common.vla.profiles import load_profile, shipped_profiles
 
 DEFAULT_PROFILE = "rtx-pro-6000x4"
 DEFAULT_ILP_TIME_LIMIT_S = 2.0  # = management.DEFAULT_ILP_TIME_LIMIT_S (not imported: `ow --help` stays light)
 
 
 def _cli_error(message: str, code: int = 2):
-    from common.cli import CliError
-
     return CliError(message, code)
 
 
@@ -70,8 +77,6 @@ def _limit_mix(text: str) -> dict[str, tuple[float, ...]]:
 
 
 def _known_models(names) -> list[str]:
-    from common.vla.config import MODELS
-
     unknown = [m for m in names if m not in MODELS]
     if unknown:
         raise _cli_error(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(MODELS)}")
@@ -79,8 +84,6 @@ def _known_models(names) -> list[str]:
 
 
 def _load_profile(name: str):
-    from common.vla.profiles import load_profile
-
     try:
         return load_profile(name)
     except (FileNotFoundError, ValueError, KeyError, json.JSONDecodeError) as exc:
@@ -88,8 +91,6 @@ def _load_profile(name: str):
 
 
 def _setup_log(args) -> None:
-    from common import log
-
     log.setup(level=getattr(args, "log_level", "info"), component="vla")
 
 
@@ -98,8 +99,8 @@ def _setup_log(args) -> None:
 
 def _robot_keys(args) -> dict[str, str] | None:
     """key -> robot name from --token / --keys / OW_VLA_TOKEN (None: no authentication)."""
-    import os
 
+    # lazy: torch (seconds); `ow --help` imports this module, the subcommand loads its own
     from common.vla.server import load_keys
 
     keys: dict[str, str] = {}
@@ -119,6 +120,7 @@ def _robot_keys(args) -> dict[str, str] | None:
 def _gpu_layout(args, models: list[str]) -> tuple[list[list[str]], list[dict[str, int]] | None]:
     """Which models each GPU (engine) serves and its robot places: from --plan, from the controller
     (--robots), or every model on one GPU."""
+    # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
     from common.vla.controller import read_plan
 
     if args.plan:
@@ -129,6 +131,7 @@ def _gpu_layout(args, models: list[str]) -> tuple[list[list[str]], list[dict[str
         order = sorted(gpus)
         return [sorted(gpus[g]) for g in order], [gpus[g] for g in order]
     if args.robots:
+        # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
         from common.vla.controller import format_plan
         from common.vla.management import Placement
 
@@ -150,6 +153,7 @@ def _gpu_layout(args, models: list[str]) -> tuple[list[list[str]], list[dict[str
 def _endpoint_setup(args):
     """What `serve` and `cluster` share: models, robot keys (else loopback only), the GPU layout
     and its robot places, the models served, the profile and the SLOs."""
+    # lazy: torch (seconds); `ow --help` imports this module, the subcommand loads its own
     from common.vla.server import require_loopback
 
     models = _known_models(_csv(args.models))
@@ -169,9 +173,7 @@ def _endpoint_setup(args):
 
 
 def cmd_serve(args) -> int:
-    import signal
-    import threading
-
+    # lazy: torch (seconds); `ow --help` imports this module, the subcommand loads its own
     from common.vla.engine import ServingEngine
     from common.vla.server import PolicyServer, ServerConfig
 
@@ -233,6 +235,7 @@ def cmd_serve(args) -> int:
 
 
 def _cpu_threads() -> int:
+    # lazy: torch (seconds); `ow --help` imports this module, the subcommand loads its own
     import torch
 
     return torch.get_num_threads()
@@ -242,11 +245,9 @@ def _cpu_threads() -> int:
 
 
 def cmd_cluster(args) -> int:
-    import signal
-    import threading
-
     models, keys, layout_models, quotas, served, profile, slo = _endpoint_setup(args)
     try:
+        # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
         from common.vla import cluster
     except ImportError as exc:
         raise _cli_error(
@@ -321,8 +322,7 @@ def cmd_cluster(args) -> int:
 
 
 def cmd_load(args) -> int:
-    import os
-
+    # lazy: torch (seconds); `ow --help` imports this module, the subcommand loads its own
     from common.vla.load import run_load
     from common.vla.sim import NetworkModel
 
@@ -360,6 +360,7 @@ def cmd_load(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    # lazy: torch (seconds); `ow --help` imports this module, the subcommand loads its own
     from common.vla.bench import EXPERIMENTS, BenchSettings, run_bench
 
     profile = _load_profile(args.profile)
@@ -367,7 +368,6 @@ def cmd_bench(args) -> int:
     bad = [e for e in experiments if e not in EXPERIMENTS]
     if bad:
         raise _cli_error(f"unknown experiment(s) {', '.join(bad)}; choose from {', '.join(EXPERIMENTS)}")
-    import dataclasses
 
     settings = BenchSettings.quick() if args.quick else BenchSettings()
     changes = {
@@ -398,6 +398,7 @@ def cmd_bench(args) -> int:
 
 def _controller(args, profile, models):
     """The traffic controller for `plan` and `serve`: given limits, or co-location limits measured now."""
+    # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
     from common.vla.controller import ControllerSettings, TrafficController
 
     settings = ControllerSettings(epochs=args.check_epochs, time_limit_s=args.ilp_time_limit)
@@ -411,6 +412,7 @@ def _controller(args, profile, models):
 
 
 def cmd_plan(args) -> int:
+    # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
     from common.vla import sim
     from common.vla.controller import format_plan, write_plan
     from common.vla.management import ASSIGNERS, Placement, format_assignment
@@ -459,9 +461,11 @@ def cmd_plan(args) -> int:
 
 def cmd_profile(args) -> int:
     if args.derive:
+        # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
         from common.vla import analytic
 
         prof = analytic.derive_profile(args.derive)
+        # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
         from common.vla.profiles import PROFILE_DIR
 
         path = prof.save(args.out or PROFILE_DIR / f"{prof.name}.json")
@@ -471,10 +475,10 @@ def cmd_profile(args) -> int:
         return 0
     if not args.out:
         raise _cli_error("--out FILE is required when measuring the CPU backend")
+    # lazy: torch (seconds); `ow --help` imports this module, the subcommand loads its own
     from common.vla.profiler import measure_cpu_profile
 
     archs = _csv(args.archs)
-    from common.vla.config import ARCHS
 
     bad = [a for a in archs if a not in ARCHS]
     if bad:
@@ -491,6 +495,7 @@ def cmd_profile(args) -> int:
 
 
 def cmd_simulate(args) -> int:
+    # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
     from common.vla import sim
 
     _known_models(list(args.robots))
@@ -529,9 +534,6 @@ def cmd_simulate(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from common.vla.config import MODELS
-    from common.vla.profiles import load_profile, shipped_profiles
-
     print(f"{'model':14} {'arch':8} {'cams':>4} {'tok/img':>7} {'prefix':>6} {'horizon':>7} {'steps':>5}")
     for spec in MODELS.values():
         a = spec.arch_config

@@ -20,14 +20,18 @@ Needs `ray[serve]` (the `cluster` extra). See docs/vla.md for running it on real
 # No `from __future__ import annotations` here: FastAPI must see the real WebSocket annotation
 # through Ray Serve's class-based view, or it takes `ws` for a query parameter (close code 1008).
 import asyncio
+import logging
 import os
 import time
+from typing import Any
 
 import ray
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from ray import serve
 
+from common.vla.engine import ServingEngine
 from common.vla.server import DEFAULT_MAX_REQUEST_BYTES, Router, answer, metadata, robot_for_key
+from common.vla.wire import packb
 
 APP_NAME = "orbitweaver-vla"
 app = FastAPI(title="orbitweaver VLA gateway", docs_url=None, redoc_url=None, openapi_url=None)
@@ -37,8 +41,6 @@ class GpuServer:
     """One GPU of the plan: its models, their lockstep scheduler and engine (Ray Serve replica)."""
 
     def __init__(self, gpu: int, models: list[str], engine_options: dict):
-        from common.vla.engine import ServingEngine
-
         opts = dict(engine_options)
         self.gpu, self.models = gpu, list(models)
         self.max_request_bytes = opts.pop("max_request_bytes", DEFAULT_MAX_REQUEST_BYTES)
@@ -116,7 +118,6 @@ class Gateway:
         index, _ = self.router.acquire(model)
         gpu = self.order[index]
         handle = self.handles[gpu]
-        from common.vla.wire import packb
 
         try:
             try:
@@ -164,11 +165,13 @@ def build_app(
     request_timeout_s: float = 60.0,
 ):
     """The Serve application for a plan: `layout` is GPU -> {model: robots}."""
+    gpu_opts: dict[str, Any]
     if gpu_resource == "GPU":
         gpu_opts = {"num_gpus": 1, "num_cpus": 0}
     else:  # a stand-in accelerator resource (CPU clusters, tests)
         gpu_opts = {"num_cpus": 0, "resources": {gpu_resource: 1}}
-    gpu_deployment = serve.deployment(GpuServer)
+    # serve.deployment(cls) returns a Deployment; ray annotates only its decorator-factory form.
+    gpu_deployment: Any = serve.deployment(GpuServer)
     handles = {}
     for g, robots in sorted(layout.items()):
         handles[g] = gpu_deployment.options(
@@ -178,7 +181,7 @@ def build_app(
             health_check_period_s=5,
             graceful_shutdown_timeout_s=5,
         ).bind(g, sorted(robots), engine_options)
-    gateway = serve.deployment(Gateway).options(
+    gateway = serve.deployment(Gateway).options(  # type: ignore[attr-defined]  # as above
         name="gateway",
         num_replicas=1,
         max_ongoing_requests=10_000,
@@ -198,14 +201,14 @@ def deploy(
     **app_kw,
 ) -> None:
     """Connect to the Ray cluster, start Serve's proxy and run the application (returns when ready)."""
-    ray.init(address=address, log_to_driver=False, logging_level="warning", _node_ip_address=node_ip_address)
+    ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING, _node_ip_address=node_ip_address)
     serve.start(http_options={"host": host, "port": port, "location": proxy_location})
     serve.run(build_app(layout, **app_kw), name=APP_NAME, route_prefix="/", blocking=False)
 
 
 def placements() -> dict[str, dict]:
     """Where each GPU deployment's replica runs now: name -> {node, pid, gpu, models, served}."""
-    out = {}
+    out: dict[str, dict] = {}
     app_status = serve.status().applications.get(APP_NAME)
     if app_status is None:
         return out

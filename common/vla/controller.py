@@ -20,12 +20,21 @@ on its composition; checks are cached per composition.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from common.vla import sim
-from common.vla.config import model_spec
-from common.vla.management import DEFAULT_ILP_TIME_LIMIT_S, Limits, Placement, TrafficAssignment, assign_ilp, gpu_load
+from common.vla.config import MODELS, model_spec
+from common.vla.management import (
+    DEFAULT_ILP_TIME_LIMIT_S,
+    Limits,
+    Placement,
+    TrafficAssignment,
+    assign_ilp,
+    format_assignment,
+    gpu_load,
+)
 from common.vla.profiles import ProfileTable
 
 DERATE_MARGIN = 0.98  # a failing composition's limits drop to 98 % of its load: it no longer fits
@@ -125,7 +134,6 @@ def colocation_limits(
     Variants share their architecture's table (they share its profile). The table never rises
     with k (a measured rise is noise: a GPU with more models is not easier), and stops at the
     first k that serves nobody."""
-    from common.vla.config import MODELS
 
     by_arch: dict[str, tuple[int, ...]] = {}
     for m in models:
@@ -137,9 +145,11 @@ def colocation_limits(
         table: list[int] = []
         for k in range(1, len(variants) + 1):
             cap = settings.cap if k == 1 else max(1, table[-1] // k)
-            per, _ = sim.max_robots(
-                lambda n: _worst_equal_split(profile, variants[:k], n, settings, mb), settings.plan_target, cap=cap
-            )
+
+            def worst(n: int, models: list[str] = variants[:k], mb: Mapping[str, int] = mb) -> sim.SimResult:
+                return _worst_equal_split(profile, models, n, settings, mb)
+
+            per, _ = sim.max_robots(worst, settings.plan_target, cap=cap)
             total = min(per * k, table[-1]) if table else per
             if total == 0:
                 break
@@ -230,8 +240,6 @@ class TrafficController:
 
 
 def format_plan(plan: ControllerPlan, placement: Placement) -> str:
-    from common.vla.management import format_assignment
-
     lines = [format_assignment(plan.assignment, placement)]
     for c in plan.checks:
         lines.append(f"  GPU {c.gpu} simulated: " + ", ".join(f"{m} {v:.1%}" for m, v in c.per_model.items()))
@@ -245,7 +253,6 @@ PLAN_FORMAT = "orbitweaver.vla.plan/1"
 
 def write_plan(path, plan: ControllerPlan, placement: Placement, robots: Mapping[str, int], profile: str) -> None:
     """The plan file `ow vla serve --plan` and `ow vla cluster --plan` run (format in docs/vla.md)."""
-    import json
 
     doc = {
         "format": PLAN_FORMAT,
@@ -271,9 +278,6 @@ def write_plan(path, plan: ControllerPlan, placement: Placement, robots: Mapping
 
 def read_plan(path) -> dict[int, dict[str, int]]:
     """GPU -> {model: robots} from a plan file, validated."""
-    import json
-
-    from common.vla.config import MODELS
 
     with open(path) as f:
         doc = json.load(f)

@@ -15,11 +15,20 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from common import log as ow_log
 from common.vla.config import model_spec
-from common.vla.models import PolicyInputs, VlaPolicy
-from common.vla.scheduler import LockstepPlan, LockstepScheduler, SequentialScheduler, VlaRequest, make_scheduler
+from common.vla.models import PolicyInputs, VlaPolicy, example_observation
+from common.vla.scheduler import (
+    LockstepPlan,
+    LockstepScheduler,
+    SequentialScheduler,
+    Stage,
+    StageBatch,
+    VlaRequest,
+    make_scheduler,
+)
 
 
 @dataclass(frozen=True)
@@ -48,15 +57,16 @@ class EngineStopped(RuntimeError):
 
 def select_backend(kind: str = "auto", threads: int | None = None):
     """'auto' picks CUDA when torch sees a GPU, else the CPU backend."""
-    import torch
 
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda":
+        # lazy: torch/transformers (seconds to import), only the backend that runs
         from common.vla.backend_cuda import CudaLockstepBackend
 
         return CudaLockstepBackend()
     if kind == "cpu":
+        # lazy: torch/transformers (seconds to import), only the backend that runs
         from common.vla.backend_cpu import CpuLockstepBackend
 
         return CpuLockstepBackend(threads)
@@ -101,7 +111,6 @@ class ServingEngine:
     ) -> ServingEngine:
         """Load the models (tiny random weights) and wire scheduler and backend together."""
         be = select_backend(backend, threads)
-        import torch
 
         dtype = torch.bfloat16 if be.name == "cuda" else torch.float32
         device = "cuda" if be.name == "cuda" else "cpu"
@@ -142,8 +151,6 @@ class ServingEngine:
         """Run every model's stages once at every fixed batch size, alone and side by side, before
         robots arrive: the first lockstep of a cold engine pays for allocator growth and thread-pool
         start-up (754 ms against ~50 ms warm). Bypasses the scheduler. Returns the seconds it took."""
-        from common.vla.models import example_observation
-        from common.vla.scheduler import Stage, StageBatch
 
         if self._thread is not None:
             raise RuntimeError("warm up before start()")
@@ -153,7 +160,7 @@ class ServingEngine:
             arch = model_spec(model).arch
             for size in self.scheduler.batch_sizes:
 
-                def batch(stage):
+                def batch(stage, model=model, policy=policy, arch=arch, size=size):
                     reqs = tuple(
                         VlaRequest(model, 0.0, 0.0, 1.0, payload=policy.prepare(example_observation(i)))
                         for i in range(size)
@@ -236,6 +243,7 @@ class ServingEngine:
 
     def _resolve(self, r: VlaRequest, fut: Future | None) -> None:
         slo = self.slo_ms[r.model]
+        assert r.done_at is not None and r.vlm_done_at is not None  # the scheduler completed it
         total = (r.done_at - r.arrived_at) * 1e3
         result = PolicyResult(
             r.result, r.model, r.request_id, (r.vlm_done_at - r.arrived_at) * 1e3, total, slo, total <= slo

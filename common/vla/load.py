@@ -28,6 +28,9 @@ from websockets.asyncio.client import connect
 from common.vla.sim import NetworkModel
 from common.vla.wire import packb, unpackb
 
+# The WiFi 7-like link the robots reach the server over; frozen, so one instance serves as the default.
+DEFAULT_NETWORK = NetworkModel()
+
 
 @dataclass
 class ModelLoad:
@@ -177,7 +180,7 @@ async def _robot(
                 load.gpus[label] = load.gpus.get(label, 0) + 1
     except (TimeoutError, OSError, websockets.WebSocketException) as exc:
         load.errors.append(f"robot {model}#{index}: {type(exc).__name__}: {exc}")
-    load.latencies_ms.extend(r for r, m in zip(results, measured) if m)
+    load.latencies_ms.extend(r for r, m in zip(results, measured, strict=True) if m)
 
 
 async def run_load_async(
@@ -187,7 +190,7 @@ async def run_load_async(
     rate_hz: float = 2.0,
     duration_s: float = 10.0,
     warmup_s: float = 1.0,
-    network: NetworkModel | None = NetworkModel(),
+    network: NetworkModel | None = DEFAULT_NETWORK,
     seed: int = 0,
     token: str | None = None,
     slo_ms: float | None = None,

@@ -39,12 +39,16 @@ Baselines, as the paper names them (our reading, see docs/vla.md):
 
 from __future__ import annotations
 
+import fnmatch
 import itertools
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from common.vla import sim
+from common.vla.config import model_spec
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,8 @@ class Placement:
         cls, groups: list[tuple[list[str], list[int]]], n_gpus: int | None = None, name: str | None = None
     ) -> Placement:
         """Disjoint GPU groups, each hosting its models (a model may appear in one group only)."""
-        hosts, used = {}, set()
+        hosts: dict[str, tuple[int, ...]] = {}
+        used: set[int] = set()
         for models, gpus in groups:
             if used & set(gpus):
                 raise ValueError("GPU groups must be disjoint")
@@ -98,7 +103,6 @@ class Placement:
     @classmethod
     def parse(cls, spec: str, models: list[str], n_gpus: int) -> Placement:
         """'mix', or groups like 'pi0*:0,1;smolvla*:2,3' (model globs : GPU list, ';' between groups)."""
-        import fnmatch
 
         if spec == "mix":
             return cls.colocate(models, n_gpus)
@@ -223,7 +227,7 @@ def assign_greedy(placement: Placement, robots: Mapping[str, int], limits: Limit
     on: dict[int, dict[str, int]] = {g: {} for g in range(placement.n_gpus)}
     for m in sorted(robots, key=lambda m: -robots[m] * _per_robot(limits, m, 1)):
 
-        def cost(g):
+        def cost(g, m=m):
             after = {**on[g], m: robots[m]}
             return gpu_load(after, limits), len(after)
 
@@ -254,6 +258,7 @@ def assign_ilp(
     With co-location-aware limits (a sequence per model), binaries w[g,k] say that GPU g hosts
     exactly k models and switch on that GPU's load row for k (big-M rows for the other k).
     """
+    # lazy: scipy (~0.3 s), only for the ILP assigner
     from scipy.optimize import Bounds, LinearConstraint, milp
 
     robots = {m: int(n) for m, n in robots.items() if n > 0}
@@ -266,7 +271,7 @@ def assign_ilp(
     n, n_gpus = len(pairs), placement.n_gpus
     on_gpu = {g: [i for i, (_, gg) in enumerate(pairs) if gg == g] for g in range(n_gpus)}
     # Per-k rows when limits vary with k, or when a GPU could hold more models than a table covers.
-    tables = [limits[m] for m in robots if not isinstance(limits[m], (int, float))]
+    tables = [t for t in (limits[m] for m in robots) if not isinstance(t, (int, float))]
     most = max((len(v) for v in on_gpu.values()), default=0)
     aware = colocation_aware({m: limits[m] for m in robots}) or any(len(t) < most for t in tables)
     # GPU g's possible model counts k, each with its own load row (one row when limits ignore k).
@@ -292,7 +297,9 @@ def assign_ilp(
         row = np.zeros(nv)
         for j, v in entries.items():
             row[j] += v
-        rows.append(row), lo.append(low), hi.append(high)
+        rows.append(row)
+        lo.append(low)
+        hi.append(high)
 
     for m, r in robots.items():  # every robot placed
         add({ix[i]: 1.0 for i, (mm, _) in enumerate(pairs) if mm == m}, r, r)
@@ -307,7 +314,7 @@ def assign_ilp(
             add({iw[g, k]: 1.0 for k in ks[g]}, 0.0, 1.0)
         for k in ks[g]:
             load = {ix[i]: _per_robot(limits, pairs[i][0], max(k, 1)) for i in on_gpu[g]}
-            big = sum(robots[pairs[i][0]] * c for i, c in zip(on_gpu[g], load.values())) if aware else 0.0
+            big = sum(robots[pairs[i][0]] * c for i, c in zip(on_gpu[g], load.values(), strict=True)) if aware else 0.0
             off = {iw[g, k]: big} if aware else {}  # the row binds only where w[g,k] = 1
             add(load | off | {io: -1.0}, -np.inf, 1.0 + big)  # load <= 1 + o
             add(load | off | {iz: -1.0}, -np.inf, big)  # load <= z
@@ -397,7 +404,8 @@ def assign_ilp(
         # 5. balance: the sum of a convex penalty of each GPU's load (GPUs below the peak even out)
         c_balance,
     ]
-    best, fixed = None, []
+    best = None
+    fixed: list = []  # constraints fixed by the stages solved so far
     for stage, c in enumerate(stages):
         res = solve(c, fixed)
         if res is None:
@@ -437,7 +445,7 @@ def assign_brute_force(
     total = 1
     for m, r in robots.items():
         gpus = placement.hosts[m]
-        options = [dict(zip([(m, g) for g in gpus], comp)) for comp in _compositions(r, len(gpus))]
+        options = [dict(zip([(m, g) for g in gpus], comp, strict=True)) for comp in _compositions(r, len(gpus))]
         per_model.append(options)
         total *= len(options)
     if total > max_candidates:
@@ -455,7 +463,8 @@ def assign_brute_force(
 
 def assign_smg(placement: Placement, robots: Mapping[str, int], limits: Mapping[str, float]) -> TrafficAssignment:
     """SMG: each model's robots all on one GPU, homes spread round-robin over its hosts."""
-    counts, turn = {}, {}
+    counts: dict[tuple[str, int], int] = {}
+    turn: dict[tuple[int, ...], int] = {}
     for m, r in robots.items():
         gpus = placement.hosts[m]
         k = turn.get(gpus, 0)
@@ -499,8 +508,6 @@ def robot_limits(
     """Most robots of each model one GPU serves alone at `target` attainment (Robion §4.2.2),
     found by simulating the lockstep engine with the profile. Variants share their architecture's
     result, as they share its profile."""
-    from common.vla import sim
-    from common.vla.config import model_spec
 
     by_arch: dict[str, int] = {}
     out = {}
@@ -509,13 +516,12 @@ def robot_limits(
         if arch not in by_arch:
             mb = max_batch[m] if isinstance(max_batch, Mapping) else max_batch
             system = sim.robion(max_batch=mb)
-            by_arch[arch], _ = sim.max_robots(
-                lambda n: sim.simulate(
-                    system, sim.Workload({arch: n}, epochs=epochs, duration_s=duration_s, seed=seed), profile
-                ),
-                target=target,
-                cap=cap,
-            )
+
+            def run(n: int, system: sim.SystemConfig = system, arch: str = arch) -> sim.SimResult:
+                workload = sim.Workload({arch: n}, epochs=epochs, duration_s=duration_s, seed=seed)
+                return sim.simulate(system, workload, profile)
+
+            by_arch[arch], _ = sim.max_robots(run, target=target, cap=cap)
         out[m] = by_arch[arch]
     return out
 

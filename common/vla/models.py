@@ -187,7 +187,7 @@ class AditStage(nn.Module):
         h = self.time_mlp(torch.cat([h, te], dim=-1))
         if self.state_in is not None:
             h = torch.cat([self.state_in(state)[:, None, :], h], dim=1)
-        for blk, kv in zip(self.blocks, kv_cache):
+        for blk, kv in zip(self.blocks, kv_cache, strict=True):
             h = blk(h, key_mask, kv)
         return self.action_out(self.norm(h[:, -self.cfg.action_horizon :]))
 

@@ -29,7 +29,7 @@ def _requests(policy: VlaPolicy, n: int, first_seed: int = 0) -> list[VlaRequest
         VlaRequest(policy.spec.name, 0.0, 0.0, 1.0, payload=policy.prepare(example_observation(first_seed + i)))
         for i in range(n)
     ]
-    for r, p in zip(reqs, policy.run_vlm([r.payload for r in reqs], n)):
+    for r, p in zip(reqs, policy.run_vlm([r.payload for r in reqs], n), strict=True):
         r.prefix = p
     return reqs
 

@@ -105,6 +105,7 @@ class ProfileTable:
         if vlm_arch is None and adit_arch is None:
             raise ValueError("a lockstep runs at least one stage")
         if adit_arch is None:
+            assert vlm_arch is not None  # checked above: at least one stage
             t = self.vlm_alone(vlm_arch, vlm_batch)
             return LockstepEntry(vlm_arch, vlm_batch, None, 0, 1.0, t, 0.0, t)
         if vlm_arch is None:
@@ -120,6 +121,7 @@ class ProfileTable:
     def plan_ms(self, plan: LockstepPlan) -> float:
         """Predicted duration of a plan (the simulator's clock advances by this)."""
         if plan.sequential:
+            assert plan.vlm is not None and plan.adit is not None  # sequential: both stages, same requests
             return self.vlm_alone(plan.vlm.arch, plan.vlm.padded_size) + self.adit_alone(
                 plan.adit.arch, plan.adit.padded_size
             )

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from common.vla.profiles import ProfileTable
 
 
-class Stage(str, enum.Enum):
+class Stage(enum.StrEnum):
     VLM = "vlm"
     ADIT = "adit"
 
@@ -323,6 +323,7 @@ class SequentialScheduler(_SchedulerBase):
         return self._emit(LockstepPlan(self._index, vlm, adit, 1.0, True, predicted))
 
     def complete(self, plan: LockstepPlan, now: float) -> list[VlaRequest]:
+        assert plan.vlm is not None  # a sequential plan always runs its requests' VLM stage
         for r in plan.vlm.requests:
             r.vlm_done_at = r.done_at = now
         return list(plan.vlm.requests)

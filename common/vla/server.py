@@ -37,6 +37,7 @@ import websockets
 from websockets.asyncio.server import ServerConnection, serve
 
 from common import log as ow_log
+from common.vla.config import model_spec
 from common.vla.engine import ServingEngine
 from common.vla.wire import (
     IMAGE_KEYS,
@@ -54,7 +55,7 @@ DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # a LIBERO observation is ~0.3 MB
 
 def is_loopback(host: str) -> bool:
     try:
-        addrs = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        addrs = {str(info[4][0]) for info in socket.getaddrinfo(host, None)}
     except socket.gaierror as exc:
         raise ValueError(f"cannot resolve host {host!r}: {exc}") from None
     return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
@@ -187,8 +188,6 @@ async def answer(
 
 
 def metadata(engine: ServingEngine, model: str, max_request_bytes: int, extra: dict | None = None) -> dict:
-    from common.vla.config import model_spec
-
     cfg = model_spec(model).arch_config
     return {
         "server": "orbitweaver-vla",
@@ -295,7 +294,7 @@ class PolicyServer:
             self.refused += 1
             self._log.warning("vla_robot_refused", peer=str(connection.remote_address[0]), reason=reason)
             return connection.respond(http.HTTPStatus.UNAUTHORIZED, f"{reason}\n")
-        connection.robot_name = name
+        connection.robot_name = name  # type: ignore[attr-defined]  # per-connection data, read by _handler
         return None
 
     # ---- one robot ----
@@ -313,8 +312,10 @@ class PolicyServer:
         return name if name in self.router.models() else None
 
     async def _handler(self, ws: ServerConnection) -> None:
-        peer = "%s:%s" % tuple(ws.remote_address[:2])
+        host, port = ws.remote_address[:2]
+        peer = f"{host}:{port}"
         robot = getattr(ws, "robot_name", None) or peer
+        assert ws.request is not None  # handlers run after the opening handshake
         model = self._model_for(ws.request.path)
         if model is None:
             await ws.send(f"error: unknown model path {ws.request.path!r}; serving {', '.join(self.router.models())}")

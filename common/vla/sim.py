@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from common.vla.config import model_spec
+from common.vla.config import ARCHS, model_spec
 from common.vla.profiles import ProfileTable
 from common.vla.scheduler import LockstepScheduler, SequentialScheduler, VlaRequest, make_scheduler
 
@@ -300,7 +300,8 @@ class OmniCluster:
 def _take_same_model(queue: deque, limit: int) -> list[VlaRequest]:
     """FCFS: the head request's model, then its followers of the same model."""
     head = queue[0].model
-    out, keep = [], deque()
+    out: list[VlaRequest] = []
+    keep: deque[VlaRequest] = deque()
     while queue and len(out) < limit:
         r = queue.popleft()
         (out if r.model == head else keep).append(r)
@@ -413,8 +414,6 @@ class _AditWorker:
 
 
 def model_spec_steps(arch: str) -> int:
-    from common.vla.config import ARCHS
-
     return ARCHS[arch].denoise_steps
 
 
@@ -492,7 +491,7 @@ def simulate(
                 offset = rng.uniform(0.0, period)
                 sends = np.arange(offset, workload.duration_s, period)
                 up, down = network.delays(rng, len(sends))
-                for t, u, d in zip(sends, up, down):
+                for t, u, d in zip(sends, up, down, strict=True):
                     req = VlaRequest(m, sent_at=float(t), arrived_at=float(t + u), deadline=float(t) + slo[m])
                     down_delay[req.request_id] = float(d)
                     if t >= workload.warmup_s:

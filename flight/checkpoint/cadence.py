@@ -213,7 +213,7 @@ class _Trend:
         var = sum((t - tm) ** 2 for t in ts)
         if var <= 0:
             return math.inf
-        slope = sum((t - tm) * (v - vm) for t, v in zip(ts, vs)) / var
+        slope = sum((t - tm) * (v - vm) for t, v in zip(ts, vs, strict=True)) / var
         now_value = vm + slope * (ts[-1] - tm)
         gap = (limit - now_value) if rising else (now_value - limit)
         rate = slope if rising else -slope

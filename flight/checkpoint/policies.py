@@ -224,6 +224,7 @@ def hcache_recompute_layers(num_layers: int, costs=None) -> int:
 
 
 def _reference_layer_chunk_costs() -> tuple[float, float, float]:
+    # lazy: the cost model loads numpy and the planners; `ow --help` loads this module for its choices
     from flight.recovery.cost import REFERENCE_CHUNK, REFERENCE_MODEL, CostModel, even_chunks
 
     model = CostModel.for_target(REFERENCE_MODEL)

@@ -21,6 +21,7 @@ import os
 import secrets
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -169,7 +170,8 @@ class CheckpointStore:
             for name in self.fs.listdir(directory):
                 if name.endswith(".tmp"):
                     self.fs.remove(os.path.join(directory, name), sync=False)
-        status, differences = "fresh", {}
+        status = "fresh"
+        differences: dict[str, Any] = {}
         if self.fs.exists(self.path("MANIFEST")):
             try:
                 stored, _ = decode(self.fs.read(self.path("MANIFEST")), expect_kind=Kind.MANIFEST)

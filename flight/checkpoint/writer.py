@@ -122,6 +122,7 @@ class CheckpointWriter:
 
     def _yield_to_ordered(self) -> None:
         waited = time.perf_counter()
+        assert self._queue is not None  # only ordered writes, which run on the queue, call this
         self._queue.join()
         with self._counters:
             self.busy_seconds -= time.perf_counter() - waited  # waiting is not writing
@@ -181,10 +182,12 @@ class CheckpointWriter:
             self.after_commit(what, n)
 
     def _loop(self) -> None:
+        jobs = self._queue  # the queue this thread was started to serve
+        assert jobs is not None
         while True:
-            item = self._queue.get()
+            item = jobs.get()
             if item is None:
-                self._queue.task_done()
+                jobs.task_done()
                 return
             what, fn, args, kwargs, held = item
             try:
@@ -196,4 +199,4 @@ class CheckpointWriter:
                 del args, kwargs, item  # the state goes before the record counts as written
                 self._hold(-held)
                 self._slots.release()
-                self._queue.task_done()
+                jobs.task_done()

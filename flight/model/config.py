@@ -3,6 +3,7 @@ onboard process checks its model directory before anything heavy is imported).""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -65,7 +66,6 @@ PROCESSOR_FILES = (
 def processors_hash(model_dir: str) -> str:
     """sha256 over the tokenizer and image-processor files: stored inputs built with other ones
     are rebuilt."""
-    import hashlib
 
     h = hashlib.sha256()
     for name in PROCESSOR_FILES:

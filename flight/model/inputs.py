@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from common.imagecheck import ImageRejected, ProcessorLimits, open_reduced
+from common.record import Kind, RecordError, decode, encode
 from common.wire.ids import MAX_IMAGE_PIXELS, ResponseCode  # noqa: F401  (MAX_IMAGE_PIXELS: re-exported)
 
 MAX_IMAGE_BYTES = 64 << 20
@@ -155,7 +156,6 @@ def build_inputs(tokenizer, image_processor, images: list, prompt: str, image_to
 def save_inputs(fs, path: str, inputs: RequestInputs, key: dict) -> int:
     """Persist preprocessed inputs (record kind TASK_INPUTS, docs/record-format.md) with the
     `key` they were built under (task, model and processor hashes). Atomic and durable."""
-    from common.record import Kind, encode
 
     meta = {"prompt": inputs.prompt, "digest": inputs.digest(), **key}
     tensors = {
@@ -170,7 +170,6 @@ def save_inputs(fs, path: str, inputs: RequestInputs, key: dict) -> int:
 def load_inputs(fs, path: str, key: dict) -> tuple[RequestInputs | None, str | None]:
     """Stored inputs if present, intact and built under `key`; else (None, why not) -- the
     caller rebuilds them (a damaged record is never used)."""
-    from common.record import Kind, RecordError, decode
 
     if not fs.exists(path):
         return None, None

@@ -15,6 +15,8 @@ import threading
 from dataclasses import dataclass
 
 import torch
+import transformers
+from transformers import AutoConfig, GenerationConfig
 
 from .adapters import ADAPTERS, Adapter
 from .config import MODEL_CLASSES as _MODEL_CLASSES  # noqa: F401  (re-exported)
@@ -81,6 +83,7 @@ class Processors:
     def tokenizer(self):
         with self._lock:
             if self._tokenizer is None:
+                # lazy: transformers' tokenizer classes (about a second), on first use only
                 from transformers import AutoTokenizer
 
                 try:
@@ -92,6 +95,7 @@ class Processors:
     def image_processor(self):
         with self._lock:
             if self._image_processor is None:
+                # lazy: transformers' tokenizer classes (about a second), on first use only
                 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
                 try:
@@ -151,10 +155,6 @@ def import_model_classes() -> None:
     """Import everything `load_model` resolves lazily (transformers' model, configuration,
     tokenizer and image-processor classes of every supported architecture), without reading any
     model directory: the payload's boot image (flight/runtime/preload.py)."""
-    import transformers
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast  # noqa: F401
-    from transformers.models.auto import tokenization_auto  # noqa: F401
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil  # noqa: F401
 
     for model_type, class_name in _MODEL_CLASSES.items():
         getattr(transformers, class_name)
@@ -172,8 +172,6 @@ def load_model(
     """Open a model directory: configuration, the model skeleton on the meta device, its weight
     store (weights are read per module on demand). The tokenizer and image processor are loaded
     now, or on first use with `lazy_processors` (the onboard process)."""
-    import transformers
-    from transformers import AutoConfig, GenerationConfig
 
     model_type = read_model_type(model_dir)
     device = torch.device(device) if device is not None else default_device()

@@ -139,6 +139,7 @@ def _mrope_section(head_dim: int, interleaved: bool) -> list[int]:
 
 
 def make_config(arch: str, size: str, vocab_size: int, special_ids: dict[str, int], dtype: str):
+    # lazy: torch/transformers (seconds to import), only when a model is built
     from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
 
     s = SIZES[size]
@@ -232,6 +233,7 @@ def make_config(arch: str, size: str, vocab_size: int, special_ids: dict[str, in
 
 
 def build_tokenizer(out_dir: str):
+    # lazy: torch/transformers (seconds to import), only when a model is built
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -252,6 +254,7 @@ def build_tokenizer(out_dir: str):
 
 def build_tiny(arch: str, size: str, seed: int, out_dir: str, dtype: str = "float32") -> dict:
     """Write a complete model directory; returns a summary (parameters, bytes, files)."""
+    # lazy: torch/transformers (seconds to import), only when a model is built
     from transformers import GenerationConfig, Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 

@@ -14,6 +14,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -73,7 +74,7 @@ class WeightStore:
         self._loaded: set[str] = set()
         self._loading: dict[str, threading.Event] = {}
         self._lock = threading.Lock()
-        self._handles: dict[str, object] = {}
+        self._handles: dict[str, Any] = {}  # safetensors' safe_open handles
         self._prefetch: threading.Thread | None = None
         self._stop = False
 
@@ -119,7 +120,7 @@ class WeightStore:
                 return
             event = self._loading.get(prefix)
             owner = event is None
-            if owner:
+            if event is None:
                 event = self._loading[prefix] = threading.Event()
         if not owner:
             event.wait()
@@ -157,7 +158,7 @@ class WeightStore:
         start = time.perf_counter()
         module = self.model.get_submodule(prefix)
         state = {}
-        for name, param in module.named_parameters(recurse=True):
+        for name, _param in module.named_parameters(recurse=True):
             full = f"{prefix}.{name}"
             if full not in self._where and self.tied.get(full) not in self._where:
                 raise KeyError(f"weight {full} not found in the model files")
@@ -165,7 +166,7 @@ class WeightStore:
         module.load_state_dict(state, strict=False, assign=True)
         # Non-persistent buffers (rotary inverse frequencies) are not in the files: rebuild the
         # module that owns them on the real device, exactly as its constructor computes them.
-        for child_name, child in list(module.named_modules()):
+        for _child_name, child in list(module.named_modules()):
             if any(b.is_meta for b in child.buffers(recurse=False)):
                 rebuilt = _rebuild_buffers(child, self.device)
                 for bname, buf in rebuilt.items():

@@ -56,6 +56,8 @@ from common.wire.errors import clip_reason
 from common.wire.ids import MAX_EVENT_TEXT_BYTES, MAX_RESULT_TEXT_BYTES, MAX_TIMINGS
 from common.wire.link import KeyLayout, LinkError, client_socket, recv_packet, send_packet
 from common.wire.text import clip_utf8
+from flight.checkpoint.cadence import Cadence, WindowLog
+from flight.model.config import processors_hash
 
 from .handlers import MAX_QUEUED, CommandHandlers  # noqa: F401  (MAX_QUEUED: re-exported)
 from .health import ENGINE_ITEM, MAIN, WORKER, Health, command_item, item_task_id, report_item, task_item
@@ -170,7 +172,6 @@ class FlightApp(CommandHandlers):
         self._engine_lock = threading.Lock()
         # Checkpoint cadence: fed with warnings, bus telemetry and the windows lived through
         # (flight/checkpoint/cadence.py); shared by every task of this boot.
-        from flight.checkpoint.cadence import Cadence, WindowLog
 
         self.cadence = cadence or Cadence(getattr(engine_options, "cadence", "fixed"))
         self.cadence.started = self.started  # uptime counts from here, as the window log's does
@@ -432,6 +433,7 @@ class FlightApp(CommandHandlers):
         kills the process is counted like any other item (`engine:load`)."""
         import torch  # the engine's libraries load here, behind a link that is already up (run())
 
+        # lazy: torch/transformers (seconds): the payload answers the bus first (0.5 s budget)
         from flight.model.loader import load_model
 
         if getattr(self.options, "threads", None):
@@ -496,6 +498,7 @@ class FlightApp(CommandHandlers):
         return contents
 
     def _run_task(self, model, task) -> None:
+        # lazy: torch/transformers (seconds): the payload answers the bus first (0.5 s budget)
         from flight.engine import Engine
         from flight.model.inputs import InputError
 
@@ -515,7 +518,8 @@ class FlightApp(CommandHandlers):
             self.send(m.Started.about(request, task_id=task.task_id))
             self.event(
                 EventId.TASK_RESUMED if resumed else EventId.TASK_STARTED,
-                f"task {task.task_id} {'resumed after ' + str(task.interruptions) + ' cut(s)' if resumed else 'started'}",
+                f"task {task.task_id} "
+                f"{'resumed after ' + str(task.interruptions) + ' cut(s)' if resumed else 'started'}",
                 task.task_id,
             )
             try:
@@ -570,14 +574,13 @@ class FlightApp(CommandHandlers):
         return os.path.join(self._task_dir(task_id), "inputs.rec")
 
     def _inputs_key(self, task, model) -> dict:
-        from flight.model.config import processors_hash
-
         return {"task": task.content_hash, "model": model.content_hash, "processors": processors_hash(model.model_dir)}
 
     def _stored_inputs(self, task, model):
         """The task's preprocessed inputs as stored at its first start (TASK_INPUTS,
         docs/record-format.md), or None -- a resumed task needs no tokenizer, image processor or
         PIL before its last step."""
+        # lazy: torch/transformers (seconds): the payload answers the bus first (0.5 s budget)
         from flight.model.inputs import load_inputs
 
         inputs, why = load_inputs(self.fs, self._inputs_path(task.task_id), self._inputs_key(task, model))
@@ -587,9 +590,13 @@ class FlightApp(CommandHandlers):
 
     def _build_inputs(self, task, model, contents: list[bytes]):
         """Tokenize and process the task's verified images once, and store the result."""
+        # lazy: torch/transformers (seconds): the payload answers the bus first (0.5 s budget)
         from flight.model.inputs import build_inputs, decode_image, save_inputs
 
-        images = [decode_image(content, name, model.image_processor) for name, content in zip(task.images, contents)]
+        images = [
+            decode_image(content, name, model.image_processor)
+            for name, content in zip(task.images, contents, strict=True)
+        ]
         inputs = build_inputs(model.tokenizer, model.image_processor, images, task.prompt, model.adapter.image_token_id)
         del images
         try:

@@ -8,9 +8,12 @@ which dispatch turns into REJECTED. Handlers run on the main thread.
 from __future__ import annotations
 
 import shutil
+import threading
+from typing import TYPE_CHECKING, Any
 
-from common.wire import EventId, ResponseCode, WireError
+from common.wire import EventId, MessageType, ResponseCode, WireError
 from common.wire import messages as m
+from common.wire.fields import check_name
 from common.wire.ids import MAX_LISTED_ITEMS, MAX_LISTED_TASKS, MAX_REASON_BYTES
 from common.wire.text import clip_utf8
 
@@ -19,15 +22,41 @@ from .images import content_hash
 from .queue import CANCELLED, COMPLETED, FAILED, FINISHED
 from .results import DAMAGED, EVICTED
 
+if TYPE_CHECKING:
+    from common.wire import RequestRef
+    from flight.checkpoint.cadence import Cadence
+
+    from .health import Health
+    from .images import ImageStore
+    from .queue import TaskQueue
+
 MAX_QUEUED = 256
 
 
 class CommandHandlers:
     """Mixed into FlightApp; uses its queue, images, health, send, event, _accept."""
 
-    def _handler_table(self) -> dict:
-        from common.wire import MessageType
+    if TYPE_CHECKING:  # what FlightApp provides, declared for the type checker only
+        queue: TaskQueue
+        images: ImageStore
+        health: Health
+        cadence: Cadence
+        engine: Any
+        log: Any
+        current: dict[str, Any]
+        corrupt_images: dict[str, str]
+        cancel_requested: set[str]
+        work_available: threading.Event
 
+        def send(self, message: m.Message, on_sent=None) -> None: ...
+        def send_final_report(self, task) -> None: ...
+        def event(self, event_id: EventId, text: str, task_id: str | None = None) -> None: ...
+        def housekeeping(self) -> m.Housekeeping: ...
+        def _accept(self, request: RequestRef, **fields) -> None: ...
+        def _task_result(self, task) -> m.TaskResult: ...
+        def _task_dir(self, task_id: str) -> str: ...
+
+    def _handler_table(self) -> dict:
         return {
             MessageType.PING: self.on_ping,
             MessageType.STATUS: self.on_status,
@@ -258,8 +287,6 @@ class CommandHandlers:
 
     @staticmethod
     def _is_name(value: str) -> bool:
-        from common.wire.fields import check_name
-
         try:
             check_name(value, "task_id")
             return True

@@ -153,7 +153,7 @@ class Health:
 
     # ---- breadcrumb ----------------------------------------------------------------------------------
     def _read_inflight(self) -> list[str]:
-        items = []
+        items: list[str] = []
         try:
             with open(self.inflight_path, "rb") as f:
                 data = f.read(SLOTS * _SLOT_BYTES)

@@ -71,10 +71,14 @@ class ImageStore:
     def status(self, name: str) -> m.ImageStatus:
         with self._lock:
             if self.is_verified(name):
-                meta = self._meta(name) or {}
-                total = int(meta.get("total", 1))
+                verified = self._meta(name) or {}
+                total = int(verified.get("total", 1))
                 return m.ImageStatus.of(
-                    name, int(meta.get("size", self.fs.size(self.image_path(name)))), total, range(total), verified=True
+                    name,
+                    int(verified.get("size", self.fs.size(self.image_path(name)))),
+                    total,
+                    range(total),
+                    verified=True,
                 )
             meta = self._meta(name)
             if meta is None:
@@ -94,8 +98,8 @@ class ImageStore:
         name = chunk.image
         with self._lock:
             if self.is_verified(name):
-                meta = self._meta(name) or {}
-                if meta.get("sha256") not in (None, bytes(chunk.sha256)):
+                verified = self._meta(name) or {}
+                if verified.get("sha256") not in (None, bytes(chunk.sha256)):
                     raise WireError(ResponseCode.CHUNK_CONFLICT, f"image {name} already verified with other content")
                 return False
             d = self._dir(name)

@@ -18,6 +18,7 @@ def engine_stack() -> None:
     """Import what the inference worker needs (torch, transformers' model classes, the engine)."""
     import PIL.PngImagePlugin  # noqa: F401  (decoding the uplinked images)
 
+    # lazy: torch/transformers (seconds), only when the engine runs; the bus and `ow --help` never do
     import flight.engine  # noqa: F401  (torch, transformers' masks and caches, the adapters)
     import flight.model.inputs  # noqa: F401
     import flight.recovery.optimal  # noqa: F401

@@ -51,7 +51,7 @@ class Task:
     images: list[str]
     max_new_tokens: int
     priority: int
-    request: tuple[int, int, int, int]  # the UPLINK_TASK's (apid, source id, seq, type): reports refer to it
+    request: tuple[int, ...]  # 4 values, the UPLINK_TASK's (apid, source id, seq, type): reports refer to it
     content_hash: str
     order: int  # arrival order: ties in priority run first-come first-served
     state: str = QUEUED
@@ -123,10 +123,6 @@ class TaskQueue:
             results_dir or os.path.join(directory, "results"), self.fs, on_evict=on_evict, **results_kwargs
         )
         self._open()
-
-    @property
-    def recovered_bytes_dropped(self) -> int:
-        return self.damage.tail_bytes + self.damage.bytes_dropped
 
     # ---- journal: reading -----------------------------------------------------------------------
     def _open(self) -> None:
@@ -255,14 +251,15 @@ class TaskQueue:
             self._next_order = max(self._next_order, task.order + 1)
             return
         task_id = e.get("task_id")
-        task = self.tasks.get(task_id)
         if op == "reported" and task_id in legacy_finished:
             legacy_finished[task_id].reported = True
             return
-        if task is None:
+        found = self.tasks.get(task_id) if isinstance(task_id, str) else None
+        if found is None:
             if isinstance(task_id, str):
                 mentioned.add(task_id)  # an entry about a task whose own record was lost
             return
+        task, task_id = found, found.task_id  # tasks are filed under their own id
         if op == "priority":
             task.priority = int(e["priority"])
         elif op == "start":

@@ -28,7 +28,7 @@ def scene(kind, seed, n=160):
         img[:] = np.where(x[..., None] < 0.45, sea, land)
         img[(x > 0.43) & (x < 0.47)] = sand
         if kind == "harbor":
-            for i in range(7):
+            for _ in range(7):
                 r, c = rng.integers(20, n - 20), rng.integers(10, int(n * 0.35))
                 img[r : r + 3, c : c + 9] = [230, 230, 225]
             img[70:76, int(n * 0.3) : int(n * 0.5)] = [120, 120, 120]  # pier

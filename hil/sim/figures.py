@@ -18,6 +18,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
+import traces
 from flight.checkpoint.policies import Geometry
 
 from .lifecycle import Durable, RequestModel, trace_windows
@@ -35,8 +36,6 @@ COMPUTE_W, SSD_WRITE_W, SSD_WRITE_BYTES_PER_S = 30.0, 3.5, 1.5e9
 
 
 def trace_for(name: str, seed: int):
-    import traces
-
     return traces.load(name) if seed == 0 else traces.generate(name, seed=seed)
 
 

@@ -21,7 +21,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from flight.checkpoint.policies import Geometry, get_policy
+from flight.recovery.cost import BlockCosts
 from flight.recovery.plan import RecoveryProblem, make_plan
 from flight.recovery.simulate import simulate
 
@@ -336,9 +339,6 @@ class RequestModel:
     def _read_costs(self, plan, problem, origin: float, process_start: float):
         """The plan's read costs: record bytes at the storage's rate; with a token bucket (the
         testbench), charged in plan order from the process's start, burst included."""
-        import numpy as np
-
-        from flight.recovery.cost import BlockCosts
 
         c = self.costs
         kv = np.zeros((self.NG, self.NC))

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from flight.recovery.cost import ORIN_AGX_NVME, BlockCosts, CostModel, TargetDevice
 
 from .models import ModelSpec, Request
@@ -87,7 +89,6 @@ class Platform:
     def block_costs(self, groups, chunks) -> BlockCosts:
         """Compute and read costs of the prefill grid (the planner's BlockCosts shape); reads at
         the storage's bandwidth (the token bucket's burst is applied along the read order)."""
-        import numpy as np
 
         if self.prefill is not None:
             model = replace(

@@ -20,7 +20,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import traces
+from common.durable import DurableFS
 from flight.checkpoint.policies import Geometry
+from flight.model.inputs import build_inputs, load_image
+from hil import buslog as bl
 
 from .lifecycle import RequestModel, trace_windows
 from .models import Request, spec_from_dir
@@ -29,7 +33,6 @@ from .platform import testbench_platform
 
 def commit_latency(directory: str, records: int = 20, nbytes: int = 64 << 10) -> float:
     """Median seconds of one durable commit (write, fsync, rename, fsync dir) on this disk."""
-    from common.durable import DurableFS
 
     fs = DurableFS()
     times = []
@@ -52,7 +55,6 @@ def _flight_arg(args: list[str], name: str, default=None):
 
 def run_facts(run_dir: str) -> dict:
     """What a testbench run was given and what it measured, from its report and bus log."""
-    from hil import buslog as bl
 
     run = Path(run_dir)
     report = json.loads((run / "report.json").read_text())
@@ -76,12 +78,12 @@ def run_facts(run_dir: str) -> dict:
             boot_by_power_up[on] = s - on
     # The task's setup before its first unit (images, inputs, store scan): the first session that
     # reports a vision unit, from its STARTED to that report, less one unit (below).
-    first_progress, first_unit = None, None
+    first_unit = None
     for i, s in enumerate(started):
         end = started[i + 1] if i + 1 < len(started) else float("inf")
         first = next((e for e in mine if e.get("type") == "PROGRESS" and s < e.trace_s < end), None)
         if first is not None and first.get("phase") == "vision":
-            first_progress, first_unit = first.trace_s, first.trace_s - s
+            first_unit = first.trace_s - s
             break
     # A vision block of the small model on two 512 px images computes for longer than the pace on
     # a loaded machine: its time is measured as the payload ran it, from consecutive vision
@@ -123,7 +125,7 @@ def run_facts(run_dir: str) -> dict:
 
 
 def request_for(model_dir: str, images, prompt: str, max_new_tokens: int) -> Request:
-    from flight.model.inputs import build_inputs, load_image
+    # lazy: torch/transformers (seconds), only when the engine runs; the bus and `ow --help` never do
     from flight.model.loader import load_model
 
     model = load_model(model_dir, device="cpu")
@@ -143,7 +145,6 @@ def simulate_run(
     boot_trace_s: float | None = None,
 ) -> dict:
     """Predict one testbench run's end-to-end time (trace seconds)."""
-    import traces
 
     scale = facts["time_scale"]
     args = facts["flight_args"]

@@ -60,9 +60,9 @@ def test_cuts_warnings_and_power_ups_land_at_the_scaled_trace_times(tmp_path, ke
     ons, offs, warnings = by_kind(log, bl.POWER_ON), by_kind(log, bl.POWER_OFF), by_kind(log, bl.WARNING)
     assert [e["cause"] for e in offs] == ["thermal", "fdir", "trace"]
     assert [e["origin"] for e in offs] == ["trace", "trace", "end"]
-    for entry, trace_s in zip(ons, [0, 12, 21], strict=False):
+    for entry, trace_s in zip(ons, [0, 12, 21], strict=True):
         assert abs(entry.wall_s - trace_s * scale) < ON_TIME_S, (entry, trace_s)
-    for entry, trace_s in zip(offs, [10, 19, 28], strict=False):
+    for entry, trace_s in zip(offs, [10, 19, 28], strict=True):
         assert abs(entry.wall_s - trace_s * scale) < ON_TIME_S, (entry, trace_s)
     # One warning from the trace; a payload that connects during the lead gets it again then.
     warning, *repeats = warnings

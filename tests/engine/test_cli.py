@@ -20,7 +20,7 @@ def ow(*args, timeout=120):
 
 def _one_line_error(proc, code, fragment):
     assert proc.returncode == code, (proc.returncode, proc.stderr)
-    lines = [l for l in proc.stderr.splitlines() if l.startswith("ow ")]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("ow ")]
     assert len(lines) == 1 and fragment in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
 

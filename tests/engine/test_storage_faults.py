@@ -181,7 +181,7 @@ def test_simulated_crashes_never_yield_an_accepted_wrong_state(model_dirs, refer
         if trial % 2:
             fs2 = CrashFS(ckpt, cut_at_step=int(rng.integers(1, 20)))
             fs2.current = {p: fs2._new_inode(open(p, "rb").read()) for p in _files(ckpt)}
-            for p, ino in fs2.current.items():
+            for ino in fs2.current.values():
                 fs2.inodes[ino].durable = fs2.inodes[ino].current
             fs2.durable = dict(fs2.current)
             fs2.dirs_current = {ckpt, os.path.join(ckpt, "prefill")}

@@ -110,7 +110,7 @@ def test_eight_maximal_uploads_stay_within_one_decode_budget(tmp_path, model_dir
             for chunk in m.ImageChunk.split(name, content, chunk_bytes=60 * 1024):
                 seq = bus.command(chunk)
                 reply = bus.wait_for(
-                    lambda h, x: isinstance(x, (m.Accepted, m.Rejected)) and x.tc_seq == seq, timeout=120
+                    lambda h, x, seq=seq: isinstance(x, (m.Accepted, m.Rejected)) and x.tc_seq == seq, timeout=120
                 )[1]
                 assert isinstance(reply, m.Accepted), reply
             names.append(name)

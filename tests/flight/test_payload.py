@@ -47,7 +47,7 @@ def flight(bus, tmp_path, model_dirs):
 def _upload(bus, name, content):
     for chunk in m.ImageChunk.split(name, content, chunk_bytes=4096):
         seq = bus.command(chunk)
-        bus.wait_for(lambda h, msg: isinstance(msg, (m.Accepted, m.Rejected)) and msg.tc_seq == seq)
+        bus.wait_for(lambda h, msg, seq=seq: isinstance(msg, (m.Accepted, m.Rejected)) and msg.tc_seq == seq)
 
 
 def test_task_round_trip_and_bad_input(bus, flight, tmp_path, model_dirs):
@@ -72,7 +72,7 @@ def test_task_round_trip_and_bad_input(bus, flight, tmp_path, model_dirs):
     }
     for code, msg in cases.items():
         s = bus.command(msg)
-        rep = bus.wait_for(lambda h, x: isinstance(x, m.Rejected) and x.tc_seq == s)[1]
+        rep = bus.wait_for(lambda h, x, s=s: isinstance(x, m.Rejected) and x.tc_seq == s)[1]
         assert rep.code == code
     bad_crc = bytearray(encode(m.Ping(key=1), Apid.PAYLOAD, bus.counter.next(Apid.PAYLOAD), source_id=NodeId.GROUND))
     bad_crc[-1] ^= 0xFF

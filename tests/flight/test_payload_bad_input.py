@@ -136,7 +136,7 @@ def test_each_bad_input_has_its_own_code_and_nothing_is_lost(payload):
         mark = len(bus.received)
         bus.raw(packet)
         rejected = bus.wait_for(
-            lambda h, x: isinstance(x, m.Rejected) and (seq is None or x.tc_seq == seq), timeout=30, start=mark
+            lambda h, x, seq=seq: isinstance(x, m.Rejected) and (seq is None or x.tc_seq == seq), timeout=30, start=mark
         )[1]
         codes[name] = rejected.code
         assert rejected.code == expected, (name, rejected.code.name, rejected.reason)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from traces import CutCause, load, shipped_path
-from traces.format import dumps
+from traces.format import dumps, trace_problems
 from traces.importers import bupt1
 from traces.importers.bupt1 import Bupt1DataError, Bupt1Import, default_data_dir, import_bupt1
 
@@ -126,5 +126,5 @@ def test_missing_folder_is_reported(tmp_path: Path):
 @needs_data
 def test_excerpt_start_is_a_parameter():
     later = import_bupt1(DATA, Bupt1Import(overheat_from_min=500.0))
-    assert later.problems() == []
+    assert trace_problems(later) == []
     assert later.duration_s == pytest.approx(bupt1.ENERGY_SEGMENT_S + (552.95 - 500) * 60, abs=1)

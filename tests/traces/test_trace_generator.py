@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from itertools import pairwise
 
 import pytest
 
 from traces import CutCause, Trace
+from traces.format import dumps, trace_problems
 from traces.generator import (
     BUPT1_PACK_OCV,
     SAT1_TAU_S,
@@ -86,7 +88,7 @@ def test_battery_drains_in_eclipse_and_brown_out_thresholds_hold():
     assert len(intervals) == 3
     for start, end in intervals:
         # No harvest in eclipse: the state of charge can only fall (allow equal rounded values).
-        assert all(b <= a for a, b in zip(soc[start + 1 : end], soc[start + 2 : end]))
+        assert all(b <= a for a, b in pairwise(soc[start + 1 : end]))
         assert soc[end - 1] < soc[start]
     power_cuts = [c for c in trace.cuts() if c.cause is CutCause.POWER]
     assert len(power_cuts) >= 3
@@ -95,7 +97,7 @@ def test_battery_drains_in_eclipse_and_brown_out_thresholds_hold():
         assert config.power.soc_off - 0.01 <= at_cut <= config.power.soc_off + 0.005
         assert cut.warning_lead_s == config.power.warning_lead_s
     windows = trace.windows()
-    for before, after in zip(windows, windows[1:]):
+    for before, after in pairwise(windows):
         if before.cut_cause is CutCause.POWER:  # back on only once recharged to soc_on
             assert soc[int(after.start_s)] >= config.power.soc_on - 0.0005
 
@@ -131,9 +133,9 @@ def test_payload_heats_from_45_to_55_in_48_s_and_is_cut_there():
         expected = SAT1_TAU_S * math.log((75 - start) / (75 - 55))
         assert abs(window.length_s - expected) <= 1.2
     # Off, the payload cools towards the 25 C structure and restarts at 45 C.
-    for before, after in zip(windows, windows[1:]):
+    for before, after in pairwise(windows):
         cooling = temps[int(before.end_s) + 1 : int(after.start_s) + 1]
-        assert all(b < a for a, b in zip(cooling, cooling[1:]))
+        assert all(b < a for a, b in pairwise(cooling))
         assert cooling[-1] <= 45.0 < cooling[-2]
     # Thermal cut frequency: one heat/cool cycle of 48 s + 48 s (symmetric around 25 / 75 C).
     cycle = (windows[-1].end_s - windows[1].end_s) / (len(windows) - 2)
@@ -166,7 +168,7 @@ def test_fdir_rate_matches_its_parameter_over_a_long_run():
     mean = sum(lengths) / len(lengths)
     assert abs(mean - (1 / rate + 0.5)) <= 4 * (1 / rate) / math.sqrt(len(lengths))
     assert all(c.warning_lead_s == 0 for c in trace.cuts())
-    gaps = {after.start_s - before.end_s for before, after in zip(trace.windows(), trace.windows()[1:])}
+    gaps = {after.start_s - before.end_s for before, after in pairwise(trace.windows())}
     assert gaps == {10.0}
 
 
@@ -199,7 +201,7 @@ def test_contention_cuts_at_scheduled_windows_with_their_lead():
 def test_same_seed_same_trace_other_seed_other_trace(kind: str):
     a = generate(kind, seed=123, duration_s=3000)
     b = generate(kind, seed=123, duration_s=3000)
-    assert a.dumps() == b.dumps()
+    assert dumps(a) == dumps(b)
     if PRESETS[kind].fdir.rate_per_s > 0 and kind != "sat1-like":
         assert generate(kind, seed=124, duration_s=3000).events != a.events
 
@@ -208,7 +210,7 @@ def test_same_seed_same_trace_other_seed_other_trace(kind: str):
 @pytest.mark.parametrize("seed,duration", [(7, 1), (8, 37), (9, 2500)])
 def test_generated_traces_are_valid_for_any_seed_and_length(kind: str, seed: int, duration: int):
     trace = generate(kind, seed=seed, duration_s=duration)
-    assert trace.problems() == []
+    assert trace_problems(trace) == []
     assert trace.duration_s == duration and len(trace.telemetry) == duration + 1
 
 

@@ -133,7 +133,7 @@ def _await_node(tmp, name, proc, relaunch):
     """Wait until a node runs. `ray start` gives a raylet 30 s (fixed) to register with the GCS; on
     a loaded machine that can pass, so a node that gave up is started again (3 tries in all)."""
     log = tmp / f"{name}.log"
-    for attempt in range(3):
+    for _attempt in range(3):
         deadline = time.time() + 300
         while time.time() < deadline and proc.poll() is None:
             if "Ray runtime started" in log.read_text():

@@ -5,6 +5,8 @@ checks are exact, not statistical: they replay each checked plan with seeds the 
 saw and require every model to meet 98 %.
 """
 
+from itertools import pairwise
+
 import pytest
 
 from common.vla import sim
@@ -34,7 +36,7 @@ def controller(profile):
 def test_colocation_limits_fall_with_models_per_gpu(controller):
     smol, pi0 = controller.limits["smolvla"], controller.limits["pi0"]
     assert controller.limits["smolvla-ft2"] == smol  # variants share their architecture's table
-    assert all(a >= b for a, b in zip(smol, smol[1:])) and all(a >= b for a, b in zip(pi0, pi0[1:]))
+    assert all(a >= b for a, b in pairwise(smol)) and all(a >= b for a, b in pairwise(pi0))
     # Four SmolVLA variants are far from four times a quarter of one model's robots (paper's load
     # model): the per-GPU limit with two variants is well under the single-model one.
     assert smol[1] < 0.75 * smol[0]
@@ -47,7 +49,7 @@ def _replay(profile, robots, plan, seed):
 
 CASES = [  # (name, placement, robots, does a plan within the limits exist)
     ("4 SmolVLA variants x 8 on 2 GPUs", Placement.colocate(SMOL, 2), {m: 8 for m in SMOL}, True),
-    ("pi0 (8, 8, 8, 24) on 4 GPUs", Placement.colocate(PI0, 4), dict(zip(PI0, (8, 8, 8, 24))), False),
+    ("pi0 (8, 8, 8, 24) on 4 GPUs", Placement.colocate(PI0, 4), dict(zip(PI0, (8, 8, 8, 24), strict=True)), False),
     ("8 models x 3, groups", Placement.parse("pi0*:0,1;smolvla*:2,3", PI0 + SMOL, 4), {m: 3 for m in PI0 + SMOL}, True),
     ("8 models x 3, mix", Placement.colocate(PI0 + SMOL, 4), {m: 3 for m in PI0 + SMOL}, True),
 ]

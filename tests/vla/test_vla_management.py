@@ -134,7 +134,7 @@ def test_paper_figure5_concentrates_a_model_and_splits_only_when_needed():
 
 def test_smg_and_eps_as_read():
     pl = Placement.colocate(["p", "q", "r", "s"], 4)
-    robots = dict(zip("pqrs", (8, 8, 8, 24)))
+    robots = dict(zip("pqrs", (8, 8, 8, 24), strict=True))
     limits = {m: 16 for m in robots}
     smg, eps, ilp = assign_smg(pl, robots, limits), assign_eps(pl, robots, limits), assign_ilp(pl, robots, limits)
     assert smg.splits == 4 and not smg.feasible and smg.counts[("s", 3)] == 24  # one home GPU per model

@@ -35,7 +35,7 @@ def test_padded_fixed_batches_do_not_change_a_request(policies, arch):
     inputs = [p.prepare(example_observation(i)) for i in range(3)]
     alone = [p.run_adit(p.run_vlm([x], 1), [x], 1)[0] for x in inputs]
     batched = p.run_adit(p.run_vlm(inputs, 4), inputs, 4)  # 3 real rows + 1 pad row
-    for a, b in zip(alone, batched):
+    for a, b in zip(alone, batched, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-4)
 
 

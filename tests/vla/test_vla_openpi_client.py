@@ -2,8 +2,8 @@
 
 openpi-client pins numpy<2 (this project uses numpy 2), so it gets its own virtual
 environment, built once from the package registry and cached in `.venv-openpi/` at the
-repository root (override with OW_OPENPI_VENV); the registry is reached only to build it. The client runs there, the server is a real
-`ow vla serve` process here, and they talk over 127.0.0.1.
+repository root (override with OW_OPENPI_VENV); the registry is reached only to build it. The
+client runs there, the server is a real `ow vla serve` process here, and they talk over 127.0.0.1.
 """
 
 import json
@@ -24,7 +24,8 @@ from openpi_client.websocket_client_policy import WebsocketClientPolicy
 port = int(sys.argv[1])
 rng = np.random.default_rng(0)
 def frame():
-    return image_tools.convert_to_uint8(image_tools.resize_with_pad(rng.integers(0, 256, (256, 320, 3), dtype=np.uint8), 224, 224))
+    raw = rng.integers(0, 256, (256, 320, 3), dtype=np.uint8)
+    return image_tools.convert_to_uint8(image_tools.resize_with_pad(raw, 224, 224))
 obs = {"observation/image": frame(), "observation/wrist_image": frame(),
        "observation/state": rng.standard_normal(8), "prompt": "put the black bowl on the plate"}
 out = {"numpy": np.__version__}

@@ -89,9 +89,11 @@ def test_engine_results_match_the_unbatched_model(policies):
     )
     obs = [example_observation(i) for i in range(6)]
     with engine:
-        futs = [engine.submit(m, engine.policies[m].prepare(o)) for m, o in zip(["pi0", "smolvla"] * 3, obs)]
+        futs = [
+            engine.submit(m, engine.policies[m].prepare(o)) for m, o in zip(["pi0", "smolvla"] * 3, obs, strict=True)
+        ]
         results = [f.result(timeout=60) for f in futs]
-    for (m, o), r in zip(zip(["pi0", "smolvla"] * 3, obs), results):
+    for (m, o), r in zip(zip(["pi0", "smolvla"] * 3, obs, strict=True), results, strict=True):
         np.testing.assert_allclose(r.actions, engine.policies[m].infer(o), atol=1e-4)
         assert r.total_ms >= r.vlm_done_ms > 0
     assert engine.stats.served == 6 and engine.stats.locksteps >= 3

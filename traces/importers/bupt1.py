@@ -57,6 +57,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from traces.generator import BUPT1_PACK_OCV
 from traces.importers.csv_import import CsvImport, CsvImportError, Imported, import_csv
@@ -103,7 +104,7 @@ class Bupt1Import:
 def preset(params: Bupt1Import = Bupt1Import()) -> list[tuple[tuple[str, ...], CsvImport]]:
     """The generic importer's files and column mapping for each segment, in trace order (the
     same as the `ow hil trace-import-csv` commands in docs/trace-format.md section 10)."""
-    common = dict(
+    common: dict[str, Any] = dict(
         current="I_Atlas200DK-B",
         on_above_ma=params.payload_on_threshold_ma,
         payload_volts=params.payload_rail_v,
@@ -240,7 +241,10 @@ def import_bupt1_reported(
                     "trace_start_s": ENERGY_SEGMENT_S,
                     "trace_end_s": offset,
                     "from": f"{OVERHEAT_POWER}, {OVERHEAT_TEMPERATURE}",
-                    "log_time": f"test minutes {params.overheat_from_min:g}-{params.overheat_from_min + overheat.duration_s / 60:.1f}",
+                    "log_time": (
+                        f"test minutes {params.overheat_from_min:g}-"
+                        f"{params.overheat_from_min + overheat.duration_s / 60:.1f}"
+                    ),
                 },
             ],
             "battery_curve_soc_v": [list(point) for point in BUPT1_PACK_OCV],

@@ -29,9 +29,11 @@ import math
 import os
 import re
 import statistics
+import time
 from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from itertools import pairwise
 from pathlib import Path
 
 from traces.format import NAME_PATTERN
@@ -287,7 +289,7 @@ def _row_times(path: Path, rows: list, params: CsvImport, warnings: _Warnings) -
     """Raw time of each row (repeats spread when asked); the end of the data in raw seconds.
     Stops at time going backward; warns about repeats, gaps and uneven rows per stamp."""
     times = [raw for _, raw, _, _ in rows]
-    for (line_a, a, _, _), (line_b, b, _, _) in zip(rows, rows[1:]):
+    for (line_a, a, _, _), (line_b, b, _, _) in pairwise(rows):
         if b < a:
             raise CsvImportError(
                 f"{path}:{line_b}: time goes backward: {params.time} is at {b:g} s here but at {a:g} s on line {line_a}"
@@ -310,7 +312,7 @@ def _row_times(path: Path, rows: list, params: CsvImport, warnings: _Warnings) -
                 )
             for j in range(count):
                 spread[first + j] = times[first] + j * resolution / count
-        for (line_a, _, _, _), (line_b, _, _, _), a, b in zip(rows, rows[1:], spread, spread[1:]):
+        for ((line_a, _, _, _), (line_b, _, _, _)), (a, b) in zip(pairwise(rows), pairwise(spread), strict=True):
             if b <= a:
                 raise CsvImportError(
                     f"{path}:{line_b}: time goes backward: the rows spread over the stamp of "
@@ -331,7 +333,7 @@ def _row_times(path: Path, rows: list, params: CsvImport, warnings: _Warnings) -
         end = times[last_first] + rows[last_first][2]
         times = spread
     else:
-        for (line_a, a, _, _), (line_b, b, _, _) in zip(rows, rows[1:]):
+        for (line_a, a, _, _), (line_b, b, _, _) in pairwise(rows):
             if b == a:
                 warnings.add(
                     path,
@@ -340,10 +342,10 @@ def _row_times(path: Path, rows: list, params: CsvImport, warnings: _Warnings) -
                     f"same time stamp as line {line_a}: the later row is the reading at that time "
                     "(--spread-repeats takes such rows as evenly spaced samples)",
                 )
-    steps = [b - a for a, b in zip(times, times[1:]) if b > a]
+    steps = [b - a for a, b in pairwise(times) if b > a]
     if steps:
         limit = params.max_gap_s if params.max_gap_s is not None else 2 * statistics.median(steps)
-        for (line_a, _, _, _), (line_b, _, _, _), a, b in zip(rows, rows[1:], times, times[1:]):
+        for ((line_a, _, _, _), (line_b, _, _, _)), (a, b) in zip(pairwise(rows), pairwise(times), strict=True):
             if b - a > limit + 1e-9:
                 warnings.add(
                     path,
@@ -400,12 +402,12 @@ def _load(
     origin = min(times[0] for *_, times, _ in parsed) if params.time_unit in ("unix", "datetime") else 0.0
     readings: dict[str, list[_Reading]] = {channel: [] for channel in channels}
     ends = []
-    for path, header, rows, times, end in parsed:
+    for path, _header, rows, times, end in parsed:
         mine = [channel for channel in channels if found[channel] == path]
         if not mine:
             continue  # a file none of whose columns is used
         ends.append(_to_log_time(end, params.time_unit, origin))
-        for (line, _, _, cells), raw in zip(rows, times):
+        for (line, _, _, cells), raw in zip(rows, times, strict=True):
             t = _to_log_time(raw, params.time_unit, origin)
             for channel in mine:
                 column = channels[channel]
@@ -602,8 +604,6 @@ def _unit_seconds(unit: str) -> float:
 
 
 def _utc(epoch: float) -> str:
-    import time
-
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(epoch))
 
 
