@@ -163,7 +163,8 @@ def main(argv=None) -> int:
 
     from flight.checkpoint.policies import Geometry
     from flight.model.loader import load_model
-    from flight.recovery.cost import ModelDims, calibrate, native_and_emulated
+    from flight.calibration import calibrate
+    from flight.recovery.cost import ModelDims, native_and_emulated
 
     model_dir = ensure_model("small")
     images = ensure_images(4, 512)

@@ -29,12 +29,12 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
+from flight.calibration import calibrate  # noqa: E402
 from flight.recovery import optimal as optimal_module  # noqa: E402
 from flight.recovery.cost import (
     MODELS,
     ORIN_AGX_NVME,
     CostModel,
-    calibrate,
     even_chunks,
     even_groups,  # noqa: E402
     native_and_emulated,
