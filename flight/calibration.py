@@ -5,8 +5,8 @@ Above the engine (it runs `Engine` on real blocks), so that the cost model the e
 cache (flight/recovery/calibration_cache.py), where the engine finds it at plan time
 (docs/recovery.md §6).
 
-    calibrate()        measure (or take from the cache) this machine's CostModel for a model
-    cost_model_for()   the CostModel to plan with; `measure=True` calibrates on a cache miss
+    calibrate()   measure (or take from the cache) this machine's CostModel for a model; then
+                  flight.recovery.calibration_cache.cost_model_for(model) plans with it
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from flight.model.inputs import build_inputs
 from flight.model.loader import load_model
 from flight.model.tiny import vocabulary
 from flight.recovery import calibration_cache
-from flight.recovery.cost import REFERENCE_CHUNK, CostModel, ModelDims, TargetDevice, model_bytes
+from flight.recovery.cost import CostModel, ModelDims, model_bytes
 
 
 def _drop_page_cache(path: str) -> None:
@@ -190,25 +190,3 @@ def calibrate(
     )
     calibration_cache.store(key, measured.to_json())
     return measured
-
-
-def cost_model_for(
-    model,
-    *,
-    emulate: TargetDevice | None = None,
-    group: int = 4,
-    chunk: int = REFERENCE_CHUNK,
-    scratch_dir: str | None = None,
-    measure: bool = False,
-) -> CostModel:
-    """The CostModel recovery should plan with for a loaded model: the cached calibration of this
-    model on this machine if there is one (or a fresh one when `measure`), else the model's byte
-    counts at the target device's rates (flight.recovery.calibration_cache.cost_model_for). With
-    `emulate`, the target-emulated version (reads throttled to the target's read-to-compute ratio)."""
-    scratch_dir = scratch_dir or tempfile.gettempdir()
-    native = calibration_cache.cached(calibration_cache.model_key(model, scratch_dir))
-    if native is None and measure:
-        native = calibrate(model=model, group=group, scratch_dir=scratch_dir)
-    return calibration_cache.cost_model_for(
-        model, emulate=emulate, group=group, chunk=chunk, scratch_dir=scratch_dir, native=native
-    )

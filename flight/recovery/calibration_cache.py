@@ -93,7 +93,7 @@ def cost_model_for(
     cached calibration of this model on this machine (or `native`, a calibration in hand) if
     there is one, else the model's byte counts at the target device's rates. With `emulate`, the
     target-emulated version (reads throttled to the target's read-to-compute ratio). Never
-    measures: that is flight.calibration.calibrate."""
+    measures: calibrate first (flight.calibration.calibrate) to plan with this machine's rates."""
     scratch_dir = scratch_dir or tempfile.gettempdir()
     key = model_key(model, scratch_dir)
     if native is None:

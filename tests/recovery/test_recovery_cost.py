@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from flight import calibration
-from flight.calibration import cost_model_for
 from flight.recovery import calibration_cache, cost
+from flight.recovery.calibration_cache import cost_model_for
 from flight.recovery.cost import (
     MODELS,
     ORIN_AGX_NVME,
