@@ -3,8 +3,9 @@
 The boot path: the bus execs this and expects the payload's link up within 0.5 s, so this module
 imports only what parsing needs (flight/cli_options.py, no torch). `cmd_run` asks the kernel to
 page in the weights first and then imports the logging and the onboard process (structlog,
-ZeroMQ, the wire codecs: about 0.1-0.2 s here), so that the reads overlap those imports; the
-engine's libraries (torch, transformers) load later on the worker thread (flight/runtime/preload.py).
+ZeroMQ, the wire codecs: most of the boot's import time), so that the reads overlap those imports;
+the engine's libraries (torch, transformers) load later on the worker thread
+(flight/runtime/preload.py).
 """
 
 from __future__ import annotations
