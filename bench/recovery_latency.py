@@ -35,7 +35,7 @@ import time
 from bench.engine_overhead import ensure_images, ensure_model
 from common.durable import ThrottledFS
 from flight.checkpoint.policies import Geometry, get_policy
-from flight.recovery.cost import ModelDims, calibrate, native_and_emulated
+from flight.recovery.cost import ModelDims, native_and_emulated
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -167,6 +167,7 @@ def main(argv=None) -> int:
 
     # lazy: torch/transformers (seconds): the parent only spawns and times the children
     from flight.model.loader import load_model
+    from flight.calibration import calibrate
 
     model_dir = ensure_model("small")
     images = ensure_images(4, 512)

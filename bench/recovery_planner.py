@@ -27,12 +27,12 @@ import sys
 import time
 
 from bench.engine_overhead import ensure_model
+from flight.calibration import calibrate
 from flight.recovery import optimal as optimal_module
 from flight.recovery.cost import (
     MODELS,
     ORIN_AGX_NVME,
     CostModel,
-    calibrate,
     even_chunks,
     even_groups,
     native_and_emulated,

@@ -1,6 +1,9 @@
-"""`ow model ...` and `ow infer ...` (and `ow flight ...` from flight.runtime).
+"""`ow model ...` and `ow infer ...` (and `ow flight ...` from flight.runtime.cli).
 
-Heavy imports (torch, transformers) happen inside the command functions so `ow --help` is fast.
+The options and exit codes `ow infer` shares with `ow flight run` are in flight/cli_options.py.
+torch, transformers and the model code are imported inside the command functions that use
+them: they take seconds to import, and `ow --help` (every component's parser is built) and
+`ow flight run` (which must answer the bus within a fraction of a second) need none of them.
 """
 
 from __future__ import annotations
@@ -10,7 +13,22 @@ import json
 import os
 import sys
 
-EXIT_OK, EXIT_USAGE, EXIT_MODEL, EXIT_INPUT = 0, 2, 3, 4
+from common import log as owlog
+from common.errors import CliError
+from common.imagecheck import ProcessorLimits
+from flight.runtime import cli as runtime_cli
+
+from .cli_options import (  # noqa: F401  (EXIT_*: re-exported, the codes `ow infer` documents)
+    EXIT_INPUT,
+    EXIT_MODEL,
+    EXIT_OK,
+    EXIT_USAGE,
+    add_engine_arguments,
+    engine_options,
+    policy_overrides,
+    report_overrides,
+    storage_for,
+)
 
 
 def register(sub) -> None:
@@ -70,171 +88,11 @@ def register(sub) -> None:
     infer.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     infer.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     infer.set_defaults(func=cmd_infer)
-
-    import importlib.util
-
-    if importlib.util.find_spec("flight.runtime.cli") is not None:
-        from flight.runtime import cli as runtime_cli
-
-        runtime_cli.register(sub)
-
-
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    from flight.checkpoint.policies import POLICIES
-
-    g = p.add_argument_group("engine")
-    g.add_argument(
-        "--policy",
-        default="orbitweaver",
-        choices=sorted(POLICIES),
-        help="checkpoint policy (default orbitweaver; none = no checkpoints)",
-    )
-    g.add_argument("--chunk", type=int, default=1024, metavar="C", help="prompt tokens per prefill chunk (1024)")
-    g.add_argument("--group", type=int, default=4, metavar="G", help="decoder layers per prefill block (4)")
-    g.add_argument("--decode-every", type=int, default=16, metavar="D", help="decode steps per record (16)")
-    g.add_argument("--vision-every", type=int, default=4, metavar="K", help="vision blocks per vision checkpoint (4)")
-    g.add_argument("--planner", default="chunk-first", help="recovery planner (chunk-first, layer-first, ...)")
-    g.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when present, else cpu")
-    g.add_argument(
-        "--dtype",
-        default=None,
-        choices=["float32", "bfloat16", "float16"],
-        help="compute dtype (default: the checkpoint's)",
-    )
-    g.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation (sdpa)")
-    g.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's; pinned per request)")
-    g.add_argument(
-        "--decode-kv-compression",
-        choices=["none", "int8"],
-        default="none",
-        help="int8: quantise the KV in decode checkpoints (smaller, faster decode-phase recovery). "
-        "GIVES UP BITWISE IDENTITY: after a resume in decode the answer may differ from an "
-        "uninterrupted run. Off by default",
-    )
-    g.add_argument(
-        "--emulate-read-mbps",
-        type=float,
-        default=None,
-        metavar="MB/S",
-        help="throttle checkpoint reads to this bandwidth (emulate a target's storage)",
-    )
-    g.add_argument(
-        "--emulate-weight-read-mbps",
-        type=float,
-        default=None,
-        metavar="MB/S",
-        help="throttle model weight reads to this bandwidth (emulate a target's storage)",
-    )
-    g.add_argument(
-        "--emulate-write-mbps",
-        type=float,
-        default=None,
-        metavar="MB/S",
-        help="throttle checkpoint writes to this bandwidth (emulate a target's storage)",
-    )
-    g.add_argument(
-        "--pace-ms",
-        type=float,
-        default=0.0,
-        help="stretch each block/step to at least this many ms (emulates a slower payload)",
-    )
-    g.add_argument(
-        "--cadence",
-        choices=["fixed", "adaptive"],
-        default="fixed",
-        help="fixed: a decode record every D steps, a vision state every K blocks (the paper's); "
-        "adaptive: also a record early when a cut is likely before the next one, from bus "
-        "warnings, telemetry trends and the window lengths seen since launch (orbitweaver only; "
-        "docs/engine.md)",
-    )
-    g.add_argument(
-        "--thermal-limit-c",
-        type=float,
-        default=None,
-        metavar="C",
-        help="adaptive cadence: payload temperature at which the bus cuts (default 55)",
-    )
-    g.add_argument(
-        "--soc-cutoff",
-        type=float,
-        default=None,
-        metavar="FRACTION",
-        help="adaptive cadence: battery state of charge at which the bus cuts (default 0.40)",
-    )
-
-
-def engine_options(args):
-    from common.cli import CliError
-    from flight.checkpoint.policies import Geometry
-    from flight.recovery.plan import PLANNERS
-
-    for name in ("chunk", "group", "decode_every", "vision_every"):
-        if getattr(args, name) < 1:
-            raise CliError(f"--{name.replace('_', '-')} must be at least 1", EXIT_USAGE)
-    if args.planner not in PLANNERS:
-        raise CliError(f"unknown --planner {args.planner!r}; choose from {', '.join(sorted(PLANNERS))}", EXIT_USAGE)
-    if args.threads is not None and args.threads < 1:
-        raise CliError("--threads must be at least 1", EXIT_USAGE)
-    if args.cadence == "adaptive" and args.policy != "orbitweaver":
-        raise CliError(
-            f"--cadence adaptive is orbitweaver's; the {args.policy} baseline keeps the cadence its "
-            f"definition gives (docs/baselines.md)",
-            EXIT_USAGE,
-        )
-    if args.soc_cutoff is not None and not 0 <= args.soc_cutoff <= 1:
-        raise CliError("--soc-cutoff must be a fraction between 0 and 1", EXIT_USAGE)
-    from flight.options import EngineOptions
-
-    return EngineOptions(
-        geometry=Geometry(args.chunk, args.group, args.decode_every, args.vision_every),
-        policy=args.policy,
-        planner=args.planner,
-        pace_ms=args.pace_ms,
-        threads=args.threads,
-        decode_kv_compression=args.decode_kv_compression,
-        cadence=args.cadence,
-    )
-
-
-def cadence_for(args, windows: list[float] | None = None, started: float | None = None):
-    """The cadence of a process run with these arguments (limits from the command line)."""
-    from flight.checkpoint import cadence as c
-
-    return c.Cadence(
-        args.cadence,
-        windows,
-        started=started,
-        thermal_limit_c=c.DEFAULT_THERMAL_LIMIT_C if args.thermal_limit_c is None else args.thermal_limit_c,
-        soc_cutoff=c.DEFAULT_SOC_CUTOFF if args.soc_cutoff is None else args.soc_cutoff,
-    )
-
-
-def storage_for(args):
-    """(file layer, weight-read hook): plain, or throttled to emulate a target device's storage."""
-    from common.cli import CliError
-    from common.durable import DurableFS, ThrottledFS, TokenBucket
-
-    read, write = getattr(args, "emulate_read_mbps", None), getattr(args, "emulate_write_mbps", None)
-    weights = getattr(args, "emulate_weight_read_mbps", None)
-    for name, value in (
-        ("--emulate-read-mbps", read),
-        ("--emulate-write-mbps", write),
-        ("--emulate-weight-read-mbps", weights),
-    ):
-        if value is not None and value <= 0:
-            raise CliError(f"{name} must be positive", EXIT_USAGE)
-    fs = (
-        DurableFS()
-        if read is None and write is None
-        else ThrottledFS(read * 1e6 if read else None, write * 1e6 if write else None)
-    )
-    hook = TokenBucket(weights * 1e6).take if weights else None
-    return fs, hook
+    runtime_cli.register(sub)
 
 
 def cmd_build_tiny(args) -> int:
-    from common.cli import CliError
-    from flight.model.tiny import build_tiny
+    from flight.model.tiny import build_tiny  # torch: seconds to import (module docstring)
 
     try:
         summary = build_tiny(args.arch, args.size, args.seed, args.out, args.dtype)
@@ -245,8 +103,7 @@ def cmd_build_tiny(args) -> int:
 
 
 def cmd_model_info(args) -> int:
-    from common.cli import CliError
-    from flight.model.loader import ModelError, load_model
+    from flight.model.loader import ModelError, load_model  # torch, transformers (module docstring)
 
     try:
         m = load_model(args.model, device="cpu")
@@ -272,9 +129,6 @@ def cmd_model_info(args) -> int:
 
 
 def cmd_infer(args) -> int:
-    from common import log as owlog
-    from common.cli import CliError
-
     owlog.setup(args.log_level, component="infer")
     logger = owlog.get()
     if args.max_new_tokens < 1:
@@ -286,6 +140,7 @@ def cmd_infer(args) -> int:
     if os.path.exists(args.ckpt_dir) and not os.path.isdir(args.ckpt_dir):
         raise CliError(f"--ckpt-dir exists and is not a directory: {args.ckpt_dir}", EXIT_USAGE)
 
+    # torch, transformers and the model code: seconds to import (module docstring).
     import torch
 
     from flight.engine import Engine
@@ -294,8 +149,6 @@ def cmd_infer(args) -> int:
 
     if options.threads:
         torch.set_num_threads(options.threads)
-    from common.imagecheck import ProcessorLimits
-
     try:  # decoded as the payload decodes uploads, before the model loads: bad input fails fast
         images = [load_image(p, ProcessorLimits.of_model_dir(args.model)) for p in args.image]
     except InputError as exc:
@@ -307,6 +160,10 @@ def cmd_infer(args) -> int:
         )
     except ModelError as exc:
         raise CliError(str(exc), EXIT_MODEL) from None
+    report_overrides(
+        policy_overrides(args, options, model.adapter.num_layers),
+        lambda level, *a, **kw: getattr(logger, level)(*a, **kw),
+    )
     try:
         inputs = build_inputs(model.tokenizer, model.image_processor, images, args.prompt, model.adapter.image_token_id)
     except (InputError, ValueError) as exc:

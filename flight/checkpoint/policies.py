@@ -1,7 +1,7 @@
 """Checkpoint policies: what to persist, when. One engine runs them all, so comparisons are fair.
 
 A policy answers a few questions the engine asks at each unit of work; it never touches tensors
-or files itself. The engine (flight/engine.py) hands the chosen state to the store, and recovery
+or files itself. The engine (flight/engine/) hands the chosen state to the store, and recovery
 (flight/recovery/) restores whatever records the policy left.
 
     orbitweaver   vision state every k blocks (A/B buffers) + the vision output; prefill blocks of

@@ -8,8 +8,11 @@ Three layers, from concrete to abstract:
     CostModel    per-model, per-machine rates (bytes per layer, per token; read bandwidth and
                  latency; compute seconds per layer call, per token, per attention pair) that turn
                  any layer grouping and token chunking into BlockCosts.
-    calibrate()  measures a CostModel on this machine with the real record reader and the real
-                 engine, and caches it (docs/recovery.md §6).
+
+This module is arithmetic on dimensions and rates and imports no engine. Measuring a CostModel
+on this machine (it runs the engine) is flight/calibration.py, above the engine; the measured
+models are kept by flight/recovery/calibration_cache.py, which the engine reads at plan time
+(docs/recovery.md §6).
 
 The target-emulated mode (docs/recovery.md §7) rescales reads so that the read-to-compute time
 ratio is that of the target payload (Jetson AGX Orin + NVMe) while compute stays as measured.
@@ -17,26 +20,22 @@ ratio is that of the target payload (Jetson AGX Orin + NVMe) while compute stays
 
 from __future__ import annotations
 
-import hashlib
-import json
+import functools
 import math
-import os
-import tempfile
-import threading
-import time
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from common import machine
-
 from .plan import ReadOp, RecoveryProblem
 
 COST_KEYS = ("weights", "kv", "hidden", "compute")
-OPTIONAL_COST_KEYS = ("reproject",)  # absent: re-projection costs REPROJECT_SHARE of the block's compute
-# Re-projecting a block's KV runs only the K and V projections of its layer: for Qwen3-VL-2B
-# 2*2048*1024 of the layer's ~50 M weights and no attention, about a tenth of the block.
-REPROJECT_SHARE = 0.1
+OPTIONAL_COST_KEYS = ("reproject",)  # absent: re-projection costs REPROJECT_COST_SHARE of the block's compute
+#: The planner's default share of a block's compute that rebuilding its KV from its input hidden
+#: state costs, when a problem's costs carry no `reproject` table. Counted as the K and V
+#: projection weights over all the layer's weights (`ModelDims.reproject_share`): for Qwen3-VL-2B
+#: 2*2048*1024 of ~50 M, about a tenth. A planning estimate only; the pace emulation charges
+#: its own share (`REPROJECT_PACE_UNITS`, flight/engine/pacing.py; docs/recovery.md).
+REPROJECT_COST_SHARE = 0.1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -55,20 +54,20 @@ class BlockCosts:
 
     def __post_init__(self):
         if self.reproject is None:
-            object.__setattr__(self, "reproject", self.compute * REPROJECT_SHARE)
-        # Plain-float copies for the planners' per-operation lookups (numpy scalar indexing
-        # costs several times a list's, and planning looks up every operation many times).
-        object.__setattr__(
-            self,
-            "_tables",
-            {
-                "weights": self.weights.tolist(),
-                "kv": self.kv.tolist(),
-                "hidden": self.hidden.tolist(),
-                "block": self.compute.tolist(),
-                "reproject": self.reproject.tolist(),
-            },
-        )
+            object.__setattr__(self, "reproject", self.compute * REPROJECT_COST_SHARE)
+
+    @functools.cached_property
+    def _tables(self) -> dict[str, list]:
+        """Plain-float copies for the planners' per-operation lookups (numpy scalar indexing
+        costs several times a list's, and planning looks up every operation many times)."""
+        assert self.reproject is not None  # set in __post_init__
+        return {
+            "weights": self.weights.tolist(),
+            "kv": self.kv.tolist(),
+            "hidden": self.hidden.tolist(),
+            "block": self.compute.tolist(),
+            "reproject": self.reproject.tolist(),
+        }
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -92,7 +91,7 @@ class BlockCosts:
             "kv": self.kv.tolist(),
             "hidden": self.hidden.tolist(),
             "compute": self.compute.tolist(),
-            "reproject": self.reproject.tolist(),
+            "reproject": self._tables["reproject"],
             "source": self.source,
         }
 
@@ -266,7 +265,7 @@ class CostModel:
     layer_call_s: float
     token_layer_s: float
     pair_layer_s: float
-    reproject_share: float = REPROJECT_SHARE  # K/V projection weights / all layer weights
+    reproject_share: float = REPROJECT_COST_SHARE  # K/V projection weights / all layer weights
     label: str = ""
     meta: dict = field(default_factory=dict, compare=False)
 
@@ -405,237 +404,6 @@ def reference_costs(num_groups: int, num_chunks: int) -> BlockCosts:
     return replace(costs, source="reference:qwen3-vl-2b@orin")
 
 
-# ---------------------------------------------------------------------------------------------
-# Calibration on this machine
-# ---------------------------------------------------------------------------------------------
-def cache_dir() -> str:
-    return os.environ.get("OW_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "orbitweaver")
-
-
-def _cache_path() -> str:
-    return os.path.join(cache_dir(), "recovery-costs.json")
-
-
-def machine_identity(device: str) -> dict:
-    return {"cpu": machine.cpu_model(), "cpus": machine.cpu_count(), **machine.torch_details(device)}
-
-
-def calibration_key(model_hash: str, device: str, dtype: str, scratch_dir: str) -> str:
-    ident = {
-        "model": model_hash,
-        "dtype": dtype,
-        "scratch_dev": os.stat(scratch_dir).st_dev,
-        **machine_identity(device),
-    }
-    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
-
-
-_cache_lock = threading.Lock()
-
-
-def _load_cache() -> dict:
-    try:
-        with open(_cache_path()) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return {}
-
-
-def _store_cache(key: str, value: dict) -> None:
-    path = _cache_path()
-    with _cache_lock:
-        cache = _load_cache()
-        cache[key] = value
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(cache, f, indent=1)
-            os.replace(tmp, path)
-        except OSError:
-            pass  # a read-only cache only costs a re-calibration next time
-
-
-def _drop_page_cache(path: str) -> None:
-    """After fsync the pages are clean: ask the kernel to drop them so the timed read goes to the
-    device, as the first read after a power cut does. (No effect on tmpfs: RAM is the device.)"""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def measure_reads(scratch_dir: str, sizes_mib=(1, 2, 4, 8, 16), repeats: int = 3) -> tuple[float, float, list]:
-    """(bytes/s, seconds per read, samples): write checkpoint records of several sizes with the
-    durable writer, drop them from the page cache, read them back with the record reader (header,
-    commit footer, per-tensor CRC, exactly as recovery does) and fit time = latency + bytes/bw.
-    Shared disks are noisy (single reads vary 3x here), so the fit is Theil-Sen (median slopes)."""
-    import torch
-    from scipy.stats import theilslopes
-
-    from common.durable import DurableFS
-    from common.record import Kind, encode, read_partial
-
-    fs = DurableFS()
-    samples = []
-    with tempfile.TemporaryDirectory(prefix="ow-calib-", dir=scratch_dir) as tmp:
-        paths = []
-        for i, mib in enumerate(sizes_mib):
-            t = torch.randint(-128, 127, (mib << 20,), dtype=torch.int8)
-            path = os.path.join(tmp, f"r{i}.blk")
-            fs.write_atomic(path, encode(Kind.PREFILL_BLOCK, {"group": 0, "chunk": i}, {"k.0": t}).chunks)
-            paths.append((path, mib << 20))
-        for _ in range(repeats):
-            for path, nbytes in paths:
-                _drop_page_cache(path)
-                start = time.perf_counter()
-                with fs.open_read(path) as f:
-                    read_partial(f, {"k.0"}, os.fstat(f.fileno()).st_size)
-                samples.append((nbytes, time.perf_counter() - start))
-    nbytes, secs = np.array([n for n, _ in samples], float), np.array([t for _, t in samples])
-    inv_bw, latency = theilslopes(secs, nbytes)[:2]
-    if inv_bw <= 0:  # no usable slope: attribute everything to bandwidth
-        inv_bw, latency = secs.sum() / nbytes.sum(), 0.0
-    return float(1.0 / inv_bw), float(max(latency, 0.0)), samples
-
-
-def measure_compute(
-    model, group: int, dims: ModelDims, chunk_sizes=(16, 48), chunks: float = 3.5, repeats: int = 2
-) -> tuple[float, float, list]:
-    """(seconds per layer call, seconds per FLOP, samples) from real blocks run by the engine.
-
-    A text-only prompt of `chunks` x C tokens is prefilled by `Engine` (no checkpoints) for each
-    chunk size C; the time between consecutive `prefill_block_done` events is one block's compute.
-    Chunk 0 is left out (it includes the lazy weight loads). Block time is fitted as
-        layers * (call + FLOPs per layer / rate)        (non-negative least squares)
-    with attention FLOPs counted per (query, key) pair: prompts short enough to calibrate in
-    seconds cannot separate attention from the projections, so both run at the measured rate."""
-    from scipy.optimize import nnls
-
-    from flight.checkpoint.policies import Geometry
-    from flight.engine import Engine, EngineOptions
-    from flight.model.inputs import build_inputs
-    from flight.model.tiny import vocabulary
-
-    words = [w for w in vocabulary() if w.isalpha()]
-    samples = []
-    for chunk in chunk_sizes:
-        target_tokens = int(chunks * chunk)
-        prompt = " ".join(words[i % len(words)] for i in range(target_tokens))
-        inputs = build_inputs(model.tokenizer, model.image_processor, [], prompt, model.adapter.image_token_id)
-        # The chat template adds a few tokens: trim the prompt until the request has the length.
-        while inputs.num_tokens > target_tokens and prompt:
-            prompt = prompt.rsplit(" ", 1)[0]
-            inputs = build_inputs(model.tokenizer, model.image_processor, [], prompt, model.adapter.image_token_id)
-        geometry = Geometry(chunk=chunk, group=group)
-        groups = geometry.layer_groups(model.adapter.num_layers)
-        spans = geometry.token_chunks(inputs.num_tokens)
-        for _ in range(repeats):
-            stamps = []
-
-            def events(name, **fields):
-                if name == "prefill_block_done":
-                    stamps.append((fields["group"], fields["chunk"], time.perf_counter()))
-
-            engine = Engine(model, EngineOptions(geometry=geometry, policy="none", async_writes=False), events=events)
-            with tempfile.TemporaryDirectory(prefix="ow-calib-") as ckpt:
-                engine.run(inputs, ckpt, max_new_tokens=1)
-            for (g0, c0, t0), (g, c, t) in zip(stamps, stamps[1:]):
-                if c == 0 or (g, c) == (g0, c0):
-                    continue
-                (l0, l1), (s, e) = groups[g], spans[c]
-                samples.append((l1 - l0, e - s, s, t - t0))
-
-    def flops(tokens, start):
-        pairs = tokens * start + tokens * (tokens + 1) / 2
-        return tokens * dims.flops_per_token_layer + pairs * dims.flops_per_pair_layer
-
-    feats = np.array([[L, L * flops(T, s)] for L, T, s, _ in samples])
-    scale = feats.max(axis=0)
-    coef, _ = nnls(feats / scale, np.array([x[3] for x in samples]))
-    call_s, s_per_flop = coef / scale
-    return float(call_s), float(s_per_flop), samples
-
-
-def model_bytes(model) -> dict:
-    """Byte counts of a loaded model (flight.model.loader.LoadedModel), as recovery reads them."""
-    a, w = model.adapter, model.weights
-    tc = a.text_config
-    itemsize = model.dtype.itemsize
-    heads = tc.num_attention_heads
-    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
-    layers = tuple(sum(w.module_nbytes(m) for m in a.layer_modules(layer)) for layer in range(a.num_layers))
-    return {
-        "layer_weight_bytes": layers,
-        "embed_weight_bytes": sum(w.module_nbytes(m) for m in a.embed_modules()),
-        "head_weight_bytes": sum(w.module_nbytes(m) for m in a.head_modules()),
-        "kv_bytes_per_token_layer": 2 * tc.num_key_value_heads * head_dim * itemsize,
-        "hidden_bytes_per_token": tc.hidden_size * itemsize,
-    }
-
-
-def calibrate(
-    model_dir: str | None = None,
-    *,
-    model=None,
-    group: int = 2,
-    device: str = "cpu",
-    dtype: str | None = None,
-    scratch_dir: str | None = None,
-    use_cache: bool = True,
-) -> CostModel:
-    """Measure this machine's CostModel for a model (a directory, or an already loaded model).
-
-    Cached as JSON in $OW_CACHE_DIR/recovery-costs.json (default ~/.cache/orbitweaver), keyed by
-    the model's content hash, the CPU model and count, torch version and threads, the device, the
-    dtype and the filesystem of `scratch_dir` -- put that on the checkpoint device, since its read
-    bandwidth is what is measured (default: the system temp directory). A few seconds on the tiny
-    and small models; instant when cached."""
-    from flight.model.loader import load_model
-
-    if model is None:
-        if model_dir is None:
-            raise ValueError("calibrate needs a model directory or a loaded model")
-        model = load_model(model_dir, device=device, dtype=dtype)
-    scratch_dir = scratch_dir or tempfile.gettempdir()
-    dtype_name = str(model.dtype).removeprefix("torch.")
-    key = calibration_key(model.content_hash, model.device.type, dtype_name, scratch_dir)
-    if use_cache:
-        hit = _load_cache().get(key)
-        if hit is not None:
-            return CostModel.from_json(hit)
-    t0 = time.perf_counter()
-    dims = ModelDims.from_text_config(
-        model.adapter.text_config, name=os.path.basename(model.model_dir), dtype_bytes=model.dtype.itemsize
-    )
-    bw, latency, read_samples = measure_reads(scratch_dir)
-    call_s, s_per_flop, compute_samples = measure_compute(model, group, dims)
-    measured = CostModel(
-        **model_bytes(model),
-        read_bytes_per_s=bw,
-        read_latency_s=latency,
-        layer_call_s=call_s,
-        token_layer_s=s_per_flop * dims.flops_per_token_layer,
-        pair_layer_s=s_per_flop * dims.flops_per_pair_layer,
-        reproject_share=dims.reproject_share,
-        label="native",
-        meta={
-            "key": key,
-            "model_hash": model.content_hash,
-            "dims": asdict(dims),
-            "machine": machine_identity(model.device.type),
-            "dtype": dtype_name,
-            "flops_per_s": 1.0 / s_per_flop if s_per_flop > 0 else None,
-            "read_samples": len(read_samples),
-            "compute_samples": len(compute_samples),
-            "seconds": round(time.perf_counter() - t0, 3),
-        },
-    )
-    _store_cache(key, measured.to_json())
-    return measured
-
-
 def native_and_emulated(
     calibrated: CostModel,
     dims: ModelDims | None = None,
@@ -653,31 +421,18 @@ def native_and_emulated(
     return native, native.target_emulated(target_model, group, chunk)
 
 
-def cost_model_for(
-    model,
-    *,
-    emulate: TargetDevice | None = None,
-    group: int = 4,
-    chunk: int = REFERENCE_CHUNK,
-    scratch_dir: str | None = None,
-    measure: bool = False,
-) -> CostModel:
-    """The CostModel recovery should plan with for a loaded model, without delaying a boot: the
-    cached calibration of this model on this machine if there is one (or a fresh one when
-    `measure`), else the model's byte counts at the target device's rates. With `emulate`, the
-    target-emulated version (reads throttled to the target's read-to-compute ratio)."""
-    scratch_dir = scratch_dir or tempfile.gettempdir()
-    dtype_name = str(model.dtype).removeprefix("torch.")
-    key = calibration_key(model.content_hash, model.device.type, dtype_name, scratch_dir)
-    hit = _load_cache().get(key)
-    dims = ModelDims.from_text_config(model.adapter.text_config, dtype_bytes=model.dtype.itemsize)
-    if hit is not None:
-        native = CostModel.from_json(hit)
-    elif measure:
-        native = calibrate(model=model, group=group, scratch_dir=scratch_dir)
-    else:
-        target_model = replace(CostModel.for_target(dims, emulate or ORIN_AGX_NVME), **model_bytes(model))
-        return replace(target_model, label="uncalibrated:" + target_model.label)
-    if emulate is None:
-        return native
-    return native.target_emulated(replace(CostModel.for_target(dims, emulate), **model_bytes(model)), group, chunk)
+def model_bytes(model) -> dict:
+    """Byte counts of a loaded model (flight.model.loader.LoadedModel), as recovery reads them."""
+    a, w = model.adapter, model.weights
+    tc = a.text_config
+    itemsize = model.dtype.itemsize
+    heads = tc.num_attention_heads
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
+    layers = tuple(sum(w.module_nbytes(m) for m in a.layer_modules(layer)) for layer in range(a.num_layers))
+    return {
+        "layer_weight_bytes": layers,
+        "embed_weight_bytes": sum(w.module_nbytes(m) for m in a.embed_modules()),
+        "head_weight_bytes": sum(w.module_nbytes(m) for m in a.head_modules()),
+        "kv_bytes_per_token_layer": 2 * tc.num_key_value_heads * head_dim * itemsize,
+        "hidden_bytes_per_token": tc.hidden_size * itemsize,
+    }

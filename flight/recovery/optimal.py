@@ -28,6 +28,7 @@ orders the parts -- exact over those orders, not over all group orders (`Solutio
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import time
 from dataclasses import dataclass
@@ -89,13 +90,13 @@ def analyse(problem: RecoveryProblem, costs: BlockCosts | None = None) -> Struct
     kind = {b: "block" for b in problem.must_compute()}
     kind.update({b: "reproject" for b in problem.reprojections()})
     kv_needed, hidden_needed = problem.needed_reads()
-    jobs = {g: [] for g in range(NG)}
+    jobs: dict[int, list[int]] = {g: [] for g in range(NG)}
     for g, c in sorted(kind):
         jobs[g].append(c)
     active = [g for g in range(NG) if jobs[g]]
     bundles, need, trailing = {}, {}, []
-    offsets = [[0.0] * NC for _ in active]
-    bundle_s = [0.0] * len(active)
+    offset_rows = [[0.0] * NC for _ in active]
+    bundle_seconds = [0.0] * len(active)
     weights = costs.weights.tolist()
     read_s = costs.read_s
     for i, g in enumerate(active):
@@ -105,14 +106,15 @@ def analyse(problem: RecoveryProblem, costs: BlockCosts | None = None) -> Struct
             next_block[c] = nxt
             if kind.get((g, c)) == "block":
                 nxt = c
-        gating = []  # (chunk of the first job needing it, KV before hidden, chunk, op)
+        # (chunk of the first job needing it, KV before hidden, chunk, op)
+        candidates: list[tuple[int, int, int, ReadOp]] = []
         for c in range(NC):
             if next_block[c] < NC and (g, c) in kv_needed:  # a block computed after c reads this KV
-                gating.append((next_block[c], 0, c, ReadOp("kv", g, c)))
+                candidates.append((next_block[c], 0, c, ReadOp("kv", g, c)))
             if g > 0 and (g, c) in kind and (g - 1, c) in hidden_needed:
-                gating.append((c, 1, c, ReadOp("hidden", g - 1, c)))
-        gating.sort()  # the first three fields are unique per read: ops are never compared
-        gating = [(need, order, op) for need, order, _, op in gating]
+                candidates.append((c, 1, c, ReadOp("hidden", g - 1, c)))
+        candidates.sort()  # the first three fields are unique per read: ops are never compared
+        gating = [(needed_at, order, op) for needed_at, order, _, op in candidates]
         bundles[g] = [ReadOp("weights", g)] + [op for _, _, op in gating]
         # Bundle-relative time each job's inputs are read: a block needs every read with need
         # <= its chunk (a prefix, in this order); a re-projection only the weights and its own
@@ -123,13 +125,13 @@ def analyse(problem: RecoveryProblem, costs: BlockCosts | None = None) -> Struct
             ends[op] = t
         prefix = weights[g]
         k = 0
-        row = offsets[i]
+        row = offset_rows[i]
         for c in jobs[g]:
             while k < len(gating) and gating[k][0] <= c:
                 prefix = ends[gating[k][2]]
                 k += 1
             row[c] = prefix if kind[(g, c)] == "block" else ends.get(ReadOp("hidden", g - 1, c), weights[g])
-        bundle_s[i] = t
+        bundle_seconds[i] = t
         for ch, _, op in gating:
             need[op] = ch
         need[ReadOp("weights", g)] = jobs[g][0]
@@ -138,8 +140,8 @@ def analyse(problem: RecoveryProblem, costs: BlockCosts | None = None) -> Struct
             if op not in need:
                 trailing.append(op)
     trailing += [ReadOp("hidden", g, c) for (g, c) in sorted(hidden_needed) if ReadOp("hidden", g, c) not in need]
-    offsets = np.array(offsets, dtype=np.float64).reshape(len(active), NC)
-    bundle_s = np.array(bundle_s, dtype=np.float64)
+    offsets = np.array(offset_rows, dtype=np.float64).reshape(len(active), NC)
+    bundle_s = np.array(bundle_seconds, dtype=np.float64)
     return Structure(NG, NC, kind, jobs, active, bundles, need, offsets, bundle_s, trailing, costs)
 
 
@@ -268,10 +270,10 @@ def batch_tables(s: Structure, parts: list[list[int]] | None = None) -> tuple[np
     # also waits for every earlier job of its group (running maximum), a re-projection does not.
     K = np.full((n, m, NC), -1, dtype=np.int64)
     for i in range(m):
-        x = np.where(V[i][None, :], K[:, i - 1, :], -1) if i > 0 else np.full((n, NC), -1, dtype=np.int64)
+        waits = np.where(V[i][None, :], K[:, i - 1, :], -1) if i > 0 else np.full((n, NC), -1, dtype=np.int64)
         own = part_of[i]
-        x[own] = np.maximum(x[own], np.where(T[i], rank[i], -1))
-        K[:, i, :] = np.where(B[i][None, :], np.maximum.accumulate(x, axis=1), np.where(T[i][None, :], x, -1))
+        waits[own] = np.maximum(waits[own], np.where(T[i], rank[i], -1))
+        K[:, i, :] = np.where(B[i][None, :], np.maximum.accumulate(waits, axis=1), np.where(T[i][None, :], waits, -1))
     xi, ii, cc = np.nonzero(K >= 0)
     flat = ((xi * n + part_of[ii]) * n + part_of[lo[ii, cc]]) * width + K[xi, ii, cc]
     size = n * n * n * width
@@ -448,7 +450,7 @@ def solve(problem: RecoveryProblem, costs: BlockCosts | None = None, *, full: bo
             bound,
             time.perf_counter() - t0,
         )
-    fixed_best = (np.inf, None, "")
+    fixed_best: tuple[float, RecoveryPlan | None, str] = (np.inf, None, "")
     for fixed in (chunk_first, layer_first):
         reads = fixed(problem).reads
         candidate = RecoveryPlan("optimal", reads, best_compute_order(problem, reads, s.costs, s.kind))
@@ -457,9 +459,10 @@ def solve(problem: RecoveryProblem, costs: BlockCosts | None = None, *, full: bo
             fixed_best = (value, candidate, f"{fixed.__name__.replace('_', '-')} reads")
     m = len(s.active)
     exact = m <= MAX_EXACT_GROUPS
-    order_pos, compute_end = [], 0.0
+    order_pos: list[int] = []
+    compute_end = 0.0
     if m:
-        best = (np.inf, [])
+        best: tuple[float, list[int]] = (np.inf, [])
         prune_at = np.inf if full else min(fixed_best[0], plain_value)
         for parts in partitions(m, MAX_EXACT_GROUPS):
             P, h = batch_tables(s, parts)
@@ -476,8 +479,9 @@ def solve(problem: RecoveryProblem, costs: BlockCosts | None = None, *, full: bo
         plan = plan_for_group_order(problem, order, structure=s)
         dp_makespan = makespan = simulate(plan, problem, s.costs).makespan
         chosen = "group order"
-    if fixed_best[0] < makespan * (1 - 1e-12):
-        makespan, plan, chosen = fixed_best
+    fixed_value, fixed_plan, fixed_chosen = fixed_best
+    if fixed_plan is not None and fixed_value < makespan * (1 - 1e-12):  # (no plan: value inf)
+        makespan, plan, chosen = fixed_value, fixed_plan, fixed_chosen
     # On a tie, run the plain layer-first plan: same makespan under the model, and an order that
     # operators (and the measurements beside it) already know.
     if plain_value <= makespan * (1 + 1e-9):
@@ -494,7 +498,7 @@ def partitions(m: int, limit: int) -> list[list[list[int]]]:
     out = []
     for first in range(1, k + 1):
         cuts = [0] + list(range(first, m, k)) + [m]
-        parts = [list(range(a, b)) for a, b in zip(cuts, cuts[1:])]
+        parts = [list(range(a, b)) for a, b in itertools.pairwise(cuts)]
         if len(parts) <= limit:
             out.append(parts)
     return out

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .executor import PlanExecutor
@@ -51,7 +52,7 @@ class ReadAhead:
     compute thread takes a named value with `result(name)` (waiting for it) and relies on the
     weight store's own waiting for weights. `stop()` abandons the reads not yet started."""
 
-    def __init__(self, reads: list[tuple[str, object]]):
+    def __init__(self, reads: Sequence[tuple[str, Callable[[], tuple[object, int]]]]):
         self.reads = reads
         self.results: dict[str, object] = {}
         self.errors: dict[str, BaseException] = {}

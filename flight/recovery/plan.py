@@ -177,7 +177,9 @@ def chunk_first(problem: RecoveryProblem) -> RecoveryPlan:
     """Walk the grid chunk by chunk (the order an uninterrupted run computes in)."""
     todo, reproject = problem.must_compute(), problem.reprojections()
     kv, hidden = problem.needed_reads()
-    reads, computes, seen = [], [], set()
+    reads: list[ReadOp] = []
+    computes: list[ComputeOp] = []
+    seen: set[int] = set()
     for c in range(problem.num_chunks):
         for g in range(problem.num_groups):
             _weights_once(reads, seen, g)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import cast
 
 from .cost import BlockCosts
 from .plan import ComputeOp, PlanError, ReadOp, RecoveryPlan, RecoveryProblem
@@ -74,20 +75,22 @@ def simulate(
     scheduled = {(op.group, op.chunk): op.kind for op in plan.computes}
     # Per group, over chunks: latest KV read end among the chunks the plan does not compute
     # (inf where one was never read), and which chunks the plan does compute.
-    kv_ready_below, jobs_below = [], []
+    kv_ready_below: list[list[float]] = []
+    jobs_below: list[list[int]] = []
     for g in range(problem.num_groups):
-        ready, t = [], 0.0
+        ready_by_chunk: list[float] = []
+        t = 0.0
         for c in range(problem.num_chunks):
-            ready.append(t)  # inputs from chunks < c
+            ready_by_chunk.append(t)  # inputs from chunks < c
             if (g, c) not in scheduled:
                 t = max(t, read_end.get(ReadOp("kv", g, c), float("inf")))
-        kv_ready_below.append(ready)
+        kv_ready_below.append(ready_by_chunk)
         jobs_below.append([])
     for g, c in sorted(scheduled):
         jobs_below[g].append(c)
     computed: dict[tuple[int, int], float] = {}
     free, busy, stall = compute_from, 0.0, 0.0
-    spans = []
+    spans: list[tuple[ComputeOp, float, float]] = []
 
     def read_ready(op: ReadOp, needed_by: ComputeOp) -> float:
         try:
@@ -102,7 +105,7 @@ def simulate(
             raise PlanError(f"{needed_by} waits for g{block[0]} c{block[1]}, computed later or never") from None
 
     # finish times of each group's jobs, aligned with jobs_below (None: not computed yet)
-    job_end = [[None] * len(chunks) for chunks in jobs_below]
+    job_end: list[list[float | None]] = [[None] * len(chunks) for chunks in jobs_below]
     job_pos = {(g, c): i for g, chunks in enumerate(jobs_below) for i, c in enumerate(chunks)}
     compute_s = costs.compute_s
     for op in plan.computes:
@@ -126,7 +129,7 @@ def simulate(
                 if None in earlier:
                     cc = jobs_below[g][earlier.index(None)]
                     computed_ready((g, cc), op)
-                latest = max(earlier)
+                latest = max(cast(list[float], earlier))  # no None left: computed_ready raised
                 if latest > ready:
                     ready = latest
         if g > 0:

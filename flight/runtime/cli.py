@@ -1,17 +1,36 @@
-"""`ow flight run`: the onboard process."""
+"""`ow flight run`: the onboard process.
+
+The boot path: the bus execs this and expects the payload's link up within 0.5 s, so this module
+imports only what parsing needs (flight/cli_options.py, no torch). `cmd_run` asks the kernel to
+page in the weights first and then imports the logging and the onboard process (structlog,
+ZeroMQ, the wire codecs: most of the boot's import time), so that the reads overlap those imports;
+the engine's libraries (torch, transformers) load later on the worker thread
+(flight/runtime/preload.py).
+"""
 
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import signal
 
-from flight.cli import EXIT_MODEL, EXIT_USAGE
+from common.errors import CliError
+from flight.cli_options import (
+    EXIT_MODEL,
+    EXIT_USAGE,
+    add_engine_arguments,
+    cadence_for,
+    config_num_layers,
+    engine_options,
+    policy_overrides,
+    report_overrides,
+    storage_for,
+)
+from flight.model.config import ModelError, page_in, read_model_type, weight_files
 
 
 def register(sub) -> None:
-    from flight.cli import add_engine_arguments
-
     flight = sub.add_parser(
         "flight", help="the onboard payload process", description="Commands of the onboard (payload) side."
     )
@@ -62,34 +81,32 @@ def register(sub) -> None:
 
 
 def cmd_run(args) -> int:
-    import glob
-
-    from flight.model.config import page_in, weight_files
-
-    # First, before any library import: have the kernel page in what the first unit of work
+    # First, before the libraries below load: have the kernel page in what the first unit of work
     # reads (weights, the stored inputs of tasks), so that a cold boot's reads overlap the imports.
     try:
         page_in(weight_files(args.model) + glob.glob(os.path.join(args.data_dir, "tasks", "*", "inputs.rec")))
     except OSError:
         pass  # a bad model directory is reported below
+    # Boot path (module docstring): imported after the page-in is asked for, not at the top.
+    # Nothing here imports torch: the link is up and answering before the engine's libraries
+    # load on the worker thread (which sets the thread count before any tensor op).
     from common import log as owlog
-    from common.cli import CliError
-    from flight.cli import engine_options
+    from flight.runtime.app import FlightApp
 
     owlog.setup(args.log_level, component="flight")
+    logger = owlog.get()
     options = engine_options(args)
-    from flight.model.config import ModelError, read_model_type
-
     try:
         read_model_type(args.model)
     except ModelError as exc:
         raise CliError(str(exc), EXIT_MODEL) from None
+    num_layers = config_num_layers(args.model)
+    if num_layers is not None:
+        report_overrides(
+            policy_overrides(args, options, num_layers), lambda level, *a, **kw: getattr(logger, level)(*a, **kw)
+        )
     if not os.path.exists(os.path.join(args.keys, "clients", "payload.key_secret")):
         raise CliError(f"no payload key in {args.keys} (run `ow ground keys init` and copy the keys)", EXIT_USAGE)
-    # Nothing here imports torch: the link is up and answering before the engine's libraries
-    # load on the worker thread (which sets the thread count before any tensor op).
-    from flight.cli import cadence_for, storage_for
-    from flight.runtime.app import FlightApp
 
     if args.results_budget_mb < 0 or args.compact_after < 1:
         raise CliError("--results-budget-mb must be >= 0 and --compact-after >= 1", EXIT_USAGE)

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from common.record import Kind, decode
+
 
 def ow(*args, timeout=120):
     return subprocess.run(
@@ -110,3 +112,54 @@ def test_build_tiny_and_info(tmp_path):
         assert (tmp_path / "m" / f).exists()
     info = json.loads(ow("model", "info", str(tmp_path / "m")).stdout)
     assert info["arch"] == "qwen2_5_vl" and info["layers"] == 4
+
+
+def _overrides(stderr: str) -> dict[str, dict]:
+    lines = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
+    return {line["option"]: line for line in lines if line.get("event") == "option_overridden"}
+
+
+def test_a_policy_override_is_reported(base, image_files, tmp_path):
+    """sonic-layer fixes G = K = D = 1: the typed --group is reported as a warning, the defaults
+    it replaces as info, each with the policy's value and why; the MANIFEST has what ran."""
+    proc = ow(*base, "--image", image_files[0], "--chunk", "16", "--group", "2", "--policy", "sonic-layer")
+    assert proc.returncode == 0, proc.stderr
+    seen = _overrides(proc.stderr)
+    assert set(seen) == {"--group", "--decode-every", "--vision-every"}, proc.stderr
+    group = seen["--group"]
+    assert (group["given"], group["explicit"], group["policy_value"], group["level"]) == (2, True, 1, "warning")
+    assert "sonic-layer" in group["message"] and "definition fixes it" in group["message"]
+    every = seen["--decode-every"]
+    assert (every["given"], every["explicit"], every["policy_value"], every["level"]) == (16, False, 1, "info")
+    stored, _ = decode((tmp_path / "ck" / "MANIFEST").read_bytes(), expect_kind=Kind.MANIFEST)
+    manifest = stored.meta["manifest"]
+    assert (manifest["group"], manifest["decode_every"], manifest["vision_every"]) == (1, 1, 1)
+
+
+def test_no_override_no_report(base, image_files):
+    proc = ow(*base, "--image", image_files[0], "--chunk", "16", "--group", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert _overrides(proc.stderr) == {}
+
+
+def test_flight_run_reports_an_override(model_dirs, tmp_path):
+    """`ow flight run` reports it at boot, before anything else can stop it (here: no keys)."""
+    proc = ow(
+        "flight",
+        "run",
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--model",
+        model_dirs["qwen3-vl"],
+        "--keys",
+        str(tmp_path / "no-keys"),
+        "--policy",
+        "hcache",
+        "--decode-every",
+        "8",
+    )
+    assert proc.returncode == 2 and "no payload key" in proc.stderr, proc.stderr
+    seen = _overrides(proc.stderr)
+    assert set(seen) == {"--group", "--decode-every"}, proc.stderr
+    assert (seen["--decode-every"]["given"], seen["--decode-every"]["policy_value"]) == (8, 64)
+    assert seen["--decode-every"]["explicit"] is True and seen["--group"]["explicit"] is False

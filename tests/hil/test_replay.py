@@ -43,7 +43,7 @@ def test_a_changed_build_diverges(model_dirs, tmp_path, monkeypatch):
     """The same replay against a build whose greedy decoding takes the second-best token."""
     build = tmp_path / "build"
     shutil.copytree(ROOT / "flight", build / "flight", ignore=shutil.ignore_patterns("__pycache__"))
-    engine = build / "flight" / "engine.py"
+    engine = build / "flight" / "engine" / "decode.py"
     text = engine.read_text()
     changed = text.replace("tokens.append(int(logits.argmax(-1)))", "tokens.append(int(logits.topk(2).indices[0, 1]))")
     assert changed != text

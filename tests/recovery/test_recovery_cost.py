@@ -3,14 +3,15 @@
 import numpy as np
 import pytest
 
-from flight.recovery import cost
+from flight import calibration
+from flight.recovery import calibration_cache, cost
+from flight.recovery.calibration_cache import cost_model_for
 from flight.recovery.cost import (
     MODELS,
     ORIN_AGX_NVME,
     BlockCosts,
     CostModel,
     ModelDims,
-    cost_model_for,
     even_chunks,
     even_groups,
     reference_costs,
@@ -60,7 +61,7 @@ def test_block_costs_by_hand():
 def test_costs_dict_round_trip_and_broadcasting():
     c = BlockCosts.from_dict({"weights": 2, "kv": [1, 2], "hidden": 0.5, "compute": [[1, 2, 3], [4, 5, 6]]}, 2, 3)
     assert c.kv.tolist() == [[1, 1, 1], [2, 2, 2]] and c.weights.tolist() == [2, 2]
-    assert np.allclose(c.reproject, np.array([[1, 2, 3], [4, 5, 6]]) * cost.REPROJECT_SHARE)
+    assert np.allclose(c.reproject, np.array([[1, 2, 3], [4, 5, 6]]) * cost.REPROJECT_COST_SHARE)
     again = BlockCosts.from_dict(c.as_dict(), 2, 3)
     for key in ("weights", "kv", "hidden", "compute", "reproject"):
         assert np.array_equal(getattr(c, key), getattr(again, key))
@@ -118,22 +119,22 @@ def tiny_model(tmp_path_factory):
 
 def test_calibration_measures_and_caches(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("OW_CACHE_DIR", str(tmp_path / "cache"))
-    measured = cost.calibrate(model=tiny_model, group=2, scratch_dir=str(tmp_path))
+    measured = calibration.calibrate(model=tiny_model, group=2, scratch_dir=str(tmp_path))
     assert measured.meta["seconds"] > 0  # how long it took is the bench's business, not a test's (rule 4)
     assert measured.read_bytes_per_s > 1e7 and measured.meta["read_samples"] >= 10
     assert measured.layer_call_s > 0 or measured.token_layer_s > 0
     assert measured.num_layers == tiny_model.adapter.num_layers
     assert measured.kv_bytes_per_token_layer == 2 * 2 * 32 * 4  # 2 KV heads x 32 dims, K and V, fp32
     # a second call is served from the cache, measuring nothing
-    monkeypatch.setattr(cost, "measure_reads", lambda *a, **k: pytest.fail("measured again"))
-    monkeypatch.setattr(cost, "measure_compute", lambda *a, **k: pytest.fail("measured again"))
-    again = cost.calibrate(model=tiny_model, group=2, scratch_dir=str(tmp_path))
+    monkeypatch.setattr(calibration, "measure_reads", lambda *a, **k: pytest.fail("measured again"))
+    monkeypatch.setattr(calibration, "measure_compute", lambda *a, **k: pytest.fail("measured again"))
+    again = calibration.calibrate(model=tiny_model, group=2, scratch_dir=str(tmp_path))
     assert again == measured
     assert cost_model_for(tiny_model, scratch_dir=str(tmp_path)) == measured
     emulated = cost_model_for(tiny_model, emulate=ORIN_AGX_NVME, scratch_dir=str(tmp_path))
     assert emulated.label == "target-emulated" and emulated.layer_call_s == measured.layer_call_s
     # another model (content hash) is another key
-    assert cost.calibration_key("other", "cpu", "float32", str(tmp_path)) != measured.meta["key"]
+    assert calibration_cache.calibration_key("other", "cpu", "float32", str(tmp_path)) != measured.meta["key"]
 
 
 def test_uncalibrated_model_uses_its_bytes_at_target_rates(tiny_model, tmp_path, monkeypatch):

@@ -1,0 +1,276 @@
+"""What `ow infer` (flight/cli.py) and `ow flight run` (flight/runtime/cli.py) share: the exit
+codes, the engine's command-line options and how they become `EngineOptions`, the storage
+emulation, the cadence, and the report of options a policy overrides.
+
+Both commands import this module; it imports neither of them. It is on `ow flight run`'s boot
+path (flight/runtime/cli.py), so its top-level imports are the light ones parsing needs; two are
+imported where they are used, after the boot has asked the kernel to page the weights in:
+flight.recovery.plan (it registers the optimal planner, which brings numpy: ~0.2 s idle, over 1 s
+on a loaded machine) and flight.checkpoint.cadence (crc32c). Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from common.durable import DurableFS, ThrottledFS, TokenBucket
+from common.errors import CliError
+from flight.checkpoint.policies import POLICIES, Geometry, Policy, get_policy
+from flight.options import EngineOptions
+
+if TYPE_CHECKING:
+    from flight.checkpoint.cadence import Cadence
+
+EXIT_OK, EXIT_USAGE, EXIT_MODEL, EXIT_INPUT = 0, 2, 3, 4
+
+#: The geometry options, their flags, and the defaults a command line that does not give them gets.
+GEOMETRY_FLAGS = {
+    "chunk": "--chunk",
+    "group": "--group",
+    "decode_every": "--decode-every",
+    "vision_every": "--vision-every",
+}
+DEFAULT_GEOMETRY = Geometry()
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument(
+        "--policy",
+        default="orbitweaver",
+        choices=sorted(POLICIES),
+        help="checkpoint policy (default orbitweaver; none = no checkpoints). The baselines fix some of "
+        "--group/--decode-every/--vision-every as their definitions give; the command says so when it does",
+    )
+    # Defaults None, so that a value a policy overrides is known to have been given (or not).
+    group.add_argument(
+        "--chunk",
+        type=int,
+        default=None,
+        metavar="C",
+        help=f"prompt tokens per prefill chunk ({DEFAULT_GEOMETRY.chunk})",
+    )
+    group.add_argument(
+        "--group",
+        type=int,
+        default=None,
+        metavar="G",
+        help=f"decoder layers per prefill block ({DEFAULT_GEOMETRY.group})",
+    )
+    group.add_argument(
+        "--decode-every",
+        type=int,
+        default=None,
+        metavar="D",
+        help=f"decode steps per record ({DEFAULT_GEOMETRY.decode_every})",
+    )
+    group.add_argument(
+        "--vision-every",
+        type=int,
+        default=None,
+        metavar="K",
+        help=f"vision blocks per vision checkpoint ({DEFAULT_GEOMETRY.vision_every})",
+    )
+    group.add_argument("--planner", default="chunk-first", help="recovery planner (chunk-first, layer-first, ...)")
+    group.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when present, else cpu")
+    group.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="compute dtype (default: the checkpoint's)",
+    )
+    group.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation (sdpa)")
+    group.add_argument(
+        "--threads", type=int, default=None, help="intra-op threads (default: torch's; pinned per request)"
+    )
+    group.add_argument(
+        "--decode-kv-compression",
+        choices=["none", "int8"],
+        default="none",
+        help="int8: quantise the KV in decode checkpoints (smaller, faster decode-phase recovery). "
+        "GIVES UP BITWISE IDENTITY: after a resume in decode the answer may differ from an "
+        "uninterrupted run. Off by default",
+    )
+    group.add_argument(
+        "--emulate-read-mbps",
+        type=float,
+        default=None,
+        metavar="MB/S",
+        help="throttle checkpoint reads to this bandwidth (emulate a target's storage)",
+    )
+    group.add_argument(
+        "--emulate-weight-read-mbps",
+        type=float,
+        default=None,
+        metavar="MB/S",
+        help="throttle model weight reads to this bandwidth (emulate a target's storage)",
+    )
+    group.add_argument(
+        "--emulate-write-mbps",
+        type=float,
+        default=None,
+        metavar="MB/S",
+        help="throttle checkpoint writes to this bandwidth (emulate a target's storage)",
+    )
+    group.add_argument(
+        "--pace-ms",
+        type=float,
+        default=0.0,
+        help="stretch each block/step to at least this many ms (emulates a slower payload)",
+    )
+    group.add_argument(
+        "--cadence",
+        choices=["fixed", "adaptive"],
+        default="fixed",
+        help="fixed: a decode record every D steps, a vision state every K blocks (the paper's); "
+        "adaptive: also a record early when a cut is likely before the next one, from bus "
+        "warnings, telemetry trends and the window lengths seen since launch (orbitweaver only; "
+        "docs/engine.md)",
+    )
+    group.add_argument(
+        "--thermal-limit-c",
+        type=float,
+        default=None,
+        metavar="C",
+        help="adaptive cadence: payload temperature at which the bus cuts (default 55)",
+    )
+    group.add_argument(
+        "--soc-cutoff",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="adaptive cadence: battery state of charge at which the bus cuts (default 0.40)",
+    )
+
+
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    from flight.recovery.plan import PLANNERS  # numpy, on the boot path (module docstring)
+
+    for name, flag in GEOMETRY_FLAGS.items():
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise CliError(f"{flag} must be at least 1", EXIT_USAGE)
+    if args.planner not in PLANNERS:
+        raise CliError(f"unknown --planner {args.planner!r}; choose from {', '.join(sorted(PLANNERS))}", EXIT_USAGE)
+    if args.threads is not None and args.threads < 1:
+        raise CliError("--threads must be at least 1", EXIT_USAGE)
+    if args.cadence == "adaptive" and args.policy != "orbitweaver":
+        raise CliError(
+            f"--cadence adaptive is orbitweaver's; the {args.policy} baseline keeps the cadence its "
+            f"definition gives (docs/baselines.md)",
+            EXIT_USAGE,
+        )
+    if args.soc_cutoff is not None and not 0 <= args.soc_cutoff <= 1:
+        raise CliError("--soc-cutoff must be a fraction between 0 and 1", EXIT_USAGE)
+    given = {name: getattr(args, name) for name in GEOMETRY_FLAGS if getattr(args, name) is not None}
+    return EngineOptions(
+        geometry=Geometry(**given),
+        policy=args.policy,
+        planner=args.planner,
+        pace_ms=args.pace_ms,
+        threads=args.threads,
+        decode_kv_compression=args.decode_kv_compression,
+        cadence=args.cadence,
+    )
+
+
+@dataclass(frozen=True)
+class Override:
+    """A geometry option the policy runs with another value than the command line's."""
+
+    option: str  # the flag, e.g. "--group"
+    given: int  # the command line's value
+    explicit: bool  # given on the command line (False: the default)
+    used: int  # the policy's value: what runs, and what the MANIFEST records
+    policy: str
+    reason: str
+
+    def message(self) -> str:
+        given = f"{self.option} {self.given}" + ("" if self.explicit else " (the default)")
+        return f"{given} is overridden by the {self.policy} policy, which runs with {self.used}: {self.reason}"
+
+
+def policy_overrides(args: argparse.Namespace, options: EngineOptions, num_layers: int) -> list[Override]:
+    """The geometry options the policy replaces, for a model of `num_layers` decoder layers."""
+    policy: Policy = get_policy(options.policy)
+    used = policy.geometry(options.geometry, num_layers)
+    reason = f"its definition fixes it ({policy.description}; docs/baselines.md)"
+    return [
+        Override(
+            flag,
+            getattr(options.geometry, name),
+            getattr(args, name) is not None,
+            getattr(used, name),
+            policy.name,
+            reason,
+        )
+        for name, flag in GEOMETRY_FLAGS.items()
+        if getattr(used, name) != getattr(options.geometry, name)
+    ]
+
+
+def report_overrides(overrides: list[Override], log: Callable[..., None]) -> None:
+    """One `option_overridden` line per override (a warning when the value was given explicitly)."""
+    for override in overrides:
+        log(
+            "warning" if override.explicit else "info",
+            "option_overridden",
+            option=override.option,
+            given=override.given,
+            explicit=override.explicit,
+            policy_value=override.used,
+            policy=override.policy,
+            message=override.message(),
+        )
+
+
+def config_num_layers(model_dir: str) -> int | None:
+    """The decoder's layer count from a model directory's config.json (None if unreadable):
+    what a policy's geometry depends on, known without loading the model."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            config = json.load(f)
+        text = config.get("text_config") or config
+        return int(text["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def cadence_for(args: argparse.Namespace, windows: list[float] | None = None, started: float | None = None) -> Cadence:
+    """The cadence of a process run with these arguments (limits from the command line)."""
+    from flight.checkpoint import cadence as cadence_module  # crc32c, on the boot path (module docstring)
+
+    return cadence_module.Cadence(
+        args.cadence,
+        windows,
+        started=started,
+        thermal_limit_c=cadence_module.DEFAULT_THERMAL_LIMIT_C
+        if args.thermal_limit_c is None
+        else args.thermal_limit_c,
+        soc_cutoff=cadence_module.DEFAULT_SOC_CUTOFF if args.soc_cutoff is None else args.soc_cutoff,
+    )
+
+
+def storage_for(args: argparse.Namespace) -> tuple[DurableFS, Callable[[int], object] | None]:
+    """(file layer, weight-read hook): plain, or throttled to emulate a target device's storage."""
+    read, write = getattr(args, "emulate_read_mbps", None), getattr(args, "emulate_write_mbps", None)
+    weights = getattr(args, "emulate_weight_read_mbps", None)
+    for name, value in (
+        ("--emulate-read-mbps", read),
+        ("--emulate-write-mbps", write),
+        ("--emulate-weight-read-mbps", weights),
+    ):
+        if value is not None and value <= 0:
+            raise CliError(f"{name} must be positive", EXIT_USAGE)
+    fs = (
+        DurableFS()
+        if read is None and write is None
+        else ThrottledFS(read * 1e6 if read else None, write * 1e6 if write else None)
+    )
+    hook = TokenBucket(weights * 1e6).take if weights else None
+    return fs, hook

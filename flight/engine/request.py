@@ -1,0 +1,296 @@
+"""The engine's front: `Engine` (the boundary), `Result`, and one request's run from open to RESULT.
+
+`Engine` is where names become objects: the policy named in `EngineOptions` (unless the caller
+hands one) and the cost model the optimal planner uses (unless the caller hands one: by default
+this machine's cached calibration, else the model's byte counts at the target device's rates;
+flight/recovery/calibration_cache.py). Everything below it is handed what it uses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import transformers
+
+from common.durable import DurableFS, is_disk_full
+from flight.checkpoint.cadence import Cadence
+from flight.checkpoint.policies import Policy, get_policy
+from flight.checkpoint.store import CheckpointStore, Frontier, OpenOutcome
+from flight.checkpoint.writer import CheckpointWriter
+from flight.model.inputs import RequestInputs
+from flight.model.loader import LoadedModel
+from flight.options import EngineOptions
+from flight.recovery.calibration_cache import cost_model_for
+from flight.recovery.cost import CostModel
+
+from .context import LanguageState, RequestContext
+from .decode import DecodePhase
+from .prefill import PrefillBlocks
+from .records import Events, RecordSink
+from .restore import PrefillRestore
+from .vision import VisionPhase
+
+
+class SimulatedCut(Exception):
+    """Raised by a test hook to stop a request as a power cut would (nothing after it runs)."""
+
+
+@dataclass
+class Result:
+    token_ids: list[int]
+    text: str
+    logits: torch.Tensor
+    finish_reason: str
+    resumed: bool
+    resumed_from: dict
+    bytes_written: int
+    phase_seconds: dict
+    records_written: int = 0
+    records_skipped: int = 0  # lost to a full disk
+    records_deferred: int = 0  # optional records dropped while the writer was busy
+    # Most tensor bytes that checkpointing kept alive at once, per phase ("vision", "prefill",
+    # "decode"; each peak is credited to the next phase to end, which matters only when recovery
+    # runs the vision phase inside prefill): what checkpointing adds to peak memory.
+    held_state_peak_bytes: dict = field(default_factory=dict)
+    write_seconds: float = 0.0  # time the checkpoint writer spent writing (in the background)
+    restarted_reason: str | None = None
+    plan: dict | None = None
+    # What each restarted phase read ahead of its compute ("vision", "decode"; prefill's is `plan`).
+    phase_plans: dict = field(default_factory=dict)
+
+    def logits_sha256(self) -> str:
+        return hashlib.sha256(self.logits.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+class Engine:
+    def __init__(
+        self,
+        model: LoadedModel,
+        options: EngineOptions | None = None,
+        fs: DurableFS | None = None,
+        events: Events | None = None,
+        after_commit: Callable[[str, int], None] | None = None,
+        cadence: Cadence | None = None,
+        *,
+        policy: Policy | None = None,
+        cost_model: CostModel | None = None,
+    ):
+        self.model = model
+        self.options = options or EngineOptions()
+        # The boundary: a policy named in the options is resolved here, once.
+        self.policy = policy if policy is not None else get_policy(self.options.policy)
+        self.geometry = self.policy.geometry(self.options.geometry, model.adapter.num_layers)
+        self.cost_model = cost_model  # None: the calibration cache's, looked up when a plan needs it
+        # What the payload knows about its windows (warnings, telemetry, history); the caller's
+        # when it has one (the onboard process), else one that knows only this engine's timings.
+        self.cadence = cadence or Cadence(self.options.cadence)
+        self.adaptive = self.cadence.mode == "adaptive" and self.policy.name == "orbitweaver"
+        self.fs = fs
+        self.events: Events = events or (lambda name, **fields: None)
+        self.after_commit = after_commit
+        # Set from any thread (e.g. on a bus shutdown warning): persist progress at the next unit
+        # boundary instead of waiting for the policy's cadence.
+        self.checkpoint_soon = threading.Event()
+        if self.options.threads:
+            torch.set_num_threads(self.options.threads)
+
+    def manifest(self, inputs: RequestInputs, max_new_tokens: int) -> dict:
+        model, geometry = self.model, self.geometry
+        return {
+            "model_hash": model.content_hash,
+            "arch": model.model_type,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "dtype": str(model.dtype).removeprefix("torch."),
+            "attn_implementation": model.attn_implementation,
+            "threads": torch.get_num_threads(),
+            "device_type": model.device.type,
+            "chunk": geometry.chunk,
+            "group": geometry.group,
+            "decode_every": geometry.decode_every,
+            "vision_every": geometry.vision_every,
+            "policy": self.policy.name,
+            "inputs_hash": inputs.digest(),
+            "max_new_tokens": int(max_new_tokens),
+            "decode_kv_compression": self.options.decode_kv_compression,
+        }
+
+    def planning_costs(self) -> CostModel:
+        """The cost model the optimal planner plans with (the one handed in, else the default)."""
+        return self.cost_model if self.cost_model is not None else cost_model_for(self.model)
+
+    def run(self, inputs: RequestInputs, ckpt_dir: str, max_new_tokens: int) -> Result:
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        run = RequestRun(self, inputs, ckpt_dir, max_new_tokens)
+        with torch.inference_mode():
+            return run.execute()
+
+
+class RequestRun:
+    """One request inside one process lifetime: open its directory, find the frontier, run the
+    phases from there, commit RESULT."""
+
+    def __init__(self, engine: Engine, inputs: RequestInputs, ckpt_dir: str, max_new_tokens: int):
+        self.engine = engine
+        self.inputs = inputs
+        self.max_new_tokens = max_new_tokens
+        self.events = engine.events
+        self.store = CheckpointStore(ckpt_dir, engine.fs, events=self.events)
+        self.phase_seconds = {"restore": 0.0, "vision": 0.0, "prefill": 0.0, "decode": 0.0}
+        self.phase_plans: dict[str, dict] = {}
+        self.num_groups = len(engine.geometry.layer_groups(engine.model.adapter.num_layers))
+        self.num_chunks = len(engine.geometry.token_chunks(inputs.num_tokens))
+        # False when the policy writes none or not even the MANIFEST fits on the disk.
+        self.checkpoints_enabled = engine.policy.writes_checkpoints()
+
+    def execute(self) -> Result:
+        engine = self.engine
+        manifest = engine.manifest(self.inputs, self.max_new_tokens)
+        try:
+            outcome = self.store.open(manifest)
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            # Not even the MANIFEST fits: run without checkpoints rather than not at all.
+            self.events("checkpoint_write_failed", record="MANIFEST", errno=exc.errno, reason=str(exc.strerror))
+            self.checkpoints_enabled = False
+            outcome = OpenOutcome(0, "no_space", {})
+        restarted = None
+        if outcome.status in ("mismatch", "unreadable_manifest"):
+            restarted = outcome.status
+            self.events(
+                "manifest_mismatch",
+                status=outcome.status,
+                differences={name: [str(old), str(new)] for name, (old, new) in outcome.differences.items()}
+                if outcome.status == "mismatch"
+                else outcome.differences,
+            )
+        scan_started = time.perf_counter()
+        frontier = self.store.scan() if self.checkpoints_enabled or outcome.status == "resume" else Frontier()
+        self.phase_seconds["restore"] += time.perf_counter() - scan_started
+        phase = frontier.phase()
+        resumed_from = self._describe(frontier, phase)
+        self.events(
+            "request_opened",
+            status=outcome.status,
+            **resumed_from,
+            prompt_tokens=self.inputs.num_tokens,
+            chunks=self.num_chunks,
+            groups=self.num_groups,
+        )
+        if frontier.result is not None:
+            return self._result_from_record(frontier.result, resumed_from)
+        # A policy that commits on the compute path (an intermittent-computing task runtime)
+        # gets a synchronous writer: each record is durable before the next unit of work.
+        asynchronous = engine.options.async_writes and not engine.policy.synchronous_commits()
+        writer = CheckpointWriter(self.events, asynchronous, engine.after_commit)
+        records = RecordSink(
+            self.store,
+            writer,
+            self.events,
+            engine.cadence,
+            enabled=self.checkpoints_enabled,
+            adaptive=engine.adaptive,
+        )
+        try:
+            tokens, logits, finish, plan_summary = self._run_phases(frontier, records)
+            writer.drain()
+            text = engine.model.decode(tokens)
+            records.commit_result(tokens, logits, text, finish)
+        finally:
+            writer.close()
+        return Result(
+            tokens,
+            text,
+            logits,
+            finish,
+            resumed=phase != "start",
+            resumed_from=resumed_from,
+            bytes_written=self.store.bytes_written,
+            phase_seconds={name: round(seconds, 6) for name, seconds in self.phase_seconds.items()},
+            records_written=writer.records_committed,
+            records_skipped=writer.records_skipped,
+            records_deferred=writer.records_deferred,
+            held_state_peak_bytes=records.held_peaks,
+            write_seconds=writer.busy_seconds,
+            restarted_reason=restarted,
+            plan=plan_summary,
+            phase_plans=self.phase_plans,
+        )
+
+    def _run_phases(self, frontier: Frontier, records: RecordSink) -> tuple[list[int], torch.Tensor, str, dict | None]:
+        """Vision (when it is the next work), prefill as a recovery plan, decode."""
+        engine = self.engine
+        request = RequestContext(
+            engine.model,
+            engine.options,
+            engine.policy,
+            engine.geometry,
+            engine.planning_costs,
+            self.inputs,
+            self.max_new_tokens,
+            self.store,
+            records,
+            self.events,
+            engine.cadence,
+            engine.checkpoint_soon,
+            self.phase_seconds,
+            self.phase_plans,
+        )
+        vision = VisionPhase(request, frontier)
+        vision_next = not frontier.vision_done and not frontier.blocks and not frontier.decode_records
+        # Reads stream in the order this request needs them, behind the compute.
+        if vision_next and self.inputs.image_grid_thw.shape[0] > 0:
+            vision.start_reads()
+        try:
+            if vision_next:
+                vision.out()  # the vision phase is the next work: run it now
+            state = LanguageState(request.adapter)
+            # From here on the plan's reader is the only weight stream (the vision reads overlapped
+            # the vision phase): the plan orders weight reads with checkpoint reads on one channel.
+            vision.stop_reads()
+            engine.model.weights.ensure(f"{request.adapter.lm_prefix}.rotary_emb")  # no weights; every block needs it
+            blocks = PrefillBlocks(request, state, vision)
+            decode = DecodePhase(request, state)
+            restore = PrefillRestore(request, state, vision, blocks, decode)
+            frontier = restore.run(frontier)
+            for layer in range(request.adapter.num_layers):
+                state.extend_kv(layer, len(request.token_chunks))
+            state.read_kv.clear()
+            tokens, logits, finish = decode.run(frontier)
+            return tokens, logits, finish, restore.plan_summary
+        finally:
+            vision.stop_reads()
+
+    def _describe(self, frontier: Frontier, phase: str) -> dict:
+        if phase == "done":
+            return {"phase": "done", "position": None}
+        if phase == "decode":
+            return {"phase": "decode", "position": frontier.decode_steps}
+        if phase == "prefill":
+            return {
+                "phase": "prefill",
+                "position": len(frontier.blocks),
+                "blocks_total": self.num_groups * self.num_chunks,
+            }
+        if phase == "vision":
+            return {"phase": "vision", "position": frontier.vision_block}
+        return {"phase": "start", "position": 0}
+
+    def _result_from_record(self, record, resumed_from: dict) -> Result:
+        return Result(
+            record.tensors["token_ids"].tolist(),
+            record.meta["text"],
+            record.tensors["logits"].clone(),
+            record.meta["finish_reason"],
+            resumed=True,
+            resumed_from=resumed_from,
+            bytes_written=0,
+            phase_seconds={name: 0.0 for name in self.phase_seconds},
+        )

@@ -1,0 +1,173 @@
+"""The prefill phase as a recovery plan: which blocks to read, which to compute, in what order.
+
+A fresh run and a restart are the same code: the plan of an empty frontier computes every
+block. The plan (flight/recovery/plan.py, chosen by the policy) is run by `PhaseExecutor`, which
+overlaps its reads with its computes and calls back into `PrefillBlocks` (reads, blocks,
+re-projections), `VisionPhase` (the vision.out read) and `DecodePhase` (a decode restart's first
+step, group by group). A record that fails its checks mid-plan is quarantined and the plan is
+made again from a new scan of the directory, at most `MAX_REPLANS` times.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import replace
+from typing import cast
+
+from flight.checkpoint.store import BlockInfo, Frontier
+from flight.recovery.executor import RecordRejected
+from flight.recovery.phases import VISION_OUT, PhaseExecutor, StepOp
+from flight.recovery.plan import ComputeOp, ReadOp, RecoveryProblem, make_plan
+
+from .context import LanguageState, RequestContext
+from .decode import DecodePhase
+from .prefill import PrefillBlocks
+from .vision import VisionPhase
+
+MAX_REPLANS = 8
+
+
+class PrefillRestore:
+    def __init__(
+        self,
+        request: RequestContext,
+        state: LanguageState,
+        vision: VisionPhase,
+        blocks: PrefillBlocks,
+        decode: DecodePhase,
+    ):
+        self.request = request
+        self.state = state
+        self.vision = vision
+        self.blocks = blocks
+        self.decode = decode
+        self.plan_summary: dict | None = None  # the last plan's, with its execution times
+        positions = request.positions
+        self.visual_chunks = frozenset(
+            chunk
+            for chunk, (start, end) in enumerate(request.token_chunks)
+            if bool(positions.visual_mask[0, start:end].any())
+        )
+
+    def run(self, frontier: Frontier) -> Frontier:
+        """Restore or compute every prefill block (and a decode restart's first step); the
+        frontier the plan that succeeded was made from."""
+        request, options = self.request, self.request.options
+        have_decode = bool(frontier.decode_records)
+        for _attempt in range(MAX_REPLANS):
+            problem = RecoveryProblem(
+                len(request.layer_groups),
+                len(request.token_chunks),
+                set(frontier.blocks),
+                {block for block, info in frontier.blocks.items() if info.has_hidden},
+                need_last_hidden=not have_decode,
+                kv_missing={block for block, info in frontier.blocks.items() if info.kv_bytes == 0},
+            )
+            planner, overlap = request.policy.recovery(options.planner, options.overlap_recovery)
+            operator_planner = (planner, overlap) == (options.planner, options.overlap_recovery)
+            if not frontier.blocks:  # nothing to restore: weights stream behind the compute, as in any fresh run
+                overlap = options.overlap_recovery
+            if operator_planner and have_decode and not problem.must_compute() and not problem.reprojections():
+                # A decode restart: its first step needs the layer groups in order, each with its
+                # weights and all its KV -- exactly layer-first's reads. (Baselines keep their own.)
+                planner = "layer-first"
+            elif planner == "optimal":
+                problem.costs = self._plan_costs()
+            plan = make_plan(planner, problem)
+            self.blocks.scheduled = {(op.group, op.chunk) for op in plan.computes}
+            # for progress reports: the blocks this plan does not compute count as done
+            self.blocks.blocks_done = request.num_blocks - sum(op.kind == "block" for op in plan.computes)
+            if (
+                self.vision.output is None
+                and frontier.vision_done
+                and any(op.kind == "block" and op.group == 0 and op.chunk in self.visual_chunks for op in plan.computes)
+            ):
+                plan.reads.insert(0, VISION_OUT)  # read once, first, not inside the block that needs it
+            summary = plan.summary()
+            summary["vision_out_read"] = VISION_OUT in plan.reads
+            self.plan_summary = summary
+            self.decode.restart = None
+            if have_decode:
+                restart = self.decode.plan_restart(frontier)
+                # PhaseExecutor takes a StepOp where a ComputeOp goes (same group/chunk/kind fields).
+                steps = cast(list[ComputeOp], [StepOp(group) for group in range(len(request.layer_groups))])
+                plan.computes = plan.computes + steps
+                request.phase_plans["decode"] = {
+                    "step": restart.step,
+                    "planner": planner,
+                    "reads": len(plan.reads),
+                    "groups": len(request.layer_groups),
+                }
+            if frontier.blocks:
+                request.events("recovery_plan", **summary)
+            started = time.perf_counter()
+            executor = PhaseExecutor(
+                plan,
+                functools.partial(self._read, blocks_found=frontier.blocks),
+                self._compute,
+                overlap=overlap,
+                visual_chunks=self.visual_chunks,
+                num_chunks=len(request.token_chunks),
+            )
+            try:
+                stats = executor.run()
+            except RecordRejected as exc:
+                info = frontier.blocks.get((exc.op.group, exc.op.chunk))
+                if info is not None:
+                    request.store.quarantine(info.path, exc.error.reason)
+                frontier = request.store.scan()
+                have_decode = bool(frontier.decode_records)
+                self.state.reset()
+                continue
+            request.phase_seconds["prefill"] += time.perf_counter() - started
+            if have_decode:
+                request.phase_plans["decode"].update(
+                    read_s=round(stats.read_seconds, 6),
+                    stall_s=round(stats.stall_seconds, 6),
+                    wall_s=round(stats.wall_seconds, 6),
+                    bytes_read=stats.bytes_read,
+                )
+            request.records.note_held_peak("prefill")
+            summary.update(
+                read_s=round(stats.read_seconds, 6),
+                compute_s=round(stats.compute_seconds, 6),
+                stall_s=round(stats.stall_seconds, 6),
+                wall_s=round(stats.wall_seconds, 6),
+                bytes_read=stats.bytes_read,
+            )
+            if frontier.blocks:
+                request.events(
+                    "prefill_restored",
+                    stall_s=round(stats.stall_seconds, 4),
+                    read_s=round(stats.read_seconds, 4),
+                    bytes_read=stats.bytes_read,
+                )
+            return frontier
+        raise RuntimeError("recovery could not find a consistent set of records")
+
+    def _plan_costs(self) -> dict:
+        """Costs for the optimal planner: the cost model the engine was handed, with reads at the
+        storage's real (possibly throttled, target-emulating) bandwidth."""
+        model = self.request.cost_model()
+        bucket = getattr(self.request.store.fs, "read_bucket", None)
+        if bucket is not None:
+            model = replace(model, read_bytes_per_s=bucket.rate)
+        return model.problem_costs(self.request.layer_groups, self.request.token_chunks)
+
+    # ---- the executor's callbacks -------------------------------------------------------------
+    def _read(self, op: ReadOp, blocks_found: dict[tuple[int, int], BlockInfo]) -> int:
+        if op.what == VISION_OUT.what:
+            return self.vision.read_out()
+        return self.blocks.read(op, blocks_found)
+
+    def _compute(self, op: ComputeOp | StepOp) -> None:
+        if op.kind == "decode":
+            assert isinstance(op, StepOp)
+            self.decode.first_step_group(op)
+        elif op.kind == "reproject":
+            assert isinstance(op, ComputeOp)
+            self.blocks.reproject(op)
+        else:
+            assert isinstance(op, ComputeOp)
+            self.blocks.compute(op)

@@ -1,0 +1,59 @@
+"""The engine is handed its policy and cost model (names are resolved only at `Engine`): a
+handed policy object runs whatever the options name, and the optimal planner plans with the
+cost model handed in."""
+
+import pytest
+from testkit import GEOMETRY, MAX_NEW, CutAfter, engine, inputs_for
+
+from common.record import Kind, decode
+from flight.checkpoint.policies import NoCheckpointPolicy
+from flight.engine import Engine, EngineOptions, SimulatedCut
+from flight.model.loader import load_model
+from flight.recovery import calibration_cache
+from flight.recovery.cost import CostModel
+
+
+class CountingCostModel(CostModel):
+    """A cost model that remembers the block grids it was asked to cost."""
+
+    asked: list = []
+
+    def problem_costs(self, groups, chunks):
+        CountingCostModel.asked.append((list(groups), list(chunks)))
+        return super().problem_costs(groups, chunks)
+
+
+@pytest.fixture(scope="module")
+def model(model_dirs):
+    return load_model(model_dirs["qwen3-vl"], device="cpu")
+
+
+def test_a_handed_policy_is_the_one_that_runs(model, tmp_path):
+    inputs = inputs_for(model)
+    options = EngineOptions(geometry=GEOMETRY, policy="orbitweaver", async_writes=False)
+    handed = Engine(model, options, policy=NoCheckpointPolicy()).run(inputs, str(tmp_path / "none"), MAX_NEW)
+    named = engine(model, policy="none").run(inputs, str(tmp_path / "named"), MAX_NEW)
+    assert handed.records_written == named.records_written == 0
+    assert handed.token_ids == named.token_ids and handed.logits_sha256() == named.logits_sha256()
+    stored, _ = decode((tmp_path / "none" / "MANIFEST").read_bytes(), expect_kind=Kind.MANIFEST)
+    assert stored.meta["manifest"]["policy"] == "none"
+
+
+def test_the_optimal_planner_plans_with_the_handed_cost_model(model, tmp_path, monkeypatch):
+    inputs = inputs_for(model)
+    whole = engine(model).run(inputs, str(tmp_path / "whole"), MAX_NEW)
+    ckpt = str(tmp_path / "cut")
+    cut = CutAfter(3, names=("prefill_block_done",))
+    with pytest.raises(SimulatedCut):
+        engine(model, events=cut.event).run(inputs, ckpt, MAX_NEW)
+    default = calibration_cache.cost_model_for(model)
+    handed = CountingCostModel(**{name: getattr(default, name) for name in default.__dataclass_fields__})
+    CountingCostModel.asked.clear()
+    # the default (the calibration cache) must not be consulted when a cost model is handed in
+    monkeypatch.setattr("flight.engine.request.cost_model_for", lambda *a, **k: pytest.fail("looked up"))
+    options = EngineOptions(geometry=GEOMETRY, planner="optimal", async_writes=False)
+    resumed = Engine(model, options, cost_model=handed).run(inputs, ckpt, MAX_NEW)
+    assert resumed.resumed and resumed.plan["planner"] == "optimal"
+    groups = GEOMETRY.layer_groups(model.adapter.num_layers)
+    assert CountingCostModel.asked and CountingCostModel.asked[0] == (groups, GEOMETRY.token_chunks(inputs.num_tokens))
+    assert resumed.token_ids == whole.token_ids and resumed.logits_sha256() == whole.logits_sha256()
