@@ -10,7 +10,7 @@ import pytest
 from common.record import Kind, decode
 
 
-def ow(*args, timeout=120):
+def ow(*args, timeout=900):  # bounds a hang only: `ow infer` takes minutes on a saturated machine
     return subprocess.run(
         [sys.executable, "-m", "common.cli", *args],
         capture_output=True,

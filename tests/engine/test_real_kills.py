@@ -59,7 +59,7 @@ def _env():
 
 
 def _finish(cmd):
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=120)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout)
 
@@ -90,7 +90,7 @@ def _run_and_kill(cmd, rng, pace_ms, after_commit=False):
             proc.send_signal(signal.SIGKILL)
             proc.wait()
             return last_phase, committed
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-2000:]
     return None, json.loads(out)
 

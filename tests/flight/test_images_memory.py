@@ -97,7 +97,7 @@ def test_eight_maximal_uploads_stay_within_one_decode_budget(tmp_path, model_dir
         tmp_path / "data", model_dirs["qwen3-vl"], tmp_path / "keys", bus.endpoint, log_path=tmp_path / "flight.log"
     )
     try:
-        bus.wait_connected(timeout=120)
+        bus.wait_connected(timeout=600)
         seq = bus.command(m.Ping(key=1))
         bus.wait_for(lambda h, x: isinstance(x, m.Pong), timeout=60)
         time.sleep(3.0)  # the worker loads the model in the background: let it settle

@@ -68,7 +68,7 @@ class Payload:
         self.proc = spawn_flight(
             data_dir, model, tmp_path / "keys", self.bus.endpoint, *extra, log_path=tmp_path / "flight.log"
         )
-        self.bus.wait_connected(timeout=120)
+        self.bus.wait_connected(timeout=600)
 
     def alive(self) -> bool:
         return self.proc.poll() is None

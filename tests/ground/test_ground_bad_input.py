@@ -104,7 +104,7 @@ def test_undecodable_argv_bytes_from_a_real_shell_are_refused(keys, pictures, tm
         b"--timeout",
         b"1",
     ]
-    done = subprocess.run(command, capture_output=True, env=env, timeout=120, cwd=os.getcwd())
+    done = subprocess.run(command, capture_output=True, env=env, timeout=900, cwd=os.getcwd())
     assert done.returncode == 5, done.stderr
     assert done.stderr.decode().strip().splitlines() == [
         "ow ground: error: prompt is not valid UTF-8 (undecodable byte at character 6)"

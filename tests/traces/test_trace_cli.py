@@ -80,12 +80,12 @@ def test_trace_import_bupt1_reports_missing_data(tmp_path: Path):
 
 def test_python_dash_m_traces():
     done = subprocess.run(
-        [sys.executable, "-m", "traces", "trace-info", "trace-a"], cwd=REPO, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "traces", "trace-info", "trace-a"], cwd=REPO, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr
     assert "cuts         " in done.stdout
     failed = subprocess.run(
-        [sys.executable, "-m", "traces", "trace-info", "nope"], cwd=REPO, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "traces", "trace-info", "nope"], cwd=REPO, capture_output=True, text=True, timeout=600
     )
     assert failed.returncode == 2
     assert failed.stderr.count("\n") == 1 and "error: nope: no such trace file" in failed.stderr
