@@ -64,7 +64,7 @@ def timed_peer(keys_dir: str):
     """The payload tests' scripted bus, stamping each packet with its arrival time."""
 
     class TimedPeer(BusPeer):
-        def __init__(self, keys):
+        def __init__(self, keys: str) -> None:
             super().__init__(keys)
             self.arrived: list[float] = []
 

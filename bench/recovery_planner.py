@@ -25,6 +25,7 @@ import random
 import statistics
 import sys
 import time
+from typing import Any
 
 from bench.engine_overhead import ensure_model
 from flight.calibration import calibrate
@@ -156,7 +157,7 @@ def makespans(model_key: str, layers: int, group: int, chunks: int, calibrated: 
         io_to_compute = float((block.weights.sum() + block.kv.sum()) / block.compute.sum())
         for frontier, make in FRONTIERS.items():
             for progress in PROGRESS:
-                ratios = {"chunk-first": [], "layer-first": [], "optimal": []}
+                ratios: dict[str, list[float]] = {"chunk-first": [], "layer-first": [], "optimal": []}
                 speedup = []
                 for seed in range(seeds if frontier != "staircase" else 1):
                     rng = random.Random(seed)
@@ -232,7 +233,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write all rows here")
     args = ap.parse_args(argv)
 
-    out = {}
+    out: dict[str, Any] = {}
     print(
         f"== planner time: optimal, frontiers at 50 %, {args.timing_chunks} chunks of 1024 tokens "
         f"(paper: < 100 ms for G >= 2; goal here: < 10 ms for 36 layers, G = 2) =="

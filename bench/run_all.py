@@ -70,7 +70,8 @@ def bytes_and_energy(model_dir: str, images_by_size: dict, prompt: str, rounds: 
     model = load_model(model_dir, device="cpu")
     for label, images in images_by_size.items():
         inputs = inputs_from_files(model, images, prompt)
-        rows, walls = {}, {}
+        rows: dict[str, dict[str, float]] = {}
+        walls: dict[str, list[float]] = {}
         for _round in range(rounds):  # interleaved rounds, the fastest of each: less noise than one run
             for policy in ("none",) + POLICIES + STRENGTHENED:
                 with tempfile.TemporaryDirectory(dir=os.path.join(ROOT, "runs")) as d:
@@ -549,7 +550,7 @@ def _engine_sections(out: str, d: dict) -> list:
 
 
 def _e2e_section(out: str, e2e: list) -> list:
-    lines = []
+    lines: list[str] = []
     if not e2e:
         return lines
     lines += [

@@ -18,13 +18,14 @@ import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from typing import Any
 
 from flight.checkpoint.policies import Geometry
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-CONFIGS = {
+CONFIGS: dict[str, dict[str, Any]] = {  # keyword arguments of hil.sim.figures.Config
     "2b-agx": dict(model="qwen3-vl-2b", target="orin-agx", frames=8, tokens_per_frame=2048),
     "8b-nx": dict(model="qwen3-vl-8b", target="orin-nx", frames=8, tokens_per_frame=4096),
 }
@@ -59,11 +60,11 @@ def main(argv=None) -> int:
 
     seeds = (0,) if args.quick else (0, 1, 2)
     t0 = time.time()
-    out = {"configs": {}, "seeds": list(seeds), "arrivals": 8}
+    out: dict[str, Any] = {"configs": {}, "seeds": list(seeds), "arrivals": 8}
     for name, cfg in CONFIGS.items():
         base = dict(cfg, boot_s=20.0, commit_latency_s=1e-3)
         print(f"== real-size simulation: {Config(**base).label()} ==", flush=True)
-        entry = {"label": Config(**base).label(), "fig10": fig10_parallel(base, seeds, 8)}
+        entry: dict[str, Any] = {"label": Config(**base).label(), "fig10": fig10_parallel(base, seeds, 8)}
         s = entry["fig10"]["summary"]
         print(
             "  geo-mean speedup of orbitweaver: "

@@ -91,6 +91,13 @@ class BusLogEntry:
     def __getitem__(self, key: str) -> Any:
         return self.data[key]
 
+    @property
+    def stamped_trace_s(self) -> float:
+        """trace_s of an entry the bus stamps with its clock (power events, payload reports)."""
+        if self.trace_s is None:
+            raise ValueError(f"run-log entry {self.run}/{self.n} ({self.kind}) has no trace_s")
+        return self.trace_s
+
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> BusLogEntry:
         return cls(

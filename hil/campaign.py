@@ -91,8 +91,9 @@ def run_campaign(
     out = Path(base.out_dir)
     cadences = cadences or [base.cadence]
     plan = []
+    no_workload: list[str | None] = [None]  # the base config's own workload
     for trace in traces_:
-        for workload in workloads or [None]:
+        for workload in workloads or no_workload:
             for seed in seeds:
                 trace_arg = trace_for_seed(trace, seed, out)
                 for label, policy, cadence in variants(policies, cadences):
@@ -204,6 +205,13 @@ def _fmt(value, spec=".1f", none="-"):
     return none if value is None else format(value, spec)
 
 
+def _makespan_trace_s(run: CampaignCell) -> float:
+    """The last request's end-to-end time (trace s) of a run whose requests all completed."""
+    ends = [q.e2e_trace_s for q in run.report.requests if q.e2e_trace_s is not None]
+    assert len(ends) == len(run.report.requests), "a completed request has its end-to-end time"
+    return max(ends)
+
+
 def summarise(cells: list[CampaignCell]) -> list[dict]:
     """One row per workload x trace x policy, over seeds: requests completed, outputs, end-to-end
     (mean over completed requests; mean of the per-seed maxima for seeds that completed all)."""
@@ -228,7 +236,7 @@ def summarise(cells: list[CampaignCell]) -> list[dict]:
                 "runs": len(group),
                 "bitwise": all(q.correct for q in done) if done else None,
                 "e2e_mean_trace_s": _mean(q.e2e_trace_s for q in done),
-                "makespan_trace_s": _mean(max(q.e2e_trace_s for q in c.report.requests) for c in complete_runs),
+                "makespan_trace_s": _mean(_makespan_trace_s(c) for c in complete_runs),
                 "cuts": sum(c.report.cuts_total for c in group),
                 "lost_units": sum(sum(sum(q.work_lost_units) for q in c.report.requests) for c in group),
                 "mib_written": sum(c.report.bytes_written for c in group) / 2**20,
@@ -295,8 +303,8 @@ def write_report(out: Path, cells: list[CampaignCell]) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     runs = []
     for c in cells:
-        r = c.report
-        done = [q for q in r.requests if q.completed]
+        report = c.report
+        done = [q for q in report.requests if q.completed]
         runs.append(
             {
                 "trace": c.trace,
@@ -304,17 +312,17 @@ def write_report(out: Path, cells: list[CampaignCell]) -> Path:
                 "policy": c.policy,
                 "cadence": c.cadence,
                 "seed": c.seed,
-                "completed": f"{len(done)}/{len(r.requests)}",
-                "completion_rate": r.completion_rate,
-                "correct": r.all_correct,
+                "completed": f"{len(done)}/{len(report.requests)}",
+                "completion_rate": report.completion_rate,
+                "correct": report.all_correct,
                 "e2e_trace_s": _mean(q.e2e_trace_s for q in done),
-                "cuts": r.cuts_total,
-                "recovery_s": _mean(x for q in r.requests for x in q.recovery_latency_s),
-                "lost_units": sum(sum(q.work_lost_units) for q in r.requests),
-                "mib_written": r.bytes_written / 2**20,
-                "energy_j": r.energy_j,
-                "wall_s": r.wall_s,
-                "start_residual_s": r.start_residual_s,
+                "cuts": report.cuts_total,
+                "recovery_s": _mean(x for q in report.requests for x in q.recovery_latency_s),
+                "lost_units": sum(sum(q.work_lost_units) for q in report.requests),
+                "mib_written": report.bytes_written / 2**20,
+                "energy_j": report.energy_j,
+                "wall_s": report.wall_s,
+                "start_residual_s": report.start_residual_s,
             }
         )
     rows = summarise(cells)

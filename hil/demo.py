@@ -27,9 +27,9 @@ from hil.testbench_cli import ensure_model
 class OperatorView:
     """Prints one line per thing that matters, with the time since the start."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.t0 = time.monotonic()
-        self.last_phase: dict[str, str] = {}
+        self.last_phase: dict[str | None, str] = {}  # by task id (a progress report may carry none)
 
     def say(self, line: str) -> None:
         print(f"{time.monotonic() - self.t0:6.1f}s  {line}", flush=True)
@@ -42,6 +42,18 @@ class OperatorView:
                 bar = "#" * int(20 * msg.done / max(1, msg.total))
                 self.say(f"[payload] {msg.task_id} {str(msg.phase):8s} {msg.done:3d}/{msg.total:<3d} {bar}")
             del key
+
+
+class DemoTestbench(Testbench):
+    """The testbench, also showing each payload packet on the operator view."""
+
+    def __init__(self, cfg: BenchConfig, view: OperatorView):
+        super().__init__(cfg, say=view.say)
+        self.view = view
+
+    def _show(self, msg: m.Message) -> None:
+        super()._show(msg)
+        self.view.packet(msg)
 
 
 def main(argv=None) -> int:
@@ -70,14 +82,7 @@ def main(argv=None) -> int:
         decode_every=4,
         boot_trace_s=None,
     )  # real time: this machine's real boot
-    bench = Testbench(cfg, say=view.say)
-    original_show = bench._show
-
-    def show(msg):
-        original_show(msg)
-        view.packet(msg)
-
-    bench._show = show
+    bench = DemoTestbench(cfg, view)
     view.say(
         "computing the uninterrupted references, then starting the bus on trace 'demo' "
         "(4 cuts: thermal+warning, FDIR, power+warning, competing payload)"

@@ -211,6 +211,8 @@ def _drive(sat: DeploySatellite, assignments, workload, refs, model, keys, out: 
         boot_timeout_s=90.0,
     )
     bus = BusProcess(cfg).start()
+    bus_proc = bus.proc
+    assert bus_proc is not None  # start() has launched it
     try:
         with GroundClient(
             keys,
@@ -225,8 +227,8 @@ def _drive(sat: DeploySatellite, assignments, workload, refs, model, keys, out: 
             clock = {"trace_s": 0.0}
             for _, arrival, i in assignments:
                 while clock["trace_s"] < arrival:  # the bus clock, from its telemetry
-                    if bus.proc.poll() is not None:
-                        raise RuntimeError(f"{sat.name}: the bus exited ({bus.proc.returncode}); see {bus.log_path}")
+                    if bus_proc.poll() is not None:
+                        raise RuntimeError(f"{sat.name}: the bus exited ({bus_proc.returncode}); see {bus.log_path}")
                     for t in g.telemetry(0.5):
                         msg = t.message
                         if hasattr(msg, "trace_time_s"):

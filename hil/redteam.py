@@ -42,7 +42,7 @@ from common import log
 from common.durable import DurableFS, temp_name
 from common.wire import Apid, NodeId, ResponseCode, WireError, decode, encode
 from common.wire import messages as m
-from common.wire.ids import SEQ_MODULUS
+from common.wire.ids import SEQ_MODULUS, PowerCause
 from common.wire.link import Endpoints, init_keys
 from common.wire.packet import PacketType, crc16, frame
 from flight.checkpoint.policies import Geometry
@@ -77,8 +77,8 @@ def sample_commands() -> list[m.Message]:
         m.ListQuarantine(),
         m.ReleaseQuarantine(item="task:task-001"),
         m.ListLostTasks(),
-        m.ShutdownWarning(trace_time_s=100.0, lead_time_s=2.5, cause="eclipse"),
-        m.PowerStateChange(trace_time_s=102.5, payload_on=True, cause="restored", after_fault=False),
+        m.ShutdownWarning(trace_time_s=100.0, lead_time_s=2.5, cause=PowerCause.ECLIPSE),
+        m.PowerStateChange(trace_time_s=102.5, payload_on=True, cause=PowerCause.RESTORED, after_fault=False),
     ]
 
 
@@ -224,7 +224,8 @@ class DecoderFuzzReport:
 
 
 def fuzz_decoder(frames: int, seed: int = 0, progress=None) -> DecoderFuzzReport:
-    source, report, codes = FrameSource(seed), DecoderFuzzReport(), Counter()
+    source, report = FrameSource(seed), DecoderFuzzReport()
+    codes: Counter[str] = Counter()
     start, rss_start = time.perf_counter(), None
     for i in range(frames):
         data = source.next()
@@ -310,7 +311,8 @@ def fuzz_dispatch(frames: int, seed: int, workdir: str, progress=None) -> Dispat
     app = FlightApp(
         os.path.join(workdir, "data"), os.path.join(workdir, "no-model"), keys, "tcp://127.0.0.1:1", None, fs=NoSyncFS()
     )
-    source, report, codes = FrameSource(seed), DispatchFuzzReport(), Counter()
+    source, report = FrameSource(seed), DispatchFuzzReport()
+    codes: Counter[str] = Counter()
     start, rss_start = time.perf_counter(), None
     for i in range(frames):
         data = source.next()
@@ -782,7 +784,9 @@ class KillCampaign:
     def _activities(entries) -> Counter:
         """What the payload was doing at each cut, as far as the bus saw it."""
 
-        counts, state, in_flight = Counter(), "booting", set()
+        counts: Counter[str] = Counter()
+        in_flight: set[object] = set()  # store ids of uplinks the bus forwarded, not yet confirmed
+        state = "booting"
         for e in entries:
             kind, d = e.kind, e.data
             if kind == bl.POWER_ON:

@@ -34,8 +34,10 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -68,19 +70,19 @@ class RunDigest:
             if a != b:
                 out.append(f"command {key}: recorded {a} vs replayed {b}")
         for task in sorted(set(self.tasks) | set(other.tasks)):
-            a, b = self.tasks.get(task), other.tasks.get(task)
-            if a is None or b is None:
-                out.append(f"task {task}: {'missing in the replay' if b is None else 'not in the recording'}")
+            recorded, replayed = self.tasks.get(task), other.tasks.get(task)
+            if recorded is None or replayed is None:
+                out.append(f"task {task}: {'missing in the replay' if replayed is None else 'not in the recording'}")
                 continue
             for k in ("reports", "final", "token_ids", "logits_sha256")[: 4 if compare_logits else 3]:
-                if a.get(k) != b.get(k):
-                    out.append(f"task {task} {k}: recorded {a.get(k)} vs replayed {b.get(k)}")
+                if recorded.get(k) != replayed.get(k):
+                    out.append(f"task {task} {k}: recorded {recorded.get(k)} vs replayed {replayed.get(k)}")
         return out
 
 
 def digest(entries: list[bl.BusLogEntry]) -> RunDigest:
     start = next((e for e in entries if e.kind == bl.RUN_START), None)
-    power = []
+    power: list[tuple] = []
     for e in entries:
         if e.kind == bl.POWER_OFF and e.data.get("origin") == "trace":
             power.append(("off", e.data.get("cause")))
@@ -149,7 +151,7 @@ def anchors_of(entries: list[bl.BusLogEntry]) -> list[Anchor]:
         if e.kind == bl.POWER_ON:
             cycle = int(e.data.get("power_cycle") or cycle + 1)
         elif e.kind == bl.PAYLOAD_CONNECTED and cycle:
-            out.append(Anchor(cycle, e.trace_s, "connected"))
+            out.append(Anchor(cycle, e.stamped_trace_s, "connected"))
         elif (
             e.kind == bl.PAYLOAD_REPORT
             and cycle
@@ -157,7 +159,7 @@ def anchors_of(entries: list[bl.BusLogEntry]) -> list[Anchor]:
             and isinstance(e.data.get("request"), dict)
             and e.data["request"].get("type") == "UPLINK_TASK"
         ):
-            out.append(Anchor(cycle, e.trace_s, e.data["type"], e.data.get("task_id")))
+            out.append(Anchor(cycle, e.stamped_trace_s, e.data["type"], e.data.get("task_id")))
     return out
 
 
@@ -296,7 +298,7 @@ def replay(
     end_trace = stop.trace_s if stop.trace_s is not None else d.get("start_at_s", 0.0) + stop.wall_s
     try:
         for e in commands:
-            while clock.trace_s() < e.trace_s and time.monotonic() < deadline:
+            while clock.trace_s() < e.stamped_trace_s and time.monotonic() < deadline:
                 recv_packet(sock, timeout_s=0.05)  # keep the DEALER drained (answers are read, not used)
             send_packet(sock, base64.b64decode(e.data["packet"]), timeout_s=10)
             report.commands_sent += 1
@@ -404,7 +406,7 @@ def local_references(
         return {}
 
 
-def _trace_of(run_start: dict, report: ReplayReport) -> str:
+def _trace_of(run_start: Mapping[str, Any], report: ReplayReport) -> str:
     """The recorded trace file, or the shipped trace of the same name (a log recorded on another
     machine), provided its content is the recorded one."""
 

@@ -433,6 +433,8 @@ class Testbench:
         )
         started = time.time()
         bus = BusProcess(bus_cfg).start()
+        bus_proc = bus.proc
+        assert bus_proc is not None  # start() has launched it
         self.log_tail = _LogTail(self.out / "bus" / "bus-log.jsonl")
         recorder = _TelemetryRecorder(self.keys, bus.endpoints, on_packet=self._show)
         recorder.start()
@@ -460,7 +462,7 @@ class Testbench:
                         failures[task_id] = f"uplink: {exc}"
                         self.say(f"[ground] uplink of {task_id} failed: {exc}")
                 results = self._wait_for_results(
-                    ground, tasks, recorder, failures, started, bus_alive=lambda: bus.proc.poll() is None
+                    ground, tasks, recorder, failures, started, bus_alive=lambda: bus_proc.poll() is None
                 )
         finally:
             time.sleep(0.5)
@@ -554,7 +556,7 @@ class Testbench:
                 )
             starts = [t for t, msg in mine if isinstance(msg, m.Started)]
             progress = [(t, msg) for t, msg in mine if isinstance(msg, m.Progress)]
-            totals = {}
+            totals: dict[str, int] = {}
             for _, p in progress:
                 totals[str(p.phase)] = max(totals.get(str(p.phase), 0), int(p.total))
             recovery, lost = [], []
@@ -569,8 +571,7 @@ class Testbench:
                     lost.append(max(0, _unit_index(before[-1], totals) - (_unit_index(after[0], totals) - 1)))
             busy = _busy_seconds(starts, completed_at, intervals)
             busy_total += busy
-            p = self.cfg.power
-            energy = busy * p.compute_w if res is not None else None
+            energy = busy * self.cfg.power.compute_w if res is not None else None
             e2e = (completed_at - queued_at) if (completed_at and queued_at) else None
             # In trace seconds, from the later of the uplink and the trace's start (the bus
             # stores commands while the clock has not started) to COMPLETED; skipped spans count.
@@ -592,14 +593,14 @@ class Testbench:
                     failures.get(task_id),
                 )
             )
-        p = self.cfg.power
+        power = self.cfg.power
         on_time = sum(b - a for a, b in intervals)
         boot_time = len(ons) * self.boot_s
         energy_total = (
-            busy_total * p.compute_w
-            + max(0.0, on_time - busy_total - boot_time) * p.idle_w
-            + boot_time * p.boot_w
-            + bytes_written / p.ssd_write_bytes_per_s * p.ssd_write_w
+            busy_total * power.compute_w
+            + max(0.0, on_time - busy_total - boot_time) * power.idle_w
+            + boot_time * power.boot_w
+            + bytes_written / power.ssd_write_bytes_per_s * power.ssd_write_w
         )
         done = [r for r in reports if r.completed]
         connects = [

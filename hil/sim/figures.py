@@ -123,7 +123,7 @@ def fig10(
 def summarise10(rows: list[dict], policies) -> dict:
     by = {(r["trace"], r["seed"], r["arrival"], r["policy"]): r for r in rows}
     keys = sorted({(r["trace"], r["seed"], r["arrival"]) for r in rows})
-    out = {"completion": {}, "speedup": {}, "per_trace": {}}
+    out: dict[str, dict] = {"completion": {}, "speedup": {}, "per_trace": {}}
     for p in policies:
         done = [by[k + (p,)]["completed"] for k in keys if k + (p,) in by]
         out["completion"][p] = sum(done) / max(1, len(done))
@@ -198,13 +198,14 @@ def fig12_14(
     rows = []
     for tpf in tokens_per_frame:
         cfg = Config(**{**config.__dict__, "tokens_per_frame": tpf})
-        base = None
+        base: tuple[float, float] | None = None  # (seconds, energy) of "none", the first policy
         for policy in policies:
             res = cfg.build(policy).uninterrupted()
             nbytes = sum(c.nbytes for c in res.commits)
             energy = COMPUTE_W * res.finished_at + SSD_WRITE_W * nbytes / SSD_WRITE_BYTES_PER_S
             if policy == "none":
                 base = (res.finished_at, energy)
+            assert base is not None, "the policies start with 'none', the baseline"
             rows.append(
                 {
                     "prompt_tokens": cfg.frames * tpf,

@@ -52,8 +52,8 @@ class Durable:
 class Commit:
     t: float
     kind: str  # vision | vision_out | block | decode | result
-    key: object = None
-    value: object = None
+    key: tuple[int, int] | None = None  # block: (group, chunk)
+    value: int | tuple[bool, bool] | None = None  # vision/decode: the step; block: (has_kv, has_hidden)
     nbytes: int = 0
     started: float = 0.0
 
@@ -150,7 +150,8 @@ class Writer:
         return commit.t
 
     def drain(self, t: float) -> float:
-        end = max([t, self.channel_free] + ([self.background_end()] if self.background else []))
+        background_end = self.background_end()
+        end = max([t, self.channel_free] + ([background_end] if background_end is not None else []))
         if self.background is not None and self.background[2] not in self.commits:
             self.commits.append(self.background[2])
         return end
@@ -159,7 +160,7 @@ class Writer:
 # ---- one session ----------------------------------------------------------------------------------
 @dataclass
 class SessionResult:
-    finished_at: float | None  # RESULT durable (None: never within this session)
+    finished_at: float  # RESULT durable (math.inf until the session has computed it)
     commits: list[Commit]
     started_at: float
     first_unit_at: float | None = None
@@ -172,12 +173,14 @@ class SessionResult:
             if c.t > cut:
                 continue
             if c.kind == "vision":
+                assert isinstance(c.value, int)  # a vision commit carries its block count
                 d.vision_block = max(d.vision_block, c.value)
             elif c.kind == "vision_out":
                 d.vision_done, d.vision_block = True, 0
             elif c.kind == "block":
                 d.blocks[c.key] = c.value
             elif c.kind == "decode":
+                assert isinstance(c.value, int)  # a decode commit carries its step
                 d.decode_steps, d.decode_records = c.value, d.decode_records + 1
             elif c.kind == "result":
                 d.done = True
@@ -219,7 +222,7 @@ class RequestModel:
         sync = pol.synchronous_commits()
         w = Writer(p, sync, process_start)
         t = t_ready + p.setup_s
-        res = SessionResult(None, w.commits, t_ready)
+        res = SessionResult(math.inf, w.commits, t_ready)
         urgent_pending = warning_at is not None
 
         def urgent(now: float) -> bool:

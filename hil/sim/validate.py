@@ -66,10 +66,10 @@ def run_facts(run_dir: str) -> dict:
     mine = [
         e for e in reports if e.get("task_id") == task and (e.get("request") or {}).get("type") in ("UPLINK_TASK", None)
     ]  # not the result downlinks
-    accepted = next((e.trace_s for e in mine if e.get("type") == "ACCEPTED"), None)
-    started = [e.trace_s for e in mine if e.get("type") == "STARTED"]
-    completed = next((e.trace_s for e in reversed(mine) if e.get("type") == "COMPLETED"), None)
-    ons = [e.trace_s for e in entries if e.kind == bl.POWER_ON]
+    accepted = next((e.stamped_trace_s for e in mine if e.get("type") == "ACCEPTED"), None)
+    started = [e.stamped_trace_s for e in mine if e.get("type") == "STARTED"]
+    completed = next((e.stamped_trace_s for e in reversed(mine) if e.get("type") == "COMPLETED"), None)
+    ons = [e.stamped_trace_s for e in entries if e.kind == bl.POWER_ON]
     boots, boot_by_power_up = [], {}
     for s in started[1:]:
         on = max((t for t in ons if t <= s), default=None)
@@ -81,9 +81,9 @@ def run_facts(run_dir: str) -> dict:
     first_unit = None
     for i, s in enumerate(started):
         end = started[i + 1] if i + 1 < len(started) else float("inf")
-        first = next((e for e in mine if e.get("type") == "PROGRESS" and s < e.trace_s < end), None)
+        first = next((e for e in mine if e.get("type") == "PROGRESS" and s < e.stamped_trace_s < end), None)
         if first is not None and first.get("phase") == "vision":
-            first_unit = first.trace_s - s
+            first_unit = first.stamped_trace_s - s
             break
     # A vision block of the small model on two 512 px images computes for longer than the pace on
     # a loaded machine: its time is measured as the payload ran it, from consecutive vision
@@ -95,7 +95,7 @@ def run_facts(run_dir: str) -> dict:
         if e.get("type") == "STARTED":
             last = None
         elif e.get("type") == "PROGRESS":
-            here = (e.get("phase"), int(e.get("done")), e.trace_s)
+            here = (e.get("phase"), int(e.get("done")), e.stamped_trace_s)
             if last and here[0] == "vision" and last[0] == "vision" and here[1] == last[1] + 1:
                 gaps.append(here[2] - last[2])
             last = here
