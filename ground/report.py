@@ -156,7 +156,8 @@ def packet_line(packet: Telemetry, number: int | None = None) -> str:
 def archived_line(entry: dict) -> str:
     """The text line for an archived packet (`events --since`)."""
     body = entry.get("body", {})
-    origin = {0x010: "BUS", 0x020: "PAYLOAD"}.get(entry.get("apid"), f"APID{entry.get('apid')}")
+    origins: dict[object, str] = {0x010: "BUS", 0x020: "PAYLOAD"}  # looked up with whatever was archived
+    origin = origins.get(entry.get("apid"), f"APID{entry.get('apid')}")
     text = entry.get("text") or ", ".join(f"{k}={v}" for k, v in body.items())
     return f"#{entry.get('n')} {entry.get('sent')} {origin:<7} {entry.get('type', '?'):<16} {text}"
 

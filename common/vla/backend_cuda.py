@@ -13,6 +13,7 @@ of the fixed batch sizes (the paper captures graphs at initialisation).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 from torch.cuda import green_contexts
@@ -48,7 +49,9 @@ class CudaLockstepBackend:
             # lazy: CUDA green contexts exist only on a GPU
             from torch.cuda.green_contexts import GreenContext
 
-            ctx = GreenContext.create(num_sms=sms, device_id=self.device.index)
+            # torch annotates create() with its CPU-build placeholder base (object); on a CUDA build
+            # it returns the green context, whose Stream() is used here
+            ctx = cast(GreenContext, GreenContext.create(num_sms=sms, device_id=self.device.index))
             self._green[sms] = (ctx, ctx.Stream())
         return self._green[sms][1]
 

@@ -327,7 +327,9 @@ def traffic(
     placement = Placement.colocate(models, 4)
     rep.add("== Traffic control: 4 pi0 variants co-located on 4 GPUs — SLO miss rate (pooled; worst model) ==")
     rep.add(f"{'robots per variant':20} {'ILP (Robion)':>22} {'SMG':>18} {'EPS':>18}   SMG/ILP  EPS/ILP")
-    out, smg_r, eps_r = {}, [], []
+    out: dict[str, dict[str, object]] = {}
+    smg_r: list[float] = []
+    eps_r: list[float] = []
     for dist in ((8, 8, 8, 24), (28, 16, 16, 8), (12, 12, 12, 12), (6, 6, 6, 6)):
         robots = dict(zip(models, dist, strict=True))
         plan = controller.plan(placement, robots)
@@ -372,7 +374,9 @@ def ilp_timing(
     placement and on two disjoint groups; instances where the robots fit and where they cannot
     are timed apart. The budget never fails a solve: past it, the best assignment found is used."""
     rng = random.Random(seed)
-    fit, over, not_proven = [], [], 0
+    fit: list[float] = []
+    over: list[float] = []
+    not_proven = 0
     for i in range(instances):
         placement = (
             Placement.colocate(EIGHT_MODELS, 4)
@@ -429,6 +433,7 @@ def multi_model(
     rep.add("== 8 models x 4 GPUs (4 pi0-like + 4 SmolVLA-like variants), equal robots per model, every placement ==")
     rep.add(f"{'placement':44} {'controller':>10}   replays at that load, worst model per seed")
     out = {}
+    robots_by_spec: dict[str, int] = {}
     for spec in MULTI_PLACEMENTS:
         pl = Placement.parse(spec, models, 4)
         best, plan = 0, None
@@ -442,8 +447,9 @@ def multi_model(
             for seed in s.seeds:
                 r = _replay(pl, {m: best for m in models}, plan.counts, profile, s, max_batch, seed)
                 replays[seed] = (r.worst_attainment, r.worst_model)
+        robots_by_spec[spec] = best * len(models)
         out[spec] = {
-            "robots": best * len(models),
+            "robots": robots_by_spec[spec],
             "per_model": best,
             "replay_worst": {seed: v[0] for seed, v in replays.items()},
             "all_replays_meet": all(v[0] >= TARGET for v in replays.values()) if replays else None,
@@ -451,7 +457,7 @@ def multi_model(
         }
         cells = ", ".join(f"{v[0]:.1%} ({v[1]})" for v in replays.values()) or "-"
         rep.add(f"{spec[:44]:44} {best * len(models):>10}   {cells}")
-    best_spec = max(out, key=lambda k: out[k]["robots"])
+    best_spec = max(out, key=lambda k: robots_by_spec[k])
     rep.add(
         f"best placement {best_spec}: {out[best_spec]['robots']} robots (paper: {PAPER['eight_by_four']}); "
         f"replays of every placement's plan meeting {TARGET:.0%} for every model: "

@@ -59,9 +59,9 @@ def _robot_mix(text: str) -> dict[str, int]:
     return out
 
 
-def _limit_mix(text: str) -> dict[str, tuple[float, ...]]:
-    """'pi0=11/6/6,smolvla=51' -> {'pi0': (11, 6, 6), 'smolvla': (51,)}"""
-    out = {}
+def _limit_mix(text: str) -> dict[str, float | tuple[float, ...]]:
+    """'pi0=11/6/6,smolvla=51' -> {'pi0': (11.0, 6.0, 6.0), 'smolvla': 51.0}"""
+    out: dict[str, float | tuple[float, ...]] = {}
     for part in _csv(text):
         name, _, values = part.partition("=")
         try:
@@ -287,7 +287,7 @@ def cmd_cluster(args) -> int:
         )
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise _cli_error(f"cannot deploy to the Ray cluster at {args.address}: {exc}", 1) from None
-    seen = {}
+    seen: dict[str, tuple[object, object]] = {}
 
     def report():
         now = cluster.placements()
@@ -525,8 +525,8 @@ def cmd_simulate(args) -> int:
         f"{r.system}: {r.robots} robots, {r.requests} requests, SLO attainment {r.attainment:.3%}, "
         f"p50 {r.p50_ms:.1f} ms, p99 {r.p99_ms:.1f} ms"
     )
-    for m, s in r.per_model.items():
-        print(f"  {m}: {s.attainment:.3%} of {s.requests}, p99 {s.p99_ms:.1f} ms")
+    for model, stats in r.per_model.items():
+        print(f"  {model}: {stats.attainment:.3%} of {stats.requests}, p99 {stats.p99_ms:.1f} ms")
     return 0
 
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 import fnmatch
 import itertools
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -437,7 +437,7 @@ def _compositions(total: int, parts: int):
 
 
 def assign_brute_force(
-    placement: Placement, robots: Mapping[str, int], limits: Mapping[str, float], max_candidates: int = 2_000_000
+    placement: Placement, robots: Mapping[str, int], limits: Limits, max_candidates: int = 2_000_000
 ) -> TrafficAssignment:
     """Exhaustive search over the same objective (small instances only)."""
     robots = {m: int(n) for m, n in robots.items() if n > 0}
@@ -461,7 +461,7 @@ def assign_brute_force(
     return best if best is not None else _evaluate("brute-force", {}, robots, limits, placement)
 
 
-def assign_smg(placement: Placement, robots: Mapping[str, int], limits: Mapping[str, float]) -> TrafficAssignment:
+def assign_smg(placement: Placement, robots: Mapping[str, int], limits: Limits) -> TrafficAssignment:
     """SMG: each model's robots all on one GPU, homes spread round-robin over its hosts."""
     counts: dict[tuple[str, int], int] = {}
     turn: dict[tuple[int, ...], int] = {}
@@ -473,7 +473,7 @@ def assign_smg(placement: Placement, robots: Mapping[str, int], limits: Mapping[
     return _evaluate("smg", counts, {m: r for m, r in robots.items() if r}, limits, placement)
 
 
-def assign_eps(placement: Placement, robots: Mapping[str, int], limits: Mapping[str, float]) -> TrafficAssignment:
+def assign_eps(placement: Placement, robots: Mapping[str, int], limits: Limits) -> TrafficAssignment:
     """EPS: each model's robots split evenly over all GPUs hosting it (remainders round-robin)."""
     counts, turn = {}, 0
     for m, r in robots.items():
@@ -485,7 +485,7 @@ def assign_eps(placement: Placement, robots: Mapping[str, int], limits: Mapping[
     return _evaluate("eps", counts, {m: r for m, r in robots.items() if r}, limits, placement)
 
 
-ASSIGNERS = {
+ASSIGNERS: dict[str, Callable[[Placement, Mapping[str, int], Limits], TrafficAssignment]] = {
     "ilp": assign_ilp,
     "smg": assign_smg,
     "eps": assign_eps,

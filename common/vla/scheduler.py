@@ -135,7 +135,7 @@ class RoundRobin(QueuePolicy):
 
     name = "rr"
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._last: str | None = None
 
     def pick(self, queues, now):
@@ -295,7 +295,16 @@ class LockstepScheduler(_SchedulerBase):
 class SequentialScheduler(_SchedulerBase):
     """Monolithic baseline: VLM and ADiT as one pipeline over the whole device, one batch at a time."""
 
-    def __init__(self, models, *, policy="esf", max_batch=4, batch_sizes=None, profile=None, record=True):
+    def __init__(
+        self,
+        models: Mapping[str, str],
+        *,
+        policy: str = "esf",
+        max_batch: int | Mapping[str, int] = 4,
+        batch_sizes: tuple[int, ...] | None = None,
+        profile: ProfileTable | None = None,
+        record: bool = True,
+    ) -> None:
         super().__init__(
             models, policy=policy, max_batch=max_batch, batch_sizes=batch_sizes, profile=profile, record=record
         )

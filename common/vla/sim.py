@@ -171,7 +171,7 @@ class SimResult:
 
 
 class EventLoop:
-    def __init__(self):
+    def __init__(self) -> None:
         self.now = 0.0
         self._q: list = []
         self._seq = 0
@@ -233,7 +233,7 @@ class _GpuTimeSlice:
     """Stage workers in separate processes on one GPU: without SM partitioning their kernels
     time-slice, so each worker iteration holds the GPU alone."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.busy = False
         self.waiters: deque = deque()
 

@@ -191,7 +191,7 @@ def _median(values: list[float]) -> float:
 class _Trend:
     """Least-squares slope of the last TREND_SAMPLES (time, value) samples."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.samples: deque[tuple[float, float]] = deque(maxlen=TREND_SAMPLES)
 
     def add(self, t: float, value: float) -> None:

@@ -229,6 +229,7 @@ def _reference_layer_chunk_costs() -> tuple[float, float, float]:
 
     model = CostModel.for_target(REFERENCE_MODEL)
     block = model.block_costs([(0, 1)], even_chunks(2 * REFERENCE_CHUNK, REFERENCE_CHUNK))
+    assert block.reproject is not None  # BlockCosts derives it from compute when not given
     return float(block.hidden[0, 1]), float(block.reproject[0, 1]), float(block.compute[0, 1])
 
 

@@ -11,9 +11,12 @@ It also names the weight groups (dotted module paths) each step needs, for lazy 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from transformers import PreTrainedConfig
 from transformers.masking_utils import create_causal_mask
 from transformers.utils.generic import get_max_seqlen
 from transformers.vision_utils import (
@@ -33,6 +36,14 @@ class VisionContext:
     max_seqlen: int
     position_embeddings: tuple[torch.Tensor, torch.Tensor]
     extra: dict = field(default_factory=dict)
+
+
+def _plain_attribute(module: torch.nn.Module, name: str) -> Any:
+    """A model attribute that is no submodule (a method, a config), for the caller to type.
+
+    torch's stubs give every attribute of a Module the type `Tensor | Module`; submodules are
+    read with `get_submodule`, which is typed, and the rest through here."""
+    return getattr(module, name)
 
 
 class _Captured(Exception):
@@ -60,8 +71,8 @@ class Adapter:
         self.config = config
         self.text_config = config.text_config
         self.vision_config = config.vision_config
-        self.visual = model.model.visual
-        self.lm = model.model.language_model
+        self.visual = model.get_submodule("model.visual")
+        self.lm = model.get_submodule("model.language_model")
 
     # ---- geometry -------------------------------------------------------------------------
     @property
@@ -130,7 +141,10 @@ class Adapter:
     # ---- language model ---------------------------------------------------------------------
     def rope_index(self, input_ids, mm_token_type_ids, grid_thw) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (position_ids (4, 1, S): text row then the three M-RoPE rows, rope_deltas (1, 1))."""
-        pos3, deltas = self.model.model.get_rope_index(
+        get_rope_index: Callable[..., tuple[torch.Tensor, torch.Tensor]] = _plain_attribute(
+            self.model.get_submodule("model"), "get_rope_index"
+        )
+        pos3, deltas = get_rope_index(
             input_ids,
             mm_token_type_ids=mm_token_type_ids,
             image_grid_thw=grid_thw,
@@ -140,13 +154,14 @@ class Adapter:
         return torch.cat([text[None], pos3], dim=0), deltas
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.lm.embed_tokens(input_ids)
+        return self.lm.get_submodule("embed_tokens")(input_ids)
 
     def mask(
         self, h: torch.Tensor, attention_mask: torch.Tensor, cache, text_positions: torch.Tensor, layer_idx: int = 0
     ):
+        lm_config: PreTrainedConfig = _plain_attribute(self.lm, "config")
         return create_causal_mask(
-            config=self.lm.config,
+            config=lm_config,
             inputs_embeds=h,
             attention_mask=attention_mask,
             cache=cache,
@@ -155,10 +170,10 @@ class Adapter:
         )
 
     def rotary(self, h: torch.Tensor, mrope_positions: torch.Tensor):
-        return self.lm.rotary_emb(h, mrope_positions)
+        return self.lm.get_submodule("rotary_emb")(h, mrope_positions)
 
     def layer(self, layer: int, h, mask, text_positions, cache, position_embeddings) -> torch.Tensor:
-        return self.lm.layers[layer](
+        return self.lm.get_submodule(f"layers.{layer}")(
             h,
             attention_mask=mask,
             position_ids=text_positions,
@@ -178,10 +193,10 @@ class Adapter:
         Runs the layer's own input norm and attention module up to the point where attention
         hands its new keys and values to the cache, and stops there: the same code path as the
         forward pass, so the bits are the same, without the attention and MLP work."""
-        mod = self.lm.layers[layer]
+        mod = self.lm.get_submodule(f"layers.{layer}")
         try:
-            mod.self_attn(
-                hidden_states=mod.input_layernorm(h_in),
+            mod.get_submodule("self_attn")(
+                hidden_states=mod.get_submodule("input_layernorm")(h_in),
                 attention_mask=None,
                 position_ids=text_positions,
                 cache=_KVCapture(),
@@ -194,7 +209,7 @@ class Adapter:
 
     def logits(self, h_last: torch.Tensor) -> torch.Tensor:
         """Logits of the last position of `h_last` (B, T, H) -> (B, V), as generate computes them."""
-        return self.model.lm_head(self.lm.norm(h_last)[:, -1:, :])[:, -1]
+        return self.model.get_submodule("lm_head")(self.lm.get_submodule("norm")(h_last)[:, -1:, :])[:, -1]
 
 
 class Qwen3VLAdapter(Adapter):

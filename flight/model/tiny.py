@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TypedDict
 
 import torch
 
@@ -138,13 +139,23 @@ def _mrope_section(head_dim: int, interleaved: bool) -> list[int]:
     return [t, (half - t) // 2, half - t - (half - t) // 2]
 
 
+class _VisionTokenIds(TypedDict):
+    """The special-token ids both configs take as keyword arguments (typed, so each is checked)."""
+
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+
+
 def make_config(arch: str, size: str, vocab_size: int, special_ids: dict[str, int], dtype: str):
     # lazy: torch/transformers (seconds to import), only when a model is built
-    from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
+    from transformers import PreTrainedConfig, Qwen2_5_VLConfig, Qwen3VLConfig
 
     s = SIZES[size]
     vocab_size = s.get("vocab", vocab_size)
-    ids = dict(
+    cfg: Qwen3VLConfig | Qwen2_5_VLConfig
+    ids = _VisionTokenIds(
         image_token_id=special_ids["<|image_pad|>"],
         video_token_id=special_ids["<|video_pad|>"],
         vision_start_token_id=special_ids["<|vision_start|>"],
@@ -227,8 +238,9 @@ def make_config(arch: str, size: str, vocab_size: int, special_ids: dict[str, in
     else:
         raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join(ARCHS)}")
     cfg.dtype = dtype
-    cfg.text_config.dtype = dtype
-    cfg.vision_config.dtype = dtype
+    for sub_config in (cfg.text_config, cfg.vision_config):
+        assert isinstance(sub_config, PreTrainedConfig)  # the config turned the dicts above into configs
+        sub_config.dtype = dtype
     return cfg
 
 

@@ -524,6 +524,7 @@ class FlightApp(CommandHandlers):
             )
             try:
                 if inputs is None:
+                    assert contents is not None  # read above whenever there are no stored inputs
                     inputs = self._build_inputs(task, model, contents)
                     del contents
                 engine = Engine(
@@ -671,7 +672,7 @@ class FlightApp(CommandHandlers):
         self.state.counters.boot_count += 1
         self.state.save()
         self._start_window_log()
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context = zmq.Context.instance()
         sock = client_socket(ctx, zmq.DEALER, self.layout, "payload", self.endpoint)
         self.log.info(
             "flight_booted",

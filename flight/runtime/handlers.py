@@ -96,7 +96,11 @@ class CommandHandlers:
                     f"task {msg.task_id} finished but its record on board is "
                     "damaged; it is not run again (uplink it under a new id)",
                 )
-            known = live.content_hash if live is not None else finished.content_hash
+            if live is not None:
+                known = live.content_hash
+            else:
+                assert finished is not None  # one of the two, by the test above
+                known = finished.content_hash
             if known != digest:
                 raise WireError(ResponseCode.DUPLICATE_TASK, f"task {msg.task_id} exists with other content")
             self._accept(request, task_id=msg.task_id)  # the same uplink again: idempotent

@@ -359,6 +359,7 @@ class TaskQueue:
 
     # ---- journal: writing -----------------------------------------------------------------------
     def _encode(self, entry: dict):
+        assert self.salt is not None  # _open sets it before anything is written
         return encode(Kind.QUEUE_ENTRY, entry, salt=self.salt).chunks
 
     def _append(self, entry: dict) -> None:
