@@ -25,6 +25,7 @@ from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from common import log
+from common.wire.fields import check_name
 from common.wire.ids import MAX_PACKET_BYTES
 
 SERVER_NAME = "bus"
@@ -141,7 +142,6 @@ def init_keys(
 
     Existing key pairs are kept (running it twice changes nothing) unless `force`, which
     replaces every pair named here — clients then need the new server public key."""
-    from common.wire.fields import check_name
 
     layout = KeyLayout(Path(keys_dir))
     for name in clients:

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .cost import BlockCosts
-from .plan import PLANNERS, ComputeOp, PlanError, ReadOp, RecoveryPlan, RecoveryProblem
-from .simulate import read_timeline
+from .plan import PLANNERS, ComputeOp, PlanError, ReadOp, RecoveryPlan, RecoveryProblem, chunk_first, layer_first
+from .simulate import read_timeline, simulate
 
 MAX_EXACT_GROUPS = 20  # 2^20 sets: ~0.15-0.25 s here; beyond, consecutive groups are merged into parts
 _CACHED_TRANSITIONS_UP_TO = 18  # problem-independent transitions kept in memory (~19 MB at 18)
@@ -426,8 +426,6 @@ def solve(problem: RecoveryProblem, costs: BlockCosts | None = None, *, full: bo
     the DP prunes every set that cannot finish before the best fixed plan. `full=True` runs the
     whole DP without either shortcut, so that `group_order_makespan` is the exact optimum over
     group orders (tests, the family-gap benchmark)."""
-    from .plan import chunk_first, layer_first
-    from .simulate import simulate
 
     t0 = time.perf_counter()
     s = analyse(problem, costs)
