@@ -93,6 +93,13 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
         help="with --skip-idle, never jump past this trace second (repeatable; e.g. when the ground "
         "will uplink something)",
     )
+    g.add_argument(
+        "--hold-for-connect",
+        action="store_true",
+        help="trace time stands still from each power-on until the payload connects (or the boot "
+        "timeout cuts it): each window is the payload's working time however slow this machine is "
+        "to start it",
+    )
 
     g = run.add_argument_group("storage and keys")
     g.add_argument(
@@ -306,6 +313,7 @@ def config_from_args(args):
         stop_at_end=args.stop_at_end,
         skip_idle=args.skip_idle,
         hold_at_s=tuple(args.hold_at),
+        hold_for_connect=args.hold_for_connect,
         endpoints=Endpoints(
             commands=args.commands_endpoint, payload=args.payload_endpoint, telemetry=args.telemetry_endpoint
         ),

@@ -63,6 +63,8 @@ class BusBase:
 
     def __init__(self, config: BusConfig, switch: PowerSwitch | None = None, pacer: Pacer | None = None):
         config.validate()
+        if config.hold_for_connect and pacer is not None:
+            raise BusConfigError("hold_for_connect and a pacer would both hold the trace clock; use one")
         self.config = config
         self.pacer = pacer
         self.data_dir = Path(config.data_dir)

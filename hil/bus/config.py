@@ -111,6 +111,11 @@ class BusConfig:
     #: ground will send something)
     skip_idle: bool = False
     hold_at_s: Sequence[float] = ()
+    #: trace time stands still from each power-on until the payload connects (or is cut): a
+    #: window's trace time is then the payload's working time however long this machine takes to
+    #: start it (tests and testbench runs on a loaded machine; docs/bus.md §2). Bounded by
+    #: boot_timeout_s, after which FDIR power-cycles the payload as usual.
+    hold_for_connect: bool = False
     #: emulated payload boot in trace seconds (local driver): the payload is forked from a
     #: zygote that has imported its libraries, and waits boot_trace_s x time_scale wall seconds
     #: after each power-on before it runs (the target's boot, scaled like everything else;

@@ -124,6 +124,7 @@ class Bus(RelayPart):
             machine=machine_fingerprint(),
             boot_trace_s=cfg.boot_trace_s,
             skip_idle=cfg.skip_idle,
+            hold_for_connect=cfg.hold_for_connect,
         )
         _log.info(
             "bus_started",

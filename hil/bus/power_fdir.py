@@ -137,6 +137,8 @@ class PowerPart(TelemetryPart):
             return
         self.power_count += 1
         self.powered_at = now
+        if self.config.hold_for_connect:
+            self.clock.hold(now)  # released when the payload connects or is cut
         self.payload_rid = None
         self.last_seen = None
         self.gap_reported = False
@@ -172,6 +174,8 @@ class PowerPart(TelemetryPart):
         self.payload_rid = None
         self.powered_at = None
         self.last_off_fault = origin == "fdir"
+        if self.config.hold_for_connect:
+            self.clock.release(now)
         self.buslog.write(
             bl.POWER_OFF,
             **self._stamp(now),

@@ -250,6 +250,8 @@ class RelayPart(RoutingPart):
         self._route_payload_report(message, received.packet, now)
 
     def _payload_connected(self, rid: bytes | None, message: m.Message, now: float) -> None:
+        if self.config.hold_for_connect:
+            self.clock.release(now)  # the window's trace time starts now
         self.link_id += 1
         self.payload_rid = rid
         self.last_seen = now

@@ -126,6 +126,8 @@ def config_to_argv(config: BusConfig) -> list[str]:
         argv.append("--stop-at-end")
     if c.skip_idle:
         argv.append("--skip-idle")
+    if c.hold_for_connect:
+        argv.append("--hold-for-connect")
     for hold in c.hold_at_s:
         argv += ["--hold-at", repr(float(hold))]
     if not c.log_packets:

@@ -10,6 +10,7 @@ experiences goes to --record, one JSON object per line:
     {"ev": "accepted", "boot": n, "type": "PING", "source": s, "seq": q, "task_id": ..., "t": ...}
     {"ev": "replayed", ...same fields}                        rejected by the replay guard
     {"ev": "bus_tm", "boot": n, "type": "SHUTDOWN_WARNING", "lead_time_s": ..., "cause": ..., "t": ...}
+    {"ev": "muted", "boot": n, "t": ...}                      --hang-after/--mute-after took effect
 
 The `accepted` line is the command's one durable effect and its commit point: the replay guard
 is rebuilt from those lines at boot, so a command is executed at most once across SIGKILLs
@@ -117,7 +118,10 @@ def main() -> int:
             note("exit", status=3)
             return 3
         hung = first_boot and args.hang_after is not None and uptime >= args.hang_after
+        was_muted = muted
         muted = hung or (first_boot and args.mute_after is not None and uptime >= args.mute_after)
+        if muted and not was_muted:
+            note("muted")  # from here on nothing leaves (tests wait for this line)
         if now >= next_tick:
             next_tick = now + args.tick_s
             note("tick")
