@@ -107,7 +107,8 @@ class RecoveryProblem:
         """(blocks whose KV must be read, blocks whose hidden state must be read)."""
         todo = self.must_compute()
         kv = self.done - todo - self.kv_missing
-        hidden = {(g - 1, c) for (g, c) in todo | self.reprojections() if g > 0 and (g - 1, c) not in todo}
+        jobs = todo | self.kv_missing  # the computes and the re-projections (kv_missing - todo)
+        hidden = {(g - 1, c) for (g, c) in jobs if g > 0 and (g - 1, c) not in todo}
         if self.need_last_hidden and self.last not in todo:
             hidden.add(self.last)
         return kv, hidden

@@ -48,3 +48,26 @@ def staircase(num_groups: int, num_chunks: int, progress: float) -> RecoveryProb
     n = int(round(progress * num_groups * num_chunks))
     done = {(i % num_groups, i // num_groups) for i in range(n)}
     return RecoveryProblem(num_groups, num_chunks, done, set(done))
+
+
+def real_size(seed: int, frontier: str = "random", progress: float = 0.5) -> RecoveryProblem:
+    """Qwen3-VL-8B with G = 2 (18 groups) on a 32K-token prompt (32 chunks), target costs, as in
+    the planner bench (bench/recovery_planner.py): `random` loses records anywhere (and 10 % of
+    the hidden states of those kept); `random-stair` leaves each group a prefix, shorter upward."""
+    import random
+
+    from flight.recovery.cost import MODELS, CostModel, even_chunks, even_groups
+
+    groups, chunks = 18, 32
+    costs = CostModel.for_target(MODELS["qwen3-vl-8b"]).problem_costs(
+        even_groups(36, groups), even_chunks(chunks * 1024, 1024)
+    )
+    rng = random.Random(seed)
+    if frontier == "random":
+        done = {(g, c) for g in range(groups) for c in range(chunks) if rng.random() < progress}
+        with_hidden = {b for b in sorted(done) if rng.random() < 0.9}
+    else:
+        steps = sorted((rng.randint(0, chunks) for _ in range(groups)), reverse=True)
+        done = {(g, c) for g in range(groups) for c in range(steps[g])}
+        with_hidden = set(done)
+    return RecoveryProblem(groups, chunks, done, with_hidden, costs=costs)
