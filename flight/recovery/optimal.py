@@ -458,26 +458,39 @@ def batch_tables(s: Structure, parts: list[list[int]] | None = None) -> BatchTab
     lowest_part = np.argmax(K >= 0, axis=1)  # (m, NC): the range is contiguous, from here to the job's own part
     ii, xi, cc = np.nonzero(K >= 0)
     below, above = xi - lowest_part[ii, cc], part_of[ii] - xi  # a = x - below, b = x + above
+    # Per x, a block [below, above, (work, count), rank] of (x + 1) x (n - x) x 2 x levels[x],
+    # the blocks back to back in one flat array.
     parts_x = np.arange(n)
-    size = (parts_x + 1) * (n - parts_x) * levels
+    size = (parts_x + 1) * (n - parts_x) * 2 * levels
     start = np.cumsum(size) - size
-    flat = start[xi] + (below * (n - xi) + above) * levels[xi] + K[ii, xi, cc]
+    flat = start[xi] + ((below * (n - xi) + above) * 2) * levels[xi] + K[ii, xi, cc]
     total = int(size.sum())
-    # [.., 0]: compute time, [.., 1]: number of jobs -- summed together below
-    binned = np.stack([np.bincount(flat, weights=p[ii, cc], minlength=total), np.bincount(flat, minlength=total)], 1)
+    binned = np.bincount(flat, weights=p[ii, cc], minlength=total) + np.bincount(flat + levels[xi], minlength=total)
     P = np.zeros((n, n, n))
     h = np.full((n, n, n), -np.inf)
     for x in range(n):
-        runs = binned[start[x] : start[x] + size[x]].reshape(x + 1, n - x, levels[x], 2)
-        runs = runs.cumsum(0).cumsum(1)  # lowest part >= a, own part <= b
-        after = runs[:, :, ::-1].cumsum(2)[:, :, ::-1]  # released at rank' >= rank
+        L = int(levels[x])
+        runs = binned[start[x] : start[x] + size[x]].reshape(x + 1, -1)
+        # Prefix sums as products with triangular matrices of ones (small matrix products are
+        # several times cheaper than numpy's cumsum along inner axes): lowest part >= a ...
+        runs = _ones_below(x + 1) @ runs
+        # ... own part <= b ...
+        runs = _ones_below(n - x) @ runs.reshape(x + 1, n - x, 2 * L)
+        # ... and released at rank' >= rank.
+        after = (runs.reshape(-1, L) @ _ones_below(L)).reshape(x + 1, n - x, 2, L)
         # the span: the latest read level any job of the batch waits for, plus the work from there on
         # (a level no job waits for is dominated by the next one that is)
-        spans = np.where(after[..., 1] > 0, level[x, : levels[x]] + after[..., 0], -np.inf)
+        spans = np.where(after[:, :, 1] > 0, level[x, :L] + after[:, :, 0], -np.inf)
         P[x, x:, x::-1] = after[:, :, 0, 0].T
         h[x, x:, x::-1] = spans.max(axis=2).T
     bundle_s = np.bincount(part_of, weights=s.bundle_s, minlength=n)
     return BatchTables(P, h, level[:, 0].copy(), bundle_s)
+
+
+@functools.lru_cache(maxsize=64)
+def _ones_below(k: int) -> np.ndarray:
+    """(k, k) ones on and below the diagonal: T @ x sums x[:i + 1] into row i; x @ T sums x[i:]."""
+    return np.tri(k)
 
 
 # ---------------------------------------------------------------------------------------------
