@@ -98,7 +98,8 @@ class Structure:
         cell = (ids - NG) % (NG * NC)
         group = np.where(what == 0, ids, cell // NC)
         chunk = np.where(what == 0, -1, cell % NC)
-        return list(map(ReadOp, _READ_KINDS[what].tolist(), group.tolist(), chunk.tolist()))
+        # (_make: the tuple constructor, without the keyword handling of ReadOp(...))
+        return list(map(ReadOp._make, zip(_READ_KINDS[what].tolist(), group.tolist(), chunk.tolist(), strict=True)))
 
     # --- the same, as objects (tests, benchmarks, plans) ---
     @functools.cached_property
@@ -345,7 +346,7 @@ def _chunk_first_read_ids(s: Structure) -> np.ndarray:
 
 def _compute_ops(job_kind: np.ndarray, jobs: np.ndarray) -> list[ComputeOp]:
     kinds = _JOB_KINDS[job_kind[jobs[0], jobs[1]]].tolist()
-    return list(map(ComputeOp, jobs[0].tolist(), jobs[1].tolist(), kinds))
+    return list(map(ComputeOp._make, zip(jobs[0].tolist(), jobs[1].tolist(), kinds, strict=True)))
 
 
 def _kind_grid(kind: dict[tuple[int, int], str], shape: tuple[int, int]) -> np.ndarray:
