@@ -342,7 +342,7 @@ def _exact_dp(
     With a finite `bound` (the makespan of a plan already in hand), a set S whose jobs cannot
     finish before the bound -- f(S) + the work still to release >= bound -- is not extended: no
     order through S beats what is in hand. Returns ([], inf) when nothing beats the bound."""
-    kernel = _compiled_kernel()
+    kernel = _compiled_kernel() if m > NUMPY_DP_UP_TO else None
     P, h = np.ascontiguousarray(P.reshape(-1), dtype=np.float64), np.ascontiguousarray(h.reshape(-1), dtype=np.float64)
     bundle_s = np.ascontiguousarray(bundle_s, dtype=np.float64)
     if kernel is not None:
@@ -384,6 +384,11 @@ def _numpy_dp(m: int, P: np.ndarray, h: np.ndarray, bundle_s: np.ndarray) -> tup
 
 
 _KERNEL: list = []
+#: Parts up to which the numpy DP plans: it takes milliseconds there (2^12 sets), while the first
+#: use of the compiled kernel in a process imports numba and loads the cached machine code, 1.5-4 s
+#: on a 2-core CPU. A payload pays that at every boot after a cut; in a short window that is the
+#: whole window (measured in the short-window campaign, docs/recovery.md §4).
+NUMPY_DP_UP_TO = 12
 
 
 def _compiled_kernel():
