@@ -341,7 +341,8 @@ def validation_lines(d: dict) -> list[str]:
         cadence = r.get("cadence") or "fixed"
         policy = r["policy"] + ("" if cadence == "fixed" else f" ({cadence})")
         lines.append(
-            f"| {os.path.basename(str(r.get('run_dir', '')).rstrip('/'))} | {r.get('request', 0)} | {r['trace']} | "
+            f"| {os.path.basename(str(r.get('run_dir', '')).rstrip('/'))} | {r.get('request', 0)} | "
+            f"{os.path.splitext(os.path.basename(str(r['trace'])))[0]} | "
             f"{policy} | {r.get('cuts')} / {_or_dash(r.get('predicted_cuts'))} | "
             f"{(r.get('boot_trace_s') or 0):.1f} | {_s(r.get('e2e_trace_s'))} | {_s(r.get('predicted_e2e_trace_s'))} | "
             f"{error} |"

@@ -26,6 +26,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import traces
 from common.durable import DurableFS
@@ -37,6 +38,9 @@ from hil import buslog as bl
 from .lifecycle import RequestModel, trace_windows
 from .models import Request, spec_from_dir
 from .platform import testbench_platform
+
+if TYPE_CHECKING:
+    from flight.model.loader import LoadedModel
 
 #: `ow flight run`'s planner when its command line names none (flight/cli_options.py)
 PAYLOAD_DEFAULT_PLANNER = "chunk-first"
@@ -132,7 +136,7 @@ def _unit_seconds(gaps: list[float]) -> dict:
 
 
 def _boots(entries: list[bl.BusLogEntry], tasks: list[dict]) -> dict[float, float]:
-    """{power-up: boot}: a facts of the payload, not of a task. The boot of a power-up is its
+    """{power-up: boot}: a fact of the payload, not of a task. The boot of a power-up is its
     first STARTED report if that task had been accepted before the power-up (it waited for the
     payload, not for the uplink or for the task before it)."""
     ons = sorted(e.stamped_trace_s for e in entries if e.kind == bl.POWER_ON)
@@ -246,7 +250,7 @@ class RequestShapes:
 
     def __init__(self, model_dir: str):
         self.model_dir = model_dir
-        self._model = None
+        self._model: LoadedModel | None = None
         self._shapes: dict[tuple, Request] = {}
 
     def __call__(self, images: list[tuple[str, bytes]], prompt: str, new_tokens: int) -> Request:
