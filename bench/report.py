@@ -336,7 +336,9 @@ def validation_lines(d: dict) -> list[str]:
     for r in val["rows"]:
         error = _pct(r.get("error")) if r.get("error") is not None else "n/a"
         predicted = r.get("predicted_completed")
-        if predicted is not None and bool(predicted) != (r.get("e2e_trace_s") is not None):
+        if not r.get("comparable", True):
+            error = f"not measured ({r.get('failure') or 'no COMPLETED report'})"
+        elif predicted is not None and bool(predicted) != (r.get("e2e_trace_s") is not None):
             error = "**miss**: " + ("only the simulation completes" if predicted else "only the run completes")
         cadence = r.get("cadence") or "fixed"
         policy = r["policy"] + ("" if cadence == "fixed" else f" ({cadence})")

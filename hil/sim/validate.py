@@ -34,6 +34,7 @@ from flight.checkpoint.policies import Geometry
 from flight.cli_options import GEOMETRY_FLAGS
 from flight.model.inputs import build_inputs, decode_image
 from hil import buslog as bl
+from hil.testbench import NOT_FINISHED
 
 from .lifecycle import RequestModel, trace_windows
 from .models import Request, spec_from_dir
@@ -225,6 +226,7 @@ def run_facts(run_dir: str) -> dict:
         t["first_units"] = t["first_units"] or pooled_first_units
         t["report_e2e_trace_s"] = row.get("e2e_trace_s")
         t["completed"] = bool(row.get("completed"))
+        t["failure"] = row.get("failure")
         t["cuts"] = row.get("cuts")
     boot_by_power_up = _boots(entries, tasks)
     return {
@@ -426,6 +428,10 @@ def validate(
                     "new_tokens": request.new_tokens,
                     "accepted_s": task["accepted_s"],
                     "completed": task["completed"],
+                    "failure": task["failure"],
+                    # the run measured this request: it completed, or the trace ended first
+                    "comparable": task["e2e_trace_s"] is not None
+                    or (not task["completed"] and task["failure"] == NOT_FINISHED),
                     "cuts": task["cuts"],
                     "e2e_trace_s": measured,
                     "report_e2e_trace_s": task["report_e2e_trace_s"],
@@ -436,11 +442,14 @@ def validate(
             )
     errors = [abs(r["error"]) for r in rows if r.get("error") is not None]
     # A request the run completed and the simulator says never completes (or the reverse) is a
-    # miss no error can express: it fails the goal by itself.
+    # miss no error can express: it fails the goal by itself. Only where the run itself went to
+    # its end: a request the bench lost (the bus stopped, the uplink failed) measures nothing.
     misses = [
         r
         for r in rows
-        if r["predicted_completed"] is not None and (r["e2e_trace_s"] is not None) != bool(r["predicted_completed"])
+        if r["comparable"]
+        and r["predicted_completed"] is not None
+        and (r["e2e_trace_s"] is not None) != bool(r["predicted_completed"])
     ]
     return {
         "commit_latency_s": latency,

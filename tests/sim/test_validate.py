@@ -148,7 +148,7 @@ def test_every_request_is_validated_and_each_is_chained_after_the_prediction_bef
     for r in rows:
         assert r["error"] == pytest.approx(r["predicted_e2e_trace_s"] / r["e2e_trace_s"] - 1)
     assert result["max_abs_error"] == max(abs(r["error"]) for r in rows)
-    assert result["requests"] == 2 and result["completion_misses"] == 0
+    assert result["requests"] == 2 and result["completion_misses"] == 0 and all(r["comparable"] for r in rows)
 
 
 def test_run_facts_merge_boots_over_tasks_and_follow_the_served_order(run_dir):
