@@ -88,22 +88,25 @@ def _uplink_reports(entries: list[bl.BusLogEntry]) -> dict[str, list[bl.BusLogEn
     return by_task
 
 
-def _task_facts(task_id: str, mine: list[bl.BusLogEntry]) -> dict:
-    """What the bus saw of one task: acceptance, starts, completion, setup and vision unit times."""
+def _task_facts(task_id: str, mine: list[bl.BusLogEntry], commands_s: list[float]) -> dict:
+    """What the bus saw of one task: acceptance, starts, completion, setup and vision unit times.
+    `commands_s`: when the bus forwarded a command to the payload (trace seconds)."""
     accepted = next((e.stamped_trace_s for e in mine if e.get("type") == "ACCEPTED"), None)
     started = [e.stamped_trace_s for e in mine if e.get("type") == "STARTED"]
     completed = next((e.stamped_trace_s for e in reversed(mine) if e.get("type") == "COMPLETED"), None)
     # The task's setup before its first unit (images, inputs, store scan), which every session
     # pays: in each session whose first unit is a vision block, from its STARTED to that block's
     # report, with the block it resumed from (simulate_request takes the block itself and the
-    # vision-state read away). The first session alone would stand for every restart, and it is
-    # the one that shares the payload with the uplink of the requests queued behind it.
+    # vision-state read away), and whether the payload was also handling uplinked commands then
+    # (the first session usually shares the payload with the uplink of the requests queued
+    # behind it: it does not stand for the restarts).
     first_units = []
     for i, s in enumerate(started):
         end = started[i + 1] if i + 1 < len(started) else float("inf")
         first = next((e for e in mine if e.get("type") == "PROGRESS" and s < e.stamped_trace_s < end), None)
         if first is not None and first.get("phase") == "vision":
-            first_units.append((first.stamped_trace_s - s, int(first.get("done")) - 1))
+            t = first.stamped_trace_s
+            first_units.append((t - s, int(first.get("done")) - 1, any(s <= c <= t for c in commands_s)))
     # A vision block of the small model on two 512 px images computes for longer than the pace on
     # a loaded machine: its time is measured as the payload ran it, from consecutive vision
     # PROGRESS reports of one session. The gap after a block also holds that block's vision-state
@@ -126,7 +129,8 @@ def _task_facts(task_id: str, mine: list[bl.BusLogEntry]) -> dict:
         "completed_s": completed,
         "first_start_trace_s": (started[0] - accepted) if started and accepted is not None else None,
         "first_unit_trace_s": first_units[0][0] if first_units else None,  # the first session's
-        "first_units": first_units,  # (STARTED -> first vision report, the block resumed from) per session
+        # per session: (STARTED -> first vision report, the block resumed from, uplink meanwhile)
+        "first_units": first_units,
         "vision_gaps_trace_s": gaps,
         "e2e_trace_s": (completed - accepted) if completed is not None and accepted is not None else None,
     }
@@ -206,8 +210,9 @@ def run_facts(run_dir: str) -> dict:
     flight_args = list(start.get("flight_args") or [])
     by_report = {row["task_id"]: row for row in report.get("requests") or []}
     reports = _uplink_reports(entries)
-    tasks = [_task_facts(task_id, mine) for task_id, mine in reports.items()]
-    tasks += [_task_facts(task_id, []) for task_id in by_report if task_id not in reports]
+    commands_s = [e.stamped_trace_s for e in entries if e.kind == bl.COMMAND_FORWARDED and e.trace_s is not None]
+    tasks = [_task_facts(task_id, mine, commands_s) for task_id, mine in reports.items()]
+    tasks += [_task_facts(task_id, [], commands_s) for task_id in by_report if task_id not in reports]
     # served in order: by first start; tasks never started after them, by acceptance
     tasks.sort(
         key=lambda t: (
@@ -218,12 +223,15 @@ def run_facts(run_dir: str) -> dict:
     specs = _recorded_specs(run, entries, report)
     pooled_gaps = [g for t in tasks for g in t["vision_gaps_trace_s"]]
     pooled_first_units = [u for t in tasks for u in t["first_units"]]
+    quiet = [u for u in pooled_first_units if not u[2]]
     for t in tasks:
         row = by_report.get(t["task_id"]) or {}
         t["spec"] = specs.get(t["task_id"], {})
         # A task without its own measurement takes the run's (same payload, model and machine).
         t["unit_trace_s"] = _unit_seconds(t["vision_gaps_trace_s"] or pooled_gaps)
-        t["first_units"] = t["first_units"] or pooled_first_units
+        # setup samples: the task's sessions without an uplink meanwhile, else the run's, else all
+        own_quiet = [u for u in t["first_units"] if not u[2]]
+        t["setup_samples"] = own_quiet or quiet or t["first_units"] or pooled_first_units
         t["report_e2e_trace_s"] = row.get("e2e_trace_s")
         t["completed"] = bool(row.get("completed"))
         t["failure"] = row.get("failure")
@@ -327,7 +335,7 @@ def simulate_request(
     vision_block_s = platform.vision_block_s
     setups = [
         seconds - vision_block_s - (model._read_s(model.sizes.vision_state(block)) if block else 0.0)
-        for seconds, block in task.get("first_units") or []
+        for seconds, block, _uplink in task.get("setup_samples") or []
     ]
     setup = platform.setup_s = max(0.0, statistics.median(setups)) if setups else 0.0
     trace = traces.load(facts["trace_path"] or facts["trace"])

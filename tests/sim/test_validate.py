@@ -98,6 +98,8 @@ def _run_dir(root, image_files, trace_path):
                 log.write(bl.POWER_OFF, trace_s=16.0, clock_s=16.0, cause="fdir", origin="trace", pid=2)
                 log.write(bl.POWER_ON, trace_s=20.0, clock_s=20.0, cause="restored", pid=3)
             _report(log, start, "STARTED", task_id)
+            if task_id == "r00":  # the uplink of r01 still reaches the payload as r00 sets up
+                log.write(bl.COMMAND_FORWARDED, trace_s=10.3, clock_s=10.3, type="IMAGE_QUERY", task_id=None)
             for block in range(first_block, stop_block):
                 t = start + 0.2 + 0.1 * (block - first_block + 1)
                 _report(log, t, "PROGRESS", task_id, phase="vision", done=block, total=4)
@@ -158,7 +160,15 @@ def test_run_facts_merge_boots_over_tasks_and_follow_the_served_order(run_dir):
     # a fact of the payload, from any task: r01's restart after the power-up at 20 s; not the
     # power-up at 8 s, where r00 started only once it had been uplinked
     assert facts["boot_by_power_up"] == {20.0: pytest.approx(1.5)} and facts["boot_trace_s"] == pytest.approx(1.5)
-    assert [(round(s, 3), block) for s, block in facts["tasks"][1]["first_units"]] == [(0.3, 0), (0.3, 2)]
+    # setup: STARTED to the first vision report, per session; r00's only one shared the payload
+    # with an uplinked command, so r00's setup comes from r01's sessions
+    r00, r01 = facts["tasks"]
+    assert [(round(s, 3), block, uplink) for s, block, uplink in r00["first_units"]] == [(0.3, 0, True)]
+    assert [(round(s, 3), block, uplink) for s, block, uplink in r01["first_units"]] == [
+        (0.3, 0, False),
+        (0.3, 2, False),
+    ]
+    assert r00["setup_samples"] == r01["setup_samples"] == r01["first_units"]
     assert facts["cadence"] == "fixed" and facts["planner"] == "optimal"
 
 
