@@ -320,8 +320,10 @@ def simulate_request(
         boot_s=boot,
         # A chained request is started by the payload's own queue, in the process that has just
         # completed the task before it: nothing waits for an uplink or an idle loop, so no
-        # first-start delay is added (its own setup before the first unit still is).
-        first_start_s=0.0 if chained else (task["first_start_trace_s"] or 0.0),
+        # first-start delay is added (its own setup before the first unit still is). One that
+        # finds the payload idle waits as the first request did (a later one's measured wait
+        # holds the real time its predecessor took).
+        first_start_s=0.0 if chained else first_start,
         setup_s=0.0,  # below, once the model knows its record sizes
         commit_latency_s=commit_latency_s / scale,
         unit_s=unit,
