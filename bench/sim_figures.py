@@ -90,7 +90,10 @@ def main(argv=None) -> int:
 
 
 def validation(run_dirs: list[str], model_dir: str, images, prompt: str, out_path: str) -> dict:
-    """The simulator against the real-process campaign's runs (hil/sim/validate.py)."""
+    """The simulator against every request of the real-process campaign's runs
+    (hil/sim/validate.py). Each run's own requests and flight arguments are used; `images`,
+    `prompt`, the answer length and the geometry here stand in only for a run that does not
+    record them."""
     # lazy: torch/transformers (seconds): the parent only spawns and times the children
     from hil.sim.validate import validate
 

@@ -11,11 +11,13 @@ gaps and FDIR actions, each stamped with three clocks:
 so that a replay tool (`ow hil replay LOG`) can drive the same cut timeline relative to command
 arrival and compare the sequence of events. Writing: one `write()` per line, flushed at once
 (a killed bus loses nothing already written); power changes and warnings are also fsynced.
-Reading: `read_log(path)`; a torn last line is ignored.
+Reading: `read_log(path)`; a torn last line is ignored. `recorded_uplinks(entries)`: the tasks
+and images the ground uplinked, decoded from the logged command packets.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import time
@@ -23,6 +25,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from common.wire import decode
+from common.wire import messages as m
 
 LOG_FILE = "bus-log.jsonl"
 LOG_FORMAT = "orbitweaver-bus-log"
@@ -199,6 +204,35 @@ def read_log(path: str | os.PathLike) -> list[BusLogEntry]:
             raise ValueError(f"{path}:{number}: not a JSON object") from None
         entries.append(BusLogEntry.from_json(obj))
     return entries
+
+
+def recorded_uplinks(entries: Iterable[BusLogEntry]) -> tuple[dict[str, m.UplinkTask], dict[str, bytes]]:
+    """What the ground uplinked, from the command packets the bus logged (`packet`, BusConfig's
+    `log_packets`): each task by id (the first UPLINK_TASK received for it: a redelivery repeats
+    it), and each image whose every chunk was received, re-assembled in index order. A packet
+    that does not decode is skipped: it reached no task either."""
+
+    tasks: dict[str, m.UplinkTask] = {}
+    chunks: dict[str, dict[int, bytes]] = {}
+    totals: dict[str, int] = {}
+    for entry in entries:
+        if entry.kind != COMMAND_RECEIVED or not entry.data.get("packet"):
+            continue
+        try:
+            _, message = decode(base64.b64decode(entry.data["packet"]))
+        except Exception:  # noqa: BLE001 - a recorded bad packet is part of the recording, not of a task
+            continue
+        if isinstance(message, m.ImageChunk):
+            chunks.setdefault(message.image, {})[message.index] = bytes(message.data)
+            totals[message.image] = message.total
+        elif isinstance(message, m.UplinkTask):
+            tasks.setdefault(message.task_id, message)
+    images = {
+        name: b"".join(data for _, data in sorted(parts.items()))
+        for name, parts in chunks.items()
+        if len(parts) == totals[name]
+    }
+    return tasks, images
 
 
 def runs(entries: Iterable[BusLogEntry]) -> dict[str, list[BusLogEntry]]:

@@ -42,7 +42,6 @@ from typing import Any
 import zmq
 
 import traces
-from common.wire import decode
 from common.wire import messages as m
 from common.wire.link import Endpoints, client_socket, init_keys, recv_packet, send_packet
 from hil import buslog as bl
@@ -357,17 +356,7 @@ def local_references(
     re-assembled from the recorded IMAGE_CHUNK packets and decoded as the payload decodes them,
     the engine geometry from the recorded flight arguments."""
 
-    chunks: dict[str, dict[int, bytes]] = {}
-    tasks: list[m.UplinkTask] = []
-    for e in commands:
-        try:
-            _, message = decode(base64.b64decode(e.data["packet"]))
-        except Exception:  # noqa: BLE001 - a recorded bad packet is part of the replay, not of a task
-            continue
-        if isinstance(message, m.ImageChunk):
-            chunks.setdefault(message.image, {})[message.index] = bytes(message.data)
-        elif isinstance(message, m.UplinkTask):
-            tasks.append(message)
+    tasks, images = bl.recorded_uplinks(commands)
     option = {a: flight_args[i + 1] for i, a in enumerate(flight_args[:-1]) if a.startswith("--")}
     try:
         # lazy: torch/transformers (seconds to import), only when a replay recomputes the answer
@@ -385,11 +374,8 @@ def local_references(
         )
         threads = int(option["--threads"]) if "--threads" in option else None
         out = {}
-        for task in {t.task_id: t for t in tasks}.values():
-            pictures = [
-                decode_image(b"".join(v for _, v in sorted(chunks[name].items())), name, loaded.image_processor)
-                for name in task.images
-            ]
+        for task in tasks.values():
+            pictures = [decode_image(images[name], name, loaded.image_processor) for name in task.images]
             inputs = build_inputs(
                 loaded.tokenizer, loaded.image_processor, pictures, task.prompt, loaded.adapter.image_token_id
             )

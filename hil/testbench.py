@@ -48,6 +48,9 @@ PROMPTS = [
     "report any fire smoke or flood in these images",
 ]
 UNIT_ORDER = {"vision": 0, "prefill": 1, "decode": 2}
+#: A request's `failure` when the payload simply did not finish it within the trace (every other
+#: failure says what stopped it: the payload's FAILED report, the uplink, the bus, the downlink)
+NOT_FINISHED = "not finished when the trace ended"
 
 
 @dataclass(frozen=True)
@@ -503,7 +506,7 @@ class Testbench:
                 break
             if self.log_tail.trace_ended() or (deadline is not None and time.time() > deadline):
                 for task_id in pending:
-                    failures[task_id] = "not finished when the trace ended"
+                    failures[task_id] = NOT_FINISHED
                 break
             if not bus_alive():
                 for task_id in pending:

@@ -18,7 +18,10 @@ least `P_MIN` and the work it saves in expectation (p x the work since the last 
 the time a record of that kind takes to write (measured). The fixed cadence stays an upper
 bound on the spacing of records: adaptive only ever adds records. Records written early hold
 exactly what the fixed ones hold (decode records cover every step since the last durable one),
-so the answer is bitwise the same. `Cadence("fixed")` is the paper's cadence (docs/engine.md).
+so the answer is bitwise the same. It also picks a new task's prefill block shape: the layers
+per block (G) such that one block is short against the windows lived through (`prefill_group`),
+chosen once per task and kept in its MANIFEST. `Cadence("fixed")` is the paper's cadence
+(docs/engine.md).
 
 All times are the payload's own seconds (a warning's lead and the bus clock in telemetry run at
 the payload's wall speed, docs/bus.md §1), so nothing here knows about compressed time.
@@ -46,6 +49,10 @@ HISTORY_WINDOWS = 256
 MIN_WINDOWS = 3
 #: telemetry samples the trend is fitted over
 TREND_SAMPLES = 12
+#: the most of the typical window (the median of those lived through) one adaptive prefill block
+#: may take: a cut at a random instant loses the block in progress, about half a block on average,
+#: so a block of a quarter window loses an eighth of the window's work, not half of it
+BLOCK_WINDOW_SHARE = 0.25
 #: defaults of the limits that end windows (the payload's interface to its bus): the paper's Sat-1
 #: enclosure limit (55 C, Sec. 2.2) and the brown-out threshold of the shipped power-bound traces
 DEFAULT_THERMAL_LIMIT_C = 55.0
@@ -324,6 +331,20 @@ class Cadence:
             return False
         self.early_records += 1
         return True
+
+    def prefill_group(self, configured: int, layer_chunk_s: float) -> int:
+        """Layers per prefill block for a task that has no record yet. The fixed cadence keeps
+        `configured` (the paper's G). The adaptive one takes the largest G <= configured whose
+        block, G x `layer_chunk_s` (one decoder layer on one chunk), fits in BLOCK_WINDOW_SHARE of
+        the median window lived through; at least one layer. Chosen once per task: the MANIFEST
+        keeps it, so every record of a task has one block shape and a resume reads it back."""
+        if self.mode != "adaptive" or layer_chunk_s <= 0 or configured <= 1:
+            return configured
+        with self._lock:
+            if len(self.windows) < MIN_WINDOWS:
+                return configured
+            median = _median(self.windows)
+        return max(1, min(configured, int(BLOCK_WINDOW_SHARE * median / layer_chunk_s)))
 
     def describe(self) -> dict:
         with self._lock:

@@ -162,6 +162,17 @@ class CheckpointStore:
         return self.path("decode.log")
 
     # ---- opening ----------------------------------------------------------------------------
+    def stored_manifest(self) -> dict | None:
+        """The MANIFEST already in the directory, or None (absent or unreadable); reads only."""
+        try:
+            if not self.fs.exists(self.path("MANIFEST")):
+                return None
+            stored, _ = decode(self.fs.read(self.path("MANIFEST")), expect_kind=Kind.MANIFEST)
+            manifest = stored.meta["manifest"]
+        except (RecordError, KeyError, TypeError, OSError):
+            return None
+        return manifest if isinstance(manifest, dict) else None
+
     def open(self, manifest: dict) -> OpenOutcome:
         """Adopt the directory for this request: resume if its MANIFEST matches, else start anew."""
         self.fs.makedirs(self.root)

@@ -12,14 +12,14 @@ import hashlib
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import transformers
 
 from common.durable import DurableFS, is_disk_full
 from flight.checkpoint.cadence import Cadence
-from flight.checkpoint.policies import Policy, get_policy
+from flight.checkpoint.policies import Geometry, Policy, get_policy
 from flight.checkpoint.store import CheckpointStore, Frontier, OpenOutcome
 from flight.checkpoint.writer import CheckpointWriter
 from flight.model.inputs import RequestInputs
@@ -99,8 +99,27 @@ class Engine:
         if self.options.threads:
             torch.set_num_threads(self.options.threads)
 
-    def manifest(self, inputs: RequestInputs, max_new_tokens: int) -> dict:
-        model, geometry = self.model, self.geometry
+    def task_geometry(self, store: CheckpointStore, inputs: RequestInputs) -> Geometry:
+        """The geometry one task runs with: the engine's, except that the adaptive cadence picks
+        the prefill block's layers (G) when the task has no MANIFEST yet, from the windows the
+        payload has lived through (Cadence.prefill_group), and a resume reads its G back from
+        the MANIFEST, so every record of a task has one block shape."""
+        if not self.adaptive:
+            return self.geometry
+        num_layers = self.model.adapter.num_layers
+        stored = store.stored_manifest()
+        group = stored.get("group") if stored is not None else None
+        if isinstance(group, int) and not isinstance(group, bool) and 1 <= group <= self.geometry.group:
+            return replace(self.geometry, group=group)
+        # One decoder layer on one chunk: the pace where the payload is paced (the testbench's
+        # stand-in for the target's compute), else the calibrated cost model's estimate.
+        chunk_tokens = min(self.geometry.chunk, inputs.num_tokens)
+        layer_chunk_s = max(self.options.pace_ms / 1000.0, self.planning_costs().compute_s(1, chunk_tokens, 0))
+        group = self.cadence.prefill_group(self.geometry.group, layer_chunk_s)
+        return replace(self.geometry, group=min(group, num_layers))
+
+    def manifest(self, inputs: RequestInputs, max_new_tokens: int, geometry: Geometry | None = None) -> dict:
+        model, geometry = self.model, geometry or self.geometry
         return {
             "model_hash": model.content_hash,
             "arch": model.model_type,
@@ -142,16 +161,17 @@ class RequestRun:
         self.max_new_tokens = max_new_tokens
         self.events = engine.events
         self.store = CheckpointStore(ckpt_dir, engine.fs, events=self.events)
+        self.geometry = engine.task_geometry(self.store, inputs)
         self.phase_seconds = {"restore": 0.0, "vision": 0.0, "prefill": 0.0, "decode": 0.0}
         self.phase_plans: dict[str, dict] = {}
-        self.num_groups = len(engine.geometry.layer_groups(engine.model.adapter.num_layers))
-        self.num_chunks = len(engine.geometry.token_chunks(inputs.num_tokens))
+        self.num_groups = len(self.geometry.layer_groups(engine.model.adapter.num_layers))
+        self.num_chunks = len(self.geometry.token_chunks(inputs.num_tokens))
         # False when the policy writes none or not even the MANIFEST fits on the disk.
         self.checkpoints_enabled = engine.policy.writes_checkpoints()
 
     def execute(self) -> Result:
         engine = self.engine
-        manifest = engine.manifest(self.inputs, self.max_new_tokens)
+        manifest = engine.manifest(self.inputs, self.max_new_tokens, self.geometry)
         try:
             outcome = self.store.open(manifest)
         except OSError as exc:
@@ -231,7 +251,7 @@ class RequestRun:
             engine.model,
             engine.options,
             engine.policy,
-            engine.geometry,
+            self.geometry,
             engine.planning_costs,
             self.inputs,
             self.max_new_tokens,

@@ -342,12 +342,11 @@ class FlightApp(CommandHandlers):
             self._reject(m.Rejected.from_error(err), err.code)
             return
         if not message.is_command():
-            if isinstance(message, (m.ShutdownWarning, m.PowerStateChange)):
-                self.handlers[message.TYPE](header, message)
-            elif isinstance(message, m.ThermalReport):
-                self.cadence.thermal(message.trace_time_s, message.payload_temp_c)
-            elif isinstance(message, m.PowerReport):
-                self.cadence.power(message.trace_time_s, message.battery_soc)
+            # the bus's own messages (warnings, power state, telemetry the cadence reads); any
+            # other telemetry type sent to the payload is ignored
+            bus_handler = self.handlers.get(message.TYPE)
+            if bus_handler is not None:
+                bus_handler(header, message)
             return
         request = header.request
         try:

@@ -71,6 +71,8 @@ class CommandHandlers:
             MessageType.LIST_LOST_TASKS: self.on_list_lost_tasks,
             MessageType.SHUTDOWN_WARNING: self.on_shutdown_warning,
             MessageType.POWER_STATE: self.on_power_state,
+            MessageType.THERMAL: self.on_thermal_report,
+            MessageType.POWER: self.on_power_report,
         }
 
     # ---- simple commands ---------------------------------------------------------------------------
@@ -288,6 +290,12 @@ class CommandHandlers:
         if msg.payload_on and msg.after_fault is not None:
             self.health.verdict(msg.after_fault)  # how the previous boot ended, in the bus's words
             self.work_available.set()
+
+    def on_thermal_report(self, header, msg: m.ThermalReport) -> None:
+        self.cadence.thermal(msg.trace_time_s, msg.payload_temp_c)  # the adaptive cadence's temperature trend
+
+    def on_power_report(self, header, msg: m.PowerReport) -> None:
+        self.cadence.power(msg.trace_time_s, msg.battery_soc)  # the adaptive cadence's battery trend
 
     @staticmethod
     def _is_name(value: str) -> bool:

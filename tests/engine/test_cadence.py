@@ -213,6 +213,46 @@ def test_adaptive_cadence_is_bitwise_under_exhaustive_stops(model_dirs, tmp_path
     assert {"vision", "decode"} <= phases
 
 
+def test_adaptive_prefill_block_fits_the_windows_lived_through():
+    assert Cadence("fixed", [0.1] * 5).prefill_group(4, 1.0) == 4  # the paper's G, whatever the windows
+    assert Cadence("adaptive", [0.1, 0.1]).prefill_group(4, 1.0) == 4  # too little history to judge
+    assert Cadence("adaptive", [0.1] * 5).prefill_group(4, 1.0) == 1  # never below one layer
+    # median window 12 s: a quarter of it holds three 1-second layers, not the configured four
+    assert Cadence("adaptive", [10.0, 12.0, 14.0]).prefill_group(4, 1.0) == 3
+    assert Cadence("adaptive", [100.0] * 5).prefill_group(4, 1.0) == 4  # never above the configured G
+
+
+def test_adaptive_block_shape_is_kept_by_the_task_and_bitwise(model_dirs, tmp_path):
+    """Short windows make the adaptive cadence run a new task's prefill one layer per block; the
+    MANIFEST keeps that shape, so a resume after a cut reads it back even when the windows seen
+    since then would choose otherwise, and the answer is the uninterrupted one."""
+    from flight.checkpoint.store import CheckpointStore
+
+    model_dir = model_dirs["qwen3-vl"]
+    model = load_model(model_dir, device="cpu")
+    inputs = inputs_for(model)
+    ref = engine(model, GEOMETRY).run(inputs, str(tmp_path / "ref"), MAX_NEW)  # G = 2, the fixed cadence
+
+    def adaptive(windows, **hooks):
+        options = EngineOptions(geometry=GEOMETRY, async_writes=False, cadence="adaptive")
+        return Engine(load_model(model_dir, device="cpu"), options, cadence=Cadence("adaptive", windows), **hooks)
+
+    short, long = [1e-6] * 5, [1e6] * 5  # windows far shorter / longer than any layer on one chunk
+    ckpt = tmp_path / "task"
+    cut = CutAfter(3, names=("prefill_block_done",))
+    with pytest.raises(SimulatedCut):
+        adaptive(short, events=cut.event).run(inputs, str(ckpt), MAX_NEW)
+    assert CheckpointStore(str(ckpt)).stored_manifest()["group"] == 1
+    opened = []
+    resumed = adaptive(long, events=lambda name, **f: opened.append(f) if name == "request_opened" else None)
+    result = resumed.run(inputs, str(ckpt), MAX_NEW)
+    assert opened[0]["status"] == "resume" and opened[0]["groups"] == model.adapter.num_layers, opened
+    assert result.token_ids == ref.token_ids and torch.equal(result.logits, ref.logits)
+    # a new task under long windows keeps the configured G
+    adaptive(long).run(inputs, str(tmp_path / "other"), MAX_NEW)
+    assert CheckpointStore(str(tmp_path / "other")).stored_manifest()["group"] == GEOMETRY.group
+
+
 def test_payload_feeds_bus_telemetry_and_warnings_to_its_cadence(tmp_path):
     from common.wire import Apid, NodeId, PowerCause, encode
     from common.wire import messages as msgs

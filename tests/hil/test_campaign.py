@@ -123,3 +123,28 @@ def test_report_says_when_a_policy_completes_nothing_and_forms_no_ratio_then(tmp
     assert "The claim holds here" in report
     again = write_report(tmp_path / "again", load_cells(tmp_path)).read_text()
     assert again == report.replace(str(tmp_path), str(tmp_path / "again"))
+
+
+def test_a_result_whose_completed_report_was_missed_counts_as_not_completed(tmp_path):
+    """The result came back (and is checked) but the COMPLETED report was never seen, so the
+    request has no end-to-end time: it is reported as not completed, and its run forms no
+    makespan, instead of stopping the summary."""
+    from dataclasses import replace
+
+    from hil.campaign import CampaignCell, speedups, summarise, write_report
+
+    missed = _report("sonic-layer", "trace-b", [True, True], 600.0)
+    missed.requests[1] = replace(missed.requests[1], e2e_s=None, e2e_trace_s=None)
+    cells = [
+        CampaignCell("trace-b", "orbitweaver (fixed)", 0, _report("orbitweaver", "trace-b", [True, True], 300.0)),
+        CampaignCell("trace-b", "sonic-layer", 0, missed),
+    ]
+    rows = {r["policy"]: r for r in summarise(cells)}
+    row = rows["sonic-layer"]
+    assert (row["completed"], row["requests"], row["runs_all_completed"]) == (1, 2, 0)
+    assert row["makespan_trace_s"] is None and row["e2e_mean_trace_s"] == 600.0
+    assert row["bitwise"] is True  # the output that came back was still checked
+    (ratio,) = speedups(list(rows.values()), "orbitweaver (fixed)")
+    assert ratio["ratio"] is None and "completed 1/2" in ratio["why_not"]
+    report = write_report(tmp_path, cells).read_text()
+    assert "| trace-b | paper | sonic-layer | 0 | 1/2 |" in report

@@ -6,28 +6,16 @@ import hashlib
 from typing import Any
 
 from common.wire import messages as m
-from common.wire.ids import EventId, FdirMode, PowerCause, ResponseCode, TaskPhase
+from common.wire.ids import EventId, FdirMode, ResponseCode, TaskPhase
+from hil.redteam import sample_commands
 
 _REQ: dict[str, Any] = dict(tc_apid=0x020, tc_source=1, tc_seq=16384 + 5, tc_type=0x0110)
 
 
 def sample_messages() -> list[m.Message]:
-    image = bytes(range(256)) * 3
-    return [
-        m.Ping(key=0xDEADBEEF),
-        m.Status(),
-        m.UplinkTask(
-            task_id="task-001",
-            prompt="Describe the cloud cover. Ünïcødé ☁",
-            images=["img_a.png", "img_b"],
-            max_new_tokens=64,
-            priority=7,
-        ),
-        m.CancelTask(task_id="task-001"),
-        m.SetPriority(task_id="task-001", priority=255),
-        m.DownlinkResult(task_id="task-001"),
-        m.ImageChunk.split("img_a.png", image, chunk_bytes=300)[1],
-        m.ImageQuery(image="img_a.png"),
+    """The telecommands the red team also sends (one list, kept in hil.redteam), then one of every
+    telemetry message."""
+    return sample_commands() + [
         m.Accepted(**_REQ, task_id="task-001"),
         m.Rejected(**_REQ, code=ResponseCode.REPLAYED_SEQUENCE, reason="seq 5 already accepted", highest_seq=16390),
         m.Started(**_REQ),
@@ -64,11 +52,6 @@ def sample_messages() -> list[m.Message]:
         m.PowerReport(trace_time_s=100.0, payload_on=True, bus_voltage_v=28.1, payload_power_w=15, battery_soc=0.8),
         m.ThermalReport(trace_time_s=100.0, payload_temp_c=41.5, bus_temp_c=-10.0),
         m.FdirReport(trace_time_s=100.0, mode=FdirMode.NOMINAL, fault_count=0),
-        m.ShutdownWarning(trace_time_s=100.0, lead_time_s=2.5, cause=PowerCause.ECLIPSE),
-        m.PowerStateChange(trace_time_s=102.5, payload_on=False, cause=PowerCause.ECLIPSE),
-        m.ListQuarantine(),
-        m.ReleaseQuarantine(item="task:task-001"),
-        m.ListLostTasks(),
         m.QuarantineList(
             items=["task:task-001", "command:PING:0123456789abcdef"],
             exits=[3, 3],

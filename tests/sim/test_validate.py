@@ -1,0 +1,185 @@
+"""The simulator's validation against a testbench run directory: every request of the run is
+predicted, in the order the payload served them, each one chained after the simulator's own
+prediction of the one before; each request's shape and the geometry come from the run.
+
+The run directory is written with the project's own writers (BusLog, the wire encoder, the
+testbench's report), as a testbench run leaves it: two requests uplinked together, served one
+after the other in one long power window.
+"""
+
+import json
+
+import pytest
+
+from common.wire import Apid, NodeId, encode
+from common.wire import messages as m
+from flight.checkpoint.policies import Geometry
+from ground.images import prepare_images
+from hil import buslog as bl
+from hil.sim.validate import run_facts, simulate_run, validate
+from hil.testbench import BenchReport, RequestReport
+
+FLIGHT_ARGS = ["--policy", "orbitweaver", "--chunk", "16", "--group", "2", "--decode-every", "2"]
+FLIGHT_ARGS += ["--vision-every", "1", "--planner", "optimal", "--pace-ms", "100.000", "--device", "cpu"]
+PROMPTS = ("count the ships near the coast", "describe the clouds and report what is visible below them")
+ANSWERS = (5, 7)  # tokens of each request's uninterrupted answer (references.json)
+
+
+def _trace(path, duration):
+    import traces
+    from traces.model import CutCause, PowerWindow
+
+    traces.dump(
+        traces.Trace.from_windows(
+            "validate",
+            duration,
+            [PowerWindow(0.0, 5.0, CutCause.FDIR, 0.0)]
+            + (
+                [PowerWindow(8.0, 16.0, CutCause.FDIR, 0.0), PowerWindow(20.0, duration, None, 0.0)]
+                if duration > 20.0
+                else [PowerWindow(8.0, duration, None, 0.0)]
+            ),
+            reference_request_s=10,
+            description="test trace",
+            source={"kind": "manual"},
+            assumptions=["for the validation test"],
+        ),
+        path,
+    )
+    return str(path)
+
+
+def _report(log, t, kind, task_id, **fields):
+    request = {"apid": Apid.PAYLOAD, "source": 1, "seq": 7 + int(task_id[1:]), "type": "UPLINK_TASK"}
+    log.write(bl.PAYLOAD_REPORT, trace_s=t, clock_s=t, type=kind, task_id=task_id, request=request, **fields)
+
+
+def _run_dir(root, image_files, trace_path):
+    """A finished testbench run: r00 and r01 accepted at 10 s, r00 served 10.2-14.0, r01 started
+    by the payload's queue as r00 completed (14.1), cut at 16 s, resumed after the power-up at
+    20 s (a boot of 1.5 s) and completed at 24 s; trace seconds at time scale 1."""
+    run = root / "run"
+    log = bl.BusLog(run / "bus" / bl.LOG_FILE, run_id="run-1")
+    log.write(
+        bl.RUN_START,
+        trace_s=0.0,
+        clock_s=0.0,
+        trace="validate",
+        trace_path=trace_path,
+        time_scale=1.0,
+        start_at_s=0.0,
+        flight_args=FLIGHT_ARGS,
+    )
+    log.write(bl.POWER_ON, trace_s=0.0, clock_s=0.0, cause="restored", pid=1)
+    log.write(bl.POWER_OFF, trace_s=5.0, clock_s=5.0, cause="fdir", origin="trace", pid=1)
+    log.write(bl.POWER_ON, trace_s=8.0, clock_s=8.0, cause="restored", pid=2)
+    images = prepare_images(image_files[:2])
+    seq = 0
+    for image in images:
+        for chunk in image.chunks(4096):
+            packet = encode(chunk, Apid.PAYLOAD, seq, source_id=NodeId.GROUND)
+            log.write(bl.COMMAND_RECEIVED, trace_s=9.0, clock_s=9.0, type="IMAGE_CHUNK", packet=_b64(packet))
+            seq += 1
+    for i, prompt in enumerate(PROMPTS):
+        task = m.UplinkTask(
+            task_id=f"r0{i}",
+            prompt=prompt,
+            images=[image.name for image in images],
+            max_new_tokens=12,
+            priority=0,
+        )
+        packet = encode(task, Apid.PAYLOAD, seq + i, source_id=NodeId.GROUND)
+        log.write(bl.COMMAND_RECEIVED, trace_s=9.5, clock_s=9.5, type="UPLINK_TASK", packet=_b64(packet))
+    _report(log, 10.0, "ACCEPTED", "r00")
+    _report(log, 10.05, "ACCEPTED", "r01")
+    for task_id, sessions, end in (("r00", [(10.2, 1, 5)], 14.0), ("r01", [(14.1, 1, 3), (21.5, 3, 5)], 24.0)):
+        for start, first_block, stop_block in sessions:
+            if start > 20.0 > start - 5:
+                log.write(bl.POWER_OFF, trace_s=16.0, clock_s=16.0, cause="fdir", origin="trace", pid=2)
+                log.write(bl.POWER_ON, trace_s=20.0, clock_s=20.0, cause="restored", pid=3)
+            _report(log, start, "STARTED", task_id)
+            if task_id == "r00":  # the uplink of r01 still reaches the payload as r00 sets up
+                log.write(bl.COMMAND_FORWARDED, trace_s=10.3, clock_s=10.3, type="IMAGE_QUERY", task_id=None)
+            for block in range(first_block, stop_block):
+                t = start + 0.2 + 0.1 * (block - first_block + 1)
+                _report(log, t, "PROGRESS", task_id, phase="vision", done=block, total=4)
+        _report(log, end, "COMPLETED", task_id)
+    log.close()
+    requests = [
+        RequestReport(f"r0{i}", prompt, ["img0.png", "img1.png"], True, True, 1.0, e2e, 0, [], [], None, tokens)
+        for i, (prompt, e2e, tokens) in enumerate(zip(PROMPTS, (4.0, 13.95), ANSWERS, strict=True))
+    ]
+    report = BenchReport(trace_path, "orbitweaver", 1.0, 100.0, 1.0, requests, 2, 1, 0, 0.0, 20.0, 1.0, True)
+    (run / "report.json").write_text(json.dumps(report.to_json(), indent=2))
+    (run / "references.json").write_text(json.dumps([{"token_ids": list(range(n))} for n in ANSWERS]))
+    return str(run)
+
+
+def _b64(packet: bytes) -> str:
+    import base64
+
+    return base64.b64encode(packet).decode("ascii")
+
+
+@pytest.fixture
+def run_dir(tmp_path, image_files):
+    return _run_dir(tmp_path, image_files, _trace(tmp_path / "trace.jsonl", 200.0))
+
+
+def test_every_request_is_validated_and_each_is_chained_after_the_prediction_before_it(run_dir, model_dirs, tmp_path):
+    # The spec passed in is wrong on purpose (missing images, another prompt, length and
+    # geometry): everything the run records must be taken from the run.
+    result = validate(
+        [run_dir], model_dirs["qwen3-vl"], ["/nonexistent.png"], "other", 99, Geometry(64, 4, 8, 4), str(tmp_path)
+    )
+    rows = result["rows"]
+    assert [(r["request"], r["task_id"]) for r in rows] == [(0, "r00"), (1, "r01")]
+    assert all(r["spec_from"] == "prompt: run,images: run,tokens: run" for r in rows)
+    assert [r["new_tokens"] for r in rows] == list(ANSWERS)
+    assert rows[0]["text_tokens"] < rows[1]["text_tokens"]  # each request's own prompt
+    assert rows[0]["visual_tokens"] == rows[1]["visual_tokens"] > 0
+    assert all(r["geometry"] == {"chunk": 16, "group": 2, "decode_every": 2, "vision_every": 1} for r in rows)
+    assert [r["e2e_trace_s"] for r in rows] == pytest.approx([4.0, 13.95])
+    first, second = rows
+    assert first["predicted_completed"] and second["predicted_completed"]
+    assert not first["chained"] and first["arrival_s"] == pytest.approx(10.0)
+    # the second request reaches the payload when the simulator says the first completes ...
+    assert second["chained"] and second["arrival_s"] == first["predicted_finished_s"]
+    # ... and its end-to-end time counts from its own (real) acceptance
+    assert second["predicted_e2e_trace_s"] == pytest.approx(second["predicted_finished_s"] - 10.05)
+    for r in rows:
+        assert r["error"] == pytest.approx(r["predicted_e2e_trace_s"] / r["e2e_trace_s"] - 1)
+    assert result["max_abs_error"] == max(abs(r["error"]) for r in rows)
+    assert result["requests"] == 2 and result["completion_misses"] == 0 and all(r["comparable"] for r in rows)
+
+
+def test_run_facts_merge_boots_over_tasks_and_follow_the_served_order(run_dir):
+    facts = run_facts(run_dir)
+    assert [t["task_id"] for t in facts["tasks"]] == ["r00", "r01"]
+    assert facts["tasks"][1]["started_s"] == [pytest.approx(14.1), pytest.approx(21.5)]
+    # a fact of the payload, from any task: r01's restart after the power-up at 20 s; not the
+    # power-up at 8 s, where r00 started only once it had been uplinked
+    assert facts["boot_by_power_up"] == {20.0: pytest.approx(1.5)} and facts["boot_trace_s"] == pytest.approx(1.5)
+    # setup: STARTED to the first vision report, per session; r00's only one shared the payload
+    # with an uplinked command, so r00's setup comes from r01's sessions
+    r00, r01 = facts["tasks"]
+    assert [(round(s, 3), block, uplink) for s, block, uplink in r00["first_units"]] == [(0.3, 0, True)]
+    assert [(round(s, 3), block, uplink) for s, block, uplink in r01["first_units"]] == [
+        (0.3, 0, False),
+        (0.3, 2, False),
+    ]
+    assert r00["setup_samples"] == r01["setup_samples"] == r01["first_units"]
+    assert facts["cadence"] == "fixed" and facts["planner"] == "optimal"
+
+
+def test_a_request_behind_one_predicted_not_to_complete_is_predicted_not_to_complete(run_dir, model_dirs, tmp_path):
+    from hil.sim.validate import RequestShapes
+
+    facts = run_facts(run_dir)
+    # the trace ends 0.5 s after the first request was accepted: it cannot complete
+    facts["trace_path"] = _trace(tmp_path / "short.jsonl", 10.5)
+    shapes = RequestShapes(model_dirs["qwen3-vl"])
+    requests = [shapes(t["spec"]["images"], t["spec"]["prompt"], t["spec"]["tokens"]) for t in facts["tasks"]]
+    first, second = simulate_run(facts, model_dirs["qwen3-vl"], requests, Geometry(16, 2, 2, 1), 1e-3)
+    assert first["predicted_completed"] is False and first["predicted_e2e_trace_s"] is None
+    assert second["predicted_completed"] is False and second["predicted_e2e_trace_s"] is None
