@@ -279,22 +279,3 @@ def test_a_tie_with_layer_first_runs_layer_first_itself():
     sol = solve(better)
     assert sol.chosen != "layer-first (tie)"
     assert sol.makespan < simulate(layer_first(better), better).makespan - TOL
-
-
-def test_a_small_frontier_plans_without_loading_the_compiled_kernel():
-    """A payload plans at every boot after a cut; loading the compiled DP (numba) costs seconds,
-    which in a short window is the window. A frontier of a few groups must not pay it."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys\n"
-        "sys.path.insert(0, 'tests/recovery')\n"
-        "from recovery_instances import staircase\n"
-        "from flight.recovery.optimal import solve\n"
-        "for progress in (0.25, 0.5, 0.75):\n"
-        "    solve(staircase(6, 4, progress)).plan\n"
-        "print('numba' in sys.modules)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600)
-    assert out.stdout.strip() == "False", out.stderr

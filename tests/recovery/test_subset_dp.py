@@ -103,11 +103,15 @@ def test_an_input_never_read_is_a_plan_error():
 
 def test_the_planner_needs_no_compiler():
     """A payload plans at every boot after a power cut: planning must not compile (or load a
-    compiler's cache). With numba made unimportable, the planner still plans a real-size case."""
+    compiler's cache: numba's cost 1.5-4 s per boot here, in a short window the whole window).
+    With numba made unimportable, the planner still plans small staircases and a real-size case
+    that runs the DP."""
     code = (
         "import sys; sys.modules['numba'] = None\n"
-        "from recovery_instances import real_size\n"
+        "from recovery_instances import real_size, staircase\n"
         "from flight.recovery.optimal import solve\n"
+        "for progress in (0.25, 0.5, 0.75):\n"
+        "    solve(staircase(6, 4, progress))\n"
         "print(solve(real_size(4)).chosen)\n"
     )
     root = Path(__file__).resolve().parents[2]
