@@ -10,8 +10,9 @@ around g. Two ways to run it:
 * `pruned_dp`: branch and bound from a plan already in hand (the payload's path). Sets are
   expanded level by level (by size); a set whose jobs cannot finish before the best value known
   is dropped, and a set after which the compute unit can no longer wait for a read is finished
-  at once. Both rules are exact (the proofs are in the docstring); on the recovery problems of a
-  36-layer model with G = 2 a few hundred sets of the 2^18 are visited.
+  at once. Both rules are exact (the proofs are in `_search`'s docstring); on the recovery
+  problems of a 36-layer model with G = 2 a few hundred to a few thousand sets of the 2^18 are
+  visited (the most where the plan in hand is already optimal and the search must prove it).
 
 Plain numpy, no compiled kernel: a payload plans at every boot after a power cut, and a kernel
 compiled then (or loaded from a compiler cache that a power cut can leave torn) costs seconds
@@ -119,8 +120,8 @@ def pruned_dp(
     Two passes of the same search (`_search`). The first keeps only the BEAM_WIDTH most
     promising sets of each size: a heuristic that reaches a near-optimal order (usually the
     optimum) in a few hundred transitions. The second is exact: it keeps every set that could
-    still beat that order, so with a good order in hand it visits only a few hundred sets of the
-    2^m. (A staircase-like frontier leaves the fixed plans a few per cent above the optimum; from
+    still beat that order, so with a good order in hand it visits a few hundred to a few
+    thousand sets of the 2^m. (A staircase-like frontier leaves the fixed plans a few per cent above the optimum; from
     that bound alone the exact pass would visit ~10^5 sets.)"""
     search = functools.partial(_search, m, P.reshape(-1), h.reshape(-1), bundle_s, first_release)
     heuristic = search(bound, beam=BEAM_WIDTH)
