@@ -140,7 +140,13 @@ def test_telemetry_is_published_at_trace_rate_and_decimated(tmp_path, keys, cont
     states = [msg for _, msg in bus_tm if isinstance(msg, m.PowerStateChange)]
     if warnings:  # the subscription may miss the first ~0.1 s, not the warning at 1.2 s
         assert warnings[0].cause == PowerCause.LOW_BATTERY and abs(warnings[0].lead_time_s - 0.3) < 0.05
-    assert len(warnings) == 1
+    # One warning, for the one cut at 150 trace s (1.5 s of bus clock). A payload that connects
+    # after it was issued (a loaded machine starts it late) gets it again at connect, and the
+    # telemetry shows that redelivery too: same cut, a shorter lead.
+    assert 1 <= len(warnings) <= 2, warnings
+    for warned in warnings:
+        assert warned.cause == PowerCause.LOW_BATTERY
+        assert abs(warned.trace_time_s + warned.lead_time_s - 150 * scale) < 0.01, warned
     assert [(s.payload_on, s.cause) for s in states][-2:] == [
         (False, PowerCause.LOW_BATTERY),
         (True, PowerCause.RESTORED),
