@@ -114,7 +114,12 @@ class Engine:
         # One decoder layer on one chunk: the pace where the payload is paced (the testbench's
         # stand-in for the target's compute), else the calibrated cost model's estimate.
         chunk_tokens = min(self.geometry.chunk, inputs.num_tokens)
-        layer_chunk_s = max(self.options.pace_ms / 1000.0, self.planning_costs().compute_s(1, chunk_tokens, 0))
+        try:
+            estimate = self.planning_costs().compute_s(1, chunk_tokens, 0)
+        except (OSError, ValueError, KeyError) as exc:  # the shape is advice: never a reason to fail the task
+            self.events("block_shape_estimate_failed", reason=f"{type(exc).__name__}: {exc}")
+            estimate = 0.0
+        layer_chunk_s = max(self.options.pace_ms / 1000.0, estimate)
         group = self.cadence.prefill_group(self.geometry.group, layer_chunk_s)
         return replace(self.geometry, group=min(group, num_layers))
 
