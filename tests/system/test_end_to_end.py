@@ -37,9 +37,10 @@ class _LogTail:
     log every 0.1 s on a loaded machine made the watcher slower than a decode phase)."""
 
     def __init__(self, path: Path):
-        self.path, self.offset, self.entries = path, 0, []
+        self.path, self.offset = path, 0
+        self.entries: list[bl.BusLogEntry] = []
 
-    def poll(self) -> list:
+    def poll(self) -> list[bl.BusLogEntry]:
         try:
             with open(self.path, "rb") as f:
                 f.seek(self.offset)
