@@ -295,21 +295,11 @@ class LockstepScheduler(_SchedulerBase):
 class SequentialScheduler(_SchedulerBase):
     """Monolithic baseline: VLM and ADiT as one pipeline over the whole device, one batch at a time."""
 
-    def __init__(
-        self,
-        models: Mapping[str, str],
-        *,
-        policy: str = "esf",
-        max_batch: int | Mapping[str, int] = 4,
-        batch_sizes: tuple[int, ...] | None = None,
-        profile: ProfileTable | None = None,
-        record: bool = True,
-    ) -> None:
-        super().__init__(
-            models, policy=policy, max_batch=max_batch, batch_sizes=batch_sizes, profile=profile, record=record
-        )
+    def __init__(self, models: Mapping[str, str], **options: Any) -> None:
+        """The base's options (policy, max_batch, batch_sizes, profile, record)."""
+        super().__init__(models, **options)
         self.queues: dict[str, deque[VlaRequest]] = {m: deque() for m in self.models}
-        self._policy = make_policy(policy)
+        self._policy = make_policy(self.policy_name)
 
     def submit(self, req: VlaRequest) -> None:
         self._check_model(req)
