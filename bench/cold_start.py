@@ -14,7 +14,8 @@ interleaved runs):
 
 and prints the ratios exec-to-first-unit / import torch (goal: at most 1.5) and exec-to-link.
 The payload resumes the same checkpointed task in every round (its data directory is restored
-from a snapshot taken after a first boot that started the task), with a warm page cache like
+from a snapshot taken after a first boot that started the task; the scripted bus tells it at
+connection that the previous boot was cut, as the real bus does), with a warm page cache like
 `import torch` next to it; `--cold-model` also drops the model's and the task's files from the
 page cache before each round (posix_fadvise DONTNEED), as after a real power cut.
 
@@ -36,7 +37,7 @@ import tempfile
 import time
 
 from bench.recovery_latency import drop_cache
-from common.wire import decode
+from common.wire import Apid, NodeId, PowerCause, decode, encode
 from common.wire import messages as m
 from common.wire.link import recv_packet
 from hil.testbench import SAMPLES
@@ -96,6 +97,14 @@ class Payload:
         index = next(i for i in range(self.mark, len(self.bus.received)) if self.bus.received[i][1] is msg)
         return self.bus.arrived[index] - self.started
 
+    def power_state(self) -> None:
+        """What the bus sends a payload that connects after a power-up (hil/bus/relay.py): how its
+        previous boot ended. The payload holds the task it was running at that end until it hears
+        this (flight/runtime/health.py, at most VERDICT_WAIT_S = 5 s), so a bus that stays silent
+        would make the wait, not the payload, the measured first unit."""
+        state = m.PowerStateChange(trace_time_s=0.0, payload_on=True, cause=PowerCause.RESTORED, after_fault=False)
+        self.bus.raw(encode(state, Apid.BUS, self.bus.counter.next(Apid.BUS), source_id=NodeId.BUS))
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -145,6 +154,7 @@ def measure_boot(bus, snapshot: str, work: str, model: str, keys: str, cold: boo
     payload = Payload(bus, data, model, keys, os.path.join(work, "boots.log"))
     try:
         link = payload.wait(lambda h, msg: isinstance(msg, m.Heartbeat))
+        payload.power_state()
         seq = bus.command(m.Ping(key=7))
         boot_event = payload.wait(lambda h, msg: isinstance(msg, m.Event) and msg.event_id.name == "BOOT")
         answered = payload.wait(lambda h, msg: isinstance(msg, (m.Accepted, m.Rejected)) and msg.tc_seq == seq)
