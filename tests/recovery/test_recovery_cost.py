@@ -1,5 +1,7 @@
 """Cost model: byte and FLOP counts, block costs, the target-emulated scaling, calibration."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -119,12 +121,17 @@ def tiny_model(tmp_path_factory):
 
 def test_calibration_measures_and_caches(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("OW_CACHE_DIR", str(tmp_path / "cache"))
-    measured = calibration.calibrate(model=tiny_model, group=2, scratch_dir=str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # contended: checked below
+        measured = calibration.calibrate(model=tiny_model, group=2, scratch_dir=str(tmp_path))
     assert measured.meta["seconds"] > 0  # how long it took is the bench's business, not a test's (rule 4)
     assert measured.read_bytes_per_s > 1e7 and measured.meta["read_samples"] >= 10
     assert measured.layer_call_s > 0 or measured.token_layer_s > 0
     assert measured.num_layers == tiny_model.adapter.num_layers
     assert measured.kv_bytes_per_token_layer == 2 * 2 * 32 * 4  # 2 KV heads x 32 dims, K and V, fp32
+    if measured.meta["contended"]:  # a loaded machine gave no sample timed alone: nothing is kept
+        assert calibration_cache.cached(measured.meta["key"]) is None
+        pytest.skip("calibration ran next to other work on every try, so it was rightly not cached")
     # a second call is served from the cache, measuring nothing
     monkeypatch.setattr(calibration, "measure_reads", lambda *a, **k: pytest.fail("measured again"))
     monkeypatch.setattr(calibration, "measure_compute", lambda *a, **k: pytest.fail("measured again"))
