@@ -75,6 +75,34 @@ def test_simulated_records_are_the_bytes_the_engine_writes(model_dirs, tmp_path,
     assert simulated == written
 
 
+@pytest.mark.parametrize("arch", ["qwen3-vl", "qwen2.5-vl"])
+def test_simulated_task_inputs_record_is_the_bytes_the_payload_writes(model_dirs, tmp_path, arch):
+    """The TASK_INPUTS record each task writes at its first start (flight/runtime/app.py): the
+    simulator's size equals what `save_inputs` writes, keyed as the payload keys it."""
+    from common.durable import DurableFS
+    from flight.model.config import processors_hash
+    from flight.model.inputs import save_inputs
+    from flight.model.loader import load_model
+    from flight.runtime.images import content_hash
+
+    if arch not in model_dirs:
+        pytest.skip(f"no tiny {arch} model")
+    model = load_model(model_dirs[arch], device="cpu")
+    inputs = inputs_for(model)
+    key = {
+        "task": content_hash(inputs.prompt, ["a.png", "b.png"], MAX_NEW),
+        "model": model.content_hash,
+        "processors": processors_hash(model_dirs[arch]),
+    }
+    written = save_inputs(DurableFS(), str(tmp_path / "inputs.rec"), inputs, key)
+    assert written == (tmp_path / "inputs.rec").stat().st_size
+    visual = int((inputs.input_ids == model.adapter.image_token_id).sum())
+    images = int(inputs.image_grid_thw.shape[0])
+    request = Request(visual, inputs.num_tokens - visual, MAX_NEW, images, len(inputs.prompt.encode()))
+    sizes = RequestModel(spec_from_dir(model_dirs[arch]), request, _instant(), "orbitweaver", GEOMETRY).sizes
+    assert sizes.task_inputs == written
+
+
 def test_a_cut_in_prefill_resumes_and_loses_at_most_the_block_in_flight():
     spec = REAL_MODELS["qwen3-vl-2b"]
     request = frames_request(8, 2048, new_tokens=8)  # prefill-heavy: restoring beats starting over
