@@ -90,6 +90,11 @@ def main(argv=None) -> int:
     p.add_argument("--image", action="append", default=[], help="stand-in image (runs that record none)")
     p.add_argument("--prompt", default="describe the scene", help="stand-in prompt (runs that record none)")
     p.add_argument("--tokens", type=int, default=8, help="stand-in answer length (runs that record none)")
+    p.add_argument(
+        "--commit-latency-ms",
+        type=float,
+        help="this disk's commit latency (default: measured now, which a loaded disk inflates)",
+    )
     p.add_argument("--json", metavar="OUT", help="also write the whole result (every row) as JSON")
     args = p.parse_args(argv)
     dirs = run_dirs(args.runs)
@@ -99,7 +104,10 @@ def main(argv=None) -> int:
     from hil.sim.validate import validate
 
     with tempfile.TemporaryDirectory(prefix="sim-validate-") as scratch:
-        result = validate(dirs, args.model, args.image, args.prompt, args.tokens, Geometry(64, 2, 4, 2), scratch)
+        latency = args.commit_latency_ms / 1e3 if args.commit_latency_ms is not None else None
+        result = validate(
+            dirs, args.model, args.image, args.prompt, args.tokens, Geometry(64, 2, 4, 2), scratch, latency
+        )
     print("\n".join(table(result)))
     if args.json:
         with open(args.json, "w") as f:
