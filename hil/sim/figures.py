@@ -164,10 +164,8 @@ def cut_state(model: RequestModel, fraction: float) -> tuple[Durable, float, flo
     total = model.NG * model.NC
     # compute ends of blocks in the fresh (chunk-first) order: the k-th block's commit starts at its end
     k = max(1, round(fraction * total))
-    cut = (
-        blocks[min(k, len(blocks)) - 1] + 1e-9 if blocks else res.phase_s["vision"] + fraction * res.phase_s["prefill"]
-    )
-    prefill_end = res.phase_s["vision"] + res.phase_s["prefill"]
+    prefill_end = res.prefill_end_at  # the session starts at 0: inputs and setup come before vision
+    cut = blocks[min(k, len(blocks)) - 1] + 1e-9 if blocks else prefill_end - (1 - fraction) * res.phase_s["prefill"]
     return res.durable_at(Durable(), cut), cut, prefill_end
 
 

@@ -324,6 +324,7 @@ class SessionResult:
     phase_s: dict = field(default_factory=dict)
     reported_started_at: float | None = None  # the task's STARTED report (after its inputs' read)
     early_records: int = 0  # records the adaptive cadence added
+    prefill_end_at: float = math.inf  # when this session's prefill ended
 
     def durable_at(self, before: Durable, cut: float) -> Durable:
         d = before.copy()
@@ -542,6 +543,7 @@ class RequestModel:
         sched = simulate(plan, problem, costs, compute_from=compute_from, after_compute=after_compute)
         t = origin + max(sched.read_end, free_at[0], sched.compute_end)
         res.phase_s["prefill"] = t - t_prefill
+        res.prefill_end_at = t
         res.restart_prefill_s = t - t_ready
         # ---- decode
         t_decode = t
