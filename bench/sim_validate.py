@@ -46,8 +46,12 @@ def _s(value) -> str:
 
 
 def table(result: dict) -> list[str]:
-    """One line per request, then the summary."""
-    head = f"{'run':<48} {'req':>3} {'policy (cadence)':<26} {'cuts r/s':>8} {'measured':>9} {'predicted':>9}  error"
+    """One line per request, then the summary. G: the prefill block's layers the simulated task
+    ran with; early: the records the simulated adaptive cadence added."""
+    head = (
+        f"{'run':<48} {'req':>3} {'policy (cadence)':<26} {'cuts r/s':>8} {'G':>2} {'early':>5} "
+        f"{'measured':>9} {'predicted':>9}  error"
+    )
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
         cadence = r.get("cadence") or "fixed"
@@ -62,8 +66,11 @@ def table(result: dict) -> list[str]:
         else:
             error = "n/a"
         cuts = f"{r.get('cuts') if r.get('cuts') is not None else '-'}/{r.get('predicted_cuts', '-')}"
+        group = r.get("predicted_group")
+        early = r.get("predicted_early_records")
         lines.append(
             f"{os.path.basename(str(r['run_dir']).rstrip('/')):<48} {r['request']:>3} {policy:<26} {cuts:>8} "
+            f"{'-' if group is None else group:>2} {'-' if early is None else early:>5} "
             f"{_s(r.get('e2e_trace_s')):>9} {_s(r.get('predicted_e2e_trace_s')):>9}  {error}"
         )
     errors = [r for r in result["rows"] if r.get("error") is not None]
