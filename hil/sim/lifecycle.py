@@ -104,7 +104,7 @@ class PayloadProcess:
     `Cadence` per process, flight/runtime/app.py), which runs on this process's modelled clock
     and learns what the real one learns, when it learns it (`at`)."""
 
-    def __init__(self, platform: Platform, started: float, cadence: Cadence | None = None, feed=None):
+    def __init__(self, platform: Platform, started: float, cadence: Cadence | None = None, feed=None, writes=()):
         st = platform.storage
         self.storage = st
         self.started = started
@@ -115,6 +115,9 @@ class PayloadProcess:
         self._feed = feed  # (cadence, since, until): delivers the bus's warnings and telemetry
         self._fed_until = started
         self._writes: list[tuple[float, str, float]] = []  # (end, phase, seconds): timed record writes
+        # the runtime's own writes at known times (uplinked image chunks), charged to the write
+        # bucket in time order with the modelled ones
+        self._runtime_writes = sorted((t, n) for t, n in writes if t >= started)
 
     def clock(self) -> float:
         return self.now
@@ -142,6 +145,13 @@ class PayloadProcess:
         if self.cadence is not None:
             self._writes.append((end, phase, end - start))
 
+    def write_wait(self, t: float, nbytes: float) -> float:
+        """The write bucket's wait for `nbytes` written at `t`, after the runtime's writes before it."""
+        while self._runtime_writes and self._runtime_writes[0][0] <= t:
+            at, n = self._runtime_writes.pop(0)
+            self.write_bucket.take(at, n)
+        return self.write_bucket.take(t, nbytes)
+
     def read_s(self, t: float, nbytes: float) -> float:
         """A read through this process's storage at `t`: its token bucket where throttled."""
         st = self.storage
@@ -158,7 +168,9 @@ class Payload:
     uptime at the cut, for every window since the run began, the most recent HISTORY_WINDOWS),
     the bus's shutdown warnings (`warnings`: {cut: warning time}) and its power and thermal
     telemetry (`telemetry(t)` -> (payload temperature or None, battery state of charge or None),
-    one round every `telemetry_step_s`), all in modelled seconds."""
+    one round every `telemetry_step_s`), all in modelled seconds. `writes`: [(time, bytes)] the
+    payload's runtime writes beside the modelled ones (uplinked images as the payload stores them),
+    through the write bucket of the process up then."""
 
     def __init__(
         self,
@@ -168,8 +180,10 @@ class Payload:
         cadence: str = "fixed",
         telemetry=None,
         telemetry_step_s: float = 1.0,
+        writes=(),
     ):
         self.platform = platform
+        self.writes = list(writes)
         self.windows = sorted(windows)
         self.warnings = warnings or {}
         self.mode = cadence
@@ -188,7 +202,8 @@ class Payload:
                     if b <= start and b > a + self.platform.process_start_s
                 ]
                 cadence = Cadence("adaptive", history[-HISTORY_WINDOWS:], started=started)
-            proc = PayloadProcess(self.platform, started, cadence, self._feeder(end))
+            mine = [(t, n) for t, n in self.writes if started <= t < end]
+            proc = PayloadProcess(self.platform, started, cadence, self._feeder(end), mine)
             if cadence is not None:
                 cadence.clock = proc.clock
             self.processes[start] = proc
@@ -244,7 +259,7 @@ class Writer:
     def _duration(self, start: float, nbytes: int) -> float:
         st = self.st
         if st.burst_bytes > 0:  # testbench: this machine's commit, then the throttle's wait
-            return st.write_latency_s + self.bucket.take(start + st.write_latency_s, nbytes)
+            return st.write_latency_s + self.process.write_wait(start + st.write_latency_s, nbytes)
         return st.write_latency_s + nbytes / st.write_bytes_per_s
 
     def outstanding(self, t: float) -> bool:

@@ -19,6 +19,7 @@ acceptance (accepted -> COMPLETED, trace seconds), compared with the run's.
 
 from __future__ import annotations
 
+import base64
 import functools
 import hashlib
 import json
@@ -32,6 +33,8 @@ from typing import TYPE_CHECKING
 
 import traces
 from common.durable import DurableFS
+from common.wire import decode
+from common.wire import messages as m
 from flight.checkpoint.policies import Geometry
 from flight.cli_options import GEOMETRY_FLAGS
 from flight.model.inputs import build_inputs, decode_image
@@ -167,6 +170,47 @@ def _boots(entries: list[bl.BusLogEntry], tasks: list[dict]) -> dict[float, tupl
     return boots
 
 
+def _connects(entries: list[bl.BusLogEntry]) -> dict[float, float]:
+    """{power-up: power-up -> the payload's first connection to the bus after it}."""
+    ons = sorted(e.stamped_trace_s for e in entries if e.kind == bl.POWER_ON)
+    out: dict[float, float] = {}
+    for e in entries:
+        if e.kind == bl.PAYLOAD_CONNECTED:
+            on = max((t for t in ons if t <= e.stamped_trace_s), default=None)
+            if on is not None and on not in out:
+                out[on] = e.stamped_trace_s - on
+    return out
+
+
+def _uplink_writes(entries: list[bl.BusLogEntry]) -> list[tuple[float, int]]:
+    """[(trace s, bytes)] the payload wrote for the uplinked images (flight/runtime/images.py): each
+    chunk when the bus forwarded it, and the whole image again once its last chunk arrived."""
+    packets = {
+        e.get("store_id"): e["packet"] for e in entries if e.kind == bl.COMMAND_RECEIVED and e.data.get("packet")
+    }
+    seen: dict[str, set[int]] = {}
+    sizes: dict[str, int] = {}
+    out = []
+    for e in entries:
+        if e.kind != bl.COMMAND_FORWARDED or e.get("type") != "IMAGE_CHUNK" or e.trace_s is None:
+            continue
+        packet = packets.get(e.get("store_id"))
+        if packet is None:
+            continue
+        try:
+            _, message = decode(base64.b64decode(packet))
+        except Exception:  # noqa: BLE001 - a bad packet reached no image
+            continue
+        if not isinstance(message, m.ImageChunk) or message.index in seen.setdefault(message.image, set()):
+            continue
+        seen[message.image].add(message.index)
+        sizes[message.image] = sizes.get(message.image, 0) + len(message.data)
+        out.append((e.stamped_trace_s, len(message.data)))
+        if len(seen[message.image]) == message.total:
+            out.append((e.stamped_trace_s, sizes[message.image]))
+    return out
+
+
 def _recorded_specs(run: Path, entries: list[bl.BusLogEntry], report: dict) -> dict[str, dict]:
     """Each task's request as the run recorded it: prompt and images as uplinked (the payload's
     stored copy of each image, else the image re-assembled from the logged chunks), and the
@@ -237,14 +281,16 @@ def run_facts(run_dir: str) -> dict:
         t["spec"] = specs.get(t["task_id"], {})
         # A task without its own measurement takes the run's (same payload, model and machine).
         t["unit_trace_s"] = _unit_seconds(t["vision_gaps_trace_s"] or pooled_gaps)
-        # setup samples, at first starts and at restarts apart: the task's sessions without an
-        # uplink meanwhile, else the run's, else all
+        # setup samples, at first starts and at restarts apart. A first start is one session: its
+        # own sample, uplink or not (the uplink of the requests queued behind it is part of it),
+        # else the run's quiet ones. Restarts: the task's sessions without an uplink meanwhile,
+        # else the run's, else all.
         for key, first_start in (("first_setup_samples", True), ("setup_samples", False)):
             mine = [u for u in t["first_units"] if u[3] == first_start]
             pooled = [u for u in pooled_first_units if u[3] == first_start]
             own_quiet = [u for u in mine if not u[2]]
             run_quiet = [u for u in quiet if u[3] == first_start]
-            t[key] = own_quiet or run_quiet or mine or pooled
+            t[key] = (mine if first_start else own_quiet) or run_quiet or mine or pooled
         t["report_e2e_trace_s"] = row.get("e2e_trace_s")
         t["completed"] = bool(row.get("completed"))
         t["failure"] = row.get("failure")
@@ -266,6 +312,10 @@ def run_facts(run_dir: str) -> dict:
         "boot_trace_s": statistics.median(b for b, _, _ in boots.values()) if boots else None,
         "boot_by_power_up": {on: b for on, (b, _, _) in boots.items()},
         "power_ups": sorted(e.stamped_trace_s for e in entries if e.kind == bl.POWER_ON),
+        # power-up -> the payload process connected to the bus (it is up; its worker takes up a
+        # task within moments): the boot of a power-up at which no waiting task started
+        "connected_by_power_up": _connects(entries),
+        "uplink_writes": _uplink_writes(entries),
         "boot_starts": {on: (task_id, restart) for on, (_, task_id, restart) in boots.items()},
         # the emulated boot: the payload process (its storage throttle, its uptime) starts after it
         "process_start_trace_s": float(start.get("boot_trace_s") or 0.0),
@@ -408,7 +458,9 @@ def simulate_request(
     first_start = facts["tasks"][0]["first_start_trace_s"] or 0.0
     if boots is None:
         boots = {float(k): v for k, v in (facts.get("boot_by_power_up") or {}).items()}
-    median_boot = statistics.median(boots.values()) if boots else None
+    # elsewhere: the median over the power-ups a task waited for
+    waited = [boots[float(on)] for on in facts.get("boot_by_power_up") or {} if float(on) in boots]
+    median_boot = statistics.median(waited) if waited else None
     boot = boot_trace_s if boot_trace_s is not None else (median_boot or facts["boot_trace_s"] or first_start)
     unit = task.get("unit_trace_s") or {}
     platform = _run_platform(facts, commit_latency_s, unit, boot)
@@ -477,14 +529,18 @@ def run_payload(facts: dict, platform: Platform) -> Payload:
     ]
     period = trace.telemetry_period_s or 1.0
     step = period * max(1, math.ceil(1.0 / BUS_TELEMETRY_MAX_HZ / (period * facts["time_scale"]) - 1e-9))
-    return Payload(platform, windows, warns, facts["cadence"], trace_telemetry(trace), step)
+    return Payload(
+        platform, windows, warns, facts["cadence"], trace_telemetry(trace), step, facts.get("uplink_writes") or ()
+    )
 
 
 def run_boots(facts: dict, requests: list[Request], platform: Platform) -> dict[float, float]:
-    """{power-up: boot} of a run without the reads before STARTED that the simulator charges
-    itself: a restart's TASK_INPUTS, a first start's images (`pure_boot`)."""
+    """{power-up: boot} of a run: where a task waited for the power-up, its STARTED without the
+    read before it that the simulator charges itself (a restart's TASK_INPUTS, a first start's
+    images: `pure_boot`); elsewhere, when the payload connected to the bus."""
     index = {t["task_id"]: i for i, t in enumerate(facts["tasks"])}
-    out = {}
+    # where no task waited for the power-up, the payload was up when it connected
+    out = {float(on): seconds for on, seconds in (facts.get("connected_by_power_up") or {}).items()}
     for on, measured in (facts.get("boot_by_power_up") or {}).items():
         task_id, restart = (facts.get("boot_starts") or {}).get(on, (None, False))
         request = requests[index[task_id]] if task_id in index else None
