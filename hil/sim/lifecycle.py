@@ -338,7 +338,7 @@ class SessionResult:
     restart_prefill_s: float = 0.0  # restore + prefill time of this session
     phase_s: dict = field(default_factory=dict)
     reported_started_at: float | None = None  # the task's STARTED report (after its inputs' read)
-    early_records: int = 0  # records the adaptive cadence added
+    early_at: list = field(default_factory=list)  # when the adaptive cadence asked for an early record
     prefill_end_at: float = math.inf  # when this session's prefill ended
 
     def durable_at(self, before: Durable, cut: float) -> Durable:
@@ -494,7 +494,8 @@ class RequestModel:
                 if not due and adaptive and done < self.V:
                     assert cadence is not None
                     due = cadence.early_record("vision", done - last_state, g.vision_every)
-                    res.early_records += due
+                    if due:
+                        res.early_at.append(t)
                 if u or due:
                     soon[0] = False
                     t = w.submit(
@@ -590,7 +591,7 @@ class RequestModel:
             elif adaptive:
                 assert cadence is not None
                 if cadence.early_record("decode", step - submitted, g.decode_every):
-                    res.early_records += 1
+                    res.early_at.append(t)
                     # optional: a record the busy writer drops is covered by the next
                     t = w.submit(t, Commit(0, "decode", value=step, nbytes=nbytes), optional=True, phase="decode")
                     if w.kept:
@@ -668,7 +669,7 @@ class RequestModel:
                 continue
             res = self.session(d, t_ready, payload.process(start, end), (warnings or {}).get(end))
             sessions += 1
-            early += res.early_records
+            early += sum(1 for at in res.early_at if at <= end)
             if res.finished_at <= end:
                 bytes_written += sum(c.nbytes for c in res.commits)
                 return Outcome(
@@ -699,7 +700,7 @@ class Outcome:
     cuts: int
     bytes_written: int
     group: int | None = None  # the prefill block's layers the task ran with
-    early_records: int = 0  # records the adaptive cadence added
+    early_records: int = 0  # early records the adaptive cadence asked for before the cuts
 
 
 def trace_windows(trace) -> tuple[list[tuple[float, float]], dict]:

@@ -233,7 +233,7 @@ def _decode_records(lengths, cadence: str, warnings=None, policy="orbitweaver", 
     payload = Payload(platform, windows, {end: start + warnings} if warnings else {}, cadence)
     model = RequestModel(spec, request, platform, policy, geometry, "chunk-first")
     res = model.session(Durable(), start + 2.0, payload.process(start, end), start + warnings if warnings else None)
-    return [c.value for c in res.commits if c.kind == "decode"], res.early_records
+    return [c.value for c in res.commits if c.kind == "decode"], len(res.early_at)
 
 
 def spec_from_dir_tiny():
