@@ -153,17 +153,32 @@ def build_inputs(tokenizer, image_processor, images: list, prompt: str, image_to
     return RequestInputs(input_ids, mm, pixel_values, grid, prompt)
 
 
+def task_inputs_parts(prompt: str, digest: str, key: dict, input_ids, mm_token_type_ids, pixel_values, grid):
+    """(meta, tensors) of a TASK_INPUTS record: the one layout `save_inputs` writes and the
+    lifecycle simulator sizes (hil/sim/models.py, with tensor specs in place of tensors)."""
+    meta = {"prompt": prompt, "digest": digest, **key}
+    tensors = {
+        "input_ids": input_ids,
+        "mm_token_type_ids": mm_token_type_ids,
+        "pixel_values": pixel_values,
+        "image_grid_thw": grid,
+    }
+    return meta, tensors
+
+
 def save_inputs(fs, path: str, inputs: RequestInputs, key: dict) -> int:
     """Persist preprocessed inputs (record kind TASK_INPUTS, docs/record-format.md) with the
     `key` they were built under (task, model and processor hashes). Atomic and durable."""
 
-    meta = {"prompt": inputs.prompt, "digest": inputs.digest(), **key}
-    tensors = {
-        "input_ids": inputs.input_ids,
-        "mm_token_type_ids": inputs.mm_token_type_ids,
-        "pixel_values": inputs.pixel_values,
-        "image_grid_thw": inputs.image_grid_thw,
-    }
+    meta, tensors = task_inputs_parts(
+        inputs.prompt,
+        inputs.digest(),
+        key,
+        inputs.input_ids,
+        inputs.mm_token_type_ids,
+        inputs.pixel_values,
+        inputs.image_grid_thw,
+    )
     return fs.write_atomic(path, encode(Kind.TASK_INPUTS, meta, tensors).chunks)
 
 

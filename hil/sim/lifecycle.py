@@ -14,15 +14,26 @@ A session is computed to its end and then cut: what had committed before the cut
 state the next session starts from (records in order, vision buffers dropped once `vision.out`
 is durable, decode records up to the last committed one). A shutdown warning makes the engine
 persist at the next unit boundary (`checkpoint_soon`), as in the engine.
+
+Around the engine, what the payload process does for a task (flight/runtime/app.py): at a task's
+first start it reads its uplinked images, builds the inputs and writes them as one TASK_INPUTS
+record (on the compute path, through the same storage as the checkpoints); before every restart
+it reads that record back (before its STARTED report). A payload process (`PayloadProcess`, one
+per power window) serves the tasks one after the other and is shared by them: its storage
+throttle (token buckets, empty when the process starts) and its checkpoint cadence (the real
+`flight.checkpoint.cadence.Cadence`, fed with the windows the payload has lived through, the
+bus's warnings and telemetry, and the modelled unit and record-write times, and asked what the
+engine asks it: early vision states and decode records, and each new task's prefill block shape).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from flight.checkpoint.cadence import HISTORY_WINDOWS, Cadence
 from flight.checkpoint.policies import Geometry, get_policy
 from flight.recovery.cost import BlockCosts
 from flight.recovery.plan import RecoveryProblem, make_plan
@@ -41,24 +52,33 @@ class Durable:
     decode_steps: int = 0  # steps covered by committed decode records
     decode_records: int = 0
     done: bool = False
+    inputs_stored: bool = False  # the task's TASK_INPUTS record (written at its first start)
+    group: int | None = None  # the prefill block's layers the task's MANIFEST pins (None: no MANIFEST yet)
 
     def copy(self) -> Durable:
         return Durable(
-            self.vision_block, self.vision_done, dict(self.blocks), self.decode_steps, self.decode_records, self.done
+            self.vision_block,
+            self.vision_done,
+            dict(self.blocks),
+            self.decode_steps,
+            self.decode_records,
+            self.done,
+            self.inputs_stored,
+            self.group,
         )
 
 
 @dataclass
 class Commit:
     t: float
-    kind: str  # vision | vision_out | block | decode | result
+    kind: str  # inputs | manifest | vision | vision_out | block | decode | result
     key: tuple[int, int] | None = None  # block: (group, chunk)
     value: int | tuple[bool, bool] | None = None  # vision/decode: the step; block: (has_kv, has_hidden)
     nbytes: int = 0
     started: float = 0.0
 
 
-# ---- storage and the writer ---------------------------------------------------------------------
+# ---- storage, the payload process and the writer ----------------------------------------------
 class Bucket:
     """common.durable.TokenBucket in modelled time: tokens accrue at `rate` up to `burst`, start
     empty when the process starts, and a take waits for a deficit to be paid."""
@@ -76,53 +96,204 @@ class Bucket:
         return -self.tokens / self.rate if self.tokens < 0 else 0.0
 
 
-class Writer:
-    """flight.checkpoint.writer.CheckpointWriter in modelled time."""
+class PayloadProcess:
+    """One payload process: the power window from its start (`started`: power-up plus the part
+    of the boot before the process's storage and uptime clock exist) to the cut. Shared by every
+    task it serves, one after the other: its storage throttle (`common.durable.ThrottledFS`: one
+    read and one write token bucket, empty at process start) and its checkpoint cadence (one
+    `Cadence` per process, flight/runtime/app.py), which runs on this process's modelled clock
+    and learns what the real one learns, when it learns it (`at`)."""
 
-    def __init__(self, platform: Platform, sync: bool, t0: float):
+    def __init__(self, platform: Platform, started: float, cadence: Cadence | None = None, feed=None, writes=()):
+        st = platform.storage
+        self.storage = st
+        self.started = started
+        self.write_bucket = Bucket(st.write_bytes_per_s, st.burst_bytes, started)
+        self.read_bucket = Bucket(st.read_bytes_per_s, st.burst_bytes, started)
+        self.cadence = cadence
+        self.now = started
+        self._feed = feed  # (cadence, since, until): delivers the bus's warnings and telemetry
+        self._fed_until = started
+        self._writes: list[tuple[float, str, float]] = []  # (end, phase, seconds): timed record writes
+        # the runtime's own writes at known times (uplinked image chunks), charged to the write
+        # bucket in time order with the modelled ones
+        self._runtime_writes = sorted((t, n) for t, n in writes if t >= started)
+
+    def clock(self) -> float:
+        return self.now
+
+    def at(self, t: float) -> Cadence | None:
+        """Bring the cadence to modelled time `t`: the warnings and telemetry the bus sent and
+        the record writes that ended since, in time order. Returns the cadence."""
+        if self.cadence is None:
+            return None
+        if self._feed is not None and t > self._fed_until:
+            self._feed(self, self._fed_until, t)
+            self._fed_until = t
+        if self._writes:
+            done = sorted(w for w in self._writes if w[0] <= t)
+            self._writes = [w for w in self._writes if w[0] > t]
+            for end, phase, seconds in done:
+                self.now = max(self.now, end)
+                self.cadence.observe_write(phase, seconds)
+        self.now = max(self.now, t)
+        return self.cadence
+
+    def timed_write(self, start: float, end: float, phase: str) -> None:
+        """A record write the engine times for the cadence (RecordSink._timed): it learns the
+        write's duration when the write ends."""
+        if self.cadence is not None:
+            self._writes.append((end, phase, end - start))
+
+    def write_wait(self, t: float, nbytes: float) -> float:
+        """The write bucket's wait for `nbytes` written at `t`, after the runtime's writes before it."""
+        while self._runtime_writes and self._runtime_writes[0][0] <= t:
+            at, n = self._runtime_writes.pop(0)
+            self.write_bucket.take(at, n)
+        return self.write_bucket.take(t, nbytes)
+
+    def read_s(self, t: float, nbytes: float) -> float:
+        """A read through this process's storage at `t`: its token bucket where throttled."""
+        st = self.storage
+        if st.burst_bytes > 0:
+            return self.read_bucket.take(t, nbytes)
+        return st.read_latency_s + nbytes / st.read_bytes_per_s
+
+
+class Payload:
+    """The payload across a run's power windows: one `PayloadProcess` per window, created when
+    first needed and shared by every request that window's process serves. `cadence`: the
+    payload's --cadence; with "adaptive", each process's `Cadence` is the real one, given the
+    lengths of the windows lived through before it (the payload's window log: the process's
+    uptime at the cut, for every window since the run began, the most recent HISTORY_WINDOWS),
+    the bus's shutdown warnings (`warnings`: {cut: warning time}) and its power and thermal
+    telemetry (`telemetry(t)` -> (payload temperature or None, battery state of charge or None),
+    one round every `telemetry_step_s`), all in modelled seconds. `writes`: [(time, bytes)] the
+    payload's runtime writes beside the modelled ones (uplinked images as the payload stores them),
+    through the write bucket of the process up then."""
+
+    def __init__(
+        self,
+        platform: Platform,
+        windows,
+        warnings: dict | None = None,
+        cadence: str = "fixed",
+        telemetry=None,
+        telemetry_step_s: float = 1.0,
+        writes=(),
+    ):
+        self.platform = platform
+        self.writes = list(writes)
+        self.windows = sorted(windows)
+        self.warnings = warnings or {}
+        self.mode = cadence
+        self.telemetry = telemetry
+        self.telemetry_step_s = telemetry_step_s
+        self.processes: dict[float, PayloadProcess] = {}
+
+    def process(self, start: float, end: float) -> PayloadProcess:
+        if start not in self.processes:
+            started = start + self.platform.process_start_s
+            cadence = None
+            if self.mode == "adaptive":
+                history = [
+                    b - (a + self.platform.process_start_s)
+                    for a, b in self.windows
+                    if b <= start and b > a + self.platform.process_start_s
+                ]
+                cadence = Cadence("adaptive", history[-HISTORY_WINDOWS:], started=started)
+            mine = [(t, n) for t, n in self.writes if started <= t < end]
+            proc = PayloadProcess(self.platform, started, cadence, self._feeder(end), mine)
+            if cadence is not None:
+                cadence.clock = proc.clock
+            self.processes[start] = proc
+        return self.processes[start]
+
+    def _feeder(self, end: float):
+        warning_at = self.warnings.get(end)
+
+        def feed(proc: PayloadProcess, since: float, until: float) -> None:
+            cadence = proc.cadence
+            assert cadence is not None
+            events: list[tuple[float, int]] = []
+            if warning_at is not None and since < warning_at <= until and warning_at >= proc.started:
+                events.append((warning_at, 0))
+            if self.telemetry is not None:
+                step = self.telemetry_step_s
+                k = math.floor(max(since, proc.started) / step) + 1
+                while k * step <= until:
+                    events.append((k * step, 1))
+                    k += 1
+            for t, kind in sorted(events):
+                proc.now = max(proc.now, t)
+                if kind == 0:
+                    cadence.warning(end - t)  # ShutdownWarning: the cut comes `lead` from now
+                else:
+                    assert self.telemetry is not None
+                    temperature, soc = self.telemetry(t)
+                    if temperature is not None:
+                        cadence.thermal(t, temperature)
+                    if soc is not None:
+                        cadence.power(t, soc)
+
+        return feed
+
+
+class Writer:
+    """flight.checkpoint.writer.CheckpointWriter in modelled time, writing through its process's
+    storage (the write token bucket the process shares with its other writes)."""
+
+    def __init__(self, platform: Platform, sync: bool, process: PayloadProcess):
         st = platform.storage
         self.st, self.sync = st, sync
-        self.bucket = Bucket(st.write_bytes_per_s, st.burst_bytes, t0)
+        self.process = process
+        self.bucket = process.write_bucket
         self.alive: list[float] = []  # end times of ordered records submitted, in order
-        self.channel_free = t0
+        self.channel_free = process.started
         self.busy: list[tuple[float, float]] = []
         self.commits: list[Commit] = []
         self.background: tuple[float, float, Commit] | None = None  # (submitted, channel seconds, commit)
         self.bytes = 0
+        self.kept = True  # whether the last submission was kept (an optional one may be dropped)
 
     def _duration(self, start: float, nbytes: int) -> float:
         st = self.st
         if st.burst_bytes > 0:  # testbench: this machine's commit, then the throttle's wait
-            return st.write_latency_s + self.bucket.take(start + st.write_latency_s, nbytes)
+            return st.write_latency_s + self.process.write_wait(start + st.write_latency_s, nbytes)
         return st.write_latency_s + nbytes / st.write_bytes_per_s
 
     def outstanding(self, t: float) -> bool:
         return any(end > t for end in self.alive)
 
-    def submit(self, t: float, commit: Commit, optional: bool = False) -> float:
-        """Submit at `t`; returns when the compute thread goes on."""
+    def submit(self, t: float, commit: Commit, optional: bool = False, phase: str | None = None) -> float:
+        """Submit at `t`; returns when the compute thread goes on. `phase`: the write is timed
+        for the cadence. `kept` says whether the record was kept."""
+        self.kept = True
         if self.sync:
             start = max(t, self.channel_free)
             end = start + self._duration(start, commit.nbytes)
-            self._record(commit, start, end)
+            self._record(commit, start, end, phase)
             return end
         live = [end for end in self.alive if end > t]
         if optional and live:
+            self.kept = False
             return t  # dropped: the next state supersedes it (records_deferred)
         if len(live) >= 2:
             t = live[0]  # wait for a slot: the record being written finishes
         start = max(t, self.channel_free)
         end = start + self._duration(start, commit.nbytes)
-        self._record(commit, start, end)
+        self._record(commit, start, end, phase)
         return t
 
-    def _record(self, commit: Commit, start: float, end: float) -> None:
+    def _record(self, commit: Commit, start: float, end: float, phase: str | None = None) -> None:
         commit.t, commit.started = end, start
         self.channel_free = end
         self.alive.append(end)
         self.busy.append((start, end))
         self.commits.append(commit)
         self.bytes += commit.nbytes
+        if phase is not None:
+            self.process.timed_write(start, end, phase)
 
     def submit_background(self, t: float, commit: Commit) -> float:
         if self.sync:
@@ -166,13 +337,21 @@ class SessionResult:
     first_unit_at: float | None = None
     restart_prefill_s: float = 0.0  # restore + prefill time of this session
     phase_s: dict = field(default_factory=dict)
+    reported_started_at: float | None = None  # the task's STARTED report (after its inputs' read)
+    early_at: list = field(default_factory=list)  # when the adaptive cadence asked for an early record
+    prefill_end_at: float = math.inf  # when this session's prefill ended
 
     def durable_at(self, before: Durable, cut: float) -> Durable:
         d = before.copy()
         for c in sorted(self.commits, key=lambda c: c.t):
             if c.t > cut:
                 continue
-            if c.kind == "vision":
+            if c.kind == "inputs":
+                d.inputs_stored = True
+            elif c.kind == "manifest":
+                assert isinstance(c.value, int)  # a MANIFEST carries the task's block shape
+                d.group = c.value
+            elif c.kind == "vision":
                 assert isinstance(c.value, int)  # a vision commit carries its block count
                 d.vision_block = max(d.vision_block, c.value)
             elif c.kind == "vision_out":
@@ -190,6 +369,10 @@ class SessionResult:
         return sum(c.nbytes for c in self.commits if c.started < cut)
 
 
+#: checkpoint records (what the policies write), as opposed to the runtime's TASK_INPUTS record
+CHECKPOINT_KINDS = ("manifest", "vision", "vision_out", "block", "decode", "result")
+
+
 class RequestModel:
     """One request of a model under a policy on a platform."""
 
@@ -205,53 +388,126 @@ class RequestModel:
         self.spec, self.request, self.platform = spec, request, platform
         self.policy = get_policy(policy)
         self.policy_name = policy
-        self.g = self.policy.geometry(geometry, spec.text.layers)
+        self.configured = self.policy.geometry(geometry, spec.text.layers)
         self.planner = planner
-        self.sizes = RecordSizes(spec, request, self.g.chunk, self.g.group)
-        self.groups, self.chunks = self.sizes.groups, self.sizes.chunks
-        self.NG, self.NC = len(self.groups), len(self.chunks)
-        self.costs = platform.block_costs(self.groups, self.chunks)
         self.V = spec.vision.depth
         self.writes = self.policy.writes_checkpoints()
+        self._shapes: dict[int, tuple] = {}
+        self._use_group(self.configured.group)
+
+    def _use_group(self, group: int) -> None:
+        """The task's geometry with `group` layers per prefill block (what its MANIFEST pins)."""
+        if group not in self._shapes:
+            g = replace(self.configured, group=group)
+            sizes = RecordSizes(self.spec, self.request, g.chunk, g.group)
+            costs = self.platform.block_costs(sizes.groups, sizes.chunks)
+            self._shapes[group] = (g, sizes, costs)
+        self.g, self.sizes, self.costs = self._shapes[group]
+        self.groups, self.chunks = self.sizes.groups, self.sizes.chunks
+        self.NG, self.NC = len(self.groups), len(self.chunks)
+
+    def adaptive(self, process: PayloadProcess) -> bool:
+        """The engine's `adaptive`: OrbitWeaver under the adaptive cadence (and checkpoints on)."""
+        return process.cadence is not None and self.policy.name == "orbitweaver" and self.writes
+
+    def task_group(self, d: Durable, process: PayloadProcess, now: float) -> int:
+        """Engine.task_geometry: the group a resume reads back from the MANIFEST, else the
+        configured one, or under the adaptive cadence `Cadence.prefill_group` with one decoder
+        layer on one chunk at this platform's cost (the pace on the testbench, the planner's
+        cost model on a target)."""
+        if d.group is not None:
+            return d.group
+        cadence = process.at(now)
+        if cadence is None or not self.adaptive(process):
+            return self.configured.group
+        chunk_tokens = min(self.configured.chunk, self.request.prompt_tokens)
+        group = cadence.prefill_group(self.configured.group, self.platform.layer_chunk_s(chunk_tokens))
+        return min(group, self.spec.text.layers)
 
     # ---- a session --------------------------------------------------------------------------
     def session(
-        self, d: Durable, t_ready: float, process_start: float, warning_at: float | None = None
+        self,
+        d: Durable,
+        t_ready: float,
+        process: float | PayloadProcess,
+        warning_at: float | None = None,
     ) -> SessionResult:
-        p, pol, g = self.platform, self.policy, self.g
+        """One session from `t_ready` (the payload is up and takes the task) with durable state
+        `d`, in `process` (a PayloadProcess, or the time a fresh one started)."""
+        p, pol = self.platform, self.policy
+        proc = process if isinstance(process, PayloadProcess) else PayloadProcess(p, process)
         sync = pol.synchronous_commits()
-        w = Writer(p, sync, process_start)
-        t = t_ready + p.setup_s
+        w = Writer(p, sync, proc)
+        t = t_ready
         res = SessionResult(math.inf, w.commits, t_ready)
-        urgent_pending = warning_at is not None
-
-        def urgent(now: float) -> bool:
-            nonlocal urgent_pending
-            if urgent_pending and warning_at is not None and warning_at <= now and self.writes:
-                urgent_pending = False
-                return True
-            return False
-
+        soon = [warning_at is not None]  # Engine.checkpoint_soon, set by the bus's warning
         if not self.writes:
-            d = Durable()
+            d = Durable(inputs_stored=d.inputs_stored)
+
+        def warned(now: float) -> bool:
+            """RequestContext.checkpoint_requested at `now`: warned, and checkpoints on."""
+            return soon[0] and warning_at is not None and warning_at <= now and self.writes
+
+        # ---- the task's inputs (flight/runtime/app.py _run_task): read back before STARTED on a
+        # restart; at the first start, the images read before STARTED, and after it the inputs
+        # built (in the setup) and written as TASK_INPUTS on the compute path
+        first_start = not d.inputs_stored
+        if not first_start:
+            t += proc.read_s(t, self.sizes.task_inputs)
+        elif self.request.image_bytes:  # one read per image file (unknown sizes: not charged)
+            for _ in range(self.request.images):
+                t += proc.read_s(t, self.request.image_bytes / self.request.images)
+        res.reported_started_at = t
+        t += p.first_setup_s if first_start and p.first_setup_s is not None else p.setup_s
+        if first_start:  # written by the worker itself (save_inputs), not by the checkpoint writer
+            nbytes = self.sizes.task_inputs
+            end = t + w._duration(t, nbytes)
+            w.commits.append(Commit(end, "inputs", nbytes=nbytes, started=t))
+            w.channel_free, w.bytes, t = end, w.bytes + nbytes, end
+        # ---- the engine: the task's geometry (a new task's MANIFEST pins its block shape)
+        group = self.task_group(d, proc, t)
+        self._use_group(group)
+        g = self.g
+        if d.group is None and self.writes:
+            w.commits.append(Commit(t, "manifest", value=group, started=t))
         # ---- vision
         vision_fresh = not d.vision_done and not d.blocks and not d.decode_records and self.request.visual_tokens > 0
         t_vision_start = t
+        adaptive = self.adaptive(proc)
         if vision_fresh:
             start_block = d.vision_block if d.vision_block else 0
             if start_block:
-                t += self._read_s(self.sizes.vision_state(start_block))
+                t += proc.read_s(t, self.sizes.vision_state(start_block))
             else:
                 t += p.vision_extra_s / 2
+            last_state, deferred = start_block, 0
             for i in range(start_block, self.V):
                 t += p.vision_block_s
                 if res.first_unit_at is None:
                     res.first_unit_at = t
-                u = urgent(t) and i + 1 < self.V
-                if u or pol.vision_state_due(i + 1, self.V, g):
+                done = i + 1
+                cadence = proc.at(t)
+                if cadence is not None:
+                    cadence.observe_unit("vision", p.vision_block_s)
+                u = done < self.V and warned(t)
+                due = pol.vision_state_due(done, self.V, g)
+                if not due and adaptive and done < self.V:
+                    assert cadence is not None
+                    due = cadence.early_record("vision", done - last_state, g.vision_every)
+                    if due:
+                        res.early_at.append(t)
+                if u or due:
+                    soon[0] = False
                     t = w.submit(
-                        t, Commit(0, "vision", value=i + 1, nbytes=self.sizes.vision_state(i + 1)), optional=not u
+                        t,
+                        Commit(0, "vision", value=done, nbytes=self.sizes.vision_state(done)),
+                        optional=not u and deferred == 0,
+                        phase="vision",
                     )
+                    if w.kept:
+                        last_state, deferred = done, 0
+                    else:
+                        deferred += 1
             t += p.vision_extra_s / 2
             if pol.persist_vision_out() and self.writes:
                 t = w.submit_background(t, Commit(0, "vision_out", nbytes=self.sizes.vision_out))
@@ -276,8 +532,8 @@ class RequestModel:
             and any(op.group == 0 and op.kind == "block" for op in plan.computes)
             and self.request.visual_tokens > 0
         ):
-            t += self._read_s(self.sizes.vision_out)  # vision.out read by the first layer-0 compute
-        costs = self._read_costs(plan, problem, t_vision_start if vision_fresh else t, process_start)
+            t += proc.read_s(t, self.sizes.vision_out)  # vision.out read by the first layer-0 compute
+        costs = self._read_costs(plan, t_vision_start if vision_fresh else t, proc)
         origin = t_vision_start if vision_fresh else t  # weights stream behind the vision phase
         reads_end = sum(costs.read_s(op) for op in plan.reads)
         compute_from = t - origin if overlap else max(t - origin, reads_end)
@@ -303,12 +559,13 @@ class RequestModel:
         sched = simulate(plan, problem, costs, compute_from=compute_from, after_compute=after_compute)
         t = origin + max(sched.read_end, free_at[0], sched.compute_end)
         res.phase_s["prefill"] = t - t_prefill
+        res.prefill_end_at = t
         res.restart_prefill_s = t - t_ready
         # ---- decode
         t_decode = t
         N = self.request.new_tokens
         if d.decode_records:
-            t += self._read_s(self.sizes.decode(max(1, d.decode_steps)) * 1.0)
+            t += proc.read_s(t, self.sizes.decode(max(1, d.decode_steps)) * 1.0)
             step = d.decode_steps
             if step + 1 >= N:
                 t += p.decode_step_s  # finished, but RESULT was not durable: redo the last step
@@ -320,11 +577,25 @@ class RequestModel:
             step += 1
             if res.first_unit_at is None:
                 res.first_unit_at = t
+            cadence = proc.at(t)
+            if cadence is not None:
+                cadence.observe_unit("decode", p.decode_step_s)
             finished = step + 1 >= N
-            u = urgent(t)
-            if not finished and (u or pol.decode_record_due(step - submitted, g, finished)) and self.writes:
-                t = w.submit(t, Commit(0, "decode", value=step, nbytes=self.sizes.decode(step - submitted)))
+            if finished or not self.writes:
+                continue  # the final step is covered by RESULT
+            nbytes = self.sizes.decode(step - submitted)
+            if warned(t) or pol.decode_record_due(step - submitted, g, finished):
+                soon[0] = False
+                t = w.submit(t, Commit(0, "decode", value=step, nbytes=nbytes), phase="decode")
                 submitted = step
+            elif adaptive:
+                assert cadence is not None
+                if cadence.early_record("decode", step - submitted, g.decode_every):
+                    res.early_at.append(t)
+                    # optional: a record the busy writer drops is covered by the next
+                    t = w.submit(t, Commit(0, "decode", value=step, nbytes=nbytes), optional=True, phase="decode")
+                    if w.kept:
+                        submitted = step
         res.phase_s["decode"] = t - t_decode
         t = w.drain(t)
         if self.writes:
@@ -336,19 +607,18 @@ class RequestModel:
         return res
 
     def _read_s(self, nbytes: float) -> float:
+        """A read at the storage's rate (no throttle state: for estimates outside a session)."""
         st = self.platform.storage
         return st.read_latency_s + nbytes / st.read_bytes_per_s
 
-    def _read_costs(self, plan, problem, origin: float, process_start: float):
+    def _read_costs(self, plan, origin: float, proc: PayloadProcess):
         """The plan's read costs: record bytes at the storage's rate; with a token bucket (the
-        testbench), charged in plan order from the process's start, burst included."""
+        testbench), charged in plan order through the process's read bucket."""
 
         c = self.costs
         kv = np.zeros((self.NG, self.NC))
         hidden = np.zeros((self.NG, self.NC))
         weights = np.array(c.weights, dtype=float)
-        st = self.platform.storage
-        bucket = Bucket(st.read_bytes_per_s, st.burst_bytes, process_start) if st.burst_bytes > 0 else None
         t = origin
         for op in plan.reads:
             if op.what == "weights":
@@ -361,17 +631,27 @@ class RequestModel:
                 if op.what == "kv"
                 else (e - s) * spec.hidden * self.spec.dtype_bytes
             )
-            seconds = bucket.take(t, nbytes) if bucket is not None else st.read_latency_s + nbytes / st.read_bytes_per_s
+            seconds = proc.read_s(t, nbytes)
             (kv if op.what == "kv" else hidden)[op.group, op.chunk] = seconds
             t += seconds
         return BlockCosts(weights, kv, hidden, np.array(c.compute), np.array(c.reproject), c.source)
 
     # ---- across windows -----------------------------------------------------------------------------
-    def run(self, windows, arrival: float, warnings: dict | None = None, horizon: float = math.inf) -> Outcome:
+    def run(
+        self,
+        windows,
+        arrival: float,
+        warnings: dict | None = None,
+        horizon: float = math.inf,
+        payload: Payload | None = None,
+    ) -> Outcome:
         """`windows`: [(start, end)] power windows (end inf: open); the payload boots at each
-        start. `warnings`: {window end: warning time}. The request is accepted at `arrival`."""
+        start. `warnings`: {window end: warning time}. The request is accepted at `arrival`.
+        `payload`: the payload processes it shares with the requests served before it (a run's
+        queue); by default its own, with the fixed cadence."""
+        payload = payload if payload is not None else Payload(self.platform, windows, warnings)
         d = Durable()
-        sessions, bytes_written, cuts = 0, 0, 0
+        sessions, bytes_written, cuts, early = 0, 0, 0, 0
         p = self.platform
         first = True
         for start, end in windows:
@@ -387,8 +667,9 @@ class RequestModel:
             first = False
             if t_ready >= end:
                 continue
-            res = self.session(d, t_ready, start, (warnings or {}).get(end))
+            res = self.session(d, t_ready, payload.process(start, end), (warnings or {}).get(end))
             sessions += 1
+            early += sum(1 for at in res.early_at if at <= end)
             if res.finished_at <= end:
                 bytes_written += sum(c.nbytes for c in res.commits)
                 return Outcome(
@@ -398,11 +679,13 @@ class RequestModel:
                     sessions,
                     cuts,
                     bytes_written + RecordSizes.MANIFEST_BYTES,
+                    self.g.group,
+                    early,
                 )
             cuts += 1
             bytes_written += res.bytes_started_before(end)
-            d = res.durable_at(d, end) if self.writes else Durable()
-        return Outcome(False, None, None, sessions, cuts, bytes_written)
+            d = res.durable_at(d, end) if self.writes else Durable(inputs_stored=res.durable_at(d, end).inputs_stored)
+        return Outcome(False, None, None, sessions, cuts, bytes_written, self.g.group, early)
 
     def uninterrupted(self) -> SessionResult:
         return self.session(Durable(), 0.0, 0.0)
@@ -416,6 +699,8 @@ class Outcome:
     sessions: int
     cuts: int
     bytes_written: int
+    group: int | None = None  # the prefill block's layers the task ran with
+    early_records: int = 0  # early records the adaptive cadence asked for before the cuts
 
 
 def trace_windows(trace) -> tuple[list[tuple[float, float]], dict]:
@@ -427,3 +712,19 @@ def trace_windows(trace) -> tuple[list[tuple[float, float]], dict]:
         if w.cut_cause is not None and w.warning_lead_s > 0:
             warns[end] = w.end_s - w.warning_lead_s
     return windows, warns
+
+
+def trace_telemetry(trace):
+    """telemetry(t) -> (payload temperature, battery state of charge) of a traces.Trace, as the
+    bus reports them (None for a channel the trace does not measure), or None without telemetry."""
+    if not trace.telemetry:
+        return None
+
+    def telemetry(t: float):
+        sample = trace.telemetry_at(min(t, trace.duration_s))
+        if sample is None:
+            return None, None
+        power = None not in (sample.bus_voltage_v, sample.battery_soc, sample.payload_power_w)
+        return sample.payload_temp_c, sample.battery_soc if power else None
+
+    return telemetry

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from common.record import Kind, TensorSpec, encoded_size
 from flight.checkpoint.store import decode_record_tensors, prefill_block_parts
+from flight.model.inputs import task_inputs_parts
 from flight.recovery.cost import ModelDims
 
 
@@ -27,6 +28,12 @@ class VisionDims:
     patch: int  # pixels per patch side
     merge: int  # spatial merge (2: 2x2 patches -> one LM token)
     deepstack: tuple = ()  # vision blocks whose output feeds a DeepStack merger (Qwen3-VL)
+    in_channels: int = 3  # pixel values per patch: in_channels x temporal_patch x patch x patch
+    temporal_patch: int = 2
+
+    @property
+    def pixels_per_patch(self) -> int:
+        return self.in_channels * self.temporal_patch * self.patch * self.patch
 
     @property
     def block_params(self) -> int:
@@ -105,6 +112,8 @@ def spec_from_dir(model_dir: str) -> ModelSpec:
         v["patch_size"],
         v.get("spatial_merge_size", 2),
         tuple(v.get("deepstack_visual_indexes") or ()),
+        int(v.get("in_channels", 3)),
+        int(v.get("temporal_patch_size", 2)),
     )
     return ModelSpec(text.name, text, vision, dtype)
 
@@ -117,6 +126,8 @@ class Request:
     text_tokens: int
     new_tokens: int
     images: int = 1
+    prompt_bytes: int | None = None  # the prompt's UTF-8 bytes (None: 4 per text token)
+    image_bytes: int = 0  # the uploaded images' bytes, read back to build the inputs
 
     @property
     def prompt_tokens(self) -> int:
@@ -129,6 +140,9 @@ class Request:
 def frames_request(frames: int, tokens_per_frame: int, text_tokens: int = 96, new_tokens: int = 128) -> Request:
     """The paper's missions: `frames` images of `tokens_per_frame` visual tokens each."""
     return Request(frames * tokens_per_frame, text_tokens, new_tokens, frames)
+
+
+SHA256_HEX = "0" * 64  # a SHA-256 digest as the payload stores it: 64 hex digits
 
 
 class RecordSizes:
@@ -211,6 +225,26 @@ class RecordSizes:
             {"text": "x" * (8 * n), "finish_reason": "length"},
             {"token_ids": TensorSpec("int64", (n,)), "logits": TensorSpec(self.dt, (1, self.spec.text.vocab))},
         )
+
+    @property
+    def task_inputs(self) -> int:
+        """The TASK_INPUTS record (flight/model/inputs.py `save_inputs`): token ids, image-token
+        mask, pixel values (float32, one row per patch) and the image grid, keyed by three
+        SHA-256 digests (task, model, processors: flight/runtime/app.py `_inputs_key`) besides
+        the inputs' own digest and the prompt."""
+        r, v = self.request, self.spec.vision
+        tokens = r.prompt_tokens
+        prompt = "x" * (r.prompt_bytes if r.prompt_bytes is not None else 4 * r.text_tokens)
+        meta, tensors = task_inputs_parts(
+            prompt,
+            SHA256_HEX,
+            {"task": SHA256_HEX, "model": SHA256_HEX, "processors": SHA256_HEX},
+            TensorSpec("int64", (1, tokens)),
+            TensorSpec("int32", (1, tokens)),
+            TensorSpec("float32", (r.patches(self.spec), v.pixels_per_patch) if r.images else (0, 1)),
+            TensorSpec("int64", (r.images, 3)),
+        )
+        return encoded_size(Kind.TASK_INPUTS, meta, tensors)
 
     MANIFEST_BYTES = 1024  # one small metadata record (hashes, versions, geometry)
 

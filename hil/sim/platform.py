@@ -64,9 +64,9 @@ class Storage:
 class Platform:
     name: str
     storage: Storage
-    boot_s: float  # power-up -> the task is (re)started (process, libraries, model skeleton)
+    boot_s: float  # power-up -> the payload takes up a task (process, libraries, model skeleton)
     first_start_s: float  # task accepted -> started, when the payload is already up
-    setup_s: float  # task started -> first unit of work (inputs, store open and scan)
+    setup_s: float  # task started -> first unit of work (store open and scan), a TASK_INPUTS read or write apart
     vision_block_s: float  # one vision block (all images)
     vision_extra_s: float  # patch embedding + merger
     decode_step_s: float  # one decode step
@@ -77,6 +77,10 @@ class Platform:
     vision_weights_read_s: float = 0.0
     result_s: float = 0.0  # RESULT commit + GC + report, beyond the record write
     boot_by_power_up: dict = field(default_factory=dict)  # measured boot of particular power-ups (validation)
+    # power-up -> the payload process starts: its storage throttle's buckets (empty then) and its
+    # uptime clock (the cadence's, the window log's) start here
+    process_start_s: float = 0.0
+    first_setup_s: float | None = None  # setup at a task's first start (inputs built); None: setup_s
     meta: dict = field(default_factory=dict)
 
     def boot_at(self, power_up: float) -> float:
@@ -85,6 +89,13 @@ class Platform:
             if abs(t - power_up) < 1.0:
                 return boot
         return self.boot_s
+
+    def layer_chunk_s(self, tokens: int) -> float:
+        """One decoder layer on one chunk of `tokens` (Engine.task_geometry's estimate): the pace
+        where the payload is paced, else the planner's cost model."""
+        if self.prefill is not None:
+            return self.prefill.compute_s(1, tokens, 0)
+        return self.pace_s
 
     def block_costs(self, groups, chunks) -> BlockCosts:
         """Compute and read costs of the prefill grid (the planner's BlockCosts shape); reads at

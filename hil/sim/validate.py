@@ -19,8 +19,11 @@ acceptance (accepted -> COMPLETED, trace seconds), compared with the run's.
 
 from __future__ import annotations
 
+import base64
+import functools
 import hashlib
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -30,15 +33,17 @@ from typing import TYPE_CHECKING
 
 import traces
 from common.durable import DurableFS
+from common.wire import decode
+from common.wire import messages as m
 from flight.checkpoint.policies import Geometry
 from flight.cli_options import GEOMETRY_FLAGS
 from flight.model.inputs import build_inputs, decode_image
 from hil import buslog as bl
 from hil.testbench import NOT_FINISHED
 
-from .lifecycle import RequestModel, trace_windows
-from .models import Request, spec_from_dir
-from .platform import testbench_platform
+from .lifecycle import Bucket, Payload, RequestModel, trace_telemetry, trace_windows
+from .models import RecordSizes, Request, spec_from_dir
+from .platform import Platform, testbench_platform
 
 if TYPE_CHECKING:
     from flight.model.loader import LoadedModel
@@ -106,7 +111,10 @@ def _task_facts(task_id: str, mine: list[bl.BusLogEntry], commands_s: list[float
         first = next((e for e in mine if e.get("type") == "PROGRESS" and s < e.stamped_trace_s < end), None)
         if first is not None and first.get("phase") == "vision":
             t = first.stamped_trace_s
-            first_units.append((t - s, int(first.get("done")) - 1, any(s <= c <= t for c in commands_s)))
+            uplink = any(s <= c <= t for c in commands_s)
+            # the first start builds the inputs and writes TASK_INPUTS after STARTED; a restart
+            # read them back before it
+            first_units.append((t - s, int(first.get("done")) - 1, uplink, i == 0, s))
     # A vision block of the small model on two 512 px images computes for longer than the pace on
     # a loaded machine: its time is measured as the payload ran it, from consecutive vision
     # PROGRESS reports of one session. The gap after a block also holds that block's vision-state
@@ -129,7 +137,8 @@ def _task_facts(task_id: str, mine: list[bl.BusLogEntry], commands_s: list[float
         "completed_s": completed,
         "first_start_trace_s": (started[0] - accepted) if started and accepted is not None else None,
         "first_unit_trace_s": first_units[0][0] if first_units else None,  # the first session's
-        # per session: (STARTED -> first vision report, the block resumed from, uplink meanwhile)
+        # per session: (STARTED -> first vision report, the block resumed from, uplink meanwhile,
+        # the task's first start, STARTED)
         "first_units": first_units,
         "vision_gaps_trace_s": gaps,
         "e2e_trace_s": (completed - accepted) if completed is not None and accepted is not None else None,
@@ -140,23 +149,66 @@ def _unit_seconds(gaps: list[float]) -> dict:
     return {"vision": statistics.quantiles(gaps, n=4)[0] if len(gaps) >= 2 else gaps[0]} if gaps else {}
 
 
-def _boots(entries: list[bl.BusLogEntry], tasks: list[dict]) -> dict[float, float]:
-    """{power-up: boot}: a fact of the payload, not of a task. The boot of a power-up is its
-    first STARTED report if that task had been accepted before the power-up (it waited for the
-    payload, not for the uplink or for the task before it)."""
+def _boots(entries: list[bl.BusLogEntry], tasks: list[dict]) -> dict[float, tuple[float, str, bool]]:
+    """{power-up: (power-up -> STARTED, task, restart)}: a fact of the payload, not of a task.
+    The boot of a power-up is its first STARTED report if that task had been accepted before
+    the power-up (it waited for the payload, not for the uplink or for the task before it). A
+    restart's STARTED comes after the task's TASK_INPUTS record was read back; a first start's,
+    after its images were read."""
     ons = sorted(e.stamped_trace_s for e in entries if e.kind == bl.POWER_ON)
     accepted = {t["task_id"]: t["accepted_s"] for t in tasks}
-    starts = sorted((s, t["task_id"]) for t in tasks for s in t["started_s"])
+    starts = sorted((s, t["task_id"], i > 0) for t in tasks for i, s in enumerate(t["started_s"]))
     seen: set[float] = set()
     boots = {}
-    for s, task_id in starts:
+    for s, task_id, restart in starts:
         on = max((t for t in ons if t <= s), default=None)
         if on is None or on in seen:
             continue
         seen.add(on)
         if accepted.get(task_id) is not None and accepted[task_id] < on:
-            boots[on] = s - on
+            boots[on] = (s - on, task_id, restart)
     return boots
+
+
+def _connects(entries: list[bl.BusLogEntry]) -> dict[float, float]:
+    """{power-up: power-up -> the payload's first connection to the bus after it}."""
+    ons = sorted(e.stamped_trace_s for e in entries if e.kind == bl.POWER_ON)
+    out: dict[float, float] = {}
+    for e in entries:
+        if e.kind == bl.PAYLOAD_CONNECTED:
+            on = max((t for t in ons if t <= e.stamped_trace_s), default=None)
+            if on is not None and on not in out:
+                out[on] = e.stamped_trace_s - on
+    return out
+
+
+def _uplink_writes(entries: list[bl.BusLogEntry]) -> list[tuple[float, int]]:
+    """[(trace s, bytes)] the payload wrote for the uplinked images (flight/runtime/images.py): each
+    chunk when the bus forwarded it, and the whole image again once its last chunk arrived."""
+    packets = {
+        e.get("store_id"): e["packet"] for e in entries if e.kind == bl.COMMAND_RECEIVED and e.data.get("packet")
+    }
+    seen: dict[str, set[int]] = {}
+    sizes: dict[str, int] = {}
+    out = []
+    for e in entries:
+        if e.kind != bl.COMMAND_FORWARDED or e.get("type") != "IMAGE_CHUNK" or e.trace_s is None:
+            continue
+        packet = packets.get(e.get("store_id"))
+        if packet is None:
+            continue
+        try:
+            _, message = decode(base64.b64decode(packet))
+        except Exception:  # noqa: BLE001 - a bad packet reached no image
+            continue
+        if not isinstance(message, m.ImageChunk) or message.index in seen.setdefault(message.image, set()):
+            continue
+        seen[message.image].add(message.index)
+        sizes[message.image] = sizes.get(message.image, 0) + len(message.data)
+        out.append((e.stamped_trace_s, len(message.data)))
+        if len(seen[message.image]) == message.total:
+            out.append((e.stamped_trace_s, sizes[message.image]))
+    return out
 
 
 def _recorded_specs(run: Path, entries: list[bl.BusLogEntry], report: dict) -> dict[str, dict]:
@@ -229,14 +281,21 @@ def run_facts(run_dir: str) -> dict:
         t["spec"] = specs.get(t["task_id"], {})
         # A task without its own measurement takes the run's (same payload, model and machine).
         t["unit_trace_s"] = _unit_seconds(t["vision_gaps_trace_s"] or pooled_gaps)
-        # setup samples: the task's sessions without an uplink meanwhile, else the run's, else all
-        own_quiet = [u for u in t["first_units"] if not u[2]]
-        t["setup_samples"] = own_quiet or quiet or t["first_units"] or pooled_first_units
+        # setup samples, at first starts and at restarts apart. A first start is one session: its
+        # own sample, uplink or not (the uplink of the requests queued behind it is part of it),
+        # else the run's quiet ones. Restarts: the task's sessions without an uplink meanwhile,
+        # else the run's, else all.
+        for key, first_start in (("first_setup_samples", True), ("setup_samples", False)):
+            mine = [u for u in t["first_units"] if u[3] == first_start]
+            pooled = [u for u in pooled_first_units if u[3] == first_start]
+            own_quiet = [u for u in mine if not u[2]]
+            run_quiet = [u for u in quiet if u[3] == first_start]
+            t[key] = (mine if first_start else own_quiet) or run_quiet or mine or pooled
         t["report_e2e_trace_s"] = row.get("e2e_trace_s")
         t["completed"] = bool(row.get("completed"))
         t["failure"] = row.get("failure")
         t["cuts"] = row.get("cuts")
-    boot_by_power_up = _boots(entries, tasks)
+    boots = _boots(entries, tasks)
     return {
         "run_dir": str(run),
         "trace": report["trace"],
@@ -248,10 +307,25 @@ def run_facts(run_dir: str) -> dict:
         "start_at_s": start.get("start_at_s", 0.0),
         "trace_path": start.get("trace_path"),
         "flight_args": flight_args,
-        "boot_trace_s": statistics.median(boot_by_power_up.values()) if boot_by_power_up else None,
-        "boot_by_power_up": boot_by_power_up,
+        # power-up -> STARTED as measured (a restart's includes its TASK_INPUTS read: simulate_run
+        # takes the read away, the simulator charges it)
+        "boot_trace_s": statistics.median(b for b, _, _ in boots.values()) if boots else None,
+        "boot_by_power_up": {on: b for on, (b, _, _) in boots.items()},
+        "power_ups": sorted(e.stamped_trace_s for e in entries if e.kind == bl.POWER_ON),
+        # power-up -> the payload process connected to the bus (it is up; its worker takes up a
+        # task within moments): the boot of a power-up at which no waiting task started
+        "connected_by_power_up": _connects(entries),
+        "uplink_writes": _uplink_writes(entries),
+        "boot_starts": {on: (task_id, restart) for on, (_, task_id, restart) in boots.items()},
+        # the emulated boot: the payload process (its storage throttle, its uptime) starts after it
+        "process_start_trace_s": float(start.get("boot_trace_s") or 0.0),
         "tasks": tasks,
     }
+
+
+@functools.lru_cache(maxsize=8)
+def spec_from_dir_cached(model_dir: str):
+    return spec_from_dir(model_dir)
 
 
 class RequestShapes:
@@ -277,7 +351,14 @@ class RequestShapes:
                 model.tokenizer, model.image_processor, pictures, prompt, model.adapter.image_token_id
             )
             visual = int((inputs.input_ids == model.adapter.image_token_id).sum())
-            self._shapes[key] = Request(visual, inputs.num_tokens - visual, new_tokens, len(images))
+            self._shapes[key] = Request(
+                visual,
+                inputs.num_tokens - visual,
+                new_tokens,
+                len(images),
+                len(prompt.encode()),
+                sum(len(content) for _, content in images),
+            )
         return self._shapes[key]
 
 
@@ -290,6 +371,70 @@ def request_for(model_dir: str, images, prompt: str, max_new_tokens: int) -> Req
     return RequestShapes(model_dir)(_files(images), prompt, max_new_tokens)
 
 
+def _storage_rates(facts: dict) -> tuple[float | None, float | None]:
+    """(read, write) bytes per trace second of the run's storage throttle (None: not throttled)."""
+    scale, args = facts["time_scale"], facts["flight_args"]
+    read = float(_option(args, "--emulate-read-mbps") or 0.0) or None
+    write = float(_option(args, "--emulate-write-mbps") or 0.0) or None
+    return (read * scale if read else None), (write * scale if write else None)
+
+
+def _run_platform(facts: dict, commit_latency_s: float, unit: dict | None = None, boot: float = 0.0) -> Platform:
+    """The testbench as one run emulated it (per-task quantities left at their defaults)."""
+    scale = facts["time_scale"]
+    read, write = _storage_rates(facts)
+    platform = testbench_platform(
+        facts["pace_ms"] / scale,
+        read_mbps=read,
+        write_mbps=write,
+        boot_s=boot,
+        first_start_s=0.0,
+        setup_s=0.0,
+        commit_latency_s=commit_latency_s / scale,
+        unit_s=unit or {},
+        burst_bytes=4 << 20,
+    )
+    platform.process_start_s = facts.get("process_start_trace_s") or 0.0
+    return platform
+
+
+def _read_after(platform: Platform, since_process_start: float, nbytes: float) -> float:
+    """A read of `nbytes` through a process's storage `since_process_start` after it started,
+    nothing read before (the token bucket empty at the start)."""
+    st = platform.storage
+    if st.burst_bytes <= 0:
+        return st.read_latency_s + nbytes / st.read_bytes_per_s
+    return Bucket(st.read_bytes_per_s, st.burst_bytes, 0.0).take(max(0.0, since_process_start), nbytes)
+
+
+def _write_after(platform: Platform, since_process_start: float, nbytes: float) -> float:
+    """A durable write of `nbytes` `since_process_start` after the process started, its token
+    bucket full of what accrued since (an estimate: the writes before it in the process are not
+    known here)."""
+    st = platform.storage
+    if st.burst_bytes <= 0:
+        return st.write_latency_s + nbytes / st.write_bytes_per_s
+    return st.write_latency_s + Bucket(st.write_bytes_per_s, st.burst_bytes, 0.0).take(
+        max(0.0, since_process_start) + st.write_latency_s, nbytes
+    )
+
+
+def pure_boot(platform: Platform, measured: float, nbytes: float) -> float:
+    """Power-up -> the payload takes up the task, from a measured power-up -> STARTED that also
+    holds a read of `nbytes` (a restart's TASK_INPUTS, a first start's images): the boot b with
+    b + read(b) = measured, the read through the process's storage (empty when the process
+    started)."""
+    start = platform.process_start_s
+    lo, hi = 0.0, measured
+    for _ in range(60):  # b + read(b) grows with b: bisection
+        mid = 0.5 * (lo + hi)
+        if mid + _read_after(platform, mid - start, nbytes) > measured:
+            hi = mid
+        else:
+            lo = mid
+    return lo
+
+
 def simulate_request(
     facts: dict,
     task: dict,
@@ -300,64 +445,112 @@ def simulate_request(
     arrival_s: float,
     chained: bool,
     boot_trace_s: float | None = None,
+    payload: Payload | None = None,
+    boots: dict[float, float] | None = None,
 ) -> dict:
     """Predict when one request of a testbench run completes (trace seconds): it reaches the
     payload at `arrival_s`; `chained`: the payload is already running and starts it as soon as
-    the task before it completes."""
+    the task before it completes. `payload`: the payload processes shared with the requests
+    before it (run_payload); `boots`: {power-up: boot} without the reads the simulator charges
+    itself (run_boots)."""
 
-    scale = facts["time_scale"]
-    args = facts["flight_args"]
-    read = float(_option(args, "--emulate-read-mbps") or 0.0) or None
-    write = float(_option(args, "--emulate-write-mbps") or 0.0) or None
-    first_start = facts["tasks"][0]["first_start_trace_s"] or 0.0
-    boot = boot_trace_s if boot_trace_s is not None else (facts["boot_trace_s"] or first_start)
-    pace_trace_ms = facts["pace_ms"] / scale
-    unit = task.get("unit_trace_s") or {}
-    platform = testbench_platform(
-        pace_trace_ms,
-        read_mbps=read * scale if read else None,
-        write_mbps=write * scale if write else None,
-        boot_s=boot,
-        # A chained request is started by the payload's own queue, in the process that has just
-        # completed the task before it: nothing waits for an uplink or an idle loop, so no
-        # first-start delay is added (its own setup before the first unit still is). One that
-        # finds the payload idle waits as the first request did (a later one's measured wait
-        # holds the real time its predecessor took).
-        first_start_s=0.0 if chained else first_start,
-        setup_s=0.0,  # below, once the model knows its record sizes
-        commit_latency_s=commit_latency_s / scale,
-        unit_s=unit,
-        burst_bytes=4 << 20,
-    )
-    platform.boot_by_power_up = {float(k): v for k, v in (facts.get("boot_by_power_up") or {}).items()}
     spec = spec_from_dir(model_dir)
+    first_start = facts["tasks"][0]["first_start_trace_s"] or 0.0
+    if boots is None:
+        boots = {float(k): v for k, v in (facts.get("boot_by_power_up") or {}).items()}
+    # elsewhere: the median over the power-ups a task waited for
+    waited = [boots[float(on)] for on in facts.get("boot_by_power_up") or {} if float(on) in boots]
+    median_boot = statistics.median(waited) if waited else None
+    boot = boot_trace_s if boot_trace_s is not None else (median_boot or facts["boot_trace_s"] or first_start)
+    unit = task.get("unit_trace_s") or {}
+    platform = _run_platform(facts, commit_latency_s, unit, boot)
+    # A chained request is started by the payload's own queue, in the process that has just
+    # completed the task before it: nothing waits for an uplink or an idle loop, so no
+    # first-start delay is added (its own setup before the first unit still is). One that finds
+    # the payload idle waits as the first request did (a later one's measured wait holds the real
+    # time its predecessor took), less its images' read, which the simulator charges.
+    platform.first_start_s = 0.0 if chained else max(0.0, first_start - _read_after(platform, 1e9, request.image_bytes))
+    platform.boot_by_power_up = dict(boots) if boot_trace_s is None else {}
     model = RequestModel(spec, request, platform, facts["policy"], geometry, planner=facts["planner"] or "optimal")
-    # The setup before the first unit: what each session's first vision report shows beyond the
-    # vision block (and, resumed, the vision-state read) the model itself charges; the median.
+    # The setup before the first unit: what each session's first vision report shows beyond what
+    # the model itself charges there -- the vision block, a resumed session's vision-state read,
+    # a first start's TASK_INPUTS write (its bucket holding what accrued since the process began);
+    # the median, at first starts and at restarts apart (each stands in for the other where a
+    # task has none).
     vision_block_s = platform.vision_block_s
-    setups = [
-        seconds - vision_block_s - (model._read_s(model.sizes.vision_state(block)) if block else 0.0)
-        for seconds, block, _uplink in task.get("setup_samples") or []
-    ]
-    setup = platform.setup_s = max(0.0, statistics.median(setups)) if setups else 0.0
+    on_times = sorted(facts.get("power_ups") or [])
+
+    def charged(sample) -> float:
+        seconds, block, _uplink, first, started = sample
+        extra = model._read_s(model.sizes.vision_state(block)) if block else 0.0
+        if first:
+            on = max((t for t in on_times if t <= started), default=None)
+            since = started - on - platform.process_start_s if on is not None else 1e9
+            extra += _write_after(platform, since, model.sizes.task_inputs)
+        return seconds - vision_block_s - extra
+
+    restarts = [charged(u) for u in task.get("setup_samples") or []]
+    firsts = [charged(u) for u in task.get("first_setup_samples") or []]
+    setup = max(0.0, statistics.median(restarts or firsts)) if restarts or firsts else 0.0
+    platform.setup_s = setup
+    platform.first_setup_s = max(0.0, statistics.median(firsts)) if firsts else None
+    if payload is None:
+        payload = run_payload(facts, platform)
+    outcome = model.run(payload.windows, arrival_s, payload.warnings, payload=payload)
+    return {
+        "predicted_finished_s": outcome.finished_at,
+        "predicted_completed": outcome.completed,
+        "predicted_cuts": outcome.cuts,
+        "predicted_group": outcome.group,
+        "predicted_early_records": outcome.early_records,
+        "boot_trace_s": boot,
+        "setup_trace_s": setup,
+        "first_setup_trace_s": platform.first_setup_s,
+        "unit_trace_s": unit,
+    }
+
+
+#: the bus's telemetry rate limit (hil/bus/config.py BusConfig.telemetry_max_hz, the testbench's)
+BUS_TELEMETRY_MAX_HZ = 10.0
+
+
+def run_payload(facts: dict, platform: Platform) -> Payload:
+    """The run's payload across its power windows, shared by its requests: the trace's windows
+    from the run's start (the testbench counts a request as completed only if its COMPLETED
+    report comes before the trace ends: the last, open window closes there), its warnings, the
+    power and thermal telemetry the bus sends (one round per decimated step,
+    hil/bus/telemetry.py), and the payload's cadence."""
     trace = traces.load(facts["trace_path"] or facts["trace"])
     windows, warns = trace_windows(trace)
-    # The testbench counts a request as completed only if its COMPLETED report comes before the
-    # trace ends: the last (open) window closes there.
     windows = [
         (max(a, facts["start_at_s"]), min(b, trace.duration_s))
         for a, b in windows
         if b > facts["start_at_s"] and a < trace.duration_s
     ]
-    outcome = model.run(windows, arrival_s, warns)
-    return {
-        "predicted_finished_s": outcome.finished_at,
-        "predicted_completed": outcome.completed,
-        "predicted_cuts": outcome.cuts,
-        "boot_trace_s": boot,
-        "setup_trace_s": setup,
-        "unit_trace_s": unit,
-    }
+    period = trace.telemetry_period_s or 1.0
+    step = period * max(1, math.ceil(1.0 / BUS_TELEMETRY_MAX_HZ / (period * facts["time_scale"]) - 1e-9))
+    return Payload(
+        platform, windows, warns, facts["cadence"], trace_telemetry(trace), step, facts.get("uplink_writes") or ()
+    )
+
+
+def run_boots(facts: dict, requests: list[Request], platform: Platform) -> dict[float, float]:
+    """{power-up: boot} of a run: where a task waited for the power-up, its STARTED without the
+    read before it that the simulator charges itself (a restart's TASK_INPUTS, a first start's
+    images: `pure_boot`); elsewhere, when the payload connected to the bus."""
+    index = {t["task_id"]: i for i, t in enumerate(facts["tasks"])}
+    # where no task waited for the power-up, the payload was up when it connected
+    out = {float(on): seconds for on, seconds in (facts.get("connected_by_power_up") or {}).items()}
+    for on, measured in (facts.get("boot_by_power_up") or {}).items():
+        task_id, restart = (facts.get("boot_starts") or {}).get(on, (None, False))
+        request = requests[index[task_id]] if task_id in index else None
+        if request is None:
+            out[float(on)] = measured
+            continue
+        sizes = RecordSizes(spec_from_dir_cached(facts["model_dir"]), request, 1, 1) if restart else None
+        nbytes = sizes.task_inputs if sizes is not None else request.image_bytes
+        out[float(on)] = pure_boot(platform, measured, nbytes)
+    return out
 
 
 def simulate_run(
@@ -365,8 +558,13 @@ def simulate_run(
 ) -> list[dict]:
     """Predict every request of a run, in the order the payload served them: each one reaches
     the payload when the simulator predicts the one before it to complete (or when it was
-    accepted, if later), and its end-to-end time counts from its real acceptance."""
+    accepted, if later), in the same payload processes (their storage throttle, their cadence),
+    and its end-to-end time counts from its real acceptance."""
 
+    facts = {**facts, "model_dir": model_dir}
+    run_platform = _run_platform(facts, commit_latency_s)
+    payload = run_payload(facts, run_platform)
+    boots = run_boots(facts, requests, run_platform)
     out: list[dict] = []
     previous_finished: float | None = None  # when the simulator says the request before completes
     for index, (task, request) in enumerate(zip(facts["tasks"], requests, strict=True)):
@@ -383,7 +581,18 @@ def simulate_run(
         chained = previous_finished is not None and (accepted is None or previous_finished >= accepted)
         arrival = previous_finished if chained else accepted
         assert arrival is not None  # request 0 has its acceptance; a later one, its predecessor's end
-        pred = simulate_request(facts, task, model_dir, request, geometry, commit_latency_s, arrival, chained)
+        pred = simulate_request(
+            facts,
+            task,
+            model_dir,
+            request,
+            geometry,
+            commit_latency_s,
+            arrival,
+            chained,
+            payload=payload,
+            boots=boots,
+        )
         previous_finished = pred["predicted_finished_s"] if pred["predicted_completed"] else None
         e2e = pred["predicted_finished_s"] - accepted if pred["predicted_completed"] and accepted is not None else None
         out.append({**pred, "arrival_s": arrival, "chained": chained, "predicted_e2e_trace_s": e2e})
@@ -391,12 +600,20 @@ def simulate_run(
 
 
 def validate(
-    run_dirs: list[str], model_dir: str, images, prompt: str, max_new_tokens: int, geometry: Geometry, scratch_dir: str
+    run_dirs: list[str],
+    model_dir: str,
+    images,
+    prompt: str,
+    max_new_tokens: int,
+    geometry: Geometry,
+    scratch_dir: str,
+    commit_latency_s: float | None = None,
 ) -> dict:
     """Every request of every run against its prediction. `images`, `prompt`, `max_new_tokens`
-    and `geometry` stand in only where a run does not record its own (run_facts)."""
+    and `geometry` stand in only where a run does not record its own (run_facts). The commit
+    latency is measured on this disk (in `scratch_dir`) unless `commit_latency_s` gives it."""
 
-    latency = commit_latency(scratch_dir)
+    latency = commit_latency(scratch_dir) if commit_latency_s is None else commit_latency_s
     shapes = RequestShapes(model_dir)
     rows = []
     for run_dir in run_dirs:

@@ -75,6 +75,34 @@ def test_simulated_records_are_the_bytes_the_engine_writes(model_dirs, tmp_path,
     assert simulated == written
 
 
+@pytest.mark.parametrize("arch", ["qwen3-vl", "qwen2.5-vl"])
+def test_simulated_task_inputs_record_is_the_bytes_the_payload_writes(model_dirs, tmp_path, arch):
+    """The TASK_INPUTS record each task writes at its first start (flight/runtime/app.py): the
+    simulator's size equals what `save_inputs` writes, keyed as the payload keys it."""
+    from common.durable import DurableFS
+    from flight.model.config import processors_hash
+    from flight.model.inputs import save_inputs
+    from flight.model.loader import load_model
+    from flight.runtime.images import content_hash
+
+    if arch not in model_dirs:
+        pytest.skip(f"no tiny {arch} model")
+    model = load_model(model_dirs[arch], device="cpu")
+    inputs = inputs_for(model)
+    key = {
+        "task": content_hash(inputs.prompt, ["a.png", "b.png"], MAX_NEW),
+        "model": model.content_hash,
+        "processors": processors_hash(model_dirs[arch]),
+    }
+    written = save_inputs(DurableFS(), str(tmp_path / "inputs.rec"), inputs, key)
+    assert written == (tmp_path / "inputs.rec").stat().st_size
+    visual = int((inputs.input_ids == model.adapter.image_token_id).sum())
+    images = int(inputs.image_grid_thw.shape[0])
+    request = Request(visual, inputs.num_tokens - visual, MAX_NEW, images, len(inputs.prompt.encode()))
+    sizes = RequestModel(spec_from_dir(model_dirs[arch]), request, _instant(), "orbitweaver", GEOMETRY).sizes
+    assert sizes.task_inputs == written
+
+
 def test_a_cut_in_prefill_resumes_and_loses_at_most_the_block_in_flight():
     spec = REAL_MODELS["qwen3-vl-2b"]
     request = frames_request(8, 2048, new_tokens=8)  # prefill-heavy: restoring beats starting over
@@ -90,7 +118,11 @@ def test_a_cut_in_prefill_resumes_and_loses_at_most_the_block_in_flight():
         assert outcome.completed and outcome.cuts == 1 and outcome.sessions == 2
         second = outcome.finished_at - (cut + 10.0)
         if policy == "none":
-            assert second == pytest.approx(5.0 + alone, rel=1e-6)  # boot + everything again
+            # boot + everything again, but the task's inputs: read back instead of built and written
+            st = platform.storage
+            inputs = m.sizes.task_inputs
+            write, read = st.write_latency_s + inputs / st.write_bytes_per_s, m._read_s(inputs)
+            assert second == pytest.approx(5.0 + alone - write + read, rel=1e-6)
         else:
             assert second < 5.0 + alone  # progress survived the cut
     # uninterrupted, the baselines that commit on the compute path are slower, the others not
@@ -124,3 +156,153 @@ def test_trace_windows_and_warnings():
     assert windows and all(a < b for a, b in windows)
     assert all(windows[i][1] <= windows[i + 1][0] for i in range(len(windows) - 1))
     assert warns and all(w < end for end, w in warns.items())
+
+
+# ---- the adaptive cadence: the real Cadence, asked what the engine asks ---------------------------
+def _paced(pace_ms: float = 1000.0):
+    """The testbench's platform at `pace_ms` per unit, storage unthrottled; the payload process
+    starts 1 s after power-up and takes up a task 2 s after it."""
+    from hil.sim.platform import testbench_platform
+
+    platform = testbench_platform(
+        pace_ms,
+        read_mbps=None,
+        write_mbps=None,
+        boot_s=2.0,
+        first_start_s=0.0,
+        setup_s=0.0,
+        commit_latency_s=1e-3,
+    )
+    platform.process_start_s = 1.0
+    return platform
+
+
+def _lived(lengths, gap: float = 10.0):
+    """Power windows whose process uptimes at the cut are `lengths`, then an open window: (the
+    windows, the open window's start)."""
+    windows, t = [], 0.0
+    for length in lengths:
+        windows.append((t, t + 1.0 + length))
+        t += 1.0 + length + gap
+    return windows + [(t, math.inf)], t
+
+
+def test_adaptive_block_shape_is_the_real_engines_for_the_same_history(model_dirs, tmp_path):
+    """A new task's G: the simulator's payload, having lived through windows of these lengths,
+    picks the group the real engine picks (Engine.task_geometry with a Cadence holding the same
+    window history, at the same pace)."""
+    from common.durable import DurableFS
+    from flight.checkpoint.cadence import Cadence
+    from flight.checkpoint.store import CheckpointStore
+    from flight.engine import Engine
+    from flight.model.loader import load_model
+    from flight.options import EngineOptions
+    from hil.sim.lifecycle import Payload
+
+    model = load_model(model_dirs["qwen3-vl"], device="cpu")
+    inputs = inputs_for(model)
+    visual = int((inputs.input_ids == model.adapter.image_token_id).sum())
+    request = Request(visual, inputs.num_tokens - visual, MAX_NEW, 2)
+    spec = spec_from_dir(model_dirs["qwen3-vl"])
+    configured = Geometry(chunk=16, group=4, decode_every=8, vision_every=2)
+    picked = []
+    for i, lengths in enumerate(([9.0, 10.0, 11.0], [3.0, 4.0, 5.0], [20.0, 35.0, 50.0, 60.0], [5.0, 5.0], [])):
+        options = EngineOptions(geometry=configured, policy="orbitweaver", cadence="adaptive", pace_ms=1000.0)
+        engine = Engine(model, options, cadence=Cadence("adaptive", list(lengths)))
+        real = engine.task_geometry(CheckpointStore(str(tmp_path / f"ck{i}"), DurableFS()), inputs).group
+        platform = _paced(1000.0)
+        windows, start = _lived(lengths)
+        sim = RequestModel(spec, request, platform, "orbitweaver", configured, "chunk-first")
+        outcome = sim.run(windows, start, payload=Payload(platform, windows, {}, "adaptive"))
+        assert outcome.group == real, lengths
+        picked.append(real)
+    assert picked[0] < configured.group and picked[1] == 1  # short windows: smaller blocks
+    assert picked[2:] == [configured.group] * 3  # long windows, or too little history: G as configured
+
+
+def _decode_records(lengths, cadence: str, warnings=None, policy="orbitweaver", cut=62.0):
+    spec = spec_from_dir_tiny()
+    request = Request(512, 40, 24, 2)
+    geometry = Geometry(chunk=64, group=4, decode_every=8, vision_every=4)
+    platform = _paced()
+    windows, start = _lived(lengths)
+    end = start + cut if warnings else math.inf
+    windows[-1] = (start, end)
+    from hil.sim.lifecycle import Payload
+
+    payload = Payload(platform, windows, {end: start + warnings} if warnings else {}, cadence)
+    model = RequestModel(spec, request, platform, policy, geometry, "chunk-first")
+    res = model.session(Durable(), start + 2.0, payload.process(start, end), start + warnings if warnings else None)
+    return [c.value for c in res.commits if c.kind == "decode"], len(res.early_at)
+
+
+def spec_from_dir_tiny():
+    """The tiny model's dimensions (4 layers, 4 vision blocks), without building it."""
+    from flight.recovery.cost import ModelDims
+    from hil.sim.models import ModelSpec, VisionDims
+
+    return ModelSpec("tiny", ModelDims("tiny", 4, 128, 4, 2, 32, 256, 1000, 4), VisionDims(4, 64, 128, 16, 2, (1, 2)))
+
+
+def test_adaptive_cadence_writes_early_decode_records_when_a_cut_is_likely():
+    """Decode runs from about 42 s to 65 s of uptime. Windows lived through that end around
+    then make a cut likely before the next fixed record (every 8 steps): the real Cadence adds
+    decode records; long windows, too little history or the fixed cadence add none."""
+    fixed, _ = _decode_records([45.0, 52.0, 58.0, 63.0, 66.0, 120.0], "fixed")
+    assert fixed == [8, 16]  # the policy's cadence: every D = 8 steps (the last step is RESULT's)
+    adaptive, early = _decode_records([45.0, 52.0, 58.0, 63.0, 66.0, 120.0], "adaptive")
+    assert set(fixed) < set(adaptive) and early == len(adaptive) - len(fixed) > 0
+    assert all(step > 16 for step in set(adaptive) - set(fixed))  # from where cuts are likely
+    assert _decode_records([500.0, 600.0, 700.0], "adaptive") == (fixed, 0)
+    assert _decode_records([45.0, 52.0], "adaptive") == (fixed, 0)
+    # the baselines keep their cadence (the engine adapts only OrbitWeaver's)
+    sonic_fixed = _decode_records([45.0, 52.0, 58.0, 63.0, 66.0, 120.0], "fixed", policy="sonic-layer")
+    assert _decode_records([45.0, 52.0, 58.0, 63.0, 66.0, 120.0], "adaptive", policy="sonic-layer") == sonic_fixed
+
+
+def test_a_warning_makes_the_adaptive_cadence_write_until_the_cut():
+    """A shutdown warning 47 s into the window, the cut 62 s in (decode runs from about 44 s
+    to 67 s; the windows lived through are long): the fixed cadence writes one record at the
+    next boundary (checkpoint_soon); the adaptive one, told when the cut comes, writes at every
+    boundary from which the next fixed record would come after the cut."""
+    fixed, _ = _decode_records([500.0, 600.0, 700.0], "fixed", warnings=47.0)
+    adaptive, early = _decode_records([500.0, 600.0, 700.0], "adaptive", warnings=47.0)
+    assert fixed == [5, 13, 21]  # the warned record at step 5, then every D = 8 steps from it
+    # from step 14 (about 57 s) the cut comes before the next fixed record would: a record at
+    # every boundary, each one early (the fixed cadence's next one, 8 after the last, never comes)
+    assert adaptive == [5, 13] + list(range(14, 23)) and early == 9
+    assert _decode_records([500.0, 600.0, 700.0], "fixed") == ([8, 16], 0)  # unwarned
+
+
+def test_chained_requests_share_their_process_storage_throttle():
+    """Requests served one after the other by one payload process share its write token bucket
+    (common.durable.ThrottledFS, empty at process start): the second request's TASK_INPUTS write
+    finds the bucket the first one's writes left, not the burst a fresh process would have
+    accrued by then."""
+    from hil.sim.lifecycle import Payload
+    from hil.sim.platform import testbench_platform
+
+    spec = spec_from_dir_tiny()
+    platform = testbench_platform(  # units of 1 ms: the first request ends soon after its inputs' write
+        1.0,
+        read_mbps=1.0,
+        write_mbps=1.0,
+        boot_s=2.0,
+        first_start_s=0.0,
+        setup_s=0.0,
+        commit_latency_s=1e-3,
+    )
+    geometry = Geometry(chunk=64, group=4, decode_every=8, vision_every=4)
+    first, second = (RequestModel(spec, Request(512, 40, 24, 2), platform, "orbitweaver", geometry) for _ in "ab")
+    windows = [(0.0, math.inf)]
+    shared = Payload(platform, windows)
+    done = first.run(windows, 0.0, payload=shared).finished_at
+    assert done is not None
+    chained = second.run(windows, done, payload=shared)
+    alone = second.run(windows, done, payload=Payload(platform, windows))
+    assert chained.finished_at is not None and alone.finished_at is not None
+    # the first request's writes drained the bucket: the second waits for most of the tokens a
+    # fresh bucket would have held (its 4 MiB burst at 1 MB/s: 4.19 s), less what the first
+    # request's last units let accrue
+    burst_s = (4 << 20) / 1e6
+    assert 0.8 * burst_s < chained.finished_at - alone.finished_at <= burst_s

@@ -160,15 +160,22 @@ def test_run_facts_merge_boots_over_tasks_and_follow_the_served_order(run_dir):
     # a fact of the payload, from any task: r01's restart after the power-up at 20 s; not the
     # power-up at 8 s, where r00 started only once it had been uplinked
     assert facts["boot_by_power_up"] == {20.0: pytest.approx(1.5)} and facts["boot_trace_s"] == pytest.approx(1.5)
-    # setup: STARTED to the first vision report, per session; r00's only one shared the payload
-    # with an uplinked command, so r00's setup comes from r01's sessions
+    assert facts["boot_starts"] == {20.0: ("r01", True)}  # a restart: after its TASK_INPUTS read
+    # setup: STARTED to the first vision report, per session, first starts (inputs built and
+    # written) and restarts apart; a first start is its own (r00's shared the payload with an
+    # uplinked command: that is part of it); r00 has no restart, so its restart setup comes from
+    # r01's
     r00, r01 = facts["tasks"]
-    assert [(round(s, 3), block, uplink) for s, block, uplink in r00["first_units"]] == [(0.3, 0, True)]
-    assert [(round(s, 3), block, uplink) for s, block, uplink in r01["first_units"]] == [
-        (0.3, 0, False),
-        (0.3, 2, False),
+    assert [(round(s, 3), block, uplink, first) for s, block, uplink, first, _ in r00["first_units"]] == [
+        (0.3, 0, True, True)
     ]
-    assert r00["setup_samples"] == r01["setup_samples"] == r01["first_units"]
+    assert [(round(s, 3), block, uplink, first) for s, block, uplink, first, _ in r01["first_units"]] == [
+        (0.3, 0, False, True),
+        (0.3, 2, False, False),
+    ]
+    assert r00["first_setup_samples"] == r00["first_units"]
+    assert r01["first_setup_samples"] == r01["first_units"][:1]
+    assert r00["setup_samples"] == r01["setup_samples"] == r01["first_units"][1:]
     assert facts["cadence"] == "fixed" and facts["planner"] == "optimal"
 
 
