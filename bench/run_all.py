@@ -150,6 +150,7 @@ def e2e_campaign(
     seeds=(0,),
     cadences=("fixed",),
     jobs: int = 1,
+    resume: bool = False,
 ) -> list:
     """The `small` model (12 layers: a cut inside a whole-chunk checkpoint loses up to 12
     layer-chunks, inside an OrbitWeaver block 2), a prefill-heavy request (two 512 px images, a
@@ -182,6 +183,7 @@ def e2e_campaign(
         workloads=workloads,
         cadences=list(cadences),
         jobs=jobs,
+        resume=resume,
     )
     # OrbitWeaver with the paper's (fixed) cadence is "orbitweaver" in every comparison; the
     # adaptive cadence keeps its label.
@@ -238,7 +240,8 @@ def main(argv=None) -> int:
     p.add_argument(
         "--reuse",
         action="store_true",
-        help="reuse the parts already measured in OUT (their JSON files) and run only the missing ones",
+        help="reuse the parts already measured in OUT (their JSON files) and run only the missing ones; "
+        "an end-to-end campaign that was stopped keeps its finished runs (hil.campaign resume)",
     )
     p.add_argument(
         "--report-only",
@@ -332,6 +335,7 @@ def main(argv=None) -> int:
                 seeds=seeds,
                 cadences=cadences,
                 jobs=args.jobs,
+                resume=args.reuse,
             ),
         )
     part(

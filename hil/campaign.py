@@ -15,7 +15,7 @@ import json
 import statistics
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import traces
@@ -74,6 +74,42 @@ def trace_for_seed(trace: str, seed: int, out_dir: Path) -> str:
     return str(path)
 
 
+#: In each run's directory: the run's configuration and its report, written once the run has
+#: ended (so a run cut short by a stopped campaign has none and runs again on resume).
+RUN_RECORD = "campaign-run.json"
+
+
+def _config_key(cfg: BenchConfig) -> dict:
+    """What makes two runs the same run: the whole configuration but where it is written."""
+    return json.loads(json.dumps(replace(cfg, out_dir=""), default=_jsonable))
+
+
+def _jsonable(value):
+    if hasattr(value, "__dataclass_fields__"):
+        return asdict(value)
+    return str(value)
+
+
+def _keep_run(cfg: BenchConfig, report: BenchReport) -> None:
+    path = Path(cfg.out_dir) / RUN_RECORD
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"config": _config_key(cfg), "report": report.to_json()}, indent=1))
+    tmp.replace(path)  # whole or absent: a campaign stopped mid-write reruns the run
+
+
+def kept_run(cfg: BenchConfig) -> BenchReport | None:
+    """The report of a finished earlier run with exactly this configuration, or None (no record,
+    an unreadable one, or a different configuration: then the run runs)."""
+    try:
+        record = json.loads((Path(cfg.out_dir) / RUN_RECORD).read_text())
+        if record["config"] != _config_key(cfg):
+            return None
+        return BenchReport.from_json(record["report"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def run_campaign(
     base: BenchConfig,
     traces_: list[str],
@@ -84,10 +120,13 @@ def run_campaign(
     cadences: list[str] | None = None,
     jobs: int = 1,
     max_new_tokens: int | None = None,
+    resume: bool = False,
 ) -> list[CampaignCell]:
     """Every trace x workload x seed x policy variant; `jobs` runs at once (each is a bus, a
     payload and a ground link of its own). Without `workloads`, `base.workload` (or its request
-    count) is the only one."""
+    count) is the only one. With `resume`, a run that an earlier campaign into the same directory
+    finished with the same configuration is kept as it was (`kept_run`), not run again: a
+    campaign of hours that was stopped goes on where it stopped."""
     out = Path(base.out_dir)
     cadences = cadences or [base.cadence]
     plan = []
@@ -125,9 +164,15 @@ def run_campaign(
 
     def run_one(index: int) -> None:
         trace, workload, seed, label, cadence, cfg = plan[index]
+        kept = kept_run(cfg) if resume else None
         with lock:
-            say(f"[campaign] {index + 1}/{len(plan)}: trace {trace} workload {workload} seed {seed} policy {label}")
-        report = Testbench(cfg, say=lambda line: None).run()
+            say(
+                f"[campaign] {index + 1}/{len(plan)}: trace {trace} workload {workload} seed {seed} policy {label}"
+                + (" (kept from an earlier campaign)" if kept else "")
+            )
+        report = kept or Testbench(cfg, say=lambda line: None).run()
+        if kept is None:
+            _keep_run(cfg, report)
         with lock:
             say("  " + report.summary().replace("\n", "\n  "))
             cells[index] = CampaignCell(trace, label, seed, report, workload, cadence, cfg.out_dir)

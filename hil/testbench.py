@@ -174,6 +174,13 @@ class BenchReport:
     def to_json(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_json(cls, data: dict) -> BenchReport:
+        """The report `to_json` wrote (a run's report.json)."""
+        fields_ = dict(data)
+        fields_["requests"] = [RequestReport(**r) for r in fields_["requests"]]
+        return cls(**fields_)
+
     def _outputs(self) -> str:
         if not any(r.completed for r in self.requests):
             return "none to check (nothing completed)"

@@ -73,6 +73,12 @@ def register_testbench(hsub) -> None:
         help="comma-separated seeds; seed 0 plays the shipped trace, others regenerate it (default 0,1)",
     )
     camp.add_argument("--jobs", type=int, default=1, help="runs at once (each a bus, a payload and a ground link)")
+    camp.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the runs an earlier campaign into OUT finished with the same configuration, run only the "
+        "others (each finished run leaves OUT/runs/<run>/campaign-run.json); rerun without it after changing code",
+    )
     camp.set_defaults(func=cmd_campaign)
 
     rep = hsub.add_parser(
@@ -288,6 +294,7 @@ def cmd_campaign(args) -> int:
         jobs=args.jobs,
         max_new_tokens=args.max_new_tokens,
         say=lambda line: print(line, flush=True),
+        resume=args.resume,
     )
     print(f"report: {os.path.join(args.out, 'report.md')}")
     return 0 if all(c.report.all_correct for c in cells if any(r.completed for r in c.report.requests)) else 1

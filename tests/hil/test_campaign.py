@@ -66,6 +66,33 @@ def test_short_campaign_end_to_end(model_dirs, tmp_path):
     by_policy = {c.policy: c.report for c in cells if c.trace == short}
     assert by_policy["orbitweaver"].cuts_total >= 1
 
+    # resumed into the same directory: every finished run is kept as it was, none runs again
+    # (a run would rewrite its bus log)
+    logs = sorted((tmp_path / "campaign" / "runs").glob("*/bus/bus-log.jsonl"))
+    assert len(logs) == 4
+    before = {log: log.stat().st_mtime_ns for log in logs}
+    said: list[str] = []
+    again = run_campaign(base, [short, "demo"], ["orbitweaver", "none"], [0], say=said.append, jobs=2, resume=True)
+    assert sum("kept from an earlier campaign" in line for line in said) == 4
+    assert {log: log.stat().st_mtime_ns for log in logs} == before
+    assert [c.report.to_json() for c in again] == [c.report.to_json() for c in cells]
+
+
+def test_a_run_is_kept_only_with_the_same_configuration(tmp_path):
+    from dataclasses import replace
+
+    from hil.campaign import RUN_RECORD, _keep_run, kept_run
+
+    cfg = BenchConfig(trace="demo", model="m", out_dir=str(tmp_path / "run"), workload=default_workload(1, 12))
+    assert kept_run(cfg) is None  # nothing finished yet
+    report = _report("orbitweaver", "demo", [True, False])
+    _keep_run(cfg, report)
+    assert kept_run(cfg) == report
+    assert kept_run(replace(cfg, pace_ms=123.0)) is None  # another run's settings: it runs
+    assert kept_run(replace(cfg, workload=default_workload(1, 13))) is None
+    (tmp_path / "run" / RUN_RECORD).write_text("{ cut short")
+    assert kept_run(cfg) is None  # a damaged record is no result: the run runs again
+
 
 def _report(policy, trace, completed: list[bool], e2e=100.0):
     from hil.testbench import BenchReport, RequestReport
