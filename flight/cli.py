@@ -185,6 +185,7 @@ def cmd_infer(args) -> int:
         prompt_tokens=inputs.num_tokens,
         images=len(images),
         policy=options.policy,
+        cadence=options.cadence,
     )
     result = Engine(model, options, fs=fs, events=events).run(inputs, args.ckpt_dir, args.max_new_tokens)
     if args.json:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from common.durable import DurableFS, ThrottledFS, TokenBucket
 from common.errors import CliError
 from flight.checkpoint.policies import POLICIES, Geometry, Policy, get_policy
-from flight.options import EngineOptions
+from flight.options import EngineOptions, default_cadence, resolve_cadence
 
 if TYPE_CHECKING:
     from flight.checkpoint.cadence import Cadence
@@ -123,14 +123,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="stretch each block/step to at least this many ms (emulates a slower payload)",
     )
+    # Default None: the policy's (default_cadence), resolved once the policy is parsed.
     group.add_argument(
         "--cadence",
         choices=["fixed", "adaptive"],
-        default="fixed",
-        help="fixed: a decode record every D steps, a vision state every K blocks (the paper's); "
-        "adaptive: also a record early when a cut is likely before the next one, from bus "
-        "warnings, telemetry trends and the window lengths seen since launch (orbitweaver only; "
-        "docs/engine.md)",
+        default=None,
+        help="adaptive: a record early when a cut is likely before the next one the fixed cadence "
+        "would write, from bus warnings, telemetry trends and the window lengths seen since launch "
+        "(orbitweaver only; docs/engine.md); fixed: a decode record every D steps, a vision state "
+        "every K blocks (the paper's). Default: the policy's, "
+        f"{default_cadence('orbitweaver')} for orbitweaver, {default_cadence('hcache')} for the "
+        "baselines (their definitions fix it)",
     )
     group.add_argument(
         "--thermal-limit-c",
@@ -159,7 +162,8 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         raise CliError(f"unknown --planner {args.planner!r}; choose from {', '.join(sorted(PLANNERS))}", EXIT_USAGE)
     if args.threads is not None and args.threads < 1:
         raise CliError("--threads must be at least 1", EXIT_USAGE)
-    if args.cadence == "adaptive" and args.policy != "orbitweaver":
+    cadence = resolve_cadence(args.policy, args.cadence)
+    if cadence == "adaptive" and args.policy != "orbitweaver":
         raise CliError(
             f"--cadence adaptive is orbitweaver's; the {args.policy} baseline keeps the cadence its "
             f"definition gives (docs/baselines.md)",
@@ -175,7 +179,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         pace_ms=args.pace_ms,
         threads=args.threads,
         decode_kv_compression=args.decode_kv_compression,
-        cadence=args.cadence,
+        cadence=cadence,
     )
 
 
@@ -246,7 +250,7 @@ def cadence_for(args: argparse.Namespace, windows: list[float] | None = None, st
     from flight.checkpoint import cadence as cadence_module  # crc32c, on the boot path (module docstring)
 
     return cadence_module.Cadence(
-        args.cadence,
+        resolve_cadence(args.policy, args.cadence),
         windows,
         started=started,
         thermal_limit_c=cadence_module.DEFAULT_THERMAL_LIMIT_C

@@ -24,5 +24,22 @@ class EngineOptions:
     # "fixed": the policy's cadence (a decode record every D steps, a vision state every k
     # blocks); "adaptive": also early records when a cut is likely before the next one
     # (flight/checkpoint/cadence.py). Only orbitweaver adapts: the baselines keep the cadence
-    # their definitions give. Not in the MANIFEST: records are the same either way.
-    cadence: str = "fixed"
+    # their definitions give. None: the policy's default (`default_cadence`), resolved where the
+    # policy is known (the engine, the onboard process), so that an options object handed on to
+    # another policy never carries one policy's default to the other. Not in the MANIFEST:
+    # records are the same either way.
+    cadence: str | None = None
+
+
+def default_cadence(policy: str) -> str:
+    """The checkpoint cadence a run that names none gets: "adaptive" for orbitweaver (it finishes
+    the most requests in the testbench campaigns, docs/engine.md "Cadence"), "fixed" for every
+    other policy (a baseline's cadence is part of its definition, docs/baselines.md). The one
+    place this default is decided: the command lines, the engine, the onboard process and the
+    testbench all ask here."""
+    return "adaptive" if policy == "orbitweaver" else "fixed"
+
+
+def resolve_cadence(policy: str, cadence: str | None) -> str:
+    """The cadence a run of `policy` flies: the one it names, else the policy's default."""
+    return default_cadence(policy) if cadence is None else cadence

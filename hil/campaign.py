@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import traces
+from flight.options import default_cadence, resolve_cadence
 from hil.testbench import BenchConfig, BenchReport, RequestReport, Testbench, default_workload, reference_run
 from traces.catalog import GENERATED_NAMES
 
@@ -50,7 +51,7 @@ def variants(policies: list[str], cadences: list[str]) -> list[tuple[str, str, s
                 for cadence in cadences
             ]
         else:
-            out.append((policy, policy, "fixed"))
+            out.append((policy, policy, default_cadence(policy)))
     return out
 
 
@@ -128,7 +129,7 @@ def run_campaign(
     finished with the same configuration is kept as it was (`kept_run`), not run again: a
     campaign of hours that was stopped goes on where it stopped."""
     out = Path(base.out_dir)
-    cadences = cadences or [base.cadence]
+    cadences = cadences or [resolve_cadence("orbitweaver", base.cadence)]
     plan = []
     no_workload: list[str | None] = [None]  # the base config's own workload
     for trace in traces_:

@@ -33,6 +33,7 @@ import traces
 from common.wire import messages as m
 from common.wire.link import Endpoints, init_keys
 from flight.checkpoint.policies import Geometry
+from flight.options import resolve_cadence
 from flight.recovery.cost import MODELS, ORIN_AGX_NVME, REFERENCE_CHUNK, CostModel
 from ground.client import GroundClient
 from ground.errors import GroundError
@@ -112,8 +113,9 @@ class BenchConfig:
     decode_every: int = 4
     vision_every: int = 1
     planner: str = "optimal"  # every comparison runs OrbitWeaver with its own planner
-    #: orbitweaver's checkpoint cadence: "fixed" (the paper's) or "adaptive" (docs/engine.md)
-    cadence: str = "fixed"
+    #: orbitweaver's checkpoint cadence: "fixed" (the paper's) or "adaptive" (docs/engine.md);
+    #: None: the policy's default (flight.options.default_cadence)
+    cadence: str | None = None
     threads: int = 1
     start_at_s: float = 0.0
     timeout_s: float | None = None  # wall; default: until the trace ends (bus clock)
@@ -170,6 +172,8 @@ class BenchReport:
     #: after the emulated boot (real start-up work of the flight process on this machine)
     connect_s: float | None = None
     start_residual_s: float | None = None
+    #: the checkpoint cadence the payload flew (None in reports written before it was recorded)
+    cadence: str | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -198,7 +202,9 @@ class BenchReport:
                 f"({self.start_residual_s / self.time_scale:.1f} trace s) to the first heartbeat"
             )
         lines = [
-            f"trace {self.trace}  policy {self.policy}  scale {self.time_scale:.4g} wall s per trace s  "
+            f"trace {self.trace}  policy {self.policy}"
+            + (f"  cadence {self.cadence}" if self.cadence else "")
+            + f"  scale {self.time_scale:.4g} wall s per trace s  "
             f"pace {self.pace_ms:.0f} ms/unit  {boot}",
             f"  {sum(r.completed for r in self.requests)}/{len(self.requests)} completed "
             f"({self.completion_rate:.0%}), outputs {self._outputs()}; "
@@ -403,8 +409,9 @@ class Testbench:
             "--device",
             "cpu",
         ]
-        if c.cadence != "fixed":
-            args += ["--cadence", c.cadence]
+        # Always named on the payload's command line, the default included: a run's record
+        # says which cadence flew without knowing what the default was when it ran.
+        args += ["--cadence", resolve_cadence(c.policy, c.cadence)]
         if c.emulate_target_storage:
             read, write = target_storage_mbps(c.model, c.chunk, self.pace_ms)
             args += ["--emulate-read-mbps", f"{read:.6f}", "--emulate-write-mbps", f"{write:.6f}"]
@@ -639,6 +646,7 @@ class Testbench:
             boot_trace_s=self.cfg.boot_trace_s,
             connect_s=connect,
             start_residual_s=residual,
+            cadence=resolve_cadence(self.cfg.policy, self.cfg.cadence),
         )
 
 

@@ -31,8 +31,9 @@ def register_testbench(hsub) -> None:
     run.add_argument(
         "--cadence",
         choices=["fixed", "adaptive"],
-        default="fixed",
-        help="orbitweaver's checkpoint cadence (docs/engine.md); baselines keep their own",
+        default=None,
+        help="orbitweaver's checkpoint cadence (docs/engine.md); default: the policy's, adaptive for "
+        "orbitweaver, fixed for the baselines (they keep their own)",
     )
     run.set_defaults(func=cmd_run)
 
@@ -210,7 +211,7 @@ def _config(args, trace: str, policy: str):
         timeout_s=args.timeout,
         boot_trace_s=boot,
         emulate_target_storage=args.storage == "target",
-        cadence=getattr(args, "cadence", "fixed"),
+        cadence=getattr(args, "cadence", None),  # None: the policy's default
     )
 
 
@@ -254,6 +255,8 @@ def cmd_run(args) -> int:
     owlog.setup(args.log_level, component="hil")
     _check_trace(args.trace)
     _check_policy(args.policy)
+    if args.cadence == "adaptive" and args.policy != "orbitweaver":  # the payload would refuse it at every boot
+        raise CliError(f"--cadence adaptive is orbitweaver's; the {args.policy} baseline keeps its own", 2)
     report = Testbench(_config(args, args.trace, args.policy)).run()
     print(json.dumps(report.to_json(), indent=2) if args.json else report.summary())
     return 0 if report.completion_rate == 1.0 and report.all_correct else 1

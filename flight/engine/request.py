@@ -24,7 +24,7 @@ from flight.checkpoint.store import CheckpointStore, Frontier, OpenOutcome
 from flight.checkpoint.writer import CheckpointWriter
 from flight.model.inputs import RequestInputs
 from flight.model.loader import LoadedModel
-from flight.options import EngineOptions
+from flight.options import EngineOptions, resolve_cadence
 from flight.recovery.calibration_cache import cost_model_for
 from flight.recovery.cost import CostModel
 
@@ -88,7 +88,8 @@ class Engine:
         self.cost_model = cost_model  # None: the calibration cache's, looked up when a plan needs it
         # What the payload knows about its windows (warnings, telemetry, history); the caller's
         # when it has one (the onboard process), else one that knows only this engine's timings.
-        self.cadence = cadence or Cadence(self.options.cadence)
+        # An options object that names no cadence gets the default of the policy that runs.
+        self.cadence = cadence or Cadence(resolve_cadence(self.policy.name, self.options.cadence))
         self.adaptive = self.cadence.mode == "adaptive" and self.policy.name == "orbitweaver"
         self.fs = fs
         self.events: Events = events or (lambda name, **fields: None)

@@ -58,6 +58,7 @@ from common.wire.link import KeyLayout, LinkError, client_socket, recv_packet, s
 from common.wire.text import clip_utf8
 from flight.checkpoint.cadence import Cadence, WindowLog
 from flight.model.config import processors_hash
+from flight.options import EngineOptions, resolve_cadence
 
 from .handlers import MAX_QUEUED, CommandHandlers  # noqa: F401  (MAX_QUEUED: re-exported)
 from .health import ENGINE_ITEM, MAIN, WORKER, Health, command_item, item_task_id, report_item, task_item
@@ -171,9 +172,10 @@ class FlightApp(CommandHandlers):
         self._deferred_reports: set[str] = set()
         self._engine_lock = threading.Lock()
         # Checkpoint cadence: fed with warnings, bus telemetry and the windows lived through
-        # (flight/checkpoint/cadence.py); shared by every task of this boot.
-
-        self.cadence = cadence or Cadence(getattr(engine_options, "cadence", "fixed"))
+        # (flight/checkpoint/cadence.py); shared by every task of this boot. Options that name no
+        # cadence get their policy's default (flight/options.py), as the engine's own would.
+        named = engine_options if engine_options is not None else EngineOptions()
+        self.cadence = cadence or Cadence(resolve_cadence(named.policy, named.cadence))
         self.cadence.started = self.started  # uptime counts from here, as the window log's does
         self.windows = WindowLog(os.path.join(self.data_dir, "state"), started=self.started)
         self.handlers = self._handler_table()

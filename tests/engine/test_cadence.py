@@ -14,10 +14,13 @@ import pytest
 import torch
 from testkit import MAX_NEW, CutAfter, engine, inputs_for
 
+from common.errors import CliError
 from flight.checkpoint.cadence import P_MIN, Cadence, WindowLog
-from flight.checkpoint.policies import Geometry
+from flight.checkpoint.policies import POLICIES, Geometry
+from flight.cli_options import EXIT_USAGE, add_engine_arguments, cadence_for, engine_options
 from flight.engine import Engine, EngineOptions, SimulatedCut
 from flight.model.loader import load_model
+from flight.options import default_cadence, resolve_cadence
 
 
 class Clock:
@@ -171,7 +174,9 @@ def test_adaptive_cadence_is_bitwise_under_exhaustive_stops(model_dirs, tmp_path
     model = load_model(model_dir, device="cpu")
     inputs = inputs_for(model)
     fixed_commits = CutAfter(10**9)
-    engine(model, GEOMETRY, after_commit=fixed_commits.commit).run(inputs, str(tmp_path / "fixed"), MAX_NEW)
+    engine(model, GEOMETRY, cadence="fixed", after_commit=fixed_commits.commit).run(
+        inputs, str(tmp_path / "fixed"), MAX_NEW
+    )
     units, commits, written = CutAfter(10**9), CutAfter(10**9), []
 
     def commit(what, nbytes):
@@ -231,7 +236,7 @@ def test_adaptive_block_shape_is_kept_by_the_task_and_bitwise(model_dirs, tmp_pa
     model_dir = model_dirs["qwen3-vl"]
     model = load_model(model_dir, device="cpu")
     inputs = inputs_for(model)
-    ref = engine(model, GEOMETRY).run(inputs, str(tmp_path / "ref"), MAX_NEW)  # G = 2, the fixed cadence
+    ref = engine(model, GEOMETRY, cadence="fixed").run(inputs, str(tmp_path / "ref"), MAX_NEW)  # G = 2
 
     def adaptive(windows, **hooks):
         options = EngineOptions(geometry=GEOMETRY, async_writes=False, cadence="adaptive")
@@ -297,3 +302,91 @@ def test_payload_feeds_bus_telemetry_and_warnings_to_its_cadence(tmp_path):
         )
     )
     assert app.cadence.cut_at is not None
+
+
+# ---- the default: the policy's -------------------------------------------------------------------
+
+
+def test_the_default_cadence_is_the_policys():
+    assert default_cadence("orbitweaver") == "adaptive"
+    for policy in set(POLICIES) - {"orbitweaver"}:  # the baselines and none: their definitions' cadence
+        assert default_cadence(policy) == "fixed", policy
+    assert EngineOptions().cadence is None  # resolved where the policy that runs is known
+    assert resolve_cadence("orbitweaver", None) == "adaptive" and resolve_cadence("hcache", None) == "fixed"
+    assert resolve_cadence("orbitweaver", "fixed") == "fixed"  # the paper's cadence, asked for
+
+
+def _engine_args(*argv):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_the_command_line_takes_the_policys_cadence_unless_told():
+    for argv, cadence in (
+        ((), "adaptive"),
+        (("--cadence", "fixed"), "fixed"),
+        (("--cadence", "adaptive"), "adaptive"),
+        (("--policy", "sonic-layer"), "fixed"),
+        (("--policy", "hcache", "--cadence", "fixed"), "fixed"),
+        (("--policy", "none"), "fixed"),
+    ):
+        args = _engine_args(*argv)
+        assert engine_options(args).cadence == cadence, argv
+        assert cadence_for(args).mode == cadence, argv  # the onboard process's own, the same
+    for baseline in ("sonic-layer", "sonic-chunk", "hcache", "hcache+"):
+        with pytest.raises(CliError) as refused:
+            engine_options(_engine_args("--policy", baseline, "--cadence", "adaptive"))
+        assert refused.value.code == EXIT_USAGE and "orbitweaver's" in str(refused.value)
+
+
+def test_the_onboard_process_takes_the_policys_cadence(tmp_path):
+    from flight.runtime.app import FlightApp
+
+    def app(options, name):
+        return FlightApp(str(tmp_path / name), "unused-model", str(tmp_path / "keys"), "tcp://127.0.0.1:1", options)
+
+    assert app(EngineOptions(), "default").cadence.mode == "adaptive"
+    assert app(None, "none-given").cadence.mode == "adaptive"  # the engine's own default options
+    assert app(EngineOptions(policy="sonic-chunk"), "baseline").cadence.mode == "fixed"
+    assert app(EngineOptions(cadence="fixed"), "paper").cadence.mode == "fixed"
+
+
+def test_a_default_orbitweaver_engine_adapts_and_gives_the_fixed_cadences_bits(model_dirs, tmp_path):
+    """An engine whose options name no cadence runs orbitweaver's default, the adaptive one: with
+    nothing to go on it writes what the fixed cadence writes; with short windows lived through it
+    runs a new task one layer per block, and a cut and a resume still give the fixed cadence's
+    answer bit for bit."""
+    from flight.checkpoint.store import CheckpointStore
+
+    model_dir = model_dirs["qwen3-vl"]
+    model = load_model(model_dir, device="cpu")
+    inputs = inputs_for(model)
+    fixed_commits = []
+    fixed = engine(model, GEOMETRY, cadence="fixed", after_commit=lambda what, n: fixed_commits.append(what))
+    assert fixed.cadence.mode == "fixed" and not fixed.adaptive
+    ref = fixed.run(inputs, str(tmp_path / "fixed"), MAX_NEW)
+
+    default_commits = []
+    default = engine(model, GEOMETRY, after_commit=lambda what, n: default_commits.append(what))
+    assert default.cadence.mode == "adaptive" and default.adaptive
+    plain = default.run(inputs, str(tmp_path / "default"), MAX_NEW)
+    assert plain.token_ids == ref.token_ids and torch.equal(plain.logits, ref.logits)
+    assert default_commits == fixed_commits  # no history, no warning, no trend: nothing early
+    assert engine(model, GEOMETRY, policy="hcache").cadence.mode == "fixed"  # a baseline's default
+
+    short = [1e-6] * 5  # windows far shorter than any layer on one chunk
+    ckpt = tmp_path / "cut"
+    cut = CutAfter(3, names=("prefill_block_done",))
+    first = engine(load_model(model_dir, device="cpu"), GEOMETRY, events=cut.event)
+    first.cadence.set_windows(short)
+    with pytest.raises(SimulatedCut):
+        first.run(inputs, str(ckpt), MAX_NEW)
+    assert CheckpointStore(str(ckpt)).stored_manifest()["group"] == 1  # the default adapted G
+    resumed = engine(load_model(model_dir, device="cpu"), GEOMETRY)
+    resumed.cadence.set_windows(short)
+    result = resumed.run(inputs, str(ckpt), MAX_NEW)
+    assert result.resumed_from["phase"] == "prefill"
+    assert result.token_ids == ref.token_ids and torch.equal(result.logits, ref.logits)

@@ -47,6 +47,20 @@ def test_help_explains_resume():
     assert proc.returncode == 0 and "continues from" in proc.stdout and "--ckpt-dir" in proc.stdout
 
 
+def test_help_gives_the_cadence_default_per_policy():
+    for command in (("infer",), ("flight", "run")):
+        proc = ow(*command, "--help")
+        text = " ".join(proc.stdout.split())  # argparse wraps the help
+        assert proc.returncode == 0, proc.stderr
+        assert "Default: the policy's, adaptive for orbitweaver, fixed for the baselines" in text
+
+
+def test_adaptive_cadence_on_a_baseline_is_refused(base, image_files):
+    # refused before the model loads, with the exit status of a bad argument
+    proc = ow(*base, "--image", image_files[0], "--policy", "sonic-layer", "--cadence", "adaptive")
+    _one_line_error(proc, 2, "--cadence adaptive is orbitweaver's")
+
+
 def test_missing_image(base, tmp_path):
     _one_line_error(ow(*base, "--image", str(tmp_path / "nope.png")), 4, "image not found")
 

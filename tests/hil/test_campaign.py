@@ -46,25 +46,29 @@ def test_short_campaign_end_to_end(model_dirs, tmp_path):
     short = _short_trace(tmp_path / "short.jsonl")
     cells = run_campaign(base, [short, "demo"], ["orbitweaver", "none"], [0], say=lambda s: None, jobs=2)
     assert len(cells) == 4
+    # no cadence named: each policy flies its default, and the label says which orbitweaver's is
+    ours = "orbitweaver (adaptive)"
+    assert {(c.policy, c.cadence, c.report.cadence) for c in cells} == {
+        (ours, "adaptive", "adaptive"),
+        ("none", "fixed", "fixed"),
+    }
     for cell in cells:
         r = cell.report
         assert r.power_cycles >= 1
         done = [q for q in r.requests if q.completed]
         assert all(q.correct for q in done)
     # orbitweaver finishes its request on both traces
-    assert all(c.report.completion_rate == 1.0 for c in cells if c.policy == "orbitweaver")
+    assert all(c.report.completion_rate == 1.0 for c in cells if c.policy == ours)
     report = (tmp_path / "campaign" / "report.md").read_text()
-    assert "| demo | paper | orbitweaver |" in report and "| short | paper | none |" in report
+    assert f"| demo | paper | {ours} |" in report and "| short | paper | none |" in report
     assert "| paper | demo | 1/1 (100%)" in report  # the summary: orbitweaver's completion first
     for png in ("e2e.png", "completion.png", "bytes.png"):
         assert (tmp_path / "campaign" / png).stat().st_size > 1000
     rows = json.loads((tmp_path / "campaign" / "campaign.json").read_text())["rows"]
-    assert {(r["trace"], r["policy"]) for r in rows} == {
-        (t, p) for t in (short, "demo") for p in ("orbitweaver", "none")
-    }
+    assert {(r["trace"], r["policy"]) for r in rows} == {(t, p) for t in (short, "demo") for p in (ours, "none")}
     # the cut in the short trace lands inside the request: orbitweaver resumes, none starts over
     by_policy = {c.policy: c.report for c in cells if c.trace == short}
-    assert by_policy["orbitweaver"].cuts_total >= 1
+    assert by_policy[ours].cuts_total >= 1
 
     # resumed into the same directory: every finished run is kept as it was, none runs again
     # (a run would rewrite its bus log)
@@ -175,3 +179,28 @@ def test_a_result_whose_completed_report_was_missed_counts_as_not_completed(tmp_
     assert ratio["ratio"] is None and "completed 1/2" in ratio["why_not"]
     report = write_report(tmp_path, cells).read_text()
     assert "| trace-b | paper | sonic-layer | 0 | 1/2 |" in report
+
+
+def test_every_run_names_the_cadence_it_flies(tmp_path):
+    """A run that names no cadence flies its policy's default; the payload's command line names
+    the one resolved either way, and a campaign names orbitweaver's in every label."""
+    from hil.campaign import variants
+    from hil.testbench import Testbench
+
+    for policy, cadence, flown in (
+        ("orbitweaver", None, "adaptive"),
+        ("orbitweaver", "fixed", "fixed"),
+        ("orbitweaver", "adaptive", "adaptive"),
+        ("hcache", None, "fixed"),
+    ):
+        cfg = BenchConfig(trace="demo", model="unused", out_dir=str(tmp_path), policy=policy, cadence=cadence)
+        bench = Testbench(cfg, say=lambda line: None)
+        bench.pace_ms = 100.0  # what the run's preparation sets from the references
+        args = bench._flight_args()
+        assert args.count("--cadence") == 1 and args[args.index("--cadence") + 1] == flown, (policy, cadence)
+    assert variants(["orbitweaver", "hcache", "none"], ["fixed", "adaptive"]) == [
+        ("orbitweaver (fixed)", "orbitweaver", "fixed"),
+        ("orbitweaver (adaptive)", "orbitweaver", "adaptive"),
+        ("hcache", "hcache", "fixed"),
+        ("none", "none", "fixed"),
+    ]

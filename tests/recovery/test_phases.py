@@ -73,8 +73,9 @@ def _cut_then_resume(model_dirs, tmp_path, units: int):
     inputs = inputs_for(model)
     ckpt = tmp_path / f"cut-{units}"
     with pytest.raises(SimulatedCut):
-        engine(model, events=CutAfter(units).event).run(inputs, str(ckpt), MAX_NEW)
-    return inputs, run_to_completion(model_dir, inputs, ckpt)
+        # the paper's cadence: the cut points below count on its records (decode every D = 2)
+        engine(model, cadence="fixed", events=CutAfter(units).event).run(inputs, str(ckpt), MAX_NEW)
+    return inputs, run_to_completion(model_dir, inputs, ckpt, cadence="fixed")
 
 
 def test_restarts_read_what_their_phase_needs_first(model_dirs, tmp_path):

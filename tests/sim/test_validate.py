@@ -21,6 +21,7 @@ from hil.testbench import BenchReport, RequestReport
 
 FLIGHT_ARGS = ["--policy", "orbitweaver", "--chunk", "16", "--group", "2", "--decode-every", "2"]
 FLIGHT_ARGS += ["--vision-every", "1", "--planner", "optimal", "--pace-ms", "100.000", "--device", "cpu"]
+FLIGHT_ARGS += ["--cadence", "fixed"]  # the testbench names the cadence it runs; the simulator models the fixed one
 PROMPTS = ("count the ships near the coast", "describe the clouds and report what is visible below them")
 ANSWERS = (5, 7)  # tokens of each request's uninterrupted answer (references.json)
 
