@@ -1,7 +1,8 @@
 """The paper's Figures 10-14 at the real model sizes, in the lifecycle simulator.
 
-    fig10(...)  end-to-end time per trace x policy x arrival x seed: geo-mean and maximum speedup
-                of OrbitWeaver over each baseline (paper-defined and strengthened), completion
+    fig10(...)  end-to-end time per trace x variant x arrival x seed: geo-mean and maximum speedup
+                of OrbitWeaver (fixed cadence, the paper's; and its adaptive cadence) over each
+                baseline (paper-defined and strengthened), completion
     fig11(...)  recovery after a cut at 25/50/75 % of prefill: restart latency (time the cut
                 costs: restore + prefill after the restart, minus what the uninterrupted run
                 needed from the same point) and time to finish prefill
@@ -16,23 +17,35 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter
 from dataclasses import dataclass
 
 import traces
 from flight.checkpoint.policies import Geometry
 
-from .lifecycle import CHECKPOINT_KINDS, Durable, RequestModel, trace_windows
+from .lifecycle import CHECKPOINT_KINDS, Durable, Payload, RequestModel, trace_telemetry, trace_windows
 from .models import REAL_MODELS, frames_request
 from .platform import target_platform
 
 PAPER_POLICIES = ("orbitweaver", "sonic-layer", "sonic-chunk", "hcache")
 STRENGTHENED = ("sonic-layer+", "sonic-chunk+", "hcache+")
 BASELINES = ("sonic-layer", "sonic-chunk", "hcache")
+#: OrbitWeaver under its adaptive checkpoint cadence (`--cadence adaptive`), the label the
+#: testbench campaign's report gives it; "orbitweaver" alone is the paper's fixed cadence, the
+#: reference of every speedup. The baselines keep their definitions' fixed cadence.
+ADAPTIVE = "orbitweaver (adaptive)"
+#: Figure 10's variants: the paper-defined policies, OrbitWeaver adaptive, the strengthened baselines.
+VARIANTS = PAPER_POLICIES + (ADAPTIVE,) + STRENGTHENED
 TRACES = ("trace-a", "trace-b", "sat1-like", "sat2-like", "dellingr-like")
 #: OrbitWeaver's geometry on the target (the engine's defaults: C = 1024, G = 4, D = 16, k = 4).
 GEOMETRY = Geometry(chunk=1024, group=4, decode_every=16, vision_every=4)
 #: The paper's power model (docs/hil.md): computing, and NVMe write power at its rate.
 COMPUTE_W, SSD_WRITE_W, SSD_WRITE_BYTES_PER_S = 30.0, 3.5, 1.5e9
+
+
+def variant_policy(variant: str) -> tuple[str, str]:
+    """(policy, cadence) of a Figure 10 variant."""
+    return ("orbitweaver", "adaptive") if variant == ADAPTIVE else (variant, "fixed")
 
 
 def trace_for(name: str, seed: int):
@@ -78,6 +91,9 @@ class Config:
         )
 
     def build(self, policy: str) -> RequestModel:
+        """The request under `policy` (a policy, or a Figure 10 variant: the cadence is the
+        payload's, given to `RequestModel.run` by a `Payload`)."""
+        policy = variant_policy(policy)[0]
         spec = REAL_MODELS[self.model]
         request = frames_request(self.frames, self.tokens_per_frame, new_tokens=self.new_tokens)
         platform = target_platform(
@@ -91,53 +107,64 @@ def fig10(
     traces_=TRACES,
     seeds=(0, 1, 2),
     n_arrivals: int = 8,
-    policies=PAPER_POLICIES + STRENGTHENED,
+    policies=VARIANTS,
     say=None,
 ) -> dict:
+    """Each arrival is a request alone on the payload. Under the adaptive cadence its payload
+    has lived through every window of the trace before the arrival's (the window history the
+    real `Cadence` starts each process with), hears the trace's shutdown warnings and its power
+    and thermal telemetry at the trace's period (at real time the bus does not decimate it);
+    under the fixed cadence none of that changes a decision."""
     models = {p: config.build(p) for p in policies}
     rows = []
     for name in traces_:
         for seed in seeds:
             trace = trace_for(name, seed)
             windows, warns = trace_windows(trace)
+            telemetry, step = trace_telemetry(trace), trace.telemetry_period_s or 1.0
             for i, arrival in enumerate(arrivals(trace, n_arrivals)):
-                for policy, model in models.items():
-                    o = model.run(windows, arrival, warns, horizon=trace.duration_s)
+                for variant, model in models.items():
+                    cadence = variant_policy(variant)[1]
+                    payload = Payload(model.platform, windows, warns, cadence, telemetry, step)
+                    o = model.run(windows, arrival, warns, horizon=trace.duration_s, payload=payload)
                     rows.append(
                         {
                             "trace": name,
                             "seed": seed,
                             "arrival": i,
-                            "policy": policy,
+                            "policy": variant,
+                            "cadence": cadence,
                             "completed": o.completed,
                             "e2e_s": o.e2e_s,
                             "cuts": o.cuts,
                             "bytes": o.bytes_written,
+                            "group": o.group,
+                            "early_records": o.early_records,
                         }
                     )
             if say:
-                say(f"  {name} seed {seed}: {n_arrivals} arrivals x {len(policies)} policies")
+                say(f"  {name} seed {seed}: {n_arrivals} arrivals x {len(policies)} variants")
     return {"config": config.label(), "rows": rows, "summary": summarise10(rows, policies)}
 
 
-def summarise10(rows: list[dict], policies) -> dict:
+def speedups(rows: list[dict], reference: str, others) -> tuple[dict, dict]:
+    """({other: geo-mean, max, min, pairs, other unfinished}, {trace: {other: geo-mean}}) of
+    other end-to-end / `reference` end-to-end over the arrivals both complete."""
     by = {(r["trace"], r["seed"], r["arrival"], r["policy"]): r for r in rows}
     keys = sorted({(r["trace"], r["seed"], r["arrival"]) for r in rows})
-    out: dict[str, dict] = {"completion": {}, "speedup": {}, "per_trace": {}}
-    for p in policies:
-        done = [by[k + (p,)]["completed"] for k in keys if k + (p,) in by]
-        out["completion"][p] = sum(done) / max(1, len(done))
-    for base in [p for p in policies if p != "orbitweaver"]:
+    overall: dict[str, dict] = {}
+    per_trace: dict[str, dict] = {}
+    for base in others:
         ratios, unfinished = [], 0
         for k in keys:
-            ow, b = by.get(k + ("orbitweaver",)), by.get(k + (base,))
-            if not ow or not b or not ow["completed"]:
+            ref, b = by.get(k + (reference,)), by.get(k + (base,))
+            if not ref or not b or not ref["completed"]:
                 continue
             if not b["completed"]:
                 unfinished += 1
                 continue
-            ratios.append(b["e2e_s"] / ow["e2e_s"])
-        out["speedup"][base] = {
+            ratios.append(b["e2e_s"] / ref["e2e_s"])
+        overall[base] = {
             "geomean": geomean(ratios),
             "max": max(ratios) if ratios else None,
             "min": min(ratios) if ratios else None,
@@ -146,13 +173,40 @@ def summarise10(rows: list[dict], policies) -> dict:
         }
         for trace in sorted({k[0] for k in keys}):
             vals = [
-                by[k + (base,)]["e2e_s"] / by[k + ("orbitweaver",)]["e2e_s"]
+                by[k + (base,)]["e2e_s"] / by[k + (reference,)]["e2e_s"]
                 for k in keys
                 if k[0] == trace
                 and by.get(k + (base,), {}).get("completed")
-                and by.get(k + ("orbitweaver",), {}).get("completed")
+                and by.get(k + (reference,), {}).get("completed")
             ]
-            out["per_trace"].setdefault(trace, {})[base] = geomean(vals)
+            per_trace.setdefault(trace, {})[base] = geomean(vals)
+    return overall, per_trace
+
+
+def summarise10(rows: list[dict], policies) -> dict:
+    """completion per variant; speedup and per_trace: each baseline against OrbitWeaver with the
+    fixed cadence (the paper's); with the adaptive variant, speedup_adaptive and
+    per_trace_adaptive: each baseline against OrbitWeaver adaptive, and adaptive_vs_fixed:
+    OrbitWeaver fixed end-to-end / adaptive end-to-end (> 1: the adaptive cadence is faster),
+    its completion beside the fixed one's, and the adaptive variant's early records and G."""
+    keys = sorted({(r["trace"], r["seed"], r["arrival"]) for r in rows})
+    by = {(r["trace"], r["seed"], r["arrival"], r["policy"]): r for r in rows}
+    out: dict[str, dict] = {"completion": {}}
+    for p in policies:
+        done = [by[k + (p,)]["completed"] for k in keys if k + (p,) in by]
+        out["completion"][p] = sum(done) / max(1, len(done))
+    baselines = [p for p in policies if not p.startswith("orbitweaver")]
+    out["speedup"], out["per_trace"] = speedups(rows, "orbitweaver", baselines)
+    if ADAPTIVE in policies:
+        out["speedup_adaptive"], out["per_trace_adaptive"] = speedups(rows, ADAPTIVE, baselines)
+        vs, per_trace = speedups(rows, ADAPTIVE, ["orbitweaver"])
+        adaptive_rows = [r for r in rows if r["policy"] == ADAPTIVE]
+        out["adaptive_vs_fixed"] = dict(
+            vs["orbitweaver"],
+            per_trace={t: v["orbitweaver"] for t, v in per_trace.items()},
+            early_records=sum(r.get("early_records", 0) for r in adaptive_rows),
+            groups={str(g): n for g, n in sorted(Counter(r["group"] for r in adaptive_rows if r.get("group")).items())},
+        )
     return out
 
 

@@ -307,3 +307,68 @@ def test_chained_requests_share_their_process_storage_throttle():
     # request's last units let accrue
     burst_s = (4 << 20) / 1e6
     assert 0.8 * burst_s < chained.finished_at - alone.finished_at <= burst_s
+
+
+def test_figure10_adds_orbitweaver_adaptive_beside_the_fixed_variants_unchanged():
+    """Figure 10 at a real size on trace-a (short windows, FDIR once a minute): OrbitWeaver with
+    the adaptive cadence is its own variant; it asks for early records, keeps the configured G
+    (a decoder layer on a 1024-token chunk takes milliseconds on an Orin, far below any share of
+    a window), and the fixed variants' rows and speedups are exactly those of a figure without it."""
+    from hil.sim.figures import ADAPTIVE, GEOMETRY, Config, fig10, summarise10
+
+    config = Config()
+    variants = ("orbitweaver", ADAPTIVE, "sonic-layer", "hcache+")
+    with_adaptive = fig10(config, traces_=("trace-a",), seeds=(0,), n_arrivals=8, policies=variants)
+    without = fig10(config, traces_=("trace-a",), seeds=(0,), n_arrivals=8, policies=variants[:1] + variants[2:])
+    fixed_rows = [r for r in with_adaptive["rows"] if r["policy"] != ADAPTIVE]
+    assert fixed_rows == without["rows"]
+    adaptive = [r for r in with_adaptive["rows"] if r["policy"] == ADAPTIVE]
+    assert len(adaptive) == 8 and all(r["cadence"] == "adaptive" for r in adaptive)
+    assert sum(r["early_records"] for r in adaptive) > 0
+    assert {r["group"] for r in adaptive} == {GEOMETRY.group}
+    assert all(r["early_records"] == 0 for r in fixed_rows)
+
+    s = with_adaptive["summary"]
+    assert s["speedup"] == without["summary"]["speedup"]  # against OrbitWeaver fixed, as before
+    assert set(s["speedup"]) == set(s["speedup_adaptive"]) == {"sonic-layer", "hcache+"}
+    assert set(s["completion"]) == set(variants)
+    vs = s["adaptive_vs_fixed"]
+    assert vs["early_records"] == sum(r["early_records"] for r in adaptive)
+    assert vs["groups"] == {str(GEOMETRY.group): 8}
+    both = [
+        (f, a)
+        for f, a in zip([r for r in fixed_rows if r["policy"] == "orbitweaver"], adaptive, strict=True)
+        if f["completed"] and a["completed"]
+    ]
+    assert vs["pairs"] == len(both)
+    assert summarise10(with_adaptive["rows"], variants) == s
+
+
+def test_figure10_adaptive_variant_picks_smaller_blocks_where_a_block_outlasts_the_windows():
+    """The adaptive variant on a platform whose prefill blocks are long against trace-a's
+    windows (a paced testbench: one unit takes 8 s, a quarter of the median window lived through
+    is about 6.5 s) picks G = 1 for arrivals after enough windows, where the fixed variant keeps
+    the configured G."""
+    from hil.sim.figures import ADAPTIVE, arrivals, summarise10, trace_for
+    from hil.sim.lifecycle import Payload, trace_telemetry
+
+    spec = spec_from_dir_tiny()
+    platform = _paced(8000.0)
+    geometry = Geometry(chunk=64, group=4, decode_every=8, vision_every=4)
+    trace = trace_for("trace-a", 0)
+    windows, warns = trace_windows(trace)
+    rows = []
+    for i, arrival in enumerate(arrivals(trace, 4)):
+        for variant, cadence in (("orbitweaver", "fixed"), (ADAPTIVE, "adaptive")):
+            model = RequestModel(spec, Request(512, 40, 24, 2), platform, "orbitweaver", geometry, "chunk-first")
+            payload = Payload(
+                platform, windows, warns, cadence, trace_telemetry(trace), trace.telemetry_period_s or 1.0
+            )
+            o = model.run(windows, arrival, warns, horizon=trace.duration_s, payload=payload)
+            rows.append(
+                dict(trace="trace-a", seed=0, arrival=i, policy=variant, completed=o.completed, e2e_s=o.e2e_s)
+                | dict(group=o.group, early_records=o.early_records)
+            )
+    assert {r["group"] for r in rows if r["policy"] == "orbitweaver"} == {4}
+    assert 1 in {r["group"] for r in rows if r["policy"] == ADAPTIVE}
+    assert summarise10(rows, ("orbitweaver", ADAPTIVE))["adaptive_vs_fixed"]["groups"].get("1", 0) >= 1
