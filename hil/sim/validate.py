@@ -67,8 +67,13 @@ def commit_latency(directory: str, records: int = 20, nbytes: int = 64 << 10) ->
 
 
 def _option(args: list[str], flag: str) -> str | None:
-    """The value after `flag` on a recorded command line, or None."""
-    return args[args.index(flag) + 1] if flag in args[:-1] else None
+    """The value of `flag` on a recorded command line (`--flag value` or `--flag=value`), or None."""
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg[len(flag) + 1 :]
+    return None
 
 
 def run_geometry(flight_args: list[str] | None, fallback: Geometry) -> Geometry:
@@ -300,7 +305,9 @@ def run_facts(run_dir: str) -> dict:
         "run_dir": str(run),
         "trace": report["trace"],
         "policy": report["policy"],
-        "cadence": _option(flight_args, "--cadence") or "fixed",
+        # the report says which cadence flew; runs recorded before it did named no --cadence
+        # when they flew the fixed one, then everyone's default
+        "cadence": report.get("cadence") or _option(flight_args, "--cadence") or "fixed",
         "planner": _option(flight_args, "--planner") or (PAYLOAD_DEFAULT_PLANNER if flight_args else None),
         "time_scale": report["time_scale"],
         "pace_ms": report["pace_ms"],

@@ -191,3 +191,13 @@ def test_a_request_behind_one_predicted_not_to_complete_is_predicted_not_to_comp
     first, second = simulate_run(facts, model_dirs["qwen3-vl"], requests, Geometry(16, 2, 2, 1), 1e-3)
     assert first["predicted_completed"] is False and first["predicted_e2e_trace_s"] is None
     assert second["predicted_completed"] is False and second["predicted_e2e_trace_s"] is None
+
+
+def test_recorded_options_in_either_form():
+    from hil.sim.validate import _option
+
+    args = ["--chunk", "8", "--cadence=adaptive", "--group"]
+    assert _option(args, "--chunk") == "8"
+    assert _option(args, "--cadence") == "adaptive"
+    assert _option(args, "--group") is None  # a flag last, without its value
+    assert _option(args, "--planner") is None
