@@ -332,6 +332,13 @@ class Cadence:
         self.early_records += 1
         return True
 
+    def shapes_blocks(self, configured: int) -> bool:
+        """Whether `prefill_group` can choose anything but `configured` now: the adaptive cadence,
+        more than one layer configured, and enough windows lived through. The engine asks first,
+        so that a task that cannot get another shape costs no cost-model lookup."""
+        with self._lock:
+            return self.mode == "adaptive" and configured > 1 and len(self.windows) >= MIN_WINDOWS
+
     def prefill_group(self, configured: int, layer_chunk_s: float) -> int:
         """Layers per prefill block for a task that has no record yet. The fixed cadence keeps
         `configured` (the paper's G). The adaptive one takes the largest G <= configured whose

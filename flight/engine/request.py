@@ -112,6 +112,8 @@ class Engine:
         group = stored.get("group") if stored is not None else None
         if isinstance(group, int) and not isinstance(group, bool) and 1 <= group <= self.geometry.group:
             return replace(self.geometry, group=group)
+        if not self.cadence.shapes_blocks(self.geometry.group):
+            return self.geometry  # too little history (or G = 1): no cost estimate to look up
         # One decoder layer on one chunk: the pace where the payload is paced (the testbench's
         # stand-in for the target's compute), else the calibrated cost model's estimate.
         chunk_tokens = min(self.geometry.chunk, inputs.num_tokens)

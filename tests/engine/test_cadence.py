@@ -225,6 +225,11 @@ def test_adaptive_prefill_block_fits_the_windows_lived_through():
     # median window 12 s: a quarter of it holds three 1-second layers, not the configured four
     assert Cadence("adaptive", [10.0, 12.0, 14.0]).prefill_group(4, 1.0) == 3
     assert Cadence("adaptive", [100.0] * 5).prefill_group(4, 1.0) == 4  # never above the configured G
+    # the engine asks before it looks a cost estimate up: only when a shape can be chosen
+    assert not Cadence("fixed", [0.1] * 5).shapes_blocks(4)
+    assert not Cadence("adaptive", [0.1, 0.1]).shapes_blocks(4)
+    assert not Cadence("adaptive", [0.1] * 5).shapes_blocks(1)
+    assert Cadence("adaptive", [0.1] * 3).shapes_blocks(4)
 
 
 def test_adaptive_block_shape_is_kept_by_the_task_and_bitwise(model_dirs, tmp_path):
