@@ -41,7 +41,7 @@ from flight.model.inputs import build_inputs, decode_image
 from hil import buslog as bl
 from hil.testbench import NOT_FINISHED
 
-from .lifecycle import Bucket, Payload, RequestModel, trace_telemetry, trace_windows
+from .lifecycle import Bucket, Payload, PayloadProcess, RequestModel, trace_telemetry, trace_windows
 from .models import RecordSizes, Request, spec_from_dir
 from .platform import Platform, testbench_platform
 
@@ -408,10 +408,7 @@ def _run_platform(facts: dict, commit_latency_s: float, unit: dict | None = None
 def _read_after(platform: Platform, since_process_start: float, nbytes: float) -> float:
     """A read of `nbytes` through a process's storage `since_process_start` after it started,
     nothing read before (the token bucket empty at the start)."""
-    st = platform.storage
-    if st.burst_bytes <= 0:
-        return st.read_latency_s + nbytes / st.read_bytes_per_s
-    return Bucket(st.read_bytes_per_s, st.burst_bytes, 0.0).take(max(0.0, since_process_start), nbytes)
+    return PayloadProcess(platform, 0.0).read_s(max(0.0, since_process_start), nbytes)
 
 
 def _write_after(platform: Platform, since_process_start: float, nbytes: float) -> float:
@@ -461,7 +458,7 @@ def simulate_request(
     before it (run_payload); `boots`: {power-up: boot} without the reads the simulator charges
     itself (run_boots)."""
 
-    spec = spec_from_dir(model_dir)
+    spec = spec_from_dir_cached(model_dir)
     first_start = facts["tasks"][0]["first_start_trace_s"] or 0.0
     if boots is None:
         boots = {float(k): v for k, v in (facts.get("boot_by_power_up") or {}).items()}
