@@ -30,6 +30,20 @@ class EngineOptions:
     # records are the same either way.
     cadence: str | None = None
 
+    def __post_init__(self) -> None:
+        # Refused here, not only on the command lines: an engine given a baseline with the
+        # adaptive cadence would otherwise fly the fixed one and say nothing.
+        if self.cadence not in (None, *CADENCES):
+            raise ValueError(f"unknown cadence {self.cadence!r} (one of {', '.join(CADENCES)})")
+        if self.cadence == "adaptive" and self.policy != "orbitweaver":
+            raise ValueError(
+                f"the adaptive cadence is orbitweaver's; the {self.policy} baseline keeps the cadence its "
+                "definition gives (docs/baselines.md)"
+            )
+
+
+CADENCES = ("fixed", "adaptive")
+
 
 def default_cadence(policy: str) -> str:
     """The checkpoint cadence a run that names none gets: "adaptive" for orbitweaver (it finishes

@@ -347,6 +347,18 @@ def test_the_command_line_takes_the_policys_cadence_unless_told():
         assert refused.value.code == EXIT_USAGE and "orbitweaver's" in str(refused.value)
 
 
+def test_engine_options_refuse_a_cadence_the_policy_cannot_fly():
+    # Not only the command lines: an options object built in code is refused too, where the
+    # engine used to fly a baseline's fixed cadence and say nothing.
+    for baseline in ("sonic-layer", "sonic-chunk", "hcache", "sonic-layer+", "none"):
+        with pytest.raises(ValueError, match="orbitweaver's"):
+            EngineOptions(policy=baseline, cadence="adaptive")
+        assert EngineOptions(policy=baseline, cadence="fixed").cadence == "fixed"
+    with pytest.raises(ValueError, match="unknown cadence"):
+        EngineOptions(cadence="sometimes")
+    assert EngineOptions(cadence="adaptive").cadence == "adaptive"
+
+
 def test_the_onboard_process_takes_the_policys_cadence(tmp_path):
     from flight.runtime.app import FlightApp
 
