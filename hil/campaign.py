@@ -68,11 +68,29 @@ def trace_for_seed(trace: str, seed: int, out_dir: Path) -> str:
 
     if seed == 0 or trace not in GENERATED_NAMES:
         return trace
-    path = out_dir / "traces" / f"{trace}-seed{seed}.jsonl"
+    path = out_dir / SEED_TRACE_DIR / seed_trace_filename(trace, seed)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         traces.dump(traces.generate(trace, seed=seed), path)
     return str(path)
+
+
+#: where a campaign keeps the traces it generated for seeds > 0, beside its `runs/`
+SEED_TRACE_DIR = "traces"
+
+
+def seed_trace_filename(trace: str, seed: int) -> str:
+    return f"{trace}-seed{seed}.jsonl"
+
+
+def seed_trace_from_filename(filename: str) -> traces.Trace | None:
+    """The trace a campaign generated for a seed, generated again from its file's name (the
+    generator is deterministic per kind and seed), or None if the name is not one of those."""
+    stem = Path(filename).name.removesuffix(".jsonl")
+    kind, sep, seed = stem.rpartition("-seed")
+    if not sep or kind not in GENERATED_NAMES or not seed.isdigit():
+        return None
+    return traces.generate(kind, seed=int(seed))
 
 
 #: In each run's directory: the run's configuration and its report, written once the run has

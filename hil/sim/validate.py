@@ -39,6 +39,7 @@ from flight.checkpoint.policies import Geometry
 from flight.cli_options import GEOMETRY_FLAGS
 from flight.model.inputs import build_inputs, decode_image
 from hil import buslog as bl
+from hil.campaign import SEED_TRACE_DIR, seed_trace_from_filename
 from hil.testbench import NOT_FINISHED
 
 from .lifecycle import Bucket, Payload, PayloadProcess, RequestModel, trace_telemetry, trace_windows
@@ -518,13 +519,36 @@ def simulate_request(
 BUS_TELEMETRY_MAX_HZ = 10.0
 
 
+def run_trace(facts: dict) -> traces.Trace:
+    """The trace a run flew. The bus log records its absolute path, which a run directory copied
+    from another checkout or machine no longer has: then the file of that name where a campaign
+    keeps its seed traces (beside the run's `runs/`), else the same seed's trace generated again,
+    else the shipped trace of that name."""
+    recorded = facts.get("trace_path")
+    if not recorded:
+        return traces.load(traces.resolve(facts["trace"]))
+    path = Path(recorded)
+    if path.is_file():
+        return traces.load(path)
+    beside = Path(facts["run_dir"]).parent.parent / SEED_TRACE_DIR / path.name
+    if beside.is_file():
+        return traces.load(beside)
+    regenerated = seed_trace_from_filename(path.name)
+    if regenerated is not None:
+        return regenerated
+    stem = path.name.removesuffix(".jsonl")
+    if stem in traces.SHIPPED_NAMES:
+        return traces.load(traces.shipped_path(stem))
+    raise FileNotFoundError(f"{facts['run_dir']}: the trace it flew, {recorded}, is gone and is no shipped trace")
+
+
 def run_payload(facts: dict, platform: Platform) -> Payload:
     """The run's payload across its power windows, shared by its requests: the trace's windows
     from the run's start (the testbench counts a request as completed only if its COMPLETED
     report comes before the trace ends: the last, open window closes there), its warnings, the
     power and thermal telemetry the bus sends (one round per decimated step,
     hil/bus/telemetry.py), and the payload's cadence."""
-    trace = traces.load(facts["trace_path"] or facts["trace"])
+    trace = run_trace(facts)
     windows, warns = trace_windows(trace)
     windows = [
         (max(a, facts["start_at_s"]), min(b, trace.duration_s))

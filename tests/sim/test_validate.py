@@ -201,3 +201,26 @@ def test_recorded_options_in_either_form():
     assert _option(args, "--cadence") == "adaptive"
     assert _option(args, "--group") is None  # a flag last, without its value
     assert _option(args, "--planner") is None
+
+
+def test_a_run_copied_elsewhere_still_finds_the_trace_it_flew(tmp_path):
+    """The bus log records the trace's absolute path; once the checkout that recorded it is gone
+    the validation finds the same trace without it, and says so when it cannot."""
+    import traces
+    from hil.campaign import trace_for_seed
+    from hil.sim.validate import run_trace
+
+    campaign = tmp_path / "campaign"
+    flown = traces.load(trace_for_seed("trace-a", 1, campaign))  # written where a campaign keeps it
+    run_dir = str(campaign / "runs" / "trace-a-paper-s1-orbitweaver")
+    gone = "/nonexistent/checkout/runs/bench/e2e/traces/trace-a-seed1.jsonl"
+    assert run_trace({"trace_path": gone, "trace": "trace-a-seed1", "run_dir": run_dir}) == flown
+    # a run directory copied without its campaign's traces: the same seed generated again
+    elsewhere = str(tmp_path / "copied" / "runs" / "trace-a-paper-s1-orbitweaver")
+    assert run_trace({"trace_path": gone, "trace": "trace-a-seed1", "run_dir": elsewhere}) == flown
+    shipped = run_trace(
+        {"trace_path": "/nonexistent/traces/data/trace-b.jsonl", "trace": "trace-b", "run_dir": elsewhere}
+    )
+    assert shipped == traces.load(traces.shipped_path("trace-b"))
+    with pytest.raises(FileNotFoundError, match="is gone"):
+        run_trace({"trace_path": "/nonexistent/mine.jsonl", "trace": "mine", "run_dir": elsewhere})
