@@ -41,15 +41,20 @@ def run_dirs(paths: list[str]) -> list[str]:
     return out
 
 
+def _n(value) -> str:
+    return "-" if value is None else str(value)
+
+
 def _s(value) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
 def table(result: dict) -> list[str]:
     """One line per request, then the summary. G: the prefill block's layers the simulated task
-    ran with; early: the records the simulated adaptive cadence added."""
+        ran with; early r/s: the early records the adaptive cadence asked for, in the run (the payload's
+    log) and in the simulation."""
     head = (
-        f"{'run':<48} {'req':>3} {'policy (cadence)':<26} {'cuts r/s':>8} {'G':>2} {'early':>5} "
+        f"{'run':<48} {'req':>3} {'policy (cadence)':<26} {'cuts r/s':>8} {'G':>2} {'early r/s':>9} "
         f"{'measured':>9} {'predicted':>9}  error"
     )
     lines = [head, "-" * len(head)]
@@ -67,10 +72,10 @@ def table(result: dict) -> list[str]:
             error = "n/a"
         cuts = f"{r.get('cuts') if r.get('cuts') is not None else '-'}/{r.get('predicted_cuts', '-')}"
         group = r.get("predicted_group")
-        early = r.get("predicted_early_records")
+        early = f"{_n(r.get('early_records'))}/{_n(r.get('predicted_early_records'))}"
         lines.append(
             f"{os.path.basename(str(r['run_dir']).rstrip('/')):<48} {r['request']:>3} {policy:<26} {cuts:>8} "
-            f"{'-' if group is None else group:>2} {'-' if early is None else early:>5} "
+            f"{'-' if group is None else group:>2} {early:>9} "
             f"{_s(r.get('e2e_trace_s')):>9} {_s(r.get('predicted_e2e_trace_s')):>9}  {error}"
         )
     errors = [r for r in result["rows"] if r.get("error") is not None]

@@ -71,8 +71,12 @@ class RecordSink:
         return timed_write
 
     def early(self, phase: str, since: int, every: int) -> bool:
-        """An adaptive-cadence record before the fixed cadence's next one (cadence.py)."""
-        return self.adaptive and self.enabled and self.cadence.early_record(phase, since, every)
+        """An adaptive-cadence record before the fixed cadence's next one (cadence.py), announced
+        as an `early_record` event so that a run's log says how many the cadence asked for."""
+        asked = self.adaptive and self.enabled and self.cadence.early_record(phase, since, every)
+        if asked:
+            self.events("early_record", phase=phase, since=since)
+        return asked
 
     def note_held_peak(self, phase: str) -> None:
         self.held_peaks[phase] = max(self.held_peaks.get(phase, 0), self.writer.take_peak())

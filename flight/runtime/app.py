@@ -640,6 +640,8 @@ class FlightApp(CommandHandlers):
                     f"task {task.task_id}: rejected {fields.get('file')} ({fields.get('reason')})",
                     task.task_id,
                 )
+            elif name == "early_record":  # in the payload's log: the simulator's count is checked against it
+                self.log.info("early_record", task_id=task.task_id, phase=fields.get("phase"))
             elif name == "checkpoint_write_failed":
                 self.event(
                     EventId.DISK_FULL,

@@ -302,6 +302,9 @@ def run_facts(run_dir: str) -> dict:
         t["failure"] = row.get("failure")
         t["cuts"] = row.get("cuts")
     boots = _boots(entries, tasks)
+    early = _early_records(run / "bus" / PAYLOAD_LOG)
+    for t in tasks:
+        t["early_records"] = early.get(t["task_id"], 0) if early is not None else None
     return {
         "run_dir": str(run),
         "trace": report["trace"],
@@ -329,6 +332,31 @@ def run_facts(run_dir: str) -> dict:
         "process_start_trace_s": float(start.get("boot_trace_s") or 0.0),
         "tasks": tasks,
     }
+
+
+#: the payload's output in a testbench run (hil/bus/power_fdir.py writes it beside the bus log)
+PAYLOAD_LOG = "payload.log"
+
+
+def _early_records(path: Path) -> dict[str, int] | None:
+    """Per task, the early records the payload's adaptive cadence asked for (its `early_record`
+    log lines, every boot's); None where the run kept no payload log. A line a cut tore is no
+    JSON and is skipped."""
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return None
+    counts: dict[str, int] = {}
+    for line in text.splitlines():
+        if '"early_record"' not in line:
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and entry.get("event") == "early_record" and entry.get("task_id"):
+            counts[entry["task_id"]] = counts.get(entry["task_id"], 0) + 1
+    return counts
 
 
 @functools.lru_cache(maxsize=8)
@@ -688,6 +716,7 @@ def validate(
                     "comparable": task["e2e_trace_s"] is not None
                     or (not task["completed"] and task["failure"] == NOT_FINISHED),
                     "cuts": task["cuts"],
+                    "early_records": task["early_records"],
                     "e2e_trace_s": measured,
                     "report_e2e_trace_s": task["report_e2e_trace_s"],
                     **pred,

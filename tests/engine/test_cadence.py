@@ -183,12 +183,21 @@ def test_adaptive_cadence_is_bitwise_under_exhaustive_stops(model_dirs, tmp_path
         written.append(what)
         commits.commit(what, nbytes)
 
-    eng, cadence = _adaptive(model, events=units.event, after_commit=commit)
+    announced = []
+
+    def unit_events(name, **fields):
+        if name == "early_record":
+            announced.append(fields["phase"])
+        units.event(name, **fields)
+
+    eng, cadence = _adaptive(model, events=unit_events, after_commit=commit)
     ref = eng.run(inputs, str(tmp_path / "ref"), MAX_NEW)
     # early records in both phases with a cadence (fixed: vision.state[2], decode every 4 steps)
     decode = [w for w in written if w.startswith("decode")]
     assert "vision.state[3]" in written and decode[0] != "decode[..4]", written
     assert cadence.early_records >= 2 and commits.seen > fixed_commits.seen
+    # each one the cadence asked for is announced (the payload logs it for the simulator's check)
+    assert len(announced) == cadence.early_records and set(announced) == {"vision", "decode"}
     # Stop after every vision block and decode step, and after every record that is not a
     # prefill block (prefill has no cadence to adapt: every block is persisted).
     stops = [("event", n) for n in range(1, units.seen + 1)]

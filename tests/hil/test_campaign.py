@@ -69,6 +69,11 @@ def test_short_campaign_end_to_end(model_dirs, tmp_path):
     # the cut in the short trace lands inside the request: orbitweaver resumes, none starts over
     by_policy = {c.policy: c.report for c in cells if c.trace == short}
     assert by_policy[ours].cuts_total >= 1
+    # the payload's log is where the validation reads the early records the cadence asked for
+    from hil.sim.validate import run_facts
+
+    for cell in cells:
+        assert all(t["early_records"] is not None for t in run_facts(cell.report_dir)["tasks"]), cell.report_dir
 
     # resumed into the same directory: every finished run is kept as it was, none runs again
     # (a run would rewrite its bus log)

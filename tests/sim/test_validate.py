@@ -112,6 +112,14 @@ def _run_dir(root, image_files, trace_path):
     ]
     report = BenchReport(trace_path, "orbitweaver", 1.0, 100.0, 1.0, requests, 2, 1, 0, 0.0, 20.0, 1.0, True)
     (run / "report.json").write_text(json.dumps(report.to_json(), indent=2))
+    # the payload's log (every boot's, appended): r01's cadence asked for two early records,
+    # the second line torn by the cut
+    (run / "bus" / "payload.log").write_text(
+        '{"event": "flight_booted", "boot": 1}\n'
+        '{"task_id": "r01", "phase": "vision", "event": "early_record", "level": "info"}\n'
+        '{"task_id": "r01", "phase": "vision", "event": "early_rec\n'
+        '{"task_id": "r01", "phase": "decode", "event": "early_record", "level": "info"}\n'
+    )
     (run / "references.json").write_text(json.dumps([{"token_ids": list(range(n))} for n in ANSWERS]))
     return str(run)
 
@@ -152,6 +160,13 @@ def test_every_request_is_validated_and_each_is_chained_after_the_prediction_bef
         assert r["error"] == pytest.approx(r["predicted_e2e_trace_s"] / r["e2e_trace_s"] - 1)
     assert result["max_abs_error"] == max(abs(r["error"]) for r in rows)
     assert result["requests"] == 2 and result["completion_misses"] == 0 and all(r["comparable"] for r in rows)
+
+
+def test_run_facts_count_the_early_records_the_payload_logged(run_dir, tmp_path):
+    facts = run_facts(run_dir)
+    assert {t["task_id"]: t["early_records"] for t in facts["tasks"]} == {"r00": 0, "r01": 2}
+    (tmp_path / "run" / "bus" / "payload.log").unlink()  # a run that kept no payload log: unknown, not 0
+    assert {t["early_records"] for t in run_facts(run_dir)["tasks"]} == {None}
 
 
 def test_run_facts_merge_boots_over_tasks_and_follow_the_served_order(run_dir):
