@@ -1,0 +1,36 @@
+"""`make bench`'s report: the completion table of the real-process Figure 10 campaign."""
+
+from __future__ import annotations
+
+from bench.run_all import _completion_table
+
+
+def _row(policy, completed, seed=0, trace="trace-a", workload="paper", correct=True):
+    return {
+        "trace": trace,
+        "workload": workload,
+        "seed": seed,
+        "policy": policy,
+        "completed": completed,
+        "requests": 2,
+        "correct": correct,
+    }
+
+
+def test_completion_table_counts_requests_over_seeds_and_says_when_none_complete():
+    rows = [
+        _row("orbitweaver", 1.0),
+        _row("orbitweaver", 0.5, seed=1),
+        _row("orbitweaver (adaptive)", 1.0),
+        _row("orbitweaver (adaptive)", 1.0, seed=1),
+        _row("hcache", 0.0),
+        _row("hcache", 0.0, seed=1),
+        _row("sonic-layer", 1.0, trace="trace-b", correct=False),
+    ]
+    lines = _completion_table(rows)
+    header = next(line for line in lines if line.startswith("| workload"))
+    # OrbitWeaver first, its fixed cadence named as such, then the baselines
+    assert header == "| workload | trace | orbitweaver (fixed) | orbitweaver (adaptive) | hcache | sonic-layer |"
+    assert "| paper | trace-a | 3/4 | 4/4 | **none** | - |" in lines
+    assert "| paper | trace-b | - | - | - | 2/2 (1 runs not bitwise) |" in lines
+    assert "| all | all | 3/4 (75%) | 4/4 (100%) | 0/4 (0%) | 2/2 (100%) |" in lines
