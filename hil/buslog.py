@@ -30,6 +30,8 @@ from common.wire import decode
 from common.wire import messages as m
 
 LOG_FILE = "bus-log.jsonl"
+#: the payload's output (stdout and stderr, every boot appended), beside the bus log in the bus's data dir
+PAYLOAD_LOG_FILE = "payload.log"
 LOG_FORMAT = "orbitweaver-bus-log"
 LOG_VERSION = 1
 

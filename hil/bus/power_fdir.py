@@ -78,7 +78,7 @@ class PowerPart(TelemetryPart):
                 boot_s = cfg.boot_trace_s * cfg.time_scale
             return LocalProcessSwitch(
                 self.payload_argv(),
-                output_path=self.data_dir / "payload.log",
+                output_path=self.data_dir / bl.PAYLOAD_LOG_FILE,
                 pidfile=self.data_dir / "payload.pid",
                 zygote=zygote,
                 boot_s=boot_s,
@@ -98,7 +98,7 @@ class PowerPart(TelemetryPart):
                 mode=cfg.ssh_mode,
                 pidfile=cfg.ssh_pidfile,
                 kill_command=cfg.ssh_kill_command,
-                output_path=self.data_dir / "payload.log",
+                output_path=self.data_dir / bl.PAYLOAD_LOG_FILE,
                 timeout_s=cfg.switch_timeout_s,
                 **kwargs,
             )

@@ -302,7 +302,7 @@ def run_facts(run_dir: str) -> dict:
         t["failure"] = row.get("failure")
         t["cuts"] = row.get("cuts")
     boots = _boots(entries, tasks)
-    early = _early_records(run / "bus" / PAYLOAD_LOG)
+    early = _early_records(run / "bus" / bl.PAYLOAD_LOG_FILE)
     for t in tasks:
         t["early_records"] = early.get(t["task_id"], 0) if early is not None else None
     return {
@@ -332,10 +332,6 @@ def run_facts(run_dir: str) -> dict:
         "process_start_trace_s": float(start.get("boot_trace_s") or 0.0),
         "tasks": tasks,
     }
-
-
-#: the payload's output in a testbench run (hil/bus/power_fdir.py writes it beside the bus log)
-PAYLOAD_LOG = "payload.log"
 
 
 def _early_records(path: Path) -> dict[str, int] | None:
