@@ -681,6 +681,7 @@ class FlightApp(CommandHandlers):
             "flight_booted",
             boot=self.state.counters.boot_count,
             endpoint=self.endpoint,
+            cadence=self.cadence.mode,  # this payload logs each early record (early_record)
             pending=[t.task_id for t in self.queue.pending()],
         )
         self.send(

@@ -336,23 +336,29 @@ def run_facts(run_dir: str) -> dict:
 
 def _early_records(path: Path) -> dict[str, int] | None:
     """Per task, the early records the payload's adaptive cadence asked for (its `early_record`
-    log lines, every boot's); None where the run kept no payload log. A line a cut tore is no
-    JSON and is skipped."""
+    log lines, every boot's). None where that is unknown: the run kept no payload log, or its
+    payload predates the count (its `flight_booted` line names no cadence). A line a cut tore is
+    no JSON and is skipped."""
     try:
         text = path.read_text(errors="replace")
     except FileNotFoundError:
         return None
     counts: dict[str, int] = {}
+    counted = False
     for line in text.splitlines():
-        if '"early_record"' not in line:
+        if '"early_record"' not in line and '"flight_booted"' not in line:
             continue
         try:
             entry = json.loads(line)
         except ValueError:
             continue
-        if isinstance(entry, dict) and entry.get("event") == "early_record" and entry.get("task_id"):
+        if not isinstance(entry, dict):
+            continue
+        if entry.get("event") == "flight_booted":
+            counted = counted or "cadence" in entry
+        elif entry.get("event") == "early_record" and entry.get("task_id"):
             counts[entry["task_id"]] = counts.get(entry["task_id"], 0) + 1
-    return counts
+    return counts if counted else None
 
 
 @functools.lru_cache(maxsize=8)

@@ -115,7 +115,7 @@ def _run_dir(root, image_files, trace_path):
     # the payload's log (every boot's, appended): r01's cadence asked for two early records,
     # the second line torn by the cut
     (run / "bus" / "payload.log").write_text(
-        '{"event": "flight_booted", "boot": 1}\n'
+        '{"event": "flight_booted", "boot": 1, "cadence": "adaptive"}\n'
         '{"task_id": "r01", "phase": "vision", "event": "early_record", "level": "info"}\n'
         '{"task_id": "r01", "phase": "vision", "event": "early_rec\n'
         '{"task_id": "r01", "phase": "decode", "event": "early_record", "level": "info"}\n'
@@ -165,7 +165,11 @@ def test_every_request_is_validated_and_each_is_chained_after_the_prediction_bef
 def test_run_facts_count_the_early_records_the_payload_logged(run_dir, tmp_path):
     facts = run_facts(run_dir)
     assert {t["task_id"]: t["early_records"] for t in facts["tasks"]} == {"r00": 0, "r01": 2}
-    (tmp_path / "run" / "bus" / "payload.log").unlink()  # a run that kept no payload log: unknown, not 0
+    log = tmp_path / "run" / "bus" / "payload.log"
+    # a payload from before the count (its boot names no cadence): unknown, not 0
+    log.write_text('{"event": "flight_booted", "boot": 1}\n')
+    assert {t["early_records"] for t in run_facts(run_dir)["tasks"]} == {None}
+    log.unlink()  # a run that kept no payload log: unknown too
     assert {t["early_records"] for t in run_facts(run_dir)["tasks"]} == {None}
 
 
