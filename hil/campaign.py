@@ -12,6 +12,7 @@ every request.
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -189,6 +190,10 @@ def run_campaign(
                 f"[campaign] {index + 1}/{len(plan)}: trace {trace} workload {workload} seed {seed} policy {label}"
                 + (" (kept from an earlier campaign)" if kept else "")
             )
+        if kept is None:
+            # What is there is the campaign's own: a run a stopped campaign cut short, or one of
+            # an earlier campaign run again. A run starts from nothing, never on top of it.
+            shutil.rmtree(cfg.out_dir, ignore_errors=True)
         report = kept or Testbench(cfg, say=lambda line: None).run()
         if kept is None:
             _keep_run(cfg, report)

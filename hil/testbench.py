@@ -348,6 +348,14 @@ class _TelemetryRecorder(threading.Thread):
             return list(self.packets)
 
 
+#: in a run's output directory: the bus's data dir, which holds the payload's (hil/bus/config.py)
+RUN_STATE_DIR = "bus"
+
+
+class EarlierRunError(FileExistsError):
+    """The output directory already holds a run: a new one there would not start from nothing."""
+
+
 class Testbench:
     def __init__(self, cfg: BenchConfig, say=None):
         self.cfg = cfg
@@ -357,6 +365,12 @@ class Testbench:
     # ---- set-up -----------------------------------------------------------------------------------
     def _prepare(self):
         cfg = self.cfg
+        if (self.out / RUN_STATE_DIR).exists():
+            # The bus's and the payload's state of an earlier run (queue journal, checkpoints, bus
+            # log): a run started on top of it would resume that run's tasks and append to its log.
+            raise EarlierRunError(
+                f"{self.out} holds an earlier run ({RUN_STATE_DIR}/): choose another output directory or remove it"
+            )
         self.out.mkdir(parents=True, exist_ok=True)
         self.keys = str(self.out / "keys")
         init_keys(self.keys)
@@ -436,7 +450,7 @@ class Testbench:
         )
         bus_cfg = BusConfig(
             trace=str(self._trace_path()),
-            data_dir=str(self.out / "bus"),
+            data_dir=str(self.out / RUN_STATE_DIR),
             keys_dir=self.keys,
             time_scale=self.scale,
             start_at_s=self.start_at,
@@ -452,7 +466,7 @@ class Testbench:
         bus = BusProcess(bus_cfg).start()
         bus_proc = bus.proc
         assert bus_proc is not None  # start() has launched it
-        self.log_tail = _LogTail(self.out / "bus" / "bus-log.jsonl")
+        self.log_tail = _LogTail(self.out / RUN_STATE_DIR / bl.LOG_FILE)
         recorder = _TelemetryRecorder(self.keys, bus.endpoints, on_packet=self._show)
         recorder.start()
         tasks: list[tuple[str, float | None]] = []
@@ -552,7 +566,7 @@ class Testbench:
 
     # ---- analysis ---------------------------------------------------------------------------------------
     def _analyse(self, tasks, results, failures, packets, wall) -> BenchReport:
-        entries = bl.read_log(self.out / "bus" / bl.LOG_FILE)
+        entries = bl.read_log(self.out / RUN_STATE_DIR / bl.LOG_FILE)
         to_trace = _trace_clock(entries, self.scale, self.start_at)
         ons = [e.utc for e in entries if e.kind == bl.POWER_ON]
         offs = [e for e in entries if e.kind == bl.POWER_OFF]

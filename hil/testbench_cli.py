@@ -250,14 +250,17 @@ def _check_policy(policy: str) -> None:
 
 def cmd_run(args) -> int:
     # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
-    from hil.testbench import Testbench
+    from hil.testbench import EarlierRunError, Testbench
 
     owlog.setup(args.log_level, component="hil")
     _check_trace(args.trace)
     _check_policy(args.policy)
     if args.cadence == "adaptive" and args.policy != "orbitweaver":  # the payload would refuse it at every boot
         raise CliError(f"--cadence adaptive is orbitweaver's; the {args.policy} baseline keeps its own", 2)
-    report = Testbench(_config(args, args.trace, args.policy)).run()
+    try:
+        report = Testbench(_config(args, args.trace, args.policy)).run()
+    except EarlierRunError as exc:
+        raise CliError(str(exc), 2) from None
     print(json.dumps(report.to_json(), indent=2) if args.json else report.summary())
     return 0 if report.completion_rate == 1.0 and report.all_correct else 1
 

@@ -3,6 +3,7 @@ payloads are forked from the bus's zygote with an emulated boot (hil/zygote.py):
 still checked bit for bit against its uninterrupted reference."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -85,6 +86,21 @@ def test_short_campaign_end_to_end(model_dirs, tmp_path):
     assert sum("kept from an earlier campaign" in line for line in said) == 4
     assert {log: log.stat().st_mtime_ns for log in logs} == before
     assert [c.report.to_json() for c in again] == [c.report.to_json() for c in cells]
+
+    # A run a stopped campaign cut short (its record not yet written) runs again from nothing:
+    # not on top of the payload's queue and checkpoints it left, nor appending to its bus log.
+    from hil import buslog as bl
+    from hil.campaign import RUN_RECORD
+
+    cut_short = next(c for c in cells if c.trace == short and c.policy == ours)
+    (Path(cut_short.report_dir) / RUN_RECORD).unlink()
+    said.clear()
+    run_campaign(base, [short, "demo"], ["orbitweaver", "none"], [0], say=said.append, jobs=2, resume=True)
+    assert sum("kept from an earlier campaign" in line for line in said) == 3
+    log = Path(cut_short.report_dir) / "bus" / bl.LOG_FILE
+    assert len(bl.runs(bl.read_log(log))) == 1  # one bus run in its log: the new one
+    boots = [e for e in bl.read_log(log) if e.kind == bl.PAYLOAD_REPORT and e.get("event") == "BOOT"]
+    assert "payload boot 1;" in boots[0].get("text"), boots[0]  # a payload that never booted before
 
 
 def test_a_run_is_kept_only_with_the_same_configuration(tmp_path):
@@ -209,3 +225,20 @@ def test_every_run_names_the_cadence_it_flies(tmp_path):
         ("hcache", "hcache", "fixed"),
         ("none", "none", "fixed"),
     ]
+
+
+def test_a_run_never_starts_on_top_of_an_earlier_one(tmp_path, capsys):
+    """`ow hil run --out DIR` where DIR holds an earlier run: refused with a usage error before
+    anything is written, and the earlier run is left as it was."""
+    from common.cli import main
+    from hil.testbench import EarlierRunError, Testbench
+
+    out = tmp_path / "run"
+    (out / "bus").mkdir(parents=True)
+    (out / "bus" / "bus-log.jsonl").write_text("an earlier run's log\n")
+    with pytest.raises(EarlierRunError, match="holds an earlier run"):
+        Testbench(BenchConfig(trace="demo", model="unused", out_dir=str(out))).run()
+    code = main(["hil", "run", "--trace", "demo", "--policy", "orbitweaver", "--requests", "1", "--out", str(out)])
+    assert code == 2 and "holds an earlier run" in capsys.readouterr().err
+    assert sorted(p.name for p in out.rglob("*")) == ["bus", "bus-log.jsonl"]
+    assert (out / "bus" / "bus-log.jsonl").read_text() == "an earlier run's log\n"
