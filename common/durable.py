@@ -8,6 +8,7 @@ that benchmarks can emulate a target device's storage bandwidth (see docs/benchm
 
 from __future__ import annotations
 
+import copy
 import errno
 import itertools
 import os
@@ -190,7 +191,7 @@ class TokenBucket:
     _last: float = field(default_factory=time.monotonic, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
-    def take(self, nbytes: int) -> float:
+    def take(self, nbytes: float) -> float:
         """Block until `nbytes` may pass; returns the seconds slept."""
         with self._lock:
             now = time.monotonic()
@@ -211,14 +212,28 @@ class ThrottledFS(DurableFS):
     are charged chunk by chunk as they are written, so a writer that interleaves two records (a
     background record giving way between slices) sees the device shared as a real one would be."""
 
-    def __init__(self, read_bps: float | None, write_bps: float | None):
+    def __init__(self, read_bps: float | None, write_bps: float | None, weight: float = 1.0):
         self.read_bucket = TokenBucket(read_bps) if read_bps else None
         self.write_bucket = TokenBucket(write_bps) if write_bps else None
+        # Each byte through this view is charged `weight` bytes of the buckets (`weighted`).
+        self.weight = weight
+
+    def weighted(self, weight: float) -> ThrottledFS:
+        """The same emulated device (the same buckets, so the two share its bandwidth) for data
+        whose bytes stand for `weight` times as much device time per byte as the data the
+        bandwidths were set for. The testbench sets the bandwidths for a small model's checkpoint
+        records, each byte of which stands for many bytes of a real model's; a task's inputs and
+        images are as large as on the target, so they pass with weight < 1 (docs/hil.md)."""
+        if not 0 < weight <= 1:
+            raise ValueError(f"a storage weight is in (0, 1], not {weight}")
+        view = copy.copy(self)
+        view.weight = weight
+        return view
 
     def _metered(self, chunks):
         for chunk in chunks:
             yield chunk  # written once the next one is asked for
-            self.write_bucket.take(memoryview(chunk).nbytes)
+            self.write_bucket.take(memoryview(chunk).nbytes * self.weight)
 
     def write_atomic(self, path, chunks):
         return super().write_atomic(path, self._metered(chunks) if self.write_bucket else chunks)
@@ -228,7 +243,7 @@ class ThrottledFS(DurableFS):
 
     def charge_read(self, nbytes: int) -> None:
         if self.read_bucket:
-            self.read_bucket.take(nbytes)
+            self.read_bucket.take(nbytes * self.weight)
 
     def read(self, path):
         buf = super().read(path)

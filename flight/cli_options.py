@@ -118,6 +118,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="throttle checkpoint writes to this bandwidth (emulate a target's storage)",
     )
     group.add_argument(
+        "--emulate-data-weight",
+        type=float,
+        default=None,
+        metavar="W",
+        help="with --emulate-read/write-mbps: the payload's own data (task inputs, images, queue) "
+        "is charged W device bytes per byte, 0 < W <= 1 (the testbench's small model stands for a "
+        "larger one: its checkpoint bytes stand for more target bytes than its inputs do; docs/hil.md)",
+    )
+    group.add_argument(
         "--pace-ms",
         type=float,
         default=0.0,
@@ -278,3 +287,14 @@ def storage_for(args: argparse.Namespace) -> tuple[DurableFS, Callable[[int], ob
     )
     hook = TokenBucket(weights * 1e6).take if weights else None
     return fs, hook
+
+
+def data_storage_for(args: argparse.Namespace, fs: DurableFS) -> DurableFS:
+    """The file layer for the onboard process's own data beside the engine's checkpoint records:
+    the same device, charged `--emulate-data-weight` device bytes per byte where throttled."""
+    weight = getattr(args, "emulate_data_weight", None)
+    if weight is None:
+        return fs
+    if not 0 < weight <= 1:
+        raise CliError("--emulate-data-weight must be in (0, 1]", EXIT_USAGE)
+    return fs.weighted(weight) if isinstance(fs, ThrottledFS) else fs

@@ -251,6 +251,26 @@ def target_storage_mbps(model_dir: str, chunk: int, pace_ms: float) -> tuple[flo
     return kv_here / (read_ratio * pace_s) / 1e6, kv_here / (write_ratio * pace_s) / 1e6
 
 
+def target_data_weight(model_dir: str) -> float:
+    """Device bytes per byte for the payload's own data (task inputs, images) beside the
+    checkpoint records that `target_storage_mbps` sets the bandwidths for.
+
+    A paced layer-chunk of the small model stands for a layer on a 1,024-token chunk of
+    Qwen3-VL-2B, so each byte of its KV stands for kv(2B) / kv(here) target bytes per token and
+    layer. A task's inputs and images are not smaller here: per visual token they hold the same
+    pixel patches as on the target, and the request's tokens stand for REFERENCE_CHUNK / chunk
+    times as many there. Charged like checkpoint bytes they would move kv(2B)/kv(here) per token
+    times too slowly (for the small model 16 x: a request's 12.6 MB of inputs took 43 s to write
+    where its target takes a sixteenth); charged at this weight, every byte the payload moves
+    takes its target time, stretched as the compute is."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        text = _json.load(f)["text_config"]
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    dtype_bytes = 2 if str(text.get("dtype", "float32")) in ("bfloat16", "float16") else 4
+    here_per_token_layer = 2 * text["num_key_value_heads"] * head_dim * dtype_bytes
+    return min(1.0, here_per_token_layer / MODELS["qwen3-vl-2b"].kv_bytes_per_token_layer)
+
+
 def measure_boot_seconds() -> float:
     """How long a payload process takes from exec to ready to compute (interpreter + imports);
     measured once per process."""
@@ -429,6 +449,7 @@ class Testbench:
         if c.emulate_target_storage:
             read, write = target_storage_mbps(c.model, c.chunk, self.pace_ms)
             args += ["--emulate-read-mbps", f"{read:.6f}", "--emulate-write-mbps", f"{write:.6f}"]
+            args += ["--emulate-data-weight", f"{target_data_weight(c.model):.6f}"]
         return args + list(c.extra_flight_args)
 
     # ---- the run --------------------------------------------------------------------------------------

@@ -124,12 +124,16 @@ class FlightApp(CommandHandlers):
         device: str | None = None,
         dtype: str | None = None,
         fs: DurableFS | None = None,
+        checkpoint_fs: DurableFS | None = None,
         weight_read_hook=None,
         results_budget_bytes: int | None = None,
         compact_after: int | None = None,
         cadence=None,
     ):
         self.fs = fs or DurableFS()
+        # The engine's checkpoint records: the same disk, but a target-emulating testbench
+        # charges them apart from the process's own data (flight/cli_options.data_storage_for).
+        self.checkpoint_fs = checkpoint_fs or self.fs
         self.data_dir = os.path.abspath(data_dir)
         self.model_dir = model_dir
         self.endpoint = endpoint
@@ -529,7 +533,11 @@ class FlightApp(CommandHandlers):
                     inputs = self._build_inputs(task, model, contents)
                     del contents
                 engine = Engine(
-                    model, self.options, fs=self.fs, events=self._engine_events(task, request), cadence=self.cadence
+                    model,
+                    self.options,
+                    fs=self.checkpoint_fs,
+                    events=self._engine_events(task, request),
+                    cadence=self.cadence,
                 )
                 self.engine = engine
                 t0 = time.monotonic()

@@ -22,6 +22,7 @@ from flight.cli_options import (
     add_engine_arguments,
     cadence_for,
     config_num_layers,
+    data_storage_for,
     engine_options,
     policy_overrides,
     report_overrides,
@@ -111,6 +112,7 @@ def cmd_run(args) -> int:
     if args.results_budget_mb < 0 or args.compact_after < 1:
         raise CliError("--results-budget-mb must be >= 0 and --compact-after >= 1", EXIT_USAGE)
     fs, weight_hook = storage_for(args)
+    data_fs = data_storage_for(args, fs)
     app = FlightApp(
         args.data_dir,
         args.model,
@@ -119,7 +121,8 @@ def cmd_run(args) -> int:
         options,
         device=args.device,
         dtype=args.dtype,
-        fs=fs,
+        fs=data_fs,
+        checkpoint_fs=fs,
         weight_read_hook=weight_hook,
         results_budget_bytes=int(args.results_budget_mb * 2**20),
         compact_after=args.compact_after,

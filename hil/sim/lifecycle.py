@@ -117,7 +117,7 @@ class PayloadProcess:
         self._writes: list[tuple[float, str, float]] = []  # (end, phase, seconds): timed record writes
         # the runtime's own writes at known times (uplinked image chunks), charged to the write
         # bucket in time order with the modelled ones
-        self._runtime_writes = sorted((t, n) for t, n in writes if t >= started)
+        self._runtime_writes = sorted((t, st.data_bytes(n)) for t, n in writes if t >= started)
 
     def clock(self) -> float:
         return self.now
@@ -452,16 +452,17 @@ class RequestModel:
         # restart; at the first start, the images read before STARTED, and after it the inputs
         # built (in the setup) and written as TASK_INPUTS on the compute path
         first_start = not d.inputs_stored
+        data = p.storage.data_bytes  # the payload's own data, not checkpoint records
         if not first_start:
-            t += proc.read_s(t, self.sizes.task_inputs)
+            t += proc.read_s(t, data(self.sizes.task_inputs))
         elif self.request.image_bytes:  # one read per image file (unknown sizes: not charged)
             for _ in range(self.request.images):
-                t += proc.read_s(t, self.request.image_bytes / self.request.images)
+                t += proc.read_s(t, data(self.request.image_bytes / self.request.images))
         res.reported_started_at = t
         t += p.first_setup_s if first_start and p.first_setup_s is not None else p.setup_s
         if first_start:  # written by the worker itself (save_inputs), not by the checkpoint writer
             nbytes = self.sizes.task_inputs
-            end = t + w._duration(t, nbytes)
+            end = t + w._duration(t, data(nbytes))
             w.commits.append(Commit(end, "inputs", nbytes=nbytes, started=t))
             w.channel_free, w.bytes, t = end, w.bytes + nbytes, end
         # ---- the engine: the task's geometry (a new task's MANIFEST pins its block shape)

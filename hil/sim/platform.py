@@ -58,6 +58,14 @@ class Storage:
     read_bytes_per_s: float
     read_latency_s: float
     burst_bytes: float = 0.0
+    # Device bytes per byte of the payload's own data (task inputs, images) beside the checkpoint
+    # records the bandwidths are for: the testbench's --emulate-data-weight (common.durable
+    # ThrottledFS.weighted); 1 on a real target.
+    data_weight: float = 1.0
+
+    def data_bytes(self, nbytes: float) -> float:
+        """What `nbytes` of the payload's own data cost the device, in checkpoint bytes."""
+        return nbytes * self.data_weight
 
 
 @dataclass
@@ -176,6 +184,7 @@ def testbench_platform(
     unit_s: dict | None = None,
     result_s: float = 0.0,
     burst_bytes: float = 4 << 20,
+    data_weight: float = 1.0,
 ) -> Platform:
     """`unit_s`: seconds per unit of work by phase ("vision", "prefill" per layer-chunk, "decode")
     where the payload's real compute is slower than the pace (a loaded machine); default: the pace."""
@@ -183,7 +192,10 @@ def testbench_platform(
     unit = {"vision": pace, "prefill": pace, "decode": pace, **{k: max(pace, v) for k, v in (unit_s or {}).items()}}
     write = write_mbps * 1e6 if write_mbps else native_write_bytes_per_s
     read = read_mbps * 1e6 if read_mbps else 1.5e9
-    storage = Storage(write, commit_latency_s, read, 0.0, burst_bytes if (read_mbps or write_mbps) else 0.0)
+    throttled = bool(read_mbps or write_mbps)
+    storage = Storage(
+        write, commit_latency_s, read, 0.0, burst_bytes if throttled else 0.0, data_weight if throttled else 1.0
+    )
     return Platform(
         "testbench",
         storage,
@@ -195,5 +207,11 @@ def testbench_platform(
         decode_step_s=unit["decode"],
         pace_s=unit["prefill"],
         result_s=result_s,
-        meta={"pace_ms": pace_ms, "read_mbps": read_mbps, "write_mbps": write_mbps, "unit_s": unit},
+        meta={
+            "pace_ms": pace_ms,
+            "read_mbps": read_mbps,
+            "write_mbps": write_mbps,
+            "data_weight": storage.data_weight,
+            "unit_s": unit,
+        },
     )

@@ -409,18 +409,21 @@ def request_for(model_dir: str, images, prompt: str, max_new_tokens: int) -> Req
     return RequestShapes(model_dir)(_files(images), prompt, max_new_tokens)
 
 
-def _storage_rates(facts: dict) -> tuple[float | None, float | None]:
-    """(read, write) bytes per trace second of the run's storage throttle (None: not throttled)."""
+def _storage_rates(facts: dict) -> tuple[float | None, float | None, float]:
+    """(read, write) bytes per trace second of the run's storage throttle (None: not throttled),
+    and the device bytes per byte of the payload's own data (1 where the run named none, as
+    the testbench's payload flew before it did)."""
     scale, args = facts["time_scale"], facts["flight_args"]
     read = float(_option(args, "--emulate-read-mbps") or 0.0) or None
     write = float(_option(args, "--emulate-write-mbps") or 0.0) or None
-    return (read * scale if read else None), (write * scale if write else None)
+    weight = float(_option(args, "--emulate-data-weight") or 1.0)
+    return (read * scale if read else None), (write * scale if write else None), weight
 
 
 def _run_platform(facts: dict, commit_latency_s: float, unit: dict | None = None, boot: float = 0.0) -> Platform:
     """The testbench as one run emulated it (per-task quantities left at their defaults)."""
     scale = facts["time_scale"]
-    read, write = _storage_rates(facts)
+    read, write, data_weight = _storage_rates(facts)
     platform = testbench_platform(
         facts["pace_ms"] / scale,
         read_mbps=read,
@@ -431,6 +434,7 @@ def _run_platform(facts: dict, commit_latency_s: float, unit: dict | None = None
         commit_latency_s=commit_latency_s / scale,
         unit_s=unit or {},
         burst_bytes=4 << 20,
+        data_weight=data_weight,
     )
     platform.process_start_s = facts.get("process_start_trace_s") or 0.0
     return platform
@@ -504,7 +508,11 @@ def simulate_request(
     # first-start delay is added (its own setup before the first unit still is). One that finds
     # the payload idle waits as the first request did (a later one's measured wait holds the real
     # time its predecessor took), less its images' read, which the simulator charges.
-    platform.first_start_s = 0.0 if chained else max(0.0, first_start - _read_after(platform, 1e9, request.image_bytes))
+    platform.first_start_s = (
+        0.0
+        if chained
+        else max(0.0, first_start - _read_after(platform, 1e9, platform.storage.data_bytes(request.image_bytes)))
+    )
     platform.boot_by_power_up = dict(boots) if boot_trace_s is None else {}
     model = RequestModel(spec, request, platform, facts["policy"], geometry, planner=facts["planner"] or "optimal")
     # The setup before the first unit: what each session's first vision report shows beyond what
@@ -521,7 +529,7 @@ def simulate_request(
         if first:
             on = max((t for t in on_times if t <= started), default=None)
             since = started - on - platform.process_start_s if on is not None else 1e9
-            extra += _write_after(platform, since, model.sizes.task_inputs)
+            extra += _write_after(platform, since, platform.storage.data_bytes(model.sizes.task_inputs))
         return seconds - vision_block_s - extra
 
     restarts = [charged(u) for u in task.get("setup_samples") or []]
@@ -607,7 +615,7 @@ def run_boots(facts: dict, requests: list[Request], platform: Platform) -> dict[
             continue
         sizes = RecordSizes(spec_from_dir_cached(facts["model_dir"]), request, 1, 1) if restart else None
         nbytes = sizes.task_inputs if sizes is not None else request.image_bytes
-        out[float(on)] = pure_boot(platform, measured, nbytes)
+        out[float(on)] = pure_boot(platform, measured, platform.storage.data_bytes(nbytes))
     return out
 
 

@@ -4,6 +4,7 @@ instead of stalling the compute thread; mandatory ones, and those the bus asked 
 import threading
 import time
 
+import pytest
 import torch
 from testkit import MAX_NEW, CutAfter, engine, inputs_for, run_to_completion
 
@@ -231,3 +232,52 @@ def test_checkpointing_holds_at_most_two_records_of_state_even_when_the_disk_lag
     # is kept, so that a lagging disk cannot starve progress; engine.md "Cadence").
     assert 0 < peaks["vision"] <= 2 * state
     assert result.records_deferred > 0
+
+
+class _Bucket:
+    """Records what a ThrottledFS charges (the real TokenBucket's sleeps are tested above)."""
+
+    def __init__(self):
+        self.taken = []
+
+    def take(self, nbytes):
+        self.taken.append(nbytes)
+        return 0.0
+
+
+def test_a_weighted_view_shares_the_device_and_charges_its_weight(tmp_path):
+    """The payload's own data (task inputs, images) goes through a weighted view of the storage
+    that the checkpoint records use: the same buckets, each byte charged `weight` bytes."""
+    from common.durable import ThrottledFS
+
+    fs = ThrottledFS(1_000_000, 1_000_000)
+    fs.read_bucket, fs.write_bucket = _Bucket(), _Bucket()
+    data = fs.weighted(0.25)
+    assert data.write_bucket is fs.write_bucket and data.read_bucket is fs.read_bucket and fs.weight == 1.0
+    data.write_atomic(str(tmp_path / "inputs"), [bytes(400_000)])
+    fs.write_atomic(str(tmp_path / "record"), [bytes(400_000)])
+    assert fs.write_bucket.taken == [100_000, 400_000]
+    data.read(str(tmp_path / "inputs"))
+    fs.read(str(tmp_path / "record"))
+    assert fs.read_bucket.taken == [100_000, 400_000]
+    for bad in (0.0, -1.0, 1.5):
+        with pytest.raises(ValueError, match="storage weight"):
+            fs.weighted(bad)
+
+
+def test_the_payload_charges_its_own_data_at_the_emulated_weight():
+    import argparse
+
+    from common.durable import DurableFS, ThrottledFS
+    from common.errors import CliError
+    from flight.cli_options import data_storage_for, storage_for
+
+    args = argparse.Namespace(emulate_read_mbps=1.0, emulate_write_mbps=0.5, emulate_data_weight=0.25)
+    fs, _ = storage_for(args)
+    data = data_storage_for(args, fs)
+    assert isinstance(data, ThrottledFS) and data.weight == 0.25 and data.write_bucket is fs.write_bucket
+    assert data_storage_for(argparse.Namespace(emulate_data_weight=None), fs) is fs  # not named: one weight
+    plain = DurableFS()
+    assert data_storage_for(args, plain) is plain  # nothing throttled: nothing to weigh
+    with pytest.raises(CliError, match="emulate-data-weight"):
+        data_storage_for(argparse.Namespace(emulate_data_weight=2.0), fs)

@@ -202,7 +202,7 @@ def test_a_result_whose_completed_report_was_missed_counts_as_not_completed(tmp_
     assert "| trace-b | paper | sonic-layer | 0 | 1/2 |" in report
 
 
-def test_every_run_names_the_cadence_it_flies(tmp_path):
+def test_every_run_names_the_cadence_it_flies(tmp_path, model_dirs):
     """A run that names no cadence flies its policy's default; the payload's command line names
     the one resolved either way, and a campaign names orbitweaver's in every label."""
     from hil.campaign import variants
@@ -219,6 +219,19 @@ def test_every_run_names_the_cadence_it_flies(tmp_path):
         bench.pace_ms = 100.0  # what the run's preparation sets from the references
         args = bench._flight_args()
         assert args.count("--cadence") == 1 and args[args.index("--cadence") + 1] == flown, (policy, cadence)
+    # target-emulated storage: the payload's own data is charged at the small model's weight
+    from hil.testbench import target_data_weight, target_storage_mbps
+
+    cfg = BenchConfig(
+        trace="demo", model=model_dirs["qwen3-vl"], out_dir=str(tmp_path), emulate_target_storage=True, chunk=16
+    )
+    bench = Testbench(cfg, say=lambda line: None)
+    bench.pace_ms = 100.0
+    args = bench._flight_args()
+    read, write = target_storage_mbps(cfg.model, cfg.chunk, 100.0)
+    weight = float(args[args.index("--emulate-data-weight") + 1])
+    assert float(args[args.index("--emulate-write-mbps") + 1]) == pytest.approx(write, rel=1e-5)
+    assert weight == pytest.approx(target_data_weight(cfg.model), rel=1e-5) and 0 < weight < 1
     assert variants(["orbitweaver", "hcache", "none"], ["fixed", "adaptive"]) == [
         ("orbitweaver (fixed)", "orbitweaver", "fixed"),
         ("orbitweaver (adaptive)", "orbitweaver", "adaptive"),
@@ -242,3 +255,17 @@ def test_a_run_never_starts_on_top_of_an_earlier_one(tmp_path, capsys):
     assert code == 2 and "holds an earlier run" in capsys.readouterr().err
     assert sorted(p.name for p in out.rglob("*")) == ["bus", "bus-log.jsonl"]
     assert (out / "bus" / "bus-log.jsonl").read_text() == "an earlier run's log\n"
+
+
+def test_the_data_weight_is_the_kv_per_token_ratio_to_the_target(tmp_path):
+    """A checkpoint byte of the small model stands for kv(2B) / kv(here) target bytes per token
+    and layer; the payload's own data is charged that much less per byte."""
+    from hil.testbench import target_data_weight
+
+    config = {
+        "text_config": {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "dtype": "bfloat16"}
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    here = 2 * 2 * 64 * 2  # K and V, two heads of 64, bf16
+    target = 2 * 8 * 128 * 2  # Qwen3-VL-2B: 8 KV heads of 128 (112 KiB per token over 28 layers)
+    assert target_data_weight(str(tmp_path)) == pytest.approx(here / target)

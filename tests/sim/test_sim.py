@@ -372,3 +372,46 @@ def test_figure10_adaptive_variant_picks_smaller_blocks_where_a_block_outlasts_t
     assert {r["group"] for r in rows if r["policy"] == "orbitweaver"} == {4}
     assert 1 in {r["group"] for r in rows if r["policy"] == ADAPTIVE}
     assert summarise10(rows, ("orbitweaver", ADAPTIVE))["adaptive_vs_fixed"]["groups"].get("1", 0) >= 1
+
+
+def test_the_payloads_own_data_moves_at_its_weight_through_the_shared_throttle():
+    """With the testbench's --emulate-data-weight, a task's TASK_INPUTS write costs the device
+    `weight` bytes per byte (common.durable.ThrottledFS.weighted), so a first start takes that
+    much less, and the checkpoint records, charged in full, are unchanged."""
+    from hil.sim.lifecycle import Payload
+    from hil.sim.platform import testbench_platform
+
+    spec = spec_from_dir_tiny()
+    geometry = Geometry(chunk=64, group=4, decode_every=8, vision_every=4)
+    windows = [(0.0, math.inf)]
+    finished = {}
+    for weight in (1.0, 0.25):
+        platform = testbench_platform(
+            1.0,
+            read_mbps=1.0,
+            write_mbps=1.0,
+            boot_s=2.0,
+            first_start_s=0.0,
+            setup_s=0.0,
+            commit_latency_s=1e-3,
+            burst_bytes=0.0,
+            data_weight=weight,
+        )
+        assert platform.storage.data_weight == weight
+        model = RequestModel(spec, Request(512, 40, 24, 2), platform, "orbitweaver", geometry)
+        finished[weight] = (model.run(windows, 0.0, payload=Payload(platform, windows)).finished_at, model.sizes)
+    (full, sizes), (weighted, _) = finished[1.0], finished[0.25]
+    # the TASK_INPUTS write at 1 MB/s: 0.75 of its bytes no longer charged
+    assert full - weighted == pytest.approx(0.75 * sizes.task_inputs / 1e6, rel=1e-6)
+    # unthrottled storage has no weight: nothing to emulate
+    native = testbench_platform(
+        1.0,
+        read_mbps=None,
+        write_mbps=None,
+        boot_s=0.0,
+        first_start_s=0.0,
+        setup_s=0.0,
+        commit_latency_s=0.0,
+        data_weight=0.25,
+    )
+    assert native.storage.data_weight == 1.0

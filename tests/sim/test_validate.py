@@ -222,6 +222,18 @@ def test_recorded_options_in_either_form():
     assert _option(args, "--planner") is None
 
 
+def test_the_run_platform_charges_the_payloads_data_at_the_weight_it_flew():
+    from hil.sim.validate import _run_platform
+
+    throttled = ["--emulate-read-mbps", "0.5", "--emulate-write-mbps", "0.25"]
+    facts = {"time_scale": 0.5, "pace_ms": 300.0, "process_start_trace_s": 15.0}
+    weighted = _run_platform({**facts, "flight_args": [*throttled, "--emulate-data-weight", "0.25"]}, 1e-3)
+    assert weighted.storage.data_weight == 0.25
+    assert weighted.storage.write_bytes_per_s == pytest.approx(0.25e6 * 0.5)  # per trace second
+    # a run from before the weight: its payload charged its data in full
+    assert _run_platform({**facts, "flight_args": throttled}, 1e-3).storage.data_weight == 1.0
+
+
 def test_a_run_copied_elsewhere_still_finds_the_trace_it_flew(tmp_path):
     """The bus log records the trace's absolute path; once the checkout that recorded it is gone
     the validation finds the same trace without it, and says so when it cannot."""
