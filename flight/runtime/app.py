@@ -611,6 +611,9 @@ class FlightApp(CommandHandlers):
         del images
         try:
             self.fs.makedirs(self._task_dir(task.task_id))
+            # A cut during an earlier try at this write left its temporary: without this, each
+            # cut before the inputs are durable would leave one more on the disk.
+            self.fs.remove_stale_temps(self._task_dir(task.task_id))
             save_inputs(self.fs, self._inputs_path(task.task_id), inputs, self._inputs_key(task, model))
         except OSError as exc:  # a full disk costs the shortcut, not the task
             if not is_disk_full(exc):

@@ -96,3 +96,30 @@ def test_command_items_name_the_content_not_the_sequence_number():
     b = m.UplinkTask(task_id="t1", prompt="p", images=[], max_new_tokens=1, priority=0)
     assert command_item(a) == command_item(b) != command_item(m.CancelTask(task_id="t1"))
     assert task_item("t1") == "task:t1"
+
+
+def test_a_cut_while_storing_a_tasks_inputs_leaves_nothing_behind(tmp_path, model_dirs, image_files):
+    """A cut between the TASK_INPUTS write and its rename leaves a temporary (tens of MB for a
+    multi-image task); the next try removes it, so a task cut at every first start does not fill
+    the disk one temporary per cut."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from flight.engine import EngineOptions
+    from flight.model.loader import load_model
+    from flight.runtime.app import FlightApp
+
+    app = FlightApp(
+        str(tmp_path / "data"), model_dirs["qwen3-vl"], str(tmp_path / "keys"), "tcp://127.0.0.1:1", EngineOptions()
+    )
+    model = load_model(model_dirs["qwen3-vl"], device="cpu")
+    task = SimpleNamespace(task_id="t1", images=["img0.png"], prompt="describe the scene", content_hash="h1")
+    task_dir = Path(app._task_dir("t1"))
+    task_dir.mkdir(parents=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = task_dir / f".inputs.rec.{int(dead.stdout)}.140169240053440.2.tmp"  # a cut process's
+    stale.write_bytes(bytes(1 << 20))
+    app._build_inputs(task, model, [Path(image_files[0]).read_bytes()])
+    assert sorted(p.name for p in task_dir.iterdir()) == ["inputs.rec"]
