@@ -256,7 +256,7 @@ class Writer:
         self.bytes = 0
         self.kept = True  # whether the last submission was kept (an optional one may be dropped)
 
-    def _duration(self, start: float, nbytes: int) -> float:
+    def _duration(self, start: float, nbytes: float) -> float:
         st = self.st
         if st.burst_bytes > 0:  # testbench: this machine's commit, then the throttle's wait
             return st.write_latency_s + self.process.write_wait(start + st.write_latency_s, nbytes)
