@@ -56,6 +56,7 @@ class Kind(enum.IntEnum):
     FINISHED_TASK = 18
     HEALTH_STATE = 19
     TASK_INPUTS = 24  # 20-23 left for other payload records
+    TASK_PIXELS = 25
     BUS_COMMAND = 32
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
@@ -39,13 +39,39 @@ class InputError(ValueError):
         self.code = code
 
 
-@dataclass
 class RequestInputs:
-    input_ids: torch.Tensor  # (1, S) int64
-    mm_token_type_ids: torch.Tensor  # (1, S) int32; 1 at image tokens
-    pixel_values: torch.Tensor  # (patches, C*T*P*P) float32
-    image_grid_thw: torch.Tensor  # (images, 3) int64
-    prompt: str
+    """A request's model inputs. `pixel_values` may be loaded only when first asked for
+    (`load_pixels`): a stored task resumed past its vision phase never reads its pixel patches
+    (tens of MB for a few images) at all. `digest` given: the digest recorded when the inputs
+    were stored, so that the MANIFEST's check needs no pixels either."""
+
+    def __init__(
+        self,
+        input_ids: torch.Tensor,  # (1, S) int64
+        mm_token_type_ids: torch.Tensor,  # (1, S) int32; 1 at image tokens
+        pixel_values: torch.Tensor | None,  # (patches, C*T*P*P) float32; None: `load_pixels` gives them
+        image_grid_thw: torch.Tensor,  # (images, 3) int64
+        prompt: str,
+        *,
+        load_pixels: Callable[[], torch.Tensor] | None = None,
+        digest: str | None = None,
+    ):
+        if pixel_values is None and load_pixels is None:
+            raise ValueError("inputs need their pixel values or a way to load them")
+        self.input_ids, self.mm_token_type_ids, self.image_grid_thw = input_ids, mm_token_type_ids, image_grid_thw
+        self.prompt = prompt
+        self._pixel_values, self._load_pixels, self._digest = pixel_values, load_pixels, digest
+
+    @property
+    def pixel_values(self) -> torch.Tensor:
+        if self._pixel_values is None:
+            assert self._load_pixels is not None
+            self._pixel_values = self._load_pixels()
+        return self._pixel_values
+
+    @property
+    def pixels_loaded(self) -> bool:
+        return self._pixel_values is not None
 
     @property
     def num_tokens(self) -> int:
@@ -56,11 +82,17 @@ class RequestInputs:
         return int(self.mm_token_type_ids.sum())
 
     def digest(self) -> str:
-        h = hashlib.sha256()
-        for t in (self.input_ids, self.mm_token_type_ids, self.pixel_values, self.image_grid_thw):
-            h.update(str((t.dtype, tuple(t.shape))).encode())
-            h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()
+        if self._digest is None:
+            self._digest = _digest(self.input_ids, self.mm_token_type_ids, self.pixel_values, self.image_grid_thw)
+        return self._digest
+
+
+def _digest(*tensors: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(str((t.dtype, tuple(t.shape))).encode())
+        h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def load_image(path: str, limits: ProcessorLimits | None = None, name: str | None = None):
@@ -153,38 +185,82 @@ def build_inputs(tokenizer, image_processor, images: list, prompt: str, image_to
     return RequestInputs(input_ids, mm, pixel_values, grid, prompt)
 
 
-def task_inputs_parts(prompt: str, digest: str, key: dict, input_ids, mm_token_type_ids, pixel_values, grid):
+#: beside a task's TASK_INPUTS record (`inputs.rec`): its pixel patches (TASK_PIXELS)
+PIXELS_FILE = "pixels.rec"
+
+
+class PixelsUnavailable(Exception):
+    """The stored pixel record cannot be used (missing, damaged, of other inputs): `reason`."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def pixels_path(inputs_path: str) -> str:
+    return os.path.join(os.path.dirname(inputs_path), PIXELS_FILE)
+
+
+def task_inputs_parts(prompt: str, digest: str, key: dict, input_ids, mm_token_type_ids, grid, pixels_digest: str):
     """(meta, tensors) of a TASK_INPUTS record: the one layout `save_inputs` writes and the
     lifecycle simulator sizes (hil/sim/models.py, with tensor specs in place of tensors)."""
-    meta = {"prompt": prompt, "digest": digest, **key}
-    tensors = {
-        "input_ids": input_ids,
-        "mm_token_type_ids": mm_token_type_ids,
-        "pixel_values": pixel_values,
-        "image_grid_thw": grid,
-    }
+    meta = {"prompt": prompt, "digest": digest, "pixels_digest": pixels_digest, **key}
+    tensors = {"input_ids": input_ids, "mm_token_type_ids": mm_token_type_ids, "image_grid_thw": grid}
     return meta, tensors
 
 
-def save_inputs(fs, path: str, inputs: RequestInputs, key: dict) -> int:
-    """Persist preprocessed inputs (record kind TASK_INPUTS, docs/record-format.md) with the
-    `key` they were built under (task, model and processor hashes). Atomic and durable."""
+def task_pixels_parts(key: dict, pixels_digest: str, pixel_values):
+    """(meta, tensors) of a TASK_PIXELS record, likewise."""
+    return {"pixels_digest": pixels_digest, **key}, {"pixel_values": pixel_values}
 
+
+def save_inputs(fs, path: str, inputs: RequestInputs, key: dict) -> int:
+    """Persist preprocessed inputs with the `key` they were built under (task, model and processor
+    hashes), atomic and durable, in two records (docs/record-format.md): the pixel patches first
+    (TASK_PIXELS, `pixels.rec`), then the rest (TASK_INPUTS at `path`), which commits both -- a
+    cut between the two leaves no TASK_INPUTS record, and the inputs are built again. Returns
+    the bytes written."""
+
+    pixels_digest = _digest(inputs.pixel_values)
+    pixel_meta, pixel_tensors = task_pixels_parts(key, pixels_digest, inputs.pixel_values)
+    written = fs.write_atomic(pixels_path(path), encode(Kind.TASK_PIXELS, pixel_meta, pixel_tensors).chunks)
     meta, tensors = task_inputs_parts(
         inputs.prompt,
         inputs.digest(),
         key,
         inputs.input_ids,
         inputs.mm_token_type_ids,
-        inputs.pixel_values,
         inputs.image_grid_thw,
+        pixels_digest,
     )
-    return fs.write_atomic(path, encode(Kind.TASK_INPUTS, meta, tensors).chunks)
+    return written + fs.write_atomic(path, encode(Kind.TASK_INPUTS, meta, tensors).chunks)
 
 
-def load_inputs(fs, path: str, key: dict) -> tuple[RequestInputs | None, str | None]:
+def load_pixels(fs, path: str, key: dict, pixels_digest: str) -> torch.Tensor:
+    """The pixel patches stored beside the TASK_INPUTS record at `path`, checked against the
+    digest that record holds; PixelsUnavailable(reason) if they cannot be used."""
+    try:
+        rec, _ = decode(fs.read(pixels_path(path)), expect_kind=Kind.TASK_PIXELS)
+    except FileNotFoundError:
+        raise PixelsUnavailable("missing") from None
+    except (RecordError, OSError) as exc:
+        raise PixelsUnavailable(getattr(exc, "reason", type(exc).__name__)) from None
+    if any(rec.meta.get(k) != v for k, v in key.items()) or rec.meta.get("pixels_digest") != pixels_digest:
+        raise PixelsUnavailable("of_other_inputs")
+    pixels = rec.tensors.get("pixel_values")
+    if pixels is None or _digest(pixels) != pixels_digest:
+        raise PixelsUnavailable("digest_mismatch")
+    return pixels
+
+
+def load_inputs(
+    fs, path: str, key: dict, rebuild_pixels: Callable[[str], torch.Tensor] | None = None
+) -> tuple[RequestInputs | None, str | None]:
     """Stored inputs if present, intact and built under `key`; else (None, why not) -- the
-    caller rebuilds them (a damaged record is never used)."""
+    caller rebuilds them (a damaged record is never used). The pixel patches are read only when
+    first asked for; if they cannot be used then, `rebuild_pixels(reason)` gives them (the
+    payload builds them again from the task's images), else PixelsUnavailable is raised. A
+    record of the earlier layout, pixels inside, is read whole."""
 
     if not fs.exists(path):
         return None, None
@@ -196,11 +272,30 @@ def load_inputs(fs, path: str, key: dict) -> tuple[RequestInputs | None, str | N
         return None, "built_with_other_model_or_task"
     t = rec.tensors
     try:
-        inputs = RequestInputs(
-            t["input_ids"], t["mm_token_type_ids"], t["pixel_values"], t["image_grid_thw"], rec.meta["prompt"]
-        )
+        ids, mm, grid, prompt = t["input_ids"], t["mm_token_type_ids"], t["image_grid_thw"], rec.meta["prompt"]
+        stored_digest = rec.meta["digest"]
     except KeyError:
         return None, "bad_meta"
-    if inputs.digest() != rec.meta.get("digest"):
-        return None, "digest_mismatch"
-    return inputs, None
+    if "pixel_values" in t:  # the earlier layout: one record
+        inputs = RequestInputs(ids, mm, t["pixel_values"], grid, prompt)
+        if inputs.digest() != stored_digest:
+            return None, "digest_mismatch"
+        return inputs, None
+    pixels_digest = rec.meta.get("pixels_digest")
+    if not isinstance(pixels_digest, str):
+        return None, "bad_meta"
+
+    def pixels() -> torch.Tensor:
+        try:
+            return load_pixels(fs, path, key, pixels_digest)
+        except PixelsUnavailable as exc:
+            if rebuild_pixels is None:
+                raise
+            rebuilt = rebuild_pixels(exc.reason)
+        # Built again under the same key, they are the same bits; if not, the task's records
+        # were computed from other inputs, and no answer from them may be given.
+        if _digest(rebuilt) != pixels_digest:
+            raise PixelsUnavailable("rebuilt_pixels_differ")
+        return rebuilt
+
+    return RequestInputs(ids, mm, None, grid, prompt, load_pixels=pixels, digest=stored_digest), None

@@ -113,6 +113,11 @@ class PersistentState:
         self.fs.write_atomic(self.path, encode(Kind.GUARD_STATE, meta).chunks)
 
 
+class ImagesAwaited(Exception):
+    """A running task needs an image that was found damaged (and removed): it waits for the
+    ground to send it again (IMAGE_CORRUPT), as a task that has not started does."""
+
+
 class FlightApp(CommandHandlers):
     def __init__(
         self,
@@ -546,6 +551,8 @@ class FlightApp(CommandHandlers):
                 self.cancel_requested.discard(task.task_id)
                 self._finish_cancel(task)
                 return
+            except ImagesAwaited:
+                return  # an image was found damaged and removed: the task runs again once it is resent
             except InputError as exc:
                 self._fail(task, request, exc.code, str(exc))
                 return
@@ -593,10 +600,25 @@ class FlightApp(CommandHandlers):
         # lazy: torch/transformers (seconds): the payload answers the bus first (0.5 s budget)
         from flight.model.inputs import load_inputs
 
-        inputs, why = load_inputs(self.fs, self._inputs_path(task.task_id), self._inputs_key(task, model))
+        inputs, why = load_inputs(
+            self.fs,
+            self._inputs_path(task.task_id),
+            self._inputs_key(task, model),
+            rebuild_pixels=lambda reason: self._rebuilt_pixels(task, model, reason),
+        )
         if why is not None:
             self.log.warning("task_inputs_rebuilt", task_id=task.task_id, reason=why)
         return inputs
+
+    def _rebuilt_pixels(self, task, model, reason: str):
+        """The pixel patches of a task whose stored ones cannot be used (asked for only when its
+        vision phase runs from them), built again from its verified images and stored again; the
+        task waits for the ground (ImagesAwaited) if an image no longer matches."""
+        self.log.warning("task_pixels_rebuilt", task_id=task.task_id, reason=reason)
+        contents = self._task_images(task)
+        if contents is None:
+            raise ImagesAwaited(task.task_id)
+        return self._build_inputs(task, model, contents).pixel_values
 
     def _build_inputs(self, task, model, contents: list[bytes]):
         """Tokenize and process the task's verified images once, and store the result."""

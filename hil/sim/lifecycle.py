@@ -449,8 +449,9 @@ class RequestModel:
             return soon[0] and warning_at is not None and warning_at <= now and self.writes
 
         # ---- the task's inputs (flight/runtime/app.py _run_task): read back before STARTED on a
-        # restart; at the first start, the images read before STARTED, and after it the inputs
-        # built (in the setup) and written as TASK_INPUTS on the compute path
+        # restart (the TASK_INPUTS record; its pixels only if the vision phase starts from them,
+        # below); at the first start, the images read before STARTED, and after it the inputs
+        # built (in the setup) and written, pixels first, on the compute path
         first_start = not d.inputs_stored
         data = p.storage.data_bytes  # the payload's own data, not checkpoint records
         if not first_start:
@@ -461,8 +462,10 @@ class RequestModel:
         res.reported_started_at = t
         t += p.first_setup_s if first_start and p.first_setup_s is not None else p.setup_s
         if first_start:  # written by the worker itself (save_inputs), not by the checkpoint writer
-            nbytes = self.sizes.task_inputs
-            end = t + w._duration(t, data(nbytes))
+            pixels_end = t + w._duration(t, data(self.sizes.task_pixels))
+            end = pixels_end + w._duration(pixels_end, data(self.sizes.task_inputs))
+            nbytes = self.sizes.task_pixels + self.sizes.task_inputs
+            # durable when the TASK_INPUTS record (the second) is: it commits both
             w.commits.append(Commit(end, "inputs", nbytes=nbytes, started=t))
             w.channel_free, w.bytes, t = end, w.bytes + nbytes, end
         # ---- the engine: the task's geometry (a new task's MANIFEST pins its block shape)
@@ -480,6 +483,8 @@ class RequestModel:
             if start_block:
                 t += proc.read_s(t, self.sizes.vision_state(start_block))
             else:
+                if not first_start:  # from the patches: the stored pixels, read when first needed
+                    t += proc.read_s(t, data(self.sizes.task_pixels))
                 t += p.vision_extra_s / 2
             last_state, deferred = start_block, 0
             for i in range(start_block, self.V):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from common.record import Kind, TensorSpec, encoded_size
 from flight.checkpoint.store import decode_record_tensors, prefill_block_parts
-from flight.model.inputs import task_inputs_parts
+from flight.model.inputs import task_inputs_parts, task_pixels_parts
 from flight.recovery.cost import ModelDims
 
 
@@ -143,6 +143,7 @@ def frames_request(frames: int, tokens_per_frame: int, text_tokens: int = 96, ne
 
 
 SHA256_HEX = "0" * 64  # a SHA-256 digest as the payload stores it: 64 hex digits
+INPUTS_KEY = {"task": SHA256_HEX, "model": SHA256_HEX, "processors": SHA256_HEX}
 
 
 class RecordSizes:
@@ -229,22 +230,34 @@ class RecordSizes:
     @property
     def task_inputs(self) -> int:
         """The TASK_INPUTS record (flight/model/inputs.py `save_inputs`): token ids, image-token
-        mask, pixel values (float32, one row per patch) and the image grid, keyed by three
-        SHA-256 digests (task, model, processors: flight/runtime/app.py `_inputs_key`) besides
-        the inputs' own digest and the prompt."""
-        r, v = self.request, self.spec.vision
+        mask and the image grid, keyed by three SHA-256 digests (task, model, processors:
+        flight/runtime/app.py `_inputs_key`) besides the inputs' and the pixels' digests and the
+        prompt. What every restart reads."""
+        r = self.request
         tokens = r.prompt_tokens
         prompt = "x" * (r.prompt_bytes if r.prompt_bytes is not None else 4 * r.text_tokens)
         meta, tensors = task_inputs_parts(
             prompt,
             SHA256_HEX,
-            {"task": SHA256_HEX, "model": SHA256_HEX, "processors": SHA256_HEX},
+            INPUTS_KEY,
             TensorSpec("int64", (1, tokens)),
             TensorSpec("int32", (1, tokens)),
-            TensorSpec("float32", (r.patches(self.spec), v.pixels_per_patch) if r.images else (0, 1)),
             TensorSpec("int64", (r.images, 3)),
+            SHA256_HEX,
         )
         return encoded_size(Kind.TASK_INPUTS, meta, tensors)
+
+    @property
+    def task_pixels(self) -> int:
+        """The TASK_PIXELS record beside it: the pixel values (float32, one row per patch). What
+        a restart reads only when its vision phase starts from the patches."""
+        r, v = self.request, self.spec.vision
+        meta, tensors = task_pixels_parts(
+            INPUTS_KEY,
+            SHA256_HEX,
+            TensorSpec("float32", (r.patches(self.spec), v.pixels_per_patch) if r.images else (0, 1)),
+        )
+        return encoded_size(Kind.TASK_PIXELS, meta, tensors)
 
     MANIFEST_BYTES = 1024  # one small metadata record (hashes, versions, geometry)
 

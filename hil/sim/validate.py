@@ -517,7 +517,9 @@ def simulate_request(
     model = RequestModel(spec, request, platform, facts["policy"], geometry, planner=facts["planner"] or "optimal")
     # The setup before the first unit: what each session's first vision report shows beyond what
     # the model itself charges there -- the vision block, a resumed session's vision-state read,
-    # a first start's TASK_INPUTS write (its bucket holding what accrued since the process began);
+    # a restart's read of the stored pixels where it starts from them, a first start's write of
+    # the TASK_PIXELS and TASK_INPUTS records (its bucket holding what accrued since the process
+    # began: an estimate, one bucket for both);
     # the median, at first starts and at restarts apart (each stands in for the other where a
     # task has none).
     vision_block_s = platform.vision_block_s
@@ -525,11 +527,16 @@ def simulate_request(
 
     def charged(sample) -> float:
         seconds, block, _uplink, first, started = sample
-        extra = model._read_s(model.sizes.vision_state(block)) if block else 0.0
+        data = platform.storage.data_bytes
+        if block:
+            extra = model._read_s(model.sizes.vision_state(block))
+        else:  # from the patches: a restart reads the stored pixels first
+            extra = 0.0 if first else model._read_s(data(model.sizes.task_pixels))
         if first:
             on = max((t for t in on_times if t <= started), default=None)
             since = started - on - platform.process_start_s if on is not None else 1e9
-            extra += _write_after(platform, since, platform.storage.data_bytes(model.sizes.task_inputs))
+            stored = model.sizes.task_pixels + model.sizes.task_inputs
+            extra += _write_after(platform, since, data(stored)) + platform.storage.write_latency_s
         return seconds - vision_block_s - extra
 
     restarts = [charged(u) for u in task.get("setup_samples") or []]

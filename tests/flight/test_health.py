@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from flight.runtime.health import EXIT_BOUND, MAIN, WORKER, Health, command_item, task_item
 
 
@@ -122,4 +124,51 @@ def test_a_cut_while_storing_a_tasks_inputs_leaves_nothing_behind(tmp_path, mode
     stale = task_dir / f".inputs.rec.{int(dead.stdout)}.140169240053440.2.tmp"  # a cut process's
     stale.write_bytes(bytes(1 << 20))
     app._build_inputs(task, model, [Path(image_files[0]).read_bytes()])
-    assert sorted(p.name for p in task_dir.iterdir()) == ["inputs.rec"]
+    assert sorted(p.name for p in task_dir.iterdir()) == ["inputs.rec", "pixels.rec"]
+
+
+def test_a_task_whose_stored_pixels_are_damaged_builds_them_again_or_waits_for_its_image(tmp_path, model_dirs):
+    """The pixel patches are read only when the vision phase starts from them; damaged then, they
+    are built again from the task's verified image, and a task whose image is damaged too waits
+    for the ground to send it again (ImagesAwaited), as a task that has not started does."""
+    import io
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from common.wire import messages as m
+    from flight.engine import EngineOptions
+    from flight.model.loader import load_model
+    from flight.runtime.app import FlightApp, ImagesAwaited
+
+    app = FlightApp(
+        str(tmp_path / "data"), model_dirs["qwen3-vl"], str(tmp_path / "keys"), "tcp://127.0.0.1:1", EngineOptions()
+    )
+    model = load_model(model_dirs["qwen3-vl"], device="cpu")
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(3).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(buf, "PNG")
+    for chunk in m.ImageChunk.split("scene.png", buf.getvalue(), chunk_bytes=4096):
+        app.images.put_chunk(chunk)
+    assert app.images.is_verified("scene.png")
+    task = SimpleNamespace(task_id="t1", images=["scene.png"], prompt="describe the scene", content_hash="h1")
+    built = app._build_inputs(task, model, app._task_images(task))
+    pixels = Path(app._task_dir("t1")) / "pixels.rec"
+
+    def damage(path):
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+    damage(pixels)
+    stored = app._stored_inputs(task, model)
+    assert stored is not None and not stored.pixels_loaded
+    assert torch.equal(stored.pixel_values, built.pixel_values)  # built again from the image, and stored again
+    assert torch.equal(app._stored_inputs(task, model).pixel_values, built.pixel_values)
+    damage(pixels)
+    damage(Path(app.images.image_path("scene.png")))
+    with pytest.raises(ImagesAwaited):
+        _ = app._stored_inputs(task, model).pixel_values
+    assert not app.images.is_verified("scene.png") and app.corrupt_images == {"t1": "scene.png"}

@@ -78,8 +78,9 @@ def test_simulated_records_are_the_bytes_the_engine_writes(model_dirs, tmp_path,
 
 @pytest.mark.parametrize("arch", ["qwen3-vl", "qwen2.5-vl"])
 def test_simulated_task_inputs_record_is_the_bytes_the_payload_writes(model_dirs, tmp_path, arch):
-    """The TASK_INPUTS record each task writes at its first start (flight/runtime/app.py): the
-    simulator's size equals what `save_inputs` writes, keyed as the payload keys it."""
+    """The TASK_INPUTS and TASK_PIXELS records each task writes at its first start
+    (flight/runtime/app.py): the simulator's sizes equal what `save_inputs` writes, keyed as the
+    payload keys it."""
     from common.durable import DurableFS
     from flight.model.config import processors_hash
     from flight.model.inputs import save_inputs
@@ -96,12 +97,13 @@ def test_simulated_task_inputs_record_is_the_bytes_the_payload_writes(model_dirs
         "processors": processors_hash(model_dirs[arch]),
     }
     written = save_inputs(DurableFS(), str(tmp_path / "inputs.rec"), inputs, key)
-    assert written == (tmp_path / "inputs.rec").stat().st_size
+    stored = {name: (tmp_path / name).stat().st_size for name in ("inputs.rec", "pixels.rec")}
+    assert written == sum(stored.values())
     visual = int((inputs.input_ids == model.adapter.image_token_id).sum())
     images = int(inputs.image_grid_thw.shape[0])
     request = Request(visual, inputs.num_tokens - visual, MAX_NEW, images, len(inputs.prompt.encode()))
     sizes = RequestModel(spec_from_dir(model_dirs[arch]), request, _instant(), "orbitweaver", GEOMETRY).sizes
-    assert sizes.task_inputs == written
+    assert (sizes.task_inputs, sizes.task_pixels) == (stored["inputs.rec"], stored["pixels.rec"])
 
 
 def test_a_cut_in_prefill_resumes_and_loses_at_most_the_block_in_flight():
@@ -119,10 +121,12 @@ def test_a_cut_in_prefill_resumes_and_loses_at_most_the_block_in_flight():
         assert outcome.completed and outcome.cuts == 1 and outcome.sessions == 2
         second = outcome.finished_at - (cut + 10.0)
         if policy == "none":
-            # boot + everything again, but the task's inputs: read back instead of built and written
+            # boot + everything again, but the task's inputs: read back (the vision phase starts
+            # from the patches, so the pixels too) instead of built and written
             st = platform.storage
-            inputs = m.sizes.task_inputs
-            write, read = st.write_latency_s + inputs / st.write_bytes_per_s, m._read_s(inputs)
+            stored = (m.sizes.task_inputs, m.sizes.task_pixels)
+            write = sum(st.write_latency_s + n / st.write_bytes_per_s for n in stored)
+            read = sum(m._read_s(n) for n in stored)
             assert second == pytest.approx(5.0 + alone - write + read, rel=1e-6)
         else:
             assert second < 5.0 + alone  # progress survived the cut
@@ -401,8 +405,8 @@ def test_the_payloads_own_data_moves_at_its_weight_through_the_shared_throttle()
         model = RequestModel(spec, Request(512, 40, 24, 2), platform, "orbitweaver", geometry)
         finished[weight] = (model.run(windows, 0.0, payload=Payload(platform, windows)).finished_at, model.sizes)
     (full, sizes), (weighted, _) = finished[1.0], finished[0.25]
-    # the TASK_INPUTS write at 1 MB/s: 0.75 of its bytes no longer charged
-    assert full - weighted == pytest.approx(0.75 * sizes.task_inputs / 1e6, rel=1e-6)
+    # the TASK_PIXELS and TASK_INPUTS writes at 1 MB/s: 0.75 of their bytes no longer charged
+    assert full - weighted == pytest.approx(0.75 * (sizes.task_pixels + sizes.task_inputs) / 1e6, rel=1e-6)
     # unthrottled storage has no weight: nothing to emulate
     native = testbench_platform(
         1.0,
