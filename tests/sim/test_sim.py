@@ -279,24 +279,24 @@ def test_a_warning_makes_the_adaptive_cadence_write_until_the_cut():
     assert _decode_records([500.0, 600.0, 700.0], "fixed") == ([8, 16], 0)  # unwarned
 
 
+def _throttled_platform(**options):
+    """The testbench's emulation with 1 ms units and 1 MB/s storage."""
+    from hil.sim.platform import testbench_platform
+
+    return testbench_platform(
+        1.0, read_mbps=1.0, write_mbps=1.0, boot_s=2.0, first_start_s=0.0, setup_s=0.0, commit_latency_s=1e-3, **options
+    )
+
+
 def test_chained_requests_share_their_process_storage_throttle():
     """Requests served one after the other by one payload process share its write token bucket
     (common.durable.ThrottledFS, empty at process start): the second request's TASK_INPUTS write
     finds the bucket the first one's writes left, not the burst a fresh process would have
     accrued by then."""
     from hil.sim.lifecycle import Payload
-    from hil.sim.platform import testbench_platform
 
     spec = spec_from_dir_tiny()
-    platform = testbench_platform(  # units of 1 ms: the first request ends soon after its inputs' write
-        1.0,
-        read_mbps=1.0,
-        write_mbps=1.0,
-        boot_s=2.0,
-        first_start_s=0.0,
-        setup_s=0.0,
-        commit_latency_s=1e-3,
-    )
+    platform = _throttled_platform()  # units of 1 ms: the first request ends soon after its inputs' write
     geometry = Geometry(chunk=64, group=4, decode_every=8, vision_every=4)
     first, second = (RequestModel(spec, Request(512, 40, 24, 2), platform, "orbitweaver", geometry) for _ in "ab")
     windows = [(0.0, math.inf)]
@@ -390,17 +390,7 @@ def test_the_payloads_own_data_moves_at_its_weight_through_the_shared_throttle()
     windows = [(0.0, math.inf)]
     finished = {}
     for weight in (1.0, 0.25):
-        platform = testbench_platform(
-            1.0,
-            read_mbps=1.0,
-            write_mbps=1.0,
-            boot_s=2.0,
-            first_start_s=0.0,
-            setup_s=0.0,
-            commit_latency_s=1e-3,
-            burst_bytes=0.0,
-            data_weight=weight,
-        )
+        platform = _throttled_platform(burst_bytes=0.0, data_weight=weight)
         assert platform.storage.data_weight == weight
         model = RequestModel(spec, Request(512, 40, 24, 2), platform, "orbitweaver", geometry)
         finished[weight] = (model.run(windows, 0.0, payload=Payload(platform, windows)).finished_at, model.sizes)
