@@ -1,6 +1,6 @@
 """The simulator against testbench runs, per request: measured vs predicted end-to-end time.
 
-    python -m bench.sim_validate RUN_DIR [RUN_DIR ...] [--model runs/models/qwen3-vl-tiny] [--json OUT]
+    python -m bench.sim_validate RUN_DIR [RUN_DIR ...] [--model DIR] [--json OUT]
 
 Each RUN_DIR is one testbench run (`ow hil run`, or a campaign's `runs/<name>`: report.json,
 references.json, bus/bus-log.jsonl); a campaign directory stands for all of its runs. Every request
@@ -97,7 +97,9 @@ def main(argv=None) -> int:
     )
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="testbench run directories, or campaign directories")
     p.add_argument(
-        "--model", default=os.path.join(ROOT, "runs", "models", "qwen3-vl-tiny"), help="the model the runs served"
+        "--model",
+        default=os.path.join(ROOT, "runs", "models", "qwen3-vl-tiny"),
+        help="the model the runs served, for a run whose recorded model directory is gone (a run names its own)",
     )
     p.add_argument("--image", action="append", default=[], help="stand-in image (runs that record none)")
     p.add_argument("--prompt", default="describe the scene", help="stand-in prompt (runs that record none)")

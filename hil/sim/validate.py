@@ -112,15 +112,23 @@ def _task_facts(task_id: str, mine: list[bl.BusLogEntry], commands_s: list[float
     # (the first session usually shares the payload with the uplink of the requests queued
     # behind it: it does not stand for the restarts).
     first_units = []
+    # Per session: were the task's inputs stored when it started? They are written after STARTED
+    # and before the first unit, so a session that reported a unit left them durable; one cut
+    # before any (the inputs' write is the longest step of a first start) is taken to have left
+    # none, and the next session builds and writes them again, as a first start does.
+    inputs_stored = []
+    progressed = False
     for i, s in enumerate(started):
+        inputs_stored.append(progressed)
         end = started[i + 1] if i + 1 < len(started) else float("inf")
         first = next((e for e in mine if e.get("type") == "PROGRESS" and s < e.stamped_trace_s < end), None)
+        progressed = progressed or first is not None
         if first is not None and first.get("phase") == "vision":
             t = first.stamped_trace_s
             uplink = any(s <= c <= t for c in commands_s)
-            # the first start builds the inputs and writes TASK_INPUTS after STARTED; a restart
-            # read them back before it
-            first_units.append((t - s, int(first.get("done")) - 1, uplink, i == 0, s))
+            # a first start builds the inputs and writes them after STARTED; a restart read them
+            # back before it
+            first_units.append((t - s, int(first.get("done")) - 1, uplink, not inputs_stored[i], s))
     # A vision block of the small model on two 512 px images computes for longer than the pace on
     # a loaded machine: its time is measured as the payload ran it, from consecutive vision
     # PROGRESS reports of one session. The gap after a block also holds that block's vision-state
@@ -146,6 +154,7 @@ def _task_facts(task_id: str, mine: list[bl.BusLogEntry], commands_s: list[float
         # per session: (STARTED -> first vision report, the block resumed from, uplink meanwhile,
         # the task's first start, STARTED)
         "first_units": first_units,
+        "inputs_stored": inputs_stored,  # per session: its inputs were stored before it (a restart)
         "vision_gaps_trace_s": gaps,
         "e2e_trace_s": (completed - accepted) if completed is not None and accepted is not None else None,
     }
@@ -163,7 +172,9 @@ def _boots(entries: list[bl.BusLogEntry], tasks: list[dict]) -> dict[float, tupl
     after its images were read."""
     ons = sorted(e.stamped_trace_s for e in entries if e.kind == bl.POWER_ON)
     accepted = {t["task_id"]: t["accepted_s"] for t in tasks}
-    starts = sorted((s, t["task_id"], i > 0) for t in tasks for i, s in enumerate(t["started_s"]))
+    starts = sorted(
+        (s, t["task_id"], stored) for t in tasks for s, stored in zip(t["started_s"], t["inputs_stored"], strict=True)
+    )
     seen: set[float] = set()
     boots = {}
     for s, task_id, restart in starts:
@@ -317,6 +328,7 @@ def run_facts(run_dir: str) -> dict:
         "pace_ms": report["pace_ms"],
         "start_at_s": start.get("start_at_s", 0.0),
         "trace_path": start.get("trace_path"),
+        "model": start.get("model"),  # the model directory the run served
         "flight_args": flight_args,
         # power-up -> STARTED as measured (a restart's includes its TASK_INPUTS read: simulate_run
         # takes the read away, the simulator charges it)
@@ -687,10 +699,13 @@ def validate(
     latency is measured on this disk (in `scratch_dir`) unless `commit_latency_s` gives it."""
 
     latency = commit_latency(scratch_dir) if commit_latency_s is None else commit_latency_s
-    shapes = RequestShapes(model_dir)
     rows = []
     for run_dir in run_dirs:
         facts = run_facts(run_dir)
+        # the model the run served, where its directory is still here; else the one given
+        served = facts.get("model")
+        run_model = served if served and os.path.isfile(os.path.join(served, "config.json")) else model_dir
+        shapes = RequestShapes(run_model)
         run_geo = run_geometry(facts["flight_args"], geometry)
         requests, sources = [], []
         for task in facts["tasks"]:
@@ -708,7 +723,7 @@ def validate(
                     spec.get("tokens", max_new_tokens),
                 )
             )
-        predictions = simulate_run(facts, model_dir, requests, run_geo, latency)
+        predictions = simulate_run(facts, run_model, requests, run_geo, latency)
         for index, (task, request, pred, source) in enumerate(
             zip(facts["tasks"], requests, predictions, sources, strict=True)
         ):
@@ -716,6 +731,7 @@ def validate(
             rows.append(
                 {
                     "run_dir": facts["run_dir"],
+                    "model": run_model,
                     "request": index,
                     "task_id": task["task_id"],
                     "trace": facts["trace"],

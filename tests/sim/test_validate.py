@@ -55,7 +55,7 @@ def _report(log, t, kind, task_id, **fields):
     log.write(bl.PAYLOAD_REPORT, trace_s=t, clock_s=t, type=kind, task_id=task_id, request=request, **fields)
 
 
-def _run_dir(root, image_files, trace_path):
+def _run_dir(root, image_files, trace_path, model_dir):
     """A finished testbench run: r00 and r01 accepted at 10 s, r00 served 10.2-14.0, r01 started
     by the payload's queue as r00 completed (14.1), cut at 16 s, resumed after the power-up at
     20 s (a boot of 1.5 s) and completed at 24 s; trace seconds at time scale 1."""
@@ -70,6 +70,7 @@ def _run_dir(root, image_files, trace_path):
         time_scale=1.0,
         start_at_s=0.0,
         flight_args=FLIGHT_ARGS,
+        model=model_dir,
     )
     log.write(bl.POWER_ON, trace_s=0.0, clock_s=0.0, cause="restored", pid=1)
     log.write(bl.POWER_OFF, trace_s=5.0, clock_s=5.0, cause="fdir", origin="trace", pid=1)
@@ -131,15 +132,16 @@ def _b64(packet: bytes) -> str:
 
 
 @pytest.fixture
-def run_dir(tmp_path, image_files):
-    return _run_dir(tmp_path, image_files, _trace(tmp_path / "trace.jsonl", 200.0))
+def run_dir(tmp_path, image_files, model_dirs):
+    return _run_dir(tmp_path, image_files, _trace(tmp_path / "trace.jsonl", 200.0), model_dirs["qwen3-vl"])
 
 
 def test_every_request_is_validated_and_each_is_chained_after_the_prediction_before_it(run_dir, model_dirs, tmp_path):
     # The spec passed in is wrong on purpose (missing images, another prompt, length and
     # geometry): everything the run records must be taken from the run.
+    # ... the model too: the run names its own; the one given stands in only where that is gone
     result = validate(
-        [run_dir], model_dirs["qwen3-vl"], ["/nonexistent.png"], "other", 99, Geometry(64, 4, 8, 4), str(tmp_path)
+        [run_dir], "/nonexistent/model", ["/nonexistent.png"], "other", 99, Geometry(64, 4, 8, 4), str(tmp_path)
     )
     rows = result["rows"]
     assert [(r["request"], r["task_id"]) for r in rows] == [(0, "r00"), (1, "r01")]
@@ -148,6 +150,7 @@ def test_every_request_is_validated_and_each_is_chained_after_the_prediction_bef
     assert rows[0]["text_tokens"] < rows[1]["text_tokens"]  # each request's own prompt
     assert rows[0]["visual_tokens"] == rows[1]["visual_tokens"] > 0
     assert all(r["geometry"] == {"chunk": 16, "group": 2, "decode_every": 2, "vision_every": 1} for r in rows)
+    assert {r["model"] for r in rows} == {model_dirs["qwen3-vl"]}  # the run names its model: that one
     assert [r["e2e_trace_s"] for r in rows] == pytest.approx([4.0, 13.95])
     first, second = rows
     assert first["predicted_completed"] and second["predicted_completed"]
@@ -255,3 +258,30 @@ def test_a_run_copied_elsewhere_still_finds_the_trace_it_flew(tmp_path):
     assert shipped == traces.load(traces.shipped_path("trace-b"))
     with pytest.raises(FileNotFoundError, match="is gone"):
         run_trace({"trace_path": "/nonexistent/mine.jsonl", "trace": "mine", "run_dir": elsewhere})
+
+
+class _Entry(dict):
+    """A bus-log payload report as `_task_facts` reads it."""
+
+    def __init__(self, t, **fields):
+        super().__init__(fields)
+        self.stamped_trace_s = t
+
+
+def test_a_session_after_one_cut_before_any_unit_builds_the_inputs_again():
+    """The inputs are written after STARTED and before the first unit: a first session cut
+    before any unit left none, so the next one is a first start again (it builds and writes
+    them), and its setup sample counts as a first start's."""
+    from hil.sim.validate import _task_facts
+
+    mine = [
+        _Entry(10.0, type="ACCEPTED"),
+        _Entry(10.1, type="STARTED"),  # cut at 13 before any unit
+        _Entry(20.0, type="STARTED"),
+        _Entry(38.0, type="PROGRESS", phase="vision", done=1),
+        _Entry(50.0, type="STARTED"),
+        _Entry(52.0, type="PROGRESS", phase="vision", done=3),
+    ]
+    facts = _task_facts("r00", mine, [])
+    assert facts["inputs_stored"] == [False, False, True]
+    assert [(round(u[0], 1), u[1], u[3]) for u in facts["first_units"]] == [(18.0, 0, True), (2.0, 2, False)]
