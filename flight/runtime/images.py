@@ -83,14 +83,20 @@ class ImageStore:
             meta = self._meta(name)
             if meta is None:
                 return m.ImageStatus.of(name, 0, 0, [], verified=False)
-            held = self._held(name)
-            if len(held) == meta["total"]:
-                try:
-                    self._assemble(name, meta)
-                    return m.ImageStatus.of(name, meta["size"], meta["total"], range(meta["total"]), verified=True)
-                except WireError:
-                    return m.ImageStatus.of(name, 0, 0, [], verified=False)  # dropped: the ground sends it again
-            return m.ImageStatus.of(name, meta["size"], meta["total"], held, verified=False)
+            return m.ImageStatus.of(name, meta["size"], meta["total"], self._held(name), verified=False)
+
+    def complete_held(self, name: str) -> int | None:
+        """Finish an upload that a cut left with every chunk held and no file committed; returns
+        the image's size when this call verified it, else None (nothing to finish). Raises
+        WireError, having dropped the chunks, when the assembled file fails its checks."""
+        with self._lock:
+            if self.is_verified(name):
+                return None
+            meta = self._meta(name)
+            if meta is None or len(self._held(name)) < meta["total"]:
+                return None
+            self._assemble(name, meta)
+            return int(meta["size"])
 
     def put_chunk(self, chunk: m.ImageChunk) -> bool:
         """Store a chunk; returns True when this chunk completed and verified the image.

@@ -8,6 +8,8 @@ from PIL import Image
 
 from common.durable import DurableFS
 from common.wire import messages as m
+from common.wire.errors import RequestRef
+from common.wire.ids import EventId
 from flight.runtime.images import ImageStore
 
 
@@ -44,8 +46,11 @@ def _wedged_store(tmp_path):
 def test_a_query_after_the_reboot_finishes_the_verification(tmp_path):
     content, chunks = _wedged_store(tmp_path)
     rebooted = ImageStore(str(tmp_path / "images"))
+    assert not rebooted.status("scene.png").verified  # a status alone writes nothing
+    assert rebooted.complete_held("scene.png") == len(content)
     status = rebooted.status("scene.png")
     assert status.verified and status.total == len(chunks)
+    assert rebooted.complete_held("scene.png") is None  # verified once
     assert open(rebooted.image_path("scene.png"), "rb").read() == content
 
 
@@ -55,3 +60,30 @@ def test_a_resent_chunk_after_the_reboot_finishes_the_verification(tmp_path):
     assert rebooted.put_chunk(chunks[3]) is True
     assert rebooted.is_verified("scene.png")
     assert open(rebooted.image_path("scene.png"), "rb").read() == content
+
+
+def test_a_query_that_finishes_the_verification_reports_it_as_a_chunk_would(tmp_path, model_dirs):
+    """The ground learns from IMAGE_COMPLETE that an image is verified, whichever command finished
+    it: a query after the reboot that finds every chunk held reports it once, the next none."""
+    from flight.engine import EngineOptions
+    from flight.runtime.app import FlightApp
+
+    app = FlightApp(
+        str(tmp_path / "data"), model_dirs["qwen3-vl"], str(tmp_path / "keys"), "tcp://127.0.0.1:1", EngineOptions()
+    )
+    wedged = ImageStore(app.images.directory, CutBeforeImageCommit())
+    content = _png()
+    chunks = m.ImageChunk.split("scene.png", content, chunk_bytes=1024)
+    for chunk in chunks[:-1]:
+        wedged.put_chunk(chunk)
+    with pytest.raises(PowerCut):
+        wedged.put_chunk(chunks[-1])
+    sent: list = []
+    app.send = sent.append  # type: ignore[method-assign]
+    request = RequestRef(apid=1, source_id=1, seq=1, message_type=int(m.ImageQuery.TYPE))
+    for _ in range(2):
+        app.on_image_query(request, m.ImageQuery(image="scene.png"))
+    complete = [x for x in sent if isinstance(x, m.Event) and x.event_id == EventId.IMAGE_COMPLETE]
+    assert [x.text for x in complete] == [f"image scene.png verified ({len(content)} bytes)"]
+    statuses = [x for x in sent if isinstance(x, m.ImageStatus)]
+    assert len(statuses) == 2 and all(s.verified for s in statuses)
