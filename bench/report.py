@@ -375,6 +375,8 @@ def validation_lines(d: dict) -> list[str]:
             error = f"not measured ({r.get('failure') or 'no COMPLETED report'})"
         elif predicted is not None and bool(predicted) != (r.get("e2e_trace_s") is not None):
             error = "**miss**: " + ("only the simulation completes" if predicted else "only the run completes")
+        elif r.get("predicted_after_stop"):
+            error = f"agree: unfinished at the run's stop ({r['run_stopped_trace_s']:.0f} trace s)"
         cadence = r.get("cadence") or "fixed"
         policy = r["policy"] + ("" if cadence == "fixed" else f" ({cadence})")
         lines.append(

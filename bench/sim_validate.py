@@ -68,6 +68,8 @@ def table(result: dict) -> list[str]:
             error = "MISS: " + ("only the simulation completes" if predicted_done else "only the run completes")
         elif r.get("error") is not None:
             error = f"{r['error'] * 100:+.1f} %"
+        elif r.get("predicted_after_stop"):
+            error = f"agree: unfinished at the run's stop ({r['run_stopped_trace_s']:.0f} trace s)"
         else:
             error = "n/a"
         cuts = f"{r.get('cuts') if r.get('cuts') is not None else '-'}/{r.get('predicted_cuts', '-')}"

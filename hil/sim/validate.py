@@ -342,8 +342,20 @@ def run_facts(run_dir: str) -> dict:
         "boot_starts": {on: (task_id, restart) for on, (_, task_id, restart) in boots.items()},
         # the emulated boot: the payload process (its storage throttle, its uptime) starts after it
         "process_start_trace_s": float(start.get("boot_trace_s") or 0.0),
+        # where the run was stopped before its trace ended (a wall-clock limit), the trace time
+        # it reached: what the run says of a request stops there, and so must the prediction
+        "stopped_trace_s": _stopped_before_trace_end(entries),
         "tasks": tasks,
     }
+
+
+def _stopped_before_trace_end(entries) -> float | None:
+    for entry in entries:
+        if entry.kind == bl.TRACE_END:
+            return None
+        if entry.kind == bl.RUN_STOP:
+            return entry.stamped_trace_s
+    return None
 
 
 def _early_records(path: Path) -> dict[str, int] | None:
@@ -678,6 +690,11 @@ def simulate_run(
             payload=payload,
             boots=boots,
         )
+        stopped = facts.get("stopped_trace_s")
+        if pred["predicted_completed"] and stopped is not None and pred["predicted_finished_s"] > stopped:
+            # the simulator finishes it after the run was stopped: unfinished when the run ended,
+            # as the run saw it (a request the run did finish is then a miss)
+            pred = {**pred, "predicted_completed": False, "predicted_after_stop": True}
         previous_finished = pred["predicted_finished_s"] if pred["predicted_completed"] else None
         e2e = pred["predicted_finished_s"] - accepted if pred["predicted_completed"] and accepted is not None else None
         out.append({**pred, "arrival_s": arrival, "chained": chained, "predicted_e2e_trace_s": e2e})
@@ -749,6 +766,7 @@ def validate(
                     "comparable": task["e2e_trace_s"] is not None
                     or (not task["completed"] and task["failure"] == NOT_FINISHED),
                     "cuts": task["cuts"],
+                    "run_stopped_trace_s": facts.get("stopped_trace_s"),
                     "early_records": task["early_records"],
                     "e2e_trace_s": measured,
                     "report_e2e_trace_s": task["report_e2e_trace_s"],

@@ -215,6 +215,29 @@ def test_a_request_behind_one_predicted_not_to_complete_is_predicted_not_to_comp
     assert second["predicted_completed"] is False and second["predicted_e2e_trace_s"] is None
 
 
+def test_a_run_stopped_before_its_trace_ended_is_predicted_up_to_its_stop(run_dir, model_dirs, tmp_path):
+    """A run stopped by a wall-clock limit says nothing of what would have finished after it: a
+    prediction past the stop is 'unfinished then', in agreement with a run that did not finish."""
+    from hil.sim.validate import RequestShapes
+
+    facts = run_facts(run_dir)
+    assert facts["stopped_trace_s"] is None  # no run_stop entry: the trace's end is the horizon
+    shapes = RequestShapes(model_dirs["qwen3-vl"])
+    requests = [shapes(t["spec"]["images"], t["spec"]["prompt"], t["spec"]["tokens"]) for t in facts["tasks"]]
+    free = simulate_run(facts, model_dirs["qwen3-vl"], requests, Geometry(16, 2, 2, 1), 1e-3)
+    assert all(p["predicted_completed"] for p in free)
+    facts["stopped_trace_s"] = (free[0]["predicted_finished_s"] + free[1]["predicted_finished_s"]) / 2
+    first, second = simulate_run(facts, model_dirs["qwen3-vl"], requests, Geometry(16, 2, 2, 1), 1e-3)
+    assert first["predicted_completed"] and not first.get("predicted_after_stop")
+    assert second["predicted_completed"] is False and second["predicted_after_stop"]
+    assert second["predicted_e2e_trace_s"] is None
+    # the bus log's run_stop before any trace_end is what sets the horizon
+    log = bl.BusLog(tmp_path / "run" / "bus" / bl.LOG_FILE, run_id="run-1")
+    log.write(bl.RUN_STOP, trace_s=30.0, clock_s=30.0, reason="SIGTERM", stored_commands=0)
+    log.close()
+    assert run_facts(run_dir)["stopped_trace_s"] == pytest.approx(30.0)
+
+
 def test_recorded_options_in_either_form():
     from hil.sim.validate import _option
 
