@@ -52,6 +52,7 @@ UNIT_ORDER = {"vision": 0, "prefill": 1, "decode": 2}
 #: A request's `failure` when the payload simply did not finish it within the trace (every other
 #: failure says what stopped it: the payload's FAILED report, the uplink, the bus, the downlink)
 NOT_FINISHED = "not finished when the trace ended"
+STOPPED_BY_LIMIT = "not finished when the run's wall-clock limit stopped it, before the trace ended"
 
 
 @dataclass(frozen=True)
@@ -553,9 +554,10 @@ class Testbench:
                 results[task_id] = result
             if not pending:
                 break
-            if self.log_tail.trace_ended() or (deadline is not None and time.time() > deadline):
+            ended = self.log_tail.trace_ended()
+            if ended or (deadline is not None and time.time() > deadline):
                 for task_id in pending:
-                    failures[task_id] = NOT_FINISHED
+                    failures[task_id] = NOT_FINISHED if ended else STOPPED_BY_LIMIT
                 break
             if not bus_alive():
                 for task_id in pending:

@@ -40,7 +40,7 @@ from flight.cli_options import GEOMETRY_FLAGS
 from flight.model.inputs import build_inputs, decode_image
 from hil import buslog as bl
 from hil.campaign import SEED_TRACE_DIR, seed_trace_from_filename
-from hil.testbench import NOT_FINISHED
+from hil.testbench import NOT_FINISHED, STOPPED_BY_LIMIT
 
 from .lifecycle import Bucket, Payload, PayloadProcess, RequestModel, trace_telemetry, trace_windows
 from .models import RecordSizes, Request, spec_from_dir
@@ -347,6 +347,13 @@ def run_facts(run_dir: str) -> dict:
         "stopped_trace_s": _stopped_before_trace_end(entries),
         "tasks": tasks,
     }
+
+
+def stopped_trace_s(run_dir: str) -> float | None:
+    """The trace time at which a testbench run was stopped before its trace ended (a wall-clock
+    limit), or None where the trace ended first or the bus log records no run."""
+    recorded = bl.runs(bl.read_log(Path(run_dir) / "bus" / bl.LOG_FILE))
+    return _stopped_before_trace_end(next(iter(recorded.values()))) if recorded else None
 
 
 def _stopped_before_trace_end(entries) -> float | None:
@@ -764,7 +771,7 @@ def validate(
                     "failure": task["failure"],
                     # the run measured this request: it completed, or the trace ended first
                     "comparable": task["e2e_trace_s"] is not None
-                    or (not task["completed"] and task["failure"] == NOT_FINISHED),
+                    or (not task["completed"] and task["failure"] in (NOT_FINISHED, STOPPED_BY_LIMIT)),
                     "cuts": task["cuts"],
                     "run_stopped_trace_s": facts.get("stopped_trace_s"),
                     "early_records": task["early_records"],

@@ -34,3 +34,12 @@ def test_completion_table_counts_requests_over_seeds_and_says_when_none_complete
     assert "| paper | trace-a | 3/4 | 4/4 | **none** | - |" in lines
     assert "| paper | trace-b | - | - | - | 2/2 (1 runs not bitwise) |" in lines
     assert "| all | all | 3/4 (75%) | 4/4 (100%) | 0/4 (0%) | 2/2 (100%) |" in lines
+
+
+def test_requests_a_wall_clock_limit_left_unfinished_are_marked_as_stopped_early():
+    stopped = {**_row("orbitweaver", 0.5, seed=1), "stopped_trace_s": 4950.0}
+    finished_first = {**_row("orbitweaver", 1.0), "stopped_trace_s": 4000.0}  # all done: nothing cut short
+    lines = _completion_table([finished_first, stopped, _row("hcache", 0.0)])
+    assert "| paper | trace-a | 3/4 (1 stopped early) | **none** |" in lines
+    note = next(line for line in lines if line.startswith('"Stopped early"'))
+    assert "(1 runs, at 4950-4950 trace s)" in note
