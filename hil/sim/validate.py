@@ -698,9 +698,11 @@ def simulate_run(
             boots=boots,
         )
         stopped = facts.get("stopped_trace_s")
-        if pred["predicted_completed"] and stopped is not None and pred["predicted_finished_s"] > stopped:
+        unfinished = task.get("e2e_trace_s") is None  # the run stopped before this one finished
+        after_stop = stopped is not None and pred["predicted_finished_s"] > stopped
+        if pred["predicted_completed"] and unfinished and after_stop:
             # the simulator finishes it after the run was stopped: unfinished when the run ended,
-            # as the run saw it (a request the run did finish is then a miss)
+            # as the run saw it (a request the run finished is compared as it is)
             pred = {**pred, "predicted_completed": False, "predicted_after_stop": True}
         previous_finished = pred["predicted_finished_s"] if pred["predicted_completed"] else None
         e2e = pred["predicted_finished_s"] - accepted if pred["predicted_completed"] and accepted is not None else None
