@@ -699,8 +699,13 @@ def simulate_run(
         )
         stopped = facts.get("stopped_trace_s")
         unfinished = task.get("e2e_trace_s") is None  # the run stopped before this one finished
-        after_stop = stopped is not None and pred["predicted_finished_s"] > stopped
-        if pred["predicted_completed"] and unfinished and after_stop:
+        # (predicted_finished_s is None where the simulator does not finish it either)
+        if (
+            pred["predicted_completed"]
+            and unfinished
+            and stopped is not None
+            and pred["predicted_finished_s"] > stopped
+        ):
             # the simulator finishes it after the run was stopped: unfinished when the run ended,
             # as the run saw it (a request the run finished is compared as it is)
             pred = {**pred, "predicted_completed": False, "predicted_after_stop": True}

@@ -213,6 +213,11 @@ def test_a_request_behind_one_predicted_not_to_complete_is_predicted_not_to_comp
     first, second = simulate_run(facts, model_dirs["qwen3-vl"], requests, Geometry(16, 2, 2, 1), 1e-3)
     assert first["predicted_completed"] is False and first["predicted_e2e_trace_s"] is None
     assert second["predicted_completed"] is False and second["predicted_e2e_trace_s"] is None
+    # the same where a wall-clock limit stopped the run before its trace ended
+    facts["stopped_trace_s"] = 10.4
+    for task in facts["tasks"]:
+        task["e2e_trace_s"] = None
+    assert simulate_run(facts, model_dirs["qwen3-vl"], requests, Geometry(16, 2, 2, 1), 1e-3) == [first, second]
 
 
 def test_a_run_stopped_before_its_trace_ended_is_predicted_up_to_its_stop(run_dir, model_dirs, tmp_path):
