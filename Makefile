@@ -36,8 +36,8 @@ lint: $(STAMP)
 # The SSH power-switch tests run a real sshd: Debian's openssh-server, installed when missing
 # (root and apt-get only; otherwise those tests skip and say why).
 # A hung test fails on its own (pytest-timeout, pyproject.toml); should the run as a whole still
-# overstay 50 minutes (five times its length on a busy 2-core machine), it is interrupted with
-# SIGINT, so pytest still prints which tests failed and which were running.
+# overstay 50 minutes (four times its length on a busy 2-core machine), it is interrupted with
+# SIGINT, so pytest still prints the failures it has seen (a bare kill would print nothing).
 test: $(STAMP)
 	$(MAKE) --no-print-directory lint
 	$(BIN)/python tests/bus/sshd_testkit.py --install
