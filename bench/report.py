@@ -345,6 +345,14 @@ def sim_lines(d: dict) -> list[str]:
     return lines
 
 
+def after_stop_verdict(row: dict) -> str | None:
+    """A validation row's verdict where the run stopped before the simulator finishes the request
+    (both unfinished then), else None; the tables print it in place of an error."""
+    if not row.get("predicted_after_stop"):
+        return None
+    return f"agree: unfinished at the run's stop ({row['run_stopped_trace_s']:.0f} trace s)"
+
+
 def validation_lines(d: dict) -> list[str]:
     val = d.get("validation")
     if not val:
@@ -375,8 +383,8 @@ def validation_lines(d: dict) -> list[str]:
             error = f"not measured ({r.get('failure') or 'no COMPLETED report'})"
         elif predicted is not None and bool(predicted) != (r.get("e2e_trace_s") is not None):
             error = "**miss**: " + ("only the simulation completes" if predicted else "only the run completes")
-        elif r.get("predicted_after_stop"):
-            error = f"agree: unfinished at the run's stop ({r['run_stopped_trace_s']:.0f} trace s)"
+        else:
+            error = after_stop_verdict(r) or error
         cadence = r.get("cadence") or "fixed"
         policy = r["policy"] + ("" if cadence == "fixed" else f" ({cadence})")
         lines.append(

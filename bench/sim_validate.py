@@ -17,6 +17,7 @@ import os
 import sys
 import tempfile
 
+from bench.report import after_stop_verdict
 from flight.checkpoint.policies import Geometry
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -68,10 +69,8 @@ def table(result: dict) -> list[str]:
             error = "MISS: " + ("only the simulation completes" if predicted_done else "only the run completes")
         elif r.get("error") is not None:
             error = f"{r['error'] * 100:+.1f} %"
-        elif r.get("predicted_after_stop"):
-            error = f"agree: unfinished at the run's stop ({r['run_stopped_trace_s']:.0f} trace s)"
         else:
-            error = "n/a"
+            error = after_stop_verdict(r) or "n/a"
         cuts = f"{r.get('cuts') if r.get('cuts') is not None else '-'}/{r.get('predicted_cuts', '-')}"
         group = r.get("predicted_group")
         early = f"{_n(r.get('early_records'))}/{_n(r.get('predicted_early_records'))}"

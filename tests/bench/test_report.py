@@ -37,8 +37,8 @@ def test_completion_table_counts_requests_over_seeds_and_says_when_none_complete
 
 
 def test_requests_a_wall_clock_limit_left_unfinished_are_marked_as_stopped_early():
-    stopped = {**_row("orbitweaver", 0.5, seed=1), "stopped_trace_s": 4950.0}
-    finished_first = {**_row("orbitweaver", 1.0), "stopped_trace_s": 4000.0}  # all done: nothing cut short
+    stopped = {**_row("orbitweaver", 0.5, seed=1), "stopped_trace_s": 4950.0, "stopped_early": 1}
+    finished_first = {**_row("orbitweaver", 1.0), "stopped_trace_s": 4000.0, "stopped_early": 0}  # all done
     lines = _completion_table([finished_first, stopped, _row("hcache", 0.0)])
     assert "| paper | trace-a | 3/4 (1 stopped early) | **none** |" in lines
     note = next(line for line in lines if line.startswith('"Stopped early"'))
