@@ -22,6 +22,7 @@ from flight.recovery.plan import ComputeOp, ReadOp, RecoveryProblem, make_plan
 
 from .context import LanguageState, RequestContext
 from .decode import DecodePhase
+from .pacing import paced_block_costs
 from .prefill import PrefillBlocks
 from .vision import VisionPhase
 
@@ -86,6 +87,7 @@ class PrefillRestore:
                 plan.reads.insert(0, VISION_OUT)  # read once, first, not inside the block that needs it
             summary = plan.summary()
             summary["vision_out_read"] = VISION_OUT in plan.reads
+            summary["costs"] = problem.costs.get("source") if problem.costs else None  # what it planned with
             self.plan_summary = summary
             self.decode.restart = None
             if have_decode:
@@ -148,12 +150,17 @@ class PrefillRestore:
 
     def _plan_costs(self) -> dict:
         """Costs for the optimal planner: the cost model the engine was handed, with reads at the
-        storage's real (possibly throttled, target-emulating) bandwidth."""
-        model = self.request.cost_model()
-        bucket = getattr(self.request.store.fs, "read_bucket", None)
+        storage's real (possibly throttled, target-emulating) bandwidth, and compute at least the
+        pace where the payload is paced (`paced_block_costs`)."""
+        request = self.request
+        model = request.cost_model()
+        bucket = getattr(request.store.fs, "read_bucket", None)
         if bucket is not None:
             model = replace(model, read_bytes_per_s=bucket.rate)
-        return model.problem_costs(self.request.layer_groups, self.request.token_chunks)
+        costs = model.block_costs(request.layer_groups, request.token_chunks)
+        if request.options.pace_ms > 0:
+            costs = paced_block_costs(costs, request.layer_groups, request.options.pace_ms / 1000.0)
+        return costs.as_dict()
 
     # ---- the executor's callbacks -------------------------------------------------------------
     def _read(self, op: ReadOp, blocks_found: dict[tuple[int, int], BlockInfo]) -> int:

@@ -5,9 +5,11 @@ cost model handed in."""
 import pytest
 from testkit import GEOMETRY, MAX_NEW, CutAfter, engine, inputs_for
 
+from common.durable import ThrottledFS
 from common.record import Kind, decode
 from flight.checkpoint.policies import NoCheckpointPolicy
 from flight.engine import Engine, EngineOptions, SimulatedCut
+from flight.engine import restore as restore_module
 from flight.model.loader import load_model
 from flight.recovery import calibration_cache
 from flight.recovery.cost import CostModel
@@ -18,9 +20,9 @@ class CountingCostModel(CostModel):
 
     asked: list = []
 
-    def problem_costs(self, groups, chunks):
+    def block_costs(self, groups, chunks):
         CountingCostModel.asked.append((list(groups), list(chunks)))
-        return super().problem_costs(groups, chunks)
+        return super().block_costs(groups, chunks)
 
 
 @pytest.fixture(scope="module")
@@ -56,4 +58,36 @@ def test_the_optimal_planner_plans_with_the_handed_cost_model(model, tmp_path, m
     assert resumed.resumed and resumed.plan["planner"] == "optimal"
     groups = GEOMETRY.layer_groups(model.adapter.num_layers)
     assert CountingCostModel.asked and CountingCostModel.asked[0] == (groups, GEOMETRY.token_chunks(inputs.num_tokens))
+    assert resumed.token_ids == whole.token_ids and resumed.logits_sha256() == whole.logits_sha256()
+
+
+def test_a_paced_engine_plans_with_the_pace_and_the_throttled_reads(model, tmp_path, monkeypatch):
+    """The testbench paces compute to stand in for the target's: its planner must see that
+    pace (not this machine's cached calibration, hundreds of times faster) and the emulated
+    storage's read rate, or its plans depend on what happens to be cached here."""
+    inputs = inputs_for(model)
+    whole = engine(model).run(inputs, str(tmp_path / "whole"), MAX_NEW)
+    ckpt = str(tmp_path / "cut")
+    cut = CutAfter(3, names=("prefill_block_done",))
+    with pytest.raises(SimulatedCut):
+        engine(model, events=cut.event).run(inputs, ckpt, MAX_NEW)
+    planned = []
+    real_make_plan = restore_module.make_plan
+
+    def make_plan(planner, problem):
+        planned.append(problem.costs)
+        return real_make_plan(planner, problem)
+
+    monkeypatch.setattr(restore_module, "make_plan", make_plan)
+    pace_ms, read_bps = 4.0, 50e6
+    fs = ThrottledFS(read_bps, None)
+    resumed = engine(model, planner="optimal", pace_ms=pace_ms, fs=fs).run(inputs, ckpt, MAX_NEW)
+    assert resumed.resumed and resumed.plan["costs"].startswith("paced 4 ms/unit")
+    (costs,) = planned
+    groups = GEOMETRY.layer_groups(model.adapter.num_layers)
+    for group, (first, end) in enumerate(groups):
+        assert all(c >= (end - first) * pace_ms / 1000 for c in costs["compute"][group])
+    kv_bytes = calibration_cache.cost_model_for(model).kv_bytes_per_token_layer
+    (first, end), (start, stop) = groups[0], GEOMETRY.token_chunks(inputs.num_tokens)[0]
+    assert costs["kv"][0][0] >= (end - first) * (stop - start) * kv_bytes / read_bps
     assert resumed.token_ids == whole.token_ids and resumed.logits_sha256() == whole.logits_sha256()
