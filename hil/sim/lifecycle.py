@@ -36,6 +36,7 @@ import numpy as np
 from flight.checkpoint.cadence import HISTORY_WINDOWS, Cadence
 from flight.checkpoint.policies import Geometry, get_policy
 from flight.recovery.cost import BlockCosts
+from flight.recovery.executor import PlanExecutor
 from flight.recovery.plan import RecoveryProblem, make_plan
 from flight.recovery.simulate import simulate
 
@@ -85,6 +86,12 @@ class Bucket:
 
     def __init__(self, rate: float, burst: float, t0: float):
         self.rate, self.burst, self.tokens, self.last = rate, burst, 0.0, t0
+
+    def tokens_at(self, t: float) -> float:
+        """The tokens at `t` (negative: a deficit still being paid), taking nothing."""
+        if t > self.last:
+            return min(self.burst, self.tokens + (t - self.last) * self.rate)
+        return self.tokens
 
     def take(self, t: float, nbytes: float) -> float:
         if self.burst <= 0:
@@ -147,10 +154,26 @@ class PayloadProcess:
 
     def write_wait(self, t: float, nbytes: float) -> float:
         """The write bucket's wait for `nbytes` written at `t`, after the runtime's writes before it."""
+        self._runtime_writes_before(t)
+        return self.write_bucket.take(t, nbytes)
+
+    def write_tokens(self, t: float) -> float:
+        """The write bucket's tokens at `t` (after the runtime's writes before it); 0 unthrottled."""
+        if self.storage.burst_bytes <= 0:
+            return 0.0
+        self._runtime_writes_before(t)
+        return self.write_bucket.tokens_at(t)
+
+    def write_take(self, t: float, nbytes: float) -> None:
+        """Charge `nbytes` written from `t` on to the write bucket (a no-op unthrottled)."""
+        if self.storage.burst_bytes > 0:
+            self._runtime_writes_before(t)
+            self.write_bucket.take(t, nbytes)
+
+    def _runtime_writes_before(self, t: float) -> None:
         while self._runtime_writes and self._runtime_writes[0][0] <= t:
             at, n = self._runtime_writes.pop(0)
             self.write_bucket.take(at, n)
-        return self.write_bucket.take(t, nbytes)
 
     def read_s(self, t: float, nbytes: float) -> float:
         """A read through this process's storage at `t`: its token bucket where throttled."""
@@ -252,7 +275,9 @@ class Writer:
         self.channel_free = process.started
         self.busy: list[tuple[float, float]] = []
         self.commits: list[Commit] = []
-        self.background: tuple[float, float, Commit] | None = None  # (submitted, channel seconds, commit)
+        self.background: Commit | None = None  # vision.out, written in the gaps between ordered records
+        self._background_left = 0.0  # its bytes not written yet
+        self._background_at = 0.0  # written up to here
         self.bytes = 0
         self.kept = True  # whether the last submission was kept (an optional one may be dropped)
 
@@ -281,6 +306,7 @@ class Writer:
         if len(live) >= 2:
             t = live[0]  # wait for a slot: the record being written finishes
         start = max(t, self.channel_free)
+        self._advance_background(start)
         end = start + self._duration(start, commit.nbytes)
         self._record(commit, start, end, phase)
         return t
@@ -298,33 +324,47 @@ class Writer:
     def submit_background(self, t: float, commit: Commit) -> float:
         if self.sync:
             return self.submit(t, commit)
-        seconds = commit.nbytes / self.st.write_bytes_per_s + self.st.write_latency_s
-        self.background = (t, seconds, commit)
+        commit.started = t
+        self.background = commit
+        self._background_left, self._background_at = float(commit.nbytes), t
         self.bytes += commit.nbytes
         return t
+
+    def _advance_background(self, until: float) -> None:
+        """The background record (vision.out) in the channel's idle time before `until`: it
+        writes slice by slice while no ordered record is outstanding (CheckpointWriter's
+        `between_slices`), through the same write bucket, so what it writes the ordered records
+        after it wait for (common.durable.ThrottledFS)."""
+        if self.background is None or self._background_left <= 0:
+            return
+        start = max(self._background_at, self.channel_free)
+        if until <= start:
+            return
+        rate = self.st.write_bytes_per_s
+        tokens = self.process.write_tokens(start)
+        writable = max(0.0, tokens + rate * (until - start))
+        if writable >= self._background_left:
+            finish = start + max(0.0, (self._background_left - tokens) / rate)
+            self.process.write_take(start, self._background_left)
+            self._background_left = 0.0
+            self.background.t = finish + self.st.write_latency_s
+        else:
+            self.process.write_take(start, writable)
+            self._background_left -= writable
+            self._background_at = until
 
     def background_end(self) -> float | None:
         """When vision.out commits: it is written in the gaps between ordered records."""
         if self.background is None:
             return None
-        t, left, commit = self.background
-        for start, end in sorted(self.busy):
-            if end <= t:
-                continue
-            if start > t:
-                gap = start - t
-                if gap >= left:
-                    break
-                left -= gap
-            t = max(t, end)
-        commit.t, commit.started = t + left, self.background[0]
-        return commit.t
+        self._advance_background(math.inf)
+        return self.background.t
 
     def drain(self, t: float) -> float:
         background_end = self.background_end()
         end = max([t, self.channel_free] + ([background_end] if background_end is not None else []))
-        if self.background is not None and self.background[2] not in self.commits:
-            self.commits.append(self.background[2])
+        if self.background is not None and self.background not in self.commits:
+            self.commits.append(self.background)
         return end
 
 
@@ -400,7 +440,10 @@ class RequestModel:
         if group not in self._shapes:
             g = replace(self.configured, group=group)
             sizes = RecordSizes(self.spec, self.request, g.chunk, g.group)
-            costs = self.platform.block_costs(sizes.groups, sizes.chunks)
+            text = self.spec.text
+            costs = self.platform.block_costs(
+                sizes.groups, sizes.chunks, text.kv_bytes_per_token_layer, text.hidden * self.spec.dtype_bytes
+            )
             self._shapes[group] = (g, sizes, costs)
         self.g, self.sizes, self.costs = self._shapes[group]
         self.groups, self.chunks = self.sizes.groups, self.sizes.chunks
@@ -479,44 +522,7 @@ class RequestModel:
         t_vision_start = t
         adaptive = self.adaptive(proc)
         if vision_fresh:
-            start_block = d.vision_block if d.vision_block else 0
-            if start_block:
-                t += proc.read_s(t, self.sizes.vision_state(start_block))
-            else:
-                if not first_start:  # from the patches: the stored pixels, read when first needed
-                    t += proc.read_s(t, data(self.sizes.task_pixels))
-                t += p.vision_extra_s / 2
-            last_state, deferred = start_block, 0
-            for i in range(start_block, self.V):
-                t += p.vision_block_s
-                if res.first_unit_at is None:
-                    res.first_unit_at = t
-                done = i + 1
-                cadence = proc.at(t)
-                if cadence is not None:
-                    cadence.observe_unit("vision", p.vision_block_s)
-                u = done < self.V and warned(t)
-                due = pol.vision_state_due(done, self.V, g)
-                if not due and adaptive and done < self.V:
-                    assert cadence is not None
-                    due = cadence.early_record("vision", done - last_state, g.vision_every)
-                    if due:
-                        res.early_at.append(t)
-                if u or due:
-                    soon[0] = False
-                    t = w.submit(
-                        t,
-                        Commit(0, "vision", value=done, nbytes=self.sizes.vision_state(done)),
-                        optional=not u and deferred == 0,
-                        phase="vision",
-                    )
-                    if w.kept:
-                        last_state, deferred = done, 0
-                    else:
-                        deferred += 1
-            t += p.vision_extra_s / 2
-            if pol.persist_vision_out() and self.writes:
-                t = w.submit_background(t, Commit(0, "vision_out", nbytes=self.sizes.vision_out))
+            t = self._vision_phase(d, t, proc, w, res, warned, soon, first_start)
         res.phase_s["vision"] = t - t_vision_start
         # ---- prefill (a recovery plan; the fresh run is the plan with nothing done)
         t_prefill = t
@@ -533,14 +539,32 @@ class RequestModel:
         if planner == "optimal":
             problem.costs = self.costs.as_dict()
         plan = make_plan(planner, problem)
+        origin = t_vision_start if vision_fresh else t  # weights stream behind the vision phase
+        costs: BlockCosts | None = None
         if (
             not vision_fresh
             and any(op.group == 0 and op.kind == "block" for op in plan.computes)
             and self.request.visual_tokens > 0
         ):
-            t += proc.read_s(t, self.sizes.vision_out)  # vision.out read by the first layer-0 compute
-        costs = self._read_costs(plan, t_vision_start if vision_fresh else t, proc)
-        origin = t_vision_start if vision_fresh else t  # weights stream behind the vision phase
+            if d.vision_done:
+                t += proc.read_s(t, self.sizes.vision_out)  # vision.out read by the first layer-0 compute
+                origin = t
+            else:
+                # vision.out never became durable (it is written behind the prefill blocks): the
+                # first layer-0 compute runs the vision phase again from the newest vision state
+                # (VisionPhase.out), on the compute unit. Its read goes through the read bucket
+                # when that compute's own inputs are in, behind the plan's reads issued by then,
+                # and the plan's later reads wait behind it (a token bucket serves in order).
+                first = next(op for op in plan.computes if op.group == 0 and op.kind == "block")
+                needs, _ = PlanExecutor(plan, None, None).dependencies(first)
+                after = max(plan.reads.index(r) for r in needs)
+                costs, read_end = self._read_costs(
+                    plan, origin, proc, extra=(after, self._vision_input_bytes(d, first_start))
+                )
+                t = self._vision_phase(d, t, proc, w, res, warned, soon, first_start, input_read_end=read_end)
+                res.phase_s["vision"] = t - origin
+        if costs is None:
+            costs, _ = self._read_costs(plan, origin, proc)
         reads_end = sum(costs.read_s(op) for op in plan.reads)
         compute_from = t - origin if overlap else max(t - origin, reads_end)
         free_at = [compute_from]
@@ -612,21 +636,92 @@ class RequestModel:
         res.finished_at = t
         return res
 
+    def _vision_input_bytes(self, d: Durable, first_start: bool) -> float:
+        """What VisionPhase.run reads before its first block: the newest vision state, or (from
+        the patches, on a restart) the stored pixels, in device bytes."""
+        if d.vision_block:
+            return self.sizes.vision_state(d.vision_block)
+        return 0.0 if first_start else self.platform.storage.data_bytes(self.sizes.task_pixels)
+
+    def _vision_phase(
+        self,
+        d: Durable,
+        t: float,
+        proc: PayloadProcess,
+        w: Writer,
+        res: SessionResult,
+        warned,
+        soon,
+        first_start: bool,
+        input_read_end: float | None = None,
+    ) -> float:
+        """VisionPhase.run from `d`'s newest vision state (or the patches): its blocks, the
+        vision states its cadence keeps, and vision.out handed to the writer in the background.
+        `input_read_end`: its input's read was charged by the caller (among the plan's reads)
+        and ends then. Returns when it ends."""
+        p, pol, g = self.platform, self.policy, self.g
+        adaptive = self.adaptive(proc)
+        start_block = d.vision_block if d.vision_block else 0
+        if input_read_end is not None:
+            t = max(t, input_read_end)
+        elif nbytes := self._vision_input_bytes(d, first_start):
+            t += proc.read_s(t, nbytes)
+        if not start_block:
+            t += p.vision_extra_s / 2
+        last_state, deferred = start_block, 0
+        for i in range(start_block, self.V):
+            t += p.vision_block_s
+            if res.first_unit_at is None:
+                res.first_unit_at = t
+            done = i + 1
+            cadence = proc.at(t)
+            if cadence is not None:
+                cadence.observe_unit("vision", p.vision_block_s)
+            u = done < self.V and warned(t)
+            due = pol.vision_state_due(done, self.V, g)
+            if not due and adaptive and done < self.V:
+                assert cadence is not None
+                due = cadence.early_record("vision", done - last_state, g.vision_every)
+                if due:
+                    res.early_at.append(t)
+            if u or due:
+                soon[0] = False
+                t = w.submit(
+                    t,
+                    Commit(0, "vision", value=done, nbytes=self.sizes.vision_state(done)),
+                    optional=not u and deferred == 0,
+                    phase="vision",
+                )
+                if w.kept:
+                    last_state, deferred = done, 0
+                else:
+                    deferred += 1
+        t += p.vision_extra_s / 2
+        if pol.persist_vision_out() and self.writes:
+            t = w.submit_background(t, Commit(0, "vision_out", nbytes=self.sizes.vision_out))
+        return t
+
     def _read_s(self, nbytes: float) -> float:
         """A read at the storage's rate (no throttle state: for estimates outside a session)."""
         st = self.platform.storage
         return st.read_latency_s + nbytes / st.read_bytes_per_s
 
-    def _read_costs(self, plan, origin: float, proc: PayloadProcess):
-        """The plan's read costs: record bytes at the storage's rate; with a token bucket (the
-        testbench), charged in plan order through the process's read bucket."""
+    def _read_costs(self, plan, origin: float, proc: PayloadProcess, extra: tuple[int, float] | None = None):
+        """(the plan's read costs, the end of the `extra` read): record bytes at the storage's
+        rate; with a token bucket (the testbench), charged in plan order through the process's
+        read bucket. `extra` = (index, bytes): a read of the compute thread's own, charged right
+        after the plan's read at that index (the reads after it wait for it)."""
 
         c = self.costs
         kv = np.zeros((self.NG, self.NC))
         hidden = np.zeros((self.NG, self.NC))
         weights = np.array(c.weights, dtype=float)
         t = origin
-        for op in plan.reads:
+        extra_end = None
+        for index, op in enumerate(plan.reads):
+            if extra is not None and index == extra[0] + 1:
+                t += proc.read_s(t, extra[1])
+                extra_end = t
             if op.what == "weights":
                 t += weights[op.group]
                 continue
@@ -640,7 +735,10 @@ class RequestModel:
             seconds = proc.read_s(t, nbytes)
             (kv if op.what == "kv" else hidden)[op.group, op.chunk] = seconds
             t += seconds
-        return BlockCosts(weights, kv, hidden, np.array(c.compute), np.array(c.reproject), c.source)
+        if extra is not None and extra_end is None:  # after the plan's last read
+            t += proc.read_s(t, extra[1])
+            extra_end = t
+        return BlockCosts(weights, kv, hidden, np.array(c.compute), np.array(c.reproject), c.source), extra_end
 
     # ---- across windows -----------------------------------------------------------------------------
     def run(

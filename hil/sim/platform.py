@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from flight.engine.pacing import paced_block_costs
 from flight.recovery.cost import ORIN_AGX_NVME, BlockCosts, CostModel, TargetDevice
 
 from .models import ModelSpec, Request
@@ -80,7 +81,6 @@ class Platform:
     decode_step_s: float  # one decode step
     prefill: CostModel | None = None  # real sizes: block costs from the planner's cost model
     pace_s: float = 0.0  # testbench: every paced unit lasts this long
-    reproject_units: float = 0.25  # testbench: a re-projection is paced as this share of a unit
     weights_read_s: float = 0.0  # all LM weights (read by the plan, per group share)
     vision_weights_read_s: float = 0.0
     result_s: float = 0.0  # RESULT commit + GC + report, beyond the record write
@@ -105,9 +105,14 @@ class Platform:
             return self.prefill.compute_s(1, tokens, 0)
         return self.pace_s
 
-    def block_costs(self, groups, chunks) -> BlockCosts:
-        """Compute and read costs of the prefill grid (the planner's BlockCosts shape); reads at
-        the storage's bandwidth (the token bucket's burst is applied along the read order)."""
+    def block_costs(
+        self, groups, chunks, kv_bytes_per_token_layer: float = 0.0, hidden_bytes_per_token: float = 0.0
+    ) -> BlockCosts:
+        """Compute and read costs of the prefill grid (the planner's BlockCosts shape), as the
+        payload's own planner sees them: reads at the storage's bandwidth (in the simulated
+        schedule the token bucket's burst is applied along the read order on top), and on the
+        testbench the pace, through the engine's own `paced_block_costs` (its record sizes:
+        `kv_bytes_per_token_layer`, `hidden_bytes_per_token`)."""
 
         if self.prefill is not None:
             model = replace(
@@ -115,13 +120,17 @@ class Platform:
             )
             costs = model.block_costs(groups, chunks)
             return costs
+        st = self.storage
         layers = np.array([l1 - l0 for l0, l1 in groups], dtype=float)[:, None]
+        tokens = np.array([e - s for s, e in chunks], dtype=float)[None, :]
         shape = (len(groups), len(chunks))
-        compute = np.broadcast_to(layers * self.pace_s, shape).copy()
-        reproject = np.broadcast_to(layers * self.pace_s * self.reproject_units, shape).copy()
-        zeros = np.zeros(shape)
+        kv = st.read_latency_s + layers * tokens * kv_bytes_per_token_layer / st.read_bytes_per_s
+        hidden = np.broadcast_to(st.read_latency_s + tokens * hidden_bytes_per_token / st.read_bytes_per_s, shape)
         weights = np.full(len(groups), self.weights_read_s / len(groups))
-        return BlockCosts(weights, zeros.copy(), zeros.copy(), compute, reproject, "testbench")
+        zeros = np.zeros(shape)
+        reads = BlockCosts(weights, kv, hidden.copy(), zeros, zeros.copy(), "storage")
+        costs = paced_block_costs(reads, groups, self.pace_s)  # re-projections: REPROJECT_PACE_UNITS
+        return replace(costs, source="testbench " + costs.source)
 
 
 def vision_block_seconds(spec: ModelSpec, request: Request, target: TargetDevice) -> float:

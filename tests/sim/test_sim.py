@@ -409,3 +409,69 @@ def test_the_payloads_own_data_moves_at_its_weight_through_the_shared_throttle()
         data_weight=0.25,
     )
     assert native.storage.data_weight == 1.0
+
+
+def test_vision_out_written_in_the_gaps_shares_the_write_bucket_with_the_ordered_records():
+    """vision.out goes in the background, in the gaps between ordered records, through the same
+    token bucket (common.durable.ThrottledFS): what it writes, the next ordered record waits for.
+    Nothing gets through faster than the throttle's rate."""
+    from hil.sim.lifecycle import Commit, PayloadProcess, Writer
+
+    platform = _throttled_platform()  # 1 MB/s, a bucket empty at the process's start (t = 0)
+    writer = Writer(platform, sync=False, process=PayloadProcess(platform, 0.0))
+    latency = platform.storage.write_latency_s
+    vision_out = Commit(0, "vision_out", nbytes=2_000_000)
+    writer.submit_background(0.0, vision_out)
+    block = Commit(0, "block", (0, 0), (True, False), nbytes=1_000_000)
+    writer.submit(1.0, block)
+    # vision.out wrote the 1 MB the bucket let through by 1 s: the block waits a second for its own
+    # (this machine's commit latency overlaps the wait)
+    assert block.t == pytest.approx(2.0, abs=2 * latency)
+    # ... and vision.out its last 1 MB after the block: 3 MB in 3 s
+    assert writer.drain(block.t) == pytest.approx(3.0, abs=2 * latency)
+    assert vision_out.t == pytest.approx(3.0, abs=2 * latency)
+
+
+@pytest.mark.parametrize("vision_out_durable", [True, False])
+def test_a_restart_that_recomputes_a_first_layer_block_needs_the_vision_output(vision_out_durable):
+    """VisionPhase.out: a restart whose plan computes a first-layer block reads vision.out where
+    it is durable, and otherwise runs the vision phase again from the newest vision state (and
+    hands vision.out to the writer again)."""
+    spec = spec_from_dir_tiny()
+    platform = _paced(1000.0)
+    model = RequestModel(spec, Request(512, 40, 24, 2), platform, "orbitweaver", Geometry(64, 2, 8, 2))
+    durable = Durable(
+        vision_block=0 if vision_out_durable else 2,
+        vision_done=vision_out_durable,
+        blocks={(0, 0): (True, False)},
+        inputs_stored=True,
+        group=2,
+    )
+    res = model.session(durable, 10.0, 5.0)
+    vision_states = [c for c in res.commits if c.kind == "vision"]
+    vision_outs = [c for c in res.commits if c.kind == "vision_out"]
+    if vision_out_durable:
+        assert res.phase_s["vision"] == 0 and not vision_outs and not vision_states
+    else:
+        # blocks 2..3 of the tiny model's 4 again, one pace each
+        assert res.phase_s["vision"] >= 2 * platform.vision_block_s
+        assert len(vision_outs) == 1
+
+
+def test_the_testbench_planner_costs_are_the_paced_payloads():
+    """The simulated payload plans as the real paced one does (flight.engine.pacing
+    paced_block_costs): a block lasts the pace per layer, a re-projection its share, and a KV or
+    hidden-state read its bytes at the emulated storage's rate."""
+    from flight.engine.pacing import REPROJECT_PACE_UNITS
+
+    spec = spec_from_dir_tiny()
+    platform = _throttled_platform()
+    model = RequestModel(spec, Request(512, 40, 24, 2), platform, "orbitweaver", Geometry(64, 2, 8, 2))
+    costs = model.costs
+    (first, end), (start, stop) = model.groups[0], model.chunks[0]
+    rate = platform.storage.read_bytes_per_s
+    assert costs.compute[0, 0] == pytest.approx((end - first) * platform.pace_s)
+    assert costs.reproject[0, 0] == pytest.approx((end - first) * platform.pace_s * REPROJECT_PACE_UNITS)
+    kv_bytes = (end - first) * (stop - start) * spec.text.kv_bytes_per_token_layer
+    assert costs.kv[0, 0] == pytest.approx(kv_bytes / rate)
+    assert costs.hidden[0, 0] == pytest.approx((stop - start) * spec.text.hidden * spec.dtype_bytes / rate)
