@@ -102,7 +102,17 @@ class PrefillRestore:
                     "groups": len(request.layer_groups),
                 }
             if frontier.blocks:
-                request.events("recovery_plan", **summary)
+                # what the payload's log keeps of a restart: what was found (stored blocks per
+                # layer group, whether vision.out was durable) and what the plan does first
+                request.events(
+                    "recovery_plan",
+                    **summary,
+                    stored_by_group=[
+                        sum(1 for group, _ in frontier.blocks if group == g) for g in range(len(request.layer_groups))
+                    ],
+                    vision_out_durable=frontier.vision_done,
+                    first_computes=[f"{op.kind} g{op.group} c{op.chunk}" for op in plan.computes[:3]],
+                )
             started = time.perf_counter()
             executor = PhaseExecutor(
                 plan,

@@ -675,6 +675,8 @@ class FlightApp(CommandHandlers):
                 )
             elif name == "early_record":  # in the payload's log: the simulator's count is checked against it
                 self.log.info("early_record", task_id=task.task_id, phase=fields.get("phase"))
+            elif name in ("recovery_plan", "prefill_restored"):  # a restart's plan and what it cost
+                self.log.info(name, task_id=task.task_id, **fields)
             elif name == "checkpoint_write_failed":
                 self.event(
                     EventId.DISK_FULL,

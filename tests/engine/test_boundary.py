@@ -91,3 +91,24 @@ def test_a_paced_engine_plans_with_the_pace_and_the_throttled_reads(model, tmp_p
     (first, end), (start, stop) = groups[0], GEOMETRY.token_chunks(inputs.num_tokens)[0]
     assert costs["kv"][0][0] >= (end - first) * (stop - start) * kv_bytes / read_bps
     assert resumed.token_ids == whole.token_ids and resumed.logits_sha256() == whole.logits_sha256()
+
+
+def test_a_restart_reports_what_it_found_and_what_its_plan_does_first(model, tmp_path):
+    """The payload's log keeps each restart's plan: the stored blocks per layer group, whether
+    vision.out was durable, and the plan's first computes (how a slow restart is explained)."""
+    inputs = inputs_for(model)
+    ckpt = str(tmp_path / "cut")
+    cut = CutAfter(3, names=("prefill_block_done",))
+    with pytest.raises(SimulatedCut):
+        engine(model, events=cut.event).run(inputs, ckpt, MAX_NEW)
+    seen = []
+    engine(model, planner="optimal", events=lambda name, **fields: seen.append((name, fields))).run(
+        inputs, ckpt, MAX_NEW
+    )
+    (plan,) = [fields for name, fields in seen if name == "recovery_plan" and "stored_by_group" in fields]
+    (opened,) = [fields for name, fields in seen if name == "request_opened"]
+    assert opened["phase"] == "prefill" and opened["position"] >= 1  # blocks found on disk
+    assert sum(plan["stored_by_group"]) == opened["position"]
+    assert len(plan["stored_by_group"]) == len(GEOMETRY.layer_groups(model.adapter.num_layers))
+    assert plan["vision_out_durable"] is True
+    assert plan["first_computes"] and all(c.startswith(("block", "reproject")) for c in plan["first_computes"])
