@@ -30,6 +30,17 @@ def model(model_dirs):
     return load_model(model_dirs["qwen3-vl"], device="cpu")
 
 
+def _cut_in_prefill(model, tmp_path):
+    """(inputs, the uninterrupted result, a checkpoint directory cut after three prefill blocks)."""
+    inputs = inputs_for(model)
+    whole = engine(model).run(inputs, str(tmp_path / "whole"), MAX_NEW)
+    ckpt = str(tmp_path / "cut")
+    cut = CutAfter(3, names=("prefill_block_done",))
+    with pytest.raises(SimulatedCut):
+        engine(model, events=cut.event).run(inputs, ckpt, MAX_NEW)
+    return inputs, whole, ckpt
+
+
 def test_a_handed_policy_is_the_one_that_runs(model, tmp_path):
     inputs = inputs_for(model)
     options = EngineOptions(geometry=GEOMETRY, policy="orbitweaver", async_writes=False)
@@ -42,12 +53,7 @@ def test_a_handed_policy_is_the_one_that_runs(model, tmp_path):
 
 
 def test_the_optimal_planner_plans_with_the_handed_cost_model(model, tmp_path, monkeypatch):
-    inputs = inputs_for(model)
-    whole = engine(model).run(inputs, str(tmp_path / "whole"), MAX_NEW)
-    ckpt = str(tmp_path / "cut")
-    cut = CutAfter(3, names=("prefill_block_done",))
-    with pytest.raises(SimulatedCut):
-        engine(model, events=cut.event).run(inputs, ckpt, MAX_NEW)
+    inputs, whole, ckpt = _cut_in_prefill(model, tmp_path)
     default = calibration_cache.cost_model_for(model)
     handed = CountingCostModel(**{name: getattr(default, name) for name in default.__dataclass_fields__})
     CountingCostModel.asked.clear()
@@ -65,12 +71,7 @@ def test_a_paced_engine_plans_with_the_pace_and_the_throttled_reads(model, tmp_p
     """The testbench paces compute to stand in for the target's: its planner must see that
     pace (not this machine's cached calibration, hundreds of times faster) and the emulated
     storage's read rate, or its plans depend on what happens to be cached here."""
-    inputs = inputs_for(model)
-    whole = engine(model).run(inputs, str(tmp_path / "whole"), MAX_NEW)
-    ckpt = str(tmp_path / "cut")
-    cut = CutAfter(3, names=("prefill_block_done",))
-    with pytest.raises(SimulatedCut):
-        engine(model, events=cut.event).run(inputs, ckpt, MAX_NEW)
+    inputs, whole, ckpt = _cut_in_prefill(model, tmp_path)
     planned = []
     real_make_plan = restore_module.make_plan
 
@@ -96,11 +97,7 @@ def test_a_paced_engine_plans_with_the_pace_and_the_throttled_reads(model, tmp_p
 def test_a_restart_reports_what_it_found_and_what_its_plan_does_first(model, tmp_path):
     """The payload's log keeps each restart's plan: the stored blocks per layer group, whether
     vision.out was durable, and the plan's first computes (how a slow restart is explained)."""
-    inputs = inputs_for(model)
-    ckpt = str(tmp_path / "cut")
-    cut = CutAfter(3, names=("prefill_block_done",))
-    with pytest.raises(SimulatedCut):
-        engine(model, events=cut.event).run(inputs, ckpt, MAX_NEW)
+    inputs, _, ckpt = _cut_in_prefill(model, tmp_path)
     seen = []
     engine(model, planner="optimal", events=lambda name, **fields: seen.append((name, fields))).run(
         inputs, ckpt, MAX_NEW
