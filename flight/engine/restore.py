@@ -50,6 +50,12 @@ class PrefillRestore:
             for chunk, (start, end) in enumerate(request.token_chunks)
             if bool(positions.visual_mask[0, start:end].any())
         )
+        # the layer groups whose blocks need the vision output: group 0 (its input embeds the
+        # visual tokens) and every group holding a DeepStack layer (it adds visual features)
+        deepstack = request.adapter.deepstack_layers
+        self.vision_groups = frozenset(
+            group for group, (first, _) in enumerate(request.layer_groups) if group == 0 or first < deepstack
+        )
 
     def run(self, frontier: Frontier) -> Frontier:
         """Restore or compute every prefill block (and a decode restart's first step); the
@@ -82,7 +88,10 @@ class PrefillRestore:
             if (
                 self.vision.output is None
                 and frontier.vision_done
-                and any(op.kind == "block" and op.group == 0 and op.chunk in self.visual_chunks for op in plan.computes)
+                and any(
+                    op.kind == "block" and op.group in self.vision_groups and op.chunk in self.visual_chunks
+                    for op in plan.computes
+                )
             ):
                 plan.reads.insert(0, VISION_OUT)  # read once, first, not inside the block that needs it
             summary = plan.summary()
@@ -120,6 +129,7 @@ class PrefillRestore:
                 self._compute,
                 overlap=overlap,
                 visual_chunks=self.visual_chunks,
+                vision_groups=self.vision_groups,
                 num_chunks=len(request.token_chunks),
             )
             try:

@@ -110,7 +110,9 @@ class ReadAhead:
 
 class PhaseExecutor(PlanExecutor):
     """The prefill plan's executor, plus the vision.out read (VISION_OUT, needed by the blocks of
-    group 0 whose chunk holds visual tokens, `visual_chunks`) and the first decode step's layer
+    `vision_groups` -- group 0, whose input embeds the visual tokens, and any group holding a
+    DeepStack layer, which adds visual features -- whose chunk holds visual tokens,
+    `visual_chunks`) and the first decode step's layer
     groups (StepOp: group g waits for its weights, its KV -- read or computed for every chunk --
     and the step through group g - 1)."""
 
@@ -122,9 +124,11 @@ class PhaseExecutor(PlanExecutor):
         overlap: bool = True,
         visual_chunks: frozenset = frozenset(),
         num_chunks: int = 0,
+        vision_groups: frozenset = frozenset({0}),
     ):
         super().__init__(plan, do_read, do_compute, overlap)
         self.visual_chunks = visual_chunks
+        self.vision_groups = vision_groups
         self.num_chunks = num_chunks
         # prefill work that rebuilds a block's KV (a block compute or a re-projection)
         self._scheduled = {(c.group, c.chunk) for c in plan.computes if c.kind in ("block", "reproject")}
@@ -141,6 +145,11 @@ class PhaseExecutor(PlanExecutor):
                 computed.append((op.group - 1, -1))
             return reads, computed
         reads, computed = super().dependencies(op)
-        if op.kind == "block" and op.group == 0 and op.chunk in self.visual_chunks and VISION_OUT in self.plan.reads:
+        if (
+            op.kind == "block"
+            and op.group in self.vision_groups
+            and op.chunk in self.visual_chunks
+            and VISION_OUT in self.plan.reads
+        ):
             reads.append(VISION_OUT)
         return reads, computed

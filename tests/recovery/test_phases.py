@@ -67,6 +67,20 @@ def test_recomputed_visual_blocks_wait_for_vision_out_read_first():
     assert VISION_OUT not in deps[(0, 2)] and VISION_OUT not in deps[(1, 1)]
 
 
+def test_deepstack_layer_blocks_wait_for_vision_out_too():
+    """A group holding a DeepStack layer adds visual features: its visual blocks need vision.out
+    as group 0's do (PrefillRestore.vision_groups)."""
+    problem = RecoveryProblem(3, 2, {(0, 0), (0, 1)}, {(0, 0), (0, 1)})
+    plan = make_plan("layer-first", problem)
+    plan.reads.insert(0, VISION_OUT)
+    executor = PhaseExecutor(
+        plan, None, None, visual_chunks=frozenset({0, 1}), num_chunks=2, vision_groups=frozenset({0, 1})
+    )
+    deps = {(op.group, op.chunk): executor.dependencies(op)[0] for op in plan.computes}
+    assert VISION_OUT in deps[(1, 0)] and VISION_OUT in deps[(1, 1)]
+    assert VISION_OUT not in deps[(2, 0)] and VISION_OUT not in deps[(2, 1)]
+
+
 def _cut_then_resume(model_dirs, tmp_path, units: int):
     model_dir = model_dirs["qwen3-vl"]
     model = load_model(model_dir, device="cpu")
