@@ -444,8 +444,10 @@ class RequestModel:
             costs = self.platform.block_costs(
                 sizes.groups, sizes.chunks, text.kv_bytes_per_token_layer, text.hidden * self.spec.dtype_bytes
             )
-            self._shapes[group] = (g, sizes, costs)
-        self.g, self.sizes, self.costs = self._shapes[group]
+            planned = self.platform.planner_costs(costs, text, sizes.groups)
+            self._shapes[group] = (g, sizes, costs, planned)
+        # costs: what each operation takes; plan_costs: what the payload's planner thinks it takes
+        self.g, self.sizes, self.costs, self.plan_costs = self._shapes[group]
         self.groups, self.chunks = self.sizes.groups, self.sizes.chunks
         self.NG, self.NC = len(self.groups), len(self.chunks)
 
@@ -537,53 +539,67 @@ class RequestModel:
         planner, overlap = pol.recovery(self.planner, True)
         overlap = overlap or not d.blocks  # a fresh prefill streams its weights behind the compute
         if planner == "optimal":
-            problem.costs = self.costs.as_dict()
+            problem.costs = self.plan_costs.as_dict()
         plan = make_plan(planner, problem)
         origin = t_vision_start if vision_fresh else t  # weights stream behind the vision phase
         costs: BlockCosts | None = None
-        if (
-            not vision_fresh
-            and any(op.group == 0 and op.kind == "block" for op in plan.computes)
-            and self.request.visual_tokens > 0
-        ):
+        vision_at, vision_read_end = None, None  # the compute that reruns the vision phase, its input read
+        # a block of group 0 (its input embeds the visual tokens) or of a group holding a
+        # DeepStack layer (it adds visual features) needs the vision output (PrefillRestore)
+        deepstack = len(self.spec.vision.deepstack)
+        needs_vision = [
+            op for op in plan.computes if op.kind == "block" and (op.group == 0 or self.groups[op.group][0] < deepstack)
+        ]
+        if not vision_fresh and needs_vision and self.request.visual_tokens > 0:
             if d.vision_done:
                 t += proc.read_s(t, self.sizes.vision_out)  # vision.out read by the first layer-0 compute
                 origin = t
             else:
                 # vision.out never became durable (it is written behind the prefill blocks): the
-                # first layer-0 compute runs the vision phase again from the newest vision state
-                # (VisionPhase.out), on the compute unit. Its read goes through the read bucket
-                # when that compute's own inputs are in, behind the plan's reads issued by then,
-                # and the plan's later reads wait behind it (a token bucket serves in order).
-                first = next(op for op in plan.computes if op.group == 0 and op.kind == "block")
-                needs, _ = PlanExecutor(plan, None, None).dependencies(first)
+                # first of those computes runs the vision phase again from the newest vision state
+                # (VisionPhase.out), on the compute unit, just before its own block. Its read goes
+                # through the read bucket when that compute's own inputs are in, behind the plan's
+                # reads issued by then, and the plan's later reads wait behind it (a token bucket
+                # serves in order).
+                vision_at = plan.computes.index(needs_vision[0])
+                needs, _ = PlanExecutor(plan, None, None).dependencies(needs_vision[0])
                 after = max(plan.reads.index(r) for r in needs)
-                costs, read_end = self._read_costs(
+                costs, vision_read_end = self._read_costs(
                     plan, origin, proc, extra=(after, self._vision_input_bytes(d, first_start))
                 )
-                t = self._vision_phase(d, t, proc, w, res, warned, soon, first_start, input_read_end=read_end)
-                res.phase_s["vision"] = t - origin
         if costs is None:
             costs, _ = self._read_costs(plan, origin, proc)
+
+        def rerun_vision(now: float) -> float:
+            """The vision phase again, from `now`: returns when the compute unit is free."""
+            end = self._vision_phase(d, now, proc, w, res, warned, soon, first_start, input_read_end=vision_read_end)
+            res.phase_s["vision"] = end - now
+            return end
+
+        if vision_at == 0:
+            t = rerun_vision(t)
         reads_end = sum(costs.read_s(op) for op in plan.reads)
         compute_from = t - origin if overlap else max(t - origin, reads_end)
         free_at = [compute_from]
+        computed = [0]
 
         def after_compute(op, end):
             now = origin + end
             if res.first_unit_at is None:
                 res.first_unit_at = now
             free_at[0] = end
-            if op.kind != "block":
-                return end
-            persist = pol.prefill_block(op.group, op.chunk, self.NG, self.NC) if self.writes else None
-            if persist is None:
-                return end
-            nbytes = self.sizes.prefill_block(op.group, op.chunk, persist.kv, persist.boundary_hidden)
-            free = w.submit(
-                now, Commit(0, "block", (op.group, op.chunk), (persist.kv, persist.boundary_hidden), nbytes)
-            )
-            free_at[0] = free - origin
+            persist = None
+            if op.kind == "block" and self.writes:
+                persist = pol.prefill_block(op.group, op.chunk, self.NG, self.NC)
+            if persist is not None:
+                nbytes = self.sizes.prefill_block(op.group, op.chunk, persist.kv, persist.boundary_hidden)
+                free = w.submit(
+                    now, Commit(0, "block", (op.group, op.chunk), (persist.kv, persist.boundary_hidden), nbytes)
+                )
+                free_at[0] = free - origin
+            computed[0] += 1
+            if computed[0] == vision_at:  # the next compute needs the vision output
+                free_at[0] = rerun_vision(origin + free_at[0]) - origin
             return free_at[0]
 
         sched = simulate(plan, problem, costs, compute_from=compute_from, after_compute=after_compute)

@@ -460,18 +460,40 @@ def test_a_restart_that_recomputes_a_first_layer_block_needs_the_vision_output(v
 
 def test_the_testbench_planner_costs_are_the_paced_payloads():
     """The simulated payload plans as the real paced one does (flight.engine.pacing
-    paced_block_costs): a block lasts the pace per layer, a re-projection its share, and a KV or
-    hidden-state read its bytes at the emulated storage's rate."""
+    paced_block_costs, PrefillRestore._plan_costs): a block lasts the pace per layer, a
+    re-projection its share, and a read -- KV, hidden state, weights -- its bytes at the emulated
+    storage's rate."""
     from flight.engine.pacing import REPROJECT_PACE_UNITS
 
     spec = spec_from_dir_tiny()
     platform = _throttled_platform()
     model = RequestModel(spec, Request(512, 40, 24, 2), platform, "orbitweaver", Geometry(64, 2, 8, 2))
-    costs = model.costs
+    costs = model.plan_costs
     (first, end), (start, stop) = model.groups[0], model.chunks[0]
     rate = platform.storage.read_bytes_per_s
+    # the payload charges its (unthrottled) weights at the checkpoint throttle's rate too; the
+    # simulated schedule reads them at the platform's own weight-read time
+    layer_bytes = spec.text.layer_bytes * (end - first) + spec.text.vocab * spec.text.hidden * spec.text.dtype_bytes
+    assert costs.weights[0] == pytest.approx(layer_bytes / rate)
+    assert model.costs.weights[0] == pytest.approx(platform.weights_read_s / len(model.groups))
     assert costs.compute[0, 0] == pytest.approx((end - first) * platform.pace_s)
     assert costs.reproject[0, 0] == pytest.approx((end - first) * platform.pace_s * REPROJECT_PACE_UNITS)
     kv_bytes = (end - first) * (stop - start) * spec.text.kv_bytes_per_token_layer
     assert costs.kv[0, 0] == pytest.approx(kv_bytes / rate)
     assert costs.hidden[0, 0] == pytest.approx((stop - start) * spec.text.hidden * spec.dtype_bytes / rate)
+
+
+@pytest.mark.parametrize("deepstack", [(1, 2), ()])
+def test_a_deepstack_layer_needs_the_vision_output_too(deepstack):
+    """Qwen3-VL adds visual features in its first decoder layers (DeepStack, one per
+    `deepstack_visual_indexes`): a restart that computes a block of such a layer needs the
+    vision output even with every first-layer block stored (PrefillRestore.vision_groups)."""
+    from dataclasses import replace
+
+    tiny = spec_from_dir_tiny()
+    spec = replace(tiny, vision=replace(tiny.vision, deepstack=deepstack))
+    model = RequestModel(spec, Request(512, 40, 24, 2), _paced(1000.0), "orbitweaver", Geometry(64, 1, 8, 2))
+    first_layer = {(0, chunk): (True, True) for chunk in range(model.NC)}
+    res = model.session(Durable(vision_block=2, blocks=first_layer, inputs_stored=True, group=1), 10.0, 5.0)
+    rerun = [c for c in res.commits if c.kind == "vision_out"]
+    assert (len(rerun), res.phase_s["vision"] > 0) == ((1, True) if deepstack else (0, False))
