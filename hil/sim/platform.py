@@ -108,11 +108,11 @@ class Platform:
     def block_costs(
         self, groups, chunks, kv_bytes_per_token_layer: float = 0.0, hidden_bytes_per_token: float = 0.0
     ) -> BlockCosts:
-        """Compute and read costs of the prefill grid (the planner's BlockCosts shape), as the
-        payload's own planner sees them: reads at the storage's bandwidth (in the simulated
-        schedule the token bucket's burst is applied along the read order on top), and on the
-        testbench the pace, through the engine's own `paced_block_costs` (its record sizes:
-        `kv_bytes_per_token_layer`, `hidden_bytes_per_token`)."""
+        """What each operation of the prefill grid takes (the planner's BlockCosts shape):
+        reads at the storage's bandwidth (in the simulated schedule the token bucket's burst is
+        applied along the read order on top), and on the testbench the pace, through the
+        engine's own `paced_block_costs` (its record sizes: `kv_bytes_per_token_layer`,
+        `hidden_bytes_per_token`). `planner_costs`: what the payload's planner is told."""
 
         if self.prefill is not None:
             model = replace(
