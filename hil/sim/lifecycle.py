@@ -552,7 +552,7 @@ class RequestModel:
         ]
         if not vision_fresh and needs_vision and self.request.visual_tokens > 0:
             if d.vision_done:
-                t += proc.read_s(t, self.sizes.vision_out)  # vision.out read by the first layer-0 compute
+                t += proc.read_s(t, self.sizes.vision_out)  # the plan's first read, which they wait for
                 origin = t
             else:
                 # vision.out never became durable (it is written behind the prefill blocks): the
