@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import functools
 import time
+from collections import Counter
 from dataclasses import replace
 from typing import cast
 
 from flight.checkpoint.store import BlockInfo, Frontier
 from flight.recovery.executor import RecordRejected
-from flight.recovery.phases import VISION_OUT, PhaseExecutor, StepOp
+from flight.recovery.phases import VISION_OUT, PhaseExecutor, StepOp, vision_groups
 from flight.recovery.plan import ComputeOp, ReadOp, RecoveryProblem, make_plan
 
 from .context import LanguageState, RequestContext
@@ -50,12 +51,7 @@ class PrefillRestore:
             for chunk, (start, end) in enumerate(request.token_chunks)
             if bool(positions.visual_mask[0, start:end].any())
         )
-        # the layer groups whose blocks need the vision output: group 0 (its input embeds the
-        # visual tokens) and every group holding a DeepStack layer (it adds visual features)
-        deepstack = request.adapter.deepstack_layers
-        self.vision_groups = frozenset(
-            group for group, (first, _) in enumerate(request.layer_groups) if group == 0 or first < deepstack
-        )
+        self.vision_groups = vision_groups(request.layer_groups, request.adapter.deepstack_layers)
 
     def run(self, frontier: Frontier) -> Frontier:
         """Restore or compute every prefill block (and a decode restart's first step); the
@@ -111,14 +107,13 @@ class PrefillRestore:
                     "groups": len(request.layer_groups),
                 }
             if frontier.blocks:
+                stored = Counter(group for group, _ in frontier.blocks)
                 # what the payload's log keeps of a restart: what was found (stored blocks per
                 # layer group, whether vision.out was durable) and what the plan does first
                 request.events(
                     "recovery_plan",
                     **summary,
-                    stored_by_group=[
-                        sum(1 for group, _ in frontier.blocks if group == g) for g in range(len(request.layer_groups))
-                    ],
+                    stored_by_group=[stored[g] for g in range(len(request.layer_groups))],
                     vision_out_durable=frontier.vision_done,
                     first_computes=[f"{op.kind} g{op.group} c{op.chunk}" for op in plan.computes[:3]],
                 )

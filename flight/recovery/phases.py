@@ -35,6 +35,13 @@ from .plan import ReadOp
 VISION_OUT = ReadOp("vision_out", 0)
 
 
+def vision_groups(layer_groups: list[tuple[int, int]], deepstack_layers: int) -> frozenset:
+    """The layer groups whose blocks need the vision output: group 0 (its input embeds the visual
+    tokens) and every group holding a DeepStack layer (one of the first `deepstack_layers`
+    decoder layers, which add visual features)."""
+    return frozenset(group for group, (first, _) in enumerate(layer_groups) if group == 0 or first < deepstack_layers)
+
+
 @dataclass(frozen=True)
 class StepOp:
     """The first decode step after a restart, through the layers of one group."""

@@ -37,6 +37,7 @@ from flight.checkpoint.cadence import HISTORY_WINDOWS, Cadence
 from flight.checkpoint.policies import Geometry, get_policy
 from flight.recovery.cost import BlockCosts
 from flight.recovery.executor import PlanExecutor
+from flight.recovery.phases import vision_groups
 from flight.recovery.plan import RecoveryProblem, make_plan
 from flight.recovery.simulate import simulate
 
@@ -273,7 +274,6 @@ class Writer:
         self.bucket = process.write_bucket
         self.alive: list[float] = []  # end times of ordered records submitted, in order
         self.channel_free = process.started
-        self.busy: list[tuple[float, float]] = []
         self.commits: list[Commit] = []
         self.background: Commit | None = None  # vision.out, written in the gaps between ordered records
         self._background_left = 0.0  # its bytes not written yet
@@ -315,7 +315,6 @@ class Writer:
         commit.t, commit.started = end, start
         self.channel_free = end
         self.alive.append(end)
-        self.busy.append((start, end))
         self.commits.append(commit)
         self.bytes += commit.nbytes
         if phase is not None:
@@ -544,12 +543,9 @@ class RequestModel:
         origin = t_vision_start if vision_fresh else t  # weights stream behind the vision phase
         costs: BlockCosts | None = None
         vision_at, vision_read_end = None, None  # the compute that reruns the vision phase, its input read
-        # a block of group 0 (its input embeds the visual tokens) or of a group holding a
-        # DeepStack layer (it adds visual features) needs the vision output (PrefillRestore)
-        deepstack = len(self.spec.vision.deepstack)
-        needs_vision = [
-            op for op in plan.computes if op.kind == "block" and (op.group == 0 or self.groups[op.group][0] < deepstack)
-        ]
+        # the blocks that need the vision output, as PrefillRestore finds them
+        groups_with_vision = vision_groups(self.groups, len(self.spec.vision.deepstack))
+        needs_vision = [op for op in plan.computes if op.kind == "block" and op.group in groups_with_vision]
         if not vision_fresh and needs_vision and self.request.visual_tokens > 0:
             if d.vision_done:
                 t += proc.read_s(t, self.sizes.vision_out)  # the plan's first read, which they wait for
