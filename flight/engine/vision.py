@@ -122,7 +122,9 @@ class VisionPhase:
             request.events("vision_restored", block=start)
         else:
             hidden = adapter.vision_embed(context, request.inputs.pixel_values.to(request.device))
-        last_state, deferred = start, 0  # the newest vision state handed to the writer; states dropped since
+        # the newest vision state handed to the writer, states dropped since, and whether that
+        # newest one was an early (adaptive) record
+        last_state, deferred, last_early = start, 0, False
         for block in range(start, num_blocks):
             request.pacer.begin()
             unit_start = time.perf_counter()
@@ -134,26 +136,31 @@ class VisionPhase:
             done = block + 1
             request.events("vision_block_done", block=done, of=num_blocks)
             urgent = done < num_blocks and request.checkpoint_requested()
-            due = policy.vision_state_due(done, num_blocks, geometry) or (
-                done < num_blocks and records.early("vision", done - last_state, geometry.vision_every)
+            scheduled = policy.vision_state_due(done, num_blocks, geometry)
+            early = (
+                not scheduled
+                and done < num_blocks
+                and records.early("vision", done - last_state, geometry.vision_every)
             )
-            if urgent or due:
+            if urgent or scheduled or early:
                 request.checkpoint_soon.clear()
                 # A cadence checkpoint is dropped while the previous record is still being
                 # written (the next one supersedes it); one the bus asked for is not, and
                 # neither is one after a dropped one: progress never waits on an idle writer
                 # forever, and a window that can only write every other state still keeps one.
+                # Nor is a scheduled one dropped for an early one still being written: adaptive
+                # only adds records, the fixed cadence stays the bound on their spacing.
                 kept = records.submit(
                     f"vision.state[{done}]",
                     request.store.put_vision_state,
                     done,
                     hidden,
                     dict(side),
-                    optional=not urgent and deferred == 0,
+                    optional=not urgent and deferred == 0 and not (scheduled and last_early),
                     phase="vision",
                 )
                 if kept:
-                    last_state, deferred = done, 0
+                    last_state, deferred, last_early = done, 0, early
                 else:
                     deferred += 1
         request.model.weights.ensure(*adapter.vision_epilogue_modules())

@@ -680,7 +680,7 @@ class RequestModel:
             t += proc.read_s(t, nbytes)
         if not start_block:
             t += p.vision_extra_s / 2
-        last_state, deferred = start_block, 0
+        last_state, deferred, last_early = start_block, 0, False
         for i in range(start_block, self.V):
             t += p.vision_block_s
             if res.first_unit_at is None:
@@ -690,22 +690,24 @@ class RequestModel:
             if cadence is not None:
                 cadence.observe_unit("vision", p.vision_block_s)
             u = done < self.V and warned(t)
-            due = pol.vision_state_due(done, self.V, g)
-            if not due and adaptive and done < self.V:
+            scheduled = pol.vision_state_due(done, self.V, g)
+            early = False
+            if not scheduled and adaptive and done < self.V:
                 assert cadence is not None
-                due = cadence.early_record("vision", done - last_state, g.vision_every)
-                if due:
+                early = cadence.early_record("vision", done - last_state, g.vision_every)
+                if early:
                     res.early_at.append(t)
-            if u or due:
+            if u or scheduled or early:
                 soon[0] = False
                 t = w.submit(
                     t,
                     Commit(0, "vision", value=done, nbytes=self.sizes.vision_state(done)),
-                    optional=not u and deferred == 0,
+                    # as the engine: a scheduled state is not dropped for an early one in flight
+                    optional=not u and deferred == 0 and not (scheduled and last_early),
                     phase="vision",
                 )
                 if w.kept:
-                    last_state, deferred = done, 0
+                    last_state, deferred, last_early = done, 0, early
                 else:
                     deferred += 1
         t += p.vision_extra_s / 2

@@ -227,6 +227,36 @@ def test_adaptive_cadence_is_bitwise_under_exhaustive_stops(model_dirs, tmp_path
     assert {"vision", "decode"} <= phases
 
 
+def test_an_early_record_in_flight_never_displaces_a_scheduled_one(model_dirs, tmp_path):
+    """The adaptive cadence writes vision.state[1] early; its write is still under way when the
+    fixed cadence's vision.state[2] is due (the writer holds it until block 3 is done). The
+    scheduled state is queued behind it, not dropped as a superseded optional one: adaptive
+    only adds records, the fixed cadence stays the bound on their spacing."""
+    import threading
+
+    model = load_model(model_dirs["qwen3-vl"], device="cpu")
+    inputs = inputs_for(model)
+    ref = engine(model, GEOMETRY, cadence="fixed").run(inputs, str(tmp_path / "ref"), MAX_NEW)
+    block3_done, written = threading.Event(), []
+
+    def events(name, **fields):
+        if name == "vision_block_done" and fields["block"] == 3:
+            block3_done.set()
+
+    def commit(what, nbytes):
+        written.append(what)
+        if what == "vision.state[1]":
+            assert block3_done.wait(60), "vision block 3 never came"
+
+    # up 1 unit after block 1: 4 of the 6 windows lived through end within the next unit
+    cadence = UnitClock([1.5, 1.8, 1.9, 2.0, 50.0, 50.0])
+    options = EngineOptions(geometry=GEOMETRY, async_writes=True, cadence="adaptive")
+    eng = Engine(model, options, events=events, after_commit=commit, cadence=cadence)
+    result = eng.run(inputs, str(tmp_path / "task"), MAX_NEW)
+    assert written[:2] == ["vision.state[1]", "vision.state[2]"], written
+    assert result.token_ids == ref.token_ids and torch.equal(result.logits, ref.logits)
+
+
 def test_adaptive_prefill_block_fits_the_windows_lived_through():
     assert Cadence("fixed", [0.1] * 5).prefill_group(4, 1.0) == 4  # the paper's G, whatever the windows
     assert Cadence("adaptive", [0.1, 0.1]).prefill_group(4, 1.0) == 4  # too little history to judge

@@ -279,6 +279,35 @@ def test_a_warning_makes_the_adaptive_cadence_write_until_the_cut():
     assert _decode_records([500.0, 600.0, 700.0], "fixed") == ([8, 16], 0)  # unwarned
 
 
+def test_an_early_vision_state_in_flight_never_displaces_the_scheduled_one():
+    """As in the engine: windows lived through that end about a unit after vision block 1 make
+    the adaptive cadence write vision.state[1] early; at 30 kB/s its write outlasts block 2,
+    whose scheduled state (every 2 blocks) is queued behind it, not dropped."""
+    from hil.sim.lifecycle import Payload
+    from hil.sim.platform import testbench_platform
+
+    spec = spec_from_dir_tiny()
+    request = Request(512, 40, 24, 2)
+    geometry = Geometry(chunk=64, group=4, decode_every=8, vision_every=2)
+
+    def vision_states(lengths, cadence):
+        platform = testbench_platform(
+            1000.0, read_mbps=None, write_mbps=0.03, boot_s=2.0, first_start_s=0.0, setup_s=0.0, commit_latency_s=1e-3
+        )
+        platform.process_start_s = 1.0
+        windows, start = _lived(lengths)
+        payload = Payload(platform, windows, {}, cadence)
+        model = RequestModel(spec, request, platform, "orbitweaver", geometry, "chunk-first")
+        resumed = Durable(inputs_stored=True, group=geometry.group)  # no TASK_INPUTS write in the way
+        res = model.session(resumed, start + 2.0, payload.process(start, math.inf), None)
+        return [c.value for c in res.commits if c.kind == "vision"], len(res.early_at)
+
+    short = [2.5, 2.6, 2.7, 2.8, 100.0, 100.0]
+    assert vision_states(short, "fixed") == ([2], 0)
+    assert vision_states(short, "adaptive") == ([1, 2], 1)
+    assert vision_states([500.0, 600.0, 700.0], "adaptive") == ([2], 0)
+
+
 def _throttled_platform(**options):
     """The testbench's emulation with 1 ms units and 1 MB/s storage."""
     from hil.sim.platform import testbench_platform
