@@ -14,8 +14,10 @@ durable progress at all. The payload knows more than the cadence uses:
 
 `Cadence("adaptive")` turns these into p, the probability that power goes before the next
 record the fixed cadence would write, and writes a record at this unit boundary when p is at
-least `P_MIN` and the work it saves in expectation (p x the work since the last record) is worth
-the time a record of that kind takes to write (measured). The fixed cadence stays an upper
+least `P_MIN`, the work it saves in expectation (p x the work since the last record) is worth
+the time a record of that kind takes to write (measured, and kept across boots in
+`state/write-costs`: `WriteCosts`), and that write ends before the next scheduled record is due
+(so it never holds that one back in the writer's queue). The fixed cadence stays an upper
 bound on the spacing of records: adaptive only ever adds records. Records written early hold
 exactly what the fixed ones hold (decode records cover every step since the last durable one),
 so the answer is bitwise the same. It also picks a new task's prefill block shape: the layers
@@ -59,6 +61,9 @@ DEFAULT_THERMAL_LIMIT_C = 55.0
 DEFAULT_SOC_CUTOFF = 0.40
 
 _ENTRY = struct.Struct("<IdI")  # boot count, seconds, crc32c of the first 12 bytes
+#: the phases whose record writes are timed for early records, in `state/write-costs` order
+COST_PHASES = ("vision", "decode")
+_COSTS = struct.Struct("<ddI")  # seconds per vision state, per decode record, crc32c of the first 16 bytes
 
 
 def _pack(boot: int, seconds: float) -> bytes:
@@ -175,13 +180,80 @@ class WindowLog:
             return 0.25
         return min(2.0, max(0.1, _median(self.lengths) / 20.0))
 
-    def keep_marking(self, stop: threading.Event) -> None:
-        """Thread body: mark until `stop` is set (or power goes)."""
+    def keep_marking(self, stop: threading.Event, also=None) -> None:
+        """Thread body: mark until `stop` is set (or power goes); `also()` after each mark (the
+        cadence's write costs, kept by the same thread)."""
         while not stop.wait(self.period_s()):
             try:
                 self.mark()
             except OSError:
                 return  # a full or failing disk must not take the payload with it
+            if also is not None:
+                try:
+                    also()
+                except OSError:
+                    also = None  # nor take the window log with it
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class WriteCosts:
+    """What a record of each phase took to write, on disk (docs/engine.md, "Cadence"):
+    `state/write-costs`, so that a payload that boots into a short window knows its storage
+    before it has timed a write in this window. One 20-byte entry rewritten in place (a torn
+    write fails its CRC and is ignored: the next measurement rewrites it)."""
+
+    def __init__(self, state_dir: str):
+        os.makedirs(state_dir, exist_ok=True)
+        self.path = os.path.join(state_dir, "write-costs")
+        self.damaged = False  # the file was there but not a valid entry
+        self._saved: dict[str, float] = {}
+        self._fd: int | None = None
+
+    def load(self) -> dict[str, float]:
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read(_COSTS.size + 1)
+        except FileNotFoundError:
+            return {}
+        costs = self._unpack(raw)
+        if costs is None:
+            self.damaged = True
+            return {}
+        self._saved = dict(costs)
+        return costs
+
+    @staticmethod
+    def _unpack(raw: bytes) -> dict[str, float] | None:
+        if len(raw) != _COSTS.size:
+            return None
+        *values, crc = _COSTS.unpack(raw)
+        if crc != crc32c.crc32c(raw[:16]):
+            return None
+        costs = {}
+        for phase, seconds in zip(COST_PHASES, values, strict=True):
+            if math.isnan(seconds):
+                continue
+            if not math.isfinite(seconds) or seconds < 0:
+                return None
+            costs[phase] = seconds
+        return costs
+
+    def save(self, costs: dict[str, float]) -> None:
+        """Make `costs` durable if they differ from what is on disk."""
+        known = {phase: costs[phase] for phase in COST_PHASES if phase in costs}
+        if known == self._saved:
+            return
+        head = struct.pack("<dd", *(known.get(phase, math.nan) for phase in COST_PHASES))
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            os.ftruncate(self._fd, _COSTS.size)  # a damaged file may have been longer
+        os.pwrite(self._fd, head + struct.pack("<I", crc32c.crc32c(head)), 0)
+        os.fdatasync(self._fd)
+        self._saved = known
 
     def close(self) -> None:
         if self._fd is not None:
@@ -242,6 +314,7 @@ class Cadence:
         started: float | None = None,
         thermal_limit_c: float = DEFAULT_THERMAL_LIMIT_C,
         soc_cutoff: float = DEFAULT_SOC_CUTOFF,
+        write_s: dict[str, float] | None = None,
     ):
         if mode not in CADENCES:
             raise ValueError(f"unknown cadence {mode!r}; choose from {', '.join(CADENCES)}")
@@ -255,7 +328,7 @@ class Cadence:
         self.temperature = _Trend()
         self.battery = _Trend()
         self.unit_s: dict[str, float] = {}
-        self.write_s: dict[str, float] = {}
+        self.write_s: dict[str, float] = dict(write_s or {})  # measured since launch (WriteCosts)
         self.early_records = 0
         self._lock = threading.Lock()
 
@@ -282,6 +355,15 @@ class Cadence:
 
     def observe_write(self, phase: str, seconds: float) -> None:
         self._observe(self.write_s, phase, seconds)
+
+    def learn_writes(self, write_s: dict[str, float]) -> None:
+        """Start from write times measured before this process (WriteCosts); its own override."""
+        with self._lock:
+            self.write_s = {**write_s, **self.write_s}
+
+    def learned_writes(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self.write_s)
 
     def _observe(self, table: dict, key: str, seconds: float) -> None:
         with self._lock:
@@ -323,11 +405,14 @@ class Cadence:
         cadence would wait until `every`?"""
         if self.mode != "adaptive" or since <= 0 or since >= every:
             return False
-        unit = self.unit_s.get(phase)
-        if unit is None:
-            return False
-        p = self.cut_probability((every - since) * unit)
-        if p < P_MIN or p * since * unit < self.write_s.get(phase, 0.0):
+        unit, write = self.unit_s.get(phase), self.write_s.get(phase)
+        if unit is None or write is None:
+            return False  # an unmeasured write could hold the next scheduled record back for any time
+        horizon = (every - since) * unit
+        if write > horizon:
+            return False  # still being written when the next scheduled record is due: it would wait
+        p = self.cut_probability(horizon)
+        if p < P_MIN or p * since * unit < write:
             return False
         self.early_records += 1
         return True

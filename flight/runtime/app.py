@@ -56,7 +56,7 @@ from common.wire.errors import clip_reason
 from common.wire.ids import MAX_EVENT_TEXT_BYTES, MAX_RESULT_TEXT_BYTES, MAX_TIMINGS
 from common.wire.link import KeyLayout, LinkError, client_socket, recv_packet, send_packet
 from common.wire.text import clip_utf8
-from flight.checkpoint.cadence import Cadence, WindowLog
+from flight.checkpoint.cadence import Cadence, WindowLog, WriteCosts
 from flight.model.config import processors_hash
 from flight.options import EngineOptions, resolve_cadence
 
@@ -813,7 +813,23 @@ class FlightApp(CommandHandlers):
         except OSError as exc:  # the history is advice: without it the cadence is the fixed one
             self.log.warning("window_log_unavailable", error=str(exc))
             return
-        threading.Thread(target=self.windows.keep_marking, args=(self.stop,), name="window-log", daemon=True).start()
+        costs = WriteCosts(self.windows.dir)
+        try:
+            learned = costs.load()
+            self.cadence.learn_writes(learned)
+            if learned:
+                self.log.info("write_costs_loaded", **{f"{phase}_s": round(s, 6) for phase, s in learned.items()})
+        except OSError as exc:  # advice too: the cadence measures its writes again
+            self.log.warning("write_costs_unavailable", error=str(exc))
+        if costs.damaged:
+            self.log.warning("write_costs_ignored", path=costs.path, reason="not a valid entry")
+
+        def keep_costs() -> None:
+            costs.save(self.cadence.learned_writes())
+
+        threading.Thread(
+            target=self.windows.keep_marking, args=(self.stop, keep_costs), name="window-log", daemon=True
+        ).start()
 
     def _worker_guarded(self) -> None:
         """The worker catches everything itself; this is the last line, which keeps the process

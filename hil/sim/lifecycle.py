@@ -120,6 +120,7 @@ class PayloadProcess:
         self.read_bucket = Bucket(st.read_bytes_per_s, st.burst_bytes, started)
         self.cadence = cadence
         self.now = started
+        self.ends = math.inf  # the cut that ends this process (Payload.process)
         self._feed = feed  # (cadence, since, until): delivers the bus's warnings and telemetry
         self._fed_until = started
         self._writes: list[tuple[float, str, float]] = []  # (end, phase, seconds): timed record writes
@@ -190,11 +191,14 @@ class Payload:
     payload's --cadence; with "adaptive", each process's `Cadence` is the real one, given the
     lengths of the windows lived through before it (the payload's window log: the process's
     uptime at the cut, for every window since the run began, the most recent HISTORY_WINDOWS),
-    the bus's shutdown warnings (`warnings`: {cut: warning time}) and its power and thermal
+    the write times the processes before it measured (the payload's `state/write-costs`: those
+    of the latest earlier process, as of its cut), the bus's shutdown warnings (`warnings`: {cut:
+    warning time}) and its power and thermal
     telemetry (`telemetry(t)` -> (payload temperature or None, battery state of charge or None),
     one round every `telemetry_step_s`), all in modelled seconds. `writes`: [(time, bytes)] the
     payload's runtime writes beside the modelled ones (uplinked images as the payload stores them),
-    through the write bucket of the process up then."""
+    through the write bucket of the process up then. `write_s`: the write times on disk when the
+    run begins (none for a fresh payload, as the testbench's)."""
 
     def __init__(
         self,
@@ -205,9 +209,11 @@ class Payload:
         telemetry=None,
         telemetry_step_s: float = 1.0,
         writes=(),
+        write_s: dict | None = None,
     ):
         self.platform = platform
         self.writes = list(writes)
+        self.write_s = dict(write_s or {})  # state/write-costs at the run's start (a fresh payload: none)
         self.windows = sorted(windows)
         self.warnings = warnings or {}
         self.mode = cadence
@@ -225,13 +231,29 @@ class Payload:
                     for a, b in self.windows
                     if b <= start and b > a + self.platform.process_start_s
                 ]
-                cadence = Cadence("adaptive", history[-HISTORY_WINDOWS:], started=started)
+                cadence = Cadence(
+                    "adaptive", history[-HISTORY_WINDOWS:], started=started, write_s=self._writes_learned(start)
+                )
             mine = [(t, n) for t, n in self.writes if started <= t < end]
             proc = PayloadProcess(self.platform, started, cadence, self._feeder(end), mine)
+            proc.ends = end
             if cadence is not None:
                 cadence.clock = proc.clock
             self.processes[start] = proc
         return self.processes[start]
+
+    def _writes_learned(self, start: float) -> dict[str, float]:
+        """The write times on disk at power-up `start`: those the latest earlier process had
+        measured by its cut (the real one keeps them every marking period, at most 2 s)."""
+        earlier = [s for s in self.processes if s < start]
+        if not earlier:
+            return dict(self.write_s)
+        proc = self.processes[max(earlier)]
+        if proc.cadence is None:
+            return {}
+        if math.isfinite(proc.ends):
+            proc.at(proc.ends)
+        return proc.cadence.learned_writes()
 
     def _feeder(self, end: float):
         warning_at = self.warnings.get(end)

@@ -15,7 +15,7 @@ import torch
 from testkit import MAX_NEW, CutAfter, engine, inputs_for
 
 from common.errors import CliError
-from flight.checkpoint.cadence import P_MIN, Cadence, WindowLog
+from flight.checkpoint.cadence import P_MIN, Cadence, WindowLog, WriteCosts
 from flight.checkpoint.policies import POLICIES, Geometry
 from flight.cli_options import EXIT_USAGE, add_engine_arguments, cadence_for, engine_options
 from flight.engine import Engine, EngineOptions, SimulatedCut
@@ -43,6 +43,7 @@ def test_history_gives_the_chance_of_a_cut_given_the_time_already_up():
     clock = Clock()
     cadence = Cadence("adaptive", [2.0, 3.0, 4.0, 10.0, 11.0, 12.0, 13.0, 14.0], clock=clock)
     cadence.observe_unit("decode", 0.5)
+    cadence.observe_write("decode", 0.01)
     # up 1.5 s: within the next 1.5 s, 2 of the 8 windows seen would end
     clock.t = 1.5
     assert cadence.cut_probability(1.5) == pytest.approx(2 / 8)
@@ -70,13 +71,55 @@ def test_an_early_record_must_be_worth_its_write():
     assert cadence.cut_probability(0.3) >= P_MIN  # the next vision state, 3 blocks of 0.1 s away
     assert not cadence.early_record("vision", 1, 4)
     cadence.observe_unit("decode", 0.1)
+    assert not cadence.early_record("decode", 1, 4)  # no decode record timed yet: its cost is unknown
+    cadence.observe_write("decode", 0.01)
     assert cadence.early_record("decode", 1, 4)  # decode records are cheap
+
+
+def test_an_early_record_must_end_before_the_next_scheduled_one():
+    """Worth its write (p x work at risk above it), but the write would still run when the
+    fixed cadence's next record is due, which would then wait behind it: no early record."""
+    clock = Clock()
+    cadence = Cadence("adaptive", [1.0] * 5, clock=clock, write_s={"vision": 0.25})  # from state/write-costs
+    cadence.observe_unit("vision", 0.1)
+    clock.t = 0.95
+    assert cadence.cut_probability(0.2) == 1.0
+    assert cadence.early_record("vision", 5, 8)  # 0.5 s at risk, written in 0.25 s, the next due in 0.3 s
+    assert not cadence.early_record("vision", 6, 8)  # 0.6 s at risk, but the next is due in 0.2 s
+    fresh = Cadence("adaptive", [1.0] * 5, clock=clock)
+    fresh.observe_unit("vision", 0.1)
+    assert not fresh.early_record("vision", 5, 8)  # no vision state timed since launch: cost unknown
+
+
+def test_write_costs_survive_the_process_and_a_damaged_file_is_ignored(tmp_path):
+    state = tmp_path / "state"
+    costs = WriteCosts(str(state))
+    assert costs.load() == {}  # first boot
+    costs.save({"decode": 0.02})
+    costs.save({"decode": 0.02, "vision": 1.5, "prefill": 9.0})  # only the phases with early records
+    costs.close()
+    raw = (state / "write-costs").read_bytes()
+    assert len(raw) == 20
+    again = WriteCosts(str(state))
+    assert again.load() == {"vision": 1.5, "decode": 0.02} and not again.damaged
+    cadence = Cadence("adaptive", [1.0] * 5)
+    cadence.observe_write("decode", 0.04)  # this process's own measurement goes on from its own
+    cadence.learn_writes(again.load())
+    assert cadence.learned_writes() == {"vision": 1.5, "decode": 0.04}
+    for damaged in (raw[:19], raw + b"x", bytes([raw[0] ^ 1]) + raw[1:]):
+        (state / "write-costs").write_bytes(damaged)
+        broken = WriteCosts(str(state))
+        assert broken.load() == {} and broken.damaged
+        broken.save({"vision": 2.0})  # rewritten at the next measurement
+        assert WriteCosts(str(state)).load() == {"vision": 2.0}
+        broken.close()
 
 
 def test_warning_and_telemetry_trends_announce_the_cut():
     clock = Clock()
     cadence = Cadence("adaptive", clock=clock, thermal_limit_c=55.0, soc_cutoff=0.4)
     cadence.observe_unit("decode", 1.0)
+    cadence.observe_write("decode", 0.01)
     assert cadence.cut_probability(10.0) == 0.0  # no history, no warning, no trend
     # temperature rising 0.5 C/s, now 52.5 C: the 55 C limit is 5 s away
     for k in range(6):
@@ -148,7 +191,8 @@ class UnitClock(Cadence):
 
     def __init__(self, windows):
         self.now = Clock()
-        super().__init__("adaptive", windows, clock=self.now)
+        # records that write in a hundredth of a unit, as earlier boots measured (state/write-costs)
+        super().__init__("adaptive", windows, clock=self.now, write_s={"vision": 0.01, "decode": 0.01})
 
     def observe_unit(self, phase, seconds):
         self.now.t += 1.0

@@ -95,3 +95,42 @@ def test_task_round_trip_and_bad_input(bus, flight, tmp_path, model_dirs):
     s = bus.command(m.DownlinkResult(task_id="t1"))
     again = bus.wait_for(lambda h, x: isinstance(x, m.TaskResult) and x.task_id == "t1", start=0)[1]
     assert again.token_ids == result.token_ids
+
+
+def test_write_costs_learned_in_one_boot_reach_the_next(bus, flight, tmp_path):
+    """The adaptive cadence times its vision and decode record writes; the window-log thread
+    keeps them in state/write-costs, and the next boot starts from them (engine.md "Cadence")."""
+    import json
+    import time
+
+    from flight.checkpoint.cadence import WriteCosts
+
+    first = flight()
+    imgs = [_png(im) for im in make_images()]
+    _upload(bus, "first.png", imgs[0])
+    seq = bus.command(m.UplinkTask(task_id="t1", prompt="count", images=["first.png"], max_new_tokens=5, priority=1))
+    bus.wait_for(lambda h, msg: isinstance(msg, m.Completed) and msg.task_id == "t1" and msg.tc_seq == seq, 120)
+    costs = WriteCosts(str(tmp_path / "data" / "state"))
+    deadline = time.monotonic() + 60  # kept every marking period (0.25 s here): a bound, not a timing
+    while set(costs.load()) != {"vision", "decode"}:
+        assert time.monotonic() < deadline, "state/write-costs never held both phases"
+        time.sleep(0.1)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    learned = costs.load()  # what the cut left on disk
+    flight()
+    bus.wait_for(lambda h, msg: isinstance(msg, m.Heartbeat), 60, start=len(bus.received))
+
+    def loaded():
+        for line in (tmp_path / "flight.log").read_text(errors="replace").splitlines():
+            if '"write_costs_loaded"' in line:
+                return json.loads(line)
+        return None
+
+    deadline = time.monotonic() + 60
+    while loaded() is None:
+        assert time.monotonic() < deadline, "the second boot never logged the write costs it loaded"
+        time.sleep(0.1)
+    entry = loaded()
+    assert entry["vision_s"] == pytest.approx(learned["vision"], abs=1e-6)
+    assert entry["decode_s"] == pytest.approx(learned["decode"], abs=1e-6)

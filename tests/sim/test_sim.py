@@ -281,8 +281,9 @@ def test_a_warning_makes_the_adaptive_cadence_write_until_the_cut():
 
 def test_an_early_vision_state_in_flight_never_displaces_the_scheduled_one():
     """As in the engine: windows lived through that end about a unit after vision block 1 make
-    the adaptive cadence write vision.state[1] early; at 30 kB/s its write outlasts block 2,
-    whose scheduled state (every 2 blocks) is queued behind it, not dropped."""
+    the adaptive cadence write vision.state[1] early (earlier boots measured a vision state's
+    write at 0.5 s); at 30 kB/s its write outlasts block 2, whose scheduled state (every 2
+    blocks) is queued behind it, not dropped. With no write measured, nothing is written early."""
     from hil.sim.lifecycle import Payload
     from hil.sim.platform import testbench_platform
 
@@ -290,13 +291,13 @@ def test_an_early_vision_state_in_flight_never_displaces_the_scheduled_one():
     request = Request(512, 40, 24, 2)
     geometry = Geometry(chunk=64, group=4, decode_every=8, vision_every=2)
 
-    def vision_states(lengths, cadence):
+    def vision_states(lengths, cadence, learned=None):
         platform = testbench_platform(
             1000.0, read_mbps=None, write_mbps=0.03, boot_s=2.0, first_start_s=0.0, setup_s=0.0, commit_latency_s=1e-3
         )
         platform.process_start_s = 1.0
         windows, start = _lived(lengths)
-        payload = Payload(platform, windows, {}, cadence)
+        payload = Payload(platform, windows, {}, cadence, write_s=learned)
         model = RequestModel(spec, request, platform, "orbitweaver", geometry, "chunk-first")
         resumed = Durable(inputs_stored=True, group=geometry.group)  # no TASK_INPUTS write in the way
         res = model.session(resumed, start + 2.0, payload.process(start, math.inf), None)
@@ -304,8 +305,30 @@ def test_an_early_vision_state_in_flight_never_displaces_the_scheduled_one():
 
     short = [2.5, 2.6, 2.7, 2.8, 100.0, 100.0]
     assert vision_states(short, "fixed") == ([2], 0)
-    assert vision_states(short, "adaptive") == ([1, 2], 1)
-    assert vision_states([500.0, 600.0, 700.0], "adaptive") == ([2], 0)
+    assert vision_states(short, "adaptive", {"vision": 0.5}) == ([1, 2], 1)
+    assert vision_states(short, "adaptive") == ([2], 0)  # its cost unknown
+    assert vision_states([500.0, 600.0, 700.0], "adaptive", {"vision": 0.5}) == ([2], 0)
+
+
+def test_each_payload_process_starts_from_the_write_times_measured_before_it():
+    """The simulated payload's state/write-costs: the process of the next window starts from
+    what the one before measured by its cut; the first from what the run began with."""
+    from hil.sim.lifecycle import Payload
+
+    spec = spec_from_dir_tiny()
+    geometry = Geometry(chunk=64, group=4, decode_every=8, vision_every=2)
+    platform = _paced()
+    windows, _ = _lived([60.0, 60.0, 60.0])
+    payload = Payload(platform, windows, {}, "adaptive", write_s={"decode": 0.5})
+    (a0, b0), (a1, b1) = windows[0], windows[1]
+    first = payload.process(a0, b0)
+    assert first.cadence.learned_writes() == {"decode": 0.5}
+    RequestModel(spec, Request(512, 40, 24, 2), platform, "orbitweaver", geometry, "chunk-first").session(
+        Durable(), a0 + 2.0, first, None
+    )
+    second = payload.process(a1, b1)
+    learned = second.cadence.learned_writes()
+    assert learned == first.cadence.learned_writes() and "vision" in learned and learned["decode"] != 0.5
 
 
 def _throttled_platform(**options):
