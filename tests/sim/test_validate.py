@@ -317,3 +317,31 @@ def test_a_session_after_one_cut_before_any_unit_builds_the_inputs_again():
     facts = _task_facts("r00", mine, [])
     assert facts["inputs_stored"] == [False, False, True]
     assert [(round(u[0], 1), u[1], u[3]) for u in facts["first_units"]] == [(18.0, 0, True), (2.0, 2, False)]
+
+
+def test_requests_beyond_ten_percent_are_counted_by_how_many_cuts_apart():
+    """Beside the goal, the report says where the misses stand: a simulation that finishes a
+    request after one cut more than the run is one power cycle off however close it came."""
+    from bench.report import validation_lines
+    from hil.sim.validate import beyond_by_cuts
+
+    rows = [
+        {"error": 0.02, "cuts": 5, "predicted_cuts": 5},  # within: not counted
+        {"error": 0.103, "cuts": 5, "predicted_cuts": 6},
+        {"error": -0.14, "cuts": 7, "predicted_cuts": 6},
+        {"error": 0.3, "cuts": 4, "predicted_cuts": 4},
+        {"error": 0.5, "cuts": 9, "predicted_cuts": 12},
+        {"error": None, "cuts": 3, "predicted_cuts": 3},  # not compared
+    ]
+    apart = beyond_by_cuts(rows)
+    assert apart == {"same_cuts": 1, "one_cut": 2, "more_cuts": 1}
+    val = {
+        "rows": [],
+        "commit_latency_s": 5e-4,
+        "max_abs_error": 0.5,
+        "within_10_percent": False,
+        "beyond_10_percent_by_cuts": apart,
+    }
+    text = "\n".join(validation_lines({"validation": val}))
+    assert "NOT within 10 %" in text
+    assert "Of the 4 beyond 10 %, the simulation counts the run's cuts in 1, one cut more or fewer in 2" in text
