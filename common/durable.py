@@ -249,3 +249,17 @@ class ThrottledFS(DurableFS):
         buf = super().read(path)
         self.charge_read(len(buf))
         return buf
+
+
+def read_rate_of(hook) -> float | None:
+    """The emulated bandwidth, in bytes/s, that a weight-read hook (`WeightStore.read_hook`)
+    holds reads to: a `TokenBucket.take` (`--emulate-weight-read-mbps`), or a
+    `ThrottledFS.charge_read` (weights through the checkpoint throttle, as the recovery bench
+    reads them). None for no hook or one that throttles nothing: the weights are read at this
+    machine's own speed."""
+    owner = getattr(hook, "__self__", None)
+    if isinstance(owner, TokenBucket):
+        return owner.rate
+    if isinstance(owner, ThrottledFS) and owner.read_bucket is not None:
+        return owner.read_bucket.rate / owner.weight
+    return None

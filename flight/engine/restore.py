@@ -16,6 +16,9 @@ from collections import Counter
 from dataclasses import replace
 from typing import cast
 
+import numpy as np
+
+from common.durable import read_rate_of
 from flight.checkpoint.store import BlockInfo, Frontier
 from flight.recovery.executor import RecordRejected
 from flight.recovery.phases import VISION_OUT, PhaseExecutor, StepOp, vision_groups
@@ -164,15 +167,28 @@ class PrefillRestore:
         raise RuntimeError("recovery could not find a consistent set of records")
 
     def _plan_costs(self) -> dict:
-        """Costs for the optimal planner: the cost model the engine was handed, with reads at the
-        storage's real (possibly throttled, target-emulating) bandwidth, and compute at least the
-        pace where the payload is paced (`paced_block_costs`)."""
+        """Costs for the optimal planner: the cost model the engine was handed, with each read at
+        the bandwidth it really gets -- checkpoint records at the storage's (possibly throttled,
+        target-emulating) rate, the weights at their own read hook's (`read_rate_of`: the
+        testbench reads them unthrottled, the recovery bench through the checkpoint throttle) --
+        and compute at least the pace where the payload is paced (`paced_block_costs`).
+
+        Charging unthrottled weights at the checkpoint throttle's rate made every group's weights
+        look like a minute of reading on the testbench: every group order then met the same
+        read-bound makespan, and the plan flown was whichever near-tie a 1e-6 difference in the
+        costs favoured (docs/recovery.md, "Costs of a paced payload")."""
         request = self.request
         model = request.cost_model()
         bucket = getattr(request.store.fs, "read_bucket", None)
-        if bucket is not None:
-            model = replace(model, read_bytes_per_s=bucket.rate)
-        costs = model.block_costs(request.layer_groups, request.token_chunks)
+        checkpoints = replace(model, read_bytes_per_s=bucket.rate) if bucket is not None else model
+        costs = checkpoints.block_costs(request.layer_groups, request.token_chunks)
+        weight_rate = read_rate_of(request.model.weights.read_hook)
+        weights = replace(model, read_bytes_per_s=weight_rate) if weight_rate is not None else model
+        costs = replace(
+            costs,
+            weights=np.array([weights.read_s(nbytes) for nbytes in weights.group_weight_bytes(request.layer_groups)]),
+            source=f"{costs.source}, weights at {weights.read_bytes_per_s / 1e6:g} MB/s",
+        )
         if request.options.pace_ms > 0:
             costs = paced_block_costs(costs, request.layer_groups, request.options.pace_ms / 1000.0)
         return costs.as_dict()

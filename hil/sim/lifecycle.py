@@ -465,10 +465,10 @@ class RequestModel:
             costs = self.platform.block_costs(
                 sizes.groups, sizes.chunks, text.kv_bytes_per_token_layer, text.hidden * self.spec.dtype_bytes
             )
-            planned = self.platform.planner_costs(costs, text, sizes.groups)
-            self._shapes[group] = (g, sizes, costs, planned)
-        # costs: what each operation takes; plan_costs: what the payload's planner thinks it takes
-        self.g, self.sizes, self.costs, self.plan_costs = self._shapes[group]
+            self._shapes[group] = (g, sizes, costs)
+        # what each operation takes, which is also what the payload's planner plans with (reads at
+        # the rate each one really gets: PrefillRestore._plan_costs)
+        self.g, self.sizes, self.costs = self._shapes[group]
         self.groups, self.chunks = self.sizes.groups, self.sizes.chunks
         self.NG, self.NC = len(self.groups), len(self.chunks)
 
@@ -560,7 +560,7 @@ class RequestModel:
         planner, overlap = pol.recovery(self.planner, True)
         overlap = overlap or not d.blocks  # a fresh prefill streams its weights behind the compute
         if planner == "optimal":
-            problem.costs = self.plan_costs.as_dict()
+            problem.costs = self.costs.as_dict()
         plan = make_plan(planner, problem)
         origin = t_vision_start if vision_fresh else t  # weights stream behind the vision phase
         costs: BlockCosts | None = None

@@ -112,7 +112,9 @@ class Platform:
         reads at the storage's bandwidth (in the simulated schedule the token bucket's burst is
         applied along the read order on top), and on the testbench the pace, through the
         engine's own `paced_block_costs` (its record sizes: `kv_bytes_per_token_layer`,
-        `hidden_bytes_per_token`). `planner_costs`: what the payload's planner is told."""
+        `hidden_bytes_per_token`). Also what the payload's planner is told: it charges each read
+        at the rate it gets (PrefillRestore._plan_costs), the testbench's unthrottled weights
+        at their own read time."""
 
         if self.prefill is not None:
             model = replace(
@@ -131,21 +133,6 @@ class Platform:
         reads = BlockCosts(weights, kv, hidden.copy(), zeros, zeros.copy(), "storage")
         costs = paced_block_costs(reads, groups, self.pace_s)  # re-projections: REPROJECT_PACE_UNITS
         return replace(costs, source="testbench " + costs.source)
-
-    def planner_costs(self, costs: BlockCosts, dims, groups) -> BlockCosts:
-        """What the payload's optimal planner plans with, given the grid's `costs`: the same,
-        except that on the testbench the payload charges every read at its one read rate, the
-        checkpoint throttle's, its weights' too (PrefillRestore._plan_costs), although its
-        weights are not throttled (they come from this machine's page cache: `costs` has them
-        at `weights_read_s`). Such plans put re-projections after the new blocks."""
-        if self.prefill is not None:
-            return costs
-        st = self.storage
-        model = replace(
-            CostModel.for_target(dims), read_bytes_per_s=st.read_bytes_per_s, read_latency_s=st.read_latency_s
-        )
-        weights = np.array([model.read_s(nbytes) for nbytes in model.group_weight_bytes(groups)])
-        return replace(costs, weights=weights)
 
 
 def vision_block_seconds(spec: ModelSpec, request: Request, target: TargetDevice) -> float:

@@ -92,6 +92,42 @@ def test_a_paced_engine_plans_with_the_pace_and_the_throttled_reads(model, tmp_p
     (first, end), (start, stop) = groups[0], GEOMETRY.token_chunks(inputs.num_tokens)[0]
     assert costs["kv"][0][0] >= (end - first) * (stop - start) * kv_bytes / read_bps
     assert resumed.token_ids == whole.token_ids and resumed.logits_sha256() == whole.logits_sha256()
+    # its weights are not throttled (no read hook): charged at the cost model's own rate, not
+    # at the checkpoint throttle's (which made every group's weights look slow and every group
+    # order tie)
+    native = calibration_cache.cost_model_for(model)
+    weight_bytes = native.group_weight_bytes(groups)
+    assert costs["weights"] == pytest.approx([native.read_s(b) for b in weight_bytes])
+    assert costs["weights"][0] < weight_bytes[0] / read_bps / 10
+
+
+def test_weights_behind_a_read_throttle_are_planned_at_its_rate(tmp_path, model_dirs, monkeypatch):
+    """Weights read through an emulated throttle (`--emulate-weight-read-mbps`, or the
+    checkpoint throttle as the recovery bench reads them) are planned at that rate."""
+    from common.durable import TokenBucket, read_rate_of
+    from flight.model.loader import load_model
+
+    fs = ThrottledFS(50e6, None)
+    assert read_rate_of(None) is None and read_rate_of(print) is None
+    assert read_rate_of(TokenBucket(7e6).take) == 7e6
+    assert read_rate_of(fs.charge_read) == 50e6 and read_rate_of(fs.weighted(0.25).charge_read) == 200e6
+    assert read_rate_of(ThrottledFS(None, 1e6).charge_read) is None
+    throttled = load_model(model_dirs["qwen3-vl"], device="cpu", read_hook=fs.charge_read)
+    inputs, _, ckpt = _cut_in_prefill(throttled, tmp_path)
+    planned = []
+    real_make_plan = restore_module.make_plan
+
+    def make_plan(planner, problem):
+        planned.append(problem.costs)
+        return real_make_plan(planner, problem)
+
+    monkeypatch.setattr(restore_module, "make_plan", make_plan)
+    engine(throttled, planner="optimal", fs=fs).run(inputs, ckpt, MAX_NEW)
+    (costs,) = planned
+    native = calibration_cache.cost_model_for(throttled)
+    groups = GEOMETRY.layer_groups(throttled.adapter.num_layers)
+    expected = [b / 50e6 + native.read_latency_s for b in native.group_weight_bytes(groups)]
+    assert costs["weights"] == pytest.approx(expected)
 
 
 def test_a_restart_reports_what_it_found_and_what_its_plan_does_first(model, tmp_path):
