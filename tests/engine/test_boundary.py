@@ -67,11 +67,8 @@ def test_the_optimal_planner_plans_with_the_handed_cost_model(model, tmp_path, m
     assert resumed.token_ids == whole.token_ids and resumed.logits_sha256() == whole.logits_sha256()
 
 
-def test_a_paced_engine_plans_with_the_pace_and_the_throttled_reads(model, tmp_path, monkeypatch):
-    """The testbench paces compute to stand in for the target's: its planner must see that
-    pace (not this machine's cached calibration, hundreds of times faster) and the emulated
-    storage's read rate, or its plans depend on what happens to be cached here."""
-    inputs, whole, ckpt = _cut_in_prefill(model, tmp_path)
+def _planned_costs(monkeypatch) -> list:
+    """The costs of every plan the engine makes from now on (PrefillRestore's make_plan)."""
     planned = []
     real_make_plan = restore_module.make_plan
 
@@ -80,6 +77,15 @@ def test_a_paced_engine_plans_with_the_pace_and_the_throttled_reads(model, tmp_p
         return real_make_plan(planner, problem)
 
     monkeypatch.setattr(restore_module, "make_plan", make_plan)
+    return planned
+
+
+def test_a_paced_engine_plans_with_the_pace_and_the_throttled_reads(model, tmp_path, monkeypatch):
+    """The testbench paces compute to stand in for the target's: its planner must see that
+    pace (not this machine's cached calibration, hundreds of times faster) and the emulated
+    storage's read rate, or its plans depend on what happens to be cached here."""
+    inputs, whole, ckpt = _cut_in_prefill(model, tmp_path)
+    planned = _planned_costs(monkeypatch)
     pace_ms, read_bps = 4.0, 50e6
     fs = ThrottledFS(read_bps, None)
     resumed = engine(model, planner="optimal", pace_ms=pace_ms, fs=fs).run(inputs, ckpt, MAX_NEW)
@@ -114,14 +120,7 @@ def test_weights_behind_a_read_throttle_are_planned_at_its_rate(tmp_path, model_
     assert read_rate_of(ThrottledFS(None, 1e6).charge_read) is None
     throttled = load_model(model_dirs["qwen3-vl"], device="cpu", read_hook=fs.charge_read)
     inputs, _, ckpt = _cut_in_prefill(throttled, tmp_path)
-    planned = []
-    real_make_plan = restore_module.make_plan
-
-    def make_plan(planner, problem):
-        planned.append(problem.costs)
-        return real_make_plan(planner, problem)
-
-    monkeypatch.setattr(restore_module, "make_plan", make_plan)
+    planned = _planned_costs(monkeypatch)
     engine(throttled, planner="optimal", fs=fs).run(inputs, ckpt, MAX_NEW)
     (costs,) = planned
     native = calibration_cache.cost_model_for(throttled)
