@@ -124,6 +124,11 @@ class PayloadProcess:
         self._feed = feed  # (cadence, since, until): delivers the bus's warnings and telemetry
         self._fed_until = started
         self._writes: list[tuple[float, str, float]] = []  # (end, phase, seconds): timed record writes
+        # those the cadence has been told, in order, with the write times it started from: a
+        # session is modelled past its cut (and truncated after), so what the process had
+        # measured by its cut is rebuilt from these (`writes_measured_by`)
+        self._observed: list[tuple[float, str, float]] = []
+        self._initial_writes = cadence.learned_writes() if cadence is not None else {}
         # the runtime's own writes at known times (uplinked image chunks), charged to the write
         # bucket in time order with the modelled ones
         self._runtime_writes = sorted((t, st.data_bytes(n)) for t, n in writes if t >= started)
@@ -145,8 +150,19 @@ class PayloadProcess:
             for end, phase, seconds in done:
                 self.now = max(self.now, end)
                 self.cadence.observe_write(phase, seconds)
+                self._observed.append((end, phase, seconds))
         self.now = max(self.now, t)
         return self.cadence
+
+    def writes_measured_by(self, t: float) -> dict[str, float]:
+        """The record write times this process's cadence held at `t` (what `state/write-costs`
+        says after a cut at `t`): the ones it started from, smoothed with each write that ended
+        by then, as `Cadence.observe_write` smooths them."""
+        replay = Cadence("adaptive", write_s=self._initial_writes)
+        for end, phase, seconds in sorted(self._observed + [w for w in self._writes if w[0] <= t]):
+            if end <= t:
+                replay.observe_write(phase, seconds)
+        return replay.learned_writes()
 
     def timed_write(self, start: float, end: float, phase: str) -> None:
         """A record write the engine times for the cadence (RecordSink._timed): it learns the
@@ -251,9 +267,7 @@ class Payload:
         proc = self.processes[max(earlier)]
         if proc.cadence is None:
             return {}
-        if math.isfinite(proc.ends):
-            proc.at(proc.ends)
-        return proc.cadence.learned_writes()
+        return proc.writes_measured_by(proc.ends)
 
     def _feeder(self, end: float):
         warning_at = self.warnings.get(end)

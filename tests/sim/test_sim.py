@@ -329,6 +329,17 @@ def test_each_payload_process_starts_from_the_write_times_measured_before_it():
     second = payload.process(a1, b1)
     learned = second.cadence.learned_writes()
     assert learned == first.cadence.learned_writes() and "vision" in learned and learned["decode"] != 0.5
+    # a session is modelled past its cut: what it would have measured after the cut is not carried
+    windows, _ = _lived([8.0, 60.0])
+    payload = Payload(platform, windows, {}, "adaptive")
+    (a0, b0), (a1, b1) = windows[0], windows[1]
+    first = payload.process(a0, b0)
+    RequestModel(spec, Request(512, 40, 24, 2), platform, "orbitweaver", geometry, "chunk-first").session(
+        Durable(), a0 + 2.0, first, None
+    )
+    assert "decode" in first.cadence.learned_writes()  # the modelled session ran on into decode
+    assert payload.process(a1, b1).cadence.learned_writes() == first.writes_measured_by(b0)
+    assert "decode" not in first.writes_measured_by(b0)
 
 
 def _throttled_platform(**options):
