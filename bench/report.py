@@ -371,7 +371,7 @@ def validation_lines(d: dict) -> list[str]:
         f"End-to-end = the request's acceptance to its COMPLETED report, trace seconds. Largest error: "
         f"{_pct(val.get('max_abs_error'))} over {sum(1 for r in val['rows'] if r.get('error') is not None)} "
         f"requests; {misses} request(s) completed on one side only "
-        f"({'within' if val.get('within_10_percent') else 'NOT within'} 10 %).{_by_cuts(val)}",
+        f"({'within' if val.get('within_10_percent') else 'NOT within'} 10 %).{by_cuts_sentence(val)}",
         "",
         "| run | request | trace | policy | cuts (real / sim) | boot (trace s) | real e2e | simulated e2e | error |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -397,8 +397,9 @@ def validation_lines(d: dict) -> list[str]:
     return lines + [""]
 
 
-def _by_cuts(val: dict) -> str:
-    """Where the requests beyond 10 % stand in cuts (hil/sim/validate.py `beyond_by_cuts`)."""
+def by_cuts_sentence(val: dict) -> str:
+    """Where the requests beyond 10 % stand in cuts (hil/sim/validate.py `beyond_by_cuts`), as a
+    sentence with a leading space; empty when none is beyond."""
     apart = val.get("beyond_10_percent_by_cuts")
     if not apart or not sum(apart.values()):
         return ""

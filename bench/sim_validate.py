@@ -17,7 +17,7 @@ import os
 import sys
 import tempfile
 
-from bench.report import after_stop_verdict
+from bench.report import after_stop_verdict, by_cuts_sentence
 from flight.checkpoint.policies import Geometry
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -89,12 +89,8 @@ def table(result: dict) -> list[str]:
         f"completed on one side only: {result['completion_misses']}; "
         f"commit latency: {result['commit_latency_s'] * 1e3:.2f} ms",
     ]
-    apart = result.get("beyond_10_percent_by_cuts")
-    if apart and len(errors) > within:
-        lines.append(
-            f"beyond 10 %: {len(errors) - within}, of which the simulation counts the run's cuts in "
-            f"{apart['same_cuts']}, one cut more or fewer in {apart['one_cut']}, more in {apart['more_cuts']}"
-        )
+    if by_cuts := by_cuts_sentence(result):
+        lines.append(by_cuts.strip())
     return lines
 
 

@@ -66,18 +66,28 @@ COST_PHASES = ("vision", "decode")
 _COSTS = struct.Struct("<ddI")  # seconds per vision state, per decode record, crc32c of the first 16 bytes
 
 
-def _pack(boot: int, seconds: float) -> bytes:
-    head = struct.pack("<Id", boot & 0xFFFFFFFF, seconds)
+def _seal(head: bytes) -> bytes:
+    """`head` followed by its CRC32C (the layout of every entry under state/)."""
     return head + struct.pack("<I", crc32c.crc32c(head))
 
 
+def _unseal(raw: bytes, entry: struct.Struct) -> tuple | None:
+    """The fields of a sealed `entry` without its CRC, or None if torn or damaged."""
+    if len(raw) != entry.size:
+        return None
+    *fields, crc = entry.unpack(raw)
+    return tuple(fields) if crc == crc32c.crc32c(raw[:-4]) else None
+
+
+def _pack(boot: int, seconds: float) -> bytes:
+    return _seal(struct.pack("<Id", boot & 0xFFFFFFFF, seconds))
+
+
 def _unpack(raw: bytes) -> tuple[int, float] | None:
-    if len(raw) != _ENTRY.size:
+    fields = _unseal(raw, _ENTRY)
+    if fields is None or not math.isfinite(fields[1]) or fields[1] < 0:
         return None
-    boot, seconds, crc = _ENTRY.unpack(raw)
-    if crc != crc32c.crc32c(raw[:12]) or not math.isfinite(seconds) or seconds < 0:
-        return None
-    return boot, seconds
+    return fields[0], fields[1]
 
 
 class WindowLog:
@@ -228,10 +238,8 @@ class WriteCosts:
 
     @staticmethod
     def _unpack(raw: bytes) -> dict[str, float] | None:
-        if len(raw) != _COSTS.size:
-            return None
-        *values, crc = _COSTS.unpack(raw)
-        if crc != crc32c.crc32c(raw[:16]):
+        values = _unseal(raw, _COSTS)
+        if values is None:
             return None
         costs = {}
         for phase, seconds in zip(COST_PHASES, values, strict=True):
@@ -251,7 +259,7 @@ class WriteCosts:
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             os.ftruncate(self._fd, _COSTS.size)  # a damaged file may have been longer
-        os.pwrite(self._fd, head + struct.pack("<I", crc32c.crc32c(head)), 0)
+        os.pwrite(self._fd, _seal(head), 0)
         os.fdatasync(self._fd)
         self._saved = known
 

@@ -16,8 +16,6 @@ from collections import Counter
 from dataclasses import replace
 from typing import cast
 
-import numpy as np
-
 from common.durable import read_rate_of
 from flight.checkpoint.store import BlockInfo, Frontier
 from flight.recovery.executor import RecordRejected
@@ -186,7 +184,7 @@ class PrefillRestore:
         weights = replace(model, read_bytes_per_s=weight_rate) if weight_rate is not None else model
         costs = replace(
             costs,
-            weights=np.array([weights.read_s(nbytes) for nbytes in weights.group_weight_bytes(request.layer_groups)]),
+            weights=weights.weights_read_s(request.layer_groups),
             source=f"{costs.source}, weights at {weights.read_bytes_per_s / 1e6:g} MB/s",
         )
         if request.options.pace_ms > 0:

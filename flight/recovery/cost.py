@@ -295,7 +295,7 @@ class CostModel:
         layers = np.array([l1 - l0 for l0, l1 in groups], dtype=np.float64)[:, None]
         tokens = np.array([e - s for s, e in chunks], dtype=np.float64)[None, :]
         starts = np.array([s for s, _ in chunks], dtype=np.float64)[None, :]
-        weights = np.array([self.read_s(b) for b in self.group_weight_bytes(groups)])
+        weights = self.weights_read_s(groups)
         kv = self.read_latency_s + layers * tokens * self.kv_bytes_per_token_layer / self.read_bytes_per_s
         hidden = np.broadcast_to(
             self.read_latency_s + tokens * self.hidden_bytes_per_token / self.read_bytes_per_s, kv.shape
@@ -304,6 +304,10 @@ class CostModel:
         compute = layers * (self.layer_call_s + tokens * self.token_layer_s + pairs * self.pair_layer_s)
         reproject = layers * (self.layer_call_s + tokens * self.token_layer_s * self.reproject_share)
         return BlockCosts(weights, kv, hidden, compute, reproject, self.label)
+
+    def weights_read_s(self, groups: list[tuple[int, int]]) -> np.ndarray:
+        """Seconds to read each layer group's weights at this model's read rate."""
+        return np.array([self.read_s(b) for b in self.group_weight_bytes(groups)])
 
     def problem_costs(self, groups: list[tuple[int, int]], chunks: list[tuple[int, int]]) -> dict:
         """The dict to put in `RecoveryProblem.costs`."""

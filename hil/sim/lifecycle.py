@@ -159,7 +159,7 @@ class PayloadProcess:
         says after a cut at `t`): the ones it started from, smoothed with each write that ended
         by then, as `Cadence.observe_write` smooths them."""
         replay = Cadence("adaptive", write_s=self._initial_writes)
-        for end, phase, seconds in sorted(self._observed + [w for w in self._writes if w[0] <= t]):
+        for end, phase, seconds in sorted(self._observed + self._writes):
             if end <= t:
                 replay.observe_write(phase, seconds)
         return replay.learned_writes()
