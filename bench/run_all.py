@@ -46,6 +46,8 @@ PAPER = {
 }
 POLICIES = ("orbitweaver", "sonic-layer", "sonic-chunk", "hcache")
 STRENGTHENED = ("sonic-layer+", "sonic-chunk+", "hcache+")  # the same records with OrbitWeaver's writer and planner
+# The report's parts, in the order they are measured (each is OUT/<part>.json).
+PARTS = ("overhead", "bytes_energy", "planner", "recovery", "compression", "e2e", "e2e_plus", "validation", "sim")
 
 
 def machine_header() -> dict:
@@ -221,6 +223,8 @@ def e2e_campaign(
             "mib": c.report.bytes_written / 2**20,
             "energy_j": c.report.energy_j,
             "wall_s": c.report.wall_s,
+            "pace_ms": pace_ms,
+            "time_scale": time_scale,
         }
         for c in cells
     ]
@@ -255,6 +259,25 @@ def main(argv=None) -> int:
     # A paced small-model run keeps about 3 % of a core busy (its payload sleeps out the pace, its
     # bus out the trace): ten at once loaded this 2-core machine to a load average of about 1.
     p.add_argument("--jobs", type=int, default=10, help="end-to-end runs at once (default 10)")
+    p.add_argument("--seeds", default=None, help="end-to-end seeds, comma-separated (default 0,1; --quick: 0)")
+    p.add_argument(
+        "--workloads",
+        default=None,
+        help="end-to-end workloads, comma-separated: paper, back-to-back (default both; --quick: paper)",
+    )
+    p.add_argument(
+        "--pace-ms",
+        type=float,
+        default=None,
+        help="end-to-end pace per unit of work (default 600; --quick: 300); the time scale follows it "
+        "(pace / 1000 wall s per trace s) so that compute, I/O and boot stay scaled alike",
+    )
+    p.add_argument(
+        "--parts",
+        default=None,
+        help="measure only these parts, comma-separated (overhead, bytes_energy, planner, recovery, "
+        "compression, e2e, e2e_plus, validation, sim); the report leaves out what is missing",
+    )
     p.add_argument(
         "--reuse",
         action="store_true",
@@ -267,6 +290,19 @@ def main(argv=None) -> int:
         help="measure nothing: write the report from the parts in OUT (missing parts are left out)",
     )
     args = p.parse_args(argv)
+    parts = None if args.parts is None else {x for x in args.parts.split(",") if x}
+    if parts is not None and (unknown := parts - set(PARTS)):
+        p.error(f"unknown part(s): {', '.join(sorted(unknown))} (known: {', '.join(PARTS)})")
+    workloads = (args.workloads or ("paper" if args.quick else "paper,back-to-back")).split(",")
+    if unknown_workloads := set(workloads) - {"paper", "back-to-back"}:
+        p.error(f"unknown workload(s): {', '.join(sorted(unknown_workloads))} (known: paper, back-to-back)")
+    try:
+        seeds = [int(x) for x in (args.seeds or ("0" if args.quick else "0,1")).split(",")]
+    except ValueError:
+        p.error(f"--seeds takes comma-separated integers, not {args.seeds!r}")
+    pace_ms = args.pace_ms or (300.0 if args.quick else 600.0)
+    if pace_ms <= 0:
+        p.error("--pace-ms must be positive")
 
     owlog.setup("error")
 
@@ -285,7 +321,7 @@ def main(argv=None) -> int:
     def part(name: str, title: str, measure):
         """Measure one part (or reuse its JSON with --reuse) and keep it in `data`."""
         path = os.path.join(out, f"{name}.json")
-        if args.report_only:
+        if args.report_only or (parts is not None and name not in parts):
             if os.path.exists(path):
                 with open(path) as f:
                     data[name] = json.load(f)
@@ -328,12 +364,10 @@ def main(argv=None) -> int:
     part("compression", "Sec. 6: decode-KV compression", lambda path: decode_compression(model, small_imgs, prompt))
     traces = [t for t in args.traces.split(",") if t][: 1 if args.quick else None]
     # The real processes, paced: 600 ms per unit of work (a prefill block of G layers is G units)
-    # and 0.6 wall s per trace s, fixed rather than derived from a measured start, so that a slow
-    # machine does not change the pace (docs/benchmarks.md). The payload's boot is emulated (15
+    # and 0.6 wall s per trace s (--pace-ms moves both), fixed rather than derived from a measured
+    # start, so that a slow machine does not change the pace (docs/benchmarks.md). The payload's boot is emulated (15
     # trace s, docs/hil.md), so the short-window traces run too. The paper's workload (two
     # requests) and a back-to-back queue of four; OrbitWeaver with the fixed and the adaptive cadence.
-    workloads = ["paper"] if args.quick else ["paper", "back-to-back"]
-    seeds = [0] if args.quick else [0, 1]
     for name, pols, cadences in (("e2e", POLICIES, ("fixed", "adaptive")), ("e2e_plus", STRENGTHENED, ("fixed",))):
         part(
             name,
@@ -348,8 +382,8 @@ def main(argv=None) -> int:
                 # until the trace ends: a wall-clock limit stopped the 11,400 s traces near 5,000
                 # trace s and counted what was still running as never finished
                 timeout_s=None,
-                pace_ms=300.0 if args.quick else 600.0,
-                time_scale=0.3 if args.quick else 0.6,
+                pace_ms=pace_ms,
+                time_scale=pace_ms / 1000.0,
                 policies=list(pols),
                 workloads=workloads,
                 seeds=seeds,
@@ -637,11 +671,16 @@ def _e2e_section(out: str, e2e: list) -> list:
     lines: list[str] = []
     if not e2e:
         return lines
+    # rows from before the pace was recorded ran at the default pace
+    paces = sorted({(r.get("pace_ms", 600.0), r.get("time_scale", 0.6)) for r in e2e})
+    pace = " and ".join(
+        f"{p:.0f} ms (a prefill block of G layers is G units) at {t:g} wall s per trace s" for p, t in paces
+    )
     lines += [
         "## Fig. 10 — end to end, real processes through the testbench",
         "",
-        "The small model (12 layers), every unit of work paced to 600 ms (a prefill block of G layers is G "
-        "units) at 0.6 wall s per trace s; checkpoint storage throttled to the Orin's read/write-to-compute "
+        f"The small model (12 layers), every unit of work paced to {pace}; "
+        "checkpoint storage throttled to the Orin's read/write-to-compute "
         "ratio; prefill-heavy requests (two 512 px images, C=64, G=2): the paper's two per trace and four back "
         "to back. The payload's boot is emulated (15 trace s, docs/hil.md). Paper-defined baselines, the "
         "strengthened ones (`+`), and OrbitWeaver with the adaptive cadence. e2e is the mean over the "
