@@ -130,6 +130,22 @@ def kept_run(cfg: BenchConfig) -> BenchReport | None:
         return None
 
 
+def _started_one_at_a_time(starting: threading.Lock, cfg: BenchConfig) -> BenchReport:
+    """Run the testbench once `starting` is free, holding it until the run's trace clock starts."""
+    released = threading.Event()
+
+    def release() -> None:
+        if not released.is_set():
+            released.set()
+            starting.release()
+
+    starting.acquire()
+    try:
+        return Testbench(cfg, say=lambda line: None, on_clock_started=release).run()
+    finally:
+        release()
+
+
 def run_campaign(
     base: BenchConfig,
     traces_: list[str],
@@ -180,6 +196,11 @@ def run_campaign(
         for i, spec in enumerate(cfg.workload or default_workload(cfg.requests)):
             reference_run(cfg.model, spec, cfg, str(out / "reference" / f"{n}-{i}"))
     lock = threading.Lock()
+    # Runs start one at a time: a run's trace clock starts once its zygote has imported the
+    # payload's libraries (seconds of CPU each), and ten of those at once on a 2-core machine
+    # slowed the first windows of the runs already under way (a load average of 17; three
+    # sat1-like runs lost a window to it, docs/hil.md "Campaigns").
+    starting = threading.Lock()
     cells: list[CampaignCell | None] = [None] * len(plan)
 
     def run_one(index: int) -> None:
@@ -194,7 +215,7 @@ def run_campaign(
             # What is there is the campaign's own: a run a stopped campaign cut short, or one of
             # an earlier campaign run again. A run starts from nothing, never on top of it.
             shutil.rmtree(cfg.out_dir, ignore_errors=True)
-        report = kept or Testbench(cfg, say=lambda line: None).run()
+        report = kept or _started_one_at_a_time(starting, cfg)
         if kept is None:
             _keep_run(cfg, report)
         with lock:

@@ -378,9 +378,12 @@ class EarlierRunError(FileExistsError):
 
 
 class Testbench:
-    def __init__(self, cfg: BenchConfig, say=None):
+    def __init__(self, cfg: BenchConfig, say=None, on_clock_started=None):
+        """`on_clock_started` (optional) is called once the bus is ready and its trace clock
+        starts, or when the run ends without getting there (a campaign starts its next run then)."""
         self.cfg = cfg
         self.say = say or (lambda line: print(line, flush=True))
+        self._on_clock_started = on_clock_started
         self.out = Path(cfg.out_dir)
 
     # ---- set-up -----------------------------------------------------------------------------------
@@ -455,6 +458,17 @@ class Testbench:
 
     # ---- the run --------------------------------------------------------------------------------------
     def run(self) -> BenchReport:
+        try:
+            return self._run()
+        finally:
+            self._clock_started()  # a run that failed to start still lets the next one start
+
+    def _clock_started(self) -> None:
+        callback, self._on_clock_started = self._on_clock_started, None
+        if callback is not None:
+            callback()
+
+    def _run(self) -> BenchReport:
         cfg = self.cfg
         self._prepare()
         boot = (
@@ -485,7 +499,8 @@ class Testbench:
             skip_idle=cfg.skip_idle,
         )
         started = time.time()
-        bus = BusProcess(bus_cfg).start()
+        bus = BusProcess(bus_cfg).start()  # returns once the zygote is ready: the trace clock starts
+        self._clock_started()
         bus_proc = bus.proc
         assert bus_proc is not None  # start() has launched it
         self.log_tail = _LogTail(self.out / RUN_STATE_DIR / bl.LOG_FILE)

@@ -2,6 +2,7 @@
 payloads are forked from the bus's zygote with an emulated boot (hil/zygote.py): every output is
 still checked bit for bit against its uninterrupted reference."""
 
+import itertools
 import json
 from pathlib import Path
 
@@ -70,6 +71,19 @@ def test_short_campaign_end_to_end(model_dirs, tmp_path):
     # the cut in the short trace lands inside the request: orbitweaver resumes, none starts over
     by_policy = {c.policy: c.report for c in cells if c.trace == short}
     assert by_policy[ours].cuts_total >= 1
+    # runs start one at a time: each bus starts only once the run before it has its clock
+    # running (its zygote's imports done), so no run's first windows share the CPU with them
+    starts = []
+    for cell in cells:
+        with open(Path(cell.report_dir) / "bus" / "bus-log.jsonl") as f:
+            entries = [json.loads(line) for line in f]
+        bus_started = entries[0]["utc"]
+        assert entries[0]["kind"] == "run_start"
+        clock = next(e for e in entries[1:] if e.get("trace_s") is not None)
+        starts.append((bus_started, clock["utc"] - clock["wall_s"]))
+    starts.sort()
+    for (_, clock_started), (next_bus_started, _) in itertools.pairwise(starts):
+        assert next_bus_started >= clock_started, starts
     # the payload's log is where the validation reads the early records the cadence asked for
     from hil.sim.validate import run_facts
 
