@@ -371,10 +371,16 @@ def validation_lines(d: dict) -> list[str]:
         f"End-to-end = the request's acceptance to its COMPLETED report, trace seconds. Largest error: "
         f"{_pct(val.get('max_abs_error'))} over {sum(1 for r in val['rows'] if r.get('error') is not None)} "
         f"requests; {misses} request(s) completed on one side only "
-        f"({'within' if val.get('within_10_percent') else 'NOT within'} 10 %).{by_cuts_sentence(val)}",
+        f"({'within' if val.get('within_10_percent') else 'NOT within'} 10 %).{by_cuts_sentence(val)}"
+        f"{given_previous_sentence(val)}",
         "",
-        "| run | request | trace | policy | cuts (real / sim) | boot (trace s) | real e2e | simulated e2e | error |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "The last column is a diagnosis, not the verdict: the same request simulated from the moment the "
+        "request before it really completed (where the run completed it), so that an error the request "
+        "inherits from the one before is told apart from its own.",
+        "",
+        "| run | request | trace | policy | cuts (real / sim) | boot (trace s) | real e2e | simulated e2e | error "
+        "| error, the request before as it ran |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in val["rows"]:
         error = _pct(r.get("error")) if r.get("error") is not None else "n/a"
@@ -392,7 +398,7 @@ def validation_lines(d: dict) -> list[str]:
             f"{os.path.splitext(os.path.basename(str(r['trace'])))[0]} | "
             f"{policy} | {r.get('cuts')} / {_or_dash(r.get('predicted_cuts'))} | "
             f"{(r.get('boot_trace_s') or 0):.1f} | {_s(r.get('e2e_trace_s'))} | {_s(r.get('predicted_e2e_trace_s'))} | "
-            f"{error} |"
+            f"{error} | {given_previous_cell(r)} |"
         )
     return lines + [""]
 
@@ -407,6 +413,27 @@ def by_cuts_sentence(val: dict) -> str:
         f" Of the {sum(apart.values())} beyond 10 %, the simulation counts the run's cuts in {apart['same_cuts']}, "
         f"one cut more or fewer in {apart['one_cut']} and more in {apart['more_cuts']}."
     )
+
+
+def given_previous_sentence(val: dict) -> str:
+    """Of the requests beyond 10 %, how many are within 10 % when the request before each starts
+    it as it really did (hil/sim/validate.py `beyond_given_previous`), as a sentence with a
+    leading space; empty when none is beyond or the validation predates the count."""
+    split = val.get("beyond_10_percent_given_previous")
+    if not split or not sum(split.values()):
+        return ""
+    return (
+        f" Simulated from the moment the request before each really completed, {split['inherited']} of them "
+        f"are within 10 % (the error is inherited from the request before) and {split['own']} are not."
+    )
+
+
+def given_previous_cell(row: dict) -> str:
+    """The error of a request simulated behind the one before as it ran: '-' for a request that
+    starts no chain (the first of its run, or one the payload found idle) or has no error."""
+    if row.get("request", 0) == 0 or row.get("error_given_previous") is None:
+        return "-"
+    return f"{row['error_given_previous'] * 100:+.1f} %"
 
 
 def _or_dash(v):

@@ -17,7 +17,7 @@ import os
 import sys
 import tempfile
 
-from bench.report import after_stop_verdict, by_cuts_sentence
+from bench.report import after_stop_verdict, by_cuts_sentence, given_previous_cell, given_previous_sentence
 from flight.checkpoint.policies import Geometry
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -56,7 +56,7 @@ def table(result: dict) -> list[str]:
     log) and in the simulation."""
     head = (
         f"{'run':<48} {'req':>3} {'policy (cadence)':<26} {'cuts r/s':>8} {'G':>2} {'early r/s':>9} "
-        f"{'measured':>9} {'predicted':>9}  error"
+        f"{'measured':>9} {'predicted':>9}  {'error':<12} error behind the request before as it ran"
     )
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
@@ -77,7 +77,8 @@ def table(result: dict) -> list[str]:
         lines.append(
             f"{os.path.basename(str(r['run_dir']).rstrip('/')):<48} {r['request']:>3} {policy:<26} {cuts:>8} "
             f"{'-' if group is None else group:>2} {early:>9} "
-            f"{_s(r.get('e2e_trace_s')):>9} {_s(r.get('predicted_e2e_trace_s')):>9}  {error}"
+            f"{_s(r.get('e2e_trace_s')):>9} {_s(r.get('predicted_e2e_trace_s')):>9}  {error:<12} "
+            f"{given_previous_cell(r)}"
         )
     errors = [r for r in result["rows"] if r.get("error") is not None]
     within = sum(1 for r in errors if abs(r["error"]) <= 0.10)
@@ -91,6 +92,8 @@ def table(result: dict) -> list[str]:
     ]
     if by_cuts := by_cuts_sentence(result):
         lines.append(by_cuts.strip())
+    if given := given_previous_sentence(result):
+        lines.append(given.strip())
     return lines
 
 

@@ -345,3 +345,60 @@ def test_requests_beyond_ten_percent_are_counted_by_how_many_cuts_apart():
     text = "\n".join(validation_lines({"validation": val}))
     assert "NOT within 10 %" in text
     assert "Of the 4 beyond 10 %, the simulation counts the run's cuts in 1, one cut more or fewer in 2" in text
+
+
+def test_each_request_is_also_simulated_behind_the_one_before_as_it_ran(run_dir, model_dirs, tmp_path):
+    """The diagnosis beside the verdict: request k again, from the moment request k-1 really
+    completed (its acceptance plus its measured end-to-end time), in fresh payload processes;
+    request 0 has nothing before it and is the same prediction."""
+    facts = run_facts(run_dir)
+    from hil.sim.validate import RequestShapes
+
+    shapes = RequestShapes(model_dirs["qwen3-vl"])
+    requests = [shapes(t["spec"]["images"], t["spec"]["prompt"], t["spec"]["tokens"]) for t in facts["tasks"]]
+    geometry = Geometry(16, 2, 2, 1)
+    chained = simulate_run(facts, model_dirs["qwen3-vl"], requests, geometry, 1e-3)
+    behind_real = simulate_run(facts, model_dirs["qwen3-vl"], requests, geometry, 1e-3, predecessor="measured")
+    first = facts["tasks"][0]
+    assert behind_real[0] == chained[0]
+    assert chained[1]["arrival_s"] == chained[0]["predicted_finished_s"]
+    assert behind_real[1]["arrival_s"] == pytest.approx(first["accepted_s"] + first["e2e_trace_s"])
+    assert behind_real[1]["arrival_s"] != chained[1]["arrival_s"]
+    with pytest.raises(ValueError, match="predecessor"):
+        simulate_run(facts, model_dirs["qwen3-vl"], requests, geometry, 1e-3, predecessor="guessed")
+
+    rows = validate([run_dir], model_dirs["qwen3-vl"], [], "x", 8, geometry, str(tmp_path), commit_latency_s=1e-3)[
+        "rows"
+    ]
+    assert rows[0]["error_given_previous"] == rows[0]["error"]
+    assert rows[1]["predicted_e2e_given_previous_s"] == pytest.approx(
+        behind_real[1]["predicted_finished_s"] - facts["tasks"][1]["accepted_s"]
+    )
+    assert rows[1]["error_given_previous"] == pytest.approx(
+        rows[1]["predicted_e2e_given_previous_s"] / rows[1]["e2e_trace_s"] - 1
+    )
+
+
+def test_requests_beyond_ten_percent_are_split_by_whether_they_inherit_the_error():
+    from bench.report import given_previous_cell, validation_lines
+    from hil.sim.validate import beyond_given_previous
+
+    rows = [
+        {"request": 1, "error": 0.02, "error_given_previous": 0.30},  # within: not counted
+        {"request": 1, "error": -0.09 - 0.01, "error_given_previous": 0.003},  # -10 %: within
+        {"request": 1, "error": -0.12, "error_given_previous": 0.004},  # inherited
+        {"request": 2, "error": 0.25, "error_given_previous": 0.11},  # its own
+        {"request": 0, "error": 0.4, "error_given_previous": 0.4},  # its own
+        {"request": 1, "error": 0.2, "error_given_previous": None},  # nothing to compare: its own
+    ]
+    assert beyond_given_previous(rows) == {"inherited": 1, "own": 3}
+    assert given_previous_cell(rows[2]) == "+0.4 %" and given_previous_cell(rows[4]) == "-"
+    val = {
+        "rows": [],
+        "commit_latency_s": 5e-4,
+        "max_abs_error": 0.4,
+        "within_10_percent": False,
+        "beyond_10_percent_given_previous": beyond_given_previous(rows),
+    }
+    text = "\n".join(validation_lines({"validation": val}))
+    assert "1 of them are within 10 % (the error is inherited from the request before) and 3 are not" in text
