@@ -402,3 +402,27 @@ def test_requests_beyond_ten_percent_are_split_by_whether_they_inherit_the_error
     }
     text = "\n".join(validation_lines({"validation": val}))
     assert "1 of them are within 10 % (the error is inherited from the request before) and 3 are not" in text
+
+
+def test_the_verdict_is_a_json_bool_and_the_report_reads_it_from_the_numbers(run_dir, model_dirs, tmp_path):
+    """The simulator's errors are numpy floats: a numpy bool verdict went to JSON as the string
+    "False", and the report, reading it as true, said "within 10 %" of a validation that was not."""
+    from bench.report import validation_lines, validation_within
+
+    result = validate(
+        [run_dir], model_dirs["qwen3-vl"], [], "x", 8, Geometry(16, 2, 2, 1), str(tmp_path), commit_latency_s=1e-3
+    )
+    stored = json.loads(json.dumps(result, default=str))
+    assert type(stored["within_10_percent"]) is bool and type(stored["max_abs_error"]) is float
+    # a validation stored before the fix: the flag is a string, the numbers say beyond
+    old = {
+        "rows": [],
+        "commit_latency_s": 1e-3,
+        "max_abs_error": 0.16,
+        "completion_misses": 0,
+        "within_10_percent": "False",
+    }
+    assert not validation_within(old)
+    assert "NOT within 10 %" in "\n".join(validation_lines({"validation": old}))
+    assert not validation_within({**old, "max_abs_error": 0.05, "completion_misses": 2})
+    assert validation_within({**old, "max_abs_error": 0.05})
