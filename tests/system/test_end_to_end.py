@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -56,12 +56,6 @@ class _LogTail:
                     pass  # a line a killed bus left torn (the restarted bus starts a new line)
         self.offset += end
         return self.entries
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _trace(path: Path) -> str:
@@ -135,8 +129,10 @@ def test_three_tasks_through_cuts_payload_reboot_mid_uplink_and_bus_restart(mode
     keys = str(tmp_path / "keys")
     init_keys(keys)
     data = tmp_path / "bus"
-    ports = [_free_port() for _ in range(3)]
-    endpoints = Endpoints(*(f"tcp://127.0.0.1:{p}" for p in ports))
+    # The bus binds ports the kernel picks (a port found free here and bound later by the bus
+    # can be taken in between by any other process on a busy machine: "Address already in use");
+    # the restart below comes back on the ports the first bus bound, as a real bus keeps its own.
+    ephemeral = Endpoints(*(["tcp://127.0.0.1:*"] * 3))
     flight_args = [
         "--chunk",
         str(ENGINE["chunk"]),
@@ -158,13 +154,15 @@ def test_three_tasks_through_cuts_payload_reboot_mid_uplink_and_bus_restart(mode
         data_dir=str(data),
         keys_dir=keys,
         time_scale=1.0,
-        endpoints=endpoints,
+        endpoints=ephemeral,
         model=model,
         flight_args=flight_args,
         fdir_off_s=1.0,
         heartbeat_timeout_s=30.0,
     )
     bus = BusProcess(bus_cfg).start()
+    endpoints = bus.endpoints
+    bus_cfg = replace(bus_cfg, endpoints=endpoints)
     uplinks, killed = {}, threading.Event()
     phase_kills: list[str] = []
     stop_watching = threading.Event()
