@@ -19,7 +19,7 @@ from typing import cast
 from common.durable import read_rate_of
 from flight.checkpoint.store import BlockInfo, Frontier
 from flight.recovery.executor import RecordRejected
-from flight.recovery.phases import VISION_OUT, PhaseExecutor, StepOp, vision_groups
+from flight.recovery.phases import VISION_OUT, PhaseExecutor, StepOp, needs_vision_out, vision_groups
 from flight.recovery.plan import ComputeOp, ReadOp, RecoveryProblem, make_plan
 
 from .context import LanguageState, RequestContext
@@ -85,12 +85,12 @@ class PrefillRestore:
             if (
                 self.vision.output is None
                 and frontier.vision_done
-                and any(
-                    op.kind == "block" and op.group in self.vision_groups and op.chunk in self.visual_chunks
-                    for op in plan.computes
-                )
+                and any(needs_vision_out(op, self.vision_groups, self.visual_chunks) for op in plan.computes)
             ):
-                plan.reads.insert(0, VISION_OUT)  # read once, first, not inside the block that needs it
+                # read once, first, by the reader: not inside the compute that needs it (a group-0
+                # re-projection read it there, on the compute thread, until 2026-12: 3 MB through
+                # the testbench's throttle, 10 trace s of every HCache restore, unplanned)
+                plan.reads.insert(0, VISION_OUT)
             summary = plan.summary()
             summary["vision_out_read"] = VISION_OUT in plan.reads
             summary["costs"] = problem.costs.get("source") if problem.costs else None  # what it planned with

@@ -42,6 +42,16 @@ def vision_groups(layer_groups: list[tuple[int, int]], deepstack_layers: int) ->
     return frozenset(group for group, (first, _) in enumerate(layer_groups) if group == 0 or first < deepstack_layers)
 
 
+def needs_vision_out(op, vision_groups: frozenset, visual_chunks: frozenset) -> bool:
+    """Whether a prefill compute needs the vision output: a block of a group in `vision_groups`
+    on a chunk holding visual tokens, or a re-projection of group 0 on such a chunk (its input is
+    the chunk's embeddings, the visual tokens among them; a later group re-projects from the
+    stored hidden state, which already holds them)."""
+    if op.chunk not in visual_chunks:
+        return False
+    return (op.kind == "block" and op.group in vision_groups) or (op.kind == "reproject" and op.group == 0)
+
+
 @dataclass(frozen=True)
 class StepOp:
     """The first decode step after a restart, through the layers of one group."""
@@ -152,11 +162,6 @@ class PhaseExecutor(PlanExecutor):
                 computed.append((op.group - 1, -1))
             return reads, computed
         reads, computed = super().dependencies(op)
-        if (
-            op.kind == "block"
-            and op.group in self.vision_groups
-            and op.chunk in self.visual_chunks
-            and VISION_OUT in self.plan.reads
-        ):
+        if VISION_OUT in self.plan.reads and needs_vision_out(op, self.vision_groups, self.visual_chunks):
             reads.append(VISION_OUT)
         return reads, computed

@@ -37,7 +37,7 @@ from flight.checkpoint.cadence import HISTORY_WINDOWS, Cadence
 from flight.checkpoint.policies import Geometry, get_policy
 from flight.recovery.cost import BlockCosts
 from flight.recovery.executor import PlanExecutor
-from flight.recovery.phases import vision_groups
+from flight.recovery.phases import needs_vision_out, vision_groups
 from flight.recovery.plan import RecoveryProblem, make_plan
 from flight.recovery.simulate import simulate
 
@@ -581,7 +581,8 @@ class RequestModel:
         vision_at, vision_read_end = None, None  # the compute that reruns the vision phase, its input read
         # the blocks that need the vision output, as PrefillRestore finds them
         groups_with_vision = vision_groups(self.groups, len(self.spec.vision.deepstack))
-        needs_vision = [op for op in plan.computes if op.kind == "block" and op.group in groups_with_vision]
+        visual = frozenset(range(self.NC)) if self.request.visual_tokens > 0 else frozenset()
+        needs_vision = [op for op in plan.computes if needs_vision_out(op, groups_with_vision, visual)]
         if not vision_fresh and needs_vision and self.request.visual_tokens > 0:
             if d.vision_done:
                 t += proc.read_s(t, self.sizes.vision_out)  # the plan's first read, which they wait for

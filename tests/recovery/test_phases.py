@@ -13,8 +13,8 @@ from testkit import MAX_NEW, CutAfter, engine, inputs_for, run_to_completion
 
 from flight.engine import SimulatedCut
 from flight.model.loader import load_model
-from flight.recovery.phases import VISION_OUT, PhaseExecutor, ReadAhead, StepOp
-from flight.recovery.plan import ReadOp, RecoveryProblem, make_plan
+from flight.recovery.phases import VISION_OUT, PhaseExecutor, ReadAhead, StepOp, needs_vision_out
+from flight.recovery.plan import ComputeOp, ReadOp, RecoveryProblem, make_plan
 
 
 def test_read_ahead_reads_in_order_and_hands_over_values_and_errors():
@@ -79,6 +79,28 @@ def test_deepstack_layer_blocks_wait_for_vision_out_too():
     deps = {(op.group, op.chunk): executor.dependencies(op)[0] for op in plan.computes}
     assert VISION_OUT in deps[(1, 0)] and VISION_OUT in deps[(1, 1)]
     assert VISION_OUT not in deps[(2, 0)] and VISION_OUT not in deps[(2, 1)]
+
+
+def test_group_zero_reprojections_of_visual_chunks_wait_for_vision_out_read_first():
+    """HCache re-projects layer 0's KV from the chunk's embeddings, the visual tokens among them:
+    that needs vision.out as a block of group 0 does. Until 2026-12 the plan left the read out
+    and the re-projection read it on the compute thread (3 MB through the testbench's throttle,
+    10 trace s of every HCache restore, unplanned and unsimulated)."""
+    every = {(g, c) for g in range(3) for c in range(3)}
+    plan = make_plan("layer-first", RecoveryProblem(3, 3, set(every), set(every), kv_missing=set(every)))
+    reprojections = {(op.group, op.chunk): op for op in plan.computes if op.kind == "reproject"}
+    assert set(reprojections) == every
+    visual = frozenset({0, 1})
+    assert [needs_vision_out(reprojections[(0, c)], frozenset({0}), visual) for c in range(3)] == [True, True, False]
+    # a later group re-projects from the stored hidden state, which holds the visual tokens already
+    assert not any(needs_vision_out(reprojections[(g, c)], frozenset({0, 1}), visual) for g in (1, 2) for c in range(3))
+    assert needs_vision_out(ComputeOp(1, 0, "block"), frozenset({0, 1}), visual)
+    assert not needs_vision_out(ComputeOp(2, 0, "block"), frozenset({0, 1}), visual)
+    plan.reads.insert(0, VISION_OUT)
+    executor = PhaseExecutor(plan, None, None, visual_chunks=visual, num_chunks=3)
+    deps = {key: executor.dependencies(op)[0] for key, op in reprojections.items()}
+    assert VISION_OUT in deps[(0, 0)] and VISION_OUT in deps[(0, 1)]
+    assert VISION_OUT not in deps[(0, 2)] and VISION_OUT not in deps[(1, 0)] and VISION_OUT not in deps[(2, 1)]
 
 
 def _cut_then_resume(model_dirs, tmp_path, units: int):
