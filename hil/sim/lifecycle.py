@@ -579,11 +579,12 @@ class RequestModel:
         origin = t_vision_start if vision_fresh else t  # weights stream behind the vision phase
         costs: BlockCosts | None = None
         vision_at, vision_read_end = None, None  # the compute that reruns the vision phase, its input read
-        # the blocks that need the vision output, as PrefillRestore finds them
+        # the computes that need the vision output, as PrefillRestore finds them (no visual
+        # tokens: none; else every chunk counts as visual, the simulator does not place them)
         groups_with_vision = vision_groups(self.groups, len(self.spec.vision.deepstack))
         visual = frozenset(range(self.NC)) if self.request.visual_tokens > 0 else frozenset()
         needs_vision = [op for op in plan.computes if needs_vision_out(op, groups_with_vision, visual)]
-        if not vision_fresh and needs_vision and self.request.visual_tokens > 0:
+        if not vision_fresh and needs_vision:
             if d.vision_done:
                 t += proc.read_s(t, self.sizes.vision_out)  # the plan's first read, which they wait for
                 origin = t
