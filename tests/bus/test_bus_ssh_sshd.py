@@ -14,6 +14,7 @@ same bench set-up docs/hil.md shows).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -26,7 +27,7 @@ from pathlib import Path
 import psutil
 import pytest
 from bus_testkit import drain, telemetry_subscriber, wait_for, window, write_trace
-from sshd_testkit import SSHD_CONFIG, SshServer, find_sshd, free_port, install_openssh_server
+from sshd_testkit import SSHD_CONFIG, SshServer, find_sshd, install_openssh_server
 
 from common.wire import messages as m
 from common.wire.link import Endpoints, init_keys
@@ -315,11 +316,11 @@ def test_bus_cuts_over_ssh_on_the_trace_and_power_cycles_a_lost_connection(sshd,
     )
 
 
-def _refused_key(sshd, tmp_path):
+def _refused_key(sshd, tmp_path, held):
     return {"ssh_identity": str(sshd.stranger_key)}, "Permission denied (publickey)"
 
 
-def _unknown_host_key(sshd, tmp_path):
+def _unknown_host_key(sshd, tmp_path, held):
     known = tmp_path / "known_hosts"
     other = (sshd.root / "stranger_ed25519.pub").read_text().split()
     known.write_text(f"[127.0.0.1]:{sshd.port} {other[0]} {other[1]}\n")
@@ -327,8 +328,13 @@ def _unknown_host_key(sshd, tmp_path):
     return {"ssh_options": options}, "Host key verification failed"
 
 
-def _unreachable_port(sshd, tmp_path):
-    return {"ssh_port": free_port()}, "Connection refused"
+def _unreachable_port(sshd, tmp_path, held):
+    # A port bound and never listened on, held for the whole test: connecting is refused, and no
+    # other process can take it meanwhile (a port merely found free was taken by a neighbour's
+    # ephemeral socket on a busy machine, and the power-on then met something that answered).
+    port = held.enter_context(socket.socket())
+    port.bind(("127.0.0.1", 0))
+    return {"ssh_port": port.getsockname()[1]}, "Connection refused"
 
 
 @pytest.mark.parametrize(
@@ -339,7 +345,8 @@ def _unreachable_port(sshd, tmp_path):
 def test_a_power_on_that_cannot_reach_the_payload_is_a_switch_error_and_an_fdir_fault(sshd, tmp_path, failure):
     import zmq
 
-    overrides, message = failure(sshd, tmp_path)
+    held = contextlib.ExitStack()
+    overrides, message = failure(sshd, tmp_path, held)
     trace = write_trace(tmp_path / "on.jsonl", 300.0, [window(0.0, 300.0, None)], telemetry=False)
     cfg = ssh_bus_config(sshd, tmp_path, trace, ["sleep", "600"], **overrides)
     data = Path(cfg.data_dir)
@@ -358,6 +365,7 @@ def test_a_power_on_that_cannot_reach_the_payload_is_a_switch_error_and_an_fdir_
     finally:
         bus.stop()
         context.destroy(linger=0)
+        held.close()
     errors = kinds(log, bl.SWITCH_ERROR, action="on")
     assert all(message in e.data["error"] for e in errors), errors[0].data["error"]
     assert errors[0].data["error"].startswith("ssh power-on to 127.0.0.1 exited 255 before the payload started")
