@@ -127,6 +127,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class PortTaken(RuntimeError):
+    """sshd could not bind its port: another process took it first."""
+
+
 class SshServer:
     """One sshd on 127.0.0.1:port for the current user, with its own keys and config in `root`.
 
@@ -144,27 +148,50 @@ class SshServer:
         self.root.chmod(0o700)
         self.sshd = sshd
         self.user = getpass.getuser()
-        self.port = free_port()
         self.host_key = keygen(self.root / "ssh_host_ed25519_key", "orbitweaver-test-host")
         self.client_key = keygen(self.root / "client_ed25519", "orbitweaver-test-bus")
         self.stranger_key = keygen(self.root / "stranger_ed25519", "orbitweaver-test-stranger")
         (self.root / "authorized_keys").write_text((self.root / "client_ed25519.pub").read_text())
-        host_public = (self.root / "ssh_host_ed25519_key.pub").read_text().split()
         self.known_hosts = self.root / "known_hosts"
-        self.known_hosts.write_text(f"[127.0.0.1]:{self.port} {host_public[0]} {host_public[1]}\n")
         self.config = self.root / "sshd_config"
-        self.config.write_text(SSHD_CONFIG.format(port=self.port, dir=self.root, user=self.user))
         self.log = self.root / "sshd.log"
         self.proc: subprocess.Popen | None = None
         self.sessions: set = set()  # psutil.Process of per-connection sshd processes, for stop()
+        self.answered = False  # sshd has answered on self.port: clients know the port from then on
+        self._use_port(free_port())
+
+    def _use_port(self, port: int) -> None:
+        """Listen on `port`: the config sshd reads and the host key the clients check carry it."""
+        self.port = port
+        host_public = (self.root / "ssh_host_ed25519_key.pub").read_text().split()
+        self.known_hosts.write_text(f"[127.0.0.1]:{port} {host_public[0]} {host_public[1]}\n")
+        self.config.write_text(SSHD_CONFIG.format(port=port, dir=self.root, user=self.user))
 
     def client_options(self) -> list[str]:
         """`ssh -o` options of the bus: this server's host key, checked strictly."""
         return [f"UserKnownHostsFile={self.known_hosts}", "GlobalKnownHostsFile=/dev/null", "StrictHostKeyChecking=yes"]
 
-    def start(self, timeout_s: float = 60.0) -> SshServer:
+    def start(self, timeout_s: float = 60.0, attempts: int = 5) -> SshServer:
+        """Start sshd and wait until it answers. The port was found free, not held: on a busy
+        machine another process may bind it before sshd does, and sshd then exits ("Address
+        already in use"). Before the first answer nobody knows the port yet, so it moves to a
+        fresh one; after it (the board coming back) it must stay, so the start is retried there."""
+        for attempt in range(attempts):
+            try:
+                return self._start_once(timeout_s)
+            except PortTaken:
+                if attempt == attempts - 1:
+                    raise
+                if self.answered:
+                    time.sleep(0.5)
+                else:
+                    self._use_port(free_port())
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout_s: float) -> SshServer:
         if os.geteuid() == 0 and not PRIVSEP_DIR.is_dir():
             PRIVSEP_DIR.mkdir(mode=0o755, exist_ok=True)  # another worker may make it at the same time
+        self.log.write_text("")  # this start's log alone: a bind failure is read from it
         # -D: stay in the foreground (a child of this process); -e -E: log to our file.
         self.proc = subprocess.Popen(
             [self.sshd, "-D", "-f", str(self.config), "-E", str(self.log)],
@@ -176,10 +203,14 @@ class SshServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"sshd exited with {self.proc.returncode}: {self.log_tail()}")
+                returncode, self.proc = self.proc.returncode, None
+                if "Address already in use" in self.log_tail(lines=50):
+                    raise PortTaken(f"port {self.port} taken before sshd bound it: {self.log_tail()}")
+                raise RuntimeError(f"sshd exited with {returncode}: {self.log_tail()}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=2) as s:
                     if s.recv(64).startswith(b"SSH-"):
+                        self.answered = True
                         return self
             except OSError:
                 time.sleep(0.05)

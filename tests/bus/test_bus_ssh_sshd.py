@@ -155,6 +155,31 @@ def test_docs_show_the_bench_set_up_the_tests_use():
 # ------------------------------------------------------------------------------ the switch
 
 
+def test_the_test_sshd_moves_off_a_port_taken_before_it_bound(sshd, tmp_path):
+    # The test sshd's port is found free, not held (sshd binds it itself): on a busy machine a
+    # neighbour may take it first. Before sshd has answered nobody knows the port, so it moves on.
+    server = SshServer(tmp_path / "sshd", find_sshd())
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server._use_port(taken.getsockname()[1])
+        try:
+            server.start()
+            assert server.port != taken.getsockname()[1]
+            assert f"[127.0.0.1]:{server.port} " in server.known_hosts.read_text()
+            result = subprocess.run(
+                ["ssh", "-i", str(server.client_key), "-p", str(server.port), "-o", "BatchMode=yes"]
+                + [opt for o in server.client_options() for opt in ("-o", o)]
+                + [f"{server.user}@127.0.0.1", "echo", "up"],
+                capture_output=True,
+                text=True,
+                timeout=HANG_S,
+            )
+            assert result.stdout.strip() == "up", result.stderr
+        finally:
+            server.stop()
+
+
 def test_power_on_and_cut_over_real_ssh_kill_the_remote_group(sshd, tmp_path):
     (tmp_path / "board").mkdir()
     pids = tmp_path / "board" / "pids 'quoted' $HOME"  # real quoting through ssh and two shells
