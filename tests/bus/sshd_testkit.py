@@ -176,17 +176,15 @@ class SshServer:
         machine another process may bind it before sshd does, and sshd then exits ("Address
         already in use"). Before the first answer nobody knows the port yet, so it moves to a
         fresh one; after it (the board coming back) it must stay, so the start is retried there."""
-        for attempt in range(attempts):
+        for _ in range(attempts - 1):
             try:
                 return self._start_once(timeout_s)
             except PortTaken:
-                if attempt == attempts - 1:
-                    raise
                 if self.answered:
                     time.sleep(0.5)
                 else:
                     self._use_port(free_port())
-        raise AssertionError("unreachable")
+        return self._start_once(timeout_s)
 
     def _start_once(self, timeout_s: float) -> SshServer:
         if os.geteuid() == 0 and not PRIVSEP_DIR.is_dir():
