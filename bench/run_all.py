@@ -24,14 +24,16 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from bench import engine_overhead, recovery_latency, recovery_planner, sim_figures
 from bench import report as rep
 from common import log as owlog
 from common import machine
 from flight.checkpoint.policies import Geometry
-from hil.campaign import run_campaign
+from hil.campaign import RunSlots, run_campaign
 from hil.testbench import NOT_FINISHED, STOPPED_BY_LIMIT, BenchConfig, PowerModel, RequestSpec
+from traces import load as load_trace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -46,6 +48,8 @@ PAPER = {
 }
 POLICIES = ("orbitweaver", "sonic-layer", "sonic-chunk", "hcache")
 STRENGTHENED = ("sonic-layer+", "sonic-chunk+", "hcache+")  # the same records with OrbitWeaver's writer and planner
+#: the end-to-end traces, in the order their runs start
+E2E_TRACES = ("sat1-like", "trace-a", "dellingr-like", "trace-b", "sat2-like")
 # The report's parts, in the order they are measured (each is OUT/<part>.json).
 PARTS = ("overhead", "bytes_energy", "planner", "recovery", "compression", "e2e", "e2e_plus", "validation", "sim")
 
@@ -153,6 +157,7 @@ def e2e_campaign(
     cadences=("fixed",),
     jobs: int = 1,
     resume: bool = False,
+    slots: RunSlots | None = None,
 ) -> list:
     """The `small` model (12 layers: a cut inside a whole-chunk checkpoint loses up to 12
     layer-chunks, inside an OrbitWeaver block 2), a prefill-heavy request (two 512 px images, a
@@ -186,6 +191,7 @@ def e2e_campaign(
         cadences=list(cadences),
         jobs=jobs,
         resume=resume,
+        slots=slots,
     )
     # lazy: the validation module pulls in the simulator and transformers' processors
     from hil.sim.validate import stopped_trace_s
@@ -255,10 +261,24 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer repeats and a shorter end-to-end campaign")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench", "report"))
-    p.add_argument("--traces", default="trace-a,trace-b,sat1-like,sat2-like,dellingr-like", help="end-to-end traces")
+    p.add_argument(
+        "--traces",
+        default=None,
+        help="end-to-end traces, comma-separated; their runs start in this order (default "
+        f"{','.join(E2E_TRACES)}: the short-window traces first, whose baselines never finish and run "
+        "the whole trace; --quick: trace-a)",
+    )
     # A paced small-model run keeps about 3 % of a core busy (its payload sleeps out the pace, its
-    # bus out the trace): ten at once loaded this 2-core machine to a load average of about 1.
-    p.add_argument("--jobs", type=int, default=10, help="end-to-end runs at once (default 10)")
+    # bus out the trace), but the boots on the short-window traces add up: 22 at once (two
+    # processes of 14 and 8 runs, docs/benchmarks.md) is where the simulator's validation was
+    # measured, and what brings the full campaign (about 50 run-hours) under three hours.
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=22,
+        help="end-to-end runs at once, over both end-to-end parts (default 22; more at once load the "
+        "machine and perturb what each run measures)",
+    )
     p.add_argument("--seeds", default=None, help="end-to-end seeds, comma-separated (default 0,1; --quick: 0)")
     p.add_argument(
         "--workloads",
@@ -303,6 +323,14 @@ def main(argv=None) -> int:
     pace_ms = args.pace_ms or (300.0 if args.quick else 600.0)
     if pace_ms <= 0:
         p.error("--pace-ms must be positive")
+    if args.jobs < 1:
+        p.error(f"--jobs must be at least 1, not {args.jobs}")
+    e2e_traces = [t for t in (args.traces or ("trace-a" if args.quick else ",".join(E2E_TRACES))).split(",") if t]
+    for name in e2e_traces:
+        try:
+            load_trace(name)
+        except (OSError, ValueError) as exc:  # TraceError is a ValueError
+            p.error(f"--traces: {name}: {exc}")
 
     owlog.setup("error")
 
@@ -362,21 +390,24 @@ def main(argv=None) -> int:
         writes_its_own(recovery_latency.main, ["--repeats", "1" if args.quick else "2", "--out"]),
     )
     part("compression", "Sec. 6: decode-KV compression", lambda path: decode_compression(model, small_imgs, prompt))
-    traces = [t for t in args.traces.split(",") if t][: 1 if args.quick else None]
     # The real processes, paced: 600 ms per unit of work (a prefill block of G layers is G units)
     # and 0.6 wall s per trace s (--pace-ms moves both), fixed rather than derived from a measured
     # start, so that a slow machine does not change the pace (docs/benchmarks.md). The payload's boot is emulated (15
     # trace s, docs/hil.md), so the short-window traces run too. The paper's workload (two
     # requests) and a back-to-back queue of four; OrbitWeaver with the fixed and the adaptive cadence.
-    for name, pols, cadences in (("e2e", POLICIES, ("fixed", "adaptive")), ("e2e_plus", STRENGTHENED, ("fixed",))):
-        part(
+    # The two parts run at once in one pool of --jobs runs, the longest expected first
+    # (hil.campaign.RunSlots): one after the other, each part's tail (the runs that never finish
+    # last their trace's whole powered time) left most of the slots idle.
+    slots = RunSlots(args.jobs)
+    campaign_parts = [
+        (
             name,
             f"Fig. 10: end-to-end through the testbench ({', '.join(pols)})",
             lambda path, pols=pols, cadences=cadences, name=name: e2e_campaign(
                 model,
                 small_imgs[:2],
                 prompt,
-                traces,
+                e2e_traces,
                 os.path.join(out, name),
                 request_seconds=100.0,
                 # until the trace ends: a wall-clock limit stopped the 11,400 s traces near 5,000
@@ -390,8 +421,14 @@ def main(argv=None) -> int:
                 cadences=cadences,
                 jobs=args.jobs,
                 resume=args.reuse,
+                slots=slots,
             ),
         )
+        for name, pols, cadences in (("e2e", POLICIES, ("fixed", "adaptive")), ("e2e_plus", STRENGTHENED, ("fixed",)))
+    ]
+    with ThreadPoolExecutor(max_workers=len(campaign_parts)) as pool:
+        for future in [pool.submit(part, *campaign_part) for campaign_part in campaign_parts]:
+            future.result()
     part(
         "validation",
         "Simulator validation against the testbench runs",

@@ -11,6 +11,8 @@ every request.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 import shutil
 import statistics
@@ -130,6 +132,44 @@ def kept_run(cfg: BenchConfig) -> BenchReport | None:
         return None
 
 
+class RunSlots:
+    """At most `jobs` testbench runs at a time, shared by every campaign given the same slots
+    (make bench runs its two end-to-end parts at once), handed out in rank order (the lowest
+    rank among the runs waiting first), and started one at a time (`starting`: held from a run's
+    start until its trace clock runs).
+
+    Why an order: a run that never finishes lasts its trace's whole powered time (about an hour
+    of wall time on the short-window traces at make bench's pace); started last, such runs leave
+    the other slots idle at the end of a campaign. Why one pool: two campaigns of `jobs` runs
+    each load the machine twice as much, and one after the other they take the sum of their
+    tails."""
+
+    def __init__(self, jobs: int):
+        if jobs < 1:
+            raise ValueError(f"a campaign needs at least one run slot, not {jobs}")
+        self.jobs = jobs
+        self.starting = threading.Lock()
+        self._free = jobs
+        self._waiting: list[tuple] = []  # (rank, ticket): a heap
+        self._tickets = itertools.count()
+        self._changed = threading.Condition()
+
+    def acquire(self, rank: tuple) -> None:
+        """Wait for a slot; among the runs waiting, the lowest rank gets it first."""
+        with self._changed:
+            entry = (rank, next(self._tickets))
+            heapq.heappush(self._waiting, entry)
+            self._changed.wait_for(lambda: self._free > 0 and self._waiting[0] == entry)
+            heapq.heappop(self._waiting)
+            self._free -= 1
+            self._changed.notify_all()  # the next in line may find a slot too
+
+    def release(self) -> None:
+        with self._changed:
+            self._free += 1
+            self._changed.notify_all()
+
+
 def _started_one_at_a_time(starting: threading.Lock, cfg: BenchConfig) -> BenchReport:
     """Run the testbench once `starting` is free, holding it until the run's trace clock starts."""
     released = threading.Event()
@@ -157,12 +197,14 @@ def run_campaign(
     jobs: int = 1,
     max_new_tokens: int | None = None,
     resume: bool = False,
+    slots: RunSlots | None = None,
 ) -> list[CampaignCell]:
     """Every trace x workload x seed x policy variant; `jobs` runs at once (each is a bus, a
-    payload and a ground link of its own). Without `workloads`, `base.workload` (or its request
-    count) is the only one. With `resume`, a run that an earlier campaign into the same directory
-    finished with the same configuration is kept as it was (`kept_run`), not run again: a
-    campaign of hours that was stopped goes on where it stopped."""
+    payload and a ground link of its own), the first traces' first, or as many as `slots` gives,
+    shared with the other campaigns given the same slots. Without `workloads`,
+    `base.workload` (or its request count) is the only one. With `resume`, a run that an earlier
+    campaign into the same directory finished with the same configuration is kept as it was
+    (`kept_run`), not run again: a campaign of hours that was stopped goes on where it stopped."""
     out = Path(base.out_dir)
     cadences = cadences or [resolve_cadence("orbitweaver", base.cadence)]
     plan = []
@@ -196,40 +238,49 @@ def run_campaign(
         for i, spec in enumerate(cfg.workload or default_workload(cfg.requests)):
             reference_run(cfg.model, spec, cfg, str(out / "reference" / f"{n}-{i}"))
     lock = threading.Lock()
-    # Runs start one at a time: a run's trace clock starts once its zygote has imported the
-    # payload's libraries (seconds of CPU each), and ten of those at once on a 2-core machine
-    # slowed the first windows of the runs already under way (a load average of 17; three
+    # Runs start one at a time (RunSlots.starting): a run's trace clock starts once its zygote has
+    # imported the payload's libraries (seconds of CPU each), and ten of those at once on a 2-core
+    # machine slowed the first windows of the runs already under way (a load average of 17; three
     # sat1-like runs lost a window to it, docs/hil.md "Campaigns").
-    starting = threading.Lock()
+    slots = slots or RunSlots(jobs)
     cells: list[CampaignCell | None] = [None] * len(plan)
 
     def run_one(index: int) -> None:
         trace, workload, seed, label, cadence, cfg = plan[index]
         kept = kept_run(cfg) if resume else None
-        with lock:
-            say(
-                f"[campaign] {index + 1}/{len(plan)}: trace {trace} workload {workload} seed {seed} policy {label}"
-                + (" (kept from an earlier campaign)" if kept else "")
-            )
         if kept is None:
-            # What is there is the campaign's own: a run a stopped campaign cut short, or one of
-            # an earlier campaign run again. A run starts from nothing, never on top of it.
-            shutil.rmtree(cfg.out_dir, ignore_errors=True)
-        report = kept or _started_one_at_a_time(starting, cfg)
-        if kept is None:
-            _keep_run(cfg, report)
+            slots.acquire(rank[index])
+        try:
+            with lock:
+                say(
+                    f"[campaign] {index + 1}/{len(plan)}: trace {trace} workload {workload} seed {seed} policy {label}"
+                    + (" (kept from an earlier campaign)" if kept else "")
+                )
+            if kept is None:
+                # What is there is the campaign's own: a run a stopped campaign cut short, or one of
+                # an earlier campaign run again. A run starts from nothing, never on top of it.
+                shutil.rmtree(cfg.out_dir, ignore_errors=True)
+                report = _started_one_at_a_time(slots.starting, cfg)
+                _keep_run(cfg, report)
+            else:
+                report = kept
+        finally:
+            if kept is None:
+                slots.release()
         with lock:
             say("  " + report.summary().replace("\n", "\n  "))
             cells[index] = CampaignCell(trace, label, seed, report, workload, cadence, cfg.out_dir)
             write_report(out, [c for c in cells if c is not None])  # partial results survive a stop
 
-    if jobs <= 1:
-        for index in range(len(plan)):
-            run_one(index)
-    else:
-        with ThreadPoolExecutor(max_workers=jobs) as pool:
-            for future in [pool.submit(run_one, i) for i in range(len(plan))]:
-                future.result()
+    # Every run has a thread, submitted in rank order (the first to ask get the free slots); the
+    # slots decide which of those waiting runs next. Rank: the traces in the order given (make
+    # bench gives the short-window ones first: their baselines never finish and last the trace's
+    # whole powered time), a longer queue first, then the plan's order.
+    rank = [(traces_.index(trace), -cfg.requests, i) for i, (trace, *_, cfg) in enumerate(plan)]
+    order = sorted(range(len(plan)), key=rank.__getitem__)
+    with ThreadPoolExecutor(max_workers=max(1, len(plan))) as pool:
+        for future in [pool.submit(run_one, i) for i in order]:
+            future.result()
     done = [c for c in cells if c is not None]
     write_report(out, done)
     return done

@@ -225,6 +225,9 @@ class BenchReport:
 
 _BOOT_SECONDS: list[float] = []
 _REFERENCES: dict = {}
+# Campaigns that run at once in one process (make bench's two end-to-end parts) ask for the same
+# references: one computes, the other waits for it.
+_REFERENCES_LOCK = threading.Lock()
 
 
 NVME_WRITE_BYTES_PER_S = 2.0e9  # sustained write of a Gen3 x4 class NVMe drive with fsync batches
@@ -291,9 +294,10 @@ def reference_run(model_dir: str, spec: RequestSpec, cfg: BenchConfig, scratch: 
     """The uninterrupted answer for `spec`, computed in this process (no checkpoints); cached per
     model, request and geometry for the life of the process."""
     key = (os.path.abspath(model_dir), spec, cfg.chunk, cfg.group, cfg.decode_every, cfg.vision_every, cfg.threads)
-    if key not in _REFERENCES:
-        _REFERENCES[key] = _reference_run(model_dir, spec, cfg, scratch)
-    return dict(_REFERENCES[key])
+    with _REFERENCES_LOCK:
+        if key not in _REFERENCES:
+            _REFERENCES[key] = _reference_run(model_dir, spec, cfg, scratch)
+        return dict(_REFERENCES[key])
 
 
 def _reference_run(model_dir: str, spec: RequestSpec, cfg: BenchConfig, scratch: str) -> dict:

@@ -1,6 +1,8 @@
-"""`make bench`'s report: the completion table of the real-process Figure 10 campaign."""
+"""`make bench`: the completion table of the real-process Figure 10 campaign, and its options."""
 
 from __future__ import annotations
+
+import pytest
 
 from bench.run_all import _completion_table
 
@@ -43,3 +45,21 @@ def test_requests_a_wall_clock_limit_left_unfinished_are_marked_as_stopped_early
     assert "| paper | trace-a | 3/4 (1 stopped early) | **none** |" in lines
     note = next(line for line in lines if line.startswith('"Stopped early"'))
     assert "(1 runs, at 4950-4950 trace s)" in note
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--jobs", "0"], "--jobs must be at least 1"),
+        (["--traces", "sat1-like,no-such-trace"], "--traces: no-such-trace"),
+        (["--parts", "e2e,fig99"], "unknown part(s): fig99"),
+    ],
+)
+def test_make_bench_rejects_bad_options_before_measuring_anything(argv, says, tmp_path, capsys):
+    from bench.run_all import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv + ["--out", str(tmp_path / "report")])
+    assert exit_.value.code == 2
+    assert says in capsys.readouterr().err
+    assert not (tmp_path / "report").exists()  # nothing measured, nothing written

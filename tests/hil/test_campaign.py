@@ -283,3 +283,51 @@ def test_the_data_weight_is_the_kv_per_token_ratio_to_the_target(tmp_path):
     here = 2 * 2 * 64 * 2  # K and V, two heads of 64, bf16
     target = 2 * 8 * 128 * 2  # Qwen3-VL-2B: 8 KV heads of 128 (112 KiB per token over 28 layers)
     assert target_data_weight(str(tmp_path)) == pytest.approx(here / target)
+
+
+def test_run_slots_hand_out_by_rank_and_never_more_than_jobs():
+    """Runs waiting for a slot get it lowest rank first, whatever order they asked in, and no
+    more than `jobs` hold one at a time (make bench's two end-to-end parts share one pool)."""
+    import threading
+    import time
+
+    from hil.campaign import RunSlots
+
+    slots = RunSlots(2)
+    slots.acquire((0,))
+    slots.acquire((0,))  # both slots held: everyone below waits
+    got, holding, most = [], [0], [0]
+    guard = threading.Lock()
+
+    def run(rank):
+        slots.acquire(rank)
+        with guard:
+            got.append(rank)
+            holding[0] += 1
+            most[0] = max(most[0], holding[0])
+        time.sleep(0.01)
+        with guard:
+            holding[0] -= 1
+        slots.release()
+
+    ranks = [(3, 0), (1, -4), (2, 0), (1, -2), (0, 9)]
+    threads = [threading.Thread(target=run, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while len(slots._waiting) < len(ranks):  # every one of them is waiting
+        assert time.monotonic() < deadline, "the runs never all waited"
+        time.sleep(0.005)
+    slots.release()  # one slot: handed out strictly in rank order
+    for t in threads:
+        t.join(30)
+    slots.release()
+    assert got == sorted(ranks)
+    assert most[0] == 1  # the main thread kept the other slot
+
+
+def test_run_slots_refuse_no_slot():
+    from hil.campaign import RunSlots
+
+    with pytest.raises(ValueError, match="at least one run slot"):
+        RunSlots(0)
