@@ -411,6 +411,54 @@ def validation_lines(d: dict) -> list[str]:
     return lines + [""]
 
 
+def repeat_lines(d: dict) -> list[str]:
+    """The requests the simulator missed, with every run of the same configuration (the part
+    `repeats`): is the miss the simulator's, or does the testbench itself land on both sides?"""
+    rep = d.get("repeats")
+    if not rep or not d.get("validation"):
+        return []
+    if not rep["missed"]:
+        return ["No request is beyond 10 % or completed on one side only: nothing was run again.", ""]
+    lines = [
+        "### The missed requests, run again",
+        "",
+        f"Each run holding a request beyond 10 % (or completed on one side only) ran {rep['times']} more times "
+        f"with its own configuration, in the same campaign conditions. Of the {rep['missed']} missed requests, "
+        f"**{rep['within_one']} are predicted within 10 % of at least one real run of the same configuration**, "
+        f"and in **{rep['testbench_beyond_10_percent']} the real runs themselves differ by more than 10 %** (or "
+        f"complete in some runs and not in others): there no single prediction can be within 10 % of every run. "
+        f"The verdict above stays on the validated runs alone.",
+        "",
+        "| run | request | policy | simulated e2e (cuts) | real e2e of each run (cuts) | testbench spread | "
+        "within 10 % of one run |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rep["rows"]:
+        real = ", ".join(
+            f"{_s(x)} ({_or_dash(c)})" if x is not None else f"not completed ({_or_dash(c)})"
+            for x, c in zip(r["real_e2e_trace_s"], r["real_cuts"], strict=True)
+        )
+        spread = (
+            "completes in some runs only"
+            if r["real_disagree"]
+            else "-"
+            if r["real_spread"] is None
+            else f"{r['real_spread'] * 100:.1f} %"
+        )
+        simulated = (
+            f"{_s(r['predicted_e2e_trace_s'])} ({_or_dash(r['predicted_cuts'])})"
+            if r["predicted_e2e_trace_s"] is not None
+            else "not completed"
+        )
+        cadence = r.get("cadence") or "fixed"
+        policy = r["policy"] + ("" if cadence == "fixed" else f" ({cadence})")
+        lines.append(
+            f"| {os.path.basename(str(r['run_dir']).rstrip('/'))} | {r['request']} | {policy} | {simulated} | {real} "
+            f"| {spread} | {'yes' if r['within_one'] else '**no**'} |"
+        )
+    return lines + [""]
+
+
 def by_cuts_sentence(val: dict) -> str:
     """Where the requests beyond 10 % stand in cuts (hil/sim/validate.py `beyond_by_cuts`), as a
     sentence with a leading space; empty when none is beyond."""

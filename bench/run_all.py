@@ -51,7 +51,18 @@ STRENGTHENED = ("sonic-layer+", "sonic-chunk+", "hcache+")  # the same records w
 #: the end-to-end traces, in the order their runs start
 E2E_TRACES = ("sat1-like", "trace-a", "dellingr-like", "trace-b", "sat2-like")
 # The report's parts, in the order they are measured (each is OUT/<part>.json).
-PARTS = ("overhead", "bytes_energy", "planner", "recovery", "compression", "e2e", "e2e_plus", "validation", "sim")
+PARTS = (
+    "overhead",
+    "bytes_energy",
+    "planner",
+    "recovery",
+    "compression",
+    "e2e",
+    "e2e_plus",
+    "validation",
+    "repeats",
+    "sim",
+)
 
 
 def machine_header() -> dict:
@@ -296,7 +307,7 @@ def main(argv=None) -> int:
         "--parts",
         default=None,
         help="measure only these parts, comma-separated (overhead, bytes_energy, planner, recovery, "
-        "compression, e2e, e2e_plus, validation, sim); the report leaves out what is missing",
+        "compression, e2e, e2e_plus, validation, repeats, sim); the report leaves out what is missing",
     )
     p.add_argument(
         "--reuse",
@@ -448,6 +459,17 @@ def main(argv=None) -> int:
         ),
     )
     part(
+        "repeats",
+        "The runs the simulator missed, run again",
+        lambda path: sim_figures.repeats(
+            data.get("validation", {}),
+            os.path.join(out, "repeats"),
+            times=2 if args.quick else 3,
+            jobs=args.jobs,
+            resume=args.reuse,
+        ),
+    )
+    part(
         "sim",
         "Figures 10-14 at the real model sizes (simulated)",
         writes_its_own(sim_figures.main, (["--quick"] if args.quick else []) + ["--out"]),
@@ -475,6 +497,7 @@ def write_report(out: str, d: dict) -> None:
     e2e = d.get("e2e", []) + d.get("e2e_plus", [])
     lines += rep.summary_lines(d)
     lines += rep.validation_lines(d)
+    lines += rep.repeat_lines(d)
     lines += rep.sim_lines(d)
     missing = [
         k

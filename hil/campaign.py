@@ -23,7 +23,16 @@ from pathlib import Path
 
 import traces
 from flight.options import default_cadence, resolve_cadence
-from hil.testbench import BenchConfig, BenchReport, RequestReport, Testbench, default_workload, reference_run
+from hil.testbench import (
+    BenchConfig,
+    BenchReport,
+    PowerModel,
+    RequestReport,
+    RequestSpec,
+    Testbench,
+    default_workload,
+    reference_run,
+)
 from traces.catalog import GENERATED_NAMES
 
 DEFAULT_TRACES = ("trace-a", "trace-b", "sat1-like", "sat2-like", "dellingr-like")
@@ -130,6 +139,62 @@ def kept_run(cfg: BenchConfig) -> BenchReport | None:
         return BenchReport.from_json(record["report"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def config_of_run(run_dir: str | Path) -> BenchConfig:
+    """The configuration a finished campaign run ran with (its RUN_RECORD), writing into
+    `run_dir`: to run it again elsewhere, replace `out_dir`. Raises OSError or ValueError for a
+    run that left no readable record."""
+    try:
+        stored = dict(json.loads((Path(run_dir) / RUN_RECORD).read_text())["config"])
+        stored["workload"] = (
+            None
+            if stored.get("workload") is None
+            else [RequestSpec(tuple(w["images"]), w["prompt"], w["max_new_tokens"]) for w in stored["workload"]]
+        )
+        stored["power"] = PowerModel(**stored["power"])
+        stored["extra_flight_args"] = tuple(stored.get("extra_flight_args") or ())
+        if stored.get("endpoints") is not None:
+            raise ValueError("a run on fixed endpoints cannot run again beside others")
+        return BenchConfig(**{**stored, "out_dir": str(run_dir)})
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"{run_dir}: its {RUN_RECORD} is not a campaign run's record ({exc!r})") from exc
+
+
+def run_again(
+    run_dirs: list[str], out: Path, times: int, slots: RunSlots, say=print, resume: bool = False
+) -> dict[str, list[str]]:
+    """Each finished run of `run_dirs` again, `times` times, with its own configuration, into
+    OUT/<run>-again<k>: {run_dir: [its repeats' directories]}. What the simulator's validation
+    cannot tell from one run -- whether the testbench itself lands on the same side of a cut
+    twice -- a repeat of the same configuration shows. `resume` keeps repeats already finished."""
+    plan = [
+        (run_dir, replace(config_of_run(run_dir), out_dir=str(out / f"{Path(run_dir).name}-again{k}")))
+        for run_dir in run_dirs
+        for k in range(1, times + 1)
+    ]
+    lock = threading.Lock()
+
+    def run_one(index: int) -> None:
+        run_dir, cfg = plan[index]
+        if resume and kept_run(cfg) is not None:
+            return
+        slots.acquire((index,))
+        try:
+            with lock:
+                say(f"[again] {index + 1}/{len(plan)}: {Path(cfg.out_dir).name}")
+            shutil.rmtree(cfg.out_dir, ignore_errors=True)
+            _keep_run(cfg, _started_one_at_a_time(slots.starting, cfg))
+        finally:
+            slots.release()
+
+    with ThreadPoolExecutor(max_workers=max(1, len(plan))) as pool:
+        for future in [pool.submit(run_one, i) for i in range(len(plan))]:
+            future.result()
+    out_dirs: dict[str, list[str]] = {}
+    for run_dir, cfg in plan:
+        out_dirs.setdefault(run_dir, []).append(cfg.out_dir)
+    return out_dirs
 
 
 class RunSlots:

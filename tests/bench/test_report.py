@@ -63,3 +63,52 @@ def test_make_bench_rejects_bad_options_before_measuring_anything(argv, says, tm
     assert exit_.value.code == 2
     assert says in capsys.readouterr().err
     assert not (tmp_path / "report").exists()  # nothing measured, nothing written
+
+
+def test_a_miss_is_a_prediction_beyond_10_percent_or_a_completion_on_one_side_only():
+    from bench.sim_figures import beyond
+
+    row = {"comparable": True, "predicted_completed": True, "e2e_trace_s": 100.0, "error": 0.099}
+    assert not beyond(row)
+    assert beyond({**row, "error": -0.101})
+    assert beyond({**row, "e2e_trace_s": None, "error": None})  # only the simulation completes
+    assert beyond({**row, "predicted_completed": False, "error": None})  # only the run completes
+    assert not beyond({**row, "comparable": False, "error": 0.5})  # the bench lost the request
+
+
+def test_the_report_puts_each_missed_request_beside_every_real_run_of_it():
+    from bench.report import repeat_lines
+
+    rows = [
+        {
+            "run_dir": "runs/sat1-like-paper-s1-hcache+",
+            "request": 0,
+            "policy": "hcache+",
+            "cadence": "fixed",
+            "predicted_e2e_trace_s": 432.0,
+            "predicted_cuts": 4,
+            "real_e2e_trace_s": [495.0, 433.0, None],
+            "real_cuts": [5, 4, 9],
+            "real_spread": None,
+            "real_disagree": True,
+            "within_one": True,
+        }
+    ]
+    d = {
+        "validation": {"rows": []},
+        "repeats": {
+            "times": 2,
+            "missed": 1,
+            "within_one": 1,
+            "runs": 1,
+            "testbench_beyond_10_percent": 1,
+            "rows": rows,
+        },
+    }
+    text = "\n".join(repeat_lines(d))
+    assert "1 are predicted within 10 % of at least one real run" in text
+    assert "in **1 the real runs themselves differ by more than 10 %**" in text
+    assert "| sat1-like-paper-s1-hcache+ | 0 | hcache+ | 432 (4) | 495 (5), 433 (4), not completed (9) |" in text
+    assert "completes in some runs only | yes |" in text
+    assert repeat_lines({"validation": {"rows": []}, "repeats": {"missed": 0}})[0].startswith("No request")
+    assert repeat_lines({"repeats": {"missed": 0}}) == []  # no validation: no section

@@ -116,6 +116,40 @@ def test_short_campaign_end_to_end(model_dirs, tmp_path):
     boots = [e for e in bl.read_log(log) if e.kind == bl.PAYLOAD_REPORT and e.get("event") == "BOOT"]
     assert "payload boot 1;" in boots[0].get("text"), boots[0]  # a payload that never booted before
 
+    # A run the simulator missed runs again with its own configuration (make bench's `repeats`):
+    # the same trace, policy and requests, every output checked again, the validated run's time
+    # beside the repeat's.
+    from bench.sim_figures import repeats
+    from hil.campaign import _config_key, config_of_run
+
+    demo_ow = next(c for c in cells if c.trace == "demo" and c.policy == ours)
+    record = json.loads((Path(demo_ow.report_dir) / RUN_RECORD).read_text())
+    assert _config_key(config_of_run(demo_ow.report_dir)) == record["config"]
+    measured = demo_ow.report.requests[0].e2e_trace_s
+    missed_row = {
+        "run_dir": demo_ow.report_dir,
+        "request": 0,
+        "trace": "demo",
+        "policy": "orbitweaver",
+        "cadence": "adaptive",
+        "comparable": True,
+        "e2e_trace_s": measured,
+        "predicted_completed": True,
+        "predicted_e2e_trace_s": measured * 2,  # a prediction 100 % off: a miss
+        "predicted_cuts": 3,
+        "cuts": 0,
+        "error": 1.0,
+    }
+    fine_row = {**missed_row, "predicted_e2e_trace_s": measured, "error": 0.0}
+    result = repeats({"rows": [missed_row, fine_row]}, str(tmp_path / "again"), times=1, jobs=2, say=said.append)
+    assert result["missed"] == 1 and result["runs"] == 1
+    (row,) = result["rows"]
+    (again_dir,) = row["again_dirs"]
+    again_report = json.loads((Path(again_dir) / RUN_RECORD).read_text())["report"]
+    assert again_report["all_correct"] and again_report["completion_rate"] == 1.0
+    assert row["real_e2e_trace_s"][0] == measured and row["real_e2e_trace_s"][1] is not None
+    assert row["within_one"] is False  # twice the time of either run
+
 
 def test_a_run_is_kept_only_with_the_same_configuration(tmp_path):
     from dataclasses import replace
