@@ -122,16 +122,6 @@ def validation(run_dirs: list[str], model_dir: str, images, prompt: str, out_pat
     return result
 
 
-def beyond(row: dict) -> bool:
-    """A request the validation counts against the simulator: predicted more than 10 % off, or
-    completed on one side only (where the run measured it)."""
-    if not row.get("comparable", True) or row.get("predicted_completed") is None:
-        return False
-    if bool(row["predicted_completed"]) != (row.get("e2e_trace_s") is not None):
-        return True
-    return row.get("error") is not None and abs(row["error"]) > 0.10
-
-
 def repeats(val: dict, out_dir: str, times: int, jobs: int, resume: bool = False, say=print) -> dict:
     """Every run holding a request the simulator missed (`beyond`), run `times` more times with
     its own configuration (hil.campaign.run_again): per missed request the end-to-end time each
@@ -142,6 +132,7 @@ def repeats(val: dict, out_dir: str, times: int, jobs: int, resume: bool = False
     # lazy: the testbench and the simulator (transformers' processors), only for this part
     from pathlib import Path
 
+    from bench.report import beyond
     from hil.campaign import RunSlots, run_again
     from hil.sim.validate import run_facts
 

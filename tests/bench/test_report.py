@@ -66,7 +66,7 @@ def test_make_bench_rejects_bad_options_before_measuring_anything(argv, says, tm
 
 
 def test_a_miss_is_a_prediction_beyond_10_percent_or_a_completion_on_one_side_only():
-    from bench.sim_figures import beyond
+    from bench.report import beyond
 
     row = {"comparable": True, "predicted_completed": True, "e2e_trace_s": 100.0, "error": 0.099}
     assert not beyond(row)
@@ -112,3 +112,38 @@ def test_the_report_puts_each_missed_request_beside_every_real_run_of_it():
     assert "completes in some runs only | yes |" in text
     assert repeat_lines({"validation": {"rows": []}, "repeats": {"missed": 0}})[0].startswith("No request")
     assert repeat_lines({"repeats": {"missed": 0}}) == []  # no validation: no section
+
+
+def _val_row(trace, policy, error, completed=True, predicted=True):
+    return {
+        "trace": trace,
+        "policy": policy,
+        "comparable": True,
+        "e2e_trace_s": 100.0 if completed else None,
+        "predicted_completed": predicted,
+        "error": error if completed and predicted else None,
+    }
+
+
+def test_the_validation_says_per_trace_where_every_request_of_the_four_policies_is_within_10_percent():
+    from bench.report import by_trace_lines, validation_by_trace
+
+    policies = ("orbitweaver", "sonic-layer", "sonic-chunk", "hcache")
+    rows = [_val_row(t, p, 0.01) for t in ("trace-b", "/c/traces/trace-b-seed1.jsonl") for p in policies]
+    rows += [_val_row("sat2-like", p, -0.02) for p in policies]
+    rows += [_val_row("sat1-like", p, 0.0) for p in policies] + [_val_row("sat1-like", "hcache+", 0.21)]
+    rows += [_val_row("trace-a", p, 0.0) for p in policies[:3]]  # hcache never measured there
+    rows += [_val_row("dellingr-like", p, 0.0) for p in policies]
+    rows += [_val_row("dellingr-like", "hcache", None, completed=False)]  # only the simulation completes
+    by = {r["trace"]: r for r in validation_by_trace({"rows": rows})}
+    assert by["trace-b"]["compared"] == 8 and by["trace-b"]["paper_policies_within"]  # both seeds, one kind
+    assert by["sat2-like"]["paper_policies_within"]
+    # a strengthened variant's miss is counted, but the paper's four are all within
+    assert by["sat1-like"]["missed_by_policy"] == {"hcache+": 1} and by["sat1-like"]["paper_policies_within"]
+    assert not by["trace-a"]["paper_policies_within"]  # a policy with no request compared
+    assert by["dellingr-like"]["missed_by_policy"] == {"hcache": 1} and not by["dellingr-like"]["paper_policies_within"]
+    text = "\n".join(by_trace_lines({"rows": rows}))
+    assert "on **3 trace(s)** every request" in text and "(sat1-like, sat2-like, trace-b)" in text and "(met)" in text
+    assert "| sat1-like | 5 | 4 | 21.0 % | hcache+ 1 |" in text
+    few = [r for r in rows if r["trace"] == "sat2-like"]
+    assert "(NOT met)" in "\n".join(by_trace_lines({"rows": few}))
