@@ -147,3 +147,16 @@ def test_the_validation_says_per_trace_where_every_request_of_the_four_policies_
     assert "| sat1-like | 5 | 4 | 21.0 % | hcache+ 1 |" in text
     few = [r for r in rows if r["trace"] == "sat2-like"]
     assert "(NOT met)" in "\n".join(by_trace_lines({"rows": few}))
+
+
+def test_the_summary_counts_the_requests_within_10_percent_and_names_the_traces_that_meet_the_bar():
+    from bench.report import summary_lines
+
+    policies = ("orbitweaver", "sonic-layer", "sonic-chunk", "hcache")
+    rows = [_val_row(t, p, 0.01) for t in ("trace-b", "sat2-like") for p in policies]
+    rows += [_val_row("sat1-like", "hcache", 0.2)]
+    (row,) = [
+        line for line in summary_lines({"validation": {"rows": rows, "max_abs_error": 0.2}}) if "simulator" in line
+    ]
+    assert "8 of 9 requests within 10 %, largest error 20.0 %" in row
+    assert "within 10 % on 2 traces (sat2-like, trace-b)" in row
