@@ -160,3 +160,30 @@ def test_the_summary_counts_the_requests_within_10_percent_and_names_the_traces_
     ]
     assert "8 of 9 requests within 10 %, largest error 20.0 %" in row
     assert "within 10 % on 2 traces (sat2-like, trace-b)" in row
+
+
+def test_the_planner_row_gives_the_slowest_frontier_the_product_plans_not_the_reference_full_dp():
+    from bench.report import summary_lines
+
+    def timing(frontier, warm, median, cold, case="36 layers (4B/8B), G=2", groups=18):
+        return {
+            "case": case,
+            "frontier": frontier,
+            "groups": groups,
+            "warm_ms": warm,
+            "warm_median_ms": median,
+            "cold_ms": cold,
+        }
+
+    planner = {
+        "planner_time": [
+            timing("staircase", 1.6, 1.7, 3.0),
+            timing("random-stair", 3.4, 3.9, 5.3),
+            timing("random", 2.6, 8.2, 3.3),
+            timing("random, full DP", 32.4, 44.8, 69.4),
+            timing("random", 9.0, 12.0, 30.0, case="28 layers (2B), G=2", groups=14),
+        ]
+    }
+    (row,) = [line for line in summary_lines({"planner": planner}) if "optimal planner" in line]
+    assert "1.6 ms warm (best of 9; median 1.7 ms), 3.0 ms cold" in row
+    assert "slowest over the 3 frontiers (median or cold) 8.2 ms" in row
