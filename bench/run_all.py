@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -152,6 +153,16 @@ def decode_compression(model_dir: str, images: list, prompt: str) -> dict:
     return out
 
 
+#: the two end-to-end parts run at once (one thread each) and print multi-line run summaries
+_PRINTING = threading.Lock()
+
+
+def _say(text: str) -> None:
+    """Print one campaign message whole, never interleaved with the other part's."""
+    with _PRINTING:
+        print(text, flush=True)
+
+
 def e2e_campaign(
     model_dir: str,
     images: list,
@@ -197,7 +208,7 @@ def e2e_campaign(
         traces,
         list(policies or POLICIES + STRENGTHENED),
         list(seeds),
-        say=lambda s: print(s, flush=True),
+        say=_say,
         workloads=workloads,
         cadences=list(cadences),
         jobs=jobs,
