@@ -139,8 +139,9 @@ def repeats(val: dict, out_dir: str, times: int, jobs: int, resume: bool = False
     missed = [r for r in val.get("rows", []) if beyond(r)]
     run_dirs = sorted({r["run_dir"] for r in missed})
     again = run_again(run_dirs, Path(out_dir), times, RunSlots(jobs), say=say, resume=resume) if run_dirs else {}
-    measured = {d: [t["e2e_trace_s"] for t in run_facts(d)["tasks"]] for ds in again.values() for d in ds}
-    cuts = {d: [t["cuts"] for t in run_facts(d)["tasks"]] for ds in again.values() for d in ds}
+    tasks = {d: run_facts(d)["tasks"] for ds in again.values() for d in ds}
+    measured = {d: [t["e2e_trace_s"] for t in ts] for d, ts in tasks.items()}
+    cuts = {d: [t["cuts"] for t in ts] for d, ts in tasks.items()}
     rows = []
     for r in missed:
         i = r.get("request", 0)
