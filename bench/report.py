@@ -406,7 +406,7 @@ def validation_by_trace(val: dict) -> list[dict]:
         for r in rows:
             if beyond(r):
                 missed[r["policy"]] = missed.get(r["policy"], 0) + 1
-        compared = {r["policy"] for r in rows}
+        policies_seen = {r["policy"] for r in rows}
         out.append(
             {
                 "trace": kind,
@@ -414,7 +414,7 @@ def validation_by_trace(val: dict) -> list[dict]:
                 "within": len(rows) - sum(missed.values()),
                 "max_abs_error": max(errors) if errors else None,
                 "missed_by_policy": missed,
-                "paper_policies_within": all(p in compared and p not in missed for p in PAPER_POLICIES),
+                "paper_policies_within": all(p in policies_seen and p not in missed for p in PAPER_POLICIES),
             }
         )
     return out
