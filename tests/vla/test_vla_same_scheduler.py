@@ -123,3 +123,6 @@ def test_a_failing_batch_fails_its_requests_and_the_engine_keeps_serving(policie
         second = engine.submit("smolvla", flaky.prepare(example_observation(1)))
         assert second.result(timeout=30).actions.shape == (50, 7)
     assert engine.stats.failed == 1 and engine.stats.served == 1
+    # stop() leaves no executor thread behind: one still alive when the interpreter exits made
+    # `ow vla serve` abort on SIGTERM ("terminate called without an active exception", exit -6)
+    assert not engine.backend._vlm.is_alive() and not engine.backend._adit.is_alive()
