@@ -1,4 +1,5 @@
-# Each target builds .venv from nothing when it is missing (or when pyproject.toml changed).
+# Each target builds .venv from nothing when it is missing (or when pyproject.toml or
+# constraints.txt changed).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -13,10 +14,14 @@ export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+# Every version comes from constraints.txt (the lock), so a clean machine builds the environment
+# the suite last passed with, not whatever a registry holds newest that day.
+PIP := $(BIN)/python -m pip install -q --disable-pip-version-check -c constraints.txt
+
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[test]'
 	touch $(STAMP)
 
 demo: $(STAMP)

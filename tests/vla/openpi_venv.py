@@ -6,6 +6,7 @@ built once from the package registry and cached in `.venv-openpi/` at the reposi
 """
 
 import fcntl
+import hashlib
 import os
 import shutil
 import subprocess
@@ -18,6 +19,19 @@ REPO = Path(__file__).resolve().parents[2]
 OPENPI_CLIENT = "openpi-client==0.1.2"
 # openpi-client 0.1.2 imports typing_extensions without declaring it as a dependency.
 UNDECLARED = ["typing_extensions"]
+# Its whole environment at the versions the suite last passed with (as constraints.txt is for
+# .venv): a clean machine must not pick up whatever the registry holds newest that day.
+OPENPI_LOCK = [
+    "absl-py==2.5.1",
+    "attrs==26.1.0",
+    "dm-tree==0.1.10",
+    "msgpack==1.2.4",
+    "numpy==1.26.4",
+    "pillow==13.0.0",
+    "typing_extensions==4.16.0",
+    "websockets==17.4",
+    "wrapt==2.5.2",
+]
 NETWORK_ERRORS = (
     "NewConnectionError",
     "Temporary failure in name resolution",
@@ -33,7 +47,8 @@ NETWORK_ERRORS = (
 
 def openpi_python() -> Path:
     root = Path(os.environ.get("OW_OPENPI_VENV", REPO / ".venv-openpi"))
-    marker = root / f".installed-{OPENPI_CLIENT}"
+    lock_id = hashlib.sha256("\n".join(OPENPI_LOCK).encode()).hexdigest()[:12]
+    marker = root / f".installed-{OPENPI_CLIENT}-{lock_id}"  # a changed lock rebuilds the venv
     py = root / "bin" / "python"
     root.parent.mkdir(parents=True, exist_ok=True)
     with open(root.parent / f"{root.name}.lock", "w") as lock:
@@ -42,8 +57,21 @@ def openpi_python() -> Path:
             return py
         shutil.rmtree(root, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "venv", str(root)], check=True)
+        constraints = root / "constraints.txt"
+        constraints.write_text("\n".join(OPENPI_LOCK) + "\n")
         pip = subprocess.run(
-            [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", OPENPI_CLIENT, *UNDECLARED],
+            [
+                str(py),
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--disable-pip-version-check",
+                "-c",
+                str(constraints),
+                OPENPI_CLIENT,
+                *UNDECLARED,
+            ],
             capture_output=True,
             text=True,
             timeout=600,
