@@ -73,6 +73,10 @@ FAULT_EVENT_EVERY_S = 5.0
 FAULT_BACKOFF_S = 0.5
 #: Pause between attempts to load the engine when it fails.
 ENGINE_RETRY_S = 10.0
+#: On a stop (SIGTERM, SIGINT), how long the process waits for the worker to reach the end of its
+#: unit of work. A unit takes well under this on the target; a weight load may not (then see
+#: `worker_busy`).
+STOP_WAIT_S = 30.0
 UNIT_EVENTS = {
     "vision_block_done": TaskPhase.VISION,
     "prefill_block_done": TaskPhase.PREFILL,
@@ -82,6 +86,13 @@ UNIT_EVENTS = {
 
 class TaskCancelled(Exception):
     pass
+
+
+class PayloadStopping(Exception):
+    """The process is stopping (SIGTERM, SIGINT): the task ends at the end of a unit of work and
+    stays RUNNING on disk; the next boot resumes it as after a cut. Raised so that the worker is out
+    of torch before the interpreter exits: exiting with a thread inside torch aborts the process
+    (SIGABRT), which its crash record would then count against the task as an abnormal exit."""
 
 
 @dataclass
@@ -153,6 +164,7 @@ class FlightApp(CommandHandlers):
         self.stop = threading.Event()
         self.work_available = threading.Event()
         self.cancel_requested: set[str] = set()
+        self._worker_thread: threading.Thread | None = None
         self.corrupt_images: dict[str, str] = {}  # task id -> image found damaged, waiting to be sent again
         self.engine = None
         self._last_fault_event: dict[EventId, float] = {}
@@ -553,6 +565,9 @@ class FlightApp(CommandHandlers):
                 return
             except ImagesAwaited:
                 return  # an image was found damaged and removed: the task runs again once it is resent
+            except PayloadStopping:
+                self.log.info("task_paused_for_stop", task_id=task.task_id)
+                return
             except InputError as exc:
                 self._fail(task, request, exc.code, str(exc))
                 return
@@ -689,6 +704,8 @@ class FlightApp(CommandHandlers):
             self.health.progress(item)  # a unit done: whatever killed this task before is behind it
             if task.task_id in self.cancel_requested:
                 raise TaskCancelled(task.task_id)
+            if self.stop.is_set():
+                raise PayloadStopping(task.task_id)
             if phase == TaskPhase.VISION:
                 done, total = fields["block"], fields["of"]
             elif phase == TaskPhase.PREFILL:
@@ -726,7 +743,9 @@ class FlightApp(CommandHandlers):
         self._boot_events()
         for task in self.queue.unreported():
             self.send_final_report(task)  # ended before the last cut, but its report never left
-        worker = threading.Thread(target=self._worker_guarded, name="inference-worker", daemon=True)
+        worker = self._worker_thread = threading.Thread(
+            target=self._worker_guarded, name="inference-worker", daemon=True
+        )
         worker.start()
         timers = {"heartbeat": 0.0, "housekeeping": 0.0}
         unsent: list[tuple[bytes, object]] = []
@@ -740,7 +759,16 @@ class FlightApp(CommandHandlers):
         finally:
             self.stop.set()
             sock.close(linger=200)
+            worker.join(STOP_WAIT_S)  # to the end of its unit of work (PayloadStopping)
+            if worker.is_alive():
+                self.log.warning("worker_busy_at_stop", waited_s=STOP_WAIT_S, task=self.current.get("task"))
         return 0
+
+    def worker_busy(self) -> bool:
+        """Whether the worker thread is still running after run() returned (e.g. inside a weight
+        load at the stop): then the caller must leave with os._exit, not through the interpreter's
+        shutdown, which aborts with a thread inside torch."""
+        return self._worker_thread is not None and self._worker_thread.is_alive()
 
     def _boot_events(self) -> None:
         if self.state.corrupt:

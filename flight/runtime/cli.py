@@ -14,6 +14,7 @@ import argparse
 import glob
 import os
 import signal
+import sys
 
 from common.errors import CliError
 from flight.cli_options import (
@@ -129,4 +130,9 @@ def cmd_run(args) -> int:
         cadence=cadence_for(args),
     )
     signal.signal(signal.SIGTERM, lambda *_: app.stop.set())
-    return app.run()
+    code = app.run()
+    if app.worker_busy():  # e.g. stopped inside a weight load: see FlightApp.worker_busy
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

@@ -1,0 +1,60 @@
+"""A stop (SIGTERM, as an operator or a service manager sends it) is clean: the payload exits 0 at
+the end of a unit of work, leaves no crash record and counts no abnormal exit; the next boot
+resumes the task to the same tokens and logits as an uninterrupted run.
+
+Before: the process returned with its worker inside torch, the interpreter's shutdown aborted
+(SIGABRT, exit -6), faulthandler wrote "Fatal Python error: Aborted" to the crash record, and the
+next boot counted an abnormal exit against the task (three such stops without progress quarantine it).
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from test_red_team import Payload, _final, _png, _reference_logits, _upload, _verdict
+
+from common.record import Kind, decode
+from common.wire import messages as m
+
+pytestmark = pytest.mark.slow
+TOKENS = 120
+
+
+def test_sigterm_mid_decode_is_a_clean_stop_and_the_task_resumes_bitwise(tmp_path, model_dirs):
+    model = model_dirs["qwen3-vl"]
+    data = tmp_path / "data"
+    scene = _png(11, (96, 64))
+    first = Payload(tmp_path, model, data)
+    try:
+        _upload(first.bus, "scene.png", scene)
+        seq = first.bus.command(
+            m.UplinkTask(task_id="t1", prompt="describe", images=["scene.png"], max_new_tokens=TOKENS, priority=9)
+        )
+        assert isinstance(_verdict(first.bus, seq), m.Accepted)
+        first.bus.wait_for(
+            lambda h, x: isinstance(x, m.Progress) and x.task_id == "t1" and x.phase.name == "DECODE" and x.done >= 3,
+            300,
+        )
+        first.proc.send_signal(signal.SIGTERM)
+        assert first.proc.wait(120) == 0, (tmp_path / "flight.log").read_text()[-3000:]
+    finally:
+        first.close()
+    crash = data / "health" / "crash.log"
+    assert not crash.exists() or not crash.read_text().strip(), crash.read_text()
+    assert "task_paused_for_stop" in (tmp_path / "flight.log").read_text()  # it stopped mid-task
+
+    second = Payload(tmp_path, model, data)
+    try:
+        done = _final(second.bus, "t1", 300)
+        assert isinstance(done, m.Completed), done
+        result = second.bus.wait_for(lambda h, x: isinstance(x, m.TaskResult) and x.task_id == "t1", 60)[1]
+        resumed = [x for _, x in second.bus.received if isinstance(x, m.Event) and x.event_id.name == "TASK_RESUMED"]
+        assert resumed  # not started again from nothing
+    finally:
+        second.close()
+    state = data / "health" / "state.rec"  # written only once something is counted
+    if state.exists():
+        health, _ = decode(state.read_bytes(), expect_kind=Kind.HEALTH_STATE)
+        assert health.meta["abnormal_exits"] == 0 and not health.meta["exits"], health.meta
+    assert result.logits_sha256.hex() == _reference_logits(model, [scene], "describe", TOKENS)
