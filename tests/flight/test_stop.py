@@ -18,7 +18,10 @@ from common.record import Kind, decode
 from common.wire import messages as m
 
 pytestmark = pytest.mark.slow
-TOKENS = 120
+# Long enough that the stop lands mid-decode on any machine: here a step takes ~3 ms and ~40 steps
+# pass between the progress report the test waits for and the stop taking effect (wall time spent
+# in the link and the signal, so a faster machine gets more steps in; 1000 leaves 25 times that).
+TOKENS = 1000
 
 
 def test_sigterm_mid_decode_is_a_clean_stop_and_the_task_resumes_bitwise(tmp_path, model_dirs):
