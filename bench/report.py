@@ -232,7 +232,7 @@ def summary_lines(d: dict) -> list[str]:
         )
     val = d.get("validation")
     if val:
-        compared = [r for r in val["rows"] if r.get("comparable", True) and r.get("predicted_completed") is not None]
+        compared = compared_rows(val["rows"])
         holding = [t["trace"] for t in validation_by_trace(val) if t["paper_policies_within"]]
         lines.append(
             f"| - | simulator vs real processes: end-to-end time (goal 10 %) | - | - | - | "
@@ -376,10 +376,15 @@ def validation_within(val: dict) -> bool:
 PAPER_POLICIES = ("orbitweaver", "sonic-layer", "sonic-chunk", "hcache")
 
 
+def compared_rows(rows: list[dict]) -> list[dict]:
+    """The validation's requests that count either way: comparable, and simulated to an outcome."""
+    return [r for r in rows if r.get("comparable", True) and r.get("predicted_completed") is not None]
+
+
 def beyond(row: dict) -> bool:
     """A request the validation counts against the simulator: predicted more than 10 % off, or
     completed on one side only (where the run measured it)."""
-    if not row.get("comparable", True) or row.get("predicted_completed") is None:
+    if not compared_rows([row]):
         return False
     if bool(row["predicted_completed"]) != (row.get("e2e_trace_s") is not None):
         return True
@@ -399,8 +404,7 @@ def validation_by_trace(val: dict) -> list[dict]:
     run measured is within 10 % (the issue's bar: at least two such traces)."""
     out = []
     for kind in sorted({trace_kind(r["trace"]) for r in val.get("rows", [])}):
-        rows = [r for r in val["rows"] if trace_kind(r["trace"]) == kind and r.get("comparable", True)]
-        rows = [r for r in rows if r.get("predicted_completed") is not None]
+        rows = compared_rows([r for r in val["rows"] if trace_kind(r["trace"]) == kind])
         errors = [abs(r["error"]) for r in rows if r.get("error") is not None]
         missed: dict[str, int] = {}
         for r in rows:
