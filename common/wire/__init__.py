@@ -16,6 +16,7 @@ from common.wire.ids import (
     PowerCause,
     ResponseCode,
     Severity,
+    StorageState,
     TaskPhase,
     TlmChannel,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "SequenceCounter",
     "SequenceStateError",
     "Severity",
+    "StorageState",
     "TaskPhase",
     "TlmChannel",
     "WireError",

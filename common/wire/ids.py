@@ -245,6 +245,16 @@ class ResponseCode(enum.IntEnum):
     RESULT_EVICTED = 510, "result removed under the payload's results retention budget"
     HANDLER_FAULT = 603, "the command's handler failed unexpectedly; the payload kept running"
 
+    # storage as an environment condition, stations, the bus's own limits
+    NOT_OWNER = 304, "the task belongs to another station; only its own station or an admin station may act on it"
+    SOURCE_NOT_BOUND = 305, "the packet's source id is not the one bound to the sender's key"
+    STORAGE_READ_ONLY = 511, "payload storage refuses writes (read-only)"
+    STORAGE_ERROR = 512, "payload storage reports I/O errors"
+    BUS_STORAGE_FULL = 513, "the bus cannot store the command: its own disk is full"
+    STATION_QUOTA = 514, "the station already has its maximum of commands stored on the bus"
+    RATE_LIMITED = 515, "the station sends commands faster than its rate limit"
+    NOT_HELD = 516, "the payload is not held off by the boot-loop guard"
+
 
 # --- events -----------------------------------------------------------------------------------
 
@@ -318,6 +328,22 @@ class EventId(enum.IntEnum):
     RESULT_EVICTED = 0x0609, Severity.ACTIVITY_LO
     IMAGE_CORRUPT = 0x060A, Severity.WARNING_HI
 
+    # storage as an environment condition (payload), boot-time faults
+    STORAGE_FULL = 0x060B, Severity.WARNING_HI
+    STORAGE_READ_ONLY = 0x060C, Severity.WARNING_HI
+    STORAGE_ERROR = 0x060D, Severity.WARNING_HI
+    STORAGE_RESTORED = 0x060E, Severity.ACTIVITY_HI
+    STORAGE_STALL = 0x060F, Severity.WARNING_LO
+    BOOT_FAULT = 0x0610, Severity.WARNING_HI
+
+    # the bus's own events (source BUS): boot-loop guard, its storage, stations
+    PAYLOAD_BOOT_LOOP = 0x0700, Severity.WARNING_HI
+    PAYLOAD_RETRY = 0x0701, Severity.ACTIVITY_HI
+    BUS_STORAGE_FULL = 0x0702, Severity.WARNING_HI
+    BUS_STORAGE_RESTORED = 0x0703, Severity.ACTIVITY_HI
+    STATION_THROTTLED = 0x0704, Severity.WARNING_LO
+    KEY_REVOKED = 0x0705, Severity.ACTIVITY_HI
+
 
 # --- telemetry channels -----------------------------------------------------------------------
 
@@ -345,6 +371,9 @@ class TlmChannel(enum.IntEnum):
     COMMAND_COUNT = 0x0109, "commands"
     ERROR_COUNT = 0x010A, "errors"
     UPTIME = 0x010B, "s"
+    STORAGE_STATE = 0x010C, "state"
+    LONGEST_WRITE = 0x010D, "s"
+    RESERVE_BYTES = 0x010E, "B"
 
     BUS_VOLTAGE = 0x0401, "V"
     PAYLOAD_POWER = 0x0402, "W"
@@ -382,6 +411,18 @@ class PowerCause(enum.StrEnum):
     COMMANDED = "commanded"
     TRACE = "trace"
     RESTORED = "restored"
+
+
+class StorageState(enum.StrEnum):
+    """What the payload's data storage lets it do (HOUSEKEEPING `storage_state`, docs/flight.md
+    "Storage"): `ok`; `full` (no space beyond the payload's reserve: new uplinks and images are
+    refused, checkpoints skipped); `read_only` (no write succeeds); `error` (writes fail with I/O
+    errors)."""
+
+    OK = "ok"
+    FULL = "full"
+    READ_ONLY = "read_only"
+    ERROR = "error"
 
 
 class FdirMode(enum.StrEnum):

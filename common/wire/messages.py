@@ -43,6 +43,7 @@ from common.wire.ids import (
     PowerCause,
     ResponseCode,
     Severity,
+    StorageState,
     TaskPhase,
     TlmChannel,
 )
@@ -385,6 +386,13 @@ class Housekeeping(Message):
     command_count: int = wire(f.UInt(U32), channel=TlmChannel.COMMAND_COUNT)
     error_count: int = wire(f.UInt(U32), channel=TlmChannel.ERROR_COUNT)
     uptime_s: float = wire(f.Float(0.0), channel=TlmChannel.UPTIME)
+    storage_state: StorageState = wire(
+        f.Choice(StorageState), channel=TlmChannel.STORAGE_STATE, default=StorageState.OK
+    )
+    #: the longest durable write (or fsync) since the last HOUSEKEEPING, or the one still running
+    longest_write_s: float = wire(f.Float(0.0), channel=TlmChannel.LONGEST_WRITE, default=0.0)
+    #: space the payload holds back for its own state, queue and health records
+    reserve_bytes: int = wire(f.UInt(U64), channel=TlmChannel.RESERVE_BYTES, default=0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -100,7 +100,8 @@ def test_housekeeping_channels(all_samples):
     channels = hk.channels()
     assert channels[TlmChannel.QUEUE_DEPTH] == hk.queue_depth
     assert channels[TlmChannel.DISK_FREE_BYTES] == hk.disk_free_bytes
-    assert len(channels) == 11
+    assert channels[TlmChannel.STORAGE_STATE] == hk.storage_state
+    assert len(channels) == 14
 
 
 def test_rejected_from_error_names_the_command():
