@@ -4,13 +4,24 @@ full disks or a slow flash device.
 
 `DurableFS` is the real thing (os calls + fsync). `ThrottledFS` wraps one with a token bucket so
 that benchmarks can emulate a target device's storage bandwidth (see docs/benchmarks.md).
+
+Two process-wide services sit under every DurableFS of a process:
+
+- `write_watch` times every durable write and fsync, so that a payload can report a stalled disk
+  (the longest write, and one still running) without ever waiting on it itself;
+- storage fault injection (tests and red-team campaigns only; docs/flight.md "Storage"): when the
+  environment variable OW_STORAGE_FAULTS names a control file, every DurableFS in the process
+  reads it (again whenever it changes) and behaves as a full, read-only, failing or stalling disk
+  would for the paths it names. Unset in flight.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
 import itertools
+import json
 import os
 import re
 import threading
@@ -38,15 +49,193 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _write_all(fd: int, chunks) -> int:
+#: The environment variable naming a storage fault control file (tests, red-team campaigns).
+FAULTS_ENV = "OW_STORAGE_FAULTS"
+#: Storage conditions by errno (`storage_condition`): what the environment does to a write,
+#: never a fault of the data being written.
+_CONDITIONS = {
+    errno.ENOSPC: "full",
+    errno.EDQUOT: "full",
+    errno.EROFS: "read_only",
+    errno.EACCES: "read_only",
+    errno.EPERM: "read_only",
+    errno.EIO: "error",
+}
+
+
+def storage_condition(exc: BaseException) -> str | None:
+    """`full`, `read_only` or `error` when `exc` is the storage refusing a write (no space, a
+    read-only or unwritable file system, an I/O error), else None. Such a failure is an
+    environment condition: it is reported and waited out, never charged to a task."""
+    if isinstance(exc, OSError):
+        return _CONDITIONS.get(exc.errno)  # type: ignore[arg-type]
+    return None
+
+
+class WriteWatch:
+    """How long durable writes and fsyncs take, process-wide (thread-safe, cheap).
+
+    `longest_since_reset()` is the longest one finished since the last reset, or the age of the
+    oldest one still running if that is longer: a write that has been stuck for 8 s shows as
+    8 s before it ends."""
+
+    def __init__(self, clock=time.monotonic):
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._running: dict[int, float] = {}
+        self._ids = itertools.count()
+        self._longest = 0.0
+
+    @contextlib.contextmanager
+    def timing(self):
+        token, start = next(self._ids), self.clock()
+        with self._lock:
+            self._running[token] = start
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running.pop(token, None)
+                self._longest = max(self._longest, self.clock() - start)
+
+    def running_for(self) -> float:
+        """How long the oldest write still running has run (0 when none is)."""
+        with self._lock:
+            oldest = min(self._running.values(), default=None)
+        return 0.0 if oldest is None else self.clock() - oldest
+
+    def longest_since_reset(self, reset: bool = False) -> float:
+        with self._lock:
+            longest = self._longest
+            if reset:
+                self._longest = 0.0
+        return max(longest, self.running_for())
+
+
+#: Every DurableFS of this process reports here.
+write_watch = WriteWatch()
+
+
+class StorageFaults:
+    """Injected storage faults, read from a JSON control file that a test rewrites at will:
+
+        {"mode": "ok" | "full" | "read_only" | "eio",
+         "under": ["/path/prefix", ...],   # the faults apply below these paths (default: all)
+         "free_bytes": N,                  # "full" only: N more bytes may still be written, and
+                                           # every file removed through DurableFS frees its size
+         "stall_s": S}                     # every fsync below `under` first waits S seconds
+
+    The control file is read again whenever its modification time or size changes, so a test
+    flips a running process between full, read-only and free by rewriting it (atomically)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._lock = threading.Lock()
+        self._seen: tuple[int, int] | None = None
+        self.mode, self.under, self.stall_s = "ok", (), 0.0
+        self.free_bytes: int | None = None
+
+    def _refresh(self) -> None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            st = None
+        seen = None if st is None else (st.st_mtime_ns, st.st_size)
+        if seen == self._seen:
+            return
+        self._seen = seen
+        spec: dict = {}
+        if st is not None:
+            try:
+                with open(self.path, encoding="utf-8") as f:
+                    spec = json.load(f)
+            except (OSError, ValueError):
+                spec = {}
+        self.mode = str(spec.get("mode", "ok"))
+        self.under = tuple(os.path.abspath(p) for p in spec.get("under", ()))
+        self.stall_s = float(spec.get("stall_s", 0.0))
+        free = spec.get("free_bytes")
+        self.free_bytes = None if free is None else int(free)
+
+    def _applies(self, path: str) -> bool:
+        if not self.under:
+            return True
+        path = os.path.abspath(path)
+        return any(path == p or path.startswith(p + os.sep) for p in self.under)
+
+    def before_write(self, path: str, nbytes: int) -> None:
+        """Raise the error the emulated disk gives for writing `nbytes` new bytes at `path`."""
+        with self._lock:
+            self._refresh()
+            if not self._applies(path):
+                return
+            if self.mode == "read_only":
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+            if self.mode == "eio":
+                raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+            if self.mode == "full":
+                if self.free_bytes is None or nbytes > self.free_bytes:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+                self.free_bytes -= nbytes
+
+    def before_remove(self, path: str) -> None:
+        with self._lock:
+            self._refresh()
+            if self._applies(path) and self.mode in ("read_only", "eio"):
+                code = errno.EROFS if self.mode == "read_only" else errno.EIO
+                raise OSError(code, os.strerror(code), path)
+
+    def removed(self, path: str, nbytes: int) -> None:
+        with self._lock:
+            if self.mode == "full" and self.free_bytes is not None and self._applies(path):
+                self.free_bytes += nbytes
+
+    def before_fsync(self, path: str) -> None:
+        with self._lock:
+            self._refresh()
+            stall = self.stall_s if self._applies(path) else 0.0
+            failing = self.mode == "eio" and self._applies(path)
+        if stall > 0:
+            time.sleep(stall)
+        if failing:
+            raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+
+    def free(self, path: str) -> int | None:
+        """Free bytes as the emulated disk reports them (None: not emulated there)."""
+        with self._lock:
+            self._refresh()
+            if not self._applies(path) or self.mode == "ok":
+                return None
+            return (self.free_bytes or 0) if self.mode == "full" else None
+
+
+def _faults_from_env() -> StorageFaults | None:
+    path = os.environ.get(FAULTS_ENV)
+    return StorageFaults(path) if path else None
+
+
+#: Injected faults for this process, or None (always None in flight).
+storage_faults: StorageFaults | None = _faults_from_env()
+
+
+def _write_all(fd: int, chunks, path: str = "") -> int:
     total = 0
     for chunk in chunks:
         view = memoryview(chunk).cast("B")
+        if storage_faults is not None:
+            storage_faults.before_write(path, view.nbytes)
         while view:
             n = os.write(fd, view)
             total += n
             view = view[n:]
     return total
+
+
+def _fsync(fd: int, path: str) -> None:
+    with write_watch.timing():
+        if storage_faults is not None:
+            storage_faults.before_fsync(path)
+        os.fsync(fd)
 
 
 class DurableFS:
@@ -59,10 +248,12 @@ class DurableFS:
         one path each rename a complete file of their own: the last rename wins, none fails."""
         directory = os.path.dirname(path)
         tmp = temp_name(path)
+        if storage_faults is not None:
+            storage_faults.before_write(tmp, 0)  # a read-only or failing disk refuses the create
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            n = _write_all(fd, chunks)
-            os.fsync(fd)
+            n = _write_all(fd, chunks, path)
+            _fsync(fd, path)
         except BaseException:
             os.close(fd)
             self._discard(tmp)
@@ -75,15 +266,17 @@ class DurableFS:
     def append(self, path: str, chunks) -> int:
         """append; fsync(file); on failure the file is truncated back to its previous length."""
         created = not os.path.exists(path)
+        if storage_faults is not None:
+            storage_faults.before_write(path, 0)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         start = os.fstat(fd).st_size
         try:
-            n = _write_all(fd, chunks)
-            os.fsync(fd)
+            n = _write_all(fd, chunks, path)
+            _fsync(fd, path)
         except BaseException:
             try:
                 os.ftruncate(fd, start)
-                os.fsync(fd)
+                _fsync(fd, path)
             except OSError:
                 pass
             os.close(fd)
@@ -94,32 +287,53 @@ class DurableFS:
         return n
 
     def truncate(self, path: str, size: int) -> None:
+        if storage_faults is not None:
+            storage_faults.before_remove(path)  # shrinking needs no space, but a writable disk
         fd = os.open(path, os.O_WRONLY)
         try:
             os.ftruncate(fd, size)
-            os.fsync(fd)
+            _fsync(fd, path)
         finally:
             os.close(fd)
 
     def remove(self, path: str, sync: bool = True) -> None:
+        if storage_faults is not None:
+            storage_faults.before_remove(path)
         try:
+            size = os.stat(path).st_size
             os.unlink(path)
         except FileNotFoundError:
             return
+        if storage_faults is not None:
+            storage_faults.removed(path, size)
         if sync:
             self.fsync_dir(os.path.dirname(path))
 
     def makedirs(self, path: str) -> None:
         if not os.path.isdir(path):
+            if storage_faults is not None:
+                storage_faults.before_write(path, 0)
             os.makedirs(path, exist_ok=True)
             self.fsync_dir(os.path.dirname(os.path.abspath(path)))
 
     def fsync_dir(self, path: str) -> None:
         fd = os.open(path or ".", os.O_RDONLY | os.O_DIRECTORY)
         try:
-            os.fsync(fd)
+            _fsync(fd, path or ".")
         finally:
             os.close(fd)
+
+    def free_bytes(self, path: str) -> int:
+        """Bytes free for this process on the file system holding `path` (0 if unknown)."""
+        if storage_faults is not None:
+            emulated = storage_faults.free(path)
+            if emulated is not None:
+                return emulated
+        try:
+            st = os.statvfs(path)
+        except OSError:
+            return 0
+        return st.f_bavail * st.f_frsize
 
     def open_read(self, path: str):
         return open(path, "rb", buffering=0)
@@ -172,13 +386,21 @@ class DurableFS:
     @staticmethod
     def _discard(path: str) -> None:
         try:
+            size = os.stat(path).st_size
             os.unlink(path)
         except OSError:
-            pass
+            return
+        if storage_faults is not None:
+            storage_faults.removed(path, size)
 
 
 def is_disk_full(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_storage_fault(exc: BaseException) -> bool:
+    """The storage refused a write (`storage_condition`): no space, read-only, I/O error."""
+    return storage_condition(exc) is not None
 
 
 @dataclass
