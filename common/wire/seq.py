@@ -171,6 +171,70 @@ class DurableSequenceCounter(SequenceCounter):
         self._reserved_until = state
 
 
+class AheadSequenceCounter(SequenceCounter):
+    """A telemetry sender's counter that never waits on the disk (the payload's: its heartbeats
+    and answers must go out while its disk is full, read-only or stalled).
+
+    Like DurableSequenceCounter it resumes after a crash at the end of the last block reserved on
+    disk, so numbers are not issued twice -- but `next()` only counts in memory. The reservation
+    is kept ahead by `reserve()`, which the owner calls off its sending path whenever
+    `wants_reserve()` says that less than half a block is left. If numbers run past the
+    reservation because the disk refused or stalled the write, they go on being issued (a sender
+    must not fall silent); only a crash in that state can make a later boot repeat some of them,
+    and `unreserved` counts the numbers issued so."""
+
+    def __init__(self, path: str | os.PathLike, block: int = 1 << 16, fs: DurableFS | None = None):
+        if block < 2:
+            raise ValueError("block must be >= 2")
+        self.path = os.fspath(path)
+        self.block = block
+        self._fs = fs or DurableFS()
+        persisted: dict[int, int] = {}
+        #: why numbering restarted from 0 (a damaged or unreadable file), or None
+        self.reset_reason: str | None = None
+        try:
+            if self._fs.exists(self.path):
+                persisted = dict(SequenceCounter.from_bytes(self._fs.read(self.path))._next)
+        except (SequenceStateError, OSError) as exc:
+            # Telemetry numbers order and count packets for the ground, which refuses none of
+            # them as a replay: a sender that cannot read its counter starts again rather than
+            # not at all.
+            self.reset_reason = f"{type(exc).__name__}: {exc}"
+        super().__init__(persisted)
+        self._reserved_until = dict(persisted)
+        self.unreserved = 0
+
+    def next(self, apid: int) -> int:
+        with self._lock:
+            seq = super().next(apid)
+            limit = self._reserved_until.get(apid)
+            if limit is None or serial_distance(seq, limit) <= 0:
+                self.unreserved += 1
+            return seq
+
+    def wants_reserve(self) -> bool:
+        """Less than half a block reserved ahead of some APID's next number."""
+        with self._lock:
+            for apid, seq in self._next.items():
+                limit = self._reserved_until.get(apid)
+                if limit is None or serial_distance(seq, limit) < self.block // 2:
+                    return True
+            return False
+
+    def reserve(self, apids: Iterable[int] = ()) -> None:
+        """Write the next block's end for every APID in use (and `apids`): durable on return.
+        Raises OSError when the disk refuses; numbers go on being issued all the same."""
+        with self._lock:
+            for apid in apids:
+                self._next.setdefault(_check_apid(apid), 0)
+            state = {apid: (seq + self.block) % SEQ_MODULUS for apid, seq in self._next.items()}
+        directory = os.path.dirname(os.path.abspath(self.path))
+        self._fs.makedirs(directory)
+        self._fs.write_atomic(self.path, [SequenceCounter(state).to_bytes()])
+        with self._lock:
+            self._reserved_until.update(state)
+
+
 class SequenceAheadError(ReplayError):
     """A telecommand's number is further ahead of the highest accepted one than the forward
     window: refused (SEQUENCE_TOO_FAR_AHEAD), so that no single jump can move the window far
