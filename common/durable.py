@@ -200,6 +200,11 @@ class StorageFaults:
         if failing:
             raise OSError(errno.EIO, os.strerror(errno.EIO), path)
 
+    def emulates(self, path: str, mode: str) -> bool:
+        with self._lock:
+            self._refresh()
+            return self.mode == mode and self._applies(path)
+
     def free(self, path: str) -> int | None:
         """Free bytes as the emulated disk reports them (None: not emulated there)."""
         with self._lock:
@@ -323,6 +328,15 @@ class DurableFS:
         finally:
             os.close(fd)
 
+    def read_only(self, path: str) -> bool:
+        """Whether the file system holding `path` is mounted read-only (or emulated so)."""
+        if storage_faults is not None and storage_faults.emulates(path, "read_only"):
+            return True
+        try:
+            return bool(os.statvfs(_existing(path)).f_flag & os.ST_RDONLY)
+        except OSError:
+            return False
+
     def free_bytes(self, path: str) -> int:
         """Bytes free for this process on the file system holding `path` (0 if unknown)."""
         if storage_faults is not None:
@@ -330,7 +344,7 @@ class DurableFS:
             if emulated is not None:
                 return emulated
         try:
-            st = os.statvfs(path)
+            st = os.statvfs(_existing(path))
         except OSError:
             return 0
         return st.f_bavail * st.f_frsize
@@ -394,6 +408,15 @@ class DurableFS:
             storage_faults.removed(path, size)
 
 
+def _existing(path: str) -> str:
+    """`path`, or its nearest ancestor that exists (a data directory not made yet is on the file
+    system of the directory above it)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
 def is_disk_full(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
@@ -401,6 +424,19 @@ def is_disk_full(exc: BaseException) -> bool:
 def is_storage_fault(exc: BaseException) -> bool:
     """The storage refused a write (`storage_condition`): no space, read-only, I/O error."""
     return storage_condition(exc) is not None
+
+
+def best_effort(write, *args) -> bool:
+    """Run a write that may wait for better storage (tidying, a second copy, a rewrite the next
+    open repeats): True if it was done, False if the storage refused it. Any other error is
+    raised as usual."""
+    try:
+        write(*args)
+    except OSError as exc:
+        if storage_condition(exc) is None:
+            raise
+        return False
+    return True
 
 
 @dataclass

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from common.durable import is_disk_full
+from common.durable import is_storage_fault
 
 
 def state_bytes(obj) -> int:
@@ -166,7 +166,7 @@ class CheckpointWriter:
         except OSError as exc:
             with self._counters:
                 self.busy_seconds += time.perf_counter() - start
-                if not is_disk_full(exc):
+                if not is_storage_fault(exc):
                     raise
                 self.records_skipped += 1
             self.events("checkpoint_write_failed", record=what, errno=exc.errno, reason=str(exc.strerror))

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from common.durable import is_disk_full
+from common.durable import is_storage_fault
 from flight.checkpoint.cadence import Cadence
 from flight.checkpoint.store import CheckpointStore
 from flight.checkpoint.writer import CheckpointWriter
@@ -89,7 +89,7 @@ class RecordSink:
             self.store.put_result(tokens, logits.detach().to("cpu"), text, finish)
             self.store.gc()
         except OSError as exc:
-            if not is_disk_full(exc):
+            if not is_storage_fault(exc):
                 raise
             self.writer.records_skipped += 1
             self.events("checkpoint_write_failed", record="RESULT", errno=exc.errno, reason=str(exc.strerror))

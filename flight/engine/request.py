@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import transformers
 
-from common.durable import DurableFS, is_disk_full
+from common.durable import DurableFS, is_storage_fault
 from flight.checkpoint.cadence import Cadence
 from flight.checkpoint.policies import Geometry, Policy, get_policy
 from flight.checkpoint.store import CheckpointStore, Frontier, OpenOutcome
@@ -183,7 +183,7 @@ class RequestRun:
         try:
             outcome = self.store.open(manifest)
         except OSError as exc:
-            if not is_disk_full(exc):
+            if not is_storage_fault(exc):
                 raise
             # Not even the MANIFEST fits: run without checkpoints rather than not at all.
             self.events("checkpoint_write_failed", record="MANIFEST", errno=exc.errno, reason=str(exc.strerror))
