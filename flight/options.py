@@ -7,6 +7,12 @@ from dataclasses import dataclass, field
 
 from .checkpoint.policies import Geometry
 
+#: The payload's storage reserve unless `ow flight run --storage-reserve-mb` says otherwise
+#: (flight/runtime/storage.py): many times the largest record the payload writes for itself (a
+#: finished task's result, ~40 KiB; a journal entry, ~17 KiB), a rounding error on a flight
+#: computer's data disk. Here, not there, so that parsing the command line imports no wire code.
+DEFAULT_RESERVE_BYTES = 8 << 20
+
 
 @dataclass
 class EngineOptions:

@@ -31,12 +31,11 @@ from pathlib import Path
 import zmq
 
 from common import log as owlog
-from common.durable import DurableFS, is_disk_full
+from common.durable import DurableFS, best_effort, storage_condition, write_watch
 from common.imagecheck import ProcessorLimits
 from common.record import Kind, RecordError, decode, encode
 from common.wire import (
     Apid,
-    DurableSequenceCounter,
     EventId,
     MessageType,
     NodeId,
@@ -44,6 +43,7 @@ from common.wire import (
     ReplayGuard,
     RequestRef,
     ResponseCode,
+    StorageState,
     TaskPhase,
     WireError,
 )
@@ -55,15 +55,17 @@ from common.wire import (
 from common.wire.errors import clip_reason
 from common.wire.ids import MAX_EVENT_TEXT_BYTES, MAX_RESULT_TEXT_BYTES, MAX_TIMINGS
 from common.wire.link import KeyLayout, LinkError, client_socket, recv_packet, send_packet
+from common.wire.seq import AheadSequenceCounter
 from common.wire.text import clip_utf8
 from flight.checkpoint.cadence import Cadence, WindowLog, WriteCosts
 from flight.model.config import processors_hash
 from flight.options import EngineOptions, resolve_cadence
 
 from .handlers import MAX_QUEUED, CommandHandlers  # noqa: F401  (MAX_QUEUED: re-exported)
-from .health import ENGINE_ITEM, MAIN, WORKER, Health, command_item, item_task_id, report_item, task_item
+from .health import COMMANDS, ENGINE_ITEM, MAIN, WORKER, Health, command_item, item_task_id, report_item, task_item
 from .images import ImageCorrupt, ImageStore
 from .queue import CANCELLED, COMPLETED, RUNNING, TaskQueue
+from .storage import DEFAULT_RESERVE_BYTES, GatedFS, Storage
 
 HEARTBEAT_S = 1.0
 HOUSEKEEPING_S = 5.0
@@ -73,6 +75,39 @@ FAULT_EVENT_EVERY_S = 5.0
 FAULT_BACKOFF_S = 0.5
 #: Pause between attempts to load the engine when it fails.
 ENGINE_RETRY_S = 10.0
+#: A durable write running this long is reported as a stall (STORAGE_STALL) ...
+STALL_REPORT_S = 2.0
+#: ... at most this often.
+STALL_EVENT_EVERY_S = 30.0
+#: The command thread's housekeeping (health expiry, deferred reports, the storage check, saving
+#: a dirty state, the telemetry reservation) runs this often when no command keeps it busy.
+TICK_S = 0.5
+#: Bytes held in checkpoints are counted again this often (a walk of tasks/).
+CHECKPOINT_COUNT_EVERY_S = 5.0
+#: Telecommands that change what is stored: refused while the disk takes no writes.
+STATE_CHANGING = {
+    MessageType.UPLINK_TASK,
+    MessageType.IMAGE_CHUNK,
+    MessageType.CANCEL_TASK,
+    MessageType.SET_PRIORITY,
+    MessageType.RELEASE_QUARANTINE,
+}
+#: Telecommands answered on the main thread, from memory: the answers that must never wait on
+#: the disk (the bus's and the ground's proof of life).
+ANSWERED_AT_ONCE = {MessageType.PING, MessageType.STATUS}
+#: Telecommands whose acceptance needs no durable write first: they change nothing a replay
+#: could repeat harmfully (the replay guard is saved with the next write).
+QUERIES = ANSWERED_AT_ONCE | {
+    MessageType.DOWNLINK_RESULT,
+    MessageType.IMAGE_QUERY,
+    MessageType.LIST_QUARANTINE,
+    MessageType.LIST_LOST_TASKS,
+}
+STORAGE_CODES = {
+    StorageState.FULL: ResponseCode.STORAGE_FULL,
+    StorageState.READ_ONLY: ResponseCode.STORAGE_READ_ONLY,
+    StorageState.ERROR: ResponseCode.STORAGE_ERROR,
+}
 #: On a stop (SIGTERM, SIGINT), how long the process waits for the worker to reach the end of its
 #: unit of work. A unit takes well under this on the target; a weight load may not (then see
 #: `worker_busy`).
@@ -104,24 +139,40 @@ class Counters:
 
 class PersistentState:
     """Boot count, command/error counters and the replay guard, in one record (atomic replace).
-    Saved from the main thread only."""
+
+    Changed by the main thread (the guard, as each telecommand arrives) and the command thread;
+    `save()` writes a consistent copy and may be called from any thread but the main one, which
+    never waits on the disk: a change that is not saved at once is `dirty` until the command
+    thread's next save."""
 
     def __init__(self, directory: str, fs: DurableFS):
         self.fs, self.path = fs, os.path.join(directory, "state.rec")
-        fs.makedirs(directory)
-        fs.remove_stale_temps(directory)
+        self.lock = threading.RLock()
+        self.dirty = False
+        try:
+            fs.makedirs(directory)
+            fs.remove_stale_temps(directory)
+        except OSError as exc:
+            if storage_condition(exc) is None:
+                raise  # a read-only or full disk: the state is read, and saved once it can be
         self.counters, self.guard, self.corrupt = Counters(), ReplayGuard(), False
         if fs.exists(self.path):
             try:
                 rec, _ = decode(fs.read(self.path), expect_kind=Kind.GUARD_STATE)
                 self.counters = Counters(**rec.meta["counters"])
                 self.guard = ReplayGuard.from_bytes(bytes(rec.meta["guard"]))
-            except (RecordError, KeyError, TypeError, ValueError):
+            except (RecordError, KeyError, TypeError, ValueError, OSError):
                 self.corrupt = True  # start a fresh guard; reported as STATE_CORRUPT
 
     def save(self) -> None:
-        meta = {"counters": self.counters.__dict__, "guard": self.guard.to_bytes()}
-        self.fs.write_atomic(self.path, encode(Kind.GUARD_STATE, meta).chunks)
+        with self.lock:
+            meta = {"counters": dict(self.counters.__dict__), "guard": self.guard.to_bytes()}
+            self.dirty = False
+        try:
+            self.fs.write_atomic(self.path, encode(Kind.GUARD_STATE, meta).chunks)
+        except BaseException:
+            self.dirty = True
+            raise
 
 
 class ImagesAwaited(Exception):
@@ -145,11 +196,9 @@ class FlightApp(CommandHandlers):
         results_budget_bytes: int | None = None,
         compact_after: int | None = None,
         cadence=None,
+        storage_reserve_bytes: int = DEFAULT_RESERVE_BYTES,
     ):
         self.fs = fs or DurableFS()
-        # The engine's checkpoint records: the same disk, but a target-emulating testbench
-        # charges them apart from the process's own data (flight/cli_options.data_storage_for).
-        self.checkpoint_fs = checkpoint_fs or self.fs
         self.data_dir = os.path.abspath(data_dir)
         self.model_dir = model_dir
         self.endpoint = endpoint
@@ -159,6 +208,10 @@ class FlightApp(CommandHandlers):
         self.weight_read_hook = weight_read_hook
         self.log = owlog.get(component="flight")
         self.outbox: queue.Queue = queue.Queue()
+        # Jobs for the command thread: every handler that writes, and every write the main
+        # thread would otherwise wait on (Threads, docs/flight.md).
+        self.jobs: queue.Queue = queue.Queue()
+        self._command_thread: threading.Thread | None = None
         self.started = time.monotonic()
         self.current = {"task": None, "phase": None, "done": 0, "total": 0}
         self.stop = threading.Event()
@@ -168,8 +221,19 @@ class FlightApp(CommandHandlers):
         self.corrupt_images: dict[str, str] = {}  # task id -> image found damaged, waiting to be sent again
         self.engine = None
         self._last_fault_event: dict[EventId, float] = {}
+        # The data disk as an environment condition (storage.py): its state decides what is
+        # refused; a write failing with ENOSPC, EROFS or EIO moves it, and is never a task's fault.
+        self.storage = Storage(
+            self.data_dir, self.fs, storage_reserve_bytes, on_change=self._storage_changed, log=self.log
+        )
+        # The engine's checkpoint records: the same disk, but a target-emulating testbench
+        # charges them apart from the process's own data (flight/cli_options.data_storage_for),
+        # and while the disk is degraded they are refused before they reach it.
+        self.checkpoint_fs = GatedFS(checkpoint_fs or self.fs, self.storage)
+        # The same gate for the payload's other growth on its own disk (a task's stored inputs).
+        self.growth_fs = GatedFS(self.fs, self.storage)
         self.state = PersistentState(os.path.join(self.data_dir, "state"), self.fs)
-        self.tm_counter = DurableSequenceCounter(os.path.join(self.data_dir, "state", "tm-sequence.bin"))
+        self.tm_counter = self._telemetry_counter()
         queue_options = {} if compact_after is None else {"compact_after": compact_after}
         self.queue = TaskQueue(
             os.path.join(self.data_dir, "queue"),
@@ -190,16 +254,32 @@ class FlightApp(CommandHandlers):
             log=self.log,
         )
         self._name_orphaned_tasks()
+        self.storage.open()
         self._deferred_reports: set[str] = set()
         self._engine_lock = threading.Lock()
+        # What HOUSEKEEPING reports without touching the disk on the main thread (refreshed by
+        # the command thread): bytes held in checkpoints.
+        self._checkpoint_bytes_seen = 0
+        self._stall_reported_at = -1e9
+        self._disk_full_reported_at = -1e9
         # Checkpoint cadence: fed with warnings, bus telemetry and the windows lived through
         # (flight/checkpoint/cadence.py); shared by every task of this boot. Options that name no
         # cadence get their policy's default (flight/options.py), as the engine's own would.
         named = engine_options if engine_options is not None else EngineOptions()
         self.cadence = cadence or Cadence(resolve_cadence(named.policy, named.cadence))
         self.cadence.started = self.started  # uptime counts from here, as the window log's does
-        self.windows = WindowLog(os.path.join(self.data_dir, "state"), started=self.started)
+        try:
+            self.windows: WindowLog | None = WindowLog(os.path.join(self.data_dir, "state"), started=self.started)
+        except OSError as exc:  # advice only (the adaptive cadence): never a reason not to boot
+            self.log.warning("window_log_unavailable", error=str(exc))
+            self.windows = None
         self.handlers = self._handler_table()
+
+    def _telemetry_counter(self) -> AheadSequenceCounter:
+        counter = AheadSequenceCounter(os.path.join(self.data_dir, "state", "tm-sequence.bin"), fs=self.fs)
+        if counter.reset_reason is not None:
+            self.log.warning("telemetry_counter_reset", error=counter.reset_reason)
+        return counter
 
     # ---- outbound ------------------------------------------------------------------------------
     def send(self, message: m.Message, on_sent=None) -> None:
@@ -281,26 +361,29 @@ class FlightApp(CommandHandlers):
                 self.log.exception("fault_count_failed")
 
     def _slot(self) -> int:
-        return WORKER if threading.current_thread().name == "inference-worker" else MAIN
+        name = threading.current_thread().name
+        return WORKER if name == "inference-worker" else COMMANDS if name == "command-handler" else MAIN
 
     def housekeeping(self) -> m.Housekeeping:
+        """From memory: the main thread sends it and never waits on the disk (the checkpoint
+        bytes are counted by the command thread; the free space is one statvfs)."""
         c = self.state.counters
-        try:
-            free = shutil.disk_usage(self.data_dir).free
-        except OSError:
-            free = 0
+        storage = self.storage
         return m.Housekeeping(
             queue_depth=self.queue.depth(),
             current_task=self.current["task"],
             phase=self.current["phase"],
             progress_done=self.current["done"],
             progress_total=self.current["total"],
-            checkpoint_bytes=self._checkpoint_bytes(),
-            disk_free_bytes=free,
+            checkpoint_bytes=self._checkpoint_bytes_seen,
+            disk_free_bytes=max(0, self.fs.free_bytes(self.data_dir)),
             boot_count=c.boot_count,
             command_count=c.command_count,
             error_count=c.error_count,
             uptime_s=time.monotonic() - self.started,
+            storage_state=storage.state,
+            longest_write_s=round(write_watch.longest_since_reset(reset=True), 3),
+            reserve_bytes=storage.reserve_held,
         )
 
     def _checkpoint_bytes(self) -> int:
@@ -313,6 +396,56 @@ class FlightApp(CommandHandlers):
                 except OSError:
                     pass
         return total
+
+    # ---- storage as an environment condition (storage.py) ---------------------------------------
+    def _storage_changed(self, state: StorageState, previous: StorageState, text: str) -> None:
+        event_id = {
+            StorageState.FULL: EventId.STORAGE_FULL,
+            StorageState.READ_ONLY: EventId.STORAGE_READ_ONLY,
+            StorageState.ERROR: EventId.STORAGE_ERROR,
+            StorageState.OK: EventId.STORAGE_RESTORED,
+        }[state]
+        self.event(event_id, text)
+        if state == StorageState.OK:
+            self.work_available.set()  # a task held back for the disk may run now
+
+    def _storage_refusal(self, message: m.Message) -> WireError | None:
+        """Why a telecommand that needs the disk is refused now, without trying it (None: try).
+        A full disk refuses what would grow it (a new task, an image chunk); a read-only or
+        failing one refuses every command that changes state."""
+        growth = isinstance(message, m.ImageChunk) or (
+            isinstance(message, m.UplinkTask)
+            and message.task_id not in self.queue.tasks
+            and self.queue.finished(message.task_id) is None
+        )
+        if not growth and message.TYPE not in STATE_CHANGING:
+            return None
+        code = self.storage.refusal_errno(growth)
+        if code is None:
+            return None
+        response = STORAGE_CODES[self.storage.state]
+        return WireError(
+            response,
+            f"payload storage is {self.storage.state.value}: {message.TYPE.name} refused until it "
+            f"can be written again ({self.storage.reason})",
+        )
+
+    def _storage_failed(self, exc: BaseException, what: str) -> bool:
+        """A storage condition met by a write (then reported through the storage state, and True);
+        False for any other exception."""
+        return self.storage.failed(exc, what)
+
+    def _watch_stall(self, now: float) -> None:
+        """A durable write that has run for STALL_REPORT_S is reported (at most every
+        STALL_EVENT_EVERY_S): the payload is waiting on its disk, not hung."""
+        running = write_watch.running_for()
+        if running >= STALL_REPORT_S and now - self._stall_reported_at >= STALL_EVENT_EVERY_S:
+            self._stall_reported_at = now
+            self.event(
+                EventId.STORAGE_STALL,
+                f"a durable write has been waiting on the data disk for {running:.1f} s; commands that "
+                "change state are answered once it completes, PING, STATUS and heartbeats go on",
+            )
 
     # ---- health and safety hooks ------------------------------------------------------------------
     def _health_event(self, kind: str, item: str, text: str) -> None:
@@ -355,10 +488,13 @@ class FlightApp(CommandHandlers):
             elif not self.queue.is_lost(name):
                 orphans.append(name)
         if orphans:
-            self.queue.note_lost(orphans)
+            best_effort(self.queue.note_lost, orphans)  # named again at the next boot if refused
 
     # ---- dispatch ----------------------------------------------------------------------------------
     def handle_packet(self, data: bytes) -> None:
+        """A packet from the bus (main thread). Decoding, the replay guard and the quarantine are
+        in memory; PING and STATUS are answered here, everything else runs on the command thread
+        (or here, when no command thread runs: in-process tests and fuzzers)."""
         try:
             header, message = decode_packet(data)
         except WireError as err:
@@ -368,40 +504,68 @@ class FlightApp(CommandHandlers):
             # the bus's own messages (warnings, power state, telemetry the cadence reads); any
             # other telemetry type sent to the payload is ignored
             bus_handler = self.handlers.get(message.TYPE)
-            if bus_handler is not None:
-                bus_handler(header, message)
+            if bus_handler is None:
+                return
+            if isinstance(message, m.PowerStateChange):
+                # its verdict counts abnormal exits: a durable write, the command thread's to do
+                self._later(lambda: bus_handler(header, message))
+            else:
+                bus_handler(header, message)  # warnings and telemetry change memory only
             return
         request = header.request
         try:
-            self.state.guard.accept(request.apid, request.source_id, request.seq)
+            with self.state.lock:
+                self.state.guard.accept(request.apid, request.source_id, request.seq)
+                self.state.dirty = True
         except ReplayError as err:
             what = "replayed" if err.code == ResponseCode.REPLAYED_SEQUENCE else "far-ahead"
             self.event(EventId.REPLAY_DETECTED, f"{what} {MessageType(request.message_type).name} seq {request.seq}")
             self._reject(m.Rejected.from_error(err, request), err.code)
             return
-        handler = self.handlers.get(message.TYPE)
         item = command_item(message)
-        task_id = getattr(message, "task_id", None)
         if self.health.is_quarantined(item):
             self._reject(
                 m.Rejected.about(
                     request,
                     code=ResponseCode.QUARANTINED,
-                    task_id=task_id,
+                    task_id=getattr(message, "task_id", None),
                     reason=clip_reason(f"{item} is quarantined after repeated abnormal exits"),
                 ),
                 ResponseCode.QUARANTINED,
             )
             return
+        if message.TYPE in ANSWERED_AT_ONCE:
+            self._dispatch(request, message, item)
+        else:
+            self._later(lambda: self._dispatch(request, message, item))
+
+    def _later(self, job) -> None:
+        """Run `job` on the command thread, in order (inline when there is none)."""
+        if self._command_thread is None:
+            job()
+        else:
+            self.jobs.put(job)
+
+    def _dispatch(self, request: RequestRef, message: m.Message, item: str) -> None:
+        """One telecommand to its handler; whatever it raises becomes a REJECTED with a code."""
+        task_id = getattr(message, "task_id", None)
+        handler = self.handlers.get(message.TYPE)
         try:
-            with self.health.handling(item, MAIN):
+            refusal = self._storage_refusal(message)
+            if refusal is not None:
+                raise refusal
+            with self.health.handling(item, self._slot()):
                 if handler is None:
                     raise WireError(ResponseCode.UNKNOWN_COMMAND, f"no handler for {message.TYPE.name}")
                 handler(request, message)
         except WireError as err:
             self._reject(m.Rejected.from_error(err, request, task_id), err.code)
         except OSError as exc:
-            code = ResponseCode.STORAGE_FULL if is_disk_full(exc) else ResponseCode.INTERNAL_ERROR
+            # The disk refused (full, read-only, I/O error): the environment's doing, reported
+            # through the storage state and never counted against the command.
+            code = ResponseCode.INTERNAL_ERROR
+            if self._storage_failed(exc, f"{message.TYPE.name} handler"):
+                code = STORAGE_CODES.get(self.storage.state, ResponseCode.STORAGE_FULL)
             self._reject(
                 m.Rejected.about(
                     request, code=code, reason=clip_reason(f"{type(exc).__name__}: {exc}"), task_id=task_id
@@ -421,25 +585,89 @@ class FlightApp(CommandHandlers):
             )
 
     def _accept(self, request: RequestRef, **fields) -> None:
-        """The command is valid: count it, persist guard + counters, then acknowledge."""
-        self.state.counters.command_count += 1
-        self.state.save()
+        """The command is valid: count it and acknowledge it. A command that changes state has
+        its replay guard and counters saved first (on the command thread); a query's are saved
+        with the next write. If the disk refuses that save, the command's own effect is already
+        durable and every handler is idempotent for a repeated number, so it is still
+        acknowledged, and the state stays dirty until the disk takes it."""
+        with self.state.lock:
+            self.state.counters.command_count += 1
+            self.state.dirty = True
+        if request.message_type not in QUERIES:
+            try:
+                self.state.save()
+            except OSError as exc:
+                if not self._storage_failed(exc, "saving the replay guard"):
+                    raise
         self.send(m.Accepted.about(request, **fields))
 
     def _reject(self, report: m.Rejected, code: ResponseCode) -> None:
-        self.state.counters.error_count += 1
-        try:
-            self.state.save()
-        except OSError:
-            pass  # a full disk must not stop us from answering
+        """A rejection changes nothing to protect: its counter is saved with the next write."""
+        with self.state.lock:
+            self.state.counters.error_count += 1
+            self.state.dirty = True
         self.log.warning("command_rejected", code=ResponseCode(code).name, reason=report.reason)
         self.send(report)
+
+    # ---- the command thread --------------------------------------------------------------------------
+    def _command_loop(self) -> None:
+        """Runs the handlers that write and every write the main thread must not wait on, in
+        order, then its own housekeeping every TICK_S. A disk that stalls stalls this thread
+        only."""
+        next_tick = 0.0
+        next_count = 0.0
+        while not self.stop.is_set():
+            try:
+                job = self.jobs.get(timeout=TICK_S)
+            except queue.Empty:
+                job = None
+            if job is not None:
+                try:
+                    job()
+                except Exception as exc:  # noqa: BLE001 - the thread itself never ends on a fault
+                    self._fault(EventId.MAIN_LOOP_FAULT, "command thread", exc)
+                if not self.jobs.empty():
+                    continue  # commands first; the housekeeping below once they are done
+            now = time.monotonic()
+            if now < next_tick:
+                continue
+            next_tick = now + TICK_S
+            try:
+                self._tick(now >= next_count)
+            except Exception as exc:  # noqa: BLE001
+                self._fault(EventId.MAIN_LOOP_FAULT, "command thread housekeeping", exc)
+            if now >= next_count:
+                next_count = now + CHECKPOINT_COUNT_EVERY_S
+
+    def _tick(self, count_checkpoints: bool) -> None:
+        self.health.expire()
+        self.health.flush()
+        if self._deferred_reports and not self.health.suspects:
+            deferred, self._deferred_reports = self._deferred_reports, set()
+            for task_id in sorted(deferred):
+                self.send_final_report(self.queue.get(task_id))
+        self.storage.check()
+        if self.storage.allows_writes():
+            try:
+                if self.state.dirty:
+                    self.state.save()
+                if self.tm_counter.wants_reserve():
+                    self.tm_counter.reserve([Apid.PAYLOAD])
+            except OSError as exc:
+                if not self._storage_failed(exc, "saving the payload's state"):
+                    raise
+        if count_checkpoints:
+            self._checkpoint_bytes_seen = self._checkpoint_bytes()
 
     # ---- worker ----------------------------------------------------------------------------------------
     def _task_dir(self, task_id: str) -> str:
         return os.path.join(self.data_dir, "tasks", task_id)
 
     def _next_runnable(self):
+        if not self.storage.allows_writes():
+            return None  # a task's start and end are writes: none starts until the disk takes them
+        if self.health.dirty:
+            return None  # a count not yet on disk must be before anything that could kill again
         pending = self.queue.pending()
         if any(self.health.held(task_item(t.task_id)) for t in pending):
             return None  # until the bus says how the last boot ended (at most health.VERDICT_WAIT_S)
@@ -491,6 +719,12 @@ class FlightApp(CommandHandlers):
                     continue
                 self._run_task(model, task)
             except Exception as exc:  # noqa: BLE001 - a fault around one task stops that task, not the payload
+                self.engine = None
+                if self._storage_failed(exc, f"task {task.task_id}" if task else "worker"):
+                    # The disk, not the task: nothing counted, the task stays queued and runs
+                    # again once the storage state allows (work_available is set then).
+                    self.stop.wait(FAULT_BACKOFF_S)
+                    continue
                 self._fault(
                     EventId.WORKER_FAULT,
                     f"worker failed{f' on task {task.task_id}' if task else ''}",
@@ -561,7 +795,7 @@ class FlightApp(CommandHandlers):
                 result = engine.run(inputs, os.path.join(self._task_dir(task.task_id), "ckpt"), task.max_new_tokens)
             except TaskCancelled:
                 self.cancel_requested.discard(task.task_id)
-                self._finish_cancel(task)
+                self._until_stored(lambda: self._finish_cancel(task), f"cancelling task {task.task_id}")
                 return
             except ImagesAwaited:
                 return  # an image was found damaged and removed: the task runs again once it is resent
@@ -572,24 +806,26 @@ class FlightApp(CommandHandlers):
                 self._fail(task, request, exc.code, str(exc))
                 return
             except Exception as exc:  # noqa: BLE001 - a failed task must not stop the payload
+                if storage_condition(exc) is not None:
+                    raise  # the disk, not the task: the worker waits it out (never a failure)
                 self.log.exception("task_failed", task_id=task.task_id)
-                code = ResponseCode.STORAGE_FULL if is_disk_full(exc) else ResponseCode.INFERENCE_ERROR
-                self._fail(task, request, code, f"{type(exc).__name__}: {exc}")
+                self._fail(task, request, ResponseCode.INFERENCE_ERROR, f"{type(exc).__name__}: {exc}")
                 return
             finally:
                 self.engine = None
             timings = dict(result.phase_seconds)
             timings["total_this_boot"] = time.monotonic() - t0
-            self.queue.complete(
-                task.task_id,
-                {
-                    "token_ids": result.token_ids,
-                    "text": result.text,
-                    "logits_sha256": result.logits_sha256(),
-                    "timings": timings,
-                    "bytes_written": result.bytes_written,
-                },
-            )
+            outcome = {
+                "token_ids": result.token_ids,
+                "text": result.text,
+                "logits_sha256": result.logits_sha256(),
+                "timings": timings,
+                "bytes_written": result.bytes_written,
+            }
+            # The answer exists only in memory until this write: held there, not recomputed,
+            # while the disk refuses it (a cut meanwhile resumes from the checkpoints).
+            if not self._until_stored(lambda: self.queue.complete(task.task_id, outcome), f"task {task.task_id}"):
+                return
         shutil.rmtree(
             self._task_dir(task.task_id), ignore_errors=True
         )  # finished and durable: checkpoints and inputs go
@@ -651,15 +887,31 @@ class FlightApp(CommandHandlers):
             # A cut during an earlier try at this write left its temporary: without this, each
             # cut before the inputs are durable would leave one more on the disk.
             self.fs.remove_stale_temps(self._task_dir(task.task_id))
-            save_inputs(self.fs, self._inputs_path(task.task_id), inputs, self._inputs_key(task, model))
-        except OSError as exc:  # a full disk costs the shortcut, not the task
-            if not is_disk_full(exc):
+            # Growth, like a checkpoint: through the gate that keeps it out of a degraded disk.
+            save_inputs(self.growth_fs, self._inputs_path(task.task_id), inputs, self._inputs_key(task, model))
+        except OSError as exc:  # a full or read-only disk costs the shortcut, not the task
+            if not self._storage_failed(exc, f"storing the inputs of task {task.task_id}"):
                 raise
             self.log.warning("task_inputs_not_stored", task_id=task.task_id, reason=str(exc.strerror))
         return inputs
 
+    def _until_stored(self, store, what: str) -> bool:
+        """Run `store` (a durable write of the worker's) until the disk takes it: a storage
+        condition is reported and waited out, never charged to the task. False if the payload
+        stops first (the task then stays as it is on disk, and the next boot takes it up)."""
+        while True:
+            try:
+                store()
+                return True
+            except OSError as exc:
+                if not self._storage_failed(exc, what):
+                    raise
+            if self.stop.wait(1.0):
+                return False
+
     def _fail(self, task, request, code: ResponseCode, reason: str) -> None:
-        self.queue.fail(task.task_id, code, reason)
+        if not self._until_stored(lambda: self.queue.fail(task.task_id, code, reason), f"task {task.task_id}"):
+            return
         self.send_final_report(self.queue.get(task.task_id))
         self.event(EventId.TASK_FAILED, f"task {task.task_id} failed: {ResponseCode(code).name}", task.task_id)
 
@@ -693,11 +945,19 @@ class FlightApp(CommandHandlers):
             elif name in ("recovery_plan", "prefill_restored"):  # a restart's plan and what it cost
                 self.log.info(name, task_id=task.task_id, **fields)
             elif name == "checkpoint_write_failed":
-                self.event(
-                    EventId.DISK_FULL,
-                    f"task {task.task_id}: checkpoint {fields.get('record')} skipped ({fields.get('reason')})",
-                    task.task_id,
-                )
+                # The disk refused a checkpoint (the engine goes on without it). The storage state
+                # says so once (STORAGE_FULL, ...); the record skipped is an event at most every
+                # FAULT_EVENT_EVERY_S, not one per record while the disk stays full.
+                was_ok = self.storage.allows_growth()
+                self.storage.failed_errno(fields.get("errno"), f"checkpoint {fields.get('record')}")
+                now = time.monotonic()
+                if was_ok and now - self._disk_full_reported_at >= FAULT_EVENT_EVERY_S:
+                    self._disk_full_reported_at = now
+                    self.event(
+                        EventId.DISK_FULL,
+                        f"task {task.task_id}: checkpoint {fields.get('record')} skipped ({fields.get('reason')})",
+                        task.task_id,
+                    )
             phase = UNIT_EVENTS.get(name)
             if phase is None:
                 return
@@ -724,9 +984,19 @@ class FlightApp(CommandHandlers):
     # ---- main loop ------------------------------------------------------------------------------------
     def run(self) -> int:
         self.health.arm_crash_record()
-        self.state.counters.boot_count += 1
-        self.state.save()
-        self._start_window_log()
+        with self.state.lock:
+            self.state.counters.boot_count += 1
+            self.state.dirty = True
+        # Nothing on this thread waits on the disk from here on (docs/flight.md "Threads"): the
+        # boot's own writes -- its count, the telemetry reservation, the window log -- are the
+        # command thread's first jobs, so a full, read-only or stalled disk delays none of the
+        # first heartbeat, the BOOT event or a PING's answer.
+        self.health.defer_saves = True
+        self.jobs.put(self._boot_writes)
+        commands = self._command_thread = threading.Thread(
+            target=self._command_loop, name="command-handler", daemon=True
+        )
+        commands.start()
         ctx: zmq.Context = zmq.Context.instance()
         sock = client_socket(ctx, zmq.DEALER, self.layout, "payload", self.endpoint)
         self.log.info(
@@ -735,6 +1005,7 @@ class FlightApp(CommandHandlers):
             endpoint=self.endpoint,
             cadence=self.cadence.mode,  # this payload logs each early record (early_record)
             pending=[t.task_id for t in self.queue.pending()],
+            storage=self.storage.state.value,
         )
         self.send(
             m.Heartbeat(boot_count=self.state.counters.boot_count, uptime_s=0.0)
@@ -762,7 +1033,32 @@ class FlightApp(CommandHandlers):
             worker.join(STOP_WAIT_S)  # to the end of its unit of work (PayloadStopping)
             if worker.is_alive():
                 self.log.warning("worker_busy_at_stop", waited_s=STOP_WAIT_S, task=self.current.get("task"))
+            commands.join(STOP_WAIT_S)  # a write in progress ends (or the disk is stalled)
+            self._final_writes()
         return 0
+
+    def _boot_writes(self) -> None:
+        """The boot's own writes, first on the command thread: the boot count (and the replay
+        guard with it), the telemetry numbers reserved ahead, the window log."""
+        if self.storage.allows_writes():
+            try:
+                self.state.save()
+                self.tm_counter.reserve([Apid.PAYLOAD])
+            except OSError as exc:
+                if not self._storage_failed(exc, "saving the boot count"):
+                    raise
+        self._start_window_log()
+
+    def _final_writes(self) -> None:
+        """At a stop (not a cut): what is still only in memory, if the disk takes it at once."""
+        if self._command_thread is not None and self._command_thread.is_alive():
+            return  # stuck on the disk: the process leaves without waiting for it
+        try:
+            self.health.flush()
+            if self.state.dirty and self.storage.allows_writes():
+                self.state.save()
+        except OSError as exc:
+            self.log.warning("final_writes_failed", error=str(exc))
 
     def worker_busy(self) -> bool:
         """Whether the worker thread is still running after run() returned (e.g. inside a weight
@@ -796,6 +1092,9 @@ class FlightApp(CommandHandlers):
             )
 
     def _loop_once(self, sock, timers: dict, unsent: list) -> None:
+        """One turn of the main thread: heartbeat and housekeeping from memory, packets out and
+        in. Nothing here waits on the disk (a report's bookkeeping once it has left is a job for
+        the command thread)."""
         now = time.monotonic()
         if now >= timers["heartbeat"]:
             timers["heartbeat"] = now + HEARTBEAT_S
@@ -810,11 +1109,7 @@ class FlightApp(CommandHandlers):
         if now >= timers["housekeeping"]:
             timers["housekeeping"] = now + HOUSEKEEPING_S
             self.send(self.housekeeping())
-        self.health.expire()
-        if self._deferred_reports and not self.health.suspects:
-            deferred, self._deferred_reports = self._deferred_reports, set()
-            for task_id in sorted(deferred):
-                self.send_final_report(self.queue.get(task_id))
+        self._watch_stall(now)
         while unsent or not self.outbox.empty():
             if not unsent:
                 unsent.append(self.outbox.get_nowait())
@@ -826,22 +1121,29 @@ class FlightApp(CommandHandlers):
                 break
             unsent.pop(0)
             if on_sent is not None:
-                try:
-                    on_sent()
-                except Exception as exc:  # noqa: BLE001 - e.g. a full disk: the report goes again next boot
-                    self._fault(EventId.MAIN_LOOP_FAULT, "recording a sent report", exc)
+                self._later(lambda on_sent=on_sent: self._after_sent(on_sent))
         received = recv_packet(sock, timeout_s=0.05)
         if received is not None:
             self.handle_packet(received.packet)
 
+    def _after_sent(self, on_sent) -> None:
+        try:
+            on_sent()
+        except Exception as exc:  # noqa: BLE001 - e.g. a full disk: the report goes again next boot
+            if not self._storage_failed(exc, "recording a sent report"):
+                self._fault(EventId.MAIN_LOOP_FAULT, "recording a sent report", exc)
+
     def _start_window_log(self) -> None:
         """Log the window the last boot lived through and keep this one's length on disk."""
+        if self.windows is None:
+            return
+        windows = self.windows
         try:
-            self.cadence.set_windows(self.windows.open(self.state.counters.boot_count))
+            self.cadence.set_windows(windows.open(self.state.counters.boot_count))
         except OSError as exc:  # the history is advice: without it the cadence is the fixed one
             self.log.warning("window_log_unavailable", error=str(exc))
             return
-        costs = WriteCosts(self.windows.dir)
+        costs = WriteCosts(windows.dir)
         try:
             learned = costs.load()
             self.cadence.learn_writes(learned)
@@ -856,7 +1158,7 @@ class FlightApp(CommandHandlers):
             costs.save(self.cadence.learned_writes())
 
         threading.Thread(
-            target=self.windows.keep_marking, args=(self.stop, keep_costs), name="window-log", daemon=True
+            target=windows.keep_marking, args=(self.stop, keep_costs), name="window-log", daemon=True
         ).start()
 
     def _worker_guarded(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import math
 import os
 import signal
 import sys
@@ -30,6 +31,7 @@ from flight.cli_options import (
     storage_for,
 )
 from flight.model.config import ModelError, page_in, read_model_type, weight_files
+from flight.options import DEFAULT_RESERVE_BYTES
 
 
 def register(sub) -> None:
@@ -78,6 +80,15 @@ def register(sub) -> None:
         metavar="N",
         help="queue journal entries between compactions (default 512)",
     )
+    run.add_argument(
+        "--storage-reserve-mb",
+        type=float,
+        default=DEFAULT_RESERVE_BYTES / 2**20,
+        metavar="MB",
+        help=f"space set aside on the data disk for the payload's own state, queue and health records "
+        f"(default {DEFAULT_RESERVE_BYTES >> 20}); released when the disk fills up, so that they can still be "
+        'written (docs/flight.md "Storage")',
+    )
     add_engine_arguments(run)
     run.set_defaults(func=cmd_run)
 
@@ -112,6 +123,8 @@ def cmd_run(args) -> int:
 
     if args.results_budget_mb < 0 or args.compact_after < 1:
         raise CliError("--results-budget-mb must be >= 0 and --compact-after >= 1", EXIT_USAGE)
+    if not math.isfinite(args.storage_reserve_mb) or args.storage_reserve_mb < 0:
+        raise CliError(f"--storage-reserve-mb must be a number >= 0, not {args.storage_reserve_mb}", EXIT_USAGE)
     fs, weight_hook = storage_for(args)
     data_fs = data_storage_for(args, fs)
     app = FlightApp(
@@ -128,6 +141,7 @@ def cmd_run(args) -> int:
         results_budget_bytes=int(args.results_budget_mb * 2**20),
         compact_after=args.compact_after,
         cadence=cadence_for(args),
+        storage_reserve_bytes=int(args.storage_reserve_mb * 2**20),
     )
     signal.signal(signal.SIGTERM, lambda *_: app.stop.set())
     code = app.run()

@@ -43,10 +43,11 @@ import sys
 import threading
 import time
 import zlib
+from typing import TextIO
 
 import msgpack
 
-from common.durable import DurableFS
+from common.durable import DurableFS, storage_condition
 from common.record import Kind, RecordError, decode, encode
 from common.wire.ids import MAX_ITEM_BYTES, MAX_REASON_BYTES
 from common.wire.text import clip_utf8
@@ -58,8 +59,8 @@ VERDICT_WAIT_S = 5.0
 #: Items whose exits are counted, and items in quarantine, at most (the oldest go first).
 MAX_COUNTED = 256
 MAX_QUARANTINED = 1024
-MAIN, WORKER = 0, 1
-SLOTS = 2
+MAIN, WORKER, COMMANDS = 0, 1, 2
+SLOTS = 3
 _SLOT_BYTES = 512
 _SLOT_HEAD = struct.Struct("<II")  # payload length, crc32
 ENGINE_ITEM = "engine:load"
@@ -113,11 +114,27 @@ class Health:
         self.suspects: dict[str, str] = {}  # items held until the bus says how the last boot ended
         self._suspects_since = time.monotonic()
         self._faults = _parse_faults(os.environ.get("OW_FAULT") if fault_spec is None else fault_spec)
-        self.fs.makedirs(directory)
+        #: counts changed in memory and not yet on disk (the disk refused, or saves are deferred)
+        self.dirty = False
+        #: set by the payload once its command thread runs: counts are then saved there (flush),
+        #: never by a thread that must not wait on the disk
+        self.defer_saves = False
+        try:
+            self.fs.makedirs(directory)
+        except OSError as exc:
+            if storage_condition(exc) is None:
+                raise
         self._load()
         previous = self._read_inflight()
         crash = self._take_crash_record()
-        self._inflight_fd = os.open(self.inflight_path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._inflight_fd: int | None = None
+        try:
+            self._inflight_fd = os.open(self.inflight_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:  # a read-only disk: no breadcrumb this boot (the bus's guard remains)
+            if storage_condition(exc) is None:
+                raise
+            if log is not None:
+                log.warning("health_breadcrumb_unavailable", error=str(exc))
         for slot in range(SLOTS):
             self._write_slot(slot, None)
         if previous:
@@ -136,7 +153,7 @@ class Health:
             self.exits = {k: list(v) for k, v in rec.meta["exits"].items()}
             self.quarantine = {k: list(v) for k, v in rec.meta["quarantine"].items()}
             self.abnormal_exits = int(rec.meta.get("abnormal_exits", 0))
-        except (RecordError, KeyError, TypeError, ValueError, AttributeError):
+        except (RecordError, KeyError, TypeError, ValueError, AttributeError, OSError):
             self.corrupt = True  # start counting afresh: at worst an item gets EXIT_BOUND more tries
 
     def _save(self) -> None:
@@ -150,6 +167,29 @@ class Health:
                 del self.quarantine[item]
         meta = {"exits": self.exits, "quarantine": self.quarantine, "abnormal_exits": self.abnormal_exits}
         self.fs.write_atomic(self.state_path, encode(Kind.HEALTH_STATE, meta).chunks)
+
+    def _persist(self) -> None:
+        """Save the counts now, or mark them for `flush` (saves deferred, or the disk refused):
+        a full or read-only disk never loses a count that is in memory, nor the event about it."""
+        with self._lock:
+            self.dirty = True
+            if self.defer_saves:
+                return
+        self.flush()
+
+    def flush(self) -> None:
+        """Save counts changed since the last save (a no-op when there are none). A disk that
+        refuses leaves them dirty for the next flush."""
+        with self._lock:
+            if not self.dirty:
+                return
+            try:
+                self._save()
+            except OSError as exc:
+                if self.log is not None:
+                    self.log.warning("health_state_not_saved", error=str(exc))
+                return
+            self.dirty = False
 
     # ---- breadcrumb ----------------------------------------------------------------------------------
     def _read_inflight(self) -> list[str]:
@@ -176,9 +216,14 @@ class Health:
         return list(dict.fromkeys(items))
 
     def _write_slot(self, slot: int, item: str | None) -> None:
+        if self._inflight_fd is None:
+            return
         payload = b"" if item is None else msgpack.packb([self.boot, item])
         block = _SLOT_HEAD.pack(len(payload), zlib.crc32(payload)) + payload
-        os.pwrite(self._inflight_fd, block.ljust(_SLOT_BYTES, b"\0"), slot * _SLOT_BYTES)
+        try:
+            os.pwrite(self._inflight_fd, block.ljust(_SLOT_BYTES, b"\0"), slot * _SLOT_BYTES)
+        except OSError:
+            pass  # the breadcrumb is best effort: a full page cache on a full disk loses one crumb
 
     @contextlib.contextmanager
     def handling(self, item: str, slot: int):
@@ -205,7 +250,10 @@ class Health:
         except OSError:
             return ""
         if text:
-            os.replace(self.crash_path, self.crash_path + ".previous")  # kept for diagnosis
+            try:
+                os.replace(self.crash_path, self.crash_path + ".previous")  # kept for diagnosis
+            except OSError:
+                pass  # a read-only disk: read again next boot, where the breadcrumb is gone
         lines = [line for line in text.splitlines() if line.strip()]
         return lines[0] if lines else ""
 
@@ -213,7 +261,11 @@ class Health:
         """From now on faulthandler writes a fatal signal's traceback to `crash.log` and the
         exception hooks one line for an exception that escaped everything else (called by the
         payload process as it starts; process-wide, so not by an in-process test's Health)."""
-        self._crash_file = open(self.crash_path, "a", buffering=1)
+        self._crash_file: TextIO
+        try:
+            self._crash_file = open(self.crash_path, "a", buffering=1)
+        except OSError:  # a read-only disk: the crash goes to the payload's output, which the bus keeps
+            self._crash_file = sys.stderr
         faulthandler.enable(file=self._crash_file, all_threads=True)
         previous_hook, previous_thread_hook = sys.excepthook, threading.excepthook
 
@@ -257,7 +309,7 @@ class Health:
                     ]
                     del self.exits[item]
                     quarantined.append(item)
-            self._save()
+            self._persist()
         for item in items:
             if item in quarantined:
                 self.on_event(
@@ -300,7 +352,7 @@ class Health:
         if item in self.exits:
             with self._lock:
                 if self.exits.pop(item, None) is not None:
-                    self._save()
+                    self._persist()
 
     # ---- quarantine --------------------------------------------------------------------------------
     def is_quarantined(self, item: str) -> bool:
@@ -311,7 +363,7 @@ class Health:
             if self.quarantine.pop(item, None) is None:
                 return False
             self.exits.pop(item, None)
-            self._save()
+            self._persist()
         return True
 
     def listing(self) -> list[tuple[str, int, str]]:

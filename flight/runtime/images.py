@@ -25,7 +25,7 @@ import threading
 
 import msgpack
 
-from common.durable import DurableFS
+from common.durable import DurableFS, best_effort
 from common.imagecheck import ImageRejected, ProcessorLimits, open_reduced
 from common.wire import ResponseCode, WireError
 from common.wire import messages as m
@@ -44,7 +44,7 @@ class ImageStore:
         self.fs = fs or DurableFS()
         self.directory = directory
         self.limits = limits
-        self.fs.makedirs(directory)
+        best_effort(self.fs.makedirs, directory)  # a read-only disk: uploads are refused, not the boot
         self._lock = threading.Lock()
 
     def _dir(self, name: str) -> str:

@@ -28,7 +28,7 @@ import threading
 import zlib
 from dataclasses import asdict, dataclass, field
 
-from common.durable import DurableFS
+from common.durable import DurableFS, best_effort
 from common.record import FIXED_HEADER, HEADER_LEN, MAGIC, MAX_META, Kind, RecordError, _parse_header, decode, encode
 from common.wire.fields import check_name
 from common.wire.ids import MAX_REASON_BYTES, MAX_RESULT_TEXT_BYTES
@@ -126,11 +126,13 @@ class TaskQueue:
 
     # ---- journal: reading -----------------------------------------------------------------------
     def _open(self) -> None:
-        self.fs.makedirs(self.directory)
-        self.fs.remove_stale_temps(self.directory)
+        # Tidying and rewrites wait for a disk that takes them (read-only, full): the queue is read
+        # all the same, and a rewrite the open wanted is done by a later open or compaction.
+        best_effort(self.fs.makedirs, self.directory)
+        best_effort(self.fs.remove_stale_temps, self.directory)
         for name in self.fs.listdir(self.directory):
             if name.endswith(".tmp"):  # temporaries of an older build (fixed names)
-                self.fs.remove(os.path.join(self.directory, name), sync=False)
+                best_effort(self.fs.remove, os.path.join(self.directory, name), False)
         self.salt = salt_file = self._read_salt()
         self.lost = self._read_lost()
         legacy_finished: dict[str, Task] = {}
@@ -149,7 +151,9 @@ class TaskQueue:
             # First open, an older build's journal (salt 0) or a damaged salt file: a fresh salt,
             # and the journal rewritten under it below.
             self.salt = secrets.randbits(63) or 1
-            self.fs.write_atomic(self.salt_path, [_SALT.pack(self.salt, zlib.crc32(struct.pack("<Q", self.salt)))])
+            best_effort(
+                self.fs.write_atomic, self.salt_path, [_SALT.pack(self.salt, zlib.crc32(struct.pack("<Q", self.salt)))]
+            )
         if (
             self.damage.bytes_dropped
             or self.damage.tail_bytes
@@ -157,9 +161,9 @@ class TaskQueue:
             or salt_file is None
             or self._entries > self.compact_after
         ):
-            self.compact()  # rewrite clean: the damage is behind us, every live task in its own record
+            best_effort(self.compact)  # rewrite clean: the damage is behind us, every live task in its own record
         if self.damage.named or self.damage.records_dropped:
-            self._remember_lost(self.damage)
+            best_effort(self._remember_lost, self.damage)
 
     def _read_salt(self) -> int | None:
         if not self.fs.exists(self.salt_path):
@@ -368,7 +372,9 @@ class TaskQueue:
             self._apply(entry, {}, set())
             self._entries += 1
             if self._entries > self.compact_after:
-                self.compact()
+                # The entry is durable: a disk that refuses the rewrite leaves the journal longer,
+                # never the change undone (compaction is tried again at the next entry).
+                best_effort(self.compact)
 
     def compact(self) -> None:
         """Replace the journal by one snapshot header and one record per live task (atomic)."""
@@ -408,7 +414,9 @@ class TaskQueue:
                 self._next_order,
             )
             self._append({"op": "submit", "task": asdict(task)})
-            self.fs.append(self.ids_path, self._encode({"task_id": task_id}))
+            # The second copy of the id (to name the task should its record be damaged): the
+            # task is queued and durable already, so a disk that refuses this costs only that.
+            best_effort(self.fs.append, self.ids_path, self._encode({"task_id": task_id}))
             return self.tasks[task_id]
 
     def set_priority(self, task_id: str, priority: int) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
-from common.durable import DurableFS
+from common.durable import DurableFS, best_effort
 from common.record import Kind, RecordError, decode, encode
 
 SUFFIX = ".rec"
@@ -68,8 +68,8 @@ class ResultStore:
         return os.path.join(self.directory, task_id + SUFFIX)
 
     def _open(self) -> None:
-        self.fs.makedirs(self.directory)
-        self.fs.remove_stale_temps(self.directory)
+        best_effort(self.fs.makedirs, self.directory)  # a read-only disk: read what is there
+        best_effort(self.fs.remove_stale_temps, self.directory)
         for name in self.fs.listdir(self.directory):
             if not name.endswith(SUFFIX) or name.startswith("."):
                 continue
@@ -103,7 +103,7 @@ class ResultStore:
         self._write(entry, meta_task)
         entry.nbytes = self.fs.size(self._path(entry.task_id))
         self.index[entry.task_id] = entry
-        self._enforce_budget()
+        best_effort(self._enforce_budget)  # the result is durable; eviction can wait for the disk
         return entry
 
     def mark_reported(self, task_id: str) -> None:
@@ -112,8 +112,12 @@ class ResultStore:
             return
         task = self.load(task_id)
         entry.reported = True
-        self._write(entry, task)
-        self._enforce_budget()
+        try:
+            self._write(entry, task)
+        except BaseException:
+            entry.reported = False  # not on disk: the report goes again at the next boot
+            raise
+        best_effort(self._enforce_budget)
 
     def _enforce_budget(self) -> None:
         total = sum(e.nbytes for e in self.index.values() if e.gone is None)

@@ -1,0 +1,133 @@
+"""The storage state machine and the telemetry counter that never waits on the disk, in process
+(flight/runtime/storage.py, common/wire/seq.py); the payload around them is tested in
+test_storage_conditions.py."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import pytest
+
+from common import durable
+from common.durable import DurableFS, StorageFaults
+from common.wire import StorageState
+from common.wire.seq import AheadSequenceCounter
+from flight.runtime.storage import LOW_WATER_BYTES, RESTORE_CHECKS, GatedFS, Storage
+
+
+class Changes(list):
+    def __call__(self, state, previous, text):
+        self.append((state, previous, text))
+
+
+@pytest.fixture
+def faults(tmp_path, monkeypatch):
+    control = tmp_path / "faults.json"
+    monkeypatch.setattr(durable, "storage_faults", StorageFaults(str(control)))
+
+    def set_(**spec):
+        tmp = control.with_suffix(".tmp")
+        tmp.write_text(json.dumps(spec))
+        os.replace(tmp, control)
+        os.utime(control, ns=(os.stat(control).st_mtime_ns + 1_000_000,) * 2)
+
+    return set_
+
+
+def test_full_gives_back_the_reserve_and_returns_once_there_is_room(tmp_path, faults):
+    data = tmp_path / "data"
+    data.mkdir()
+    changes = Changes()
+    storage = Storage(str(data), DurableFS(), 1 << 20, on_change=changes)
+    storage.open()
+    assert storage.reserve_held == 1 << 20 and storage.state == StorageState.OK
+    faults(mode="full", free_bytes=0, under=[str(data)])
+    storage.check()
+    assert storage.state == StorageState.FULL and storage.reserve_held == 0
+    assert DurableFS().free_bytes(str(data)) == 1 << 20  # the reserve's space, for the payload's records
+    assert changes[-1][0] == StorageState.FULL and "reserve" in changes[-1][2]
+    # growth is refused before it reaches the disk; the payload's own records are not
+    gated = GatedFS(DurableFS(), storage)
+    with pytest.raises(OSError) as info:
+        gated.write_atomic(str(data / "ckpt"), [b"x"])
+    assert info.value.errno == errno.ENOSPC
+    DurableFS().write_atomic(str(data / "state.rec"), [b"x" * 1000])
+    # room again: back to ok only after RESTORE_CHECKS checks in a row, reserve written again
+    faults(mode="ok")
+    for _ in range(RESTORE_CHECKS - 1):
+        storage.check()
+        assert storage.state == StorageState.FULL
+    storage.check()
+    assert storage.state == StorageState.OK and storage.reserve_held == 1 << 20
+    assert changes[-1][0] == StorageState.OK
+
+
+def test_a_flapping_disk_does_not_flap_the_state(tmp_path, faults):
+    data = tmp_path / "data"
+    data.mkdir()
+    changes = Changes()
+    storage = Storage(str(data), DurableFS(), 0, on_change=changes)
+    storage.open()
+    for _ in range(5):
+        faults(mode="full", free_bytes=0, under=[str(data)])
+        storage.check()
+        faults(mode="ok")
+        storage.check()  # one good check: not yet trusted
+    assert [c[0] for c in changes] == [StorageState.FULL]
+
+
+def test_read_only_and_io_errors_are_conditions_and_probed_back(tmp_path, faults):
+    data = tmp_path / "data"
+    (data / "state").mkdir(parents=True)
+    changes = Changes()
+    storage = Storage(str(data), DurableFS(), 0, on_change=changes)
+    storage.open()
+    faults(mode="read_only", under=[str(data)])
+    try:
+        DurableFS().write_atomic(str(data / "state" / "x"), [b"1"])
+    except OSError as exc:
+        assert storage.failed(exc, "a write")
+    assert storage.state == StorageState.READ_ONLY and not storage.allows_writes()
+    assert not storage.failed(ValueError("not the disk"), "a write")
+    faults(mode="eio", under=[str(data)])
+    storage.failed(OSError(errno.EIO, "I/O error"), "a write")
+    assert storage.state == StorageState.ERROR
+    storage.failed(OSError(errno.ENOSPC, "full"), "a write")
+    assert storage.state == StorageState.ERROR  # a failing disk that is also full is still failing
+    faults(mode="ok")
+    for _ in range(RESTORE_CHECKS):
+        storage.check()
+    assert storage.state == StorageState.OK
+    assert [c[0] for c in changes] == [StorageState.READ_ONLY, StorageState.ERROR, StorageState.OK]
+
+
+def test_too_little_space_at_boot_is_full_from_the_start(tmp_path, faults):
+    data = tmp_path / "data"
+    data.mkdir()
+    faults(mode="full", free_bytes=LOW_WATER_BYTES - 1, under=[str(data)])
+    storage = Storage(str(data), DurableFS(), 1 << 20)
+    storage.open()
+    assert storage.state == StorageState.FULL
+
+
+def test_telemetry_numbers_never_wait_on_the_disk_and_never_repeat_once_reserved(tmp_path, faults):
+    path = tmp_path / "state" / "tm.bin"
+    counter = AheadSequenceCounter(path, block=8)
+    assert counter.wants_reserve() is False  # nothing issued yet
+    counter.reserve([0x20])
+    issued = [counter.next(0x20) for _ in range(5)]
+    assert issued == [0, 1, 2, 3, 4] and counter.wants_reserve()  # under half a block left
+    faults(mode="read_only", under=[str(tmp_path)])
+    with pytest.raises(OSError):
+        counter.reserve()
+    issued += [counter.next(0x20) for _ in range(10)]  # past the reservation: still issued
+    assert counter.unreserved == 7
+    faults(mode="ok")
+    counter.reserve()
+    restarted = AheadSequenceCounter(path, block=8)  # a cut: the next boot starts past the reservation
+    assert restarted.next(0x20) > max(issued)
+    damaged = tmp_path / "state" / "bad.bin"
+    damaged.write_bytes(b"not a counter")
+    assert AheadSequenceCounter(damaged).reset_reason is not None
