@@ -20,7 +20,7 @@ The **reserve** is a file of `reserve_bytes` (`reserve/ballast`) written when th
 at first boot or once space returns. When the disk fills up (free space under LOW_WATER_BYTES, or
 a write fails with ENOSPC), the ballast is removed: the space it held is what the payload's own
 records use until the disk has room again. The state returns to `ok` on its own, once
-`check()` -- called about every second off the main loop -- has seen room for the reserve again
+`check()` -- called twice a second off the main loop -- has seen room for the reserve again
 (full) or a probe write succeed (read-only, error) RESTORE_CHECKS times in a row, so a disk that
 flaps between full and free does not flap the service.
 """
@@ -181,7 +181,7 @@ class Storage:
 
     # ---- watching -----------------------------------------------------------------------------
     def check(self) -> None:
-        """About once a second, off the main loop: notice a disk filling up before a write fails,
+        """Twice a second, off the main loop: notice a disk filling up before a write fails,
         and return to `ok` once the disk takes writes again."""
         self.free_bytes = self.fs.free_bytes(self.data_dir)
         state = self.state
