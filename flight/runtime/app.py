@@ -513,14 +513,8 @@ class FlightApp(CommandHandlers):
                 bus_handler(header, message)  # warnings and telemetry change memory only
             return
         request = header.request
-        try:
-            with self.state.lock:
-                self.state.guard.accept(request.apid, request.source_id, request.seq)
-                self.state.dirty = True
-        except ReplayError as err:
-            what = "replayed" if err.code == ResponseCode.REPLAYED_SEQUENCE else "far-ahead"
-            self.event(EventId.REPLAY_DETECTED, f"{what} {MessageType(request.message_type).name} seq {request.seq}")
-            self._reject(m.Rejected.from_error(err, request), err.code)
+        at_once = message.TYPE in ANSWERED_AT_ONCE
+        if not self._replay_checked(request, record=at_once):
             return
         item = command_item(message)
         if self.health.is_quarantined(item):
@@ -534,10 +528,35 @@ class FlightApp(CommandHandlers):
                 ResponseCode.QUARANTINED,
             )
             return
-        if message.TYPE in ANSWERED_AT_ONCE:
+        if at_once:
             self._dispatch(request, message, item)
         else:
-            self._later(lambda: self._dispatch(request, message, item))
+            self._later(lambda: self._dispatch_in_turn(request, message, item))
+
+    def _dispatch_in_turn(self, request: RequestRef, message: m.Message, item: str) -> None:
+        """On the command thread: the number recorded now, right before its command runs."""
+        if self._replay_checked(request, record=True):
+            self._dispatch(request, message, item)
+
+    def _replay_checked(self, request: RequestRef, record: bool) -> bool:
+        """The replay guard: False (and a rejection) for a number already accepted. A command run
+        on the command thread is *recorded* there, just before it runs, and only checked as it
+        arrives: the guard on disk must never hold the number of a command whose effect is not
+        on disk yet, or a cut in between would make its redelivery look like a replay and lose
+        it."""
+        try:
+            with self.state.lock:
+                if record:
+                    self.state.guard.accept(request.apid, request.source_id, request.seq)
+                    self.state.dirty = True
+                else:
+                    self.state.guard.check(request.apid, request.source_id, request.seq)
+        except ReplayError as err:
+            what = "replayed" if err.code == ResponseCode.REPLAYED_SEQUENCE else "far-ahead"
+            self.event(EventId.REPLAY_DETECTED, f"{what} {MessageType(request.message_type).name} seq {request.seq}")
+            self._reject(m.Rejected.from_error(err, request), err.code)
+            return False
+        return True
 
     def _later(self, job) -> None:
         """Run `job` on the command thread, in order (inline when there is none)."""

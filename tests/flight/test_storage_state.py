@@ -131,3 +131,32 @@ def test_telemetry_numbers_never_wait_on_the_disk_and_never_repeat_once_reserved
     damaged = tmp_path / "state" / "bad.bin"
     damaged.write_bytes(b"not a counter")
     assert AheadSequenceCounter(damaged).reset_reason is not None
+
+
+def test_the_guard_on_disk_never_holds_a_command_not_yet_run(tmp_path, model_dirs):
+    """Found by the end-to-end test once the payload answered PINGs on its main thread: a number
+    recorded as the command arrived was saved (by another command's save) before that command
+    ran; a cut in between made its redelivery a 'replay', and an image chunk was lost. A command
+    handed to the command thread is only checked on arrival and recorded when it runs."""
+    import threading
+
+    from common.wire import Apid, NodeId, ReplayGuard
+    from common.wire import encode as encode_packet
+    from common.wire import messages as m
+    from flight.engine import EngineOptions
+    from flight.runtime.app import FlightApp
+
+    app = FlightApp(
+        str(tmp_path / "data"), model_dirs["qwen3-vl"], str(tmp_path / "keys"), "tcp://127.0.0.1:1", EngineOptions()
+    )
+    app._command_thread = threading.Thread(target=lambda: None)  # jobs queue up, as behind a busy command
+    chunk = m.ImageChunk.split("a.png", b"\x89PNG" + bytes(100), chunk_bytes=64)[0]
+    app.handle_packet(encode_packet(chunk, Apid.PAYLOAD, 5, source_id=NodeId.GROUND))
+    app.handle_packet(encode_packet(m.Ping(key=1), Apid.PAYLOAD, 6, source_id=NodeId.GROUND))
+    app.state.save()  # what the command thread's next save writes while the chunk still waits
+    on_disk = FlightApp(
+        str(tmp_path / "data"), model_dirs["qwen3-vl"], str(tmp_path / "keys"), "tcp://127.0.0.1:1", EngineOptions()
+    ).state.guard
+    on_disk.check(Apid.PAYLOAD, NodeId.GROUND, 5)  # not recorded: its redelivery is not a replay
+    assert isinstance(on_disk, ReplayGuard) and on_disk.highest(Apid.PAYLOAD, NodeId.GROUND) == 6
+    assert app.jobs.qsize() == 1
