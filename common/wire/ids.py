@@ -102,6 +102,19 @@ class NodeId(enum.IntEnum):
     PAYLOAD = 0x0200
 
 
+#: Ground source ids (docs/wire-protocol.md §5.1), each bound by the bus to one station key:
+#: 0x0001..0x000F are admin stations (the operations centre: they may act on every task),
+#: 0x0010..0x00FF ordinary stations (they act on the tasks they uplinked, and on no other).
+ADMIN_SOURCE_IDS = range(0x0001, 0x0010)
+STATION_SOURCE_IDS = range(0x0010, 0x0100)
+GROUND_SOURCE_IDS = range(0x0001, 0x0100)
+
+
+def is_admin_source(source_id: int) -> bool:
+    """Whether a telecommand from this source id may act on every station's tasks."""
+    return source_id in ADMIN_SOURCE_IDS
+
+
 class AckFlags(enum.IntFlag):
     """Which successful verification reports a telecommand asks for (PUS-1 acknowledgement
     flags). Rejections and failures are always reported."""

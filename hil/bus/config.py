@@ -10,11 +10,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from common.wire.link import Endpoints
-
-#: The payload link's client name (key file stem) unless configured otherwise.
-PAYLOAD_CLIENT = "payload"
-
+# PAYLOAD_CLIENT: the payload link's client name (key file stem) unless configured otherwise.
+from common.wire.link import PAYLOAD_CLIENT, Endpoints
 
 #: `ow flight run` with its placeholders, after whatever runs `ow`.
 FLIGHT_RUN_ARGS = (
