@@ -324,7 +324,7 @@ def station_source_id(layout: KeyLayout, name: str) -> int | None:
     return None
 
 
-class _AuthorizedKeys:
+class AuthorizedKeys:
     """Credentials provider for pyzmq's authenticator: the public keys in one directory, reread
     whenever the directory changes, each named after its file, and the station bindings beside
     them. Thread-safe: the authenticator's thread and the bus's main loop both read it."""
@@ -402,7 +402,7 @@ class CurveAuthenticator(ThreadAuthenticator):
 
     def __init__(self, context: zmq.Context, authorized_dir: str | os.PathLike):
         super().__init__(context)
-        self.keys = _AuthorizedKeys(Path(authorized_dir))
+        self.keys = AuthorizedKeys(Path(authorized_dir))
 
     def start(self) -> None:
         super().start()

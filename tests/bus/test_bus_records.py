@@ -25,11 +25,12 @@ def test_store_keeps_live_commands_in_order_across_reopen(tmp_path):
     store.mark_forwarded(entries[1], link=1)
     store.confirm(entries[0], "accepted")
     store.flush()
-    store.enqueue(ping(9), "ground", 2.0)  # recorded but never flushed: not durable, not promised
+    store.enqueue(ping(9), "ground", 2.0)  # durable when enqueue returns
+    store.mark_forwarded(entries[2], link=1)  # recorded but never flushed: not durable
 
     again = CommandStore(tmp_path)
-    assert [e.request.seq for e in again.pending()] == [1, 2, 3, 4]
-    assert [e.forwards for e in again.pending()] == [1, 0, 0, 0], "a restarted bus knows what may have been sent"
+    assert [e.request.seq for e in again.pending()] == [1, 2, 3, 4, 9]
+    assert [e.forwards for e in again.pending()] == [1, 0, 0, 0, 0], "a restarted bus knows what may have been sent"
     assert again.find(entries[1].key).store_id == entries[1].store_id
     assert again.find(entries[0].key) is None
     # Ids keep growing after the compaction on open: log lines of earlier runs stay unambiguous.
