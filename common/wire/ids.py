@@ -95,7 +95,8 @@ class Apid(enum.IntEnum):
 
 class NodeId(enum.IntEnum):
     """Secondary-header source id: which node produced a packet. Further ground stations take
-    0x0002..0x00FF; each keeps its own sequence counter and gets its own replay window."""
+    0x0002..0x00FF (admin 0x0001..0x000F, stations 0x0010..0x00FF: ADMIN_SOURCE_IDS,
+    STATION_SOURCE_IDS); each keeps its own sequence counter and gets its own replay window."""
 
     GROUND = 0x0001
     BUS = 0x0100
@@ -263,7 +264,11 @@ class ResponseCode(enum.IntEnum):
     SOURCE_NOT_BOUND = 305, "the packet's source id is not the one bound to the sender's key"
     STORAGE_READ_ONLY = 511, "payload storage refuses writes (read-only)"
     STORAGE_ERROR = 512, "payload storage reports I/O errors"
-    BUS_STORAGE_FULL = 513, "the bus cannot store the command: its own disk is full"
+    BUS_STORAGE_FULL = (
+        513,
+        "the bus cannot store the command: its own disk is full (or read-only, or failing; or its store is at "
+        "its cap: the reason says which)",
+    )
     STATION_QUOTA = 514, "the station already has its maximum of commands stored on the bus"
     RATE_LIMITED = 515, "the station sends commands faster than its rate limit"
     NOT_HELD = 516, "the payload is not held off by the boot-loop guard"
