@@ -136,8 +136,8 @@ class BusBase:
             condition = self.storage.condition or "error"
             self._bus_event(
                 EventId.BUS_STORAGE_FULL,
-                f"bus storage {condition} ({detail}): ground commands refused with BUS_STORAGE_FULL "
-                "until it takes writes again; stored commands are still relayed",
+                f"bus storage {condition} ({detail}): what the bus cannot store is refused (BUS_STORAGE_FULL) "
+                "or held in memory until the disk takes writes again; stored commands are still relayed",
                 condition=condition,
             )
         else:

@@ -141,6 +141,7 @@ class Bus(RelayPart):
             limits=self._limits(),
         )
         self._publish_early_events()
+        self._check_keys(time.monotonic())  # what authorized/ holds now (and drops a revoked key's commands)
         _log.info(
             "bus_started",
             trace=self.trace.name,

@@ -52,6 +52,8 @@ class RelayPart(StationsPart):
         request: RequestRef | None = None,
         task_id: str | None = None,
         type_name: str | None = None,
+        *,
+        link_refused: bool = False,
     ) -> None:
         report = m.Rejected.from_error(error, request, task_id)
         packet = self._bus_packet(report)
@@ -61,6 +63,8 @@ class RelayPart(StationsPart):
         in_full = self._log_rejection(sender, error.code.name, time.monotonic())
         if in_full:
             self._publish(packet)
+            if link_refused:
+                self.buslog.write(bl.LINK_REFUSED, **self._stamp(), link="commands", client=received.user_id)
         try:
             send_packet(
                 self.commands_sock, packet, routing_id=received.routing_id, timeout_s=0.0 if not in_full else 0.1
@@ -92,12 +96,11 @@ class RelayPart(StationsPart):
                 refused = decode(packet)[0].request
             except WireError as exc:
                 refused = exc.request
-            if self._log_rejection(user or "unknown", "LINK_REFUSED", now):
-                self.buslog.write(bl.LINK_REFUSED, **self._stamp(), link="commands", client=user)
             self._reject_ground(
                 received,
                 WireError(ResponseCode.NOT_AUTHORIZED, f"client {user!r} may not command the payload"),
                 refused,
+                link_refused=True,
             )
             return
         assert user is not None  # _ground_allowed refused a client without a name

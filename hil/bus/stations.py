@@ -127,6 +127,7 @@ class StationsPart(RoutingPart):
             "telemetry": OrderedDict(),
         }
         self.key_snapshot: dict[str, bytes] = {}
+        self._keys_known = False
         self._keys_checked = 0.0
         self._keys_forced = 0.0
         self.buckets: dict[str, TokenBucket] = {}
@@ -163,6 +164,20 @@ class StationsPart(RoutingPart):
         keys.refresh()
         before, after = self.key_snapshot, keys.snapshot()
         self.key_snapshot = after
+        if not self._keys_known:
+            # The first look (at start): commands stored by a key revoked while the bus was
+            # down do not go out either.
+            self._keys_known = True
+            for name in sorted({e.sender for e in self.store.pending()} - set(after)):
+                dropped = self._drop_stored_of(name)
+                if dropped:
+                    self._bus_event(
+                        EventId.KEY_REVOKED,
+                        f"key {name} no longer in authorized/: {dropped} stored command(s) dropped",
+                        key_name=name,
+                        connections_closed=0,
+                        commands_dropped=dropped,
+                    )
         for name, key in before.items():
             if after.get(name) == key:
                 continue

@@ -181,6 +181,9 @@ def test_the_bus_on_a_real_read_only_then_full_tmpfs(tmp_path, keys, context):
             pong(ground, 4)
         log = bl.read_log(disk / "bus" / bl.LOG_FILE)
     events = [e["event"] for e in log if e.kind == bl.BUS_EVENT]
-    assert events == ["BUS_STORAGE_FULL", "BUS_STORAGE_RESTORED"] * 2
+    # Once per transition: a real full disk may take a small write now and then (the last page of
+    # a file has room), so a spell may be more than one, but the two always alternate.
+    assert events[0] == "BUS_STORAGE_FULL" and events[-1] == "BUS_STORAGE_RESTORED" and len(events) >= 4
+    assert all(a != b for a, b in zip(events, events[1:], strict=False)), events
     assert log[0].kind == bl.RUN_START, "the lines of the read-only start were kept and written"
     assert refused_ro not in executed(record) and refused_full not in executed(record)
