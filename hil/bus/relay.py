@@ -91,15 +91,10 @@ class RelayPart(StationsPart):
         now = time.monotonic()
         user = received.user_id
         if not self._ground_allowed(user):
-            refused: RequestRef | None
-            try:
-                refused = decode(packet)[0].request
-            except WireError as exc:
-                refused = exc.request
             self._reject_ground(
                 received,
                 WireError(ResponseCode.NOT_AUTHORIZED, f"client {user!r} may not command the payload"),
-                refused,
+                self._header_request(packet),
                 link_refused=True,
             )
             return

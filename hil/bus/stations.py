@@ -40,6 +40,8 @@ CONNECTIONS_KEPT = 4096
 #: and logged as one `rejections_suppressed` line when it ends.
 REJECT_LOG_BURST = 20
 REJECT_LOG_WINDOW_S = 10.0
+#: A revoked key's connection that just sent a packet is closed this long after its REJECTED.
+CLOSE_DELAY_S = 0.2
 
 
 @dataclass
@@ -128,6 +130,8 @@ class StationsPart(RoutingPart):
         }
         self.key_snapshot: dict[str, bytes] = {}
         self._keys_known = False
+        #: connections of revoked keys to shut down once their last REJECTED has left
+        self._closing: list[tuple[float, str, Connection]] = []
         self._keys_checked = 0.0
         self._keys_forced = 0.0
         self.buckets: dict[str, TokenBucket] = {}
@@ -241,12 +245,22 @@ class StationsPart(RoutingPart):
         return closed
 
     def _close_revoked(self, link: str, conn_id: bytes | int | None, received: Received) -> None:
-        """A packet from a key that is no longer authorized: close the connection it came on."""
+        """A packet from a key that is no longer authorized: close the connection it came on, a
+        moment later, so that the REJECTED just sent on it leaves libzmq's queue first."""
         self._note_connection(link, conn_id, received)
         conn = self.connections[link].pop(conn_id, None) if conn_id is not None else None
-        if conn is not None and shut_down(conn):
-            self.buslog.write(bl.LINK_CLOSED, **self._stamp(), link=link, client=conn.name, reason="key revoked")
-            _log.warning("bus_connection_closed", link=link, client=conn.name, reason="key revoked")
+        if conn is not None:
+            self._closing.append((time.monotonic() + CLOSE_DELAY_S, link, conn))
+
+    def _close_due(self, now: float, final: bool = False) -> None:
+        due = [c for c in self._closing if final or c[0] <= now]
+        if not due:
+            return
+        self._closing = [c for c in self._closing if c not in due]
+        for _, link, conn in due:
+            if shut_down(conn):
+                self.buslog.write(bl.LINK_CLOSED, **self._stamp(), link=link, client=conn.name, reason="key revoked")
+                _log.warning("bus_connection_closed", link=link, client=conn.name, reason="key revoked")
 
     def _on_subscription(self, received: Received) -> None:
         """A telemetry subscription (XPUB): remember its connection; refuse a revoked key's."""
@@ -307,6 +321,7 @@ class StationsPart(RoutingPart):
     def _housekeep_stations(self, now: float, final: bool = False) -> None:
         if now - self._keys_checked >= KEYS_CHECK_S and not final:
             self._check_keys(now)
+        self._close_due(now, final)
         for sender, window in list(self.reject_windows.items()):
             if final or now - window.start >= REJECT_LOG_WINDOW_S:
                 self._end_reject_window(sender, window, now)
