@@ -26,6 +26,7 @@ from common.wire.link import (
     authorize_client,
     bind_station,
     init_keys,
+    read_binding,
     station_bindings,
 )
 from ground.errors import EXIT_OK, GroundError, LocalInputError
@@ -502,13 +503,19 @@ def cmd_keys_authorize(args) -> int:
         public = existing  # already admitted: bind it
     if args.admin and args.source_id is not None and not is_admin_source(args.source_id):
         raise LocalInputError(f"--admin with source id {args.source_id:#06x}: admin ids are 0x0001..0x000F")
-    admin = args.admin or (args.source_id is not None and is_admin_source(args.source_id))
+    source_id = args.source_id
+    if source_id is None and not args.admin:
+        try:
+            source_id = read_binding(layout.binding_path(args.name))  # kept as it is
+        except ValueError:
+            source_id = None  # a damaged binding is replaced
+    admin = args.admin or (source_id is not None and is_admin_source(source_id))
     try:
         check_operator_name(args.name, "station name")
         if not public.exists():
             raise LocalInputError(f"public key {public}: no such file (give --public-key FILE)")
         authorize_client(layout, args.name, public)
-        binding = bind_station(layout, args.name, args.source_id, admin=admin)
+        binding = bind_station(layout, args.name, source_id, admin=admin)
     except ValueError as exc:
         raise LocalInputError(str(exc)) from None
     except OSError as exc:

@@ -189,6 +189,8 @@ def test_keys_bind_each_station_to_a_source_id_and_the_tools_default_to_it(ow, t
         ow("ground", "keys", "authorize", "beta", "--keys", keys_dir, "--source-id", "0x20", "--json").out
     )
     assert moved == {"name": "beta", "source_id": 0x20, "role": "station"}
+    kept = json.loads(ow("ground", "keys", "authorize", "ops", "--keys", keys_dir, "--json").out)
+    assert kept == {"name": "ops", "source_id": 0x0002, "role": "admin"}, "authorize keeps a binding"
     assert ow("ground", "keys", "revoke", "alpha", "--keys", keys_dir).code == 0
     listed = {row["name"]: row for row in json.loads(ow("ground", "keys", "list", "--keys", keys_dir, "--json").out)}
     assert set(listed) == {"ground", "beta", "ops", "payload"}
