@@ -17,13 +17,34 @@ from pathlib import Path
 from common import log
 from common.cli import CliError
 from common.wire import WireError
-from common.wire.link import DEFAULT_CLIENTS, Endpoints, KeyLayout, init_keys
+from common.wire.ids import is_admin_source
+from common.wire.link import (
+    DEFAULT_CLIENTS,
+    PAYLOAD_CLIENT,
+    Endpoints,
+    KeyLayout,
+    authorize_client,
+    bind_station,
+    init_keys,
+    read_binding,
+    station_bindings,
+)
 from ground.errors import EXIT_OK, GroundError, LocalInputError
 
 _EPILOG = (
     "exit status: 0 ok; 2 usage; 3 rejected or failed by the payload; 4 no answer (payload off, bus down) "
     "or key refused; 5 local input error (nothing sent)"
 )
+
+
+def _source_id(text: str) -> int:
+    try:
+        value = int(text, 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 1 <= value <= 0xFF:
+        raise argparse.ArgumentTypeError(f"{text} outside 1..255 (0x0001..0x00FF, ground stations)")
+    return value
 
 
 def _common_options() -> argparse.ArgumentParser:
@@ -49,9 +70,10 @@ def _common_options() -> argparse.ArgumentParser:
     g.add_argument(
         "--source-id",
         metavar="N",
-        type=int,
-        default=1,
-        help="secondary-header source id, 1..255; give each ground station its own (default: 1)",
+        type=_source_id,
+        default=None,
+        help="secondary-header source id, 1..255 (0x.. accepted); default: the one the bus binds to the "
+        "station's key (<keys>/authorized/<station>.station or clients/<station>.station), else 1",
     )
     g.add_argument(
         "--commands-endpoint",
@@ -118,9 +140,60 @@ def register(subparsers) -> None:
         "--force", action="store_true", help="replace existing key pairs (every client then needs the new bus key)"
     )
     p.add_argument(
-        "--client", action="append", default=[], metavar="NAME", help="another client key pair to create and authorize"
+        "--client",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another station: a client key pair, authorized and bound to the next free station source id "
+        "(0x0010..0x00FF: it acts on its own tasks only)",
+    )
+    p.add_argument(
+        "--admin",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another admin station: as --client, bound to the next free admin source id (0x0002..0x000F: "
+        "it may act on every station's tasks)",
     )
     p.set_defaults(func=_guarded(cmd_keys_init))
+    p = keys_sub.add_parser(
+        "authorize",
+        parents=[common],
+        epilog=_EPILOG,
+        help="admit a station's public key and bind it to a source id",
+        description="Admit station NAME: copy its public key (--public-key FILE, default clients/NAME.key) to "
+        "authorized/NAME.key and bind it to a source id in authorized/NAME.station (--source-id N, or the next "
+        "free station id, or with --admin the next free admin id). An existing binding of NAME is kept unless "
+        "another id is asked for. The bus reads both at once, without a restart. Also binds a key authorized "
+        "before bindings existed.",
+    )
+    p.add_argument("name", metavar="NAME", help="the station's key name")
+    p.add_argument("--public-key", metavar="FILE", default=None, help="the station's public key file (.key)")
+    p.add_argument(
+        "--admin", action="store_true", help="bind to an admin source id (0x0001..0x000F) instead of a station's"
+    )
+    p.set_defaults(func=_guarded(cmd_keys_authorize))
+    p = keys_sub.add_parser(
+        "revoke",
+        parents=[common],
+        epilog=_EPILOG,
+        help="stop admitting a station's key",
+        description="Remove authorized/NAME.key and its binding: the bus refuses the key's next packet "
+        "(NOT_AUTHORIZED), closes its open connections within a second and publishes KEY_REVOKED; new "
+        "connections with the key fail the handshake.",
+    )
+    p.add_argument("name", metavar="NAME", help="the station's key name")
+    p.set_defaults(func=_guarded(cmd_keys_revoke))
+    p = keys_sub.add_parser(
+        "list",
+        parents=[common],
+        epilog=_EPILOG,
+        help="the keys the bus admits and their source ids",
+        description="List authorized/: each key name, the source id it is bound to and its role (admin or "
+        "station), `payload` (the payload link's key), or `unbound` (the bus refuses its commands with "
+        "SOURCE_NOT_BOUND until `ow ground keys authorize NAME` binds it).",
+    )
+    p.set_defaults(func=_guarded(cmd_keys_list))
 
     # uplink -----------------------------------------------------------------------------------
     p = leaf(
@@ -340,16 +413,19 @@ def _print_json(data) -> None:
 def cmd_keys_init(args) -> int:
 
     root = _keys_dir(args)
-    clients = list(dict.fromkeys([*DEFAULT_CLIENTS, args.station, *args.client]))
+    clients = list(dict.fromkeys([*DEFAULT_CLIENTS, args.station, *args.client, *args.admin]))
     before = KeyLayout(Path(root))
     existed = {name: before.client_secret(name).exists() for name in clients}
     server_existed = before.server_secret.exists()
     try:
-        layout = init_keys(root, tuple(clients), force=args.force)
+        layout = init_keys(root, tuple(clients), force=args.force, admins=tuple(args.admin))
     except WireError as exc:
         raise LocalInputError(f"client name: {exc.reason}") from None
+    except ValueError as exc:
+        raise LocalInputError(f"station binding: {exc}") from None
     except OSError as exc:
         raise LocalInputError(f"cannot create keys in {root}: {exc.strerror or exc}") from None
+    bound = station_bindings(layout)
 
     def state(existed_before: bool) -> str:
         return "replaced" if existed_before and args.force else ("kept" if existed_before else "created")
@@ -372,6 +448,7 @@ def cmd_keys_init(args) -> int:
                     for n in clients
                 },
                 "authorized": [str(layout.authorized_dir / f"{n}.key") for n in clients],
+                "bindings": {n: {"source_id": sid, "role": _role(sid)} for n, sid in bound.items()},
                 "state_dir": str(layout.state_dir),
             }
         )
@@ -388,6 +465,11 @@ def cmd_keys_init(args) -> int:
             f"({state(existed[n])})"
         )
     print(f"  bus admits        {', '.join(str((layout.authorized_dir / f'{n}.key').relative_to(r)) for n in clients)}")
+    print(
+        "  stations          "
+        + ", ".join(f"{n} {sid:#06x} ({_role(sid)})" for n, sid in bound.items() if n in clients)
+        + f" in {layout.authorized_dir.relative_to(r)}/<name>.station"
+    )
     print(f"  ground state      {layout.state_dir.relative_to(r)}/")
     print("where each file goes:")
     print(f"  bus:      {layout.server_dir.relative_to(r)}/ (both files) and {layout.authorized_dir.relative_to(r)}/")
@@ -399,9 +481,88 @@ def cmd_keys_init(args) -> int:
     print(
         f"  ground:   {layout.client_secret(args.station).relative_to(r)}, "
         f"{layout.client_public(args.station).relative_to(r)}, "
+        f"{layout.client_binding_path(args.station).relative_to(r)}, "
         f"{layout.server_public.relative_to(r)} and {layout.state_dir.relative_to(r)}/"
     )
     print("  secret keys (*.key_secret) never leave the machine they belong to")
+    return 0
+
+
+def _role(source_id: int) -> str:
+    return "admin" if is_admin_source(source_id) else "station"
+
+
+def cmd_keys_authorize(args) -> int:
+    # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
+    from ground.images import check_operator_name
+
+    layout = KeyLayout(Path(_keys_dir(args)))
+    public = Path(args.public_key) if args.public_key else layout.client_public(args.name)
+    existing = layout.authorized_dir / f"{args.name}.key"
+    if args.public_key is None and not public.exists() and existing.exists():
+        public = existing  # already admitted: bind it
+    if args.admin and args.source_id is not None and not is_admin_source(args.source_id):
+        raise LocalInputError(f"--admin with source id {args.source_id:#06x}: admin ids are 0x0001..0x000F")
+    source_id = args.source_id
+    if source_id is None and not args.admin:
+        try:
+            source_id = read_binding(layout.binding_path(args.name))  # kept as it is
+        except ValueError:
+            source_id = None  # a damaged binding is replaced
+    admin = args.admin or (source_id is not None and is_admin_source(source_id))
+    try:
+        check_operator_name(args.name, "station name")
+        if not public.exists():
+            raise LocalInputError(f"public key {public}: no such file (give --public-key FILE)")
+        authorize_client(layout, args.name, public)
+        binding = bind_station(layout, args.name, source_id, admin=admin)
+    except ValueError as exc:
+        raise LocalInputError(str(exc)) from None
+    except OSError as exc:
+        raise LocalInputError(f"cannot authorize {args.name} in {layout.root}: {exc.strerror or exc}") from None
+    if args.json:
+        _print_json({"name": binding.name, "source_id": binding.source_id, "role": binding.role})
+    else:
+        print(f"{binding.name}: admitted, source id {binding.source_id:#06x} ({binding.role})", flush=True)
+    return 0
+
+
+def cmd_keys_revoke(args) -> int:
+    layout = KeyLayout(Path(_keys_dir(args)))
+    key = layout.authorized_dir / f"{args.name}.key"
+    if not key.exists():
+        raise LocalInputError(f"{key}: no such key; nothing to revoke")
+    try:
+        # The key first: from then on no handshake succeeds and the bus closes what is open.
+        key.unlink()
+        layout.binding_path(args.name).unlink(missing_ok=True)
+    except OSError as exc:
+        raise LocalInputError(f"cannot revoke {args.name}: {exc.strerror or exc}") from None
+    if args.json:
+        _print_json({"name": args.name, "revoked": True})
+    else:
+        print(f"{args.name}: revoked (the bus closes its connections within a second)", flush=True)
+    return 0
+
+
+def cmd_keys_list(args) -> int:
+    layout = KeyLayout(Path(_keys_dir(args)))
+    names = sorted(p.stem for p in layout.authorized_dir.glob("*.key"))
+    bound = station_bindings(layout)
+    rows = [
+        {
+            "name": n,
+            "source_id": bound.get(n),
+            "role": _role(bound[n]) if n in bound else ("payload" if n == PAYLOAD_CLIENT else "unbound"),
+        }
+        for n in names
+    ]
+    if args.json:
+        _print_json(rows)
+        return 0
+    for row in rows:
+        sid = f"{row['source_id']:#06x}" if row["source_id"] is not None else "-"
+        print(f"{row['name']:<16} {sid:<7} {row['role']}", flush=True)
     return 0
 
 

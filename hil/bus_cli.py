@@ -59,6 +59,16 @@ def _non_negative(text: str) -> float:
     return value
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
 def add_run_arguments(run: argparse.ArgumentParser) -> None:
     env = Endpoints.from_env()
     g = run.add_argument_group("trace and clock")
@@ -256,7 +266,57 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
         help="a command that asked for no acceptance report counts as delivered after the payload "
         "lived this long past it (default 2)",
     )
-    g.add_argument("--max-in-flight", type=int, default=32, help="unconfirmed commands sent at a time (default 32)")
+    g.add_argument(
+        "--max-in-flight",
+        type=_positive_int,
+        default=32,
+        help="unconfirmed commands sent at a time, shared fairly between stations (default 32)",
+    )
+
+    g = run.add_argument_group("stations and bounds (docs/bus.md §5)")
+    g.add_argument(
+        "--station-quota",
+        type=_positive_int,
+        default=500,
+        metavar="N",
+        help="commands one station may have stored and unconfirmed; more are refused STATION_QUOTA (default 500)",
+    )
+    g.add_argument(
+        "--station-rate",
+        type=_non_negative,
+        default=50.0,
+        metavar="R",
+        help="commands a second one station may send (token bucket); more are refused RATE_LIMITED "
+        "(0 = no limit; default 50)",
+    )
+    g.add_argument(
+        "--station-burst",
+        type=_positive_int,
+        default=200,
+        metavar="B",
+        help="commands one station may send at once before --station-rate applies (default 200)",
+    )
+    g.add_argument(
+        "--store-max-commands",
+        type=_positive_int,
+        default=10_000,
+        metavar="N",
+        help="commands the bus stores in all; more are refused BUS_STORAGE_FULL (default 10000)",
+    )
+    g.add_argument(
+        "--store-max-mb",
+        type=_positive,
+        default=64.0,
+        metavar="MB",
+        help="MiB of command packets the bus stores in all; more are refused BUS_STORAGE_FULL (default 64)",
+    )
+    g.add_argument(
+        "--throttle-event-s",
+        type=_non_negative,
+        default=10.0,
+        metavar="S",
+        help="STATION_THROTTLED at most once per station in S seconds (default 10)",
+    )
 
     g = run.add_argument_group("telemetry and logs")
     g.add_argument(
@@ -276,6 +336,20 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
         dest="log_packets",
         action="store_false",
         help="do not keep telecommand bytes in the run log",
+    )
+    g.add_argument(
+        "--log-segment-mb",
+        type=_positive,
+        default=32.0,
+        metavar="MB",
+        help="rotate the run log past this size: bus-log.jsonl -> .1 -> .2 ... (default 32)",
+    )
+    g.add_argument(
+        "--log-segments",
+        type=_positive_int,
+        default=8,
+        metavar="N",
+        help="run log files kept, the current one included; the oldest beyond is removed (default 8)",
     )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -343,6 +417,14 @@ def config_from_args(args):
         fdir_off_s=args.fdir_off,
         confirm_after_s=args.confirm_after,
         max_in_flight=args.max_in_flight,
+        station_quota=args.station_quota,
+        station_rate=args.station_rate,
+        station_burst=args.station_burst,
+        store_max_commands=args.store_max_commands,
+        store_max_bytes=max(1, int(args.store_max_mb * 2**20)),
+        throttle_event_s=args.throttle_event_s,
+        log_segment_bytes=max(4096, int(args.log_segment_mb * 2**20)),
+        log_segments=args.log_segments,
         telemetry_max_hz=args.telemetry_max_hz,
         bus_temp_c=args.bus_temp_c,
         payload_client=args.payload_client,

@@ -9,10 +9,17 @@ gaps and FDIR actions, each stamped with three clocks:
     clock_s  the bus clock carried in telemetry: trace_s × time_scale
 
 so that a replay tool (`ow hil replay LOG`) can drive the same cut timeline relative to command
-arrival and compare the sequence of events. Writing: one `write()` per line, flushed at once
+arrival and compare the sequence of events. Writing: one `write()` per line, written at once
 (a killed bus loses nothing already written); power changes and warnings are also fsynced.
-Reading: `read_log(path)`; a torn last line is ignored. `recorded_uplinks(entries)`: the tasks
-and images the ground uplinked, decoded from the logged command packets.
+
+The log is bounded: past `segment_bytes` the file is rotated (bus-log.jsonl -> .1 -> .2 ...,
+the oldest beyond `segments` files removed). A line the disk refuses (full, read-only, failing)
+is kept in memory, up to MEMORY_LINES, and written with the rest once the disk takes it again
+(`retry()`); lines beyond that are counted and the count written as a `log_gap` line.
+
+Reading: `read_log(path)` reads every kept segment in order, the oldest first; a torn last line is
+ignored. `LogFollower` tails a growing, rotating log. `recorded_uplinks(entries)`: the tasks and
+images the ground uplinked, decoded from the logged command packets.
 """
 
 from __future__ import annotations
@@ -24,8 +31,9 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from common import durable
 from common.wire import decode
 from common.wire import messages as m
 
@@ -54,6 +62,10 @@ CLOCK_SKIP = "clock_skip"
 FDIR_ACTION = "fdir_action"
 SWITCH_ERROR = "power_switch_error"
 LINK_REFUSED = "link_refused"
+BUS_EVENT = "bus_event"
+LINK_CLOSED = "link_closed"
+REJECTIONS_SUPPRESSED = "rejections_suppressed"
+LOG_GAP = "log_gap"
 
 KINDS = (
     RUN_START,
@@ -74,8 +86,17 @@ KINDS = (
     FDIR_ACTION,
     SWITCH_ERROR,
     LINK_REFUSED,
+    BUS_EVENT,
+    LINK_CLOSED,
+    REJECTIONS_SUPPRESSED,
+    LOG_GAP,
 )
-_SYNCED = {RUN_START, RUN_STOP, POWER_ON, POWER_OFF, WARNING, FDIR_ACTION, TRACE_END}
+_SYNCED = {RUN_START, RUN_STOP, POWER_ON, POWER_OFF, WARNING, FDIR_ACTION, TRACE_END, BUS_EVENT}
+#: Defaults of `ow bus run --log-segment-mb / --log-segments`: at most 8 files of 32 MiB.
+DEFAULT_SEGMENT_BYTES = 32 << 20
+DEFAULT_SEGMENTS = 8
+#: Lines kept in memory while the disk refuses them (about 300 bytes each); later ones are counted.
+MEMORY_LINES = 20_000
 _COMMON = ("run", "n", "kind", "utc", "wall_s", "trace_s", "clock_s")
 
 
@@ -119,28 +140,123 @@ class BusLogEntry:
         )
 
 
-class BusLog:
-    """Appends entries of one bus run to the log file."""
+class StorageListener(Protocol):
+    """Told when the log's writes start failing and when they succeed again (hil.bus.storage)."""
 
-    def __init__(self, path: str | os.PathLike, run_id: str | None = None):
+    def failed(self, writer: str, exc: BaseException) -> None: ...
+
+    def succeeded(self, writer: str) -> None: ...
+
+
+def segment_path(path: str | os.PathLike, index: int) -> Path:
+    """The log's segment `index`: 0 the current file, 1 the one before it, ..."""
+    path = Path(path)
+    return path if index == 0 else path.with_name(f"{path.name}.{index}")
+
+
+_run_ids: set[str] = set()
+
+
+def _new_run_id() -> str:
+    """Start time and pid; a second run of this process in the same second gets a suffix
+    (readers tell lines apart by run and number)."""
+    base = time.strftime("%Y%m%dT%H%M%S") + f"-{os.getpid()}"
+    run, k = base, 1
+    while run in _run_ids:
+        run, k = f"{base}.{k}", k + 1
+    _run_ids.add(run)
+    return run
+
+
+class BusLog:
+    """Appends entries of one bus run to the log file (see the module docstring)."""
+
+    WRITER = "run log"
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        run_id: str | None = None,
+        *,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        segments: int = DEFAULT_SEGMENTS,
+        listener: StorageListener | None = None,
+    ):
+        if segment_bytes < 1 or segments < 1:
+            raise ValueError("a run log needs segment_bytes >= 1 and segments >= 1")
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.run = run_id or time.strftime("%Y%m%dT%H%M%S") + f"-{os.getpid()}"
+        self.segment_bytes = segment_bytes
+        self.segments = segments
+        self.listener = listener
+        self.run = run_id or _new_run_id()
         self._n = 0
         self._t0 = time.monotonic()
-        self._file = open(self.path, "a", encoding="utf-8")
-        # A line torn by a killed bus must not swallow our first entry.
-        if self._file.tell() > 0 and not self._ends_with_newline():
-            self._file.write("\n")
+        self._fd: int | None = None
+        self._size = 0
+        #: lines the disk refused, oldest first, and how many more were dropped
+        self._held: list[bytes] = []
+        self._dropped = 0
+        self.failing: OSError | None = None
+        self.rotations = 0
+        self._closed = False
+        try:
+            self._open()
+        except OSError as exc:
+            self._fail(exc)
+
+    def _open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if durable.storage_faults is not None:
+            durable.storage_faults.before_write(str(self.path), 0)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        size = os.fstat(fd).st_size
+        self._fd, self._size = fd, size
+        # A line torn by a killed bus (or a refused write) must not swallow our next entry.
+        if size > 0 and not self._ends_with_newline():
+            self._write_bytes(b"\n")
 
     def _ends_with_newline(self) -> bool:
         with open(self.path, "rb") as f:
             f.seek(-1, os.SEEK_END)
             return f.read(1) == b"\n"
 
+    def _write_bytes(self, data: bytes) -> None:
+        assert self._fd is not None
+        if durable.storage_faults is not None:
+            durable.storage_faults.before_write(str(self.path), len(data))
+        view = memoryview(data)
+        while view:
+            n = os.write(self._fd, view)
+            self._size += n
+            view = view[n:]
+
+    def _sync(self) -> None:
+        assert self._fd is not None
+        with durable.write_watch.timing():
+            if durable.storage_faults is not None:
+                durable.storage_faults.before_fsync(str(self.path))
+            os.fsync(self._fd)
+
+    def _fail(self, exc: OSError) -> None:
+        first = self.failing is None
+        self.failing = exc
+        if first and self.listener is not None:
+            self.listener.failed(self.WRITER, exc)
+
+    def _hold(self, line: bytes) -> None:
+        if len(self._held) < MEMORY_LINES:
+            self._held.append(line)
+        else:
+            self._dropped += 1
+
     @property
     def started_monotonic(self) -> float:
         return self._t0
+
+    @property
+    def held_lines(self) -> int:
+        """Lines waiting in memory for the disk."""
+        return len(self._held)
 
     def restart_clock(self) -> float:
         """Make wall_s count from now (the moment the bus's trace clock starts)."""
@@ -172,25 +288,103 @@ class BusLog:
             if key in _COMMON:
                 raise ValueError(f"field {key!r} is reserved in the bus log")
             entry[key] = value
-        self._file.write(json.dumps(entry, separators=(",", ":"), default=str) + "\n")
-        self._file.flush()
-        if kind in _SYNCED:
-            os.fsync(self._file.fileno())
+        line = (json.dumps(entry, separators=(",", ":"), default=str) + "\n").encode("utf-8")
+        if self.failing is not None or self._fd is None:
+            self._hold(line)  # written by retry() once the disk takes it
+            return entry
+        try:
+            self._write_bytes(line)
+            if kind in _SYNCED:
+                self._sync()
+        except OSError as exc:
+            # A partly written line is ended by the newline written before the next one.
+            self._hold(line)
+            self._fail(exc)
+            return entry
+        self._rotate_if_full()
         return entry
 
+    def retry(self) -> bool:
+        """Write what the disk refused before (and reopen the file if need be). True when the
+        log is writing again."""
+        if self.failing is None:
+            return True
+        try:
+            if self._fd is None:
+                self._open()
+            elif self._size > 0 and not self._ends_with_newline():
+                self._write_bytes(b"\n")
+            held = b"".join(self._held)
+            if self._dropped:
+                gap = {
+                    "run": self.run,
+                    "n": None,
+                    "kind": LOG_GAP,
+                    "utc": round(time.time(), 6),
+                    "wall_s": round(time.monotonic() - self._t0, 6),
+                    "trace_s": None,
+                    "clock_s": None,
+                    "dropped": self._dropped,
+                }
+                held += (json.dumps(gap, separators=(",", ":")) + "\n").encode("utf-8")
+            if held:
+                self._write_bytes(held)
+            self._sync()
+        except OSError as exc:
+            self.failing = exc
+            return False
+        self._held, self._dropped, self.failing = [], 0, None
+        if self.listener is not None:
+            self.listener.succeeded(self.WRITER)
+        self._rotate_if_full()
+        return True
+
+    def _rotate_if_full(self) -> None:
+        if self._size < self.segment_bytes:
+            return
+        try:
+            self._rotate()
+        except OSError as exc:
+            self._fail(exc)
+
+    def _rotate(self) -> None:
+        """bus-log.jsonl -> .1 -> .2 ...; the segment beyond the kept number is removed."""
+        assert self._fd is not None
+        self._sync()
+        os.close(self._fd)
+        self._fd = None
+        if self.segments == 1:
+            segment_path(self.path, 0).unlink(missing_ok=True)
+        else:
+            segment_path(self.path, self.segments - 1).unlink(missing_ok=True)
+            for index in range(self.segments - 2, -1, -1):
+                older = segment_path(self.path, index)
+                if older.exists():
+                    os.replace(older, segment_path(self.path, index + 1))
+        for index in range(self.segments, self.segments + 64):  # left by a run that kept more
+            if not segment_path(self.path, index).exists():
+                break
+            segment_path(self.path, index).unlink()
+        self.rotations += 1
+        self._open()
+        durable.DurableFS().fsync_dir(str(self.path.parent))
+
     def close(self) -> None:
-        if not self._file.closed:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
+        if self._closed:
+            return
+        self._closed = True
+        if self.failing is not None:
+            self.retry()
+        if self._fd is not None:
+            try:
+                self._sync()
+            except OSError:
+                pass
+            os.close(self._fd)
+            self._fd = None
 
 
-def read_log(path: str | os.PathLike) -> list[BusLogEntry]:
-    """Every complete entry of a run log, all runs, in file order. A torn line (the bus was
-    killed in mid-write) is skipped; any other malformed line raises ValueError."""
-    entries = []
-    with open(path, "rb") as f:
-        raw = f.read()
+def _parse(path: Path, raw: bytes, entries: list[BusLogEntry], seen: dict, segment: int) -> None:
     lines = raw.split(b"\n")
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -198,14 +392,93 @@ def read_log(path: str | os.PathLike) -> list[BusLogEntry]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError:
-            # Only a line a killed writer left unfinished is acceptable: the last one, or one
-            # that a later run started after (BusLog adds the missing newline).
+            # Only a line a killed writer (or a refused write) left unfinished is acceptable:
+            # the last one, or the start of one of ours that the writer's next line followed
+            # (BusLog ends the torn line before it writes again).
             next_line = lines[number] if number < len(lines) else b""
-            if number == len(lines) or (next_line.startswith(b"{") and b'"kind":"run_start"' in next_line):
+            if number == len(lines) or (line.startswith(b'{"run":') and next_line.startswith(b'{"run":')):
                 continue
             raise ValueError(f"{path}:{number}: not a JSON object") from None
-        entries.append(BusLogEntry.from_json(obj))
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}:{number}: not a JSON object")
+        if obj.get("kind") == LOG_GAP:
+            continue
+        entry = BusLogEntry.from_json(obj)
+        key = (entry.run, entry.n)
+        if seen.setdefault(key, segment) != segment:
+            continue  # a segment read twice across a rotation that happened while we read
+        entries.append(entry)
+
+
+def read_log(path: str | os.PathLike) -> list[BusLogEntry]:
+    """Every complete entry of a run log, all runs and every kept segment, in order. A torn line
+    (the bus was killed in mid-write) is skipped; any other malformed line raises ValueError.
+
+    Segments are read newest first, so a rotation while reading can only make a segment appear
+    twice (dropped by its entries' run and number), never make one be skipped."""
+    path = Path(path)
+    raws: list[tuple[Path, bytes]] = []
+    index = 0
+    while True:
+        segment = segment_path(path, index)
+        try:
+            raw = segment.read_bytes()
+        except FileNotFoundError:
+            if index == 0:  # between a rotation's rename and the new file, or no log at all
+                if not segment_path(path, 1).exists():
+                    raise
+                index += 1
+                continue
+            break
+        raws.append((segment, raw))
+        index += 1
+    entries: list[BusLogEntry] = []
+    seen: dict = {}
+    for number, (segment, raw) in enumerate(reversed(raws)):
+        _parse(segment, raw, entries, seen, number)
     return entries
+
+
+class LogFollower:
+    """Reads a run log as it grows, across rotations: `read()` returns the complete lines
+    appended since the last call (from the rotated segment first, when the file was rotated
+    in between)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._inode: int | None = None
+        self._offset = 0
+
+    def _read_from(self, path: Path, inode: int | None, offset: int) -> tuple[bytes, int] | None:
+        try:
+            with open(path, "rb") as f:
+                if inode is not None and os.fstat(f.fileno()).st_ino != inode:
+                    return None
+                f.seek(offset)
+                chunk = f.read()
+        except OSError:
+            return None
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        return complete, offset + len(complete)
+
+    def read(self) -> bytes:
+        try:
+            inode = os.stat(self.path).st_ino
+        except OSError:
+            return b""
+        out = b""
+        if self._inode is not None and inode != self._inode:
+            # Rotated: the rest of the file we were reading is now segment 1.
+            rest = self._read_from(segment_path(self.path, 1), self._inode, self._offset)
+            if rest is not None:
+                out += rest[0]
+            self._offset = 0
+        self._inode = inode
+        got = self._read_from(self.path, inode, self._offset)
+        if got is not None:
+            out += got[0]
+            self._offset = got[1]
+        return out
 
 
 def recorded_uplinks(entries: Iterable[BusLogEntry]) -> tuple[dict[str, m.UplinkTask], dict[str, bytes]]:

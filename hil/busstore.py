@@ -18,7 +18,15 @@ reached the payload (a resend of those is a redelivery).
 
 A torn tail (the bus killed mid-append) is truncated away when the store is opened, as for
 every append-only record file. Opening also compacts: confirmed entries are dropped by writing
-a new file atomically.
+a new file atomically; so does a running bus once the file has grown past COMPACT_BYTES and
+twice what its live entries take, so the file stays bounded by the live entries, which the bus
+bounds in turn (docs/bus.md §5 "Bounds").
+
+The disk may refuse a write (full, read-only, failing: docs/bus.md "The bus's own disk"). An
+`enqueue` is durable when it returns, or raises `StoreUnavailable` and leaves nothing behind:
+the bus then refuses the command (BUS_STORAGE_FULL), so nothing it acknowledged is ever lost.
+`forwarded` and `confirmed` marks that cannot be written stay in memory (`flush` raises and
+keeps them) and go out with the next write that succeeds.
 """
 
 from __future__ import annotations
@@ -36,8 +44,10 @@ from common.wire.errors import RequestRef
 #: Record kind of the store's entries (docs/bus.md §5; kinds below 32 belong to the flight side).
 BUS_COMMAND_KIND = rec.Kind.BUS_COMMAND  # an IntEnum: equal to the int a record carries
 STORE_FILE = "commands.log"
-#: Compact at run time once the file is this large and holds nothing live.
+#: Compact at run time once the file is this large and more than COMPACT_RATIO times what its
+#: live entries take (the bus's caps bound those, so they bound the file too).
 COMPACT_BYTES = 8 << 20
+COMPACT_RATIO = 2
 
 _log = log.get("hil.busstore")
 
@@ -59,6 +69,8 @@ class StoredCommand:
     task_id: str | None
     #: how many times it was handed to a payload connection (durable)
     forwards: int = 0
+    #: bytes its enqueue record takes in the file
+    record_bytes: int = 0
     # --- run-time state, not persisted -----------------------------------------------------
     #: the payload connection it was last sent on in this bus run, and when (monotonic)
     sent_link: int | None = None
@@ -73,6 +85,14 @@ class StoredCommand:
         return decode_header(self.packet).wants(AckFlags.ACCEPTANCE)
 
 
+class StoreUnavailable(Exception):
+    """The store could not make a command durable: `error` is what the disk said."""
+
+    def __init__(self, error: OSError):
+        super().__init__(str(error))
+        self.error = error
+
+
 def _describe(packet: bytes) -> tuple[RequestRef, str, str | None]:
     header, message = decode(packet)
     return header.request, message.TYPE.name, getattr(message, "task_id", None)
@@ -84,15 +104,30 @@ class CommandStore:
     def __init__(self, directory: str | os.PathLike, fs: DurableFS | None = None):
         self.fs = fs or DurableFS()
         self.directory = Path(directory)
-        self.fs.makedirs(str(self.directory))
         self.path = str(self.directory / STORE_FILE)
         self.live: dict[int, StoredCommand] = {}
         self._by_key: dict[tuple[int, int, int, int], int] = {}
+        self._by_sender: dict[str, int] = {}
+        self.live_bytes = 0
+        self._live_record_bytes = 0
         self.next_id = 1
         self.dropped_tail_bytes = 0
         self._pending: list[rec.Encoded] = []
-        self._load()
-        self._compact()
+        #: a torn tail the disk would not let us cut off: cut before the next append
+        self._torn_end: int | None = None
+        #: the file could not be read: never rewrite it (a compaction would drop what we missed)
+        self._unreadable = False
+        self._compact_failed_at = 0
+        #: the store's last storage error, if its directory or file could not be opened
+        self.open_error: OSError | None = None
+        try:
+            self.fs.makedirs(str(self.directory))
+            self._load()
+        except OSError as exc:
+            self.open_error = exc
+            self._unreadable = self.fs.exists(self.path)
+            _log.error("bus_store_unreadable", path=self.path, error=str(exc))
+        self._compact_quietly()
 
     # ---- reading ---------------------------------------------------------------------------
     def _load(self) -> None:
@@ -104,13 +139,19 @@ class CommandStore:
             end = offset + length
             if record.kind != BUS_COMMAND_KIND:
                 continue
-            self._apply(record.meta)
+            self._apply(record.meta, length)
         if end < len(buf):
             self.dropped_tail_bytes = len(buf) - end
             _log.warning("bus_store_torn_tail", path=self.path, dropped_bytes=self.dropped_tail_bytes)
-            self.fs.truncate(self.path, end)
+            self._torn_end = end
+            self._cut_torn_tail()
 
-    def _apply(self, meta: dict) -> None:
+    def _cut_torn_tail(self) -> None:
+        if self._torn_end is not None:
+            self.fs.truncate(self.path, self._torn_end)
+            self._torn_end = None
+
+    def _apply(self, meta: dict, length: int = 0) -> None:
         op = meta.get("op")
         store_id = int(meta.get("id", 0))
         if op == "base":
@@ -132,6 +173,7 @@ class CommandStore:
                     type_name=type_name,
                     task_id=task_id,
                     forwards=int(meta.get("forwards", 0)),
+                    record_bytes=length,
                 )
             )
             self.next_id = max(self.next_id, store_id + 1)
@@ -147,22 +189,51 @@ class CommandStore:
         # A second live entry with the same request id is refused by the bus before it gets
         # here; after a restart the older one keeps the key.
         self._by_key.setdefault(entry.key, entry.store_id)
+        self._by_sender[entry.sender] = self._by_sender.get(entry.sender, 0) + 1
+        self.live_bytes += len(entry.packet)
+        self._live_record_bytes += entry.record_bytes
 
     def _remove(self, store_id: int) -> StoredCommand | None:
         entry = self.live.pop(store_id, None)
-        if entry is not None and self._by_key.get(entry.key) == store_id:
+        if entry is None:
+            return None
+        if self._by_key.get(entry.key) == store_id:
             del self._by_key[entry.key]
+        left = self._by_sender.get(entry.sender, 0) - 1
+        if left > 0:
+            self._by_sender[entry.sender] = left
+        else:
+            self._by_sender.pop(entry.sender, None)
+        self.live_bytes -= len(entry.packet)
+        self._live_record_bytes -= entry.record_bytes
         return entry
 
     def _compact(self) -> None:
         """Rewrite the file with only the live entries (atomic: write tmp, fsync, rename)."""
-        if not self.fs.exists(self.path):
+        if self._unreadable or not self.fs.exists(self.path):
             return
+        self._cut_torn_tail()
         records = [rec.encode(BUS_COMMAND_KIND, {"op": "base", "next_id": self.next_id})]
         for entry in self.pending():
             records.append(rec.encode(BUS_COMMAND_KIND, self._enqueue_meta(entry, forwards=entry.forwards)))
         chunks = [chunk for encoded in records for chunk in encoded.chunks]
         self.fs.write_atomic(self.path, chunks)
+        # What was pending is in the new file (forwards counted, confirmed entries gone).
+        self._pending = []
+
+    def _compact_quietly(self) -> None:
+        """Compact; a disk that refuses (no room for the new file) leaves the old one as it is."""
+        try:
+            self._compact()
+        except OSError as exc:
+            self._compact_failed_at = self._size()
+            _log.warning("bus_store_compaction_failed", path=self.path, error=str(exc))
+
+    def _size(self) -> int:
+        try:
+            return self.fs.size(self.path)
+        except OSError:
+            return 0
 
     # ---- writing ---------------------------------------------------------------------------
     @staticmethod
@@ -179,7 +250,9 @@ class CommandStore:
         return meta
 
     def enqueue(self, packet: bytes, sender: str, received_utc: float) -> StoredCommand:
-        """Add a decoded-valid telecommand; durable after the next `flush()`."""
+        """Add a decoded-valid telecommand, durably: appended (with any marks still waiting)
+        and fsynced before it returns. Raises StoreUnavailable, leaving nothing of it behind,
+        when the disk refuses."""
         request, type_name, task_id = _describe(packet)
         entry = StoredCommand(
             store_id=self.next_id,
@@ -190,9 +263,16 @@ class CommandStore:
             type_name=type_name,
             task_id=task_id,
         )
+        encoded = rec.encode(BUS_COMMAND_KIND, self._enqueue_meta(entry))
+        entry.record_bytes = sum(memoryview(c).nbytes for c in encoded.chunks)
+        try:
+            self._write([*self._pending, encoded])
+        except OSError as exc:
+            raise StoreUnavailable(exc) from None
+        self._pending = []
         self.next_id += 1
         self._add(entry)
-        self._pending.append(rec.encode(BUS_COMMAND_KIND, self._enqueue_meta(entry)))
+        self._maybe_compact()
         return entry
 
     def mark_forwarded(self, entry: StoredCommand, link: int) -> None:
@@ -204,15 +284,37 @@ class CommandStore:
             return
         self._pending.append(rec.encode(BUS_COMMAND_KIND, {"op": "confirmed", "id": entry.store_id, "how": how}))
 
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
     def flush(self) -> None:
-        """Append everything recorded since the last flush in one write, then fsync."""
+        """Append every mark recorded since the last write in one write, then fsync. Raises the
+        disk's OSError and keeps the marks for the next try when it refuses."""
         if not self._pending:
             return
-        chunks = [chunk for encoded in self._pending for chunk in encoded.chunks]
+        self._write(self._pending)
         self._pending = []
-        self.fs.append(self.path, chunks)
-        if not self.live and self.fs.size(self.path) > COMPACT_BYTES:
-            self._compact()
+        self._maybe_compact()
+
+    def probe(self) -> None:
+        """Append one harmless record (the next id): whether the disk takes the store's writes
+        again, when no command or mark is waiting to find out. Raises the disk's OSError."""
+        self._write([rec.encode(BUS_COMMAND_KIND, {"op": "base", "next_id": self.next_id})])
+
+    def _write(self, records: list[rec.Encoded]) -> None:
+        if not os.path.isdir(self.directory):  # a disk that was read-only when the bus started
+            self.fs.makedirs(str(self.directory))
+        self._cut_torn_tail()
+        chunks = [chunk for encoded in records for chunk in encoded.chunks]
+        self.fs.append(self.path, chunks)  # a failed append is truncated back: nothing half-written
+
+    def _maybe_compact(self) -> None:
+        size = self._size()
+        if size > max(COMPACT_BYTES, COMPACT_RATIO * self._live_record_bytes) and (
+            size > self._compact_failed_at + COMPACT_BYTES
+        ):
+            self._compact_quietly()
 
     # ---- queries ---------------------------------------------------------------------------
     def pending(self) -> list[StoredCommand]:
@@ -222,6 +324,10 @@ class CommandStore:
     def find(self, key: tuple[int, int, int, int]) -> StoredCommand | None:
         store_id = self._by_key.get(key)
         return None if store_id is None else self.live.get(store_id)
+
+    def count_for(self, sender: str) -> int:
+        """Live entries from this station (key name)."""
+        return self._by_sender.get(sender, 0)
 
     def __len__(self) -> int:
         return len(self.live)

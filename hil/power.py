@@ -122,11 +122,22 @@ class _ChildSession:
         out: Any = subprocess.DEVNULL  # or the output file
         handle = None
         if self.output_path is not None:
-            self.output_path.parent.mkdir(parents=True, exist_ok=True)
-            handle = open(self.output_path, "ab")
-            handle.write(f"\n==== {banner} {time.strftime('%Y-%m-%dT%H:%M:%S')} ====\n".encode())
-            handle.flush()
-            out = handle
+            try:
+                self.output_path.parent.mkdir(parents=True, exist_ok=True)
+                handle = open(self.output_path, "ab")
+                handle.write(f"\n==== {banner} {time.strftime('%Y-%m-%dT%H:%M:%S')} ====\n".encode())
+                handle.flush()
+                out = handle
+            except OSError as exc:
+                # The bus's disk is full or read-only: power the payload all the same, its
+                # output unkept (docs/bus.md "The bus's own disk").
+                _log.error("power_switch_output_unavailable", path=str(self.output_path), error=str(exc))
+                if handle is not None:
+                    try:
+                        handle.close()
+                    except OSError:
+                        pass
+                handle, out = None, subprocess.DEVNULL
         env = dict(os.environ if self.env is None else self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         try:
@@ -205,17 +216,20 @@ class _ForkedSession:
 
     def start(self, banner: str) -> int:
         deadline = time.monotonic() + self.boot_s  # power is applied now; the boot ends then
-        if self.output_path is not None:
-            self.output_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.output_path, "ab") as handle:
-                handle.write(
-                    f"\n==== {banner} (forked, emulated boot {self.boot_s:.3f} s) "
-                    f"{time.strftime('%Y-%m-%dT%H:%M:%S')} ====\n".encode()
-                )
+        output = self.output_path
+        if output is not None:
+            try:
+                output.parent.mkdir(parents=True, exist_ok=True)
+                with open(output, "ab") as handle:
+                    handle.write(
+                        f"\n==== {banner} (forked, emulated boot {self.boot_s:.3f} s) "
+                        f"{time.strftime('%Y-%m-%dT%H:%M:%S')} ====\n".encode()
+                    )
+            except OSError as exc:  # the bus's disk is full or read-only: output unkept
+                _log.error("power_switch_output_unavailable", path=str(output), error=str(exc))
+                output = None
         try:
-            self._pid = self.zygote.spawn(
-                self.argv, output=self.output_path, env=self.env, cwd=self.cwd, boot_deadline=deadline
-            )
+            self._pid = self.zygote.spawn(self.argv, output=output, env=self.env, cwd=self.cwd, boot_deadline=deadline)
         except ZygoteError as exc:
             raise PowerSwitchError(f"zygote could not fork the payload: {exc}") from exc
         self.exit_status = None
@@ -315,14 +329,16 @@ class LocalProcessSwitch(PowerSwitch):
         self.boots += 1
         pid = self.session.start(f"payload boot {self.boots}: {shlex.join(self.session.argv)}")
         if self.pidfile is not None:
-            self.pidfile.write_text(f"{pid}\n")
+            try:
+                self.pidfile.write_text(f"{pid}\n")
+            except OSError as exc:  # only a restarted bus's clean-up needs it; the child dies with us
+                _log.error("power_switch_pidfile_failed", path=str(self.pidfile), error=str(exc))
         _log.info("power_switch_on", driver=self.driver, pid=pid, boot=self.boots)
 
     def off(self, cause: str) -> None:
         pid = self.session.pid
         status = self.session.kill()
-        if self.pidfile is not None:
-            self.pidfile.unlink(missing_ok=True)
+        self._forget_pidfile()
         if pid is not None:
             _log.info("power_switch_off", driver=self.driver, pid=pid, cause=cause, status=status)
 
@@ -335,9 +351,17 @@ class LocalProcessSwitch(PowerSwitch):
 
     def poll(self) -> int | None:
         status = self.session.exited()
-        if status is not None and self.pidfile is not None:
-            self.pidfile.unlink(missing_ok=True)
+        if status is not None:
+            self._forget_pidfile()
         return status
+
+    def _forget_pidfile(self) -> None:
+        if self.pidfile is None:
+            return
+        try:
+            self.pidfile.unlink(missing_ok=True)
+        except OSError as exc:  # a read-only disk: the next reset finds the group gone
+            _log.error("power_switch_pidfile_failed", path=str(self.pidfile), error=str(exc))
 
     def reset(self) -> None:
         if self.pidfile is None or not self.pidfile.exists():
@@ -349,7 +373,7 @@ class LocalProcessSwitch(PowerSwitch):
         if pgid > 1 and _group_alive(pgid):
             _log.warning("power_switch_stale_payload_killed", pgid=pgid)
             _kill_group(pgid)
-        self.pidfile.unlink(missing_ok=True)
+        self._forget_pidfile()
 
     def describe(self) -> dict:
         info: dict[str, Any] = {"driver": self.driver, "argv": list(self.session.argv), "pid": self.pid}

@@ -42,10 +42,31 @@ from typing import Any
 import zmq
 
 import traces
+from common.wire import NodeId
 from common.wire import messages as m
-from common.wire.link import Endpoints, client_socket, init_keys, recv_packet, send_packet
+from common.wire.link import (
+    DEFAULT_CLIENTS,
+    Endpoints,
+    bind_station,
+    client_socket,
+    init_keys,
+    recv_packet,
+    send_packet,
+    station_source_id,
+)
 from hil import buslog as bl
 from hil.bus import BusConfig, BusThread, default_payload_command
+
+#: The recording's limits (run_start `limits`) a replay runs with.
+_REPLAYED_LIMITS = (
+    "max_in_flight",
+    "station_quota",
+    "station_rate",
+    "station_burst",
+    "store_max_commands",
+    "store_max_bytes",
+    "throttle_event_s",
+)
 
 
 @dataclass
@@ -260,7 +281,13 @@ def replay(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     keys = str(out / "keys")
-    layout = init_keys(keys)
+    # One key per recorded source id, bound to it: the bus takes a source id only from its key.
+    sources = sorted({int(e.data["request"]["source"]) for e in commands}) or [int(NodeId.GROUND)]
+    station_of = {source: "ground" if source == NodeId.GROUND else f"replay-{source:04x}" for source in sources}
+    layout = init_keys(keys, clients=(*DEFAULT_CLIENTS, *station_of.values()))
+    for source, name in station_of.items():
+        if station_source_id(layout, name) != source:
+            bind_station(layout, name, source)
     d = start.data
     trace_path = _trace_of(d, report)
     command = None
@@ -283,6 +310,8 @@ def replay(
         boot_timeout_s=max(d.get("boot_timeout_s", 60.0), 60.0 + payload_start_delay_s),
         fdir_off_s=d.get("fdir_off_s", 2.0),
         boot_trace_s=d.get("boot_trace_s"),
+        # The recording's limits: a flood is refused the same way again.
+        **{k: v for k, v in (d.get("limits") or {}).items() if k in _REPLAYED_LIMITS},
     )
     say(
         f"[replay] {len(commands)} telecommands over {stop.wall_s:.0f} s on trace {d['trace']} "
@@ -291,22 +320,31 @@ def replay(
     pacer = AnchorPacer(anchors_of(recorded))
     bus = BusThread(cfg, pacer=pacer).start()
     ctx = zmq.Context()
-    sock = client_socket(ctx, zmq.DEALER, layout, "ground", bus.endpoints.commands, handshake_timeout_s=30)
+    socks = {
+        source: client_socket(ctx, zmq.DEALER, layout, name, bus.endpoints.commands, handshake_timeout_s=30)
+        for source, name in station_of.items()
+    }
+
+    def drain(timeout_s: float) -> None:  # keep the DEALERs drained (answers are read, not used)
+        for i, sock in enumerate(socks.values()):
+            recv_packet(sock, timeout_s=timeout_s if i == 0 else 0)
+
     clock = bus.bus.clock
     deadline = time.monotonic() + timeout_s
     end_trace = stop.trace_s if stop.trace_s is not None else d.get("start_at_s", 0.0) + stop.wall_s
     try:
         for e in commands:
             while clock.trace_s() < e.stamped_trace_s and time.monotonic() < deadline:
-                recv_packet(sock, timeout_s=0.05)  # keep the DEALER drained (answers are read, not used)
-            send_packet(sock, base64.b64decode(e.data["packet"]), timeout_s=10)
+                drain(0.05)
+            send_packet(socks[int(e.data["request"]["source"])], base64.b64decode(e.data["packet"]), timeout_s=10)
             report.commands_sent += 1
         while (
             clock.trace_s() < end_trace + settle_s / max(d["time_scale"], 1e-9) or not pacer.done
         ) and time.monotonic() < deadline:
-            recv_packet(sock, timeout_s=0.2)
+            drain(0.2)
     finally:
-        sock.close(linger=0)
+        for sock in socks.values():
+            sock.close(linger=0)
         ctx.term()
         bus.stop()
     report.notes.append(

@@ -95,11 +95,25 @@ class Apid(enum.IntEnum):
 
 class NodeId(enum.IntEnum):
     """Secondary-header source id: which node produced a packet. Further ground stations take
-    0x0002..0x00FF; each keeps its own sequence counter and gets its own replay window."""
+    0x0002..0x00FF (admin 0x0001..0x000F, stations 0x0010..0x00FF: ADMIN_SOURCE_IDS,
+    STATION_SOURCE_IDS); each keeps its own sequence counter and gets its own replay window."""
 
     GROUND = 0x0001
     BUS = 0x0100
     PAYLOAD = 0x0200
+
+
+#: Ground source ids (docs/wire-protocol.md §5.1), each bound by the bus to one station key:
+#: 0x0001..0x000F are admin stations (the operations centre: they may act on every task),
+#: 0x0010..0x00FF ordinary stations (they act on the tasks they uplinked, and on no other).
+ADMIN_SOURCE_IDS = range(0x0001, 0x0010)
+STATION_SOURCE_IDS = range(0x0010, 0x0100)
+GROUND_SOURCE_IDS = range(0x0001, 0x0100)
+
+
+def is_admin_source(source_id: int) -> bool:
+    """Whether a telecommand from this source id may act on every station's tasks."""
+    return source_id in ADMIN_SOURCE_IDS
 
 
 class AckFlags(enum.IntFlag):
@@ -250,7 +264,11 @@ class ResponseCode(enum.IntEnum):
     SOURCE_NOT_BOUND = 305, "the packet's source id is not the one bound to the sender's key"
     STORAGE_READ_ONLY = 511, "payload storage refuses writes (read-only)"
     STORAGE_ERROR = 512, "payload storage reports I/O errors"
-    BUS_STORAGE_FULL = 513, "the bus cannot store the command: its own disk is full"
+    BUS_STORAGE_FULL = (
+        513,
+        "the bus cannot store the command: its own disk is full (or read-only, or failing; or its store is at "
+        "its cap: the reason says which)",
+    )
     STATION_QUOTA = 514, "the station already has its maximum of commands stored on the bus"
     RATE_LIMITED = 515, "the station sends commands faster than its rate limit"
     NOT_HELD = 516, "the payload is not held off by the boot-loop guard"

@@ -3,7 +3,9 @@
 The bus is the CURVE server of every link: it binds a ROUTER for ground stations (commands),
 a ROUTER for the payload, and a PUB for telemetry. Ground tools and the payload connect as
 CURVE clients; the bus's authenticator admits only public keys found in the keys directory's
-`authorized/` folder and names each connection after its key file (ZMQ "User-Id").
+`authorized/` folder and names each connection after its key file and key (ZMQ "User-Id",
+`<name>|<z85 public key>`; `recv_packet` splits it into `Received.user_id` and `.key`). Each
+station key is bound to one source id by `authorized/<name>.station` (docs/wire-protocol.md §7).
 
 Each ZeroMQ message is exactly one packet (one frame; ROUTER sockets add the routing id frame),
 so a subscriber can filter on the packet's first two bytes (version, type, APID).
@@ -11,8 +13,10 @@ so a subscriber can filter on the packet's first two bytes (version, type, APID)
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,11 +29,21 @@ from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from common import log
+from common.wire.errors import WireError
 from common.wire.fields import check_name
-from common.wire.ids import MAX_PACKET_BYTES
+from common.wire.ids import ADMIN_SOURCE_IDS, MAX_PACKET_BYTES, STATION_SOURCE_IDS, NodeId
 
 SERVER_NAME = "bus"
 DEFAULT_CLIENTS = ("ground", "payload")
+#: The payload's key: it speaks on the payload link, never as a ground station, so it has no
+#: station binding.
+PAYLOAD_CLIENT = "payload"
+#: The default ground key: bound to the first admin id (0x0001, NodeId.GROUND) by `init_keys`.
+GROUND_CLIENT = "ground"
+#: A station binding's file suffix, beside the key: authorized/<name>.station.
+BINDING_SUFFIX = ".station"
+#: Separates the key name from the z85 public key in a connection's User-Id (not a z85 character).
+USER_ID_SEPARATOR = "|"
 #: All OrbitWeaver server sockets use this ZAP domain.
 ZAP_DOMAIN = "orbitweaver"
 #: How long close() may keep trying to deliver queued packets.
@@ -79,11 +93,14 @@ class KeyLayout:
 
         server/bus.key, server/bus.key_secret          the bus's CURVE server key pair
         clients/<name>.key, clients/<name>.key_secret  one pair per client (ground, payload, ...)
+        clients/<name>.station                         the station's binding (a copy for the ground)
         authorized/<name>.key                          public keys the bus admits
+        authorized/<name>.station                      the source id the bus binds to that key
         state/                                         the ground's durable sequence counter
 
-    A deployed ground station keeps only its own client pair, server/bus.key and state/; the
-    bus keeps server/ and authorized/; the payload keeps its client pair and server/bus.key.
+    A deployed ground station keeps only its own client pair and binding, server/bus.key and
+    state/; the bus keeps server/ and authorized/; the payload keeps its client pair and
+    server/bus.key.
     """
 
     root: Path
@@ -118,6 +135,14 @@ class KeyLayout:
     def client_secret(self, name: str) -> Path:
         return self.clients_dir / f"{name}.key_secret"
 
+    def binding_path(self, name: str) -> Path:
+        """The bus's binding of key `name` to a source id (authorized/<name>.station)."""
+        return self.authorized_dir / f"{name}{BINDING_SUFFIX}"
+
+    def client_binding_path(self, name: str) -> Path:
+        """The ground station's copy of its binding (clients/<name>.station)."""
+        return self.clients_dir / f"{name}{BINDING_SUFFIX}"
+
     @property
     def ground_sequence_path(self) -> Path:
         """Where a ground tool keeps its DurableSequenceCounter."""
@@ -136,14 +161,20 @@ def _create_pair(directory: Path, name: str) -> None:
 
 
 def init_keys(
-    keys_dir: str | os.PathLike, clients: tuple[str, ...] = DEFAULT_CLIENTS, *, force: bool = False
+    keys_dir: str | os.PathLike,
+    clients: tuple[str, ...] = DEFAULT_CLIENTS,
+    *,
+    force: bool = False,
+    admins: tuple[str, ...] = (),
 ) -> KeyLayout:
-    """Create the server key pair and one pair per client, and authorize the clients.
+    """Create the server key pair and one pair per client, authorize the clients and bind each
+    ground station to a source id (`bind_station`; `admins`, also created, to admin ids).
 
-    Existing key pairs are kept (running it twice changes nothing) unless `force`, which
-    replaces every pair named here — clients then need the new server public key."""
+    Existing key pairs and bindings are kept (running it twice changes nothing) unless `force`,
+    which replaces every pair named here — clients then need the new server public key."""
 
     layout = KeyLayout(Path(keys_dir))
+    clients = tuple(dict.fromkeys([*clients, *admins]))
     for name in clients:
         check_name(name, "client name")
     for directory in (layout.root, layout.server_dir, layout.clients_dir, layout.authorized_dir, layout.state_dir):
@@ -156,6 +187,16 @@ def init_keys(
             _create_pair(layout.clients_dir, name)
             _log.info("link_key_created", role="client", name=name, path=str(layout.client_public(name)))
         authorize_client(layout, name, layout.client_public(name))
+    # Bindings: an existing one is kept (a key keeps its source id, so its tasks stay its own);
+    # `ground` takes 0x0001, the names in `admins` the next free admin id, every other station
+    # the next free station id; the payload is no station.
+    for name in clients:
+        if name == PAYLOAD_CLIENT or read_binding(layout.binding_path(name)) is not None:
+            continue
+        if name == GROUND_CLIENT and NodeId.GROUND not in station_bindings(layout).values():
+            bind_station(layout, name, source_id=NodeId.GROUND)
+        else:
+            bind_station(layout, name, admin=name in admins)
     return layout
 
 
@@ -172,24 +213,140 @@ def authorize_client(layout: KeyLayout, name: str, public_key_file: str | os.Pat
     return target
 
 
-class _AuthorizedKeys:
+@dataclass(frozen=True)
+class StationBinding:
+    """Key `name` speaks as source id `source_id` (docs/wire-protocol.md §7 "Stations"). Whether
+    it is an admin station follows from the id (ADMIN_SOURCE_IDS): the payload decides by the
+    source id alone, so the file holds nothing that could say otherwise."""
+
+    name: str
+    source_id: int
+
+    @property
+    def admin(self) -> bool:
+        return self.source_id in ADMIN_SOURCE_IDS
+
+    @property
+    def role(self) -> str:
+        return "admin" if self.admin else "station"
+
+
+def _check_source_id(source_id: object) -> int:
+    if isinstance(source_id, bool) or not isinstance(source_id, int):
+        raise ValueError(f"source id {source_id!r} is not an integer")
+    if source_id not in ADMIN_SOURCE_IDS and source_id not in STATION_SOURCE_IDS:
+        raise ValueError(f"source id {source_id:#06x} is not a ground station's (0x0001..0x00FF)")
+    return source_id
+
+
+def read_binding(path: str | os.PathLike) -> int | None:
+    """The source id in a binding file (`{"source_id": N}`), or None when there is none.
+    A damaged file raises ValueError naming it."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    try:
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        return _check_source_id(data.get("source_id"))
+    except ValueError as exc:
+        raise ValueError(f"{path}: not a station binding ({exc})") from None
+
+
+def station_bindings(layout: KeyLayout) -> dict[str, int]:
+    """Every binding in authorized/, by key name (damaged files are left out and logged)."""
+    found: dict[str, int] = {}
+    for path in sorted(layout.authorized_dir.glob(f"*{BINDING_SUFFIX}")):
+        try:
+            source_id = read_binding(path)
+        except (OSError, ValueError) as exc:
+            _log.warning("link_binding_unreadable", path=str(path), error=str(exc))
+            continue
+        if source_id is not None:
+            found[path.name[: -len(BINDING_SUFFIX)]] = source_id
+    return found
+
+
+def next_free_source_id(layout: KeyLayout, *, admin: bool = False) -> int:
+    used = set(station_bindings(layout).values())
+    ids = ADMIN_SOURCE_IDS if admin else STATION_SOURCE_IDS
+    for source_id in ids:
+        if source_id not in used:
+            return source_id
+    raise ValueError(f"every {'admin' if admin else 'station'} source id ({ids[0]:#06x}..{ids[-1]:#06x}) is bound")
+
+
+def _write_small(path: Path, text: str) -> None:
+    # lazy: durable imports nothing heavy, but the link module is imported by `ow --help`
+    from common.durable import DurableFS
+
+    DurableFS().write_atomic(str(path), [text.encode("utf-8")])
+
+
+def bind_station(layout: KeyLayout, name: str, source_id: int | None = None, *, admin: bool = False) -> StationBinding:
+    """Bind key `name` to `source_id` (default: the next free admin or station id): write
+    authorized/<name>.station (the bus's, read again without a restart) and, where this keys
+    directory holds the station's own pair, clients/<name>.station (the ground tools' default
+    source id). A source id bound to another key is refused (ValueError): two keys speaking as
+    one station would share its tasks and its replay window."""
+    try:
+        check_name(name, "station name")
+    except WireError as exc:
+        raise ValueError(exc.reason) from None
+    if source_id is None:
+        current = read_binding(layout.binding_path(name))
+        if current is not None and (current in ADMIN_SOURCE_IDS) == admin:
+            source_id = current
+        else:
+            source_id = next_free_source_id(layout, admin=admin)
+    source_id = _check_source_id(source_id)
+    for other, bound in station_bindings(layout).items():
+        if bound == source_id and other != name:
+            raise ValueError(f"source id {source_id:#06x} is already bound to key {other!r}")
+    _private_dir(layout.authorized_dir)
+    text = json.dumps({"source_id": source_id}) + "\n"
+    _write_small(layout.binding_path(name), text)
+    if layout.client_public(name).exists() or layout.client_secret(name).exists():
+        _write_small(layout.client_binding_path(name), text)
+    _log.info("link_station_bound", name=name, source_id=source_id)
+    return StationBinding(name, source_id)
+
+
+def station_source_id(layout: KeyLayout, name: str) -> int | None:
+    """The source id key `name` is bound to, as this keys directory knows it: the bus's
+    authorized/<name>.station, else the ground's clients/<name>.station; None if neither."""
+    for path in (layout.binding_path(name), layout.client_binding_path(name)):
+        source_id = read_binding(path)
+        if source_id is not None:
+            return source_id
+    return None
+
+
+class AuthorizedKeys:
     """Credentials provider for pyzmq's authenticator: the public keys in one directory, reread
-    whenever the directory changes, each named after its file."""
+    whenever the directory changes, each named after its file, and the station bindings beside
+    them. Thread-safe: the authenticator's thread and the bus's main loop both read it."""
 
     def __init__(self, directory: Path):
         self.directory = directory
+        self._lock = threading.Lock()
         self._stamp: tuple | None = None
         self._names: dict[bytes, str] = {}
+        self._keys: dict[str, bytes] = {}
+        self._bindings: dict[str, int] = {}
 
     def _refresh(self) -> None:
         try:
             entries = sorted(self.directory.glob("*.key"))
-            stamp = tuple((p.name, p.stat().st_mtime_ns) for p in entries)
+            bound = sorted(self.directory.glob(f"*{BINDING_SUFFIX}"))
+            stamp = tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in [*entries, *bound])
         except OSError:
-            entries, stamp = [], ()
+            entries, bound, stamp = [], [], ()
         if stamp == self._stamp:
             return
-        names = {}
+        names: dict[bytes, str] = {}
         for path in entries:
             try:
                 public, _ = zmq.auth.load_certificate(path)
@@ -198,11 +355,36 @@ class _AuthorizedKeys:
                 continue
             if public:
                 names[public] = path.stem
-        self._names, self._stamp = names, stamp
+        bindings: dict[str, int] = {}
+        for path in bound:
+            try:
+                source_id = read_binding(path)
+            except (OSError, ValueError) as exc:
+                _log.warning("link_binding_unreadable", path=str(path), error=str(exc))
+                continue
+            if source_id is not None:
+                bindings[path.name[: -len(BINDING_SUFFIX)]] = source_id
+        self._names, self._stamp, self._bindings = names, stamp, bindings
+        self._keys = {name: key for key, name in names.items()}
+
+    def refresh(self) -> None:
+        with self._lock:
+            self._refresh()
 
     def name_of(self, z85_key: bytes) -> str | None:
-        self._refresh()
-        return self._names.get(z85_key)
+        with self._lock:
+            self._refresh()
+            return self._names.get(z85_key)
+
+    def snapshot(self) -> dict[str, bytes]:
+        """Key name -> z85 public key of every authorized key, as of the last refresh."""
+        with self._lock:
+            return dict(self._keys)
+
+    def binding(self, name: str) -> int | None:
+        """The source id key `name` is bound to (authorized/<name>.station), as of the last refresh."""
+        with self._lock:
+            return self._bindings.get(name)
 
     def callback(self, domain: str, z85_key: bytes) -> bool:
         name = self.name_of(z85_key)
@@ -215,18 +397,21 @@ class _AuthorizedKeys:
 
 class CurveAuthenticator(ThreadAuthenticator):
     """ZAP handler admitting only the public keys in `authorized_dir`; the authenticated
-    client's name (key file stem) becomes the connection's User-Id."""
+    connection's User-Id is `<name>|<z85 public key>` (name: the key file stem), so that a
+    server can tell a key that was revoked or replaced from the one now filed under its name."""
 
     def __init__(self, context: zmq.Context, authorized_dir: str | os.PathLike):
         super().__init__(context)
-        self.keys = _AuthorizedKeys(Path(authorized_dir))
+        self.keys = AuthorizedKeys(Path(authorized_dir))
 
     def start(self) -> None:
         super().start()
         self.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=self.keys)
 
     def curve_user_id(self, client_public_key: bytes) -> str:
-        return self.keys.name_of(z85.encode(client_public_key)) or "unknown"
+        z85_key = z85.encode(client_public_key)
+        name = self.keys.name_of(z85_key) or "unknown"
+        return f"{name}{USER_ID_SEPARATOR}{z85_key.decode('ascii')}"
 
 
 def start_authenticator(context: zmq.Context, layout: KeyLayout) -> CurveAuthenticator:
@@ -355,6 +540,11 @@ class Received:
     routing_id: bytes | None
     #: The authenticated client's name (its key file stem), where the socket is a CURVE server.
     user_id: str | None
+    #: Its z85 public key, as authenticated when the connection was made.
+    key: str | None = None
+    #: The file descriptor of the TCP connection it came on (ZMQ_SRCFD): a server may shut that
+    #: one connection down (libzmq's ROUTER has no call to drop a single peer).
+    fd: int | None = None
 
 
 def send_packet(sock: zmq.Socket, packet: bytes, *, routing_id: bytes | None = None, timeout_s: float = 5.0) -> None:
@@ -389,6 +579,19 @@ def recv_packet(sock: zmq.Socket, *, timeout_s: float) -> Received | None:
     except zmq.ZMQError:
         user_id = None
     user_id = user_id if isinstance(user_id, str) else None
+    key = None
+    if user_id is not None and USER_ID_SEPARATOR in user_id:
+        user_id, _, key = user_id.rpartition(USER_ID_SEPARATOR)
+    try:
+        fd = frames[-1].get(zmq.SRCFD)
+    except zmq.ZMQError:
+        fd = None
     # A well-behaved peer sends one frame; anything else is joined so that decode rejects it.
     packet = frames[0].bytes if len(frames) == 1 else b"".join(f.bytes for f in frames)
-    return Received(packet=packet, routing_id=routing_id, user_id=user_id)
+    return Received(
+        packet=packet,
+        routing_id=routing_id,
+        user_id=user_id,
+        key=key,
+        fd=fd if isinstance(fd, int) and fd >= 0 else None,
+    )

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from common.wire import EventId, MessageType, ResponseCode, WireError
 from common.wire import messages as m
 from common.wire.fields import check_name
-from common.wire.ids import MAX_LISTED_ITEMS, MAX_LISTED_TASKS, MAX_REASON_BYTES
+from common.wire.ids import MAX_LISTED_ITEMS, MAX_LISTED_TASKS, MAX_REASON_BYTES, is_admin_source
 from common.wire.text import clip_utf8
 
 from .health import item_task_id, report_item, task_item
@@ -92,6 +92,8 @@ class CommandHandlers:
         live = self.queue.tasks.get(msg.task_id)
         finished = self.queue.finished(msg.task_id)
         if live is not None or finished is not None:
+            # Another station's task id: not its to resend, nor to learn the content of.
+            _refuse_foreign(request, _owner_of(self.queue, msg.task_id), msg.task_id)
             if finished is not None and finished.gone == DAMAGED:
                 raise WireError(
                     ResponseCode.TASK_LOST,
@@ -157,6 +159,7 @@ class CommandHandlers:
         return task
 
     def on_cancel_task(self, request, msg: m.CancelTask) -> None:
+        _refuse_foreign(request, _owner_of(self.queue, msg.task_id), msg.task_id)
         task = self._unfinished_task(msg.task_id)
         self._accept(request, task_id=msg.task_id)
         if self.current["task"] == msg.task_id:
@@ -173,12 +176,14 @@ class CommandHandlers:
         shutil.rmtree(self._task_dir(task.task_id), ignore_errors=True)
 
     def on_set_priority(self, request, msg: m.SetPriority) -> None:
+        _refuse_foreign(request, _owner_of(self.queue, msg.task_id), msg.task_id)
         self._unfinished_task(msg.task_id)
         self.queue.set_priority(msg.task_id, msg.priority)
         self._accept(request, task_id=msg.task_id)
         self.send(m.Completed.about(request, task_id=msg.task_id))
 
     def on_downlink_result(self, request, msg: m.DownlinkResult) -> None:
+        _refuse_foreign(request, _owner_of(self.queue, msg.task_id), msg.task_id)
         live = self.queue.tasks.get(msg.task_id)
         if live is not None:
             if self.health.is_quarantined(task_item(msg.task_id)):
@@ -262,6 +267,16 @@ class CommandHandlers:
         self.send(m.Completed.about(request))
 
     def on_release_quarantine(self, request, msg: m.ReleaseQuarantine) -> None:
+        # A station may release its own task's items; commands and the engine are the
+        # operations centre's (an admin source) to release.
+        owned_task = item_task_id(msg.item)
+        if owned_task is None and not is_admin_source(request.source_id):
+            raise WireError(
+                ResponseCode.NOT_OWNER,
+                f"{msg.item} is not a task's: only an admin station (source 0x0001..0x000F) may release it",
+            )
+        if owned_task is not None:
+            _refuse_foreign(request, _owner_of(self.queue, owned_task), owned_task)
         if not self.health.release(msg.item):
             raise WireError(ResponseCode.NOT_QUARANTINED, f"{msg.item} is not quarantined")
         task_id = item_task_id(msg.item)
@@ -319,6 +334,24 @@ class CommandHandlers:
             return True
         except WireError:
             return False
+
+
+def _owner_of(queue: TaskQueue, task_id: str) -> int | None:
+    """The source id that uplinked the task (its stored request), or None when the payload no
+    longer knows it (unknown, or a finished task whose record was evicted or damaged)."""
+    task = queue.get(task_id)
+    return None if task is None else int(task.request[1])
+
+
+def _refuse_foreign(request: RequestRef, owner: int | None, task_id: str) -> None:
+    """Station isolation (docs/flight.md "Commands"): a station (source 0x0010..0x00FF) acts on
+    the tasks it uplinked only; an admin station (0x0001..0x000F) on every task."""
+    if owner is None or owner == request.source_id or is_admin_source(request.source_id):
+        return
+    raise WireError(
+        ResponseCode.NOT_OWNER,
+        f"task {task_id} belongs to another station; source {request.source_id:#06x} may act only on its own tasks",
+    )
 
 
 __all__ = ["COMPLETED", "CommandHandlers", "MAX_QUEUED", "report_item"]

@@ -15,7 +15,8 @@ class GroundClient(ResultStore):
     """One ground station's session with the bus and, through it, the payload.
 
     keys_dir      keys directory (clients/<station>.key_secret, server/bus.key, state/)
-    station       client key name; source_id: the secondary-header source id (own replay window)
+    station       client key name; source_id: the secondary-header source id (own replay window;
+                  default: the one the bus binds to the station's key, docs/ground.md "Stations")
     timeout_s     how long to wait for an answer before calling it "no answer"
     retries       unanswered rounds an uplink tolerates (re-asking each time) before giving up
     window        IMAGE_CHUNKs in flight at once

@@ -20,7 +20,7 @@ from common import log
 from common.wire import Apid, MessageType, NodeId, RequestRef, ResponseCode
 from common.wire import messages as m
 from common.wire.ids import DEFAULT_CHUNK_DATA_BYTES
-from common.wire.link import Endpoints, KeyLayout
+from common.wire.link import Endpoints, KeyLayout, station_source_id
 from ground.errors import CommandRejected, LocalInputError, NoAnswer
 from ground.images import check_chunk_bytes, check_operator_name
 from ground.link import GroundLink, Telemetry
@@ -54,7 +54,7 @@ class CommandSession:
         keys_dir: str | os.PathLike,
         *,
         station: str = "ground",
-        source_id: int = NodeId.GROUND,
+        source_id: int | None = None,
         endpoints: Endpoints | None = None,
         state_dir: str | os.PathLike | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -66,12 +66,21 @@ class CommandSession:
         context: zmq.Context | None = None,
         commands: bool = True,
     ):
-        if not 1 <= int(source_id) <= 0xFF:
-            raise LocalInputError(f"source id {source_id} outside 1..255 (ground stations)")
         if timeout_s <= 0 or retries < 0 or window < 1:
             raise LocalInputError("timeout must be > 0, retries >= 0, window >= 1")
         self.layout = KeyLayout(Path(keys_dir))
         self.station = check_operator_name(station, "station name")
+        if source_id is None:
+            # The source id the bus binds to this station's key (docs/ground.md "Stations");
+            # a keys directory from before bindings speaks as the first ground station.
+            try:
+                source_id = station_source_id(self.layout, self.station)
+            except ValueError as exc:
+                raise LocalInputError(f"station binding: {exc}") from None
+            if source_id is None:
+                source_id = NodeId.GROUND
+        if not 1 <= int(source_id) <= 0xFF:
+            raise LocalInputError(f"source id {source_id} outside 1..255 (ground stations)")
         self.source_id = int(source_id)
         self.endpoints = endpoints or Endpoints.from_env()
         self.state = GroundState(state_dir if state_dir is not None else self.layout.state_dir)

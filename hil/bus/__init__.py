@@ -22,7 +22,9 @@ Where things are (one concern per module; `Bus` is built up from them in this or
     power_fdir.py   the power switch and FDIR (PowerPart)
     timeline.py     trace actions falling due, warnings, skip-idle (TimelinePart)
     routing.py      reports back to the ground connection that asked (RoutingPart)
-    relay.py        ground -> store -> payload, payload packets in (RelayPart)
+    stations.py     keys and revocation, source binding, rates, quotas, refusal logging (StationsPart)
+    storage.py      the bus's own disk: failing writers, events, telemetry numbers (StorageWatch)
+    relay.py        ground -> store -> payload, fair forwarding, payload packets in (RelayPart)
     lifecycle.py    Bus: start, main loop, shutdown; machine_fingerprint
     runners.py      BusThread, BusProcess, config_to_argv
 """
@@ -44,6 +46,8 @@ from hil.bus.power_fdir import SWITCH_RETRY_S, PowerPart
 from hil.bus.relay import GROUND_SOURCE_IDS, RelayPart
 from hil.bus.routing import REPLY_EXPECTATION_S, REPLY_TO, ROUTES_KEPT, ReplyExpectation, RoutingPart
 from hil.bus.runners import BusProcess, BusThread, config_to_argv
+from hil.bus.stations import StationsPart
+from hil.bus.storage import StorageWatch, TolerantSequenceCounter
 from hil.bus.telemetry import TelemetryPart
 from hil.bus.timeline import IDLE_CONFIRM_S, POLL_MAX_S, SKIP_MIN_S, TimelinePart
 
@@ -72,8 +76,11 @@ __all__ = [
     "RelayPart",
     "ReplyExpectation",
     "RoutingPart",
+    "StationsPart",
+    "StorageWatch",
     "TelemetryPart",
     "TimelinePart",
+    "TolerantSequenceCounter",
     "TraceAction",
     "TraceClock",
     "config_to_argv",

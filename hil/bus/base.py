@@ -18,13 +18,16 @@ import zmq
 
 import traces
 from common import log
-from common.wire import Apid, DurableSequenceCounter, MessageType, NodeId, encode
+from common.wire import Apid, EventId, MessageType, NodeId, encode
 from common.wire import messages as m
 from common.wire.errors import RequestRef
+from common.wire.ids import MAX_EVENT_TEXT_BYTES
 from common.wire.link import Endpoints, KeyLayout, LinkError, send_packet
+from common.wire.text import clip_utf8
 from hil import buslog as bl
 from hil.bus.clock import TraceClock
 from hil.bus.config import BusConfig, BusConfigError
+from hil.bus.storage import StorageWatch, TolerantSequenceCounter
 from hil.busstore import CommandStore
 from hil.power import PowerSwitch
 
@@ -54,7 +57,7 @@ class BusBase:
 
     # Opened by Bus.start(), once the data directory is locked (hil/bus/lifecycle.py).
     store: CommandStore
-    tm_counter: DurableSequenceCounter
+    tm_counter: TolerantSequenceCounter
     buslog: bl.BusLog
     switch: PowerSwitch
     commands_sock: zmq.Socket
@@ -95,6 +98,10 @@ class BusBase:
         self.gap_reported = False
         self.payload_idle_since: float | None = None
         self.payload_queue_depth: int | None = None
+        #: the bus's own disk: which writers fail (docs/bus.md "The bus's own disk")
+        self.storage = StorageWatch(self._storage_changed)
+        #: bus events raised before the telemetry socket was bound (published once it is)
+        self._early_events: list[tuple[EventId, str, dict]] = []
 
     def request_stop(self, reason: str = "requested") -> None:
         self.stop_reason = reason
@@ -107,6 +114,34 @@ class BusBase:
 
     def _bus_packet(self, message: m.Message) -> bytes:
         return encode(message, Apid.BUS, self.tm_counter.next(Apid.BUS), source_id=NodeId.BUS)
+
+    def _bus_event(self, event_id: EventId, text: str, **fields: Any) -> None:
+        """An event from the bus itself (APID BUS, source BUS): published on the telemetry link
+        (`ow ground events` shows it) and written to the run log."""
+        text = clip_utf8(text, MAX_EVENT_TEXT_BYTES)
+        if getattr(self, "telemetry_sock", None) is None or getattr(self, "buslog", None) is None:
+            self._early_events.append((event_id, text, fields))
+            return
+        self._publish(self._bus_packet(m.Event(event_id=event_id, text=text)))
+        self.buslog.write(bl.BUS_EVENT, **self._stamp(), event=event_id.name, text=text, **fields)
+        _log.warning("bus_event", bus_event=event_id.name, text=text, **fields)
+
+    def _publish_early_events(self) -> None:
+        early, self._early_events = self._early_events, []
+        for event_id, text, fields in early:
+            self._bus_event(event_id, text, **fields)
+
+    def _storage_changed(self, failing: bool, detail: str) -> None:
+        if failing:
+            condition = self.storage.condition or "error"
+            self._bus_event(
+                EventId.BUS_STORAGE_FULL,
+                f"bus storage {condition} ({detail}): what the bus cannot store is refused (BUS_STORAGE_FULL) "
+                "or held in memory until the disk takes writes again; stored commands are still relayed",
+                condition=condition,
+            )
+        else:
+            self._bus_event(EventId.BUS_STORAGE_RESTORED, f"bus storage writable again {detail}")
 
     def _publish(self, packet: bytes) -> None:
         try:

@@ -10,11 +10,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from common.wire.link import Endpoints
-
-#: The payload link's client name (key file stem) unless configured otherwise.
-PAYLOAD_CLIENT = "payload"
-
+# PAYLOAD_CLIENT: the payload link's client name (key file stem) unless configured otherwise.
+from common.wire.link import PAYLOAD_CLIENT, Endpoints
 
 #: `ow flight run` with its placeholders, after whatever runs `ow`.
 FLIGHT_RUN_ARGS = (
@@ -94,6 +91,21 @@ class BusConfig:
     fdir_off_s: float = 2.0
     confirm_after_s: float = 2.0
     max_in_flight: int = 32
+    # stations and bounds (docs/bus.md §5 "Stations", "Bounds")
+    #: commands one station (key) may have stored and not yet confirmed by the payload
+    station_quota: int = 500
+    #: commands a second each station may send, and how many it may send at once (token bucket;
+    #: rate 0: no limit)
+    station_rate: float = 50.0
+    station_burst: int = 200
+    #: the store holds at most this many commands, and this many bytes of packets, in all
+    store_max_commands: int = 10_000
+    store_max_bytes: int = 64 << 20
+    #: STATION_THROTTLED at most once per station in this many wall seconds
+    throttle_event_s: float = 10.0
+    #: the run log: rotated past this size, this many files kept (the current one included)
+    log_segment_bytes: int = 32 << 20
+    log_segments: int = 8
     # telemetry
     telemetry_max_hz: float = 10.0
     bus_temp_c: float = 20.0
@@ -141,6 +153,16 @@ class BusConfig:
             raise BusConfigError("--power-driver ssh needs --ssh-host")
         if self.max_in_flight < 1:
             raise BusConfigError("max_in_flight must be >= 1")
+        for name in ("station_quota", "station_burst", "store_max_commands", "store_max_bytes", "log_segments"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise BusConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.log_segment_bytes < 4096:
+            raise BusConfigError(f"log_segment_bytes must be >= 4096, got {self.log_segment_bytes}")
+        for name in ("station_rate", "throttle_event_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise BusConfigError(f"{name} must be >= 0, got {value}")
         if self.boot_trace_s is not None:
             if not (math.isfinite(self.boot_trace_s) and self.boot_trace_s >= 0):
                 raise BusConfigError(f"--boot-trace-s must be >= 0, got {self.boot_trace_s}")

@@ -17,7 +17,7 @@ import zmq
 
 import traces
 from common import log, machine
-from common.wire import DurableSequenceCounter, PowerCause, decode
+from common.wire import PowerCause, decode
 from common.wire.link import (
     CurveAuthenticator,
     Endpoints,
@@ -30,6 +30,7 @@ from hil import buslog as bl
 from hil.bus.base import Pacer
 from hil.bus.config import BusConfig, BusConfigError
 from hil.bus.relay import RelayPart
+from hil.bus.storage import TolerantSequenceCounter
 from hil.busstore import CommandStore
 from hil.power import PowerSwitch, PowerSwitchError
 
@@ -63,12 +64,19 @@ class Bus(RelayPart):
         self._lock_data_dir()
         try:
             self.store = CommandStore(self.data_dir / "bus-store")
-            self.tm_counter = DurableSequenceCounter(self.data_dir / "state" / "bus-tm-sequence.bin", reserve=1024)
+            if self.store.open_error is not None:
+                self.storage.failed("command store", self.store.open_error)
+            self.tm_counter = TolerantSequenceCounter(
+                self.data_dir / "state" / "bus-tm-sequence.bin", self.storage, reserve=1024
+            )
             self._ctx = zmq.Context()
             self._auth = start_authenticator(self._ctx, self.layout)
             self.commands_sock = server_socket(self._ctx, zmq.ROUTER, self.layout, cfg.endpoints.commands)
             self.payload_sock = server_socket(self._ctx, zmq.ROUTER, self.layout, cfg.endpoints.payload)
-            self.telemetry_sock = server_socket(self._ctx, zmq.PUB, self.layout, cfg.endpoints.telemetry)
+            # XPUB, not PUB: its subscription messages name each subscriber's key and connection,
+            # so that a revoked key's telemetry subscription can be closed too.
+            self.telemetry_sock = server_socket(self._ctx, zmq.XPUB, self.layout, cfg.endpoints.telemetry)
+            self.telemetry_sock.setsockopt(zmq.XPUB_VERBOSE, 1)
             endpoints = Endpoints(
                 commands=bound_endpoint(self.commands_sock),
                 payload=bound_endpoint(self.payload_sock),
@@ -88,7 +96,12 @@ class Bus(RelayPart):
 
     def _open(self, cfg: BusConfig, endpoints: Endpoints) -> None:
         self.switch = self._switch_override or self._build_switch()
-        self.buslog = bl.BusLog(self.data_dir / bl.LOG_FILE)
+        self.buslog = bl.BusLog(
+            self.data_dir / bl.LOG_FILE,
+            segment_bytes=cfg.log_segment_bytes,
+            segments=cfg.log_segments,
+            listener=self.storage,
+        )
         self.clock.t0 = self.buslog.started_monotonic
         # Commands stored by an earlier run: their answers go to the station's new connection.
         for entry in self.store.pending():
@@ -125,7 +138,10 @@ class Bus(RelayPart):
             boot_trace_s=cfg.boot_trace_s,
             skip_idle=cfg.skip_idle,
             hold_for_connect=cfg.hold_for_connect,
+            limits=self._limits(),
         )
+        self._publish_early_events()
+        self._check_keys(time.monotonic())  # what authorized/ holds now (and drops a revoked key's commands)
         _log.info(
             "bus_started",
             trace=self.trace.name,
@@ -144,7 +160,17 @@ class Bus(RelayPart):
 
     def _lock_data_dir(self) -> None:
         """One bus per data directory: two would share a queue and power two payloads."""
-        self._lock_fd = os.open(self.data_dir / "bus.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        path = self.data_dir / "bus.lock"
+        try:
+            self._lock_fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            # A read-only (or full) disk: an existing lock file still locks when opened for
+            # reading; without one, the bus runs unlocked rather than not at all.
+            try:
+                self._lock_fd = os.open(path, os.O_RDONLY)
+            except OSError as exc:
+                _log.error("bus_lock_unavailable", path=str(path), error=str(exc))
+                return
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -171,8 +197,11 @@ class Bus(RelayPart):
             "run": self.buslog.run,
         }
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(info))
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(json.dumps(info))
+            os.replace(tmp, path)
+        except OSError as exc:  # the bus runs on; whoever waits for the file will say so
+            _log.error("bus_ready_file_failed", path=str(path), error=str(exc))
 
     # ------------------------------------------------------------------ main loop
 
@@ -218,15 +247,42 @@ class Bus(RelayPart):
         self._watch_payload(now)
         self._reconcile_power(now)
         self._forward()
-        self.store.flush()
+        self._flush_store(now)
+        self._retry_storage(now)
+        self._housekeep_stations(now)
         timeout = self._next_due(time.monotonic())
         self._receive(timeout)
+
+    def _limits(self) -> dict:
+        """The stations' limits and the bounds of the store and the log, as the run log keeps them."""
+        cfg = self.config
+        return {
+            "max_in_flight": cfg.max_in_flight,
+            "station_quota": cfg.station_quota,
+            "station_rate": cfg.station_rate,
+            "station_burst": cfg.station_burst,
+            "store_max_commands": cfg.store_max_commands,
+            "store_max_bytes": cfg.store_max_bytes,
+            "throttle_event_s": cfg.throttle_event_s,
+            "log_segment_bytes": cfg.log_segment_bytes,
+            "log_segments": cfg.log_segments,
+        }
 
     def _receive(self, timeout_s: float) -> None:
         poller = zmq.Poller()
         poller.register(self.commands_sock, zmq.POLLIN)
         poller.register(self.payload_sock, zmq.POLLIN)
+        poller.register(self.telemetry_sock, zmq.POLLIN)
         ready = dict(poller.poll(int(math.ceil(timeout_s * 1000))))
+        # Telemetry subscriptions (XPUB): who listens, on which connection.
+        for _ in range(64):
+            if not (ready.get(self.telemetry_sock) or self.telemetry_sock.poll(0, zmq.POLLIN)):
+                break
+            ready.pop(self.telemetry_sock, None)
+            subscription = recv_packet(self.telemetry_sock, timeout_s=0)
+            if subscription is None:
+                break
+            self._on_subscription(subscription)
         # Bounded batches keep cuts on time while a ground floods the link.
         for _ in range(64):
             got = False
@@ -264,7 +320,8 @@ class Bus(RelayPart):
             except PowerSwitchError as exc:
                 _log.error("bus_power_switch_close_failed", error=str(exc))
             try:
-                self.store.flush()
+                self._flush_store(time.monotonic(), force=True)
+                self._housekeep_stations(time.monotonic(), final=True)
             finally:
                 self.buslog.write(
                     bl.RUN_STOP, **self._stamp(), reason=self.stop_reason, stored_commands=len(self.store)

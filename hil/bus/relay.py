@@ -1,32 +1,43 @@
-"""The relay between ground and payload: telecommands from the commands link are checked, stored
-durably (hil.busstore) and forwarded in order to the current payload connection, at most
-`max_in_flight` unconfirmed; what the payload sends is published, keeps its link alive and is
-routed back (hil/bus/routing.py). docs/bus.md §5."""
+"""The relay between ground and payload: telecommands from the commands link are checked (key,
+source binding, rate, quota, bounds), stored durably (hil.busstore) and forwarded to the current
+payload connection -- round-robin between the stations' queues, each station's in order, at most
+`max_in_flight` unconfirmed in all; what the payload sends is published, keeps its link alive and
+is routed back (hil/bus/routing.py). docs/bus.md §5."""
 
 from __future__ import annotations
 
 import base64
 import time
+from collections import Counter
 from typing import Any
 
 from common import log
-from common.wire import Apid, FdirMode, PowerCause, ResponseCode, WireError, decode
+from common.wire import Apid, FdirMode, PowerCause, ResponseCode, WireError, decode, decode_header
 from common.wire import messages as m
 from common.wire.errors import RequestRef
+from common.wire.ids import GROUND_SOURCE_IDS
 from common.wire.link import LinkError, Received, send_packet
 from hil import buslog as bl
 from hil.bus.base import request_fields
-from hil.bus.routing import RoutingPart
-from hil.busstore import StoredCommand, request_key
+from hil.bus.stations import StationsPart
+from hil.bus.storage import STORAGE_RETRY_S, condition_of
+from hil.busstore import StoredCommand, StoreUnavailable, request_key
 
 _log = log.get("hil.bus")
 
-#: Source ids a ground station may use (docs/wire-protocol.md §5.1).
-GROUND_SOURCE_IDS = range(0x0001, 0x0100)
+__all__ = ["GROUND_SOURCE_IDS", "RelayPart"]
+
+_STORE_WRITER = "command store"
+_CONDITION_WORDS = {"full": "full", "read_only": "read-only", "error": "failing (I/O errors)"}
 
 
-class RelayPart(RoutingPart):
+class RelayPart(StationsPart):
     """Ground packets in, stored commands out to the payload, payload packets in."""
+
+    _store_retry_at = 0.0
+    _log_retry_at = 0.0
+    #: the station served last by the round-robin forwarder
+    _served_last: str | None = None
 
     def _ground_allowed(self, user: str | None) -> bool:
         if user is None or user == self.config.payload_client:
@@ -41,14 +52,27 @@ class RelayPart(RoutingPart):
         request: RequestRef | None = None,
         task_id: str | None = None,
         type_name: str | None = None,
+        *,
+        link_refused: bool = False,
     ) -> None:
         report = m.Rejected.from_error(error, request, task_id)
         packet = self._bus_packet(report)
-        self._publish(packet)
+        sender = received.user_id or "unknown"
+        # Past REJECT_LOG_BURST in a window, a station's refusals are answered to it alone and
+        # counted: a flood of bad packets must not become a flood of log lines and telemetry.
+        in_full = self._log_rejection(sender, error.code.name, time.monotonic())
+        if in_full:
+            self._publish(packet)
+            if link_refused:
+                self.buslog.write(bl.LINK_REFUSED, **self._stamp(), link="commands", client=received.user_id)
         try:
-            send_packet(self.commands_sock, packet, routing_id=received.routing_id, timeout_s=0.1)
+            send_packet(
+                self.commands_sock, packet, routing_id=received.routing_id, timeout_s=0.0 if not in_full else 0.1
+            )
         except LinkError:
             pass
+        if not in_full:
+            return
         req = report.request
         self.buslog.write(
             bl.COMMAND_REJECTED,
@@ -64,18 +88,41 @@ class RelayPart(RoutingPart):
 
     def _on_ground_packet(self, received: Received) -> None:
         packet = received.packet
-        if not self._ground_allowed(received.user_id):
-            refused: RequestRef | None
-            try:
-                refused = decode(packet)[0].request
-            except WireError as exc:
-                refused = exc.request
-            self.buslog.write(bl.LINK_REFUSED, **self._stamp(), link="commands", client=received.user_id)
+        now = time.monotonic()
+        user = received.user_id
+        if not self._ground_allowed(user):
             self._reject_ground(
                 received,
-                WireError(ResponseCode.NOT_AUTHORIZED, f"client {received.user_id!r} may not command the payload"),
-                refused,
+                WireError(ResponseCode.NOT_AUTHORIZED, f"client {user!r} may not command the payload"),
+                self._header_request(packet),
+                link_refused=True,
             )
+            return
+        assert user is not None  # _ground_allowed refused a client without a name
+        if not self._key_current(user, received.key):
+            self._reject_ground(
+                received,
+                WireError(
+                    ResponseCode.NOT_AUTHORIZED,
+                    f"key {user!r} was revoked (no longer in authorized/); this connection is closed",
+                ),
+                self._header_request(packet),
+            )
+            self._close_revoked("commands", received.routing_id, received)
+            return
+        self._note_connection("commands", received.routing_id, received)
+        if not self._rate_ok(user, now):
+            rate = self.config.station_rate
+            self._reject_ground(
+                received,
+                WireError(
+                    ResponseCode.RATE_LIMITED,
+                    f"station {user} sends faster than {rate:g} commands/s (burst {self.config.station_burst}); "
+                    "slow down and send again",
+                ),
+                self._header_request(packet),
+            )
+            self._throttled(user, None, f"RATE_LIMITED, more than {rate:g} commands/s", now)
             return
         try:
             header, message = decode(packet)
@@ -85,52 +132,72 @@ class RelayPart(RoutingPart):
         request = header.request
         task_id = getattr(message, "task_id", None)
         name = message.TYPE.name
+
+        def refuse(code: ResponseCode, reason: str) -> None:
+            self._reject_ground(received, WireError(code, reason), request, task_id, name)
+
         if not message.is_command():
-            self._reject_ground(
-                received,
-                WireError(ResponseCode.WRONG_PACKET_TYPE, f"{name} is telemetry; the commands link takes telecommands"),
-                request,
-                task_id,
-                name,
-            )
+            refuse(ResponseCode.WRONG_PACKET_TYPE, f"{name} is telemetry; the commands link takes telecommands")
             return
         if header.apid != Apid.PAYLOAD:
-            self._reject_ground(
-                received,
-                WireError(
-                    ResponseCode.WRONG_APID,
-                    f"APID {header.apid:#05x}: telecommands go to the payload ({int(Apid.PAYLOAD):#05x})",
-                ),
-                request,
-                task_id,
-                name,
+            refuse(
+                ResponseCode.WRONG_APID,
+                f"APID {header.apid:#05x}: telecommands go to the payload ({int(Apid.PAYLOAD):#05x})",
             )
             return
         if header.source_id not in GROUND_SOURCE_IDS:
-            self._reject_ground(
-                received,
-                WireError(ResponseCode.NOT_AUTHORIZED, f"source id {header.source_id:#06x} is not a ground station's"),
-                request,
-                task_id,
-                name,
+            refuse(ResponseCode.NOT_AUTHORIZED, f"source id {header.source_id:#06x} is not a ground station's")
+            return
+        bound = self._keys().binding(user)
+        if bound is None:
+            refuse(
+                ResponseCode.SOURCE_NOT_BOUND,
+                f"key {user!r} is bound to no source id; bind it with `ow ground keys authorize {user}` "
+                f"(authorized/{user}.station)",
+            )
+            return
+        if header.source_id != bound:
+            refuse(
+                ResponseCode.SOURCE_NOT_BOUND,
+                f"source id {header.source_id:#06x} is not key {user!r}'s: it is bound to {bound:#06x}",
             )
             return
         if self.store.find(request_key(request)) is not None:
-            self._reject_ground(
-                received,
-                WireError(
-                    ResponseCode.REPLAYED_SEQUENCE,
-                    f"seq {request.seq} from source {request.source_id} is already queued",
-                ),
-                request,
-                task_id,
-                name,
+            refuse(
+                ResponseCode.REPLAYED_SEQUENCE, f"seq {request.seq} from source {request.source_id} is already queued"
             )
             return
-        # _ground_allowed refused a client without a name; a ROUTER socket names every sender.
-        assert received.user_id is not None and received.routing_id is not None
-        entry = self.store.enqueue(packet, received.user_id, time.time())
-        self.store.flush()  # durable before anything else happens to it (or is logged about it)
+        cfg = self.config
+        if self.store.count_for(user) >= cfg.station_quota:
+            refuse(
+                ResponseCode.STATION_QUOTA,
+                f"station {user} already has {cfg.station_quota} commands stored on the bus (its quota); "
+                "send again once the payload has taken some",
+            )
+            self._throttled(user, header.source_id, f"STATION_QUOTA, {cfg.station_quota} commands stored", now)
+            return
+        if len(self.store) >= cfg.store_max_commands or self.store.live_bytes + len(packet) > cfg.store_max_bytes:
+            refuse(
+                ResponseCode.BUS_STORAGE_FULL,
+                f"the bus's command store is at its cap ({len(self.store)} commands, "
+                f"{self.store.live_bytes / 2**20:.1f} MiB of {cfg.store_max_commands} / "
+                f"{cfg.store_max_bytes / 2**20:.1f} MiB); not relayed, send it again later",
+            )
+            return
+        try:
+            # Durable before anything else happens to it (or is logged about it).
+            entry = self.store.enqueue(packet, user, time.time())
+        except StoreUnavailable as exc:
+            self.storage.failed(_STORE_WRITER, exc.error)
+            condition = _CONDITION_WORDS.get(condition_of(exc.error), "failing")
+            refuse(
+                ResponseCode.BUS_STORAGE_FULL,
+                f"the bus cannot store the command durably: its disk is {condition} "
+                f"({exc.error.strerror or exc.error}); not relayed, send it again later",
+            )
+            return
+        self.storage.succeeded(_STORE_WRITER)  # marks that waited went out with it
+        assert received.routing_id is not None  # a ROUTER socket names every sender
         self._remember_route(request, received.routing_id)
         self._expect_replies(request, message)
         extra: dict[str, Any] = {"packet": base64.b64encode(packet).decode("ascii")} if self.config.log_packets else {}
@@ -140,7 +207,7 @@ class RelayPart(RoutingPart):
             request=request_fields(request),
             type=name,
             task_id=task_id,
-            sender=received.user_id,
+            sender=user,
             store_id=entry.store_id,
             payload_on=self.switch.is_on(),
             payload_connected=self.payload_rid is not None,
@@ -157,26 +224,89 @@ class RelayPart(RoutingPart):
             queued=len(self.store),
         )
 
+    @staticmethod
+    def _header_request(packet: bytes) -> RequestRef | None:
+        try:
+            return decode_header(packet).request
+        except WireError as exc:
+            return exc.request
+
+    # ---- the store on the bus's own disk ----------------------------------------------------------
+    def _flush_store(self, now: float, force: bool = False) -> None:
+        """Write the forwarding marks and confirmations waiting in memory. When the disk refuses,
+        they stay in memory (and relaying goes on) and are tried again every STORAGE_RETRY_S."""
+        if not self.store.has_pending:
+            return
+        if not force and _STORE_WRITER in self.storage.failing and now < self._store_retry_at:
+            return
+        try:
+            self.store.flush()
+        except OSError as exc:
+            self._store_retry_at = now + STORAGE_RETRY_S
+            self.storage.failed(_STORE_WRITER, exc)
+        else:
+            self.storage.succeeded(_STORE_WRITER)
+
+    def _retry_storage(self, now: float) -> None:
+        """While some writer fails: the run log's held lines, and a store that has nothing to
+        write (its failure was a refused command) is declared writable again by a probe. (The
+        telemetry numbering tries its reservation again by itself, at its next packet.)"""
+        if self.storage.ok or now < self._log_retry_at:
+            return
+        self._log_retry_at = now + STORAGE_RETRY_S
+        if self.buslog.failing is not None:
+            self.buslog.retry()
+        if _STORE_WRITER in self.storage.failing and not self.store.has_pending:
+            try:
+                self.store.probe()
+            except OSError:
+                pass
+            else:
+                self.storage.succeeded(_STORE_WRITER)
+
     def _forward(self) -> None:
-        """Send live commands in order to the current payload connection, at most
-        max_in_flight unconfirmed at a time; each is marked durably before it is sent."""
+        """Send live commands to the current payload connection: round-robin between the
+        stations' queues (each station's in arrival order), at most max_in_flight unconfirmed
+        in all, and no station more than its share of them while another waits; each is marked
+        (durably, when the disk lets it) before it is sent."""
         if self.payload_rid is None or not self.switch.is_on() or not len(self.store):
             return
-        pending = self.store.pending()
-        in_flight = sum(1 for e in pending if e.sent_link == self.link_id)
-        batch: list[StoredCommand] = []
-        for entry in pending:
+        queues: dict[str, list[StoredCommand]] = {}
+        in_flight: Counter = Counter()
+        for entry in self.store.pending():
             if entry.sent_link == self.link_id:
-                continue
-            if in_flight + len(batch) >= self.config.max_in_flight:
-                break
-            batch.append(entry)
+                in_flight[entry.sender] += 1
+            else:
+                queues.setdefault(entry.sender, []).append(entry)
+        room = self.config.max_in_flight - sum(in_flight.values())
+        if room <= 0 or not queues:
+            return
+        share = max(1, self.config.max_in_flight // len(set(queues) | set(in_flight)))
+        order = sorted(queues)
+        if self._served_last is not None:  # start with the station after the one served last
+            later = [s for s in order if s > self._served_last]
+            order = later + [s for s in order if s <= self._served_last]
+        batch: list[StoredCommand] = []
+        for capped in (True, False):  # first within each station's share, then any room left
+            progress = True
+            while progress and len(batch) < room:
+                progress = False
+                for sender in order:
+                    queue = queues[sender]
+                    if not queue or len(batch) >= room or (capped and in_flight[sender] >= share):
+                        continue
+                    batch.append(queue.pop(0))
+                    in_flight[sender] += 1
+                    self._served_last = sender
+                    progress = True
         if not batch:
             return
         self.payload_queue_depth = None  # a command may add work: wait for the next housekeeping report
         for entry in batch:
             self.store.mark_forwarded(entry, self.link_id)
-        self.store.flush()
+        # Durable marks tell a restarted bus that a resend is a redelivery. A disk that refuses
+        # them does not stop the relay: they wait in memory (docs/bus.md "The bus's own disk").
+        self._flush_store(time.monotonic())
         for entry in batch:
             if not self._to_payload(entry.packet):
                 return
@@ -197,6 +327,12 @@ class RelayPart(RoutingPart):
 
     def _on_payload_packet(self, received: Received) -> None:
         now = time.monotonic()
+        if received.user_id == self.config.payload_client and not self._key_current(received.user_id, received.key):
+            self._log_rejection(received.user_id, "NOT_AUTHORIZED", now)
+            self._close_revoked("payload", received.routing_id, received)
+            if received.routing_id == self.payload_rid:
+                self.payload_rid = None
+            return
         if received.user_id != self.config.payload_client:
             self.buslog.write(bl.LINK_REFUSED, **self._stamp(now), link="payload", client=received.user_id)
             _log.warning("bus_payload_link_refused", client=received.user_id)
@@ -221,6 +357,7 @@ class RelayPart(RoutingPart):
         if message.is_command():
             _log.warning("bus_payload_sent_command", type=message.TYPE.name)
             return
+        self._note_connection("payload", received.routing_id, received)
         if self.switch.is_on() and received.routing_id != self.payload_rid:
             self._payload_connected(received.routing_id, message, now)
         if self.pacer is not None:

@@ -36,7 +36,12 @@ def _received(log_path) -> list:
 def test_oversized_messages_and_floods_do_not_reach_the_bus(tmp_path, keys, context, bus_processes):
     # The payload stays off (its window opens at t = 900 s): commands are stored, nothing else.
     trace = write_trace(tmp_path / "late.jsonl", 1000, [window(900, 1000, None)], telemetry=False)
-    bus = bus_processes(bus_config(tmp_path, keys, trace, tmp_path / "record.jsonl", time_scale=1.0))
+    # No rate limit or quota here: the flood must reach the bus's application (they are
+    # tests/bus/test_bus_stations.py's subject).
+    config = bus_config(
+        tmp_path, keys, trace, tmp_path / "record.jsonl", time_scale=1.0, station_rate=0.0, station_quota=5000
+    )
+    bus = bus_processes(config)
     log = tmp_path / "bus" / bl.LOG_FILE
     ground = ground_station(context, keys, bus.endpoints.commands)
     ground.send(m.Ping(key=1))

@@ -25,11 +25,12 @@ def test_store_keeps_live_commands_in_order_across_reopen(tmp_path):
     store.mark_forwarded(entries[1], link=1)
     store.confirm(entries[0], "accepted")
     store.flush()
-    store.enqueue(ping(9), "ground", 2.0)  # recorded but never flushed: not durable, not promised
+    store.enqueue(ping(9), "ground", 2.0)  # durable when enqueue returns
+    store.mark_forwarded(entries[2], link=1)  # recorded but never flushed: not durable
 
     again = CommandStore(tmp_path)
-    assert [e.request.seq for e in again.pending()] == [1, 2, 3, 4]
-    assert [e.forwards for e in again.pending()] == [1, 0, 0, 0], "a restarted bus knows what may have been sent"
+    assert [e.request.seq for e in again.pending()] == [1, 2, 3, 4, 9]
+    assert [e.forwards for e in again.pending()] == [1, 0, 0, 0, 0], "a restarted bus knows what may have been sent"
     assert again.find(entries[1].key).store_id == entries[1].store_id
     assert again.find(entries[0].key) is None
     # Ids keep growing after the compaction on open: log lines of earlier runs stay unambiguous.
@@ -122,3 +123,56 @@ def test_run_log_refuses_unknown_kinds_and_reserved_fields(tmp_path):
     with pytest.raises(ValueError):
         log.write(bl.POWER_ON, run="other")
     log.close()
+
+
+def test_run_log_rotates_and_is_read_whole_in_order(tmp_path):
+    """Finding 6: the run log is bounded by rotation; read_log and LogFollower read across it."""
+    path = tmp_path / bl.LOG_FILE
+    log = bl.BusLog(path, run_id="run-1", segment_bytes=4096, segments=3)
+    follower = bl.LogFollower(path)
+    followed = b""
+    for i in range(60):
+        log.write(bl.COMMAND_REJECTED, trace_s=float(i), code="RATE_LIMITED", reason="x" * 100)
+        if i % 7 == 0:
+            followed += follower.read()
+    followed += follower.read()
+    log.close()
+    kept = [bl.segment_path(path, i) for i in range(3)]
+    assert all(p.exists() for p in kept) and not bl.segment_path(path, 3).exists()
+    assert all(p.stat().st_size < 4096 + 300 for p in kept)
+    entries = bl.read_log(path)
+    numbers = [e.n for e in entries]
+    assert numbers == list(range(numbers[0], 61)) and numbers[0] > 1, "the oldest segments went, in order"
+    assert [json.loads(line)["n"] for line in followed.splitlines()] == list(range(1, 61)), "followed whole"
+
+
+def test_run_log_keeps_lines_in_memory_while_the_disk_refuses_them(tmp_path, monkeypatch):
+    """Finding 5: lines a read-only disk refuses are written, in order, once it takes them again."""
+    from common import durable
+
+    control = tmp_path / "faults.json"
+    control.write_text(json.dumps({"mode": "ok"}))
+    monkeypatch.setattr(durable, "storage_faults", durable.StorageFaults(str(control)))
+    seen = []
+
+    class Listener:
+        def failed(self, writer, exc):
+            seen.append(("failed", writer))
+
+        def succeeded(self, writer):
+            seen.append(("ok", writer))
+
+    path = tmp_path / "bus" / bl.LOG_FILE
+    log = bl.BusLog(path, run_id="run-1", listener=Listener())
+    log.write(bl.RUN_START, trace_s=0.0)
+    control.write_text(json.dumps({"mode": "read_only", "under": [str(tmp_path / "bus")]}) + " ")
+    for i in range(5):
+        log.write(bl.POWER_ON, trace_s=float(i))
+    assert log.held_lines == 5 and not log.retry()
+    assert [e.n for e in bl.read_log(path)] == [1]
+    control.write_text(json.dumps({"mode": "ok"}))
+    assert log.retry() and log.held_lines == 0
+    log.write(bl.RUN_STOP)
+    log.close()
+    assert [e.n for e in bl.read_log(path)] == [1, 2, 3, 4, 5, 6, 7]
+    assert seen == [("failed", "run log"), ("ok", "run log")]

@@ -97,7 +97,7 @@ def test_reports_go_back_to_the_station_that_sent_the_command(tmp_path, keys, co
     with BusThread(bus_config(tmp_path, keys, always_on_trace, record)) as bus:
         wait_connected(bus)
         ground = ground_station(context, keys, bus.endpoints.commands)
-        station2 = ground_station(context, keys, bus.endpoints.commands, name="station2", source_id=0x0002)
+        station2 = ground_station(context, keys, bus.endpoints.commands, name="station2", source_id=0x0010)
         sub = telemetry_subscriber(context, keys, bus.endpoints.telemetry)
         time.sleep(0.2)  # let the subscription settle
         for i in range(3):
@@ -108,7 +108,7 @@ def test_reports_go_back_to_the_station_that_sent_the_command(tmp_path, keys, co
         ground.collect(0.3)
         station2.collect(0.3)
         published = drain(sub, 0.5)
-    for station, source, keys_expected in ((ground, 1, {1000, 1001, 1002}), (station2, 2, {2000, 2001, 2002})):
+    for station, source, keys_expected in ((ground, 1, {1000, 1001, 1002}), (station2, 0x0010, {2000, 2001, 2002})):
         verifications = [msg for _, msg in station.inbox if isinstance(msg, m.Verification)]
         assert {msg.tc_source for msg in verifications} == {source}, "no other station's reports"
         assert {msg.key for _, msg in station.inbox if isinstance(msg, m.Pong)} == keys_expected

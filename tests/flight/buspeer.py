@@ -56,10 +56,17 @@ class BusPeer:
     def wait_connected(self, timeout: float = 60.0):
         self.wait_for(lambda h, msg: isinstance(msg, m.Heartbeat), timeout)
 
-    def command(self, message, seq: int | None = None) -> int:
+    def command(self, message, seq: int | None = None, source_id: int = NodeId.GROUND) -> int:
+        """Send a telecommand as ground station `source_id` would (through a real bus, the one
+        its key is bound to). One counter serves every source: each sees gaps, which is fresh."""
         seq = self.counter.next(Apid.PAYLOAD) if seq is None else seq
-        send_packet(self.sock, encode(message, Apid.PAYLOAD, seq, source_id=NodeId.GROUND), routing_id=self.payload_id)
+        send_packet(self.sock, encode(message, Apid.PAYLOAD, seq, source_id=source_id), routing_id=self.payload_id)
         return seq
+
+    def answer(self, message, source_id: int = NodeId.GROUND, timeout: float = 60.0):
+        """Send a telecommand and wait for its REJECTED, or its ACCEPTED: the report."""
+        seq = self.command(message, source_id=source_id)
+        return self.wait_for(lambda h, msg: isinstance(msg, (m.Accepted, m.Rejected)) and msg.tc_seq == seq, timeout)[1]
 
     def raw(self, packet: bytes):
         send_packet(self.sock, packet, routing_id=self.payload_id)

@@ -134,3 +134,41 @@ def test_write_costs_learned_in_one_boot_reach_the_next(bus, flight, tmp_path):
     entry = loaded()
     assert entry["vision_s"] == pytest.approx(learned["vision"], abs=1e-6)
     assert entry["decode_s"] == pytest.approx(learned["decode"], abs=1e-6)
+
+
+def test_a_station_acts_on_its_own_tasks_only(bus, flight):
+    """Finding 7c: a station (source >= 0x0010) that did not uplink a task is refused NOT_OWNER
+    when it cancels, reprioritises, downlinks or resends it, or releases its quarantine; its owner
+    and an admin station (0x0001..0x000F) are not; lists stay open to all; commands and the engine
+    are an admin's to release."""
+    flight()
+    owner, other, admin = 0x0010, 0x0011, 0x0001
+    task = m.UplinkTask(task_id="owned", prompt="count the ships", images=[], max_new_tokens=3, priority=1)
+    assert isinstance(bus.answer(task, source_id=owner), m.Accepted)
+    foreign = [
+        m.CancelTask(task_id="owned"),
+        m.SetPriority(task_id="owned", priority=9),
+        m.DownlinkResult(task_id="owned"),
+        task,  # the same uplink again, from someone else
+        m.UplinkTask(task_id="owned", prompt="other content", images=[], max_new_tokens=3, priority=1),
+        m.ReleaseQuarantine(item="task:owned"),
+        m.ReleaseQuarantine(item="engine:load"),
+    ]
+    for message in foreign:
+        report = bus.answer(message, source_id=other)
+        assert isinstance(report, m.Rejected) and report.code == ResponseCode.NOT_OWNER, message
+    assert isinstance(bus.answer(m.ListQuarantine(), source_id=other), m.Accepted)
+    assert isinstance(bus.answer(m.ListLostTasks(), source_id=other), m.Accepted)
+    # The owner and an admin are answered on the merits (whatever state the task is in by now).
+    for source, message in [
+        (owner, task),
+        (owner, m.DownlinkResult(task_id="owned")),
+        (admin, m.DownlinkResult(task_id="owned")),
+        (owner, m.ReleaseQuarantine(item="task:owned")),
+        (admin, m.ReleaseQuarantine(item="engine:load")),
+        (admin, m.SetPriority(task_id="owned", priority=2)),
+        (owner, m.CancelTask(task_id="owned")),
+    ]:
+        report = bus.answer(message, source_id=source)
+        assert getattr(report, "code", None) != ResponseCode.NOT_OWNER, (source, message)
+    assert isinstance(bus.answer(task, source_id=owner), m.Accepted), "its own resend stays idempotent"

@@ -12,6 +12,7 @@ from ground_testkit import link_args
 
 from common.wire import EventId, FdirMode, MessageType, PowerCause, ResponseCode
 from common.wire import messages as m
+from common.wire.link import bind_station
 from ground.state import GroundState
 
 
@@ -166,12 +167,53 @@ def test_keys_init_reports_where_each_file_goes(ow, tmp_path):
     assert (keys_dir / "authorized" / "ground2.key").exists()
 
 
+def test_keys_bind_each_station_to_a_source_id_and_the_tools_default_to_it(ow, tmp_path, peer, keys):
+    """Finding 7b: `keys init` binds ground to 0x0001 (admin), each --client to the next station id,
+    each --admin to the next admin id; `authorize` binds (or rebinds) a key, `revoke` removes it,
+    `list` shows them; the ground tools send with their key's binding."""
+    keys_dir = tmp_path / "ops-keys"
+    made = json.loads(
+        ow("ground", "keys", "init", "--keys", keys_dir, "--client", "alpha", "--admin", "ops", "--json").out
+    )
+    assert made["bindings"] == {
+        "ground": {"source_id": 0x0001, "role": "admin"},
+        "alpha": {"source_id": 0x0010, "role": "station"},
+        "ops": {"source_id": 0x0002, "role": "admin"},
+    }
+    assert json.loads((keys_dir / "clients" / "alpha.station").read_text()) == {"source_id": 0x0010}
+    again = json.loads(ow("ground", "keys", "init", "--keys", keys_dir, "--client", "beta", "--json").out)
+    assert again["bindings"]["alpha"]["source_id"] == 0x0010 and again["bindings"]["beta"]["source_id"] == 0x0011
+    taken = ow("ground", "keys", "authorize", "beta", "--keys", keys_dir, "--source-id", "0x10")
+    assert taken.code == 5 and "already bound to key 'alpha'" in taken.err
+    moved = json.loads(
+        ow("ground", "keys", "authorize", "beta", "--keys", keys_dir, "--source-id", "0x20", "--json").out
+    )
+    assert moved == {"name": "beta", "source_id": 0x20, "role": "station"}
+    kept = json.loads(ow("ground", "keys", "authorize", "ops", "--keys", keys_dir, "--json").out)
+    assert kept == {"name": "ops", "source_id": 0x0002, "role": "admin"}, "authorize keeps a binding"
+    assert ow("ground", "keys", "revoke", "alpha", "--keys", keys_dir).code == 0
+    listed = {row["name"]: row for row in json.loads(ow("ground", "keys", "list", "--keys", keys_dir, "--json").out)}
+    assert set(listed) == {"ground", "beta", "ops", "payload"}
+    assert listed["payload"]["role"] == "payload" and listed["ops"]["role"] == "admin"
+    assert ow("ground", "keys", "revoke", "alpha", "--keys", keys_dir).code == 5  # nothing left to revoke
+
+    # The tools' default source id is their key's binding.
+    bind_station(keys, "ground", 0x0003)
+    assert ow("ground", "ping", *link_args(keys, peer)).code == 0
+    assert peer.commands[-1][1].source_id == 0x0003
+    assert ow("ground", "ping", "--source-id", "0x05", *link_args(keys, peer)).code == 0
+    assert peer.commands[-1][1].source_id == 0x0005
+
+
 @pytest.mark.parametrize(
     "action",
     [
         [],
         ["keys"],
         ["keys", "init"],
+        ["keys", "authorize"],
+        ["keys", "revoke"],
+        ["keys", "list"],
         ["uplink"],
         ["status"],
         ["results"],

@@ -192,3 +192,40 @@ def test_endpoints_from_environment():
     assert Endpoints.from_env({}) == Endpoints()
     custom = Endpoints.from_env({"OW_COMMANDS_ENDPOINT": "tcp://127.0.0.1:6000"})
     assert custom.commands == "tcp://127.0.0.1:6000" and custom.telemetry == Endpoints().telemetry
+
+
+def test_stations_are_bound_to_source_ids_and_connections_carry_their_key(tmp_path, context):
+    """Finding 7b: init_keys binds ground to 0x0001 (admin), each other station to the next free
+    station id and each admin to the next free admin id; the payload gets no binding; a source id
+    is bound to one key only; a received packet names its key and connection."""
+    from common.wire.link import bind_station, read_binding, station_bindings, station_source_id
+
+    keys = init_keys(tmp_path / "keys", clients=("station2", "ground", "payload"), admins=("ops",))
+    assert station_bindings(keys) == {"ground": 0x0001, "station2": 0x0010, "ops": 0x0002}
+    assert station_source_id(keys, "station2") == 0x0010
+    assert station_source_id(keys, "payload") is None
+    init_keys(keys.root, clients=("station3",))  # a second run keeps what is bound
+    assert station_bindings(keys) == {"ground": 0x0001, "station2": 0x0010, "ops": 0x0002, "station3": 0x0011}
+    with pytest.raises(ValueError, match="already bound"):
+        bind_station(keys, "station3", 0x0010)
+    with pytest.raises(ValueError, match="not a ground station"):
+        bind_station(keys, "station3", 0x0100)
+    keys.binding_path("station3").write_text("{not json")
+    with pytest.raises(ValueError, match="not a station binding"):
+        read_binding(keys.binding_path("station3"))
+    assert "station3" not in station_bindings(keys)
+
+    authenticator = start_authenticator(context, keys)
+    router = server_socket(context, zmq.ROUTER, keys, LOOPBACK)
+    try:
+        dealer = client_socket(context, zmq.DEALER, keys, "station2", bound_endpoint(router), handshake_timeout_s=5)
+        send_packet(dealer, encode(m.Ping(key=1), Apid.PAYLOAD, 1, source_id=0x0010))
+        got = recv_packet(router, timeout_s=5)
+        assert got is not None and got.user_id == "station2"
+        public, _ = zmq.auth.load_certificate(keys.client_public("station2"))
+        assert got.key == public.decode("ascii")
+        assert got.fd is not None and got.fd >= 0
+        assert authenticator.keys.binding("station2") == 0x0010
+    finally:
+        router.close(linger=0)
+        authenticator.stop()
