@@ -221,14 +221,28 @@ class BusLog:
             return f.read(1) == b"\n"
 
     def _write_bytes(self, data: bytes) -> None:
+        """All of `data`, or none of it: a write the disk refuses half way (a full disk takes the
+        first bytes of a line) is cut back to where it began, so no torn line sits between good
+        ones. Only where even that is refused (read-only) does the newline written before the
+        next line end it (and the reader skip it)."""
         assert self._fd is not None
         if durable.storage_faults is not None:
             durable.storage_faults.before_write(str(self.path), len(data))
+        start = self._size
         view = memoryview(data)
-        while view:
-            n = os.write(self._fd, view)
-            self._size += n
-            view = view[n:]
+        try:
+            while view:
+                n = os.write(self._fd, view)
+                self._size += n
+                view = view[n:]
+        except OSError:
+            if self._size != start:
+                try:
+                    os.ftruncate(self._fd, start)
+                    self._size = start
+                except OSError:
+                    pass
+            raise
 
     def _sync(self) -> None:
         assert self._fd is not None
