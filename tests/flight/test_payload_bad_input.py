@@ -142,10 +142,18 @@ def test_each_bad_input_has_its_own_code_and_nothing_is_lost(payload):
         assert rejected.code == expected, (name, rejected.code.name, rejected.reason)
         assert rejected.reason
     assert len(set(codes.values())) == len(CASES)  # each class its own code
+    # Issue 27, finding 9: a prompt of NULs, zero-width or bidirectional controls only has no
+    # visible character either; it was queued (and shown raw on the ground) as a real prompt.
+    for prompt in ("\x00\x00", "\u200b\u200c\u200d\u2060\ufeff", "\u202e\u2066\u200f"):
+        packet, seq = _tc(bus, MessageType.UPLINK_TASK, _uplink(prompt=prompt))
+        mark = len(bus.received)
+        bus.raw(packet)
+        rejected = bus.wait_for(lambda h, x, seq=seq: isinstance(x, m.Rejected) and x.tc_seq == seq, start=mark)[1]
+        assert rejected.code == ResponseCode.EMPTY_PROMPT, (repr(prompt), rejected.code.name, rejected.reason)
     assert proc.poll() is None  # still running
     seq = bus.command(m.Status())
     hk = bus.wait_for(lambda h, x: isinstance(x, m.Housekeeping), start=len(bus.received) - 1)[1]
     assert hk.queue_depth == 1  # the queued task is still there
-    assert hk.error_count >= len(CASES)
+    assert hk.error_count >= len(CASES) + 3
     seq = bus.command(m.Ping(key=42))
     assert bus.wait_for(lambda h, x: isinstance(x, m.Pong) and x.key == 42)

@@ -38,6 +38,13 @@ CASES = {
     ),
     "empty prompt": (lambda t, p: ["--image", p[0], "--prompt", ""], "prompt is empty"),
     "blank prompt": (lambda t, p: ["--image", p[0], "--prompt", " \t\n"], "prompt is empty"),
+    # issue 27, finding 9: no visible character is blank too (these were sent as prompts)
+    "NUL prompt": (lambda t, p: ["--image", p[0], "--prompt", "\x00\x00"], "prompt is empty"),
+    "zero-width prompt": (
+        lambda t, p: ["--image", p[0], "--prompt", "\u200b\u200c\u200d\u2060\ufeff"],
+        "prompt is empty",
+    ),
+    "bidi-only prompt": (lambda t, p: ["--image", p[0], "--prompt", "\u202e\u2066 \u200f"], "prompt is empty"),
     "prompt not UTF-8": (
         lambda t, p: ["--image", p[0], "--prompt", b"caf\xe9 \xff".decode("utf-8", "surrogateescape")],
         "not valid UTF-8",
