@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from common.errors import CliError  # noqa: F401  (re-exported: components raise common.cli.CliError)
+from common.errors import CliError
 
 # (module, what it adds). Each module defines `register(subparsers) -> None`.
 COMPONENTS = [
@@ -43,18 +43,31 @@ def build_parser(components: list[str] | None = None) -> argparse.ArgumentParser
     return parser
 
 
+__all__ = ["COMPONENTS", "FAST_PATHS", "CliError", "build_parser", "main"]  # CliError: components raise it
+
+
+def one_line(text: str) -> str:
+    """An error message as the one line it must be: line breaks and every other character a
+    terminal would act on (a reason the payload sent, a path an operator typed) made visible."""
+    from common.wire.text import display_text  # lazy: an error path; `ow --help` does not need it
+
+    return display_text(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    fast = FAST_PATHS.get(tuple(argv[:2]))
-    parser = build_parser([fast] if fast else None)
-    args = parser.parse_args(argv)
+    command = argv[0] if argv and not argv[0].startswith("-") else "?"
     try:
+        fast = FAST_PATHS.get(tuple(argv[:2]))
+        parser = build_parser([fast] if fast else None)
+        args = parser.parse_args(argv)
+        command = args.command
         return int(args.func(args) or 0)
     except CliError as exc:
-        print(f"ow {args.command}: error: {exc}", file=sys.stderr)
+        print(f"ow {command}: error: {one_line(str(exc))}", file=sys.stderr)
         return exc.code
     except KeyboardInterrupt:
-        print(f"ow {args.command}: interrupted", file=sys.stderr)
+        print(f"ow {command}: interrupted", file=sys.stderr)
         return 130
 
 

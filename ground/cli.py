@@ -18,6 +18,7 @@ from common import log
 from common.cli import CliError
 from common.wire import WireError
 from common.wire.link import DEFAULT_CLIENTS, Endpoints, KeyLayout, init_keys
+from common.wire.text import display_text
 from ground.errors import EXIT_OK, GroundError, LocalInputError
 
 _EPILOG = (
@@ -308,7 +309,7 @@ def _notify(text: str) -> None:
     # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
     from tqdm import tqdm
 
-    tqdm.write(f"ow ground: {text}", file=sys.stderr)
+    tqdm.write(f"ow ground: {display_text(text)}", file=sys.stderr)
     sys.stderr.flush()
 
 
@@ -331,7 +332,10 @@ def _client(args, **overrides):
 
 
 def _print_json(data) -> None:
-    print(json.dumps(data, ensure_ascii=False, sort_keys=True), flush=True)
+    # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
+    from ground.report import json_text
+
+    print(json_text(data), flush=True)
 
 
 # --- commands ---------------------------------------------------------------------------------
@@ -377,7 +381,7 @@ def cmd_keys_init(args) -> int:
         )
         return 0
     r = layout.root
-    print(f"keys in {layout.root.resolve()}")
+    print(display_text(f"keys in {layout.root.resolve()}"))
     print(
         f"  bus server pair   {layout.server_public.relative_to(r)}, {layout.server_secret.relative_to(r)} "
         f"({state(server_existed)})"
@@ -582,7 +586,7 @@ def cmd_quarantine(args) -> int:
             if args.json:
                 _print_json({"released": args.release})
             else:
-                print(f"{args.release}: released from quarantine", flush=True)
+                print(display_text(f"{args.release}: released from quarantine"), flush=True)
             return 0
         listing = client.quarantine()
     if args.json:
@@ -599,7 +603,7 @@ def cmd_quarantine(args) -> int:
         print("nothing quarantined", flush=True)
     else:
         for item, exits, reason in zip(listing.items, listing.exits, listing.reasons, strict=True):
-            print(f"{item}  {exits} exit(s)  {reason}", flush=True)
+            print(display_text(f"{item}  {exits} exit(s)  {reason}"), flush=True)
         if listing.total > len(listing.items):
             print(f"... {listing.total - len(listing.items)} more", flush=True)
     return 0
