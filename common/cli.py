@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from common.errors import CliError
+from common.errors import EXIT_OUT_OF_MEMORY, CliError, out_of_memory
 
 # (module, what it adds). Each module defines `register(subparsers) -> None`.
 COMPONENTS = [
@@ -54,6 +54,12 @@ def one_line(text: str) -> str:
     return display_text(text)
 
 
+def _memory_message(exc: BaseException) -> str:
+    detail = str(exc).strip().splitlines()
+    what = f"{type(exc).__name__}: {detail[0][:200]}" if detail else type(exc).__name__
+    return f"out of memory ({what}); the process needs more memory or a higher address-space limit"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = argv[0] if argv and not argv[0].startswith("-") else "?"
@@ -69,6 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"ow {command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # noqa: BLE001 - only running out of memory is turned into one line
+        cause = out_of_memory(exc)
+        if cause is None:
+            raise  # a bug: the traceback is what a developer needs
+        print(f"ow {command}: error: {_memory_message(cause)}", file=sys.stderr)
+        return EXIT_OUT_OF_MEMORY
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import sys
 from common import log as owlog
 from common.errors import CliError
 from common.imagecheck import ProcessorLimits
+from flight.model.config import ModelError, check_weight_files, read_model_type
 from flight.runtime import cli as runtime_cli
 
 from .cli_options import (  # noqa: F401  (EXIT_*: re-exported, the codes `ow infer` documents)
@@ -24,6 +25,7 @@ from .cli_options import (  # noqa: F401  (EXIT_*: re-exported, the codes `ow in
     EXIT_OK,
     EXIT_USAGE,
     add_engine_arguments,
+    check_room_for_torch,
     engine_options,
     policy_overrides,
     report_overrides,
@@ -75,7 +77,8 @@ def register(sub) -> None:
         "the last checkpoint; the answer is bitwise the one an uninterrupted run gives.\n"
         "Once a request has completed, the same command prints the stored result.",
         epilog="Logs are JSON lines on stderr; the answer goes to stdout (text, or one JSON object with --json).\n"
-        "Exit status: 0 done, 2 bad arguments, 3 unusable model directory, 4 bad input (image, prompt).",
+        "Exit status: 0 done, 2 bad arguments, 3 unusable model directory, 4 bad input (image, prompt),\n"
+        "6 out of memory. Errors are one line on stderr.",
     )
     infer.add_argument("--model", required=True, help="local model directory (tiny-built or a real checkpoint)")
     infer.add_argument(
@@ -103,7 +106,7 @@ def cmd_build_tiny(args) -> int:
 
 
 def cmd_model_info(args) -> int:
-    from flight.model.loader import ModelError, load_model  # torch, transformers (module docstring)
+    from flight.model.loader import load_model  # torch, transformers (module docstring)
 
     try:
         m = load_model(args.model, device="cpu")
@@ -139,13 +142,19 @@ def cmd_infer(args) -> int:
             raise CliError(f"image not found: {path}", EXIT_INPUT)
     if os.path.exists(args.ckpt_dir) and not os.path.isdir(args.ckpt_dir):
         raise CliError(f"--ckpt-dir exists and is not a directory: {args.ckpt_dir}", EXIT_USAGE)
+    try:  # a truncated or damaged weight file: one line now, not a library's error later
+        read_model_type(args.model)
+        check_weight_files(args.model)
+    except ModelError as exc:
+        raise CliError(str(exc), EXIT_MODEL) from None
+    check_room_for_torch()
 
     # torch, transformers and the model code: seconds to import (module docstring).
     import torch
 
     from flight.engine import Engine
     from flight.model.inputs import InputError, build_inputs, load_image
-    from flight.model.loader import ModelError, load_model
+    from flight.model.loader import load_model
 
     if options.threads:
         torch.set_num_threads(options.threads)

@@ -12,14 +12,18 @@ on a loaded machine) and flight.checkpoint.cadence (crc32c). Nothing here import
 from __future__ import annotations
 
 import argparse
+import glob
+import importlib.util
 import json
+import math
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from common.durable import DurableFS, ThrottledFS, TokenBucket
-from common.errors import CliError
+from common.errors import EXIT_OUT_OF_MEMORY, CliError
 from flight.checkpoint.policies import POLICIES, Geometry, Policy, get_policy
 from flight.options import EngineOptions, default_cadence, resolve_cadence
 
@@ -27,6 +31,12 @@ if TYPE_CHECKING:
     from flight.checkpoint.cadence import Cadence
 
 EXIT_OK, EXIT_USAGE, EXIT_MODEL, EXIT_INPUT = 0, 2, 3, 4
+#: out of memory or address space (common.errors): one line, whatever the command
+EXIT_NO_MEMORY = EXIT_OUT_OF_MEMORY
+#: what torch's start-up allocates beyond mapping its shared libraries, as an allowance: with
+#: less, its C++ static initialisers throw std::bad_alloc and the process aborts (SIGABRT)
+#: before Python can report anything (measured: within about 20 MiB above the libraries)
+TORCH_START_ALLOWANCE_BYTES = 64 << 20
 
 #: The geometry options, their flags, and the defaults a command line that does not give them gets.
 GEOMETRY_FLAGS = {
@@ -158,6 +168,38 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FRACTION",
         help="adaptive cadence: battery state of charge at which the bus cuts (default 0.40)",
     )
+
+
+def check_room_for_torch() -> None:
+    """Under an address-space limit too small for torch even to start, a one-line error
+    (EXIT_NO_MEMORY) before it is imported: there, a library that cannot be mapped is an
+    ImportError (reported as out of memory by `ow`), but a limit just above its libraries' size
+    lets them map and then aborts the process from C++, which no handler can turn into a line.
+    The floor is this process's address space now, plus the size of torch's shared libraries
+    (read from the files, not loaded), plus TORCH_START_ALLOWANCE_BYTES."""
+    if "torch" in sys.modules:
+        return  # loaded already: its libraries are in the address space this process has
+    try:
+        import resource  # lazy: POSIX only, and only this check needs it
+    except ImportError:
+        return
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    spec = importlib.util.find_spec("torch")
+    if limit == resource.RLIM_INFINITY or spec is None or spec.origin is None:
+        return
+    libraries = sum(os.path.getsize(p) for p in glob.glob(os.path.join(os.path.dirname(spec.origin), "lib", "*.so*")))
+    try:
+        with open("/proc/self/statm") as f:
+            mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return
+    floor = mapped + libraries + TORCH_START_ALLOWANCE_BYTES
+    if limit < floor:
+        raise CliError(
+            f"out of memory: the address-space limit is {limit / 2**20:.0f} MiB; torch needs at least "
+            f"{math.ceil(floor / 2**20)} MiB to start (its libraries map {libraries / 2**20:.0f} MiB)",
+            EXIT_NO_MEMORY,
+        )
 
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:

@@ -11,6 +11,7 @@ import traces
 from common import log as owlog
 from common.cli import CliError
 from flight.checkpoint.policies import POLICIES
+from flight.model.config import ModelError, check_weight_files, read_model_type
 
 DEFAULT_MODEL = os.path.join("runs", "models", "qwen3-vl-tiny")
 
@@ -166,11 +167,9 @@ def _common(p) -> None:
 
 def ensure_model(path: str | None) -> str:
     if path:
-        # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
-        from flight.model.config import ModelError, read_model_type
-
         try:
             read_model_type(path)
+            check_weight_files(path)  # a truncated weight file: one line here, before any run starts
         except ModelError as exc:
             raise CliError(str(exc), 3) from None
         return path
@@ -261,6 +260,8 @@ def cmd_run(args) -> int:
         report = Testbench(_config(args, args.trace, args.policy)).run()
     except EarlierRunError as exc:
         raise CliError(str(exc), 2) from None
+    except ModelError as exc:  # one the weight check cannot see (a tensor missing): the reference run's load
+        raise CliError(str(exc), 3) from None
     print(json.dumps(report.to_json(), indent=2) if args.json else report.summary())
     return 0 if report.completion_rate == 1.0 and report.all_correct else 1
 
