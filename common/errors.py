@@ -1,8 +1,9 @@
-"""Errors shared across components."""
+"""Errors shared across components, and the checks of command-line values every command shares."""
 
 from __future__ import annotations
 
 import errno
+import math
 
 #: `ow` exit status when the process runs out of memory or address space (a MemoryError, a
 #: library that cannot be mapped, a thread that cannot be started): one line, not a traceback,
@@ -16,6 +17,41 @@ class CliError(Exception):
     def __init__(self, message: str, code: int = 2):
         super().__init__(message)
         self.code = code
+
+
+def check_number(
+    value: float | None,
+    flag: str,
+    *,
+    at_least: float | None = None,
+    above: float | None = None,
+    at_most: float | None = None,
+    code: int = 2,
+    error: type[Exception] | None = None,
+) -> float | None:
+    """A numeric command-line value: finite (no nan, no inf) and within the bounds given, or a
+    one-line error naming the option (`CliError(..., code)`, or `error(message)` for commands
+    with their own error class). None (an option not given) passes."""
+    if value is None:
+        return None
+    bounds = []
+    if at_least is not None:
+        bounds.append(f">= {at_least:g}")
+    if above is not None:
+        bounds.append(f"> {above:g}")
+    if at_most is not None:
+        bounds.append(f"<= {at_most:g}")
+    ok = (
+        math.isfinite(value)
+        and (at_least is None or value >= at_least)
+        and (above is None or value > above)
+        and (at_most is None or value <= at_most)
+    )
+    if not ok:
+        wanted = f"a finite number {' and '.join(bounds)}" if bounds else "a finite number"
+        message = f"{flag} must be {wanted}, not {value!r}"
+        raise error(message) if error is not None else CliError(message, code)
+    return value
 
 
 def memory_limited() -> bool:

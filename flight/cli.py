@@ -16,6 +16,8 @@ import sys
 from common import log as owlog
 from common.errors import CliError
 from common.imagecheck import ProcessorLimits
+from common.wire.ids import ResponseCode
+from common.wire.text import is_blank
 from flight.model.config import ModelError, check_weight_files, read_model_type
 from flight.runtime import cli as runtime_cli
 
@@ -25,6 +27,7 @@ from .cli_options import (  # noqa: F401  (EXIT_*: re-exported, the codes `ow in
     EXIT_OK,
     EXIT_USAGE,
     add_engine_arguments,
+    check_directory_option,
     check_room_for_torch,
     engine_options,
     policy_overrides,
@@ -94,7 +97,15 @@ def register(sub) -> None:
     runtime_cli.register(sub)
 
 
+#: the seeds torch's generator takes (torch.manual_seed): a 64-bit integer, signed or not
+SEED_RANGE = range(-(2**63), 2**64)
+
+
 def cmd_build_tiny(args) -> int:
+    # Checked before anything is written: a seed torch refuses would leave a half-built directory.
+    if args.seed not in SEED_RANGE:
+        raise CliError(f"--seed must be a 64-bit integer (-2**63 .. 2**64-1), not {args.seed}", EXIT_USAGE)
+    check_directory_option(args.out, "--out")
     from flight.model.tiny import build_tiny  # torch: seconds to import (module docstring)
 
     try:
@@ -134,14 +145,17 @@ def cmd_model_info(args) -> int:
 def cmd_infer(args) -> int:
     owlog.setup(args.log_level, component="infer")
     logger = owlog.get()
+    # Every argument is checked before torch is imported and before anything is written.
     if args.max_new_tokens < 1:
         raise CliError("--max-new-tokens must be at least 1", EXIT_USAGE)
     options = engine_options(args)
+    fs, weight_hook = storage_for(args)
+    if is_blank(args.prompt):
+        raise CliError(f"bad input: {ResponseCode.EMPTY_PROMPT.description}", EXIT_INPUT)
     for path in args.image:
         if not os.path.isfile(path):
             raise CliError(f"image not found: {path}", EXIT_INPUT)
-    if os.path.exists(args.ckpt_dir) and not os.path.isdir(args.ckpt_dir):
-        raise CliError(f"--ckpt-dir exists and is not a directory: {args.ckpt_dir}", EXIT_USAGE)
+    check_directory_option(args.ckpt_dir, "--ckpt-dir")
     try:  # a truncated or damaged weight file: one line now, not a library's error later
         read_model_type(args.model)
         check_weight_files(args.model)
@@ -162,7 +176,6 @@ def cmd_infer(args) -> int:
         images = [load_image(p, ProcessorLimits.of_model_dir(args.model)) for p in args.image]
     except InputError as exc:
         raise CliError(str(exc), EXIT_INPUT) from None
-    fs, weight_hook = storage_for(args)
     try:
         model = load_model(
             args.model, device=args.device, dtype=args.dtype, attn_implementation=args.attn, read_hook=weight_hook

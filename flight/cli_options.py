@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from common.durable import DurableFS, ThrottledFS, TokenBucket
-from common.errors import EXIT_OUT_OF_MEMORY, CliError
+from common.errors import EXIT_OUT_OF_MEMORY, CliError, check_number
 from flight.checkpoint.policies import POLICIES, Geometry, Policy, get_policy
 from flight.options import EngineOptions, default_cadence, resolve_cadence
 
@@ -222,6 +222,10 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         )
     if args.soc_cutoff is not None and not 0 <= args.soc_cutoff <= 1:
         raise CliError("--soc-cutoff must be a fraction between 0 and 1", EXIT_USAGE)
+    # A negative or non-finite pace would be taken silently (a unit "at least -1 ms long"), and
+    # a non-finite temperature limit would make every cut look unlikely or certain.
+    check_number(args.pace_ms, "--pace-ms", at_least=0, code=EXIT_USAGE)
+    check_number(args.thermal_limit_c, "--thermal-limit-c", code=EXIT_USAGE)
     given = {name: getattr(args, name) for name in GEOMETRY_FLAGS if getattr(args, name) is not None}
     return EngineOptions(
         geometry=Geometry(**given),
@@ -232,6 +236,24 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         decode_kv_compression=args.decode_kv_compression,
         cadence=cadence,
     )
+
+
+def check_directory_option(path: str, flag: str) -> None:
+    """A directory option (`--data-dir`, `--ckpt-dir`) that is a directory or can become one: a
+    one-line EXIT_USAGE error when it, or the nearest part of it that exists, is a regular file
+    or anything else that is not a directory. Checked before anything is written, so that a
+    payload started on a file reports that at once instead of failing at its first write."""
+    probe = os.path.abspath(path)
+    while not os.path.lexists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            return
+        probe = parent
+    if not os.path.isdir(probe):
+        kind = "a regular file" if os.path.isfile(probe) else "not a directory"
+        if probe == os.path.abspath(path):
+            raise CliError(f"{flag} {path} is {kind}, not a directory", EXIT_USAGE)
+        raise CliError(f"{flag} {path} cannot be created: {probe} is {kind}, not a directory", EXIT_USAGE)
 
 
 @dataclass(frozen=True)
@@ -320,8 +342,7 @@ def storage_for(args: argparse.Namespace) -> tuple[DurableFS, Callable[[int], ob
         ("--emulate-write-mbps", write),
         ("--emulate-weight-read-mbps", weights),
     ):
-        if value is not None and value <= 0:
-            raise CliError(f"{name} must be positive", EXIT_USAGE)
+        check_number(value, name, above=0, code=EXIT_USAGE)
     fs = (
         DurableFS()
         if read is None and write is None
@@ -337,6 +358,5 @@ def data_storage_for(args: argparse.Namespace, fs: DurableFS) -> DurableFS:
     weight = getattr(args, "emulate_data_weight", None)
     if weight is None:
         return fs
-    if not 0 < weight <= 1:
-        raise CliError("--emulate-data-weight must be in (0, 1]", EXIT_USAGE)
+    check_number(weight, "--emulate-data-weight", above=0, at_most=1, code=EXIT_USAGE)
     return fs.weighted(weight) if isinstance(fs, ThrottledFS) else fs

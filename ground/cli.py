@@ -2,7 +2,7 @@
 
 Exit status: 0 ok · 2 usage · 3 rejected or failed by the payload (code name and reason
 printed) · 4 no answer, or the bus refused this station's key · 5 local input error (nothing
-was sent).
+was sent) · 6 out of memory (common.errors, for every `ow` command).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from common import log
 from common.cli import CliError
+from common.errors import check_number
 from common.wire import WireError
 from common.wire.link import DEFAULT_CLIENTS, Endpoints, KeyLayout, init_keys
 from common.wire.text import display_text
@@ -23,7 +24,7 @@ from ground.errors import EXIT_OK, GroundError, LocalInputError
 
 _EPILOG = (
     "exit status: 0 ok; 2 usage; 3 rejected or failed by the payload; 4 no answer (payload off, bus down) "
-    "or key refused; 5 local input error (nothing sent)"
+    "or key refused; 5 local input error (nothing sent); 6 out of memory"
 )
 
 
@@ -294,11 +295,29 @@ def _guarded(handler):
     def run(args) -> int:
         log.setup(level=args.log_level, stream=sys.stderr, component="ground")
         try:
+            _check_numbers(args)
             return handler(args) or EXIT_OK
         except GroundError as exc:
             raise CliError(str(exc), exc.exit_code) from None
 
     return run
+
+
+#: numeric options (where a command has them) and what each must be; a bad value is a local input
+#: error (exit 5) before the link opens: a non-finite timeout would reach ZeroMQ's poll as a number
+#: it cannot convert, a negative poll interval would ask the payload again without pause
+_NUMBERS = (
+    ("timeout", "--timeout", {"above": 0}),
+    ("max_wait", "--max-wait", {"above": 0}),
+    ("poll", "--poll", {"above": 0}),
+    ("duration", "--duration", {"above": 0}),
+    ("since", "--since", {"at_least": 0}),
+)
+
+
+def _check_numbers(args) -> None:
+    for name, flag, bounds in _NUMBERS:
+        check_number(getattr(args, name, None), flag, error=LocalInputError, **bounds)
 
 
 def _keys_dir(args) -> str:
@@ -462,6 +481,14 @@ def _precheck_uplink(client, args) -> None:
     prepare_images(args.image)
 
 
+def _check_task_id(task_id: str) -> None:
+    """A task id typed by the operator, checked before the link opens (exit 5, nothing sent)."""
+    # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
+    from ground.images import check_operator_name
+
+    check_operator_name(task_id, "task id")
+
+
 def cmd_status(args) -> int:
     # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
     from ground.report import housekeeping_text, to_jsonable
@@ -489,6 +516,7 @@ def cmd_results(args) -> int:
         else:
             print(tasks_table(tasks), flush=True)
         return 0
+    _check_task_id(args.task)
     with _client(args) as client:
         result = client.result(args.task, wait=args.wait, max_wait_s=args.max_wait, poll_s=args.poll)
     if args.json:
@@ -560,6 +588,7 @@ def cmd_ping(args) -> int:
 
 
 def cmd_cancel(args) -> int:
+    _check_task_id(args.task)
     with _client(args) as client:
         client.cancel(args.task)
     if args.json:
@@ -570,6 +599,11 @@ def cmd_cancel(args) -> int:
 
 
 def cmd_priority(args) -> int:
+    # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
+    from ground.images import check_priority
+
+    _check_task_id(args.task)
+    check_priority(args.priority)
     with _client(args) as client:
         client.set_priority(args.task, args.priority)
     if args.json:
@@ -633,6 +667,7 @@ def cmd_lost(args) -> int:
 
 
 def cmd_resend(args) -> int:
+    _check_task_id(args.task)
     with _client(args, progress=None) as client:
         result = client.resend(args.task)
     if args.json:

@@ -16,12 +16,13 @@ import os
 import signal
 import sys
 
-from common.errors import CliError
+from common.errors import CliError, check_number
 from flight.cli_options import (
     EXIT_MODEL,
     EXIT_USAGE,
     add_engine_arguments,
     cadence_for,
+    check_directory_option,
     config_num_layers,
     data_storage_for,
     engine_options,
@@ -110,8 +111,10 @@ def cmd_run(args) -> int:
     if not os.path.exists(os.path.join(args.keys, "clients", "payload.key_secret")):
         raise CliError(f"no payload key in {args.keys} (run `ow ground keys init` and copy the keys)", EXIT_USAGE)
 
-    if args.results_budget_mb < 0 or args.compact_after < 1:
-        raise CliError("--results-budget-mb must be >= 0 and --compact-after >= 1", EXIT_USAGE)
+    check_number(args.results_budget_mb, "--results-budget-mb", at_least=0, code=EXIT_USAGE)
+    if args.compact_after < 1:
+        raise CliError("--compact-after must be at least 1", EXIT_USAGE)
+    check_directory_option(args.data_dir, "--data-dir")  # a file there: one line, not a traceback at boot
     fs, weight_hook = storage_for(args)
     data_fs = data_storage_for(args, fs)
     app = FlightApp(

@@ -225,6 +225,22 @@ def test_damaged_weight_files_are_one_line_errors_before_anything_is_read(model_
         assert not ckpt.exists()
 
 
+def test_negative_and_non_finite_numbers_are_refused(base, image_files, tmp_path):
+    """`--pace-ms -1` was taken silently; nan and inf reached the engine. Exit 2, one line."""
+    for option, value in (
+        ("--pace-ms", "-1"),
+        ("--pace-ms", "nan"),
+        ("--emulate-read-mbps", "inf"),
+        ("--thermal-limit-c", "nan"),
+    ):
+        _only_line(ow(*base, "--image", image_files[0], option, value), 2, option, value)
+    assert not (tmp_path / "ck").exists()
+    # a prompt with no visible character is blank (finding 9), refused before the model loads
+    blank = list(base)
+    blank[blank.index("--prompt") + 1] = "\u200b\u202e\u2060"
+    _only_line(ow(*blank, "--image", image_files[0]), 4, "no visible character")
+
+
 def _address_space_limit(mib: int):
     def limit():
         resource.setrlimit(resource.RLIMIT_AS, (mib << 20, mib << 20))
@@ -258,3 +274,12 @@ def test_out_of_memory_is_one_line_with_its_exit_status(base, image_files, tmp_p
         [sys.executable, "-c", late, *command[3:]], capture_output=True, text=True, timeout=600, env=env
     )
     _only_line(run_out, 6, "out of memory")
+
+
+def test_build_tiny_bad_values_leave_nothing_behind(tmp_path):
+    huge = ow("model", "build-tiny", "--seed", str(2**80), "--out", str(tmp_path / "m"))
+    _only_line(huge, 2, "--seed")
+    assert not (tmp_path / "m").exists()  # was: a half-written directory and torch's overflow message
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    _only_line(ow("model", "build-tiny", "--out", str(a_file / "m")), 2, "is a regular file")

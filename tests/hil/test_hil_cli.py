@@ -1,5 +1,6 @@
-"""`ow hil run` on bad input: one line, its exit status, nothing written (issue 27, finding 8: a
-truncated model was the safetensors library's traceback)."""
+"""`ow hil run | campaign | deploy` on bad values: one line, its exit status, nothing written
+(issue 27, finding 8: `--time-scale -1` and `--pace-ms -1` reached the bus, which refused them, and
+came back as a RuntimeError traceback; a truncated model was the safetensors library's traceback)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,40 @@ def _one_line(capsys, code: int, returned: int, fragment: str) -> None:
     assert returned == code, err
     lines = err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("ow hil: error: ") and fragment in lines[0], err
+
+
+RUN_CASES = [
+    (["--time-scale", "-1"], "--time-scale must be a finite number > 0"),
+    (["--time-scale", "nan"], "--time-scale"),
+    (["--time-scale", "inf"], "--time-scale"),
+    (["--pace-ms", "-1"], "--pace-ms must be a finite number >= 0"),
+    (["--pace-ms", "nan"], "--pace-ms"),
+    (["--request-seconds", "0"], "--request-seconds"),
+    (["--start-at", "-5"], "--start-at"),
+    (["--start-at", "1e9"], "not before the end of trace trace-a"),
+    (["--timeout", "nan"], "--timeout"),
+    (["--boot-trace-s", "inf"], "--boot-trace-s"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--chunk", "0"], "--chunk"),
+    (["--planner", "fastest"], "unknown --planner"),
+]
+
+
+def test_run_and_campaign_refuse_bad_numbers_before_anything_is_written(tmp_path, capsys, model_dirs):
+    out = tmp_path / "out"
+    base = ["--model", model_dirs["qwen3-vl"], "--requests", "1", "--out", str(out)]
+    for args, fragment in RUN_CASES:
+        _one_line(capsys, 2, main(["hil", "run", "--trace", "trace-a", *base, *args]), fragment)
+    for args, fragment in RUN_CASES[:4]:
+        _one_line(capsys, 2, main(["hil", "campaign", "--traces", "trace-a", *base, *args]), fragment)
+    deploy = ["hil", "deploy", "--model", model_dirs["qwen3-vl"], "--out", str(out)]
+    for args, fragment in (
+        (["--hours", "nan"], "--hours"),
+        (["--hours", "inf"], "--hours"),
+        (["--scale", "-1"], "--scale"),
+    ):
+        _one_line(capsys, 2, main([*deploy, *args]), fragment)
+    assert not out.exists()
 
 
 def test_run_with_a_truncated_model_is_one_line(tmp_path, capsys, model_dirs):
