@@ -197,14 +197,17 @@ def read_log(path: str | os.PathLike) -> list[BusLogEntry]:
             continue
         try:
             obj = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, UnicodeDecodeError):
             # Only a line a killed writer left unfinished is acceptable: the last one, or one
             # that a later run started after (BusLog adds the missing newline).
             next_line = lines[number] if number < len(lines) else b""
             if number == len(lines) or (next_line.startswith(b"{") and b'"kind":"run_start"' in next_line):
                 continue
             raise ValueError(f"{path}:{number}: not a JSON object") from None
-        entries.append(BusLogEntry.from_json(obj))
+        try:
+            entries.append(BusLogEntry.from_json(obj))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a JSON line, not a bus log entry
+            raise ValueError(f"{path}:{number}: not a bus log entry ({type(exc).__name__}: {exc})") from None
     return entries
 
 

@@ -68,3 +68,14 @@ def test_run_with_a_truncated_model_is_one_line(tmp_path, capsys, model_dirs):
     code = main(["hil", "run", "--trace", "trace-a", "--model", str(model), "--requests", "1", "--out", str(out)])
     _one_line(capsys, 3, code, "is truncated")
     assert not out.exists()
+
+
+def test_replay_of_a_file_that_is_not_a_bus_log_is_one_line(tmp_path, capsys):
+    """Checked as a demanding user would beside finding 8: a JSON line that is not a bus log entry
+    was a KeyError traceback."""
+    for name, content in (("random", bytes(range(256)) * 8), ("json", b'{"x": 1}\n'), ("list", b"[1, 2]\n")):
+        log = tmp_path / f"{name}.jsonl"
+        log.write_bytes(content)
+        code = main(["hil", "replay", str(log), "--out", str(tmp_path / "out")])
+        _one_line(capsys, 2, code, f"{log}:1: not a")
+    assert not (tmp_path / "out").exists()
