@@ -19,6 +19,7 @@ from common.cli import CliError
 from common.errors import check_number
 from common.wire.ids import MAX_NEW_TOKENS
 from flight.checkpoint.policies import POLICIES
+from flight.cli_options import check_directory_option
 from flight.model.config import ModelError, check_weight_files, read_model_type
 
 DEFAULT_MODEL = os.path.join("runs", "models", "qwen3-vl-tiny")
@@ -224,6 +225,7 @@ def _config(args, trace: str, policy: str):
     from hil.testbench import BenchConfig, default_workload
 
     scale = check_run_numbers(args)
+    check_directory_option(args.out, "--out")
     boot = parse_boot(args.boot_trace_s)
     return BenchConfig(
         trace=trace,
@@ -353,6 +355,7 @@ def cmd_replay(args) -> int:
     if not os.path.isfile(args.log):
         raise CliError(f"no such log: {args.log}", 2)
     out = args.out or os.path.join("runs", f"replay-{time.strftime('%Y%m%d-%H%M%S')}")
+    check_directory_option(out, "--out")
     try:
         report = replay(args.log, out, model=args.model)
     except ValueError as exc:
@@ -378,6 +381,7 @@ def cmd_deploy(args) -> int:
     owlog.setup("warning", component="hil")
     check_number(args.hours, "--hours", above=0)
     check_number(args.scale, "--scale", above=0)
+    check_directory_option(args.out, "--out")
     if args.requests < 2:
         raise CliError("--requests must be at least 2", 2)
     report = run_deploy(ensure_model(args.model), args.out, args.hours, args.requests, args.seed, args.scale)

@@ -58,6 +58,16 @@ def test_run_and_campaign_refuse_bad_numbers_before_anything_is_written(tmp_path
     ):
         _one_line(capsys, 2, main([*deploy, *args]), fragment)
     assert not out.exists()
+    # an --out that is a file: was a FileExistsError or NotADirectoryError traceback
+    a_file = tmp_path / "a-file"
+    a_file.write_text("kept\n")
+    on_file = ["--model", model_dirs["qwen3-vl"], "--requests", "1", "--out", str(a_file)]
+    _one_line(capsys, 2, main(["hil", "run", "--trace", "trace-a", *on_file]), "is a regular file")
+    _one_line(capsys, 2, main(["hil", "campaign", "--traces", "trace-a", *on_file]), "is a regular file")
+    _one_line(
+        capsys, 2, main(["hil", "deploy", "--model", model_dirs["qwen3-vl"], "--out", str(a_file)]), "is a regular file"
+    )
+    assert a_file.read_text() == "kept\n"
 
 
 def test_run_with_a_truncated_model_is_one_line(tmp_path, capsys, model_dirs):
