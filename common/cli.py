@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from common.errors import CliError  # noqa: F401  (re-exported: components raise common.cli.CliError)
+from common.errors import EXIT_OUT_OF_MEMORY, CliError, out_of_memory
 
 # (module, what it adds). Each module defines `register(subparsers) -> None`.
 COMPONENTS = [
@@ -43,19 +43,44 @@ def build_parser(components: list[str] | None = None) -> argparse.ArgumentParser
     return parser
 
 
+__all__ = ["COMPONENTS", "FAST_PATHS", "CliError", "build_parser", "main"]  # CliError: components raise it
+
+
+def one_line(text: str) -> str:
+    """An error message as the one line it must be: line breaks and every other character a
+    terminal would act on (a reason the payload sent, a path an operator typed) made visible."""
+    from common.wire.text import display_text  # lazy: an error path; `ow --help` does not need it
+
+    return display_text(text)
+
+
+def _memory_message(exc: BaseException) -> str:
+    detail = str(exc).strip().splitlines()
+    what = f"{type(exc).__name__}: {detail[0][:200]}" if detail else type(exc).__name__
+    return f"out of memory ({what}); the process needs more memory or a higher address-space limit"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    fast = FAST_PATHS.get(tuple(argv[:2]))
-    parser = build_parser([fast] if fast else None)
-    args = parser.parse_args(argv)
+    command = argv[0] if argv and not argv[0].startswith("-") else "?"
     try:
+        fast = FAST_PATHS.get(tuple(argv[:2]))
+        parser = build_parser([fast] if fast else None)
+        args = parser.parse_args(argv)
+        command = args.command
         return int(args.func(args) or 0)
     except CliError as exc:
-        print(f"ow {args.command}: error: {exc}", file=sys.stderr)
+        print(f"ow {command}: error: {one_line(str(exc))}", file=sys.stderr)
         return exc.code
     except KeyboardInterrupt:
-        print(f"ow {args.command}: interrupted", file=sys.stderr)
+        print(f"ow {command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # noqa: BLE001 - only running out of memory is turned into one line
+        cause = out_of_memory(exc)
+        if cause is None:
+            raise  # a bug: the traceback is what a developer needs
+        print(f"ow {command}: error: {_memory_message(cause)}", file=sys.stderr)
+        return EXIT_OUT_OF_MEMORY
 
 
 if __name__ == "__main__":

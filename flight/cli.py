@@ -16,6 +16,9 @@ import sys
 from common import log as owlog
 from common.errors import CliError
 from common.imagecheck import ProcessorLimits
+from common.wire.ids import ResponseCode
+from common.wire.text import is_blank
+from flight.model.config import ModelError, check_weight_files, read_model_type
 from flight.runtime import cli as runtime_cli
 
 from .cli_options import (  # noqa: F401  (EXIT_*: re-exported, the codes `ow infer` documents)
@@ -24,6 +27,8 @@ from .cli_options import (  # noqa: F401  (EXIT_*: re-exported, the codes `ow in
     EXIT_OK,
     EXIT_USAGE,
     add_engine_arguments,
+    check_directory_option,
+    check_room_for_torch,
     engine_options,
     policy_overrides,
     report_overrides,
@@ -75,7 +80,8 @@ def register(sub) -> None:
         "the last checkpoint; the answer is bitwise the one an uninterrupted run gives.\n"
         "Once a request has completed, the same command prints the stored result.",
         epilog="Logs are JSON lines on stderr; the answer goes to stdout (text, or one JSON object with --json).\n"
-        "Exit status: 0 done, 2 bad arguments, 3 unusable model directory, 4 bad input (image, prompt).",
+        "Exit status: 0 done, 2 bad arguments, 3 unusable model directory, 4 bad input (image, prompt),\n"
+        "6 out of memory. Errors are one line on stderr.",
     )
     infer.add_argument("--model", required=True, help="local model directory (tiny-built or a real checkpoint)")
     infer.add_argument(
@@ -91,7 +97,15 @@ def register(sub) -> None:
     runtime_cli.register(sub)
 
 
+#: the seeds torch's generator takes (torch.manual_seed): a 64-bit integer, signed or not
+SEED_RANGE = range(-(2**63), 2**64)
+
+
 def cmd_build_tiny(args) -> int:
+    # Checked before anything is written: a seed torch refuses would leave a half-built directory.
+    if args.seed not in SEED_RANGE:
+        raise CliError(f"--seed must be a 64-bit integer (-2**63 .. 2**64-1), not {args.seed}", EXIT_USAGE)
+    check_directory_option(args.out, "--out")
     from flight.model.tiny import build_tiny  # torch: seconds to import (module docstring)
 
     try:
@@ -103,7 +117,7 @@ def cmd_build_tiny(args) -> int:
 
 
 def cmd_model_info(args) -> int:
-    from flight.model.loader import ModelError, load_model  # torch, transformers (module docstring)
+    from flight.model.loader import load_model  # torch, transformers (module docstring)
 
     try:
         m = load_model(args.model, device="cpu")
@@ -131,21 +145,30 @@ def cmd_model_info(args) -> int:
 def cmd_infer(args) -> int:
     owlog.setup(args.log_level, component="infer")
     logger = owlog.get()
+    # Every argument is checked before torch is imported and before anything is written.
     if args.max_new_tokens < 1:
         raise CliError("--max-new-tokens must be at least 1", EXIT_USAGE)
     options = engine_options(args)
+    fs, weight_hook = storage_for(args)
+    if is_blank(args.prompt):
+        raise CliError(f"bad input: {ResponseCode.EMPTY_PROMPT.description}", EXIT_INPUT)
     for path in args.image:
         if not os.path.isfile(path):
             raise CliError(f"image not found: {path}", EXIT_INPUT)
-    if os.path.exists(args.ckpt_dir) and not os.path.isdir(args.ckpt_dir):
-        raise CliError(f"--ckpt-dir exists and is not a directory: {args.ckpt_dir}", EXIT_USAGE)
+    check_directory_option(args.ckpt_dir, "--ckpt-dir")
+    try:  # a truncated or damaged weight file: one line now, not a library's error later
+        read_model_type(args.model)
+        check_weight_files(args.model)
+    except ModelError as exc:
+        raise CliError(str(exc), EXIT_MODEL) from None
+    check_room_for_torch()
 
     # torch, transformers and the model code: seconds to import (module docstring).
     import torch
 
     from flight.engine import Engine
     from flight.model.inputs import InputError, build_inputs, load_image
-    from flight.model.loader import ModelError, load_model
+    from flight.model.loader import load_model
 
     if options.threads:
         torch.set_num_threads(options.threads)
@@ -153,7 +176,6 @@ def cmd_infer(args) -> int:
         images = [load_image(p, ProcessorLimits.of_model_dir(args.model)) for p in args.image]
     except InputError as exc:
         raise CliError(str(exc), EXIT_INPUT) from None
-    fs, weight_hook = storage_for(args)
     try:
         model = load_model(
             args.model, device=args.device, dtype=args.dtype, attn_implementation=args.attn, read_hook=weight_hook

@@ -12,14 +12,18 @@ on a loaded machine) and flight.checkpoint.cadence (crc32c). Nothing here import
 from __future__ import annotations
 
 import argparse
+import glob
+import importlib.util
 import json
+import math
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from common.durable import DurableFS, ThrottledFS, TokenBucket
-from common.errors import CliError
+from common.errors import EXIT_OUT_OF_MEMORY, CliError, check_number
 from flight.checkpoint.policies import POLICIES, Geometry, Policy, get_policy
 from flight.options import EngineOptions, default_cadence, resolve_cadence
 
@@ -27,6 +31,12 @@ if TYPE_CHECKING:
     from flight.checkpoint.cadence import Cadence
 
 EXIT_OK, EXIT_USAGE, EXIT_MODEL, EXIT_INPUT = 0, 2, 3, 4
+#: out of memory or address space (common.errors): one line, whatever the command
+EXIT_NO_MEMORY = EXIT_OUT_OF_MEMORY
+#: what torch's start-up allocates beyond mapping its shared libraries, as an allowance: with
+#: less, its C++ static initialisers throw std::bad_alloc and the process aborts (SIGABRT)
+#: before Python can report anything (measured: within about 20 MiB above the libraries)
+TORCH_START_ALLOWANCE_BYTES = 64 << 20
 
 #: The geometry options, their flags, and the defaults a command line that does not give them gets.
 GEOMETRY_FLAGS = {
@@ -160,6 +170,38 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def check_room_for_torch() -> None:
+    """Under an address-space limit too small for torch even to start, a one-line error
+    (EXIT_NO_MEMORY) before it is imported: there, a library that cannot be mapped is an
+    ImportError (reported as out of memory by `ow`), but a limit just above its libraries' size
+    lets them map and then aborts the process from C++, which no handler can turn into a line.
+    The floor is this process's address space now, plus the size of torch's shared libraries
+    (read from the files, not loaded), plus TORCH_START_ALLOWANCE_BYTES."""
+    if "torch" in sys.modules:
+        return  # loaded already: its libraries are in the address space this process has
+    try:
+        import resource  # lazy: POSIX only, and only this check needs it
+    except ImportError:
+        return
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    spec = importlib.util.find_spec("torch")
+    if limit == resource.RLIM_INFINITY or spec is None or spec.origin is None:
+        return
+    libraries = sum(os.path.getsize(p) for p in glob.glob(os.path.join(os.path.dirname(spec.origin), "lib", "*.so*")))
+    try:
+        with open("/proc/self/statm") as f:
+            mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return
+    floor = mapped + libraries + TORCH_START_ALLOWANCE_BYTES
+    if limit < floor:
+        raise CliError(
+            f"out of memory: the address-space limit is {limit / 2**20:.0f} MiB; torch needs at least "
+            f"{math.ceil(floor / 2**20)} MiB to start (its libraries map {libraries / 2**20:.0f} MiB)",
+            EXIT_NO_MEMORY,
+        )
+
+
 def engine_options(args: argparse.Namespace) -> EngineOptions:
     from flight.recovery.plan import PLANNERS  # numpy, on the boot path (module docstring)
 
@@ -180,6 +222,10 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         )
     if args.soc_cutoff is not None and not 0 <= args.soc_cutoff <= 1:
         raise CliError("--soc-cutoff must be a fraction between 0 and 1", EXIT_USAGE)
+    # A negative or non-finite pace would be taken silently (a unit "at least -1 ms long"), and
+    # a non-finite temperature limit would make every cut look unlikely or certain.
+    check_number(args.pace_ms, "--pace-ms", at_least=0, code=EXIT_USAGE)
+    check_number(args.thermal_limit_c, "--thermal-limit-c", code=EXIT_USAGE)
     given = {name: getattr(args, name) for name in GEOMETRY_FLAGS if getattr(args, name) is not None}
     return EngineOptions(
         geometry=Geometry(**given),
@@ -190,6 +236,24 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         decode_kv_compression=args.decode_kv_compression,
         cadence=cadence,
     )
+
+
+def check_directory_option(path: str, flag: str) -> None:
+    """A directory option (`--data-dir`, `--ckpt-dir`) that is a directory or can become one: a
+    one-line EXIT_USAGE error when it, or the nearest part of it that exists, is a regular file
+    or anything else that is not a directory. Checked before anything is written, so that a
+    payload started on a file reports that at once instead of failing at its first write."""
+    probe = os.path.abspath(path)
+    while not os.path.lexists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            return
+        probe = parent
+    if not os.path.isdir(probe):
+        kind = "a regular file" if os.path.isfile(probe) else "not a directory"
+        if probe == os.path.abspath(path):
+            raise CliError(f"{flag} {path} is {kind}, not a directory", EXIT_USAGE)
+        raise CliError(f"{flag} {path} cannot be created: {probe} is {kind}, not a directory", EXIT_USAGE)
 
 
 @dataclass(frozen=True)
@@ -278,8 +342,7 @@ def storage_for(args: argparse.Namespace) -> tuple[DurableFS, Callable[[int], ob
         ("--emulate-write-mbps", write),
         ("--emulate-weight-read-mbps", weights),
     ):
-        if value is not None and value <= 0:
-            raise CliError(f"{name} must be positive", EXIT_USAGE)
+        check_number(value, name, above=0, code=EXIT_USAGE)
     fs = (
         DurableFS()
         if read is None and write is None
@@ -295,6 +358,5 @@ def data_storage_for(args: argparse.Namespace, fs: DurableFS) -> DurableFS:
     weight = getattr(args, "emulate_data_weight", None)
     if weight is None:
         return fs
-    if not 0 < weight <= 1:
-        raise CliError("--emulate-data-weight must be in (0, 1]", EXIT_USAGE)
+    check_number(weight, "--emulate-data-weight", above=0, at_most=1, code=EXIT_USAGE)
     return fs.weighted(weight) if isinstance(fs, ThrottledFS) else fs

@@ -2,7 +2,7 @@
 
 Exit status: 0 ok · 2 usage · 3 rejected or failed by the payload (code name and reason
 printed) · 4 no answer, or the bus refused this station's key · 5 local input error (nothing
-was sent).
+was sent) · 6 out of memory (common.errors, for every `ow` command).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from common import log
 from common.cli import CliError
+from common.errors import check_number
 from common.wire import WireError
 from common.wire.ids import is_admin_source
 from common.wire.link import (
@@ -29,11 +30,12 @@ from common.wire.link import (
     read_binding,
     station_bindings,
 )
+from common.wire.text import display_text
 from ground.errors import EXIT_OK, GroundError, LocalInputError
 
 _EPILOG = (
     "exit status: 0 ok; 2 usage; 3 rejected or failed by the payload; 4 no answer (payload off, bus down) "
-    "or key refused; 5 local input error (nothing sent)"
+    "or key refused; 5 local input error (nothing sent); 6 out of memory"
 )
 
 
@@ -366,11 +368,29 @@ def _guarded(handler):
     def run(args) -> int:
         log.setup(level=args.log_level, stream=sys.stderr, component="ground")
         try:
+            _check_numbers(args)
             return handler(args) or EXIT_OK
         except GroundError as exc:
             raise CliError(str(exc), exc.exit_code) from None
 
     return run
+
+
+#: numeric options (where a command has them) and what each must be; a bad value is a local input
+#: error (exit 5) before the link opens: a non-finite timeout would reach ZeroMQ's poll as a number
+#: it cannot convert, a negative poll interval would ask the payload again without pause
+_NUMBERS = (
+    ("timeout", "--timeout", {"above": 0}),
+    ("max_wait", "--max-wait", {"above": 0}),
+    ("poll", "--poll", {"above": 0}),
+    ("duration", "--duration", {"above": 0}),
+    ("since", "--since", {"at_least": 0}),
+)
+
+
+def _check_numbers(args) -> None:
+    for name, flag, bounds in _NUMBERS:
+        check_number(getattr(args, name, None), flag, error=LocalInputError, **bounds)
 
 
 def _keys_dir(args) -> str:
@@ -381,7 +401,7 @@ def _notify(text: str) -> None:
     # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
     from tqdm import tqdm
 
-    tqdm.write(f"ow ground: {text}", file=sys.stderr)
+    tqdm.write(f"ow ground: {display_text(text)}", file=sys.stderr)
     sys.stderr.flush()
 
 
@@ -404,7 +424,10 @@ def _client(args, **overrides):
 
 
 def _print_json(data) -> None:
-    print(json.dumps(data, ensure_ascii=False, sort_keys=True), flush=True)
+    # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
+    from ground.report import json_text
+
+    print(json_text(data), flush=True)
 
 
 # --- commands ---------------------------------------------------------------------------------
@@ -454,7 +477,7 @@ def cmd_keys_init(args) -> int:
         )
         return 0
     r = layout.root
-    print(f"keys in {layout.root.resolve()}")
+    print(display_text(f"keys in {layout.root.resolve()}"))
     print(
         f"  bus server pair   {layout.server_public.relative_to(r)}, {layout.server_secret.relative_to(r)} "
         f"({state(server_existed)})"
@@ -523,7 +546,9 @@ def cmd_keys_authorize(args) -> int:
     if args.json:
         _print_json({"name": binding.name, "source_id": binding.source_id, "role": binding.role})
     else:
-        print(f"{binding.name}: admitted, source id {binding.source_id:#06x} ({binding.role})", flush=True)
+        print(
+            f"{display_text(binding.name)}: admitted, source id {binding.source_id:#06x} ({binding.role})", flush=True
+        )
     return 0
 
 
@@ -541,7 +566,7 @@ def cmd_keys_revoke(args) -> int:
     if args.json:
         _print_json({"name": args.name, "revoked": True})
     else:
-        print(f"{args.name}: revoked (the bus closes its connections within a second)", flush=True)
+        print(f"{display_text(args.name)}: revoked (the bus closes its connections within a second)", flush=True)
     return 0
 
 
@@ -562,7 +587,8 @@ def cmd_keys_list(args) -> int:
         return 0
     for row in rows:
         sid = f"{row['source_id']:#06x}" if row["source_id"] is not None else "-"
-        print(f"{row['name']:<16} {sid:<7} {row['role']}", flush=True)
+        # key names are file names found on disk: shown with anything hidden made visible
+        print(f"{display_text(row['name']):<16} {sid:<7} {row['role']}", flush=True)
     return 0
 
 
@@ -619,6 +645,14 @@ def _precheck_uplink(client, args) -> None:
     prepare_images(args.image)
 
 
+def _check_task_id(task_id: str) -> None:
+    """A task id typed by the operator, checked before the link opens (exit 5, nothing sent)."""
+    # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
+    from ground.images import check_operator_name
+
+    check_operator_name(task_id, "task id")
+
+
 def cmd_status(args) -> int:
     # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
     from ground.report import housekeeping_text, to_jsonable
@@ -646,6 +680,7 @@ def cmd_results(args) -> int:
         else:
             print(tasks_table(tasks), flush=True)
         return 0
+    _check_task_id(args.task)
     with _client(args) as client:
         result = client.result(args.task, wait=args.wait, max_wait_s=args.max_wait, poll_s=args.poll)
     if args.json:
@@ -717,6 +752,7 @@ def cmd_ping(args) -> int:
 
 
 def cmd_cancel(args) -> int:
+    _check_task_id(args.task)
     with _client(args) as client:
         client.cancel(args.task)
     if args.json:
@@ -727,6 +763,11 @@ def cmd_cancel(args) -> int:
 
 
 def cmd_priority(args) -> int:
+    # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
+    from ground.images import check_priority
+
+    _check_task_id(args.task)
+    check_priority(args.priority)
     with _client(args) as client:
         client.set_priority(args.task, args.priority)
     if args.json:
@@ -743,7 +784,7 @@ def cmd_quarantine(args) -> int:
             if args.json:
                 _print_json({"released": args.release})
             else:
-                print(f"{args.release}: released from quarantine", flush=True)
+                print(display_text(f"{args.release}: released from quarantine"), flush=True)
             return 0
         listing = client.quarantine()
     if args.json:
@@ -760,7 +801,7 @@ def cmd_quarantine(args) -> int:
         print("nothing quarantined", flush=True)
     else:
         for item, exits, reason in zip(listing.items, listing.exits, listing.reasons, strict=True):
-            print(f"{item}  {exits} exit(s)  {reason}", flush=True)
+            print(display_text(f"{item}  {exits} exit(s)  {reason}"), flush=True)
         if listing.total > len(listing.items):
             print(f"... {listing.total - len(listing.items)} more", flush=True)
     return 0
@@ -790,6 +831,7 @@ def cmd_lost(args) -> int:
 
 
 def cmd_resend(args) -> int:
+    _check_task_id(args.task)
     with _client(args, progress=None) as client:
         result = client.resend(args.task)
     if args.json:

@@ -1,7 +1,8 @@
 """What can go wrong in a ground operation, each with the exit status `ow ground` reports.
 
 0 ok · 2 usage (argparse) · 3 rejected or failed by the payload · 4 no answer / link refused
-5 local input error (bad file, bad prompt, bad name, damaged local state)
+5 local input error (bad file, bad prompt, bad name, bad number, damaged local state)
+6 out of memory (common.errors.EXIT_OUT_OF_MEMORY, whatever the command)
 """
 
 from __future__ import annotations

@@ -1,16 +1,26 @@
 """Readable text and JSON for what the ground receives: one line per packet, housekeeping and
-result summaries, the task list."""
+result summaries, the task list.
+
+Text that came from the payload, the bus or an operator (event texts, reasons, result texts,
+prompts, quarantine items) is printed through `common.wire.text.display_text`: control,
+bidirectional, zero-width and other format characters appear as visible escapes (`\u202e`), so
+nothing a sender writes can rewrite the terminal or reorder what is shown (docs/ground.md,
+"What is printed"). JSON output (`json_text`) keeps every string exact and writes those same
+characters as JSON escapes.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import time
 from types import MappingProxyType
 from typing import Any
 
 from common.wire import MessageType, Severity
 from common.wire import messages as m
+from common.wire.text import display_text, is_hidden
 from ground.link import Telemetry
 
 
@@ -28,6 +38,24 @@ def to_jsonable(value: Any) -> Any:
     if isinstance(value, (dict, MappingProxyType)):
         return {str(k): to_jsonable(v) for k, v in value.items()}
     return value
+
+
+def _json_escape(ch: str) -> str:
+    code = ord(ch)
+    if code > 0xFFFF:  # JSON escapes beyond the BMP as a UTF-16 surrogate pair
+        code -= 0x10000
+        return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
+    return f"\\u{code:04x}"
+
+
+def json_text(data: Any) -> str:
+    """`data` as one line of JSON for a terminal or a pipe: non-ASCII text as it is, except the
+    characters `display_text` escapes, which are written as JSON escapes (`\\u202e`). Parsed,
+    it gives back exactly `data`; printed, nothing in it acts on the terminal."""
+    text = json.dumps(data, ensure_ascii=False, sort_keys=True)
+    # Outside strings JSON is ASCII, so every hidden character found is inside a string, where
+    # its escape means the same character.
+    return "".join(_json_escape(ch) if is_hidden(ch) else ch for ch in text)
 
 
 def iso_time(seconds: float) -> str:
@@ -147,7 +175,7 @@ def packet_line(packet: Telemetry, number: int | None = None) -> str:
     """`#n  2025-01-01T12:00:00.123Z  PAYLOAD  EVENT  WARNING_HI TASK_FAILED [t-x]: ...`"""
     origin = {0x010: "BUS", 0x020: "PAYLOAD"}.get(packet.header.apid, f"APID{packet.header.apid:#05x}")
     prefix = f"#{number} " if number is not None else ""
-    return (
+    return display_text(
         f"{prefix}{iso_time(packet.header.time_us / 1e6)} {origin:<7} {packet.message.TYPE.name:<16} "
         f"{describe(packet.message)}"
     )
@@ -159,7 +187,7 @@ def archived_line(entry: dict) -> str:
     origins: dict[object, str] = {0x010: "BUS", 0x020: "PAYLOAD"}  # looked up with whatever was archived
     origin = origins.get(entry.get("apid"), f"APID{entry.get('apid')}")
     text = entry.get("text") or ", ".join(f"{k}={v}" for k, v in body.items())
-    return f"#{entry.get('n')} {entry.get('sent')} {origin:<7} {entry.get('type', '?'):<16} {text}"
+    return display_text(f"#{entry.get('n')} {entry.get('sent')} {origin:<7} {entry.get('type', '?'):<16} {text}")
 
 
 def housekeeping_text(hk: m.Housekeeping) -> str:
@@ -177,21 +205,22 @@ def housekeeping_text(hk: m.Housekeeping) -> str:
         ("uptime", f"{hk.uptime_s:.1f} s"),
         ("commands", f"{hk.command_count} accepted, {hk.error_count} rejected or failed (since first boot)"),
     ]
-    return "\n".join(f"{k:<14}{v}" for k, v in rows)
+    return "\n".join(f"{k:<14}{display_text(v)}" for k, v in rows)
 
 
 def result_text(result: m.TaskResult) -> str:
     lines = [
-        f"task          {result.task_id}",
+        f"task          {display_text(result.task_id)}",
         f"tokens        {len(result.token_ids)}",
         f"interruptions {result.interruptions} power cut(s) survived",
     ]
     if result.timings:
         timing = ", ".join(f"{k} {v:.3f} s" for k, v in result.timings.items())
-        lines.append(f"timings       {timing}")
+        lines.append(f"timings       {display_text(timing)}")
     lines.append(f"logits sha256 {bytes(result.logits_sha256).hex()}")
     lines.append("text:")
-    lines.append(result.text)
+    # The answer is a block: its line feeds and tabs stay, every other hidden character shows.
+    lines.append(display_text(result.text, keep_newlines=True))
     return "\n".join(lines)
 
 
@@ -205,7 +234,9 @@ def tasks_table(tasks: list[dict]) -> str:
         if len(prompt) > 48:
             prompt = prompt[:45] + "..."
         rows.append(
-            f"{t['task_id']:<14} {t.get('state', '?'):<12} {t.get('priority', 0):>4} {len(t.get('images', [])):>6} "
-            f"{str(t.get('created', ''))[:19]:<19} {prompt}"
+            display_text(
+                f"{t['task_id']:<14} {t.get('state', '?'):<12} {t.get('priority', 0):>4} "
+                f"{len(t.get('images', [])):>6} {str(t.get('created', ''))[:19]:<19} {prompt}"
+            )
         )
     return "\n".join(rows)

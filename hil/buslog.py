@@ -405,7 +405,7 @@ def _parse(path: Path, raw: bytes, entries: list[BusLogEntry], seen: dict, segme
             continue
         try:
             obj = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, UnicodeDecodeError):
             # Only a line a killed writer (or a refused write) left unfinished is acceptable:
             # the last one, or the start of one of ours that the writer's next line followed
             # (BusLog ends the torn line before it writes again).
@@ -417,7 +417,10 @@ def _parse(path: Path, raw: bytes, entries: list[BusLogEntry], seen: dict, segme
             raise ValueError(f"{path}:{number}: not a JSON object")
         if obj.get("kind") == LOG_GAP:
             continue
-        entry = BusLogEntry.from_json(obj)
+        try:
+            entry = BusLogEntry.from_json(obj)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a JSON line, not a bus log entry
+            raise ValueError(f"{path}:{number}: not a bus log entry ({type(exc).__name__}: {exc})") from None
         key = (entry.run, entry.n)
         if seen.setdefault(key, segment) != segment:
             continue  # a segment read twice across a rotation that happened while we read

@@ -1,18 +1,29 @@
-"""`ow hil run | campaign | replay | deploy`: the testbench from the command line."""
+"""`ow hil run | campaign | replay | deploy`: the testbench from the command line.
+
+Exit status: 0 every request completed with its reference answer (replay: identical); 1 not
+(replay: a divergence); 2 a bad argument or trace; 3 an unusable model directory; 6 out of
+memory (common.errors). Every value is checked before anything is written (docs/hil.md).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 
 import traces
 from common import log as owlog
 from common.cli import CliError
+from common.errors import check_number
+from common.wire.ids import MAX_NEW_TOKENS
 from flight.checkpoint.policies import POLICIES
+from flight.cli_options import check_directory_option
+from flight.model.config import ModelError, check_weight_files, read_model_type
 
 DEFAULT_MODEL = os.path.join("runs", "models", "qwen3-vl-tiny")
+EXIT_USAGE, EXIT_MODEL = 2, 3
 
 
 def register_testbench(hsub) -> None:
@@ -166,13 +177,11 @@ def _common(p) -> None:
 
 def ensure_model(path: str | None) -> str:
     if path:
-        # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
-        from flight.model.config import ModelError, read_model_type
-
         try:
             read_model_type(path)
+            check_weight_files(path)  # a truncated weight file: one line here, before any run starts
         except ModelError as exc:
-            raise CliError(str(exc), 3) from None
+            raise CliError(str(exc), EXIT_MODEL) from None
         return path
     if not os.path.exists(os.path.join(DEFAULT_MODEL, "model.safetensors")):
         # lazy: torch (seconds); `ow --help` imports this module, the subcommand loads its own
@@ -182,16 +191,41 @@ def ensure_model(path: str | None) -> str:
     return DEFAULT_MODEL
 
 
+def check_run_numbers(args) -> float | str:
+    """The numeric options `ow hil run` and `ow hil campaign` share, each a one-line EXIT_USAGE
+    error when not finite or out of its range (a negative time scale or pace would reach the bus
+    or the payload, which refuse it at every start). Returns the time scale (a number or "auto")."""
+    scale: float | str = "auto"
+    if args.time_scale != "auto":
+        try:
+            scale = float(args.time_scale)
+        except ValueError:
+            raise CliError(f"--time-scale must be a number or auto, not {args.time_scale!r}", EXIT_USAGE) from None
+        check_number(scale, "--time-scale", above=0)
+    if args.requests < 1:
+        raise CliError("--requests must be at least 1", EXIT_USAGE)
+    if not 1 <= args.max_new_tokens <= MAX_NEW_TOKENS:
+        raise CliError(f"--max-new-tokens must be 1..{MAX_NEW_TOKENS}, not {args.max_new_tokens}", EXIT_USAGE)
+    for flag, value in (("--chunk", args.chunk), ("--group", args.group), ("--decode-every", args.decode_every)):
+        if value < 1:
+            raise CliError(f"{flag} must be at least 1, not {value}", EXIT_USAGE)
+    check_number(args.request_seconds, "--request-seconds", above=0)
+    check_number(args.pace_ms, "--pace-ms", at_least=0)
+    check_number(args.start_at, "--start-at", at_least=0)
+    check_number(args.timeout, "--timeout", above=0)
+    from flight.recovery.plan import PLANNERS  # lazy: numpy; `ow --help` imports this module
+
+    if args.planner not in PLANNERS:  # the payload would refuse it at every boot
+        raise CliError(f"unknown --planner {args.planner!r}; choose from {', '.join(sorted(PLANNERS))}", EXIT_USAGE)
+    return scale
+
+
 def _config(args, trace: str, policy: str):
     # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
     from hil.testbench import BenchConfig, default_workload
 
-    try:
-        scale = "auto" if args.time_scale == "auto" else float(args.time_scale)
-    except ValueError:
-        raise CliError(f"--time-scale must be a number or auto, not {args.time_scale!r}", 2) from None
-    if args.requests < 1:
-        raise CliError("--requests must be at least 1", 2)
+    scale = check_run_numbers(args)
+    check_directory_option(args.out, "--out")
     boot = parse_boot(args.boot_trace_s)
     return BenchConfig(
         trace=trace,
@@ -228,19 +262,22 @@ def parse_boot(text: str | None):
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value >= 0:
-        raise CliError(f"--boot-trace-s must be a number of trace seconds >= 0 or `real`, not {text!r}", 2)
+    if not (math.isfinite(value) and value >= 0):
+        raise CliError(f"--boot-trace-s must be a finite number of trace seconds >= 0 or `real`, not {text!r}", 2)
     return value
 
 
-def _check_trace(trace: str) -> None:
+def _check_trace(trace: str, start_at: float = 0.0) -> None:
     try:
-        traces.resolve(trace)
+        path = traces.resolve(trace)
     except FileNotFoundError as exc:
         raise CliError(str(exc), 2) from None
-    problems = traces.validate(traces.resolve(trace))
+    problems = traces.validate(path)
     if problems:
         raise CliError(f"invalid trace: {problems[0]}", 2)
+    duration = traces.load(path).duration_s
+    if start_at >= duration:
+        raise CliError(f"--start-at {start_at:g} is not before the end of trace {trace} ({duration:g} s)", 2)
 
 
 def _check_policy(policy: str) -> None:
@@ -253,7 +290,8 @@ def cmd_run(args) -> int:
     from hil.testbench import EarlierRunError, Testbench
 
     owlog.setup(args.log_level, component="hil")
-    _check_trace(args.trace)
+    check_run_numbers(args)  # first: --start-at is checked against the trace next
+    _check_trace(args.trace, args.start_at)
     _check_policy(args.policy)
     if args.cadence == "adaptive" and args.policy != "orbitweaver":  # the payload would refuse it at every boot
         raise CliError(f"--cadence adaptive is orbitweaver's; the {args.policy} baseline keeps its own", 2)
@@ -261,6 +299,8 @@ def cmd_run(args) -> int:
         report = Testbench(_config(args, args.trace, args.policy)).run()
     except EarlierRunError as exc:
         raise CliError(str(exc), 2) from None
+    except ModelError as exc:  # one the weight check cannot see (a tensor missing): the reference run's load
+        raise CliError(str(exc), EXIT_MODEL) from None
     print(json.dumps(report.to_json(), indent=2) if args.json else report.summary())
     return 0 if report.completion_rate == 1.0 and report.all_correct else 1
 
@@ -278,8 +318,9 @@ def cmd_campaign(args) -> int:
         seeds = [int(s) for s in args.seeds.split(",") if s]
     except ValueError:
         raise CliError("--seeds must be comma-separated integers", 2) from None
+    check_run_numbers(args)
     for t in traces_:
-        _check_trace(t)
+        _check_trace(t, args.start_at)
     for p in policies:
         _check_policy(p)
     if not traces_ or not policies or not seeds or not cadences or not workloads:
@@ -314,6 +355,7 @@ def cmd_replay(args) -> int:
     if not os.path.isfile(args.log):
         raise CliError(f"no such log: {args.log}", 2)
     out = args.out or os.path.join("runs", f"replay-{time.strftime('%Y%m%d-%H%M%S')}")
+    check_directory_option(out, "--out")
     try:
         report = replay(args.log, out, model=args.model)
     except ValueError as exc:
@@ -337,8 +379,11 @@ def cmd_deploy(args) -> int:
     from hil.deploy import run_deploy
 
     owlog.setup("warning", component="hil")
-    if args.hours <= 0 or args.requests < 2:
-        raise CliError("--hours must be positive and --requests at least 2", 2)
+    check_number(args.hours, "--hours", above=0)
+    check_number(args.scale, "--scale", above=0)
+    check_directory_option(args.out, "--out")
+    if args.requests < 2:
+        raise CliError("--requests must be at least 2", 2)
     report = run_deploy(ensure_model(args.model), args.out, args.hours, args.requests, args.seed, args.scale)
     print(json.dumps(report.__dict__, indent=2, default=str) if args.json else report.summary())
     return 0 if report.completed == report.requests else 1

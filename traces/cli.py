@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from common.cli import CliError
+from common.errors import check_number
 from traces.catalog import DATA_DIR, GENERATED_NAMES, SHIPPED_NAMES, SUFFIX, resolve, resolve_quiet
 from traces.format import TraceError, dump, dumps, load, validate
 from traces.importers.bupt1 import Bupt1DataError, Bupt1Import, import_bupt1, import_bupt1_reported
@@ -141,9 +142,14 @@ def _summary(trace) -> str:
     return f"{s.windows} windows, {s.cuts} cuts ({causes or 'none'}), duty cycle {100 * s.duty_cycle:.1f} %"
 
 
+#: The longest trace `trace-generate` makes: 31 days (the generator takes about 1.2 s of CPU and
+#: 86,400 telemetry samples per simulated day, so a mistyped length would run for hours).
+MAX_GENERATE_DURATION_S = 31 * 86400
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
-    if args.duration is not None and args.duration <= 0:
-        raise _cli_error("--duration must be > 0", 2)
+    if args.duration is not None and not 0 < args.duration <= MAX_GENERATE_DURATION_S:
+        raise _cli_error(f"--duration must be 1..{MAX_GENERATE_DURATION_S} seconds (31 days), not {args.duration}", 2)
     trace = generate(args.kind, seed=args.seed, duration_s=args.duration)
     where = _write(trace, args.out)
     print(f"{where}: {trace.name}, {_summary(trace)}", file=sys.stderr if args.out == "-" else sys.stdout)
@@ -212,6 +218,7 @@ def _cmd_import_csv(args: argparse.Namespace) -> int:
 
 
 def _cmd_import_bupt1(args: argparse.Namespace) -> int:
+    check_number(args.overheat_from_min, "--overheat-from-min", at_least=0)
     params = Bupt1Import(overheat_from_min=args.overheat_from_min)
     try:
         imported = import_bupt1_reported(args.data, params)

@@ -348,6 +348,7 @@ def simulate(config: SatelliteConfig, seed: int, duration_s: int | None = None, 
         recording = t >= 0
         step_events: list[Event] = []
         active_contention, next_contention = contention_at(t)
+        was_on = on
 
         if on:
             voltage_now, _ = bus_state(t, True)
@@ -433,6 +434,12 @@ def simulate(config: SatelliteConfig, seed: int, duration_s: int | None = None, 
                 step_events.append(Event(float(t), EventKind.WARNING, cause, pending.lead_s))
 
         if recording:
+            if t == 0 and was_on and step_events and step_events[0].kind is EventKind.CUT:
+                # On through the warm-up and cut at t=0 itself: the recorded payload starts off,
+                # so its trace cannot start with that cut (a cut must end a window the trace
+                # holds). The cut still happened: its off time and latches hold from t=0, and a
+                # warning issued for it during the warm-up was never recorded.
+                step_events.pop(0)
             if t == 0 and on and not any(e.kind is EventKind.POWER_ON for e in step_events):
                 # The payload is already on when recording starts: open the window at t=0. A
                 # warning issued during the warm-up is re-issued at t=0 with what is left of its

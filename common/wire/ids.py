@@ -249,7 +249,7 @@ class ResponseCode(enum.IntEnum):
     INTERNAL_ERROR = 699, "unexpected internal error"
 
     # health and safety, journal integrity, uplink checks
-    EMPTY_PROMPT = 211, "prompt is empty or only whitespace"
+    EMPTY_PROMPT = 211, "prompt has no visible character: empty, or only whitespace, control or format characters"
     SEQUENCE_TOO_FAR_AHEAD = 303, "sequence number further ahead of the highest accepted than the forward window"
     IMAGE_SHAPE_UNSUPPORTED = 408, "image dimensions or aspect ratio the model's image processor cannot take"
     IMAGE_CORRUPT = 409, "a stored image no longer matches its SHA-256; the ground must send it again"

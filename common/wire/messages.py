@@ -47,6 +47,7 @@ from common.wire.ids import (
     TaskPhase,
     TlmChannel,
 )
+from common.wire.text import is_blank
 
 U16 = 0xFFFF
 U32 = 0xFFFF_FFFF
@@ -158,9 +159,10 @@ class UplinkTask(Message):
     priority: int = wire(f.UInt(MAX_PRIORITY))
 
     def _validate(self) -> None:
-        if not self.prompt.strip():
-            # Checked here, at uplink, so that it never fails later as something else.
-            raise WireError(ResponseCode.EMPTY_PROMPT, "prompt is empty or only whitespace", field="prompt")
+        if is_blank(self.prompt):
+            # Checked here, at uplink, so that it never fails later as something else; the same
+            # rule as the ground's and the input building's (common.wire.text.is_blank).
+            raise WireError(ResponseCode.EMPTY_PROMPT, ResponseCode.EMPTY_PROMPT.description, field="prompt")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

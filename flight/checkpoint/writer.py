@@ -115,10 +115,13 @@ class CheckpointWriter:
             self._execute(what, fn, args, {"between_slices": None})
             return
         self._join_background()
-        self._background = threading.Thread(
+        background = threading.Thread(
             target=self._background_loop, args=(what, fn, args), name="checkpoint-writer-background", daemon=True
         )
-        self._background.start()
+        # Kept only once started: a start that fails (no memory for the thread's stack) raises
+        # here, and close() must not then hide that error behind a join of a thread never started.
+        background.start()
+        self._background = background
 
     def _yield_to_ordered(self) -> None:
         waited = time.perf_counter()

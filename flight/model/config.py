@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 
 #: architectures the engine drives (flight/model/adapters.py has one adapter per entry)
 MODEL_CLASSES = {
@@ -47,6 +48,64 @@ def weight_files(model_dir: str) -> list[str]:
     if os.path.exists(single):
         return [single]
     return sorted(os.path.join(model_dir, n) for n in os.listdir(model_dir) if n.endswith(".safetensors"))
+
+
+#: The largest JSON header a safetensors file may have: the safetensors library's own bound
+#: (MAX_HEADER_SIZE, 100 MB), which it checks too; here it bounds what is read before that.
+MAX_SAFETENSORS_HEADER_BYTES = 100_000_000
+
+
+def check_weight_file(path: str) -> None:
+    """A weight file that is a whole safetensors file, or ModelError naming what is wrong: too
+    short, a header length beyond the file (a random or damaged file, a length field claiming
+    gigabytes: nothing that size is allocated), a header that is not JSON, tensor data that runs
+    past the end (a truncated copy) or does not reach it. The safetensors library checks the
+    same when it opens the file, but without a message that names the file, and it cannot be
+    imported without numpy or torch; this check needs neither, so the testbench runs it before
+    it writes anything."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise ModelError(f"weight file {path} is not a safetensors file: {size} bytes, shorter than its header")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > min(size - 8, MAX_SAFETENSORS_HEADER_BYTES):
+                raise ModelError(
+                    f"weight file {path} is not a safetensors file (or is damaged): its header length field says "
+                    f"{header_len} bytes, the file has {size}"
+                )
+            raw = f.read(header_len)
+    except OSError as exc:
+        raise ModelError(f"cannot read weight file {path}: {exc.strerror or exc}") from None
+    try:
+        header = json.loads(raw)
+        ends = [int(entry["data_offsets"][1]) for key, entry in header.items() if key != "__metadata__"]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        raise ModelError(f"weight file {path} is not a safetensors file (or is damaged): unreadable header") from None
+    data = size - 8 - header_len
+    end = max(ends, default=0)
+    if end > data:
+        raise ModelError(
+            f"weight file {path} is truncated: its tensors need {end} bytes of data after the header, the file "
+            f"has {data}"
+        )
+    if end < data:
+        raise ModelError(f"weight file {path} is damaged: {data - end} bytes after its last tensor")
+
+
+def check_weight_files(model_dir: str) -> list[str]:
+    """The model directory's weight files (`weight_files`), each checked (`check_weight_file`);
+    ModelError when there is none or one is not whole."""
+    try:
+        files = weight_files(model_dir)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ModelError(f"unreadable model.safetensors.index.json in {model_dir}: {exc}") from None
+    if not files:
+        raise ModelError(f"no safetensors weights in {model_dir}")
+    for path in files:
+        check_weight_file(path)
+    return files
 
 
 #: files that decide how a prompt and images become input ids and pixel values

@@ -20,7 +20,7 @@ from transformers import AutoConfig, GenerationConfig
 
 from .adapters import ADAPTERS, Adapter
 from .config import MODEL_CLASSES as _MODEL_CLASSES  # noqa: F401  (re-exported)
-from .config import ModelError, read_model_type
+from .config import ModelError, check_weight_files, read_model_type
 from .weights import WeightStore, weight_files
 
 
@@ -177,8 +177,7 @@ def load_model(
     device = torch.device(device) if device is not None else default_device()
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ModelError("--device cuda requested but no CUDA device is available")
-    if not weight_files(model_dir):
-        raise ModelError(f"no safetensors weights in {model_dir}")
+    check_weight_files(model_dir)  # a truncated or damaged file is a ModelError, not a library's traceback
     config = AutoConfig.from_pretrained(model_dir)
     torch_dtype = resolve_dtype(config, dtype)
     cls = getattr(transformers, _MODEL_CLASSES[model_type])

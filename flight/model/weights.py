@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from common.record import crc32c, tensor_bytes
 
-from .config import weight_files  # noqa: F401  (re-exported)
+from .config import ModelError, weight_files  # noqa: F401  (weight_files: re-exported)
 
 # Checkpoints written by older transformers releases keep the language model at `model.` and the
 # vision tower at `visual.`; current classes nest both under `model.`.
@@ -66,9 +66,12 @@ class WeightStore:
         self.stats = LoadStats()
         self._where: dict[str, tuple[str, str]] = {}
         for path in weight_files(model_dir):
-            with safe_open(path, framework="pt") as f:
-                for key in f.keys():
-                    self._where[normalize_key(key)] = (path, key)
+            try:
+                with safe_open(path, framework="pt") as f:
+                    for key in f.keys():
+                        self._where[normalize_key(key)] = (path, key)
+            except SafetensorError as exc:  # what check_weight_file does not look at (dtypes, shapes)
+                raise ModelError(f"weight file {path} is not a usable safetensors file: {exc}") from None
         if not self._where:
             raise FileNotFoundError(f"no safetensors weights in {model_dir}")
         self._loaded: set[str] = set()

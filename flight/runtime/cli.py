@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import argparse
 import glob
-import math
 import os
 import signal
 import sys
 
-from common.errors import CliError
+from common.errors import CliError, check_number
 from flight.cli_options import (
     EXIT_MODEL,
     EXIT_USAGE,
     add_engine_arguments,
     cadence_for,
+    check_directory_option,
     config_num_layers,
     data_storage_for,
     engine_options,
@@ -121,10 +121,11 @@ def cmd_run(args) -> int:
     if not os.path.exists(os.path.join(args.keys, "clients", "payload.key_secret")):
         raise CliError(f"no payload key in {args.keys} (run `ow ground keys init` and copy the keys)", EXIT_USAGE)
 
-    if args.results_budget_mb < 0 or args.compact_after < 1:
-        raise CliError("--results-budget-mb must be >= 0 and --compact-after >= 1", EXIT_USAGE)
-    if not math.isfinite(args.storage_reserve_mb) or args.storage_reserve_mb < 0:
-        raise CliError(f"--storage-reserve-mb must be a number >= 0, not {args.storage_reserve_mb}", EXIT_USAGE)
+    check_number(args.results_budget_mb, "--results-budget-mb", at_least=0, code=EXIT_USAGE)
+    if args.compact_after < 1:
+        raise CliError("--compact-after must be at least 1", EXIT_USAGE)
+    check_directory_option(args.data_dir, "--data-dir")  # a file there: one line, not a traceback at boot
+    check_number(args.storage_reserve_mb, "--storage-reserve-mb", at_least=0, code=EXIT_USAGE)
     fs, weight_hook = storage_for(args)
     data_fs = data_storage_for(args, fs)
     app = FlightApp(

@@ -2,8 +2,12 @@
 
 import json
 import os
+import random
+import resource
+import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -177,3 +181,105 @@ def test_flight_run_reports_an_override(model_dirs, tmp_path):
     assert set(seen) == {"--group", "--decode-every"}, proc.stderr
     assert (seen["--decode-every"]["given"], seen["--decode-every"]["policy_value"]) == (8, 64)
     assert seen["--decode-every"]["explicit"] is True and seen["--group"]["explicit"] is False
+
+
+# ---- issue 27, finding 8: tracebacks instead of one-line errors ---------------------------------
+
+
+def _only_line(proc, code: int, *fragments: str) -> str:
+    """stderr is exactly one `ow ...: error: ...` line naming the problem; no traceback."""
+    assert proc.returncode == code, (proc.returncode, proc.stderr)
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ow ") and ": error: " in lines[0], proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+def _model_copy(source: str, target) -> str:
+    import shutil
+
+    shutil.copytree(source, target)
+    return str(target)
+
+
+def test_damaged_weight_files_are_one_line_errors_before_anything_is_read(model_dirs, image_files, tmp_path):
+    """A truncated copy, a file of random bytes, a header length claiming 8 GiB (nothing that
+    size is allocated: the check reads 8 bytes), a file shorter than its header: exit 3, one
+    line naming the file and what is wrong, no checkpoint directory made."""
+    weights = (Path(model_dirs["qwen3-vl"]) / "model.safetensors").read_bytes()
+    damaged = {
+        "truncated": (weights[: len(weights) // 2], "is truncated"),
+        "random": (random.Random(27).randbytes(64 << 10), "not a safetensors file"),
+        "8 GiB header": (struct.pack("<Q", 8 << 30) + weights[8:], "header length field says 8589934592 bytes"),
+        "short": (weights[:5], "shorter than its header"),
+    }
+    for name, (content, problem) in damaged.items():
+        model = _model_copy(model_dirs["qwen3-vl"], tmp_path / name)
+        (Path(model) / "model.safetensors").write_bytes(content)
+        ckpt = tmp_path / f"ck-{name}"
+        proc = ow(
+            "infer", "--model", model, "--image", image_files[0], "--prompt", "q", "--ckpt-dir", str(ckpt), timeout=300
+        )
+        _only_line(proc, 3, "model.safetensors", problem)
+        assert not ckpt.exists()
+
+
+def test_negative_and_non_finite_numbers_are_refused(base, image_files, tmp_path):
+    """`--pace-ms -1` was taken silently; nan and inf reached the engine. Exit 2, one line."""
+    for option, value in (
+        ("--pace-ms", "-1"),
+        ("--pace-ms", "nan"),
+        ("--emulate-read-mbps", "inf"),
+        ("--thermal-limit-c", "nan"),
+    ):
+        _only_line(ow(*base, "--image", image_files[0], option, value), 2, option, value)
+    assert not (tmp_path / "ck").exists()
+    # a prompt with no visible character is blank (finding 9), refused before the model loads
+    blank = list(base)
+    blank[blank.index("--prompt") + 1] = "\u200b\u202e\u2060"
+    _only_line(ow(*blank, "--image", image_files[0]), 4, "no visible character")
+
+
+def _address_space_limit(mib: int):
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (mib << 20, mib << 20))
+
+    return limit
+
+
+def test_out_of_memory_is_one_line_with_its_exit_status(base, image_files, tmp_path):
+    """Under an address-space limit `ow infer` raised MemoryError (or an ImportError from a
+    library it could not map, or aborted inside torch's start-up) with a traceback. Exit 6, one
+    line saying out of memory: below what torch needs to start, checked before it is imported;
+    above it, where the run itself runs out (the limit set once the libraries are loaded)."""
+    command = [sys.executable, "-m", "common.cli", *base, "--image", image_files[0], "--log-level", "error"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    small = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, env=env, preexec_fn=_address_space_limit(256)
+    )
+    _only_line(small, 6, "out of memory")
+    # The engine's libraries loaded, then a limit 8 MiB above what is mapped: the run's own
+    # allocations fail (8 MiB is less than any library still to be mapped, so the failure is a
+    # Python-level one, not a library's start-up).
+    late = (
+        "import resource, sys\n"
+        "import torch, transformers, flight.engine, flight.model.loader, flight.model.inputs\n"
+        "from common.cli import main\n"
+        "mapped = int(open('/proc/self/statm').read().split()[0]) * resource.getpagesize()\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (mapped + (8 << 20), mapped + (8 << 20)))\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    run_out = subprocess.run(
+        [sys.executable, "-c", late, *command[3:]], capture_output=True, text=True, timeout=600, env=env
+    )
+    _only_line(run_out, 6, "out of memory")
+
+
+def test_build_tiny_bad_values_leave_nothing_behind(tmp_path):
+    huge = ow("model", "build-tiny", "--seed", str(2**80), "--out", str(tmp_path / "m"))
+    _only_line(huge, 2, "--seed")
+    assert not (tmp_path / "m").exists()  # was: a half-written directory and torch's overflow message
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    _only_line(ow("model", "build-tiny", "--out", str(a_file / "m")), 2, "is a regular file")

@@ -4,6 +4,8 @@ keeps running, and the queue is intact."""
 import hashlib
 import os
 import signal
+import subprocess
+import sys
 
 import msgpack
 import pytest
@@ -142,10 +144,61 @@ def test_each_bad_input_has_its_own_code_and_nothing_is_lost(payload):
         assert rejected.code == expected, (name, rejected.code.name, rejected.reason)
         assert rejected.reason
     assert len(set(codes.values())) == len(CASES)  # each class its own code
+    # Issue 27, finding 9: a prompt of NULs, zero-width or bidirectional controls only has no
+    # visible character either; it was queued (and shown raw on the ground) as a real prompt.
+    for prompt in ("\x00\x00", "\u200b\u200c\u200d\u2060\ufeff", "\u202e\u2066\u200f"):
+        packet, seq = _tc(bus, MessageType.UPLINK_TASK, _uplink(prompt=prompt))
+        mark = len(bus.received)
+        bus.raw(packet)
+        rejected = bus.wait_for(lambda h, x, seq=seq: isinstance(x, m.Rejected) and x.tc_seq == seq, start=mark)[1]
+        assert rejected.code == ResponseCode.EMPTY_PROMPT, (repr(prompt), rejected.code.name, rejected.reason)
     assert proc.poll() is None  # still running
     seq = bus.command(m.Status())
     hk = bus.wait_for(lambda h, x: isinstance(x, m.Housekeeping), start=len(bus.received) - 1)[1]
     assert hk.queue_depth == 1  # the queued task is still there
-    assert hk.error_count >= len(CASES)
+    assert hk.error_count >= len(CASES) + 3
     seq = bus.command(m.Ping(key=42))
     assert bus.wait_for(lambda h, x: isinstance(x, m.Pong) and x.key == 42)
+
+
+def test_flight_run_bad_values_are_one_line_errors(tmp_path, model_dirs):
+    """Issue 27, finding 8: `--data-dir FILE` was a NotADirectoryError traceback at the first
+    write, `--pace-ms -1` was taken silently. Each is one line on stderr (the bus quotes a
+    payload's last line) with exit 2, before anything is written; a payload that keeps exiting
+    is the bus's boot-loop guard's to hold off."""
+    from common.wire.link import init_keys
+
+    keys = init_keys(tmp_path / "keys").root
+    a_file = tmp_path / "data-file"
+    a_file.write_text("not a directory\n")
+    cases = [
+        (["--data-dir", str(a_file)], "is a regular file, not a directory"),
+        (["--data-dir", str(a_file / "data")], "cannot be created"),
+        (["--data-dir", str(tmp_path / "data"), "--pace-ms", "-1"], "--pace-ms must be a finite number >= 0"),
+        (["--data-dir", str(tmp_path / "data"), "--results-budget-mb", "nan"], "--results-budget-mb"),
+    ]
+    for args, fragment in cases:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "common.cli",
+                "flight",
+                "run",
+                "--model",
+                model_dirs["qwen3-vl"],
+                "--keys",
+                str(keys),
+                "--payload-endpoint",
+                "tcp://127.0.0.1:9",
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        assert done.returncode == 2, (args, done.returncode, done.stderr)
+        lines = done.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("ow flight: error: ") and fragment in lines[0], done.stderr
+    assert a_file.read_text() == "not a directory\n" and not (tmp_path / "data").exists()

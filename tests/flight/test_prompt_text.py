@@ -56,6 +56,8 @@ def test_a_blank_prompt_has_its_own_code(models):
     from common.wire import ResponseCode
 
     model = next(iter(models.values()))
-    with pytest.raises(InputError) as info:
-        build_inputs(model.tokenizer, model.image_processor, [], " \n\t ", model.adapter.image_token_id)
-    assert info.value.code == ResponseCode.EMPTY_PROMPT
+    # whitespace, and (issue 27, finding 9) NULs, zero-width and bidirectional controls only
+    for prompt in (" \n\t ", "\x00\x00", "\u200b\u200c\u200d\u2060\ufeff", "\u202e\u200f\u2066"):
+        with pytest.raises(InputError) as info:
+            build_inputs(model.tokenizer, model.image_processor, [], prompt, model.adapter.image_token_id)
+        assert info.value.code == ResponseCode.EMPTY_PROMPT, repr(prompt)

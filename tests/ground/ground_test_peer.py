@@ -95,6 +95,8 @@ class ScriptedBusPayloadPeer:
         self.reject_next: dict[MessageType, tuple[ResponseCode, str]] = {}
         self.bus_rejects_next: dict[MessageType, tuple[ResponseCode, str]] = {}
         self.task_run_s: float | None = None  # None: accepted tasks never run
+        self.result_text = RESULT_TEXT  # the text of every result
+        self.quarantined = m.QuarantineList(items=[], exits=[], reasons=[], total=0)  # LIST_QUARANTINE's answer
         self.stored_chunks = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="test-peer", daemon=True)
@@ -339,7 +341,7 @@ class ScriptedBusPayloadPeer:
         task["result"] = m.TaskResult(
             task_id=task_id,
             token_ids=(5, 6, 7),
-            text=RESULT_TEXT,
+            text=self.result_text,
             logits_sha256=bytes(32),
             timings={"prefill": 0.25, "total": 0.5},
             interruptions=1,
@@ -378,6 +380,11 @@ class ScriptedBusPayloadPeer:
         task["priority"] = msg.priority
         self._reply(m.Accepted.about(request, task_id=msg.task_id), rid)
         self._reply(m.Completed.about(request, task_id=msg.task_id), rid)
+
+    def _on_list_quarantine(self, request, msg: m.ListQuarantine, rid) -> None:
+        self._reply(m.Accepted.about(request), rid)
+        self._reply(self.quarantined, rid)
+        self._reply(m.Completed.about(request), rid)
 
     # --- scripted telemetry, called from the test thread ----------------------------------------
     def fail_task(self, task_id: str, code: ResponseCode, reason: str) -> None:

@@ -38,6 +38,13 @@ CASES = {
     ),
     "empty prompt": (lambda t, p: ["--image", p[0], "--prompt", ""], "prompt is empty"),
     "blank prompt": (lambda t, p: ["--image", p[0], "--prompt", " \t\n"], "prompt is empty"),
+    # issue 27, finding 9: no visible character is blank too (these were sent as prompts)
+    "NUL prompt": (lambda t, p: ["--image", p[0], "--prompt", "\x00\x00"], "prompt is empty"),
+    "zero-width prompt": (
+        lambda t, p: ["--image", p[0], "--prompt", "\u200b\u200c\u200d\u2060\ufeff"],
+        "prompt is empty",
+    ),
+    "bidi-only prompt": (lambda t, p: ["--image", p[0], "--prompt", "\u202e\u2066 \u200f"], "prompt is empty"),
     "prompt not UTF-8": (
         lambda t, p: ["--image", p[0], "--prompt", b"caf\xe9 \xff".decode("utf-8", "surrogateescape")],
         "not valid UTF-8",
@@ -143,9 +150,18 @@ def test_missing_keys_are_a_local_error_with_the_fix(ow, tmp_path, peer, picture
         (["cancel", "../t"], "PATH_LIKE_NAME"),
         (["priority", "t-1", "300"], "priority 300 outside"),
         (["results", "a:b"], "PATH_LIKE_NAME"),
+        # issue 27, finding 8: nan and inf reached ZeroMQ (a traceback for inf), negative waits
+        # were taken; each is refused before the link opens
+        (["status", "--timeout", "inf"], "--timeout must be a finite number > 0, not inf"),
+        (["ping", "--timeout", "nan"], "--timeout must be a finite number > 0, not nan"),
+        (["results", "t-1", "--wait", "--max-wait", "nan"], "--max-wait"),
+        (["results", "t-1", "--wait", "--poll", "-1"], "--poll"),
+        (["events", "--duration", "nan"], "--duration"),
+        (["events", "--since", "-3"], "--since"),
     ],
 )
 def test_bad_names_and_values_in_other_commands_exit_5(ow, keys, peer, args, expected):
-    result = ow("ground", *args, *link_args(keys, peer))
+    result = ow("ground", args[0], *link_args(keys, peer), *args[1:])  # a --timeout given wins over the link's
     assert result.code == 5 and expected in result.err
+    assert len(result.err.strip().splitlines()) == 1 and "Traceback" not in result.err
     assert peer.commands == []

@@ -234,3 +234,75 @@ def test_a_refusal_by_the_bus_itself_is_exit_3_naming_the_bus(ow, keys, peer):
     assert result.code == 3
     assert "PING rejected by the bus: NOT_AUTHORIZED (302): key may not command" in result.err
     assert peer.commands == []
+
+
+# ---- display spoofing (issue 27, finding 9) -----------------------------------------------------
+#
+# Text from the payload (results, event texts, reasons, quarantine entries) and from an operator
+# (prompts) reaches the terminal. A right-to-left override printed raw shows "gnp.exe" as
+# "exe.png"; an ESC starts a terminal escape sequence; a CR overwrites the line. Every such
+# character must be printed as a visible escape; --json keeps the exact text.
+
+SPOOF = "harbour \u202egnp.exe\u202c clear\x1b[2J\rfake line\u200b\nsecond line\ttabbed\u2066\u2028end"
+HIDDEN = "\u202e\u202c\x1b\r\u200b\u2066\u2028"
+#: SPOOF on one line of a terminal (an event, a reason): every hidden character as its escape
+SPOOF_LINE = "harbour \\u202egnp.exe\\u202c clear\\x1b[2J\\rfake line\\u200b\\nsecond line\\ttabbed\\u2066\\u2028end"
+
+
+def _no_hidden(text: str) -> None:
+    assert not any(ch in text for ch in HIDDEN), ascii(text)
+
+
+def test_results_print_payload_and_operator_text_with_hidden_characters_escaped(ow, keys, peer, pictures):
+    peer.task_run_s = 0.2
+    peer.result_text = SPOOF
+    task_id = uplinked_task(ow, keys, peer, pictures, "--prompt", "ships \u202egnp.exe\x1b[31m")
+    shown = ow("ground", "results", task_id, "--wait", "--poll", "20", *link_args(keys, peer))
+    assert shown.code == 0, shown.err
+    _no_hidden(shown.out + shown.err)
+    # the answer is a block: its line feed and tab stay, everything else hidden is escaped
+    assert "harbour \\u202egnp.exe\\u202c clear\\x1b[2J\\rfake line\\u200b\nsecond line\ttabbed\\u2066\\u2028end" in (
+        shown.out
+    )
+    exact = ow("ground", "results", task_id, *link_args(keys, peer), "--json")
+    _no_hidden(exact.out)
+    assert json.loads(exact.out)["text"] == SPOOF  # JSON: escaped by JSON's own rules, exact once parsed
+    listing = ow("ground", "results", "--keys", keys.root)
+    _no_hidden(listing.out)
+    assert "ships \\u202egnp.exe\\x1b[31m" in listing.out
+    assert json.loads(ow("ground", "results", "--keys", keys.root, "--json").out)[0]["prompt"] == (
+        "ships \u202egnp.exe\x1b[31m"
+    )
+
+
+def test_events_reasons_and_quarantine_entries_are_escaped(ow, keys, peer):
+    stop = peer.start_publishing(
+        [(m.Event(event_id=EventId.TASK_FAILED, text=f"task t-1: {SPOOF}", task_id="t-1"), False)], every_s=0.1
+    )
+    try:
+        live = ow("ground", "events", *link_args(keys, peer), "--duration", "1.0")
+        as_json = ow("ground", "events", *link_args(keys, peer), "--duration", "0.5", "--json")
+    finally:
+        stop.set()
+    assert live.code == 0, live.err
+    _no_hidden(live.out)
+    line = next(line for line in live.out.splitlines() if "TASK_FAILED" in line)
+    assert line.endswith(f"[t-1]: task t-1: {SPOOF_LINE}")
+    _no_hidden(as_json.out)
+    events = [json.loads(line) for line in as_json.out.splitlines()]
+    assert any(e["body"].get("text") == f"task t-1: {SPOOF}" for e in events)
+    # what the first run archived, replayed as text, is escaped as well
+    replay = ow("ground", "events", *link_args(keys, peer), "--since", "0", "--duration", "0.1")
+    _no_hidden(replay.out)
+    assert "\\u202egnp.exe" in replay.out
+    # a reason the payload gives for a refusal ends up in the one error line
+    peer.reject_next[MessageType.PING] = (ResponseCode.BUSY, f"busy \u202e{SPOOF}")
+    refused = ow("ground", "ping", *link_args(keys, peer))
+    assert refused.code == 3
+    _no_hidden(refused.err)
+    assert len(refused.err.strip().splitlines()) == 1 and "busy \\u202eharbour" in refused.err
+    peer.quarantined = m.QuarantineList(items=["task:t-2\u202e"], exits=[3], reasons=[SPOOF], total=1)
+    listing = ow("ground", "quarantine", *link_args(keys, peer))
+    assert listing.code == 0, listing.err
+    _no_hidden(listing.out)
+    assert listing.out.splitlines() == [f"task:t-2\\u202e  3 exit(s)  {SPOOF_LINE}"]

@@ -70,12 +70,17 @@ def test_trace_generate_writes_the_generator_output(tmp_path: Path):
         run(["trace-generate", "--kind", "sat9", "--out", str(out)])
     with pytest.raises(CliError):
         run(["trace-generate", "--kind", "trace-a", "--duration", "0", "--out", str(out)])
+    with pytest.raises(CliError, match="31 days"):  # would simulate for hours and hold it all in memory
+        run(["trace-generate", "--kind", "trace-a", "--duration", str(10**12), "--out", str(out)])
 
 
 def test_trace_import_bupt1_reports_missing_data(tmp_path: Path):
     with pytest.raises(CliError) as caught:
         run(["trace-import-bupt1", "--data", str(tmp_path / "none"), "--out", str(tmp_path / "x.jsonl")])
     assert caught.value.code == 1 and "data folder not found" in str(caught.value)
+    with pytest.raises(CliError) as nan:  # was a ValueError traceback (issue 27, finding 8)
+        run(["trace-import-bupt1", "--overheat-from-min", "nan", "--out", str(tmp_path / "x.jsonl")])
+    assert nan.value.code == 2 and "--overheat-from-min" in str(nan.value)
 
 
 def test_python_dash_m_traces():

@@ -212,6 +212,19 @@ def test_an_excerpt_outside_the_data_is_refused(overheat_copy, tmp_path):
     assert wrong.code == 2 and "--thermal-at needs --temperature" in str(wrong)
 
 
+def test_non_finite_numbers_are_refused_as_options(tmp_path):
+    """Issue 27, finding 8 (other commands checked the same way): `--from nan` and `--thermal-at
+    nan` were tracebacks (a NaN turned into an integer, a NaN in the trace's JSON header)."""
+    csv = tmp_path / "log.csv"
+    csv.write_text("t,mA,C\n" + "".join(f"{i},{500 if i % 100 < 50 else 0},{30 + i % 20}\n" for i in range(300)))
+    options = ["--time", "t", "--current", "mA", "--on-above", "100", "--temperature", "C"]
+    for option in ("--from", "--to", "--max-gap", "--thermal-at", "--payload-volts"):
+        for value in ("nan", "inf"):
+            refused = failure([csv], options, tmp_path / "o.jsonl", option, value)
+            assert refused.code == 2 and f"{option} must be a finite number, not {value}" in str(refused)
+    assert import_csv_cli([csv], options, tmp_path / "o.jsonl") == 0  # the same file, good options
+
+
 def test_minute_stamps_repeat_unless_spread_and_uneven_minutes_are_reported(tmp_path, capsys):
     if not DATA.is_dir():
         pytest.skip(f"BUPT-1 data folder {DATA} is absent")

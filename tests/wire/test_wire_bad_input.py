@@ -187,6 +187,25 @@ def test_every_decode_code_is_exercised():
     assert {c[2] for c in CASES} == decode_codes
 
 
+#: prompts with no visible character (issue 27, finding 9): each was accepted as non-blank
+BLANK_PROMPTS = {
+    "nuls": "\x00\x00\x00",
+    "zero-width": "\u200b\u200c\u200d\u2060\ufeff",
+    "bidi-controls": "\u202e\u202d\u202a\u202b\u202c\u2066\u2067\u2068\u2069\u061c\u200e\u200f",
+    "controls": "\x1b\x07\x7f\x85\x9b",
+    "mixed": " \u200b\t\x00\u00ad\u2028\ufe0f\u3164 ",
+}
+
+
+@pytest.mark.parametrize("prompt", list(BLANK_PROMPTS.values()), ids=list(BLANK_PROMPTS))
+def test_a_prompt_with_no_visible_character_is_refused_at_decoding(prompt):
+    with pytest.raises(WireError) as info:
+        decode(uplink(prompt=prompt))
+    assert info.value.code == ResponseCode.EMPTY_PROMPT and info.value.field == "prompt"
+    # one visible character among the same ones is a prompt
+    assert decode(uplink(prompt=prompt + "?"))[1].prompt == prompt + "?"
+
+
 def test_rejection_carries_the_request_and_header():
     packet = frame(
         PacketType.TC,

@@ -160,3 +160,75 @@ def test_every_bounded_text_field_takes_a_clipped_value():
         task_id="t", token_ids=[], text=clip_utf8(long, MAX_RESULT_TEXT_BYTES), logits_sha256=b"\0" * 32, timings={}
     )
     m.FdirReport(trace_time_s=0.0, mode="safe", fault_count=1, last_fault=clip_utf8(long, MAX_EVENT_TEXT_BYTES))
+
+
+# ---- what the ground shows, and what is blank (issue 27, finding 9) ------------------------------
+
+BIDI_CONTROLS = "\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u061c\u200e\u200f"
+ZERO_WIDTH = "\u200b\u200c\u200d\u2060\ufeff"
+
+
+def test_display_text_escapes_controls_bidi_and_zero_width_characters_visibly():
+    from common.wire.text import display_text
+
+    assert display_text("report\u202etxt.exe") == "report\\u202etxt.exe"
+    assert display_text("a\x1b[2Jb\rc\nd\te\x00\x9b") == "a\\x1b[2Jb\\rc\\nd\\te\\x00\\x9b"
+    assert display_text("tag \U000e0041") == "tag \\U000e0041"
+    for ch in BIDI_CONTROLS + ZERO_WIDTH + "\u2028\u2029\u3164":
+        assert display_text(ch) == f"\\u{ord(ch):04x}"
+    assert display_text("soft\u00adhyphen") == "soft\\xadhyphen"
+    # a block keeps its line feeds and tabs, nothing else
+    assert display_text("one\ntwo\tthree\r\u202e", keep_newlines=True) == "one\ntwo\tthree\\r\\u202e"
+    # visible text, non-ASCII included, is shown as it is
+    for text in ("two ships, one bridge", "café ☁ 船 \u05e9\u05dc\u05d5\u05dd", "❤\ufe0f", "a\\u202e"):
+        assert display_text(text) == text
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=200), st.booleans())
+def test_nothing_hidden_survives_display_text(text, keep_newlines):
+    from common.wire.text import display_text, is_hidden
+
+    shown = display_text(text, keep_newlines=keep_newlines)
+    assert all(not is_hidden(ch) or (keep_newlines and ch in "\n\t") for ch in shown)
+    shown.encode("utf-8")  # printable: no lone surrogate left (this would raise)
+    if not any(is_hidden(ch) for ch in text):
+        assert shown == text
+
+
+def test_is_blank_is_no_visible_character():
+    from common.wire.text import is_blank
+
+    for text in ("", " \n\t", "\x00\x00", ZERO_WIDTH, BIDI_CONTROLS, "\u3000\u00a0", "\ufe0f\u034f\u2800", "\u3164"):
+        assert is_blank(text), repr(text)
+    for text in ("a", "\u200ba", " .", "\u05e9", "船", "❤", "\x00?", "\u0301"):
+        assert not is_blank(text), repr(text)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=40))
+def test_one_blank_rule_on_the_ground_and_on_the_wire(text):
+    """The ground's local check and the wire's UPLINK_TASK validation (what the payload decodes)
+    refuse exactly the same prompts: `common.wire.text.is_blank`."""
+    from common.wire.text import is_blank
+    from ground.errors import LocalInputError
+    from ground.images import check_prompt
+
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return  # lone surrogates: INVALID_UTF8 on both sides, another rule
+    try:
+        check_prompt(text)
+        ground_refuses = False
+    except LocalInputError:
+        ground_refuses = True
+    try:
+        m.UplinkTask(task_id="t", prompt=text, images=[], max_new_tokens=1, priority=0)
+        wire_code = None
+    except WireError as exc:
+        wire_code = exc.code
+    assert ground_refuses == is_blank(text)
+    assert (wire_code is not None) == is_blank(text)
+    if text and is_blank(text):
+        assert wire_code == ResponseCode.EMPTY_PROMPT

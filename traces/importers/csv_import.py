@@ -107,6 +107,15 @@ class CsvImport:
                 raise bad(f"{what} {value!r} is not one of {', '.join(allowed)}")
         if not math.isfinite(self.on_above_ma):
             raise bad("the on threshold must be a number of milliamperes")
+        for flag, number in (
+            ("--thermal-at", self.thermal_at_c),
+            ("--from", self.from_s),
+            ("--to", self.to_s),
+            ("--max-gap", self.max_gap_s),
+            ("--payload-volts", self.payload_volts),
+        ):
+            if number is not None and not math.isfinite(number):
+                raise bad(f"{flag} must be a finite number, not {number!r}")
         if self.thermal_at_c is not None and self.temperature is None:
             raise bad("--thermal-at needs --temperature (the column to compare)")
         if self.other_cause not in {c.value for c in CutCause} - {CutCause.THERMAL.value}:
