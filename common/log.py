@@ -8,12 +8,36 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import TextIO
+from typing import TextIO, cast
 
 import structlog
 from structlog.typing import Processor
 
 _configured = False
+
+
+class TolerantStream:
+    """A log stream that a full or failing disk cannot turn into an exception in the caller: a
+    line the stream refuses is dropped and counted (`dropped`), and the process goes on. The
+    payload's and the bus's output is a file on a disk that may fill up (docs/flight.md
+    "Storage"); a log call must never be what stops them."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+        self.dropped = 0
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except (OSError, ValueError):  # ENOSPC, EIO, EPIPE; ValueError: the stream was closed
+            self.dropped += 1
+            return 0
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except (OSError, ValueError):
+            self.dropped += 1
 
 
 def setup(level: str = "info", stream: TextIO | None = None, component: str | None = None) -> None:
@@ -30,7 +54,7 @@ def setup(level: str = "info", stream: TextIO | None = None, component: str | No
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.WriteLoggerFactory(file=stream),
+        logger_factory=structlog.WriteLoggerFactory(file=cast(TextIO, TolerantStream(stream))),
         cache_logger_on_first_use=False,
     )
     if component:

@@ -160,3 +160,23 @@ def test_the_guard_on_disk_never_holds_a_command_not_yet_run(tmp_path, model_dir
     on_disk.check(Apid.PAYLOAD, NodeId.GROUND, 5)  # not recorded: its redelivery is not a replay
     assert isinstance(on_disk, ReplayGuard) and on_disk.highest(Apid.PAYLOAD, NodeId.GROUND) == 6
     assert app.jobs.qsize() == 1
+
+
+def test_a_log_call_never_raises_on_a_full_disk():
+    """The payload's and the bus's output is a file on a disk that may fill up: a log line the
+    disk refuses is dropped and counted, never an exception in the caller (a heartbeat's, a
+    handler's)."""
+    import io
+
+    from common import log
+
+    class FullDisk(io.StringIO):
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    stream = FullDisk()
+    log.setup("info", stream=stream)
+    try:
+        log.get(component="test").warning("storage_degraded", state="full")
+    finally:
+        log.setup("warning")
