@@ -103,7 +103,8 @@ def test_a_missing_model_directory_is_reported_and_waited_for(tmp_path, model_di
         bus.stop()
     log = bl.read_log(bus.log_path)
     assert len([e for e in log if e.kind == bl.POWER_ON]) == 1, "one boot, never power-cycled"
-    assert not [e for e in log if e.kind in (bl.PAYLOAD_EXITED, bl.FDIR_ACTION, "payload_boot_loop")]
+    assert not [e for e in log if e.kind in (bl.PAYLOAD_EXITED, bl.FDIR_ACTION, "payload_boot_failed")]
+    assert not [e for e in log if e.kind == "bus_event" and e.get("event") == "PAYLOAD_BOOT_LOOP"]
     assert len(_events(log, "BOOT_FAULT")) == 1, "reported once, not at every re-check"
 
 
