@@ -254,7 +254,8 @@ class PowerPart(TelemetryPart):
         if status is not None:
             self.buslog.write(bl.PAYLOAD_EXITED, **self._stamp(now), status=status, power_cycle=self.power_count)
             _log.warning("bus_payload_exited", status=status)
-            failed = self._boot_failure(now, self._exit_reason(status))  # before the cut forgets the boot
+            # Judged before the cut forgets the boot; its output is read only for a boot not yet up.
+            failed = None if self.boot_up else self._boot_failure(now, self._exit_reason(status))
             self._fdir(f"payload process exited by itself with status {status}", now)
             if failed is not None:
                 self._count_failed_boot(failed, now, status=status)
