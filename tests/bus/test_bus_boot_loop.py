@@ -14,9 +14,9 @@ import shutil
 import sys
 
 import pytest
-from bus_testkit import LOOPBACK, wait_for, window, write_trace
+from bus_testkit import LOOPBACK, ground_station, wait_for, window, write_trace
 
-from common.wire import Apid, FdirMode, NodeId
+from common.wire import Apid, FdirMode, NodeId, ResponseCode, encode
 from common.wire import messages as m
 from common.wire.ids import EventId
 from hil import buslog as bl
@@ -58,10 +58,11 @@ def _damaged_payload_keys(tmp_path, keys):
     return root
 
 
-def test_a_payload_with_a_damaged_key_is_held_off_until_the_ground_retries(tmp_path, keys):
+def test_a_payload_with_a_damaged_key_is_held_off_until_the_ground_retries(tmp_path, keys, context):
     """The real flight process with a truncated key: one line saying why and exit status 5 (no
-    traceback); after 2 such boots the bus holds it off naming that line, powers it once more on
-    the ground's PAYLOAD_RETRY, and holds it again when that boot fails too."""
+    traceback); after 2 such boots the bus holds it off naming that line, refuses a retry from an
+    ordinary station or addressed to the payload, powers it once more on the ground's
+    PAYLOAD_RETRY, and holds it again when that boot fails too."""
     from ground.client import GroundClient
 
     model = tmp_path / "model"  # a model directory the key check comes before
@@ -87,6 +88,22 @@ def test_a_payload_with_a_damaged_key_is_held_off_until_the_ground_retries(tmp_p
         assert hold["failed_boots"] == 2 and hold["backoff_s"] is None
         assert "payload key" in hold["reason"] and "exit status 5" in hold["reason"], hold["reason"]
         assert [e["reason"] for e in _kinds(log, BOOT_FAILED)] == [hold["reason"]] * 2
+
+        # Only an admin station's PAYLOAD_RETRY, addressed to the bus, ends the hold.
+        refusals = []
+        for name, source, apid, message in (
+            ("station2", 0x0010, Apid.BUS, m.PayloadRetry()),  # an ordinary station
+            ("ground", NodeId.GROUND, Apid.PAYLOAD, m.PayloadRetry()),  # addressed to the payload
+            ("ground", NodeId.GROUND, Apid.BUS, m.Ping(key=7)),  # the bus takes nothing else
+        ):
+            station = ground_station(context, keys, bus.endpoints.commands, name, source)
+            station.send_raw(encode(message, apid, 1, source_id=source))
+            station.wait(lambda inbox: inbox, WAIT_S)
+            header, report = station.inbox[0]
+            assert header.apid == Apid.BUS and isinstance(report, m.Rejected)
+            refusals.append(report.code)
+            station.sock.close(linger=0)
+        assert refusals == [ResponseCode.NOT_AUTHORIZED, ResponseCode.WRONG_APID, ResponseCode.WRONG_APID]
 
         with GroundClient(keys.root, endpoints=bus.endpoints, timeout_s=30.0, notify=lambda s: None) as ground:
             seen: list = []
