@@ -334,6 +334,21 @@ def register(subparsers) -> None:
     )
     p.add_argument("task", metavar="TASK")
 
+    leaf(
+        "payload-retry",
+        "power the payload again after the bus's boot-loop hold",
+        "Send PAYLOAD_RETRY to the bus itself (APID BUS; an admin station's command, source id 1..15). "
+        "The bus holds the payload off -- power off whatever the trace says -- after it failed to come up "
+        "--boot-loop-limit times in a row (it exited or was killed before it had been up --boot-settle s, "
+        "or never connected), and says so with a PAYLOAD_BOOT_LOOP event naming the reason the last boot "
+        "gave (`ow ground events`; the FDIR report shows mode safe meanwhile). Fix the cause (a model "
+        "directory, a key, a memory limit), then send this: the bus answers ACCEPTED and COMPLETED, sends "
+        "a PAYLOAD_RETRY event and powers the payload again as the trace allows; one more failed boot "
+        "holds it again. The hold also ends by itself after the bus's back-off. Exit 3 with NOT_HELD when "
+        "nothing is held.",
+        cmd_payload_retry,
+    )
+
     # ping, cancel, priority -------------------------------------------------------------------
     p = leaf(
         "ping",
@@ -748,6 +763,16 @@ def cmd_ping(args) -> int:
                 _print_json({"rtt_ms": round(rtt * 1000, 3)})
             else:
                 print(f"PONG from payload: {rtt * 1000:.1f} ms", flush=True)
+    return 0
+
+
+def cmd_payload_retry(args) -> int:
+    with _client(args) as client:
+        client.payload_retry()
+    if args.json:
+        _print_json({"payload_retry": "completed"})
+    else:
+        print("bus: boot-loop hold released; the payload is powered again as the trace allows", flush=True)
     return 0
 
 

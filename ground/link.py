@@ -162,12 +162,14 @@ class GroundLink:
         source_id: int = NodeId.GROUND,
         timeout_s: float = 5.0,
         ack_flags: AckFlags = AckFlags.ALL,
+        apid: Apid = Apid.PAYLOAD,
     ) -> None:
-        """Send one telecommand to the payload APID. Raises NoAnswer if the DEALER cannot take it
-        (no connection to the bus and its queue is full)."""
+        """Send one telecommand, to the payload APID unless told otherwise (the bus's own command
+        goes to APID BUS). Raises NoAnswer if the DEALER cannot take it (no connection to the bus
+        and its queue is full)."""
         if self.dealer is None:
             raise RuntimeError("commands link not open")
-        packet = encode(message, Apid.PAYLOAD, seq, source_id=source_id, ack_flags=ack_flags)
+        packet = encode(message, apid, seq, source_id=source_id, ack_flags=ack_flags)
         try:
             send_packet(self.dealer, packet, timeout_s=timeout_s)
         except LinkError as exc:

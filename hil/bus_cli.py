@@ -272,6 +272,32 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
         default=32,
         help="unconfirmed commands sent at a time, shared fairly between stations (default 32)",
     )
+    g.add_argument(
+        "--boot-loop-limit",
+        type=int,
+        default=5,
+        metavar="N",
+        help="boot-loop guard: after N failed boots in a row (the payload ended by itself, or never "
+        "connected, before it had been up --boot-settle s) hold it off with a PAYLOAD_BOOT_LOOP event "
+        "naming the reason, until the ground's PAYLOAD_RETRY (`ow ground payload-retry`) or the "
+        "back-off (0 = never hold; default 5)",
+    )
+    g.add_argument(
+        "--boot-loop-backoff",
+        type=_non_negative,
+        default=60.0,
+        metavar="S",
+        help="a hold ends by itself after S s, doubled at each hold in a row (at most 1 h, or S if "
+        "larger); 0 = only the ground's retry ends it (default 60)",
+    )
+    g.add_argument(
+        "--boot-settle",
+        type=_non_negative,
+        default=10.0,
+        metavar="S",
+        help="a boot has come up once the payload has been connected S s; an exit or silence "
+        "before that is a failed boot (default 10)",
+    )
 
     g = run.add_argument_group("stations and bounds (docs/bus.md §5)")
     g.add_argument(
@@ -425,6 +451,9 @@ def config_from_args(args):
         throttle_event_s=args.throttle_event_s,
         log_segment_bytes=max(4096, int(args.log_segment_mb * 2**20)),
         log_segments=args.log_segments,
+        boot_loop_limit=args.boot_loop_limit,
+        boot_loop_backoff_s=args.boot_loop_backoff,
+        boot_settle_s=args.boot_settle,
         telemetry_max_hz=args.telemetry_max_hz,
         bus_temp_c=args.bus_temp_c,
         payload_client=args.payload_client,

@@ -66,6 +66,7 @@ BUS_EVENT = "bus_event"
 LINK_CLOSED = "link_closed"
 REJECTIONS_SUPPRESSED = "rejections_suppressed"
 LOG_GAP = "log_gap"
+PAYLOAD_BOOT_FAILED = "payload_boot_failed"
 
 KINDS = (
     RUN_START,
@@ -90,6 +91,7 @@ KINDS = (
     LINK_CLOSED,
     REJECTIONS_SUPPRESSED,
     LOG_GAP,
+    PAYLOAD_BOOT_FAILED,
 )
 _SYNCED = {RUN_START, RUN_STOP, POWER_ON, POWER_OFF, WARNING, FDIR_ACTION, TRACE_END, BUS_EVENT}
 #: Defaults of `ow bus run --log-segment-mb / --log-segments`: at most 8 files of 32 MiB.

@@ -309,6 +309,9 @@ def replay(
         heartbeat_timeout_s=d.get("heartbeat_timeout_s", 10.0),
         boot_timeout_s=max(d.get("boot_timeout_s", 60.0), 60.0 + payload_start_delay_s),
         fdir_off_s=d.get("fdir_off_s", 2.0),
+        boot_loop_limit=d.get("boot_loop_limit", 5),
+        boot_loop_backoff_s=d.get("boot_loop_backoff_s", 60.0),
+        boot_settle_s=d.get("boot_settle_s", 10.0),
         boot_trace_s=d.get("boot_trace_s"),
         # The recording's limits: a flood is refused the same way again.
         **{k: v for k, v in (d.get("limits") or {}).items() if k in _REPLAYED_LIMITS},

@@ -134,8 +134,9 @@ class AckFlags(enum.IntFlag):
 class MessageType(enum.IntEnum):
     """Secondary-header message type. Telecommand types are the command opcodes.
 
-    0x01xx telecommands (ground -> payload); 0x02xx verification reports, whose low byte is the
-    PUS service 1 subtype; 0x03xx payload telemetry; 0x04xx bus telemetry.
+    0x01xx telecommands (ground -> payload; PAYLOAD_RETRY ground -> bus); 0x02xx verification
+    reports, whose low byte is the PUS service 1 subtype; 0x03xx payload telemetry; 0x04xx bus
+    telemetry.
     """
 
     PING = 0x0101
@@ -173,6 +174,9 @@ class MessageType(enum.IntEnum):
     LIST_LOST_TASKS = 0x0116
     QUARANTINE_LIST = 0x0307
     LOST_TASKS = 0x0308
+
+    # the bus's own telecommand (APID BUS): the boot-loop guard's retry
+    PAYLOAD_RETRY = 0x0130
 
     @property
     def is_command(self) -> bool:

@@ -610,6 +610,18 @@ class LostTasks(Message):
             raise WireError(ResponseCode.BAD_FIELD_VALUE, "total below the tasks listed", field="total")
 
 
+# --- the bus's own telecommand ---------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PayloadRetry(Message):
+    """Addressed to the bus (APID BUS), not the payload: power the payload again now that the
+    bus's boot-loop guard holds it off (docs/bus.md §6). Answered by the bus: ACCEPTED and
+    COMPLETED, or REJECTED NOT_HELD when nothing is held."""
+
+    TYPE = MessageType.PAYLOAD_RETRY
+
+
 _missing = set(MessageType) - set(_REGISTRY)
 if _missing:  # pragma: no cover - caught at import by every test
     raise TypeError(f"message types without a class: {sorted(t.name for t in _missing)}")

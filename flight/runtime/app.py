@@ -108,6 +108,8 @@ STORAGE_CODES = {
     StorageState.READ_ONLY: ResponseCode.STORAGE_READ_ONLY,
     StorageState.ERROR: ResponseCode.STORAGE_ERROR,
 }
+#: How often a missing or unreadable model directory is looked for again.
+MODEL_RECHECK_S = 2.0
 #: On a stop (SIGTERM, SIGINT), how long the process waits for the worker to reach the end of its
 #: unit of work. A unit takes well under this on the target; a weight load may not (then see
 #: `worker_busy`).
@@ -698,21 +700,49 @@ class FlightApp(CommandHandlers):
         return None
 
     def _load_engine(self):
-        """The model, loaded once; a load that raises is retried (an event each time), one that
-        kills the process is counted like any other item (`engine:load`)."""
-        import torch  # the engine's libraries load here, behind a link that is already up (run())
-
-        # lazy: torch/transformers (seconds): the payload answers the bus first (0.5 s budget)
-        from flight.model.loader import load_model
-
-        if getattr(self.options, "threads", None):
-            torch.set_num_threads(self.options.threads)  # before any tensor op: pinned per request
+        """The model, loaded once. Every boot-time fault of the engine counts against `engine:load`
+        like any item: the imports of torch and the loader run inside its handling, so a boot that
+        dies there (the OOM killer during `import torch`) is counted by the next one, and a load
+        that raises is a fault (an event each time, retried); at EXIT_BOUND it is quarantined and
+        the payload answers commands without running tasks. A model directory that is missing or
+        unreadable is the environment's doing, not the engine's: it is reported (BOOT_FAULT, once
+        per problem), never counted, and looked for again every MODEL_RECHECK_S."""
+        model_problem: str | None = None
         while not self.stop.is_set():
             if self.health.is_quarantined(ENGINE_ITEM):
                 self.stop.wait(ENGINE_RETRY_S)  # safe mode: commands only, until the ground releases it
                 continue
+            if self.health.held(ENGINE_ITEM):
+                # The last boot ended loading the engine: wait for the bus's word on how it ended
+                # (at most health.VERDICT_WAIT_S) before trying again, or a load that kills would
+                # kill this boot too before it is counted.
+                self.stop.wait(0.05)
+                continue
+            problem = self._model_problem()
+            if problem is not None:
+                if problem != model_problem:
+                    self.event(
+                        EventId.BOOT_FAULT,
+                        f"{problem}; the payload answers commands and runs no task until it is there "
+                        f"(looked for every {MODEL_RECHECK_S:g} s)",
+                    )
+                model_problem = problem
+                self.stop.wait(MODEL_RECHECK_S)
+                continue
+            if model_problem is not None:
+                self.log.info("model_found", model=self.model_dir, was=model_problem)
+                self.images.limits = ProcessorLimits.of_model_dir(self.model_dir)  # read at boot without it
+                model_problem = None
             try:
                 with self.health.handling(ENGINE_ITEM, WORKER):
+                    # lazy: torch/transformers (seconds), behind a link that is already up (run())
+                    import torch
+
+                    if getattr(self.options, "threads", None):
+                        torch.set_num_threads(self.options.threads)  # before any tensor op: pinned per request
+                    import flight.engine  # noqa: F401  (what _run_task imports: its cost is the load's)
+                    from flight.model.loader import load_model
+
                     return load_model(
                         self.model_dir,
                         device=self.device,
@@ -720,9 +750,24 @@ class FlightApp(CommandHandlers):
                         read_hook=self.weight_read_hook,
                         lazy_processors=True,
                     )
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - MemoryError and ImportError included
                 self._fault(EventId.WORKER_FAULT, "engine load failed", exc, ENGINE_ITEM)
                 self.stop.wait(ENGINE_RETRY_S)
+        return None
+
+    def _model_problem(self) -> str | None:
+        """What keeps the model directory from being loaded, in words, or None. Plain file checks
+        (no torch): config.json names a supported architecture and weight files are there."""
+        from flight.model.config import ModelError, read_model_type, weight_files
+
+        try:
+            read_model_type(self.model_dir)
+            if not weight_files(self.model_dir):
+                return f"no weight files (*.safetensors) in model directory {self.model_dir}"
+        except ModelError as exc:
+            return f"model unavailable: {exc}"
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return f"model directory {self.model_dir} unreadable: {type(exc).__name__}: {exc}"
         return None
 
     def worker(self) -> None:

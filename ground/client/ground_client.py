@@ -6,8 +6,10 @@ import random
 import time
 from collections.abc import Iterator
 
+from common.wire import Apid
 from common.wire import messages as m
 from ground.client.results import ResultStore
+from ground.errors import NoAnswer
 from ground.link import Telemetry
 
 
@@ -52,6 +54,16 @@ class GroundClient(ResultStore):
         """LIST_LOST_TASKS -> the tasks the payload lost to storage damage."""
         _, lost = self._transact(m.ListLostTasks(), "LIST_LOST_TASKS", reply=lambda mark: self._after(self._lost, mark))
         return lost
+
+    # --- the bus's boot-loop guard ----------------------------------------------------------------
+    def payload_retry(self) -> None:
+        """PAYLOAD_RETRY, to the bus (APID BUS): power the payload again now that the bus holds it
+        off after a boot loop. CommandRejected NOT_HELD (by the bus) when nothing is held."""
+        try:
+            self._transact(m.PayloadRetry(), "PAYLOAD_RETRY", completion=True, apid=Apid.BUS)
+        except NoAnswer:
+            # The bus answers this itself (the payload may well be off): silence is the bus's.
+            raise NoAnswer(f"PAYLOAD_RETRY: no answer from the bus within {self.timeout_s:g} s") from None
 
     # --- telemetry ----------------------------------------------------------------------------
     def telemetry(self, duration_s: float | None = None) -> Iterator[Telemetry]:

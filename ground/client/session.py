@@ -147,7 +147,7 @@ class CommandSession:
         n = self._arrivals
         msg = packet.message
         if isinstance(msg, m.Verification):
-            if msg.tc_source == self.source_id and msg.tc_apid == Apid.PAYLOAD:
+            if msg.tc_source == self.source_id and msg.tc_apid in (Apid.PAYLOAD, Apid.BUS):
                 self._reports.setdefault(msg.request, []).append((n, msg))
                 if isinstance(msg, m.Rejected) and packet.header.apid == Apid.BUS:
                     self._refused_by_bus.add(msg.request)
@@ -213,11 +213,11 @@ class CommandSession:
             self._pump(min(remaining, 0.5))
 
     # --- sending ------------------------------------------------------------------------------
-    def _send(self, message: m.Message) -> RequestRef:
-        seq = self.state.counter.next(Apid.PAYLOAD)
-        self.link.send(message, seq, source_id=self.source_id, timeout_s=self.timeout_s)
-        _log.debug("ground_sent", type=message.TYPE.name, seq=seq)
-        return RequestRef(apid=int(Apid.PAYLOAD), source_id=self.source_id, seq=seq, message_type=int(message.TYPE))
+    def _send(self, message: m.Message, apid: Apid = Apid.PAYLOAD) -> RequestRef:
+        seq = self.state.counter.next(apid)
+        self.link.send(message, seq, source_id=self.source_id, timeout_s=self.timeout_s, apid=apid)
+        _log.debug("ground_sent", type=message.TYPE.name, seq=seq, apid=int(apid))
+        return RequestRef(apid=int(apid), source_id=self.source_id, seq=seq, message_type=int(message.TYPE))
 
     def _resync(self, report: m.Rejected) -> None:
         """REPLAYED_SEQUENCE: our counter is behind what the payload has seen from this source
@@ -272,18 +272,19 @@ class CommandSession:
         completion: bool = False,
         retries: int = 0,
         on_send: Callable[[RequestRef], None] | None = None,
+        apid: Apid = Apid.PAYLOAD,
     ) -> tuple[RequestRef, Any]:
         """Send `message` and wait for its outcome: `reply(mark)` not None (a reply packet that
         arrived after `mark`), else COMPLETED (`completion`) or ACCEPTED. REJECTED/FAILED raise
         CommandRejected, except REPLAYED_SEQUENCE, which resynchronises and sends again. With
         `retries`, an unanswered command is sent again (only for idempotent commands); reports
-        about any of the copies count."""
+        about any of the copies count. `apid`: who the command is for (the bus takes PAYLOAD_RETRY)."""
         refs: list[RequestRef] = []
         mark = self._arrivals
         stalls = resyncs = 0
         want = m.Completed if completion else m.Accepted
         while True:
-            ref = self._send(message)
+            ref = self._send(message, apid)
             refs.append(ref)
             if on_send is not None:
                 on_send(ref)

@@ -106,6 +106,14 @@ class BusConfig:
     #: the run log: rotated past this size, this many files kept (the current one included)
     log_segment_bytes: int = 32 << 20
     log_segments: int = 8
+    #: the boot-loop guard (docs/bus.md §6): after this many failed boots in a row the payload is
+    #: held off (0 = never); a boot fails when the payload ends by itself, or is silent past
+    #: boot_timeout_s, before it has been connected boot_settle_s
+    boot_loop_limit: int = 5
+    #: a hold ends by itself after this, doubled at each consecutive hold up to
+    #: BOOT_LOOP_BACKOFF_MAX_S (0: only the ground's PAYLOAD_RETRY ends it)
+    boot_loop_backoff_s: float = 60.0
+    boot_settle_s: float = 10.0
     # telemetry
     telemetry_max_hz: float = 10.0
     bus_temp_c: float = 20.0
@@ -170,9 +178,18 @@ class BusConfig:
                 raise BusConfigError(
                     "--boot-trace-s (emulated boot) needs --power-driver local; a real board boots in real time"
                 )
-        for name in ("heartbeat_timeout_s", "boot_timeout_s", "fdir_off_s", "confirm_after_s"):
-            if getattr(self, name) < 0:
+        for name in (
+            "heartbeat_timeout_s",
+            "boot_timeout_s",
+            "fdir_off_s",
+            "confirm_after_s",
+            "boot_loop_backoff_s",
+            "boot_settle_s",
+        ):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise BusConfigError(f"{name} must be >= 0")
+        if self.boot_loop_limit < 0:
+            raise BusConfigError(f"--boot-loop-limit must be >= 0, got {self.boot_loop_limit}")
 
 
 def expand_command(template: Sequence[str], values: dict[str, str | None], extra: Sequence[str] = ()) -> list[str]:

@@ -1,16 +1,18 @@
 """Power and FDIR: the payload's power switch follows the trace unless FDIR holds it off; FDIR
 power-cycles a payload that exits by itself, does not boot or stops its heartbeat (docs/bus.md §2, §3, §6).
-Also how the switch is built for each driver (local process, ssh, commands)."""
+The boot-loop guard holds off a payload that keeps failing to come up (§6), naming the reason its
+last boot gave. Also how the switch is built for each driver (local process, ssh, commands)."""
 
 from __future__ import annotations
 
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Sequence
 
-from common import log
-from common.wire import FdirMode, PowerCause
+from common import bootrecord, log
+from common.wire import EventId, FdirMode, PowerCause
 from common.wire import messages as m
 from common.wire.ids import MAX_EVENT_TEXT_BYTES
 from common.wire.text import clip_utf8
@@ -32,6 +34,21 @@ _log = log.get("hil.bus")
 
 #: After a power switch failed, wall seconds before it is tried again.
 SWITCH_RETRY_S = 1.0
+#: The boot-loop guard's back-off doubles at each hold in a row up to this (or the base, if larger).
+BOOT_LOOP_BACKOFF_MAX_S = 3600.0
+
+
+def describe_exit(status: int, driver: str) -> str:
+    """What an exit status says of how a payload process ended, in words."""
+    if status < 0:
+        try:
+            name = signal.Signals(-status).name
+        except ValueError:
+            name = f"signal {-status}"
+        return f"killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
+    if driver == "ssh" and status == 255:
+        return "ssh session ended with status 255 (connection lost, or the payload killed by a signal)"
+    return f"exited with status {status}"
 
 
 class PowerPart(TelemetryPart):
@@ -51,6 +68,17 @@ class PowerPart(TelemetryPart):
         #: whether the payload's last power-off was FDIR's answer to a payload failure (told to the
         #: next boot: its health and safety counts only such exits against what it was handling)
         self.last_off_fault = False
+        # The boot-loop guard (docs/bus.md §6): failed boots and holds in a row, the hold (until
+        # `held_until`, monotonic; None: until the ground's PAYLOAD_RETRY), this boot's first
+        # packet and where its output starts in payload.log (for its boot-failure record).
+        self.failed_boots = 0
+        self.boot_holds = 0
+        self.held_off = False
+        self.held_until: float | None = None
+        self.held_since = 0.0
+        self.connected_at: float | None = None
+        self.boot_up = False
+        self.boot_output_offset: int | None = None
 
     def payload_argv(self, template: Sequence[str] | None = None, payload_endpoint: str | None = None) -> list[str]:
         """The flight process's command line (for the ssh driver: the remote one)."""
@@ -107,9 +135,11 @@ class PowerPart(TelemetryPart):
         return CommandSwitch(on_command, off_command, timeout_s=cfg.switch_timeout_s)
 
     def _desired_on(self, now: float) -> bool:
-        return self.trace_on and now >= self.fdir_hold_until and not self._stop.is_set()
+        return self.trace_on and now >= self.fdir_hold_until and not self.held_off and not self._stop.is_set()
 
     def _reconcile_power(self, now: float, force: bool = False) -> None:
+        if self.held_off and self.held_until is not None and now >= self.held_until:
+            self.retry_payload("backoff")
         desired = self._desired_on(now)
         if desired == self.switch.is_on():
             return
@@ -130,6 +160,7 @@ class PowerPart(TelemetryPart):
 
     def _power_on(self) -> None:
         now = time.monotonic()  # the moment power is applied; spawning takes a few ms more
+        output_offset = self._payload_output_size()
         try:
             self.switch.on()
         except PowerSwitchError as exc:
@@ -137,6 +168,8 @@ class PowerPart(TelemetryPart):
             return
         self.power_count += 1
         self.powered_at = now
+        self.connected_at, self.boot_up = None, False
+        self.boot_output_offset = output_offset
         if self.config.hold_for_connect:
             self.clock.hold(now)  # released when the payload connects or is cut
         self.payload_rid = None
@@ -173,6 +206,7 @@ class PowerPart(TelemetryPart):
             return
         self.payload_rid = None
         self.powered_at = None
+        self.connected_at = None
         self.last_off_fault = origin == "fdir"
         if self.config.hold_for_connect:
             self.clock.release(now)
@@ -214,11 +248,17 @@ class PowerPart(TelemetryPart):
     def _watch_payload(self, now: float) -> None:
         if not self.switch.is_on():
             return
+        if not self.boot_up and self.connected_at is not None and now - self.connected_at >= self.config.boot_settle_s:
+            self._boot_came_up()
         status = self.switch.poll()
         if status is not None:
             self.buslog.write(bl.PAYLOAD_EXITED, **self._stamp(now), status=status, power_cycle=self.power_count)
             _log.warning("bus_payload_exited", status=status)
+            # Judged before the cut forgets the boot; its output is read only for a boot not yet up.
+            failed = None if self.boot_up else self._boot_failure(now, self._exit_reason(status))
             self._fdir(f"payload process exited by itself with status {status}", now)
+            if failed is not None:
+                self._count_failed_boot(failed, now, status=status)
             return
         cfg = self.config
         if self.payload_rid is None:
@@ -230,7 +270,14 @@ class PowerPart(TelemetryPart):
                     action="power_cycle",
                     phase="boot",
                 )
+                failed = (
+                    f"never connected within {cfg.boot_timeout_s:g} s of power-on (boot timeout)"
+                    if self.connected_at is None
+                    else self._boot_failure(now, "its link lost and not back within the boot timeout")
+                )
                 self._fdir(f"no heartbeat within {cfg.boot_timeout_s:g} s of power-on", now)
+                if failed is not None:
+                    self._count_failed_boot(failed, now)
             return
         assert self.last_seen is not None  # set whenever payload_rid is
         silent = now - self.last_seen
@@ -238,8 +285,121 @@ class PowerPart(TelemetryPart):
             self.buslog.write(
                 bl.HEARTBEAT_GAP, **self._stamp(now), gap_s=round(silent, 3), action="power_cycle", phase="running"
             )
+            failed = self._boot_failure(now, f"silent for {silent:.1f} s")
             self._fdir(f"no heartbeat for {silent:.1f} s", now)
+            if failed is not None:
+                self._count_failed_boot(failed, now)
         elif silent > cfg.heartbeat_gap_log_s and not self.gap_reported:
             self.gap_reported = True
             self.fdir_mode = FdirMode.DEGRADED
             self._publish_fdir()
+
+    # ---- the boot-loop guard (docs/bus.md §6) ---------------------------------------------------------
+    def _boot_connected(self, now: float) -> None:
+        """A new payload connection (the relay calls this): the boot's first packet, unless it
+        connected before in this boot."""
+        if self.connected_at is None and self.powered_at is not None:
+            self.connected_at = now
+
+    def _boot_came_up(self) -> None:
+        """This boot has been connected boot_settle_s: it came up, and the count starts afresh."""
+        self.boot_up = True
+        if self.failed_boots or self.boot_holds:
+            _log.info("bus_payload_came_up", after_failed_boots=self.failed_boots, holds=self.boot_holds)
+        self.failed_boots = self.boot_holds = 0
+
+    def _boot_failure(self, now: float, what: str) -> str | None:
+        """`what` ended this boot: the reason it failed to come up, or None if it had come up (or
+        was never one of ours to judge: the guard only watches boots the switch started)."""
+        if self.powered_at is None or self.boot_up:
+            return None
+        if self.connected_at is None:
+            return f"{what}, before it connected"
+        return f"{what}, {now - self.connected_at:.1f} s after it connected"
+
+    def _payload_output_size(self) -> int | None:
+        """Where the next boot's output starts in payload.log (drivers that keep the output)."""
+        if self.config.power_driver == "command":
+            return None  # a relay carries no output: the board's own logs have it
+        try:
+            return (self.data_dir / bl.PAYLOAD_LOG_FILE).stat().st_size
+        except OSError:
+            return 0
+
+    def _exit_reason(self, status: int) -> str:
+        """Why the payload process ended: its boot-failure record (common/bootrecord.py) if this
+        boot's output holds one, else what its exit status says."""
+        record = None
+        if self.boot_output_offset is not None:
+            try:
+                with open(self.data_dir / bl.PAYLOAD_LOG_FILE, "rb") as f:
+                    size = f.seek(0, 2)
+                    f.seek(max(self.boot_output_offset, size - bootrecord.TAIL_BYTES))
+                    record = bootrecord.find(f.read().decode("utf-8", "replace"))
+            except OSError:
+                record = None
+        if record is not None:
+            return f"{record[0]} (exit status {status})"
+        return describe_exit(status, self.config.power_driver)
+
+    def _count_failed_boot(self, reason: str, now: float, status: int | None = None) -> None:
+        """One more boot that failed to come up; at boot_loop_limit in a row, hold the payload off."""
+        cfg = self.config
+        self.failed_boots += 1
+        self.buslog.write(
+            bl.PAYLOAD_BOOT_FAILED,
+            **self._stamp(now),
+            failed_boots=self.failed_boots,
+            reason=reason,
+            status=status,
+            power_cycle=self.power_count,
+        )
+        _log.warning("bus_payload_boot_failed", failed_boots=self.failed_boots, reason=reason)
+        if not cfg.boot_loop_limit or self.failed_boots < cfg.boot_loop_limit:
+            return
+        self.boot_holds += 1
+        backoff = None
+        if cfg.boot_loop_backoff_s:
+            ceiling = max(cfg.boot_loop_backoff_s, BOOT_LOOP_BACKOFF_MAX_S)
+            backoff = min(cfg.boot_loop_backoff_s * 2 ** min(self.boot_holds - 1, 32), ceiling)
+        self.held_off, self.held_since = True, now
+        self.held_until = None if backoff is None else now + backoff
+        until = (
+            f"powered again in {backoff:g} s or on the ground's PAYLOAD_RETRY"
+            if backoff is not None
+            else "powered again on the ground's PAYLOAD_RETRY"
+        )
+        text = clip_utf8(
+            f"boot loop: payload held off after {self.failed_boots} failed boots in a row; last: {reason}; {until}",
+            MAX_EVENT_TEXT_BYTES,
+        )
+        self.fdir_mode, self.last_fault = FdirMode.SAFE, text
+        self._bus_event(
+            EventId.PAYLOAD_BOOT_LOOP,
+            text,
+            failed_boots=self.failed_boots,
+            holds=self.boot_holds,
+            reason=reason,
+            backoff_s=backoff,
+        )
+        self._publish_fdir()
+
+    def retry_payload(self, origin: str, **fields) -> bool:
+        """End the boot-loop hold (`origin`: "ground" for PAYLOAD_RETRY, "backoff"): the payload
+        is powered again as the trace allows. Its next boot is judged like any: one more failure
+        holds it again, with the back-off doubled. Returns False if nothing was held."""
+        if not self.held_off:
+            return False
+        now = time.monotonic()
+        held_s = now - self.held_since
+        self.held_off, self.held_until = False, None
+        why = "the back-off expired" if origin == "backoff" else "the ground commanded PAYLOAD_RETRY"
+        self._bus_event(
+            EventId.PAYLOAD_RETRY,
+            f"payload held off {held_s:.1f} s after a boot loop; {why}: powering it again",
+            origin=origin,
+            held_s=round(held_s, 3),
+            failed_boots=self.failed_boots,
+            **fields,
+        )
+        return True

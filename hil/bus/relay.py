@@ -12,10 +12,20 @@ from collections import Counter
 from typing import Any
 
 from common import log
-from common.wire import Apid, FdirMode, PowerCause, ResponseCode, WireError, decode, decode_header
+from common.wire import (
+    Apid,
+    FdirMode,
+    MessageType,
+    PacketHeader,
+    PowerCause,
+    ResponseCode,
+    WireError,
+    decode,
+    decode_header,
+)
 from common.wire import messages as m
 from common.wire.errors import RequestRef
-from common.wire.ids import GROUND_SOURCE_IDS
+from common.wire.ids import GROUND_SOURCE_IDS, is_admin_source
 from common.wire.link import LinkError, Received, send_packet
 from hil import buslog as bl
 from hil.bus.base import request_fields
@@ -139,10 +149,11 @@ class RelayPart(StationsPart):
         if not message.is_command():
             refuse(ResponseCode.WRONG_PACKET_TYPE, f"{name} is telemetry; the commands link takes telecommands")
             return
-        if header.apid != Apid.PAYLOAD:
+        if header.apid not in (Apid.PAYLOAD, Apid.BUS):
             refuse(
                 ResponseCode.WRONG_APID,
-                f"APID {header.apid:#05x}: telecommands go to the payload ({int(Apid.PAYLOAD):#05x})",
+                f"APID {header.apid:#05x}: telecommands go to the payload ({int(Apid.PAYLOAD):#05x}); "
+                f"the bus ({int(Apid.BUS):#05x}) takes PAYLOAD_RETRY",
             )
             return
         if header.source_id not in GROUND_SOURCE_IDS:
@@ -161,6 +172,9 @@ class RelayPart(StationsPart):
                 ResponseCode.SOURCE_NOT_BOUND,
                 f"source id {header.source_id:#06x} is not key {user!r}'s: it is bound to {bound:#06x}",
             )
+            return
+        if header.apid == Apid.BUS or message.TYPE == MessageType.PAYLOAD_RETRY:
+            self._on_bus_command(received, header, message)  # the bus's own telecommand, never stored
             return
         if self.store.find(request_key(request)) is not None:
             refuse(
@@ -263,6 +277,48 @@ class RelayPart(StationsPart):
                 pass
             else:
                 self.storage.succeeded(_STORE_WRITER)
+
+    def _on_bus_command(self, received: Received, header: PacketHeader, message: m.Message) -> None:
+        """A telecommand for the bus itself (APID BUS; its source id already checked against the
+        sender's key): PAYLOAD_RETRY, from an admin station, ends the boot-loop guard's hold
+        (docs/bus.md §6). Answered here, by the bus: ACCEPTED and COMPLETED, or REJECTED (NOT_HELD
+        when nothing is held)."""
+        request = header.request
+        name = message.TYPE.name
+        refusal = None
+        if message.TYPE != MessageType.PAYLOAD_RETRY:
+            refusal = WireError(
+                ResponseCode.WRONG_APID,
+                f"APID {header.apid:#05x} (the bus) takes only PAYLOAD_RETRY; {name} goes to the payload "
+                f"({int(Apid.PAYLOAD):#05x})",
+            )
+        elif header.apid != Apid.BUS:
+            refusal = WireError(
+                ResponseCode.WRONG_APID, f"PAYLOAD_RETRY is the bus's: address it to APID {int(Apid.BUS):#05x}"
+            )
+        elif not is_admin_source(header.source_id):
+            refusal = WireError(
+                ResponseCode.NOT_AUTHORIZED,
+                f"source id {header.source_id:#06x} is not an admin station's (0x0001-0x000f): "
+                "only the operations centre powers the payload again",
+            )
+        elif not self.held_off:
+            refusal = WireError(ResponseCode.NOT_HELD, "the payload is not held off by the boot-loop guard")
+        if refusal is not None:
+            self._reject_ground(received, refusal, request, None, name)
+            return
+        self._answer_ground(received, m.Accepted.about(request))
+        self.retry_payload("ground", sender=received.user_id, request=request_fields(request))
+        self._answer_ground(received, m.Completed.about(request))
+
+    def _answer_ground(self, received: Received, report: m.Message) -> None:
+        """A report from the bus itself: to the station that sent the command, and on the PUB."""
+        packet = self._bus_packet(report)
+        self._publish(packet)
+        try:
+            send_packet(self.commands_sock, packet, routing_id=received.routing_id, timeout_s=0.1)
+        except LinkError:
+            pass  # the PUB carries it too
 
     def _forward(self) -> None:
         """Send live commands to the current payload connection: round-robin between the
@@ -389,6 +445,7 @@ class RelayPart(StationsPart):
     def _payload_connected(self, rid: bytes | None, message: m.Message, now: float) -> None:
         if self.config.hold_for_connect:
             self.clock.release(now)  # the window's trace time starts now
+        self._boot_connected(now)
         self.link_id += 1
         self.payload_rid = rid
         self.last_seen = now

@@ -13,9 +13,10 @@ _REQ: dict[str, Any] = dict(tc_apid=0x020, tc_source=1, tc_seq=16384 + 5, tc_typ
 
 
 def sample_messages() -> list[m.Message]:
-    """The telecommands the red team also sends (one list, kept in hil.redteam), then one of every
-    telemetry message."""
+    """The telecommands the red team also sends (one list, kept in hil.redteam), the bus's own
+    telecommand, then one of every telemetry message."""
     return sample_commands() + [
+        m.PayloadRetry(),
         m.Accepted(**_REQ, task_id="task-001"),
         m.Rejected(**_REQ, code=ResponseCode.REPLAYED_SEQUENCE, reason="seq 5 already accepted", highest_seq=16390),
         m.Started(**_REQ),
