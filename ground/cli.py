@@ -603,7 +603,7 @@ def cmd_keys_list(args) -> int:
     for row in rows:
         sid = f"{row['source_id']:#06x}" if row["source_id"] is not None else "-"
         # key names are file names found on disk: shown with anything hidden made visible
-        print(f"{display_text(row['name']):<16} {sid:<7} {row['role']}", flush=True)
+        print(f"{display_text(str(row['name'])):<16} {sid:<7} {row['role']}", flush=True)
     return 0
 
 
