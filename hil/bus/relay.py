@@ -439,8 +439,11 @@ class RelayPart(StationsPart):
                     self.payload_idle_since = self.payload_idle_since or now
                 else:
                     self.payload_idle_since = None
-        self._publish(received.packet)
-        self._route_payload_report(message, received.packet, now)
+        # A redelivery's REJECTED REPLAYED_SEQUENCE (the payload ran the command before a cut took
+        # its reports) is the bus's own business: not routed, and not published either, or a
+        # ground listening on the telemetry link takes it for a refusal of its command.
+        if not self._route_payload_report(message, received.packet, now):
+            self._publish(received.packet)
 
     def _payload_connected(self, rid: bytes | None, message: m.Message, now: float) -> None:
         if self.config.hold_for_connect:

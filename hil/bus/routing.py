@@ -99,7 +99,9 @@ class RoutingPart(TimelinePart):
                 continue
         return False
 
-    def _route_payload_report(self, message: m.Message, packet: bytes, now: float) -> None:
+    def _route_payload_report(self, message: m.Message, packet: bytes, now: float) -> bool:
+        """Route one report of the payload; True when it is a redelivery duplicate, which goes
+        nowhere beyond the run log."""
         if isinstance(message, m.Verification):
             request = message.request
             key = request_key(request)
@@ -139,7 +141,7 @@ class RoutingPart(TimelinePart):
                 routed=routed,
                 **progress,
             )
-            return
+            return suppressed
         if message.TYPE in (
             MessageType.PONG,
             MessageType.HOUSEKEEPING,
@@ -156,6 +158,7 @@ class RoutingPart(TimelinePart):
                 task_id=message.task_id,
                 text=message.text[:200],
             )
+        return False
 
     def _route_reply(self, message: m.Message, packet: bytes, now: float) -> None:
         self.expectations = [e for e in self.expectations if now - e.created < REPLY_EXPECTATION_S]

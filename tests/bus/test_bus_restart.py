@@ -8,7 +8,16 @@ import os
 import time
 
 import psutil
-from bus_testkit import bus_config, ground_station, read_record, wait_for, window, write_trace
+from bus_testkit import (
+    bus_config,
+    drain,
+    ground_station,
+    read_record,
+    telemetry_subscriber,
+    wait_for,
+    window,
+    write_trace,
+)
 
 from common.wire import messages as m
 from hil import buslog as bl
@@ -155,6 +164,7 @@ def test_commands_executed_just_before_a_cut_are_not_run_again_and_not_reported_
     first.kill()
 
     second = bus_processes(config)
+    published = telemetry_subscriber(context, keys, second.endpoints.telemetry)
     ground2 = ground_station(context, keys, second.endpoints.commands)
     ground2.counter = ground.counter
     sent.append(ground2.send(m.Ping(key=3))[1])
@@ -172,3 +182,10 @@ def test_commands_executed_just_before_a_cut_are_not_run_again_and_not_reported_
     assert not [msg for _, msg in ground2.inbox if isinstance(msg, m.Rejected)], (
         "the ground is not told its executed commands were replays"
     )
+    # Nor on the telemetry link, where a ground also listens (the chunks of an uplink cut after
+    # they were stored and before their ACCEPTED left came back there as refusals: the uplink
+    # gave up after three).
+    seen = [msg for _, msg in drain(published, 0.5)]
+    published.close(linger=0)
+    assert any(isinstance(msg, m.Pong) and msg.key == 3 for msg in seen), "the subscriber heard the payload"
+    assert not [msg for msg in seen if isinstance(msg, m.Rejected)], "redelivery duplicates stay in the bus"
