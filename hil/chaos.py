@@ -382,7 +382,9 @@ class ChaosCampaign(KillCampaign):
     an OOM kill against the item in hand, by design, and quarantines an item at three in a row
     without progress): one comes only while the payload is connected, has reported
     `oom_after_units` units of work in this boot, and its disk has been left alone for
-    `OOM_CALM_S`. `task_shape`, `pace_ms`, `boot_s`, `outstanding`, `nice` are KillCampaign's;
+    `OOM_CALM_S`. The ground uplinks tasks until the last injected fault is done (at least `tasks`),
+    `outstanding` unanswered at a time, so the payload is at work throughout.
+    `task_shape`, `pace_ms`, `boot_s`, `outstanding`, `nice` are KillCampaign's;
     `work_s` too, longer by default (1-10 s): a PING counts only where the payload stays
     connected for the 5 s after it, so windows must often outlast that."""
 
@@ -418,7 +420,7 @@ class ChaosCampaign(KillCampaign):
             kills=self.plan.kills,
             bus_kill_every=self.plan.bus_kill_every,
             seed=seed,
-            tasks=tasks if tasks is not None else max(6, faults),
+            tasks=tasks or 0,
             work_s=work_s,
             **kill_campaign,
         )
@@ -488,6 +490,10 @@ class ChaosCampaign(KillCampaign):
         # one per cut and one per bus kill (a killed bus's restart skips the rest of its window):
         # the trace reaches its last window, on for good, as the last cut is done
         return self.plan.kills + self.plan.bus_kills
+
+    def _want_task(self, uplinked: int) -> bool:
+        # work for the payload until the last fault: an OOM kill waits for a payload at work
+        return uplinked < self.tasks_target or not self.injector_done.is_set()
 
     def _in_last_window(self) -> bool:
         return self.log.trace_cuts >= self.kills or self.log.last_trace_s >= self.settle_start

@@ -651,6 +651,10 @@ class KillCampaign:
         """Whether the campaign's own faults are all done (the cuts are counted apart)."""
         return True
 
+    def _want_task(self, uplinked: int) -> bool:
+        """Whether the ground uplinks another task (it keeps up to `outstanding` unanswered)."""
+        return uplinked < self.tasks_target
+
     def _stopping(self, report: CampaignReport) -> None:
         """The campaign is over (or failed): stop what `_started` started. Runs once."""
 
@@ -763,7 +767,7 @@ class KillCampaign:
                 notify=lambda s: None,
                 state_dir=os.path.join(self.out, "ground"),
             ) as ground:
-                while not stop.is_set() and n < self.tasks_target:
+                while not stop.is_set() and self._want_task(n):
                     rng = random.Random(self.seed * 1_000_003 + n)
                     paths = []
                     for j in range(rng.randint(*shape.images)):
