@@ -308,7 +308,7 @@ def flood_worker(spec_path: str) -> int:
     them (a line of JSON on stdout each burst); answers are read and dropped, except to move the
     sequence counter on when the payload says it is behind or too far ahead; `quit` ends it."""
 
-    import selectors
+    import queue
 
     log.setup("error", component="flood")
     spec = json.load(open(spec_path))
@@ -316,8 +316,14 @@ def flood_worker(spec_path: str) -> int:
     link = GroundLink(spec["keys"], station=FLOOD, endpoints=Endpoints(**spec["endpoints"]), telemetry=False)
     link.open()
     seq = random.randrange(SEQ_MODULUS)
-    selector = selectors.DefaultSelector()
-    selector.register(sys.stdin, selectors.EVENT_READ)
+    orders: queue.Queue[str] = queue.Queue()
+
+    def read_orders() -> None:  # a thread, so that the link is drained while no order comes
+        for order in sys.stdin:
+            orders.put(order)
+        orders.put("")
+
+    threading.Thread(target=read_orders, daemon=True).start()
 
     def drain(timeout_s: float) -> None:
         nonlocal seq
@@ -328,10 +334,11 @@ def flood_worker(spec_path: str) -> int:
 
     try:
         while True:
-            if not selector.select(timeout=0.05):
+            try:
+                line = orders.get(timeout=0.05)
+            except queue.Empty:
                 drain(0.05)
                 continue
-            line = sys.stdin.readline()
             if not line or line.strip() == "quit":
                 return 0
             started, sent = time.monotonic(), 0
