@@ -32,6 +32,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from typing import BinaryIO
 
 import msgpack
 import numpy as np
@@ -541,25 +542,45 @@ class TaskShape:
 class RunLogTail:
     """The campaign's view of the bus run log as it grows: `read()` parses only what was appended
     since the last call (a full-size campaign's log grows to tens of MB), keeping the two things
-    the campaign steers by: trace cuts so far and the furthest trace time reached."""
+    the campaign steers by: trace cuts so far and the furthest trace time reached.
+
+    The file stays open between calls, so a log rotated away (renamed, a new file in its place)
+    is read to its end before the new file is opened."""
 
     def __init__(self, path: str):
         self.path = path
-        self.offset = 0
         self.trace_cuts = 0
         self.last_trace_s = 0.0
+        self._file: BinaryIO | None = None
+        self._pending = b""  # the start of a line still being written
+
+    def _replaced(self) -> bool:
+        assert self._file is not None
+        try:
+            return os.stat(self.path).st_ino != os.fstat(self._file.fileno()).st_ino
+        except FileNotFoundError:
+            return False  # between the rename and the new file
 
     def read(self) -> list[bl.BusLogEntry]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        whole = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next call
-        self.offset += len(whole)
+        lines: list[bytes] = []
+        if self._file is not None and self._replaced():
+            # rotated: the rest of the old file (a torn last line stays torn), then the new one
+            lines = (self._pending + self._file.read()).splitlines()
+            self._file.close()
+            self._file, self._pending = None, b""
+        if self._file is None:
+            try:
+                self._file = open(self.path, "rb")
+            except FileNotFoundError:
+                return self._parse(lines)
+        data = self._pending + self._file.read()
+        end = data.rfind(b"\n") + 1
+        self._pending = data[end:]
+        return self._parse(lines + data[:end].splitlines())
+
+    def _parse(self, lines: list[bytes]) -> list[bl.BusLogEntry]:
         entries = []
-        for line in whole.splitlines():
+        for line in lines:
             try:
                 entry = bl.BusLogEntry.from_json(json.loads(line))
             except (ValueError, KeyError, TypeError):
@@ -570,6 +591,11 @@ class RunLogTail:
             if entry.kind == bl.POWER_OFF and entry.data.get("origin") == "trace":
                 self.trace_cuts += 1
         return entries
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 def _noise_png(rng: random.Random, width: int, height: int) -> bytes:
@@ -832,6 +858,7 @@ class KillCampaign:
             self._stopping(report)
         finally:
             stop.set()
+            self.log.close()
             if not stopped:
                 self._stopping(report)
             if bus.poll() is None:

@@ -8,11 +8,13 @@ the payload was powered and connected. The full size is `python -m bench.redteam
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from hil import buslog as bl
 from hil.chaos import FAULT_KINDS, INJECTED_KINDS, ChaosCampaign, _connected_throughout, plan_faults
-from hil.redteam import TaskShape
+from hil.redteam import RunLogTail, TaskShape
 
 
 @pytest.mark.slow
@@ -101,3 +103,24 @@ def test_only_the_injected_oom_kills_exits_are_excused(tmp_path):
     assert report.failure_events == {"ABNORMAL_EXIT": 1, "ITEM_QUARANTINED": 1}
     assert report.storage_events == {"STORAGE_FULL": 1}
     assert report.crash_loops == 3
+
+
+def test_the_campaign_follows_its_run_log_across_a_rotation_and_a_torn_line(tmp_path):
+    path = tmp_path / "bus-log.jsonl"
+
+    def line(n: int, kind: str, **data) -> bytes:
+        entry = {"run": "r", "n": n, "kind": kind, "utc": n, "wall_s": n, "trace_s": float(n), "clock_s": None}
+        return (json.dumps({**entry, **data}) + "\n").encode()
+
+    tail = RunLogTail(str(path))
+    assert tail.read() == []
+    path.write_bytes(line(1, bl.RUN_START) + line(2, bl.POWER_OFF, origin="trace") + line(3, bl.POWER_ON)[:20])
+    assert [e.n for e in tail.read()] == [1, 2]
+    path.rename(tmp_path / "bus-log.jsonl.1")  # rotated with a line torn by a killed bus
+    path.write_bytes(line(4, bl.RUN_START) + line(5, bl.POWER_OFF, origin="trace") + line(6, bl.POWER_ON)[:9])
+    assert [e.n for e in tail.read()] == [4, 5]
+    with open(path, "ab") as f:
+        f.write(line(6, bl.POWER_ON)[9:])
+    assert [e.n for e in tail.read()] == [6]
+    assert (tail.trace_cuts, tail.last_trace_s) == (2, 6.0)
+    tail.close()
