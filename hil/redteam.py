@@ -486,6 +486,9 @@ def bus_worker(spec_path: str) -> int:
         boot_timeout_s=300.0,
         ready_file=spec["ready_file"],
         boot_trace_s=spec.get("boot_trace_s"),
+        # The verdict reads reports and power changes, never the command packets; logged, they
+        # would be three quarters of a full-size campaign's run log (hundreds of MB).
+        log_packets=False,
     )
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
