@@ -42,7 +42,10 @@ def main(argv=None) -> int:
     p.add_argument("--kills", type=int, default=1000, help="payload cuts in the kill campaign (default 1000)")
     p.add_argument("--bus-kill-every", type=int, default=40, help="SIGKILL the bus after every N cuts (default 40)")
     p.add_argument(
-        "--tasks", type=int, default=None, help="tasks uplinked during the campaign (default: as many as kills)"
+        "--tasks",
+        type=int,
+        default=None,
+        help="tasks uplinked during the campaign (default: as many as kills; --chaos: until the last fault)",
     )
     p.add_argument("--seed", type=int, default=0)
     _span(
