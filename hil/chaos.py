@@ -431,6 +431,7 @@ class ChaosCampaign(KillCampaign):
             work_s=work_s,
             **kill_campaign,
         )
+        self.bus_kills_planned = self.plan.bus_kills
         self.spell_s, self.stall_s, self.flap_s, self.gap_s = spell_s, stall_s, flap_s, gap_s
         self.flood_pings = flood_pings
         self.probe_every_s = probe_every_s
