@@ -1,11 +1,16 @@
 """The red team at full size: the decoder and dispatch fuzzers (1,000,000 frames each by default)
 and the whole-system kill campaign (1,000 payload SIGKILLs at random instants of its working life,
-the bus SIGKILLed every 40 cuts). Prints the numbers and writes runs/redteam/report.json.
+the bus SIGKILLed every 40 cuts), or with --chaos the chaos campaign instead (500 faults by
+default: cuts and bus kills mixed with storage spells, OOM kills and floods, a probe PINGing
+throughout). Prints the numbers and writes runs/redteam/report.json.
 
     python -m bench.redteam [--frames N] [--kills N] [--bus-kill-every N] [--skip-fuzz] [--skip-campaign]
                             [--model DIR] [--out runs/redteam] [--nice 10]
+    python -m bench.redteam --chaos [--faults 500] [--spell-s 2 5] [--stall-s 2 6] [--flood-pings 200 600]
+                            [--probe-every-s 2] [--skip-fuzz] [--nice 10]
 
-Tasks lost, run twice, answered wrong and crash loops must each be 0 (exit status 1 otherwise).
+Tasks lost, run twice, answered wrong and crash loops must each be 0, and for the chaos campaign
+also the payload's fault events, late PINGs and rejected PINGs (exit status 1 otherwise).
 A run this size takes hours here (every payload power-up pays the interpreter and library
 imports); run it in the background with nice. docs/hil.md "Red team" explains what is counted.
 """
@@ -19,10 +24,16 @@ import tempfile
 import time
 
 from common import log
+from hil.chaos import ChaosCampaign
 from hil.redteam import KillCampaign, fuzz_decoder, fuzz_dispatch, to_dict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+
+
+def _span(parser, flag: str, kind, default, text: str) -> None:
+    """An option of two values, MIN and MAX, drawn between uniformly."""
+    parser.add_argument(flag, type=kind, nargs=2, default=default, metavar=("MIN", "MAX"), help=text)
 
 
 def main(argv=None) -> int:
@@ -31,16 +42,18 @@ def main(argv=None) -> int:
     p.add_argument("--kills", type=int, default=1000, help="payload cuts in the kill campaign (default 1000)")
     p.add_argument("--bus-kill-every", type=int, default=40, help="SIGKILL the bus after every N cuts (default 40)")
     p.add_argument(
-        "--tasks", type=int, default=None, help="tasks uplinked during the campaign (default: as many as kills)"
+        "--tasks",
+        type=int,
+        default=None,
+        help="tasks uplinked during the campaign (default: as many as kills; --chaos: until the last fault)",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
+    _span(
+        p,
         "--work-s",
-        type=float,
-        nargs=2,
-        default=(0.1, 4.0),
-        metavar=("MIN", "MAX"),
-        help="working time of each window before its cut, drawn uniformly (default 0.1 4.0 s)",
+        float,
+        None,
+        "working time of each window before its cut, drawn uniformly (default 0.1 4.0 s; --chaos: 1 10 s)",
     )
     p.add_argument(
         "--boot-s",
@@ -60,6 +73,13 @@ def main(argv=None) -> int:
     p.add_argument("--nice", type=int, default=0, help="niceness of the campaign's bus and payload processes")
     p.add_argument("--skip-fuzz", action="store_true")
     p.add_argument("--skip-campaign", action="store_true")
+    chaos = p.add_argument_group("chaos campaign")
+    chaos.add_argument("--chaos", action="store_true", help="run the chaos campaign instead of the kill campaign")
+    chaos.add_argument("--faults", type=int, default=500, help="faults in the chaos campaign, every kind (default 500)")
+    _span(chaos, "--spell-s", float, (2.0, 5.0), "length of a full, read-only or EIO spell (default 2 5 s)")
+    _span(chaos, "--stall-s", float, (2.0, 6.0), "how long each fsync waits in a stall spell (default 2 6 s)")
+    _span(chaos, "--flood-pings", int, (200, 600), "PINGs in one burst of the flood station (default 200 600)")
+    chaos.add_argument("--probe-every-s", type=float, default=2.0, help="the probe's PING interval (default 2 s)")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
 
@@ -107,29 +127,40 @@ def main(argv=None) -> int:
                 from flight.model.tiny import build_tiny
 
                 build_tiny("qwen3-vl", "tiny", 0, model)
-        say(f"[redteam] kill campaign: {args.kills} payload cuts, the bus killed every {args.bus_kill_every}")
-        campaign = KillCampaign(
-            os.path.join(args.out, "campaign"),
-            model,
-            kills=args.kills,
-            bus_kill_every=args.bus_kill_every,
+        common = dict(
             seed=args.seed,
             tasks=args.tasks,
-            work_s=tuple(args.work_s),
             pace_ms=args.pace_ms,
             boot_s=args.boot_s if args.boot_s > 0 else None,
             say=say,
             nice=args.nice,
-        ).run()
-        report["campaign"] = {**json.load(open(os.path.join(args.out, "campaign", "campaign-report.json")))}
-        say(
-            f"[redteam] campaign: {campaign.payload_kills} payload SIGKILLs ({campaign.kills_by_activity}), "
-            f"{campaign.bus_kills} bus SIGKILLs, {campaign.tasks} tasks ({campaign.completed} answered): "
-            f"lost {len(campaign.lost)}, run twice {len(campaign.run_twice)}, answered wrong "
-            f"{len(campaign.answered_wrong)}, crash loops {campaign.crash_loops}; {campaign.wall_s / 3600:.1f} h"
         )
+        if args.work_s is not None:
+            common["work_s"] = tuple(args.work_s)
+        if args.chaos:
+            out = os.path.join(args.out, "chaos")
+            chaos_campaign = ChaosCampaign(
+                out,
+                model,
+                faults=args.faults,
+                spell_s=tuple(args.spell_s),
+                stall_s=tuple(args.stall_s),
+                flood_pings=tuple(args.flood_pings),
+                probe_every_s=args.probe_every_s,
+                **common,
+            )
+            say(f"[redteam] chaos campaign planned: {chaos_campaign.plan.describe()}")
+            result = chaos_campaign.run()
+            say(f"[redteam] chaos campaign: {result.summary()}")
+            report["chaos"] = json.load(open(os.path.join(out, "campaign-report.json")))
+        else:
+            out = os.path.join(args.out, "campaign")
+            say(f"[redteam] kill campaign: {args.kills} payload cuts, the bus killed every {args.bus_kill_every}")
+            result = KillCampaign(out, model, kills=args.kills, bus_kill_every=args.bus_kill_every, **common).run()
+            report["campaign"] = json.load(open(os.path.join(out, "campaign-report.json")))
+            say(f"[redteam] campaign: {result.summary()}")
         save()
-        ok = ok and campaign.passed
+        ok = ok and result.passed
     report["passed"] = ok
     save()
     say(f"[redteam] {'PASSED' if ok else 'FAILED'}: {path}")

@@ -32,6 +32,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from typing import BinaryIO
 
 import msgpack
 import numpy as np
@@ -481,10 +482,13 @@ def bus_worker(spec_path: str) -> int:
         model=spec["model"],
         flight_args=spec["flight_args"],
         fdir_off_s=0.3,
-        heartbeat_timeout_s=60.0,
+        heartbeat_timeout_s=spec.get("heartbeat_timeout_s", 60.0),
         boot_timeout_s=300.0,
         ready_file=spec["ready_file"],
         boot_trace_s=spec.get("boot_trace_s"),
+        # The verdict reads reports and power changes, never the command packets; logged, they
+        # would be three quarters of a full-size campaign's run log (hundreds of MB).
+        log_packets=False,
     )
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
@@ -516,6 +520,85 @@ class CampaignReport:
     @property
     def passed(self) -> bool:
         return not (self.lost or self.run_twice or self.answered_wrong or self.crash_loops)
+
+    def summary(self) -> str:
+        return (
+            f"{self.payload_kills} payload SIGKILLs ({self.kills_by_activity}), {self.bus_kills} bus SIGKILLs, "
+            f"{self.tasks} tasks ({self.completed} answered): lost {len(self.lost)}, run twice "
+            f"{len(self.run_twice)}, answered wrong {len(self.answered_wrong)}, crash loops {self.crash_loops}; "
+            f"{self.wall_s / 3600:.1f} h"
+        )
+
+
+@dataclass(frozen=True)
+class TaskShape:
+    """The ranges a campaign's tasks are drawn from (inclusive): pictures per task, their width
+    and height in pixels, prompt words, tokens to generate."""
+
+    images: tuple[int, int] = (1, 3)
+    width: tuple[int, int] = (32, 320)
+    height: tuple[int, int] = (32, 240)
+    words: tuple[int, int] = (1, 300)
+    tokens: tuple[int, int] = (1, 32)
+
+
+class RunLogTail:
+    """The campaign's view of the bus run log as it grows: `read()` parses only what was appended
+    since the last call (a full-size campaign's log grows to tens of MB), keeping the two things
+    the campaign steers by: trace cuts so far and the furthest trace time reached.
+
+    The file stays open between calls, so a log rotated away (renamed, a new file in its place)
+    is read to its end before the new file is opened."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.trace_cuts = 0
+        self.last_trace_s = 0.0
+        self._file: BinaryIO | None = None
+        self._pending = b""  # the start of a line still being written
+
+    def _replaced(self) -> bool:
+        assert self._file is not None
+        try:
+            return os.stat(self.path).st_ino != os.fstat(self._file.fileno()).st_ino
+        except FileNotFoundError:
+            return False  # between the rename and the new file
+
+    def read(self) -> list[bl.BusLogEntry]:
+        lines: list[bytes] = []
+        if self._file is not None and self._replaced():
+            # rotated: the rest of the old file (a torn last line stays torn), then the new one
+            lines = (self._pending + self._file.read()).splitlines()
+            self._file.close()
+            self._file, self._pending = None, b""
+        if self._file is None:
+            try:
+                self._file = open(self.path, "rb")
+            except FileNotFoundError:
+                return self._parse(lines)
+        data = self._pending + self._file.read()
+        end = data.rfind(b"\n") + 1
+        self._pending = data[end:]
+        return self._parse(lines + data[:end].splitlines())
+
+    def _parse(self, lines: list[bytes]) -> list[bl.BusLogEntry]:
+        entries = []
+        for line in lines:
+            try:
+                entry = bl.BusLogEntry.from_json(json.loads(line))
+            except (ValueError, KeyError, TypeError):
+                continue  # the torn last line of a killed bus
+            entries.append(entry)
+            if entry.trace_s is not None:
+                self.last_trace_s = max(self.last_trace_s, entry.trace_s)
+            if entry.kind == bl.POWER_OFF and entry.data.get("origin") == "trace":
+                self.trace_cuts += 1
+        return entries
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 def _noise_png(rng: random.Random, width: int, height: int) -> bytes:
@@ -553,6 +636,7 @@ class KillCampaign:
         boot_kill_fraction: float = 0.1,
         say=print,
         nice: int = 0,
+        task_shape: TaskShape | None = None,
     ):
         self.out = os.path.abspath(out_dir)
         self.model = os.path.abspath(model)
@@ -567,7 +651,44 @@ class KillCampaign:
         self.boot_kill_fraction = boot_kill_fraction
         self.say = say
         self.nice = nice
+        self.task_shape = task_shape or TaskShape()
         self.rng = random.Random(seed)
+        #: time.time() of each bus SIGKILL (a run log simply stops there)
+        self.bus_killed_at: list[float] = []
+        #: one bus kill every `bus_kill_every` cuts, before the last cut
+        self.bus_kills_planned = (kills - 1) // bus_kill_every if bus_kill_every else 0
+
+    # -- hooks for campaigns built on this one (hil/chaos.py) --------------------------------------
+    def _prepare(self) -> None:
+        """Before the first bus starts: the keys (and whatever else the campaign sets up)."""
+        init_keys(self.keys)
+
+    def _new_report(self) -> CampaignReport:
+        return CampaignReport()
+
+    def _bus_env(self) -> dict | None:
+        """The bus worker's environment (its zygote and payloads inherit it); None: this one's."""
+        return None
+
+    def _started(self, report: CampaignReport) -> None:
+        """The bus is up and the ground is uplinking."""
+
+    def _observe(self, entries: list) -> None:
+        """Run-log entries the bus wrote since the last call (about once a second)."""
+
+    def _faults_done(self) -> bool:
+        """Whether the campaign's own faults are all done (the cuts are counted apart)."""
+        return True
+
+    def _want_task(self, uplinked: int) -> bool:
+        """Whether the ground uplinks another task (it keeps up to `outstanding` unanswered)."""
+        return uplinked < self.tasks_target
+
+    def _stopping(self, report: CampaignReport) -> None:
+        """The campaign is over (or failed): stop what `_started` started. Runs once."""
+
+    #: The campaign's bus gives up on a silent payload late: its cuts, not FDIR, end a window.
+    HEARTBEAT_TIMEOUT_S = 60.0
 
     # -- the bus process --------------------------------------------------------------------------
     def _start_bus(self, start_at_s: float):
@@ -590,6 +711,7 @@ class KillCampaign:
                 "payload": self.endpoints.payload,
                 "telemetry": self.endpoints.telemetry,
             },
+            "heartbeat_timeout_s": self.HEARTBEAT_TIMEOUT_S,
         }
         path = os.path.join(self.out, "bus-spec.json")
         with open(path, "w") as f:
@@ -598,7 +720,7 @@ class KillCampaign:
         cmd = [sys.executable, "-m", "hil.redteam", "bus-worker", path]
         if self.nice:
             cmd = ["nice", "-n", str(self.nice)] + cmd
-        proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True, env=self._bus_env())
         deadline = time.monotonic() + 900  # a zygote's imports take minutes on a loaded machine
         while not os.path.exists(ready):
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -606,39 +728,63 @@ class KillCampaign:
             time.sleep(0.1)
         return proc
 
+    def _windows(self) -> int:
+        """Trace windows to plan: a bus killed in a window costs that window's cut, so enough for
+        `kills` cuts and a few more."""
+        return self.kills + (self.kills // self.bus_kill_every + 2 if self.bus_kill_every else 0)
+
+    def _settle(self, bus):
+        """The cuts are done: a clean bus stop, then a bus started in the trace's last window,
+        which keeps the payload on until every task has finished. Returns the running bus."""
+        bus.send_signal(signal.SIGTERM)
+        bus.wait(120)
+        return self._start_bus(self.settle_start)
+
+    def _kill_bus(self, bus) -> None:
+        self.bus_killed_at.append(time.time())
+        os.killpg(bus.pid, signal.SIGKILL)
+        bus.wait()
+
     def _trace_position(self) -> float:
         """Where the last bus run got to: restart at the next window."""
 
-        entries = bl.read_log(os.path.join(self.out, "bus", bl.LOG_FILE))
-        last = max((e.trace_s for e in entries if e.trace_s is not None), default=0.0)
+        nxt = [w.start_s for w in traces.load(self.trace).windows() if w.start_s > self.log.last_trace_s]
+        return nxt[0] if nxt else self.log.last_trace_s
 
-        nxt = [w.start_s for w in traces.load(self.trace).windows() if w.start_s > last]
-        return nxt[0] if nxt else last
+    def _uplink(self, ground, task_id: str, paths: list[str], prompt: str, tokens: int, report) -> bool:
+        """One task up; False if it was not accepted (noted in the report)."""
+        try:
+            ground.uplink(paths, prompt, max_new_tokens=tokens, task_id=task_id)
+            return True
+        except GroundError as exc:
+            report.notes.append(f"uplink {task_id}: {exc}")
+            return False
 
     # -- the run ----------------------------------------------------------------------------------------
     def run(self) -> CampaignReport:
         os.makedirs(self.out, exist_ok=True)
         started = time.monotonic()
         self.keys = os.path.join(self.out, "keys")
-        init_keys(self.keys)
+        self._prepare()
         ports = []
         for _ in range(3):
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 ports.append(s.getsockname()[1])
         self.endpoints = Endpoints(*(f"tcp://127.0.0.1:{p}" for p in ports))
-        # A bus killed in a window costs that window's cut: plan enough windows for `kills` cuts.
-        windows = self.kills + (self.kills // self.bus_kill_every + 2 if self.bus_kill_every else 0)
-        self.trace = campaign_trace(os.path.join(self.out, "trace.jsonl"), windows, self.seed, self.work_s)
+        self.trace = campaign_trace(os.path.join(self.out, "trace.jsonl"), self._windows(), self.seed, self.work_s)
 
         self.settle_start = traces.load(self.trace).windows()[-1].start_s
-        report = CampaignReport()
+        report = self._new_report()
         specs: dict[str, dict] = {}
         results: dict[str, object] = {}
+        log_path = os.path.join(self.out, "bus", bl.LOG_FILE)
+        self.log = RunLogTail(log_path)
         bus = self._start_bus(0.0)
         stop = threading.Event()
         pictures_dir = os.path.join(self.out, "pictures")
         os.makedirs(pictures_dir, exist_ok=True)
+        shape = self.task_shape
 
         def ground_loop():
             n = 0
@@ -650,22 +796,19 @@ class KillCampaign:
                 notify=lambda s: None,
                 state_dir=os.path.join(self.out, "ground"),
             ) as ground:
-                while not stop.is_set() and n < self.tasks_target:
+                while not stop.is_set() and self._want_task(n):
                     rng = random.Random(self.seed * 1_000_003 + n)
                     paths = []
-                    for j in range(rng.randint(1, 3)):
+                    for j in range(rng.randint(*shape.images)):
                         path = os.path.join(pictures_dir, f"t{n:05d}-{j}.png")
                         with open(path, "wb") as f:
-                            f.write(_noise_png(rng, rng.randint(32, 320), rng.randint(32, 240)))
+                            f.write(_noise_png(rng, rng.randint(*shape.width), rng.randint(*shape.height)))
                         paths.append(path)
-                    prompt = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(1, 300)))
-                    spec = {"images": paths, "prompt": prompt, "max_new_tokens": rng.randint(1, 32)}
+                    prompt = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(*shape.words)))
+                    spec = {"images": paths, "prompt": prompt, "max_new_tokens": rng.randint(*shape.tokens)}
                     task_id = f"rt{n:05d}"
-                    try:
-                        ground.uplink(paths, prompt, max_new_tokens=spec["max_new_tokens"], task_id=task_id)
+                    if self._uplink(ground, task_id, paths, prompt, spec["max_new_tokens"], report):
                         specs[task_id] = spec
-                    except GroundError as exc:
-                        report.notes.append(f"uplink {task_id}: {exc}")
                     n += 1
                     while not stop.is_set() and len(specs) - len(results) >= self.outstanding:
                         self._collect(ground, specs, results, wait_s=2.0)
@@ -673,23 +816,23 @@ class KillCampaign:
         ground_thread = threading.Thread(target=ground_loop, name="campaign-ground", daemon=True)
         ground_thread.start()
 
-        log_path = os.path.join(self.out, "bus", bl.LOG_FILE)
         last_progress = 0
+        stopped = False
         try:
+            self._started(report)
             while True:
                 time.sleep(1.0)
-                cuts = sum(
-                    1 for e in bl.read_log(log_path) if e.kind == bl.POWER_OFF and e.data.get("origin") == "trace"
-                )
-                if cuts >= self.kills or self._trace_position() >= self.settle_start:
+                self._observe(self.log.read())
+                cuts = self.log.trace_cuts
+                if (cuts >= self.kills or self._trace_position() >= self.settle_start) and self._faults_done():
                     break
                 if bus.poll() is not None:
                     raise RuntimeError(f"campaign bus exited by itself ({bus.returncode})")
-                if self.bus_kill_every and cuts >= (report.bus_kills + 1) * self.bus_kill_every:
+                if report.bus_kills < self.bus_kills_planned and cuts >= (report.bus_kills + 1) * self.bus_kill_every:
                     time.sleep(self.rng.uniform(0.0, 3.0))  # a random instant of the next window
-                    os.killpg(bus.pid, signal.SIGKILL)
-                    bus.wait()
+                    self._kill_bus(bus)
                     report.bus_kills += 1
+                    self._observe(self.log.read())
                     bus = self._start_bus(self._trace_position())
                 if cuts - last_progress >= 25:
                     last_progress = cuts
@@ -700,9 +843,7 @@ class KillCampaign:
                     )
                     self._write(report, specs, results, time.monotonic() - started, partial=True)
             self.say("[redteam] cuts done; power stays on: waiting for every task to finish")
-            bus.send_signal(signal.SIGTERM)  # a clean bus stop, then one that keeps the payload on
-            bus.wait(120)
-            bus = self._start_bus(self.settle_start)
+            bus = self._settle(bus)
             stop.set()
             ground_thread.join(600)
             with GroundClient(
@@ -716,8 +857,13 @@ class KillCampaign:
                 deadline = time.monotonic() + 1800
                 while len(results) < len(specs) and time.monotonic() < deadline:
                     self._collect(ground, specs, results, wait_s=5.0)
+            stopped = True
+            self._stopping(report)
         finally:
             stop.set()
+            self.log.close()
+            if not stopped:
+                self._stopping(report)
             if bus.poll() is None:
                 bus.send_signal(signal.SIGTERM)
                 try:
