@@ -93,7 +93,6 @@ STORAGE_EVENTS = (
     "DISK_FULL",
 )
 #: The run-log entry of the bus's boot-loop guard holding a payload off.
-BOOT_LOOP_HOLD = "payload_boot_loop"
 #: A PING must be answered within this many seconds while the payload is powered and connected.
 PING_DEADLINE_S = 5.0
 #: Refusals an uplink waits out and tries again, as an operator would: the environment's (storage)
@@ -691,7 +690,7 @@ class ChaosCampaign(KillCampaign):
                     report.oom_fdir_cycles += 1
                 else:
                     report.other_fdir_cycles += 1
-            elif e.kind == BOOT_LOOP_HOLD:
+            elif e.kind == bl.BUS_EVENT and d.get("event") == "PAYLOAD_BOOT_LOOP":
                 report.boot_loop_holds += 1
             elif e.kind == bl.PAYLOAD_REPORT and d.get("type") == "EVENT":
                 name = d.get("event")

@@ -489,6 +489,8 @@ def bus_worker(spec_path: str) -> int:
         # The verdict reads reports and power changes, never the command packets; logged, they
         # would be three quarters of a full-size campaign's run log (hundreds of MB).
         log_packets=False,
+        # ... but it reads the whole log: no segment may be dropped however long the campaign.
+        log_segments=100_000,
     )
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())

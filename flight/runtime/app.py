@@ -743,13 +743,17 @@ class FlightApp(CommandHandlers):
                     import flight.engine  # noqa: F401  (what _run_task imports: its cost is the load's)
                     from flight.model.loader import load_model
 
-                    return load_model(
+                    model = load_model(
                         self.model_dir,
                         device=self.device,
                         dtype=self.dtype,
                         read_hook=self.weight_read_hook,
                         lazy_processors=True,
                     )
+                # Loaded: whatever killed a load before is behind it, as a unit of work is for a
+                # task (else OOM kills during loads months apart would add up to a quarantine).
+                self.health.progress(ENGINE_ITEM)
+                return model
             except Exception as exc:  # noqa: BLE001 - MemoryError and ImportError included
                 self._fault(EventId.WORKER_FAULT, "engine load failed", exc, ENGINE_ITEM)
                 self.stop.wait(ENGINE_RETRY_S)

@@ -130,9 +130,9 @@ class Health:
         self._inflight_fd: int | None = None
         try:
             self._inflight_fd = os.open(self.inflight_path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:  # a read-only disk: no breadcrumb this boot (the bus's guard remains)
-            if storage_condition(exc) is None:
-                raise
+        except OSError as exc:
+            # A read-only or failing disk (or, on a fresh data directory, the health directory it
+            # refused to make): no breadcrumb this boot; the bus's boot-loop guard remains.
             if log is not None:
                 log.warning("health_breadcrumb_unavailable", error=str(exc))
         for slot in range(SLOTS):

@@ -302,7 +302,8 @@ class PowerPart(TelemetryPart):
             self.connected_at = now
 
     def _boot_came_up(self) -> None:
-        """This boot has been connected boot_settle_s: it came up, and the count starts afresh."""
+        """This boot has been connected boot_settle_s, or reported a unit of a task's work: it came
+        up, and the count starts afresh."""
         self.boot_up = True
         if self.failed_boots or self.boot_holds:
             _log.info("bus_payload_came_up", after_failed_boots=self.failed_boots, holds=self.boot_holds)

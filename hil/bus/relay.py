@@ -433,6 +433,8 @@ class RelayPart(StationsPart):
             self.gap_reported = False
             if isinstance(message, m.Housekeeping):
                 self.payload_queue_depth = message.queue_depth
+            if isinstance(message, m.Progress) and not self.boot_up:
+                self._boot_came_up()  # it did a unit of work: this boot came up, however soon it ends
             if isinstance(message, m.Heartbeat):
                 self._confirm_by_time(now)
                 if message.current_task is None:

@@ -28,7 +28,18 @@ from pathlib import Path
 
 import zmq
 
-from common.wire import AckFlags, Apid, NodeId, ReplayError, ReplayGuard, WireError, decode, encode
+from common.wire import (
+    AckFlags,
+    Apid,
+    NodeId,
+    ReplayError,
+    ReplayGuard,
+    RequestRef,
+    TaskPhase,
+    WireError,
+    decode,
+    encode,
+)
 from common.wire import messages as m
 from common.wire.link import KeyLayout, client_socket, recv_packet, send_packet
 
@@ -58,6 +69,13 @@ def main() -> int:
         type=float,
         default=None,
         help="exit with status 3 this many seconds after boot, on the first boot only",
+    )
+    parser.add_argument(
+        "--work-then-exit",
+        type=float,
+        default=None,
+        help="every boot: this many seconds after boot, report a unit of a task's work (PROGRESS), "
+        "then exit with status 3 (a payload at work that something kills now and then)",
     )
     parser.add_argument(
         "--work-s",
@@ -115,6 +133,12 @@ def main() -> int:
         uptime = now - started
         first_boot = boot == 1
         if first_boot and args.exit_after is not None and uptime >= args.exit_after:
+            note("exit", status=3)
+            return 3
+        if args.work_then_exit is not None and uptime >= args.work_then_exit:
+            unit = RequestRef(apid=Apid.PAYLOAD, source_id=NodeId.GROUND, seq=0, message_type=0x0110)
+            send(m.Progress.about(unit, task_id="t-work", phase=TaskPhase.DECODE, done=1, total=2))
+            time.sleep(0.1)  # the report leaves before the process does
             note("exit", status=3)
             return 3
         hung = first_boot and args.hang_after is not None and uptime >= args.hang_after

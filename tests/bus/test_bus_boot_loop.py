@@ -186,3 +186,33 @@ def test_each_driver_names_the_reason_and_the_back_off_releases_the_hold(tmp_pat
     order = _order(log)
     assert order[:6] == [bl.POWER_ON, bl.POWER_ON, BOOT_LOOP, RETRY, bl.POWER_ON, BOOT_LOOP], order
     assert _kinds(log, RETRY)[0]["origin"] == "backoff"
+
+
+def test_a_payload_at_work_that_is_killed_now_and_then_is_not_a_boot_loop(tmp_path, keys):
+    """Found merging the guard with the chaos campaign: OOM kills of a payload at work, each soon
+    after its boot connected, counted as boots that failed to come up, and enough of them in a row
+    would hold off a payload that was doing its work. A boot that reports a unit of a task's work
+    came up, however soon it ends: the count starts again."""
+    from bus_testkit import bus_config
+
+    trace = write_trace(tmp_path / "on.jsonl", 1000, [window(0, 1000, None)], telemetry=False)
+    record = tmp_path / "payload.jsonl"
+    config = bus_config(
+        tmp_path,
+        keys,
+        trace,
+        record,
+        payload_args=("--work-then-exit", "0.3"),
+        fdir_off_s=0.05,
+        boot_loop_limit=2,
+        boot_loop_backoff_s=0.0,
+    )
+    with BusThread(config) as bus:
+        log = wait_for(
+            lambda: (lambda entries: entries if len(_kinds(entries, bl.PAYLOAD_EXITED)) >= 4 else None)(
+                bl.read_log(bus.log_path)
+            ),
+            WAIT_S,
+            what="four boots at work, each killed",
+        )
+    assert not _kinds(log, BOOT_FAILED, BOOT_LOOP), [e.kind for e in _kinds(log, BOOT_FAILED, BOOT_LOOP)]

@@ -172,3 +172,21 @@ def test_a_task_whose_stored_pixels_are_damaged_builds_them_again_or_waits_for_i
     with pytest.raises(ImagesAwaited):
         _ = app._stored_inputs(task, model).pixel_values
     assert not app.images.is_verified("scene.png") and app.corrupt_images == {"t1": "scene.png"}
+
+
+def test_a_load_of_the_engine_that_succeeds_resets_its_count(tmp_path, model_dirs):
+    """Found by the chaos campaign: only tasks reset their count on progress, so OOM kills during
+    engine loads months apart would add up to a quarantine of the engine. A load that succeeds is
+    the engine's unit of work."""
+    from flight.engine import EngineOptions
+    from flight.runtime.app import FlightApp
+    from flight.runtime.health import ENGINE_ITEM
+
+    app = FlightApp(
+        str(tmp_path / "data"), model_dirs["qwen3-vl"], str(tmp_path / "keys"), "tcp://127.0.0.1:1", EngineOptions()
+    )
+    app.health.fault(ENGINE_ITEM, "killed loading the engine")
+    app.health.fault(ENGINE_ITEM, "killed loading the engine")
+    assert app.health.exits[ENGINE_ITEM][0] == 2
+    assert app._load_engine() is not None
+    assert ENGINE_ITEM not in app.health.exits

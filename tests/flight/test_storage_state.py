@@ -180,3 +180,18 @@ def test_a_log_call_never_raises_on_a_full_disk():
         log.get(component="test").warning("storage_degraded", state="full")
     finally:
         log.setup("warning")
+
+
+@pytest.mark.parametrize("mode", ["read_only", "eio"])
+def test_a_first_boot_on_a_disk_that_takes_no_write_comes_up(tmp_path, model_dirs, faults, mode):
+    """Found by the chaos campaign: a fresh data directory on a read-only (or failing) disk made
+    the first boot exit (the health directory was refused, then opening its breadcrumb failed).
+    Every part of the payload now opens what it can; the storage state says what it cannot."""
+    from flight.engine import EngineOptions
+    from flight.runtime.app import FlightApp
+
+    data = tmp_path / "data"
+    faults(mode=mode, under=[str(data)])
+    app = FlightApp(str(data), model_dirs["qwen3-vl"], str(tmp_path / "keys"), "tcp://127.0.0.1:1", EngineOptions())
+    assert app.storage.state == (StorageState.READ_ONLY if mode == "read_only" else StorageState.OK)
+    assert app.queue.depth() == 0 and app.housekeeping().storage_state == app.storage.state
