@@ -2,6 +2,7 @@
 keeps running, and the queue is intact."""
 
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -199,6 +200,9 @@ def test_flight_run_bad_values_are_one_line_errors(tmp_path, model_dirs):
             env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
         assert done.returncode == 2, (args, done.returncode, done.stderr)
-        lines = done.stderr.splitlines()
+        # One line for a person, and before it the boot-failure record the bus reads (the same
+        # reason, as JSON: docs/bus.md "boot-loop guard").
+        record, *lines = done.stderr.splitlines()
+        assert json.loads(record) == {"boot_failed": lines[0].removeprefix("ow flight: error: "), "exit_status": 2}
         assert len(lines) == 1 and lines[0].startswith("ow flight: error: ") and fragment in lines[0], done.stderr
     assert a_file.read_text() == "not a directory\n" and not (tmp_path / "data").exists()
