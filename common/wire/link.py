@@ -257,8 +257,12 @@ def read_binding(path: str | os.PathLike) -> int | None:
 
 def station_bindings(layout: KeyLayout) -> dict[str, int]:
     """Every binding in authorized/, by key name (damaged files are left out and logged)."""
+    return _bindings_of(sorted(layout.authorized_dir.glob(f"*{BINDING_SUFFIX}")))
+
+
+def _bindings_of(paths) -> dict[str, int]:
     found: dict[str, int] = {}
-    for path in sorted(layout.authorized_dir.glob(f"*{BINDING_SUFFIX}")):
+    for path in paths:
         try:
             source_id = read_binding(path)
         except (OSError, ValueError) as exc:
@@ -355,15 +359,7 @@ class AuthorizedKeys:
                 continue
             if public:
                 names[public] = path.stem
-        bindings: dict[str, int] = {}
-        for path in bound:
-            try:
-                source_id = read_binding(path)
-            except (OSError, ValueError) as exc:
-                _log.warning("link_binding_unreadable", path=str(path), error=str(exc))
-                continue
-            if source_id is not None:
-                bindings[path.name[: -len(BINDING_SUFFIX)]] = source_id
+        bindings = _bindings_of(bound)
         self._names, self._stamp, self._bindings = names, stamp, bindings
         self._keys = {name: key for key, name in names.items()}
 

@@ -489,12 +489,4 @@ class RelayPart(StationsPart):
                 and now - entry.sent_at >= self.config.confirm_after_s
                 and not entry.wants_acceptance
             ):
-                self.store.confirm(entry, "assumed")
-                self.buslog.write(
-                    bl.COMMAND_CONFIRMED,
-                    **self._stamp(now),
-                    store_id=entry.store_id,
-                    type=entry.type_name,
-                    request=request_fields(entry.request),
-                    how="assumed",
-                )
+                self._confirm_stored(entry, "assumed", now)

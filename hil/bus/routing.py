@@ -17,7 +17,7 @@ from hil import buslog as bl
 from hil.bus.base import Pacer, request_fields
 from hil.bus.config import BusConfig
 from hil.bus.timeline import TimelinePart
-from hil.busstore import request_key
+from hil.busstore import StoredCommand, request_key
 from hil.power import PowerSwitch
 
 #: Replies that answer one telecommand, and the field that ties reply to command.
@@ -57,6 +57,19 @@ class RoutingPart(TimelinePart):
         self.route_by_source: dict[int, bytes] = {}
         self.task_owner: dict[str, tuple] = {}
         self.expectations: list[ReplyExpectation] = []
+
+    def _confirm_stored(self, entry: StoredCommand, how: str, now: float | None = None) -> None:
+        """A stored command is done with (answered, assumed delivered, dropped): out of the store,
+        and a `command_confirmed` line saying how."""
+        self.store.confirm(entry, how)
+        self.buslog.write(
+            bl.COMMAND_CONFIRMED,
+            **self._stamp(now),
+            store_id=entry.store_id,
+            type=entry.type_name,
+            request=request_fields(entry.request),
+            how=how,
+        )
 
     def _expect_replies(self, request: RequestRef, message: m.Message) -> None:
         """Note what the payload will answer this telecommand with, to route the answer back."""
@@ -114,15 +127,7 @@ class RoutingPart(TimelinePart):
                     # A redelivery the payload had already accepted before it lost power: the
                     # command ran once; the ground gets the payload's other reports about it.
                     how, suppressed = "redelivery_duplicate", True
-                self.store.confirm(entry, how)
-                self.buslog.write(
-                    bl.COMMAND_CONFIRMED,
-                    **self._stamp(now),
-                    store_id=entry.store_id,
-                    type=entry.type_name,
-                    request=request_fields(request),
-                    how=how,
-                )
+                self._confirm_stored(entry, how, now)
             if message.TYPE in (MessageType.REJECTED, MessageType.FAILED, MessageType.COMPLETED):
                 self.expectations = [e for e in self.expectations if e.key != key]
             routed = False if suppressed else self._to_ground(packet, key, request.source_id)

@@ -22,7 +22,7 @@ from common import log
 from common.wire import EventId
 from common.wire.link import AuthorizedKeys, CurveAuthenticator, Received
 from hil import buslog as bl
-from hil.bus.base import Pacer, request_fields
+from hil.bus.base import Pacer
 from hil.bus.config import BusConfig
 from hil.bus.routing import RoutingPart
 from hil.power import PowerSwitch
@@ -203,15 +203,7 @@ class StationsPart(RoutingPart):
         dropped = 0
         for entry in self.store.pending():
             if entry.sender == name and entry.sent_link is None and entry.forwards == 0:
-                self.store.confirm(entry, "revoked")
-                self.buslog.write(
-                    bl.COMMAND_CONFIRMED,
-                    **self._stamp(),
-                    store_id=entry.store_id,
-                    type=entry.type_name,
-                    request=request_fields(entry.request),
-                    how="revoked",
-                )
+                self._confirm_stored(entry, "revoked")
                 dropped += 1
         return dropped
 
