@@ -190,6 +190,20 @@ def archived_line(entry: dict) -> str:
     return display_text(f"#{entry.get('n')} {entry.get('sent')} {origin:<7} {entry.get('type', '?'):<16} {text}")
 
 
+def _storage_line(hk: m.Housekeeping) -> str:
+    """The payload's storage state (docs/flight.md "Storage"), with what it means for commands."""
+    meaning = {
+        "ok": "ok",
+        "full": "FULL: new tasks and images refused, checkpoints skipped until space returns",
+        "read_only": "READ-ONLY: commands that change state refused, no task started",
+        "error": "FAILING (I/O errors): commands that change state refused, no task started",
+    }[hk.storage_state.value]
+    extra = [f"reserve {human_bytes(hk.reserve_bytes)}"]
+    if hk.longest_write_s >= 1.0:
+        extra.append(f"a write took {hk.longest_write_s:.1f} s (disk stalling)")
+    return f"{meaning} ({', '.join(extra)})"
+
+
 def housekeeping_text(hk: m.Housekeeping) -> str:
     if hk.current_task:
         phase = f" ({hk.phase} {hk.progress_done}/{hk.progress_total})" if hk.phase else ""
@@ -201,6 +215,7 @@ def housekeeping_text(hk: m.Housekeeping) -> str:
         ("current task", current),
         ("checkpoints", human_bytes(hk.checkpoint_bytes)),
         ("disk free", human_bytes(hk.disk_free_bytes)),
+        ("storage", _storage_line(hk)),
         ("boot count", str(hk.boot_count)),
         ("uptime", f"{hk.uptime_s:.1f} s"),
         ("commands", f"{hk.command_count} accepted, {hk.error_count} rejected or failed (since first boot)"),

@@ -31,6 +31,7 @@ def test_status_prints_housekeeping(ow, keys, peer, pictures):
     assert "queue depth   1 task(s)" in text.out
     assert f"current task  {task_id} (prefill 1/4)" in text.out
     assert "disk free     9.0 GiB" in text.out and "boot count    1" in text.out
+    assert "storage       ok (reserve " in text.out
     as_json = ow("ground", "status", *link_args(keys, peer), "--json")
     hk = json.loads(as_json.out)
     assert hk["queue_depth"] == 1 and hk["current_task"] == task_id and hk["phase"] == "prefill"
