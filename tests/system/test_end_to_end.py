@@ -191,13 +191,17 @@ def test_three_tasks_through_cuts_payload_reboot_mid_uplink_and_bus_restart(mode
                     seen = _after_exit(len(entries))
             time.sleep(0.02)
 
+    # what tells the watcher the killed payload is gone: the bus saw it exit, or cut its power,
+    # or the bus itself was killed before it logged either (its next run starts a new payload)
+    gone = {bl.PAYLOAD_EXITED, bl.POWER_OFF, bl.RUN_START}
+
     def _after_exit(start: int) -> int:
-        """The log index just past the bus's record of the payload's exit at or after `start`:
-        reports the killed payload sent before it died come before it and never count."""
+        """The log index just past the first record at or after `start` that the killed payload
+        is gone: reports it sent before it died come before it and never count."""
         while not stop_watching.is_set():
             entries = tail.poll()
             for index in range(start, len(entries)):
-                if entries[index].kind == bl.PAYLOAD_EXITED:
+                if entries[index].kind in gone:
                     return index + 1
             time.sleep(0.02)
         return start
