@@ -11,8 +11,14 @@ request waits behind the other variants' locksteps. So the controller here:
 2. solves the traffic ILP with those limits (`management.assign_ilp`);
 3. replays each GPU of the plan in the simulator with its own seeds and, when a model on some GPU
    misses `plan_target`, lowers the limits of that GPU's architectures at that k just below the
-   failing load and solves again (at most `max_rounds` times; learned limits are kept for later
-   plans). A plan is emitted as within limits only once every GPU passed; otherwise it is flagged.
+   failing load and solves again (at most `max_rounds` times). A plan is emitted as within limits
+   only once every GPU passed; otherwise it is flagged.
+
+Derating is once per (architecture, model count) per round, by the worst failing GPU of that
+composition: N identical GPUs that fail together are one piece of evidence, not N (derating once
+per failing GPU cut a limit by the factor to the N-th power). What a plan learns stays with that
+plan: every `plan()` starts from the measured limits, so one experiment's failures do not lower
+the next one's limits (set `carry_learned_limits` to keep them on purpose).
 
 GPUs are independent in the simulator (each robot talks to one GPU), so a GPU's check depends only
 on its composition; checks are cached per composition.
@@ -54,6 +60,9 @@ class ControllerSettings:
     time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S
     max_rounds: int = 6
     cap: int = 128
+    # Keep what one plan's failed checks taught for the plans after it (off: every plan starts
+    # from the measured limits, so experiments do not depend on the order they ran in).
+    carry_learned_limits: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,9 @@ class ControllerPlan:
     verified: bool  # every GPU passed the simulated check
     rounds: int
     note: str = ""
+    # The limits after this plan's derating (model -> L(k) per k) and what lowered them.
+    learned: Mapping[str, tuple[float, ...]] | None = None
+    derated: tuple[str, ...] = ()
 
     @property
     def feasible(self) -> bool:
@@ -170,13 +182,15 @@ class TrafficController:
     ):
         self.profile, self.settings = profile, settings
         self.max_batch = max_batch
-        # Learned limits: start from the measured ones, lowered where a check failed.
-        self.limits: dict[str, list[float]] = {
-            m: ([float(v)] * settings.max_models_per_gpu if isinstance(v, (int, float)) else [float(x) for x in v])
+        # The measured limits (model -> L(k) per k); a plan derates a copy of them.
+        self.limits: dict[str, tuple[float, ...]] = {
+            m: (
+                (float(v),) * settings.max_models_per_gpu if isinstance(v, (int, float)) else tuple(float(x) for x in v)
+            )
             for m, v in limits.items()
         }
         self._checked: dict[tuple, dict[str, float]] = {}
-        self.derated: list[str] = []  # what the checks taught, for the report
+        self.derated: list[str] = []  # what every plan's checks taught, for the report
 
     @classmethod
     def calibrate(
@@ -206,8 +220,18 @@ class TrafficController:
         unknown = [m for m in robots if m not in self.limits]
         if unknown:
             raise ValueError(f"no robot limits for {', '.join(unknown)}")
+        learned = {m: list(v) for m, v in self.limits.items()}
+        derated: list[str] = []
+
+        def result(a: TrafficAssignment, checks: list[GpuCheck], verified: bool, rnd: int, note: str = ""):
+            if s.carry_learned_limits:
+                self.limits = {m: tuple(v) for m, v in learned.items()}
+            self.derated.extend(derated)
+            frozen = {m: tuple(v) for m, v in learned.items()}
+            return ControllerPlan(a, tuple(checks), verified, rnd, note, frozen, tuple(derated))
+
         for rnd in range(1, s.max_rounds + 1):
-            limits = {m: tuple(v) for m, v in self.limits.items() if m in robots}
+            limits = {m: tuple(v) for m, v in learned.items() if m in robots}
             a = assign_ilp(placement, robots, limits, time_limit_s=s.time_limit_s)
             checks = []
             for g in range(placement.n_gpus):
@@ -216,27 +240,38 @@ class TrafficController:
                     checks.append(GpuCheck(g, on, gpu_load(on, limits), self.check_gpu(on)))
             failing = [c for c in checks if c.worst < s.plan_target]
             if not a.feasible:
-                return ControllerPlan(a, tuple(checks), False, rnd, "the robots exceed the GPUs' limits")
+                return result(a, checks, False, rnd, "the robots exceed the GPUs' limits")
             if not failing:
-                return ControllerPlan(a, tuple(checks), True, rnd)
-            for c in failing:
-                self._derate(c)
-        return ControllerPlan(
-            a, tuple(checks), False, s.max_rounds, f"a GPU still missed {s.plan_target:.1%} after {s.max_rounds} rounds"
-        )
+                return result(a, checks, True, rnd)
+            derated.extend(derate(learned, failing))
+        note = f"a GPU still missed {s.plan_target:.1%} after {s.max_rounds} rounds"
+        return result(a, checks, False, s.max_rounds, note)
 
-    def _derate(self, c: GpuCheck) -> None:
-        """Lower the limits of the failing GPU's architectures at its model count below its load."""
+
+def derate(limits: dict[str, list[float]], failing: list[GpuCheck]) -> list[str]:
+    """Lower, in place, the limits of the failing GPUs' architectures at their model counts below
+    their loads: each (architecture, model count) once, by the worst (lowest-load) failing GPU of
+    that kind, however many GPUs failed with it. Returns what was lowered, for the report."""
+
+    factors: dict[tuple[str, int], tuple[float, GpuCheck]] = {}
+    for c in failing:
         k = len(c.robots)
         factor = min(c.load, 1.0) * DERATE_MARGIN
-        archs = {model_spec(m).arch for m in c.robots}
-        for m, table in self.limits.items():
-            if model_spec(m).arch in archs and k <= len(table):
+        for arch in {model_spec(m).arch for m in c.robots}:
+            if (arch, k) not in factors or factor < factors[(arch, k)][0]:
+                factors[(arch, k)] = (factor, c)
+    notes = []
+    for (arch, k), (factor, c) in sorted(factors.items()):
+        for m, table in limits.items():
+            if model_spec(m).arch == arch and k <= len(table):
                 table[k - 1] *= factor
-        self.derated.append(
-            f"GPU {c.gpu} {dict(c.robots)} (load {c.load:.2f}) reached "
-            f"{c.worst:.1%}: limits of {', '.join(sorted(archs))} with {k} models x {factor:.2f}"
+        others = sum(1 for f in failing if len(f.robots) == k and arch in {model_spec(m).arch for m in f.robots})
+        notes.append(
+            f"GPU {c.gpu} {dict(c.robots)} (load {c.load:.2f}) reached {c.worst:.1%}"
+            + (f" (worst of {others} failing GPUs)" if others > 1 else "")
+            + f": limits of {arch} with {k} models x {factor:.2f}"
         )
+    return notes
 
 
 def format_plan(plan: ControllerPlan, placement: Placement) -> str:

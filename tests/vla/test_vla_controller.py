@@ -74,7 +74,7 @@ def test_four_variants_spread_two_and_two(controller):
     plan = controller.plan(Placement.colocate(SMOL, 2), {m: 8 for m in SMOL})
     assert plan.feasible
     assert sorted(len(plan.assignment.robots_on(g)) for g in range(2)) == [2, 2]
-    assert all(gpu_load(plan.assignment.robots_on(g), controller.limits) <= 1.0 for g in range(2))
+    assert all(gpu_load(plan.assignment.robots_on(g), plan.learned) <= 1.0 for g in range(2))
 
 
 def test_plan_file_round_trip(tmp_path, controller):
@@ -86,3 +86,24 @@ def test_plan_file_round_trip(tmp_path, controller):
     (tmp_path / "bad.json").write_text('{"format": "something"}')
     with pytest.raises(ValueError):
         read_plan(tmp_path / "bad.json")
+
+
+def test_identical_failing_gpus_derate_once_and_plans_do_not_inherit(profile):
+    """Four pi0 variants, one per GPU, each given far more robots than a GPU serves: all four GPUs
+    fail the check with the same composition. The limit drops once by that GPU's factor (it
+    dropped by the factor to the fourth power when every failing GPU derated it), and the next
+    plan starts again from the measured limit instead of the lowered one."""
+    settings = ControllerSettings(epochs=6, check_draws=2, duration_s=4.0, max_models_per_gpu=1, max_rounds=1)
+    measured = 40.0
+    controller = TrafficController(profile, {m: measured for m in PI0}, MAX_BATCH, settings)
+    placement = Placement.parse("pi0:0;pi0-ft1:1;pi0-ft2:2;pi0-ft3:3", PI0, 4)
+    robots = {m: 36 for m in PI0}
+    plan = controller.plan(placement, robots)
+    assert not plan.verified and len(plan.checks) == 4
+    assert all(c.worst < settings.plan_target for c in plan.checks)  # all four fail alike
+    factor = min(c.load for c in plan.checks) * 0.98
+    assert plan.learned["pi0"][0] == pytest.approx(measured * factor)
+    assert len(plan.derated) == 1 and "worst of 4 failing GPUs" in plan.derated[0]
+    assert controller.limits["pi0"] == (measured,)  # the measured limits are untouched
+    again = controller.plan(placement, robots)
+    assert again.learned == plan.learned  # no carry-over: the same plan from the same start
