@@ -17,7 +17,7 @@ both are slowed by `corun_slowdown` while they overlap (shared DRAM and L2).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from common.vla.profiles import ArchProfile, LockstepEntry, ProfileTable
 
@@ -30,6 +30,25 @@ BATCH_SIZES = (1, 2, 4, 8)
 VLM_SHARES = (0.25, 0.375, 0.5, 0.625, 0.75, 0.875)
 SLO_FACTOR = 2.5  # on-robot (Jetson AGX Thor) latency taken as 2.5x the edge batch-1 latency incl. network
 NOMINAL_RTT_MS = 7.0  # WiFi 7 round trip incl. one LIBERO observation upload (see sim.NetworkModel)
+
+
+@dataclass(frozen=True)
+class AnalyticParams:
+    """The model's free numbers (the module constants above are the shipped profiles' values).
+    The calibration (common/vla/calibrate.py) varies the ones the paper does not pin down and
+    fits the SLO factor to the paper's own anchor."""
+
+    kernel_us: float = KERNEL_US
+    efficiency: float = EFFICIENCY
+    bw_saturation_share: float = BW_SATURATION_SHARE
+    corun_slowdown: float = CORUN_SLOWDOWN
+    slo_factor: float = SLO_FACTOR
+
+    def with_(self, **changes) -> AnalyticParams:
+        return replace(self, **changes)
+
+
+SHIPPED = AnalyticParams()
 
 
 @dataclass(frozen=True)
@@ -128,64 +147,68 @@ GPUS = {"rtx-pro-6000": RTX_PRO_6000, "h100": H100_SXM}
 REFERENCE_GPU = RTX_PRO_6000  # the paper's main server; SLOs are derived once, on it
 
 
-def _time_ms(gpu: GpuSpec, kernels: int, flops: float, bytes_: float, share: float) -> float:
-    compute = flops / (gpu.bf16_dense_tflops * 1e12 * EFFICIENCY * share)
-    memory = bytes_ / (gpu.mem_bw_gbs * 1e9 * min(1.0, share / BW_SATURATION_SHARE))
-    return kernels * KERNEL_US * 1e-3 + 1e3 * max(compute, memory)
+def _time_ms(
+    gpu: GpuSpec, kernels: int, flops: float, bytes_: float, share: float, p: AnalyticParams = SHIPPED
+) -> float:
+    compute = flops / (gpu.bf16_dense_tflops * 1e12 * p.efficiency * share)
+    memory = bytes_ / (gpu.mem_bw_gbs * 1e9 * min(1.0, share / p.bw_saturation_share))
+    return kernels * p.kernel_us * 1e-3 + 1e3 * max(compute, memory)
 
 
-def vlm_ms(gpu: GpuSpec, a: ArchScale, batch: int, share: float = 1.0) -> float:
+def vlm_ms(gpu: GpuSpec, a: ArchScale, batch: int, share: float = 1.0, p: AnalyticParams = SHIPPED) -> float:
     flops = 2.0 * batch * (a.vision_params * a.cameras * a.vision_tokens_per_camera + a.lm_params * a.prefix_tokens)
     bytes_ = 2.0 * (a.vision_params + a.lm_params)  # bf16 weights, read once per forward
-    return _time_ms(gpu, (a.vision_layers + a.lm_layers) * KERNELS_PER_LAYER, flops, bytes_, share)
+    return _time_ms(gpu, (a.vision_layers + a.lm_layers) * KERNELS_PER_LAYER, flops, bytes_, share, p)
 
 
 def handoff_bytes(a: ArchScale) -> int:
     return int(a.expert_layers * a.prefix_tokens * 2 * a.kv_dim * 2)  # K and V, bf16
 
 
-def adit_ms(gpu: GpuSpec, a: ArchScale, batch: int, share: float = 1.0) -> float:
+def adit_ms(gpu: GpuSpec, a: ArchScale, batch: int, share: float = 1.0, p: AnalyticParams = SHIPPED) -> float:
     flops = 2.0 * batch * a.expert_params * a.suffix_tokens
     bytes_ = 2.0 * a.expert_params + batch * handoff_bytes(a)  # weights + each request's prefix KV, per step
-    return a.steps * _time_ms(gpu, a.expert_layers * KERNELS_PER_LAYER, flops, bytes_, share)
+    return a.steps * _time_ms(gpu, a.expert_layers * KERNELS_PER_LAYER, flops, bytes_, share, p)
 
 
-def lockstep_ms(gpu: GpuSpec, v: ArchScale, bv: int, a: ArchScale, ba: int, share: float) -> tuple[float, float, float]:
+def lockstep_ms(
+    gpu: GpuSpec, v: ArchScale, bv: int, a: ArchScale, ba: int, share: float, p: AnalyticParams = SHIPPED
+) -> tuple[float, float, float]:
     """(vlm_ms, adit_ms, lockstep_ms) for a co-running pair with the VLM restricted to `share`."""
-    slow = 1.0 + CORUN_SLOWDOWN
-    t_v = vlm_ms(gpu, v, bv, share) * slow
-    t_a_corun = adit_ms(gpu, a, ba, 1.0 - share) * slow
+    slow = 1.0 + p.corun_slowdown
+    t_v = vlm_ms(gpu, v, bv, share, p) * slow
+    t_a_corun = adit_ms(gpu, a, ba, 1.0 - share, p) * slow
     if t_a_corun <= t_v:
         t_a = t_a_corun
     else:  # the ADiT finishes on the whole GPU once the VLM is done
         done = t_v / t_a_corun
-        t_a = t_v + (1.0 - done) * adit_ms(gpu, a, ba, 1.0)
+        t_a = t_v + (1.0 - done) * adit_ms(gpu, a, ba, 1.0, p)
     return t_v, t_a, max(t_v, t_a)
 
 
-def slo_ms(a: ArchScale) -> float:
-    return SLO_FACTOR * (vlm_ms(REFERENCE_GPU, a, 1) + adit_ms(REFERENCE_GPU, a, 1) + NOMINAL_RTT_MS)
+def slo_ms(a: ArchScale, p: AnalyticParams = SHIPPED) -> float:
+    return p.slo_factor * (vlm_ms(REFERENCE_GPU, a, 1, 1.0, p) + adit_ms(REFERENCE_GPU, a, 1, 1.0, p) + NOMINAL_RTT_MS)
 
 
-def assumptions() -> list[str]:
+def assumptions(p: AnalyticParams = SHIPPED) -> list[str]:
     return [
         "Derived, not measured: no GPU was available; times come from the model in common/vla/analytic.py.",
-        f"Stage time = kernels x {KERNEL_US} us + max(FLOPs / (dense BF16 peak x {EFFICIENCY} x SM share), "
-        f"bytes / (DRAM bandwidth x min(1, SM share / {BW_SATURATION_SHARE}))); ADiT repeats it per denoising step.",
-        f"{KERNEL_US} us per kernel: the paper (§6) reports VLA kernels of 8-10 us; {KERNELS_PER_LAYER} kernels per "
+        f"Stage time = kernels x {p.kernel_us} us + max(FLOPs / (dense BF16 peak x {p.efficiency} x SM share), "
+        f"bytes / (DRAM bandwidth x min(1, SM share / {p.bw_saturation_share}))); ADiT repeats it per denoising step.",
+        f"{p.kernel_us} us per kernel: the paper (§6) reports VLA kernels of 8-10 us; {KERNELS_PER_LAYER} kernels per "
         "transformer layer (CUDA-graph replay, no launch gaps).",
-        f"Efficiency {EFFICIENCY} of dense tensor peak: with it the model reproduces the pi0 paper's RTX 4090 "
+        f"Efficiency {p.efficiency} of dense tensor peak: with it the model reproduces the pi0 paper's RTX 4090 "
         "breakdown within about 10 % (see calibration).",
-        f"DRAM bandwidth saturates at {BW_SATURATION_SHARE:.0%} of the SMs (memory-bound kernels need fewer SMs).",
+        f"DRAM bandwidth saturates at {p.bw_saturation_share:.0%} of the SMs (memory-bound kernels need fewer SMs).",
         "VLM FLOPs = 2 x batch x (vision params x cameras x vision tokens + LM params x prefix tokens); attention "
         "FLOPs omitted (< 5 % at these lengths). VLM bytes = bf16 weights once.",
         "ADiT per step: FLOPs = 2 x batch x expert params x suffix tokens; bytes = bf16 expert weights + each "
         "request's prefix K/V (expert layers x prefix tokens x 2 x kv width x 2 B).",
         f"Lockstep: VLM stream restricted to share s (candidates {list(VLM_SHARES)}); the ADiT stream gets 1 - s "
-        f"while the VLM runs and the whole GPU afterwards; both {CORUN_SLOWDOWN:.0%} slower while overlapping.",
+        f"while the VLM runs and the whole GPU afterwards; both {p.corun_slowdown:.0%} slower while overlapping.",
         f"SLO (deadline) per architecture: the paper uses Jetson AGX Thor on-robot latency, which is not public "
         f"for these models; §2.2 reports edge GPUs up to ~3x faster than on-robot including network, so the SLO is "
-        f"{SLO_FACTOR} x (batch-1 VLM + ADiT on the {REFERENCE_GPU.name} + {NOMINAL_RTT_MS} ms network round "
+        f"{p.slo_factor:g} x (batch-1 VLM + ADiT on the {REFERENCE_GPU.name} + {NOMINAL_RTT_MS} ms network round "
         "trip). The same SLOs are used for every server profile (the robot, not the server, sets them).",
         "Fine-tuned variants share their architecture's profile (paper §4.1.3).",
         "GPU: " + "; ".join(g.name + ": " + g.source for g in (RTX_PRO_6000, H100_SXM, RTX_4090)),
@@ -209,15 +232,19 @@ def calibration() -> list[dict]:
     return rows
 
 
-def derive_profile(gpu_key: str, count: int = 4, batch_sizes=BATCH_SIZES, shares=VLM_SHARES) -> ProfileTable:
-    gpu = GPUS[gpu_key]
+def derive_profile(
+    gpu_key: str, count: int = 4, batch_sizes=BATCH_SIZES, shares=VLM_SHARES, params: AnalyticParams = SHIPPED
+) -> ProfileTable:
+    """The profile of `count` GPUs of `gpu_key` from the model; `params` other than the shipped
+    ones make a calibration candidate (its name and `device` say which parameters it used)."""
+    gpu, p = GPUS[gpu_key], params
     archs = {}
     for a in SCALES.values():
         archs[a.arch] = ArchProfile(
             a.arch,
-            slo_ms(a),
-            {b: vlm_ms(gpu, a, b) for b in batch_sizes},
-            {b: adit_ms(gpu, a, b) for b in batch_sizes},
+            slo_ms(a, p),
+            {b: vlm_ms(gpu, a, b, 1.0, p) for b in batch_sizes},
+            {b: adit_ms(gpu, a, b, 1.0, p) for b in batch_sizes},
             handoff_bytes(a),
             (a.source,),
         )
@@ -227,17 +254,19 @@ def derive_profile(gpu_key: str, count: int = 4, batch_sizes=BATCH_SIZES, shares
             for a in SCALES.values():
                 for ba in batch_sizes:
                     for s in shares:
-                        t_v, t_a, t_l = lockstep_ms(gpu, v, bv, a, ba, s)
+                        t_v, t_a, t_l = lockstep_ms(gpu, v, bv, a, ba, s, p)
                         entries.append(LockstepEntry(v.arch, bv, a.arch, ba, s, t_v, t_a, t_l))
     device = {"name": gpu.name, "count": count, **{k: val for k, val in asdict(gpu).items() if k != "name"}}
+    if p != SHIPPED:
+        device["analytic_params"] = asdict(p)
     return ProfileTable(
-        f"{gpu_key}x{count}",
+        f"{gpu_key}x{count}" if p == SHIPPED else f"{gpu_key}x{count}-calibrated",
         "analytic-gpu",
         device,
         tuple(batch_sizes),
         tuple(shares),
         archs,
         entries,
-        assumptions(),
+        assumptions(p),
         calibration(),
     )

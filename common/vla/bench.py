@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from common.vla import sim
+from common.vla import calibrate, sim
 from common.vla.analytic import SLO_FACTOR
 from common.vla.config import EIGHT_MODELS, model_spec
 from common.vla.controller import ControllerSettings, TrafficController
@@ -36,7 +36,7 @@ PAPER = {
     "intra_gpu": 72,
     "best_inter_gpu": 60,
 }
-EXPERIMENTS = ("single", "policies", "traffic", "ilp", "multi", "inter-gpu")
+EXPERIMENTS = ("single", "policies", "traffic", "ilp", "multi", "inter-gpu", "calibration")
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,9 @@ class BenchSettings:
     slo_factors: tuple[float, ...] = (2.0, 2.5, 3.0, 3.5)
     seeds: tuple[int, ...] = (0, 1, 2)
     controller: ControllerSettings = ControllerSettings()
+    # the 8 x 4 experiment's search: equal robots per model, 1 .. this (the calibrated profiles
+    # plan past 12, where the search used to stop)
+    max_robots_per_model: int = 24
 
     @classmethod
     def quick(cls) -> BenchSettings:
@@ -437,7 +440,7 @@ def multi_model(
     for spec in MULTI_PLACEMENTS:
         pl = Placement.parse(spec, models, 4)
         best, plan = 0, None
-        for n in range(1, 13):
+        for n in range(1, s.max_robots_per_model + 1):
             candidate = controller.plan(pl, {m: n for m in models})
             if not candidate.feasible:
                 break
@@ -499,6 +502,64 @@ def inter_gpu(
     return out
 
 
+def calibrated(profile: ProfileTable, s: BenchSettings, rep: BenchReport) -> dict:
+    """The 8 x 4 experiment at the calibrated settings (common/vla/calibrate.py): for each setting
+    of the parameters the paper leaves open, the SLO factor fitted to its anchor (18 pi0 robots
+    on one GPU at 98 %, max batch 2), then every placement's checked plan and its replays; the
+    headline is the band over the settings."""
+    gpu_key = "h100" if "h100" in profile.name else "rtx-pro-6000"
+    cal = calibrate.CalibrationSettings(epochs=s.epochs, duration_s=s.duration_s, seeds=s.seeds)
+    rep.add(
+        f"== Calibration: SLO factor fitted to the paper's anchor ({calibrate.ANCHOR_ROBOTS} "
+        f"{calibrate.ANCHOR_MODEL} robots on one GPU at {calibrate.ANCHOR_TARGET:.0%}, max batch "
+        f"{calibrate.ANCHOR_MAX_BATCH}; median of seeds {', '.join(map(str, s.seeds))}) for each unpinned setting, "
+        f"then 8 models x 4 GPUs =="
+    )
+    rows = []
+    for params in calibrate.GRID:
+        fit = calibrate.fit_slo_factor(params, cal, gpu_key, progress=rep.add)
+        prof = fit.profile(gpu_key)
+        arch_mb = {
+            "pi0": calibrate.ANCHOR_MAX_BATCH,
+            "smolvla": best_max_robots(lambda b: sim.robion(max_batch=b), partial(_robots_of, "smolvla"), prof, s)[1],
+        }
+        mb = {m: arch_mb[model_spec(m).arch] for m in EIGHT_MODELS}
+        controller = TrafficController.calibrate(prof, EIGHT_MODELS, mb, s.controller)
+        inner = BenchReport()
+        multi = multi_model(prof, s, inner, controller, mb)
+        best = max(multi.values(), key=lambda v: v["robots"])
+        meets = [v["all_replays_meet"] for v in multi.values() if v["all_replays_meet"] is not None]
+        rows.append(
+            {
+                "kernel_us": params.kernel_us,
+                "corun_slowdown": params.corun_slowdown,
+                "slo_factor": fit.factor,
+                "slo_factor_range": [fit.factor_low, fit.factor_high],
+                "anchor_robots_per_seed": fit.robots_at_factor,
+                "best_robots": best["robots"],
+                "mix_robots": multi["mix"]["robots"],
+                "by_placement": {k: v["robots"] for k, v in multi.items()},
+                "replays_meeting": [sum(meets), len(meets)],
+                "worst_replay": min((w for v in multi.values() for w in v["replay_worst"].values()), default=None),
+            }
+        )
+        r = rows[-1]
+        rep.add(
+            f"   8 x 4: best placement {r['best_robots']} robots, mix {r['mix_robots']}; "
+            f"replays meeting {TARGET:.0%} for every model: {r['replays_meeting'][0]} of {r['replays_meeting'][1]} "
+            f"placements (worst replay {r['worst_replay']:.1%})"
+        )
+    bests, mixes = [r["best_robots"] for r in rows], [r["mix_robots"] for r in rows]
+    factors = [r["slo_factor"] for r in rows]
+    rep.add(
+        f"calibrated 8 x 4: best placement {min(bests)}-{max(bests)} robots (median {statistics.median(bests):g}), "
+        f"mix {min(mixes)}-{max(mixes)} (median {statistics.median(mixes):g}) over {len(rows)} settings; "
+        f"paper {PAPER['eight_by_four']}; SLO factor fitted {min(factors):g}-{max(factors):g}"
+    )
+    rep.add()
+    return {"rows": rows, "best_band": [min(bests), max(bests)], "mix_band": [min(mixes), max(mixes)]}
+
+
 def run_bench(
     profile: ProfileTable, settings: BenchSettings, experiments=EXPERIMENTS, emit: Callable[[str], None] | None = None
 ) -> BenchReport:
@@ -546,5 +607,7 @@ def run_bench(
         if controller.derated:
             rep.add("limits the controller lowered after a failed check: " + "; ".join(controller.derated))
             rep.data["derated"] = controller.derated
+    if "calibration" in experiments:
+        rep.data["calibration"] = calibrated(profile, settings, rep)
     rep.add(f"bench took {time.perf_counter() - start:.1f} s")
     return rep

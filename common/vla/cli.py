@@ -817,7 +817,12 @@ def register(subparsers) -> None:
         help=f"seconds for the traffic ILP's stages together (default {DEFAULT_ILP_TIME_LIMIT_S:g}); past it "
         "the best assignment found is used",
     )
-    p.add_argument("--experiments", help="comma-separated subset of: single, policies, traffic, ilp, multi, inter-gpu")
+    p.add_argument(
+        "--experiments",
+        help="comma-separated subset of: single, policies, traffic, ilp, multi, inter-gpu, calibration "
+        "(the SLO factor fitted to the paper's 18-robot anchor for each unpinned setting, then 8 x 4 at each); "
+        "default: all",
+    )
     p.add_argument("--json", help="also write the measured numbers to this JSON file")
     p.set_defaults(func=cmd_bench)
 
