@@ -445,5 +445,10 @@ def cmd_deploy(args) -> int:
     if args.requests < 2:
         raise CliError("--requests must be at least 2", 2)
     report = run_deploy(ensure_model(args.model), args.out, args.hours, args.requests, args.seed, args.scale)
-    print(json.dumps(report.__dict__, indent=2, default=str) if args.json else report.summary())
+    if args.json:
+        print(json.dumps(report.__dict__, indent=2, default=str))
+    else:
+        print(report.summary())
+        print(f"report: {os.path.join(args.out, 'deploy-report.json')} and {os.path.join(args.out, 'summary.txt')}")
+        print(f"data:   {args.out}/ (the two satellites' traces, bus logs and payload data)", flush=True)
     return 0 if report.completed == report.requests else 1
