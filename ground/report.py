@@ -11,6 +11,7 @@ characters as JSON escapes.
 
 from __future__ import annotations
 
+import calendar
 import dataclasses
 import enum
 import json
@@ -179,6 +180,57 @@ def packet_line(packet: Telemetry, number: int | None = None) -> str:
         f"{prefix}{iso_time(packet.header.time_us / 1e6)} {origin:<7} {packet.message.TYPE.name:<16} "
         f"{describe(packet.message)}"
     )
+
+
+#: `events` prints a POWER or THERMAL report at most this often (sender's seconds) while the
+#: payload's power state stays the same: their values drift every second.
+ROUTINE_EVERY_S = 60.0
+ROUTINE_TYPES = ("FDIR", "POWER", "THERMAL")
+
+
+class RoutineFilter:
+    """Which routine reports `ow ground events` prints (docs/ground.md "events"): the bus sends an
+    FDIR, a POWER and a THERMAL report every second, and on a quiet bus they were most of what an
+    operator read (65 % of lines were "FDIR mode nominal, 0 faults"). An FDIR report is printed
+    when its mode, fault count or last fault differs from the last one printed; a POWER report
+    when the payload's power state differs, else once per ROUTINE_EVERY_S; a THERMAL report once
+    per ROUTINE_EVERY_S. Every other packet is printed. Only printing is filtered: the archive
+    keeps every packet."""
+
+    def __init__(self, every_s: float = ROUTINE_EVERY_S):
+        self.every_s = every_s
+        self._last: dict[str, tuple[tuple, float]] = {}
+
+    def show(self, type_name: str, body: dict, sent_s: float) -> bool:
+        if type_name not in ROUTINE_TYPES:
+            return True
+        if type_name == "FDIR":
+            state: tuple = (body.get("mode"), body.get("fault_count"), body.get("last_fault"))
+        elif type_name == "POWER":
+            state = (body.get("payload_on"),)
+        else:
+            state = ()
+        last = self._last.get(type_name)
+        if last is not None and last[0] == state and (type_name == "FDIR" or sent_s - last[1] < self.every_s):
+            return False
+        self._last[type_name] = (state, sent_s)
+        return True
+
+    def show_packet(self, packet: Telemetry) -> bool:
+        name = packet.message.TYPE.name
+        if name not in ROUTINE_TYPES:
+            return True
+        return self.show(name, to_jsonable(packet.message), packet.header.time_us / 1e6)
+
+    def show_entry(self, entry: dict) -> bool:
+        name = str(entry.get("type"))
+        if name not in ROUTINE_TYPES:
+            return True
+        try:
+            sent = float(calendar.timegm(time.strptime(str(entry.get("sent"))[:19], "%Y-%m-%dT%H:%M:%S")))
+        except ValueError:
+            sent = 0.0
+        return self.show(name, dict(entry.get("body") or {}), float(sent))
 
 
 def archived_line(entry: dict) -> str:

@@ -307,3 +307,37 @@ def test_events_reasons_and_quarantine_entries_are_escaped(ow, keys, peer):
     assert listing.code == 0, listing.err
     _no_hidden(listing.out)
     assert listing.out.splitlines() == [f"task:t-2\\u202e  3 exit(s)  {SPOOF_LINE}"]
+
+
+ROUTINE = [
+    (m.FdirReport(trace_time_s=1, mode=FdirMode.NOMINAL, fault_count=0, last_fault=None), True),
+    (m.Event(event_id=EventId.TASK_STARTED, text="task t-2 started", task_id="t-2"), False),
+]
+
+
+def test_events_prints_routine_fdir_only_when_it_changes(ow, keys, peer):
+    # The bus's once-a-second "FDIR mode nominal, 0 faults" was 65 % of what --follow printed.
+    stop = peer.start_publishing(ROUTINE, every_s=0.1)
+    try:
+        quiet = ow("ground", "events", *link_args(keys, peer), "--duration", "1.5")
+        every = ow("ground", "events", *link_args(keys, peer), "--duration", "1.0", "--all")
+    finally:
+        stop.set()
+    assert quiet.code == 0 and every.code == 0, quiet.err + every.err
+    lines = quiet.out.splitlines()
+    assert sum(" FDIR " in line for line in lines) == 1, quiet.out
+    assert sum("TASK_STARTED" in line for line in lines) >= 5  # everything else as before
+    assert sum(" FDIR " in line for line in every.out.splitlines()) >= 5, every.out
+    # nothing is lost: the archive holds every FDIR report the first run received
+    archived = [json.loads(line) for line in (keys.state_dir / "telemetry.jsonl").read_text().splitlines()]
+    first_run = [e for e in archived if e["n"] <= int(lines[-1].split()[0][1:])]
+    assert sum(e["type"] == "FDIR" for e in first_run) >= 5
+    # a change is printed at once, whatever came before
+    from ground.report import RoutineFilter
+
+    routine = RoutineFilter()
+    nominal = {"mode": "nominal", "fault_count": 0, "last_fault": None}
+    assert routine.show("FDIR", nominal, 0.0) and not routine.show("FDIR", nominal, 1.0)
+    assert routine.show("FDIR", dict(nominal, fault_count=1, last_fault="bus undervoltage"), 2.0)
+    assert routine.show("POWER", {"payload_on": True}, 0.0) and not routine.show("POWER", {"payload_on": True}, 30)
+    assert routine.show("POWER", {"payload_on": False}, 31) and routine.show("POWER", {"payload_on": False}, 95)
