@@ -107,6 +107,9 @@ def describe(message: m.Message) -> str:
     if isinstance(message, m.Verification):
         about = f"{_type_name(message.tc_type)} seq {message.tc_seq} from source {message.tc_source}"
         task = f" task {message.task_id}" if message.task_id else ""
+        if isinstance(message, m.Rejected) and message.not_yet:
+            # an answer, not a rejection (wire-protocol.md §3.6): what the task is doing
+            return f"{about}{task}: not finished yet ({message.reason})"
         if isinstance(message, (m.Rejected, m.Failed)):
             return f"{about}{task}: {message.code.name} ({int(message.code)}): {message.reason}"
         if isinstance(message, m.Progress):
@@ -177,9 +180,31 @@ def packet_line(packet: Telemetry, number: int | None = None) -> str:
     origin = {0x010: "BUS", 0x020: "PAYLOAD"}.get(packet.header.apid, f"APID{packet.header.apid:#05x}")
     prefix = f"#{number} " if number is not None else ""
     return display_text(
-        f"{prefix}{iso_time(packet.header.time_us / 1e6)} {origin:<7} {packet.message.TYPE.name:<16} "
+        f"{prefix}{iso_time(packet.header.time_us / 1e6)} {origin:<7} {shown_type(packet.message):<16} "
         f"{describe(packet.message)}"
     )
+
+
+def shown_type(message: m.Message) -> str:
+    """The type column of a line: the packet's type, except NOT_READY for the "not yet" answer
+    to a DOWNLINK_RESULT, which is sent as a REJECTED report but rejects nothing."""
+    if isinstance(message, m.Rejected) and message.not_yet:
+        return NOT_READY
+    return message.TYPE.name
+
+
+NOT_READY = "NOT_READY"
+
+
+def _archived_type(entry: dict) -> str:
+    body = entry.get("body") or {}
+    if (
+        entry.get("type") == "REJECTED"
+        and body.get("code") == "RESULT_NOT_READY"
+        and body.get("tc_type") in (int(MessageType.DOWNLINK_RESULT), "DOWNLINK_RESULT")
+    ):
+        return NOT_READY
+    return str(entry.get("type", "?"))
 
 
 #: `events` prints a POWER or THERMAL report at most this often (sender's seconds) while the
@@ -239,7 +264,7 @@ def archived_line(entry: dict) -> str:
     origins: dict[object, str] = {0x010: "BUS", 0x020: "PAYLOAD"}  # looked up with whatever was archived
     origin = origins.get(entry.get("apid"), f"APID{entry.get('apid')}")
     text = entry.get("text") or ", ".join(f"{k}={v}" for k, v in body.items())
-    return display_text(f"#{entry.get('n')} {entry.get('sent')} {origin:<7} {entry.get('type', '?'):<16} {text}")
+    return display_text(f"#{entry.get('n')} {entry.get('sent')} {origin:<7} {_archived_type(entry):<16} {text}")
 
 
 def _storage_line(hk: m.Housekeeping) -> str:
