@@ -1,6 +1,12 @@
 """The paper's Figures 10-14 at the real model sizes (hil/sim), and the simulator's validation.
 
-    python -m bench.sim_figures [--quick] --out runs/bench/report/sim.json
+    python -m bench.sim_figures [--quick] [--out runs/bench/sim.json]
+
+Writes the numbers to OUT (JSON) and the figures beside it as PNG: OUT's stem + `-fig10.png`
+(end-to-end time per trace and variant), `-fig11.png` (restart latency after a cut at 25/50/75 %
+of prefill), `-fig12.png` (slowdown of an uninterrupted request against no checkpointing),
+`-fig13.png` (checkpoint bytes written), `-fig14.png` (energy against no checkpointing), each with
+one panel per configuration; it prints the Figure 10 summary and the files' paths.
 
 Configurations (docs/sim.md): Qwen3-VL-2B on a Jetson AGX Orin and Qwen3-VL-8B on a Jetson Orin
 NX, eight frames per request (8K-32K prompt tokens), 128 answer tokens, OrbitWeaver at C = 1024,
@@ -73,10 +79,100 @@ def _x(v) -> str:
     return "n/a" if v is None else f"{v:.2f}x"
 
 
+FIGURES = ("fig10", "fig11", "fig12", "fig13", "fig14")
+
+
+def figure_paths(out_json: str) -> dict[str, str]:
+    """Where the figures of a run writing `out_json` go: beside it, named after it."""
+    stem = os.path.splitext(os.path.abspath(out_json))[0]
+    return {name: f"{stem}-{name}.png" for name in FIGURES}
+
+
+def plot_figures(out: dict, out_json: str) -> dict[str, str]:
+    """Draw Figures 10-14 from `main`'s numbers (`out`, as written to `out_json`) into PNG files
+    beside it; returns {figure: path}."""
+    # lazy: matplotlib (~0.5 s), only to draw the plots
+    import matplotlib
+
+    matplotlib.use("Agg")
+    # lazy: matplotlib (~0.5 s), only to draw the plots
+    import matplotlib.pyplot as plt
+
+    paths = figure_paths(out_json)
+    configs = list(out["configs"].values())
+
+    def panels(title: str):
+        fig, axes = plt.subplots(1, len(configs), figsize=(6.5 * len(configs), 4.2), squeeze=False)
+        fig.suptitle(title)
+        return fig, list(zip(axes[0], configs, strict=True))
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(paths[name], dpi=100)
+        plt.close(fig)
+
+    # Figure 10: mean end-to-end time of the completed arrivals, per trace and variant
+    fig, cells = panels("Figure 10: end-to-end time per trace (simulated, completed arrivals)")
+    for ax, entry in cells:
+        rows = entry["fig10"]["rows"]
+        traces_ = list(dict.fromkeys(r["trace"] for r in rows))
+        variants_ = list(dict.fromkeys(r["policy"] for r in rows))  # "orbitweaver (adaptive)" is one
+        width = 0.8 / max(1, len(variants_))
+        for k, variant in enumerate(variants_):
+            means = []
+            for trace in traces_:
+                done = [r["e2e_s"] for r in rows if r["trace"] == trace and r["completed"] and r["policy"] == variant]
+                means.append(sum(done) / len(done) if done else 0.0)
+            ax.bar([i + k * width for i in range(len(traces_))], means, width, label=variant)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(traces_))], traces_, fontsize=8)
+        ax.set_ylabel("end-to-end (s)")
+        ax.set_title(entry["label"], fontsize=8)
+        ax.legend(fontsize=6)
+    save(fig, "fig10")
+
+    # Figure 11: restart latency against the point of the cut
+    fig, cells = panels("Figure 11: restart latency after a cut in prefill")
+    for ax, entry in cells:
+        for policy in dict.fromkeys(r["policy"] for r in entry["fig11"]):
+            points = [(r["progress"], r["restart_latency_s"]) for r in entry["fig11"] if r["policy"] == policy]
+            ax.plot([100 * x for x, _ in points], [y for _, y in points], marker="o", label=policy)
+        ax.set_xlabel("cut at % of prefill")
+        ax.set_ylabel("restart latency (s)")
+        ax.set_title(entry["label"], fontsize=8)
+        ax.legend(fontsize=6)
+    save(fig, "fig11")
+
+    # Figures 12-14: one uninterrupted request per prompt length
+    for name, key, label, scale in (
+        ("fig12", "slowdown", "time / time without checkpoints", 1.0),
+        ("fig13", "bytes", "checkpoint bytes written (GB)", 1e-9),
+        ("fig14", "energy_ratio", "energy / energy without checkpoints", 1.0),
+    ):
+        fig, cells = panels(f"Figure {name[3:]}: {label}, uninterrupted request")
+        for ax, entry in cells:
+            for policy in dict.fromkeys(r["policy"] for r in entry["fig12_14"]):
+                points = [(r["prompt_tokens"], r[key] * scale) for r in entry["fig12_14"] if r["policy"] == policy]
+                ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=policy)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("prompt tokens")
+            ax.set_ylabel(label)
+            ax.set_title(entry["label"], fontsize=8)
+            ax.legend(fontsize=6)
+        save(fig, name)
+    return paths
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="one seed, 8 arrivals, no parameter band")
-    p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench", "sim.json"))
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog="Writes OUT (the numbers, JSON) and Figures 10-14 beside it (OUT's stem + -fig10.png ... -fig14.png).",
+    )
+    p.add_argument("--quick", action="store_true", help="one seed, 8 arrivals, no parameter band (about a minute)")
+    p.add_argument(
+        "--out",
+        default=os.path.join(ROOT, "runs", "bench", "sim.json"),
+        help="the numbers (default runs/bench/sim.json)",
+    )
     args = p.parse_args(argv)
     # lazy: torch/transformers (seconds): the parent only spawns and times the children
     from hil.sim.figures import Config, fig11, fig12_14
@@ -104,7 +200,10 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1, default=str)
-    print(f"sim figures: {time.time() - t0:.0f} s -> {args.out}")
+    paths = plot_figures(out, args.out)
+    print(f"sim figures: {time.time() - t0:.0f} s; numbers in {args.out}")
+    for name, path in paths.items():
+        print(f"  Figure {name[3:]}: {path}")
     return 0
 
 

@@ -292,8 +292,10 @@ def register(subparsers) -> None:
         "watch telemetry: events, reports, power, thermal, FDIR",
         "Subscribe to the bus's telemetry and print one line per packet: events with severity, verification reports "
         "(ACCEPTED, REJECTED with code, PROGRESS, ...), housekeeping, power, thermal, FDIR, shutdown warnings, power "
-        "state. Heartbeats only with --heartbeats. While it runs it archives every packet to <state>/telemetry.jsonl "
-        "with a number (#n) (one recorder at a time); --since N first replays archived packets after #N.",
+        "state. Heartbeats only with --heartbeats; the bus's once-a-second FDIR, POWER and THERMAL reports only when "
+        "they change or once a minute (--all: every one). While it runs it archives every packet to "
+        "<state>/telemetry.jsonl with a number (#n) (one recorder at a time); --since N first replays archived "
+        "packets after #N.",
         cmd_events,
     )
     p.add_argument("--follow", action="store_true", help="keep printing until Ctrl-C")
@@ -302,6 +304,13 @@ def register(subparsers) -> None:
     )
     p.add_argument("--since", type=int, default=None, metavar="N", help="first print archived packets numbered above N")
     p.add_argument("--heartbeats", action="store_true", help="also print HEARTBEAT packets")
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="print every routine report too: without it an FDIR report is printed when its mode or faults "
+        "change, a POWER report when the payload's power state changes or once a minute, a THERMAL report "
+        "once a minute (the bus sends each every second; the archive keeps them all)",
+    )
 
     # health and safety -------------------------------------------------------------------------
     p = leaf(
@@ -707,16 +716,19 @@ def cmd_results(args) -> int:
 
 def cmd_events(args) -> int:
     # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
-    from ground.report import archived_line, describe, packet_line, packet_record
+    from ground.report import RoutineFilter, archived_line, describe, packet_line, packet_record
     from ground.state import file_lock
 
     client = _client(args, commands=False)
     state = client.state
     state.ensure()
     printed: set[str] = set()
+    routine = None if args.all or args.json else RoutineFilter()  # --json: every packet, for programs
 
     def show_entry(entry: dict) -> None:
         if entry.get("type") == "HEARTBEAT" and not args.heartbeats:
+            return
+        if routine is not None and not routine.show_entry(entry):
             return
         printed.add(entry.get("digest", ""))
         if args.json:
@@ -741,6 +753,8 @@ def cmd_events(args) -> int:
                     state.append_archive(json.dumps(record, ensure_ascii=False))
                 if packet.message.TYPE.name == "HEARTBEAT" and not args.heartbeats:
                     continue
+                if routine is not None and not routine.show_packet(packet):
+                    continue  # archived above: only the printing is spared
                 if args.json:
                     record = packet_record(packet, number)
                     _print_json(record)

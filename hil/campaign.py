@@ -309,19 +309,38 @@ def run_campaign(
     # sat1-like runs lost a window to it, docs/hil.md "Campaigns").
     slots = slots or RunSlots(jobs)
     cells: list[CampaignCell | None] = [None] * len(plan)
+    # Kept runs are known before any run starts, so the counters below count what this campaign
+    # runs and what is done, in the order things happen. (They used to print a run's place in the
+    # plan at its start; runs start in rank order, not plan order, so the first line of the
+    # README's campaign read 11/40: its first run was the plan's eleventh.)
+    kept_runs = {i: kept_run(cfg) for i, (*_, cfg) in enumerate(plan)} if resume else {}
+    kept_runs = {i: r for i, r in kept_runs.items() if r is not None}
+    to_run = len(plan) - len(kept_runs)
+    counts = {"started": 0, "done": 0}
+    axes = [
+        f"{len(traces_)} trace(s)",
+        f"{len(workloads or no_workload)} workload(s)",
+        f"{len(seeds)} seed(s)",
+        f"{len(variants(policies, cadences))} policy variant(s)",
+    ]
+    say(
+        f"[campaign] {len(plan)} runs ({' x '.join(axes)}) into {out}: "
+        + (f"{len(kept_runs)} kept from an earlier campaign, {to_run} to run" if resume else f"{to_run} to run")
+    )
+    if to_run:
+        say("[campaign] Ctrl-C stops it; the same command with --resume keeps every finished run and runs the rest")
 
     def run_one(index: int) -> None:
         trace, workload, seed, label, cadence, cfg = plan[index]
-        kept = kept_run(cfg) if resume else None
+        what = f"trace {trace} workload {workload} seed {seed} policy {label}"
+        kept = kept_runs.get(index)
         if kept is None:
             slots.acquire(rank[index])
         try:
-            with lock:
-                say(
-                    f"[campaign] {index + 1}/{len(plan)}: trace {trace} workload {workload} seed {seed} policy {label}"
-                    + (" (kept from an earlier campaign)" if kept else "")
-                )
             if kept is None:
+                with lock:
+                    counts["started"] += 1
+                    say(f"[campaign] run {counts['started']}/{to_run} starting: {what}")
                 # What is there is the campaign's own: a run a stopped campaign cut short, or one of
                 # an earlier campaign run again. A run starts from nothing, never on top of it.
                 shutil.rmtree(cfg.out_dir, ignore_errors=True)
@@ -333,6 +352,9 @@ def run_campaign(
             if kept is None:
                 slots.release()
         with lock:
+            counts["done"] += 1
+            how = "kept from an earlier campaign" if kept is not None else "finished"
+            say(f"[campaign] {counts['done']}/{len(plan)} done: {what} ({how})")
             say("  " + report.summary().replace("\n", "\n  "))
             cells[index] = CampaignCell(trace, label, seed, report, workload, cadence, cfg.out_dir)
             write_report(out, [c for c in cells if c is not None])  # partial results survive a stop

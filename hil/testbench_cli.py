@@ -12,6 +12,7 @@ import json
 import math
 import os
 import time
+from pathlib import Path
 
 import traces
 from common import log as owlog
@@ -56,32 +57,38 @@ def register_testbench(hsub) -> None:
         "where both sides completed everything, every run, PNG plots) and OUT/campaign.json. Seed 0 uses "
         "a shipped trace as is; other seeds generate another realisation of a generated trace kind. "
         "The defaults run everything: 5 traces x 2 workloads x 2 seeds x 5 policy variants = 100 runs "
-        "(hours; --jobs runs several at once).",
+        "(hours; --jobs runs several at once). --quick runs 2 (minutes). Ctrl-C stops a campaign; the same "
+        "command with --resume keeps the runs it finished and runs the rest.",
     )
     _common(camp)
     camp.add_argument(
+        "--quick",
+        action="store_true",
+        help="a campaign of minutes: " + _quick_text() + "; options given as well win",
+    )
+    camp.add_argument(
         "--traces",
-        default="trace-a,trace-b,sat1-like,sat2-like,dellingr-like",
-        help="comma-separated traces (default: the five shipped generated ones)",
+        default=None,
+        help="comma-separated traces (default: the five shipped generated ones, " + CAMPAIGN_FULL["traces"] + ")",
     )
     camp.add_argument(
         "--policies",
-        default="orbitweaver,sonic-layer,sonic-chunk,hcache",
+        default=None,
         help="comma-separated policies (default orbitweaver and the three baselines)",
     )
     camp.add_argument(
         "--cadences",
-        default="fixed,adaptive",
+        default=None,
         help="orbitweaver's checkpoint cadences, side by side (default fixed,adaptive)",
     )
     camp.add_argument(
         "--workloads",
-        default="paper,back-to-back",
+        default=None,
         help="paper: the two specified requests per trace; back-to-back: four requests in one queue (default both)",
     )
     camp.add_argument(
         "--seeds",
-        default="0,1",
+        default=None,
         help="comma-separated seeds; seed 0 plays the shipped trace, others regenerate it (default 0,1)",
     )
     camp.add_argument("--jobs", type=int, default=1, help="runs at once (each a bus, a payload and a ground link)")
@@ -124,6 +131,35 @@ def register_testbench(hsub) -> None:
     dep.add_argument("--out", default=os.path.join("runs", "deploy"))
     dep.add_argument("--json", action="store_true")
     dep.set_defaults(func=cmd_deploy)
+
+
+#: `ow hil campaign`'s axes without --quick: the paper's evaluation (100 runs, hours).
+CAMPAIGN_FULL = {
+    "traces": "trace-a,trace-b,sat1-like,sat2-like,dellingr-like",
+    "policies": "orbitweaver,sonic-layer,sonic-chunk,hcache",
+    "cadences": "fixed,adaptive",
+    "workloads": "paper,back-to-back",
+    "seeds": "0,1",
+}
+#: --quick: two runs on the demo trace (its four cuts, then power to the end, so every policy
+#: finishes), orbitweaver beside one baseline, with the demo trace's 3 s payload boot (a Jetson's
+#: 15 s would not fit its 12-14 s windows): a few minutes on a 2-core machine.
+CAMPAIGN_QUICK = {
+    "traces": "demo",
+    "policies": "orbitweaver,sonic-layer",
+    "cadences": "adaptive",
+    "workloads": "paper",
+    "seeds": "0",
+    "boot_trace_s": "3",
+}
+
+
+def _quick_text() -> str:
+    q = CAMPAIGN_QUICK
+    return (
+        f"--traces {q['traces']} --workloads {q['workloads']} --seeds {q['seeds']} --policies {q['policies']} "
+        f"--cadences {q['cadences']} --boot-trace-s {q['boot_trace_s']} (2 runs)"
+    )
 
 
 def _common(p) -> None:
@@ -310,6 +346,12 @@ def cmd_campaign(args) -> int:
     from hil.campaign import WORKLOADS, run_campaign
 
     owlog.setup(args.log_level, component="hil")
+    preset = CAMPAIGN_QUICK if args.quick else CAMPAIGN_FULL
+    for axis in ("traces", "policies", "cadences", "workloads", "seeds"):
+        if getattr(args, axis) is None:
+            setattr(args, axis, preset[axis])
+    if args.quick and args.boot_trace_s is None:
+        args.boot_trace_s = CAMPAIGN_QUICK["boot_trace_s"]
     traces_ = [t for t in args.traces.split(",") if t]
     policies = [p for p in args.policies.split(",") if p]
     cadences = [c for c in args.cadences.split(",") if c]
@@ -331,20 +373,38 @@ def cmd_campaign(args) -> int:
         raise CliError(f"unknown workload {bad[0]!r} ({', '.join(WORKLOADS)})", 2)
     if args.jobs < 1:
         raise CliError("--jobs must be at least 1", 2)
-    cells = run_campaign(
-        _config(args, traces_[0], policies[0]),
-        traces_,
-        policies,
-        seeds,
-        workloads=workloads,
-        cadences=cadences,
-        jobs=args.jobs,
-        max_new_tokens=args.max_new_tokens,
-        say=lambda line: print(line, flush=True),
-        resume=args.resume,
-    )
-    print(f"report: {os.path.join(args.out, 'report.md')}")
+    try:
+        cells = run_campaign(
+            _config(args, traces_[0], policies[0]),
+            traces_,
+            policies,
+            seeds,
+            workloads=workloads,
+            cadences=cadences,
+            jobs=args.jobs,
+            max_new_tokens=args.max_new_tokens,
+            say=lambda line: print(line, flush=True),
+            resume=args.resume,
+        )
+    except KeyboardInterrupt:
+        from hil.campaign import RUN_RECORD
+
+        finished = len(list(Path(args.out).glob(f"runs/*/{RUN_RECORD}")))
+        print(
+            f"[campaign] stopped: {finished} finished run(s) are kept in {args.out}; run the same command with "
+            "--resume to run the rest",
+            flush=True,
+        )
+        _print_campaign_outputs(args.out)
+        return 130
+    _print_campaign_outputs(args.out)
     return 0 if all(c.report.all_correct for c in cells if any(r.completed for r in c.report.requests)) else 1
+
+
+def _print_campaign_outputs(out: str) -> None:
+    print(f"report: {os.path.join(out, 'report.md')} (with its plots, *.png)", flush=True)
+    runs = os.path.join(out, "runs", "<run>")
+    print(f"data:   {os.path.join(out, 'campaign.json')}; each run in {runs}/", flush=True)
 
 
 def cmd_replay(args) -> int:
@@ -385,5 +445,10 @@ def cmd_deploy(args) -> int:
     if args.requests < 2:
         raise CliError("--requests must be at least 2", 2)
     report = run_deploy(ensure_model(args.model), args.out, args.hours, args.requests, args.seed, args.scale)
-    print(json.dumps(report.__dict__, indent=2, default=str) if args.json else report.summary())
+    if args.json:
+        print(json.dumps(report.__dict__, indent=2, default=str))
+    else:
+        print(report.summary())
+        print(f"report: {os.path.join(args.out, 'deploy-report.json')} and {os.path.join(args.out, 'summary.txt')}")
+        print(f"data:   {args.out}/ (the two satellites' traces, bus logs and payload data)", flush=True)
     return 0 if report.completed == report.requests else 1

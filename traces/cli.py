@@ -99,7 +99,44 @@ def format_info(path: Path | str, trace) -> str:
 # ------------------------------------------------------------------------------------ commands
 
 
+def format_catalog(rows: list[dict]) -> str:
+    """The `trace-info` listing without a TRACE: one line per shipped trace."""
+    lines = [f"{'TRACE':<14} {'DURATION':>10} {'WINDOWS':>7} {'CUTS':>5} {'DUTY':>6}  DESCRIPTION"]
+    for r in rows:
+        hours = f"{r['duration_s'] / 3600:.2f} h" if r["duration_s"] >= 3600 else f"{_seconds(r['duration_s'])} s"
+        first = r["description"].split(". ")[0]
+        lines.append(
+            f"{r['trace']:<14} {hours:>10} {r['windows']:>7} {r['cuts']:>5} {100 * r['duty_cycle']:>5.1f}%  "
+            f"{first[:60]}{'...' if len(first) > 60 else ''}"
+        )
+    lines.append("ow hil trace-info TRACE: one trace in full (windows, cuts by cause, warnings)")
+    return "\n".join(lines)
+
+
+def _catalog() -> list[dict]:
+    rows = []
+    for name in SHIPPED_NAMES:
+        path, trace = _load(name)
+        s = trace.stats()
+        rows.append(
+            {
+                "trace": name,
+                "path": str(path),
+                "duration_s": s.duration_s,
+                "windows": s.windows,
+                "cuts": s.cuts,
+                "duty_cycle": s.duty_cycle,
+                "description": trace.description,
+            }
+        )
+    return rows
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
+    if args.trace is None:  # the shipped traces, to choose one from
+        rows = _catalog()
+        print(json.dumps(rows, indent=2) if args.json else format_catalog(rows))
+        return 0
     path, trace = _load(args.trace)
     if args.json:
         out = {"trace": trace.name, "path": str(path), **trace.stats().as_dict()}
@@ -257,11 +294,18 @@ def register_trace_commands(subparsers: Any) -> None:
     shipped = ", ".join(SHIPPED_NAMES)
     p = subparsers.add_parser(
         "trace-info",
-        help="print a trace's statistics",
-        description="Print a trace's statistics: duration, windows, cuts by cause, window lengths, "
+        help="list the shipped traces, or print one trace's statistics",
+        description="Without TRACE: list the shipped traces (name, duration, windows, cuts, duty cycle, what "
+        "each is). With TRACE: print its statistics: duration, windows, cuts by cause, window lengths, "
         "warning leads, duty cycle.",
     )
-    p.add_argument("trace", metavar="TRACE", help=f"a trace file, or a shipped trace name ({shipped})")
+    p.add_argument(
+        "trace",
+        metavar="TRACE",
+        nargs="?",
+        default=None,
+        help=f"a trace file, or a shipped trace name ({shipped}); omitted: list the shipped traces",
+    )
     p.add_argument("--json", action="store_true", help="print the statistics as JSON")
     p.set_defaults(func=_cmd_info)
 

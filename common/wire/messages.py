@@ -341,6 +341,13 @@ class Rejected(Verification):
             task_id=task_id,
         )
 
+    @property
+    def not_yet(self) -> bool:
+        """RESULT_NOT_READY to a DOWNLINK_RESULT: the answer "this task has not finished yet" to a
+        valid query, not a fault. Not counted in ERROR_COUNT; the ground shows it as NOT_READY,
+        never as a rejection (wire-protocol.md §3.6)."""
+        return self.code == ResponseCode.RESULT_NOT_READY and self.tc_type == MessageType.DOWNLINK_RESULT
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Started(Verification):

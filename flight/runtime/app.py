@@ -623,7 +623,14 @@ class FlightApp(CommandHandlers):
         self.send(m.Accepted.about(request, **fields))
 
     def _reject(self, report: m.Rejected, code: ResponseCode) -> None:
-        """A rejection changes nothing to protect: its counter is saved with the next write."""
+        """A rejection changes nothing to protect: its counter is saved with the next write.
+        RESULT_NOT_READY to a DOWNLINK_RESULT is the answer "not yet" to a valid query about a
+        task that has not finished (a ground waiting for a result asks it), not a fault: it is
+        neither counted in ERROR_COUNT nor logged as a rejection (docs/wire-protocol.md)."""
+        if report.not_yet:
+            self.log.info("result_not_ready", reason=report.reason)
+            self.send(report)
+            return
         with self.state.lock:
             self.state.counters.error_count += 1
             self.state.dirty = True

@@ -19,9 +19,12 @@ class ResultStore(TaskTracker):
     def result(
         self, task_id: str, *, wait: bool = False, max_wait_s: float | None = None, poll_s: float = 30.0
     ) -> m.TaskResult:
-        """DOWNLINK_RESULT -> TASK_RESULT. With `wait`, a task not finished yet is waited for:
-        its COMPLETED (then asked again), FAILED (CommandRejected, failed=True), or `poll_s`
-        passing (asked again, in case the COMPLETED was missed). Saves the result locally."""
+        """DOWNLINK_RESULT -> TASK_RESULT. With `wait`, a task not finished yet is waited for
+        without asking again while it runs: its COMPLETED (then asked again), its FAILED
+        (CommandRejected, failed=True), or `poll_s` passing with nothing heard about the task (no
+        report, no event naming it: asked again, in case its COMPLETED was missed). So a running
+        task answers RESULT_NOT_READY once, not once per poll (wire-protocol.md §3.6). Saves the
+        result locally."""
         task_id = check_operator_name(task_id, "task id")
         self._track_task(task_id)
         deadline = None if max_wait_s is None else time.monotonic() + max_wait_s
@@ -51,28 +54,39 @@ class ResultStore(TaskTracker):
                 if seen is not None and seen[0] > completed_acted_on:
                     completed_acted_on = seen[0]  # completed meanwhile: ask again at once
                     continue
-                mark = self._arrivals
-
-                def final_report(mark: int = mark) -> m.Verification | None:
-                    return self._after(self._task_final.get(task_id), mark)
-
-                final = self._wait(final_report, self._until(deadline, poll_s))
-                if isinstance(final, m.Failed):
-                    raise CommandRejected(f"task {task_id}", final.code, final.reason, failed=True) from None
+                self._follow_task(task_id, deadline, poll_s)
             except NoAnswer as exc:
                 if not wait:
                     raise
                 if not said_silent:
                     self._notify(f"{exc}; still waiting")
                     said_silent = True
+                # The DOWNLINK_RESULT waits at the bus for the payload's next power-up; more of
+                # them would only queue there. Follow the task instead, as while it runs.
+                self._follow_task(task_id, deadline, poll_s)
             if deadline is not None and time.monotonic() >= deadline:
                 raise NoAnswer(f"task {task_id}: no result within {max_wait_s:g} s")
 
-    @staticmethod
-    def _until(deadline: float | None, poll_s: float) -> float:
-        if deadline is None:
-            return poll_s
-        return max(0.0, min(poll_s, deadline - time.monotonic()))
+    def _follow_task(self, task_id: str, deadline: float | None, poll_s: float) -> None:
+        """Pump packets until the task's COMPLETED or FAILED arrives (FAILED raises), `poll_s`
+        passes with nothing heard about the task, or the deadline."""
+        mark = self._arrivals
+        since = time.monotonic()
+
+        def done() -> object | None:
+            final = self._after(self._task_final.get(task_id), mark)
+            if final is not None:
+                return final
+            now = time.monotonic()
+            if now - max(since, self._task_heard.get(task_id, since)) >= poll_s:
+                return "quiet"
+            if deadline is not None and now >= deadline:
+                return "deadline"
+            return None
+
+        final = self._wait(done, float("inf"))
+        if isinstance(final, m.Failed):
+            raise CommandRejected(f"task {task_id}", final.code, final.reason, failed=True) from None
 
     def _store_result(self, result: m.TaskResult) -> None:
         record = to_jsonable(result)

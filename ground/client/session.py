@@ -8,6 +8,7 @@ comes back: every wait has a timeout."""
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from typing import Any, Self
 import zmq
 
 from common import log
-from common.wire import Apid, MessageType, NodeId, RequestRef, ResponseCode
+from common.wire import Apid, EventId, MessageType, NodeId, RequestRef, ResponseCode
 from common.wire import messages as m
 from common.wire.ids import DEFAULT_CHUNK_DATA_BYTES
 from common.wire.link import Endpoints, KeyLayout, station_source_id
@@ -36,6 +37,10 @@ DEFAULT_MAX_NEW_TOKENS = 64
 REPORT_MEMORY = 65536
 #: Rejections that mean "our sequence counter is off", fixed by resynchronising and resending.
 RESYNC_CODES = (ResponseCode.REPLAYED_SEQUENCE, ResponseCode.SEQUENCE_TOO_FAR_AHEAD)
+
+
+#: the count in a TASK_RESUMED event's text (flight/runtime/app.py writes "resumed after N cut(s)")
+_RESUMED_AFTER = re.compile(r"resumed after (\d+) cut")
 
 
 def request_dict(ref: RequestRef) -> dict:
@@ -111,6 +116,9 @@ class CommandSession:
         self._task_requests: dict[RequestRef, str] = {}
         self._refused_by_bus: set[RequestRef] = set()
         self._watched: dict[str, tuple] = {}
+        #: when something about a task last arrived (a report or an event naming it): a task
+        #: still heard from is not asked about again while it runs (ResultStore.result)
+        self._task_heard: dict[str, float] = {}
         self.payload_on: bool | None = None
         self.power_cause: str | None = None
         self.observers: list[Callable[[Telemetry], None]] = []
@@ -157,6 +165,11 @@ class CommandSession:
                 task_id = msg.task_id or self._task_requests.get(msg.request)
                 if task_id is not None:
                     self._note_task_report(n, task_id, msg)
+        elif isinstance(msg, m.Event):
+            if msg.task_id is not None:
+                self._task_heard[msg.task_id] = time.monotonic()
+                if msg.task_id in self._watched:
+                    self._note_task_event(msg.task_id, msg)
         elif isinstance(msg, m.ImageStatus):
             self._image_status[msg.image] = (n, msg)
         elif isinstance(msg, m.Pong):
@@ -176,8 +189,23 @@ class CommandSession:
         for observer in self.observers:
             observer(packet)
 
+    def _note_task_event(self, task_id: str, event: m.Event) -> None:
+        """A watched task's start, or its resume after a power cut: the payload's TASK_STARTED /
+        TASK_RESUMED event says which (its STARTED report is the same for both), and the
+        resume's text how many cuts the task has had ("task t-x resumed after 2 cut(s)")."""
+        if event.event_id == EventId.TASK_STARTED:
+            text = f"task {task_id}: started"
+        elif event.event_id == EventId.TASK_RESUMED:
+            cuts = _RESUMED_AFTER.search(event.text)
+            text = f"task {task_id}: resumed after cut {cuts.group(1)}" if cuts else f"task {task_id}: resumed"
+        else:
+            return
+        self._watched[task_id] = ("run", event.event_id, event.text)  # the phases print again after it
+        self._notify(text)
+
     def _note_task_report(self, n: int, task_id: str, msg: m.Verification) -> None:
         """Reports about a task's execution: they refer to its UPLINK_TASK's request id."""
+        self._task_heard[task_id] = time.monotonic()
         if isinstance(msg, (m.Completed, m.Failed)):
             self._task_final[task_id] = (n, msg)
             if self.state.task(task_id) is not None:  # one of ours: keep the task list current
@@ -188,10 +216,7 @@ class CommandSession:
                     self.state.update_task(task_id, state=state, code=msg.code.name, reason=msg.reason)
         if task_id in self._watched:
             key: tuple
-            if isinstance(msg, m.Started):
-                key = ("started",)
-                text = f"task {task_id}: started"
-            elif isinstance(msg, m.Progress):
+            if isinstance(msg, m.Progress):
                 key = (str(msg.phase), msg.done == msg.total)
                 text = f"task {task_id}: {msg.phase} {msg.done}/{msg.total}"
             else:

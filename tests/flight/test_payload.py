@@ -60,6 +60,23 @@ def test_task_round_trip_and_bad_input(bus, flight, tmp_path, model_dirs):
             task_id="t1", prompt="count the ships", images=["first.png", "second.png"], max_new_tokens=5, priority=1
         )
     )
+
+    # Asked for its result while it runs, the payload answers "not yet": no fault, not counted
+    # among the rejected commands (wire-protocol.md §3.6; issue 33: a waiting ground's polls
+    # showed as "rejected or failed" in ow ground status).
+    def error_count() -> int:
+        mark = len(bus.received)
+        bus.command(m.Status())
+        return bus.wait_for(lambda h, x: isinstance(x, m.Housekeeping), 30, start=mark)[1].error_count
+
+    errors_before = error_count()
+    early = bus.command(m.DownlinkResult(task_id="t1"))
+    answer = bus.wait_for(
+        lambda h, x: (isinstance(x, m.Rejected) and x.tc_seq == early) or isinstance(x, m.TaskResult), 120
+    )[1]
+    if isinstance(answer, m.Rejected):  # (a task that finished first answers its result: nothing to check)
+        assert answer.code == ResponseCode.RESULT_NOT_READY and answer.not_yet
+        assert error_count() == errors_before
     bus.wait_for(lambda h, msg: isinstance(msg, m.Completed) and msg.task_id == "t1" and msg.tc_seq == seq, 120)
     result = bus.wait_for(lambda h, msg: isinstance(msg, m.TaskResult) and msg.task_id == "t1")[1]
     assert len(result.token_ids) == 5

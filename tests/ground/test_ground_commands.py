@@ -10,7 +10,7 @@ import pytest
 from ground_test_peer import RESULT_TEXT
 from ground_testkit import link_args
 
-from common.wire import EventId, FdirMode, MessageType, PowerCause, ResponseCode
+from common.wire import EventId, FdirMode, MessageType, PowerCause, ResponseCode, TaskPhase
 from common.wire import messages as m
 from common.wire.link import bind_station
 from ground.state import GroundState
@@ -307,3 +307,81 @@ def test_events_reasons_and_quarantine_entries_are_escaped(ow, keys, peer):
     assert listing.code == 0, listing.err
     _no_hidden(listing.out)
     assert listing.out.splitlines() == [f"task:t-2\\u202e  3 exit(s)  {SPOOF_LINE}"]
+
+
+ROUTINE = [
+    (m.FdirReport(trace_time_s=1, mode=FdirMode.NOMINAL, fault_count=0, last_fault=None), True),
+    (m.Event(event_id=EventId.TASK_STARTED, text="task t-2 started", task_id="t-2"), False),
+]
+
+
+def test_events_prints_routine_fdir_only_when_it_changes(ow, keys, peer):
+    # The bus's once-a-second "FDIR mode nominal, 0 faults" was 65 % of what --follow printed.
+    stop = peer.start_publishing(ROUTINE, every_s=0.1)
+    try:
+        quiet = ow("ground", "events", *link_args(keys, peer), "--duration", "1.5")
+        every = ow("ground", "events", *link_args(keys, peer), "--duration", "1.0", "--all")
+    finally:
+        stop.set()
+    assert quiet.code == 0 and every.code == 0, quiet.err + every.err
+    lines = quiet.out.splitlines()
+    assert sum(" FDIR " in line for line in lines) == 1, quiet.out
+    assert sum("TASK_STARTED" in line for line in lines) >= 5  # everything else as before
+    assert sum(" FDIR " in line for line in every.out.splitlines()) >= 5, every.out
+    # nothing is lost: the archive holds every FDIR report the first run received
+    archived = [json.loads(line) for line in (keys.state_dir / "telemetry.jsonl").read_text().splitlines()]
+    first_run = [e for e in archived if e["n"] <= int(lines[-1].split()[0][1:])]
+    assert sum(e["type"] == "FDIR" for e in first_run) >= 5
+    # a change is printed at once, whatever came before
+    from ground.report import RoutineFilter
+
+    routine = RoutineFilter()
+    nominal = {"mode": "nominal", "fault_count": 0, "last_fault": None}
+    assert routine.show("FDIR", nominal, 0.0) and not routine.show("FDIR", nominal, 1.0)
+    assert routine.show("FDIR", dict(nominal, fault_count=1, last_fault="bus undervoltage"), 2.0)
+    assert routine.show("POWER", {"payload_on": True}, 0.0) and not routine.show("POWER", {"payload_on": True}, 30)
+    assert routine.show("POWER", {"payload_on": False}, 31) and routine.show("POWER", {"payload_on": False}, 95)
+
+
+def test_results_wait_follows_a_running_task_without_asking_again_and_names_its_resumes(ow, keys, peer, pictures):
+    # issue 33: --wait asked DOWNLINK_RESULT every --poll seconds; each RESULT_NOT_READY answer
+    # counted as "rejected or failed" in status and read PAYLOAD REJECTED in events, and after a
+    # cut its progress said "started" again
+    peer.task_run_s = 2.5
+    task_id = uplinked_task(ow, keys, peer, pictures)
+    request = peer.tasks[task_id]["request"]
+    running = [
+        (m.Started.about(request, task_id=task_id), False),
+        (m.Event(event_id=EventId.TASK_RESUMED, text=f"task {task_id} resumed after 2 cut(s)", task_id=task_id), False),
+        (m.Progress.about(request, task_id=task_id, phase=TaskPhase.PREFILL, done=2, total=4), False),
+    ]
+    stop = peer.start_publishing(running, every_s=0.1)  # a task the payload is running, heard from
+    try:
+        result = ow("ground", "results", task_id, "--wait", "--poll", "0.5", *link_args(keys, peer))
+    finally:
+        stop.set()
+    assert result.code == 0, result.err
+    asked = [msg for _, _, msg in peer.commands if isinstance(msg, m.DownlinkResult)]
+    assert len(asked) == 2, result.err  # once (not ready), once after its COMPLETED
+    assert f"task {task_id}: resumed after cut 2" in result.err
+    assert f"task {task_id}: started" not in result.err
+
+
+def test_the_not_yet_answer_is_shown_as_not_ready_never_as_a_rejection():
+    from common.wire import RequestRef
+    from ground.report import NOT_READY, archived_line, describe, shown_type, to_jsonable
+
+    ref = RequestRef(apid=0x020, source_id=1, seq=5, message_type=int(MessageType.DOWNLINK_RESULT))
+    not_yet = m.Rejected.about(ref, code=ResponseCode.RESULT_NOT_READY, reason="task t-1 is running", task_id="t-1")
+    assert not_yet.not_yet and shown_type(not_yet) == NOT_READY
+    assert describe(not_yet).endswith("task t-1: not finished yet (task t-1 is running)")
+    entry = {"n": 7, "sent": "2026-12-05T05:00:00.000Z", "apid": 0x020, "type": "REJECTED", "text": describe(not_yet)}
+    entry["body"] = to_jsonable(not_yet)
+    assert " NOT_READY " in archived_line(entry) and "REJECTED" not in archived_line(entry)
+    # the same code to another command is a rejection as before
+    other = m.Rejected.about(
+        RequestRef(apid=0x020, source_id=1, seq=6, message_type=int(MessageType.CANCEL_TASK)),
+        code=ResponseCode.RESULT_NOT_READY,
+        reason="x",
+    )
+    assert not other.not_yet and shown_type(other) == "REJECTED"

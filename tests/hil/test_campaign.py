@@ -46,8 +46,17 @@ def test_short_campaign_end_to_end(model_dirs, tmp_path):
         boot_trace_s=1.0,
     )
     short = _short_trace(tmp_path / "short.jsonl")
-    cells = run_campaign(base, [short, "demo"], ["orbitweaver", "none"], [0], say=lambda s: None, jobs=2)
+    first: list[str] = []
+    cells = run_campaign(base, [short, "demo"], ["orbitweaver", "none"], [0], say=first.append, jobs=2)
     assert len(cells) == 4
+    # what a person reads: how many runs, how to stop and go on, and counters in the order things
+    # happen (the first line of a 40-run campaign read 11/40: a run's place in the plan)
+    assert first[0].startswith("[campaign] 4 runs (2 trace(s) x 1 workload(s) x 1 seed(s) x 2 policy variant(s))")
+    assert first[0].endswith(": 4 to run") and "with --resume keeps every finished run" in first[1]
+    starting = [line.split(" starting:")[0] for line in first if " starting: " in line]
+    assert starting == [f"[campaign] run {k}/4" for k in range(1, 5)]
+    done = [line.split(" done:")[0] for line in first if " done: " in line]
+    assert done == [f"[campaign] {k}/4" for k in range(1, 5)]
     # no cadence named: each policy flies its default, and the label says which orbitweaver's is
     ours = "orbitweaver (adaptive)"
     assert {(c.policy, c.cadence, c.report.cadence) for c in cells} == {
@@ -97,7 +106,8 @@ def test_short_campaign_end_to_end(model_dirs, tmp_path):
     before = {log: log.stat().st_mtime_ns for log in logs}
     said: list[str] = []
     again = run_campaign(base, [short, "demo"], ["orbitweaver", "none"], [0], say=said.append, jobs=2, resume=True)
-    assert sum("kept from an earlier campaign" in line for line in said) == 4
+    assert sum("(kept from an earlier campaign)" in line for line in said) == 4
+    assert said[0].endswith("4 kept from an earlier campaign, 0 to run") and "starting" not in " ".join(said)
     assert {log: log.stat().st_mtime_ns for log in logs} == before
     assert [c.report.to_json() for c in again] == [c.report.to_json() for c in cells]
 
@@ -110,7 +120,9 @@ def test_short_campaign_end_to_end(model_dirs, tmp_path):
     (Path(cut_short.report_dir) / RUN_RECORD).unlink()
     said.clear()
     run_campaign(base, [short, "demo"], ["orbitweaver", "none"], [0], say=said.append, jobs=2, resume=True)
-    assert sum("kept from an earlier campaign" in line for line in said) == 3
+    assert sum("(kept from an earlier campaign)" in line for line in said) == 3
+    assert said[0].endswith("3 kept from an earlier campaign, 1 to run")
+    assert sum(line.startswith("[campaign] run 1/1 starting: ") for line in said) == 1
     log = Path(cut_short.report_dir) / "bus" / bl.LOG_FILE
     assert len(bl.runs(bl.read_log(log))) == 1  # one bus run in its log: the new one
     boots = [e for e in bl.read_log(log) if e.kind == bl.PAYLOAD_REPORT and e.get("event") == "BOOT"]

@@ -94,3 +94,20 @@ def test_python_dash_m_traces():
     )
     assert failed.returncode == 2
     assert failed.stderr.count("\n") == 1 and "error: nope: no such trace file" in failed.stderr
+
+
+def test_trace_info_without_a_trace_lists_the_shipped_ones(capsys):
+    # `ow hil run --help` sends the user here to find a trace name
+    assert run(["trace-info"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:4] == ["TRACE", "DURATION", "WINDOWS", "CUTS"]
+    from traces.catalog import SHIPPED_NAMES
+
+    rows = {line.split()[0]: line for line in lines[1:] if line.split()[0] in SHIPPED_NAMES}
+    assert set(rows) == set(SHIPPED_NAMES)
+    demo = load("demo").stats()
+    assert rows["demo"].split()[1:4] == ["300", "s", str(demo.windows)]
+    assert rows["trace-a"].split()[1:4] == [f"{load('trace-a').stats().duration_s / 3600:.2f}", "h", "103"]
+    assert run(["trace-info", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [d["trace"] for d in data] == list(SHIPPED_NAMES) and data[-1]["windows"] == demo.windows
