@@ -27,7 +27,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from bench import engine_overhead, recovery_latency, recovery_planner, sim_figures
+from bench import engine_overhead, real_size, recovery_latency, recovery_planner, sim_figures
 from bench import report as rep
 from common import log as owlog
 from common import machine
@@ -63,6 +63,7 @@ PARTS = (
     "validation",
     "repeats",
     "sim",
+    "real_size",
 )
 
 
@@ -318,7 +319,7 @@ def main(argv=None) -> int:
         "--parts",
         default=None,
         help="measure only these parts, comma-separated (overhead, bytes_energy, planner, recovery, "
-        "compression, e2e, e2e_plus, validation, repeats, sim); the report leaves out what is missing",
+        "compression, e2e, e2e_plus, validation, repeats, sim, real_size); the report leaves out what is missing",
     )
     p.add_argument(
         "--reuse",
@@ -484,6 +485,11 @@ def main(argv=None) -> int:
         "sim",
         "Figures 10-14 at the real model sizes (simulated)",
         writes_its_own(sim_figures.main, (["--quick"] if args.quick else []) + ["--out"]),
+    )
+    part(
+        "real_size",
+        "Real size on this CPU: Qwen3-VL-2B dimensions, killed twice in every phase, and the simulator",
+        writes_its_own(real_size.main, ["--out", os.path.join(out, "real-size"), "--json"]),
     )
     data["elapsed_s"] = time.time() - t0
     with open(os.path.join(out, "bench.json"), "w") as f:
@@ -660,6 +666,15 @@ def _engine_sections(out: str, d: dict) -> list:
                 f"| {r.get('model', '')} | {r['frontier']} | {r['progress']:.0%} | {r['chunk-first']:.3f} | "
                 f"{r['layer-first']:.3f} | {r['optimal']:.3f} |"
             )
+    if "real_size" in d:
+        lines += [
+            "",
+            "## Real size on this CPU (bench/real_size.py)",
+            "",
+            "```",
+            *real_size.summary(d["real_size"]),
+            "```",
+        ]
     if "compression" in d:
         c = d["compression"]
         lines += [

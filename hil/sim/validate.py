@@ -466,6 +466,8 @@ def _run_platform(facts: dict, commit_latency_s: float, unit: dict | None = None
         unit_s=unit or {},
         burst_bytes=4 << 20,
         data_weight=data_weight,
+        # the disk's own write rate where a run measured it (bench/real_size.py); else the default
+        native_write_bytes_per_s=facts.get("native_write_bytes_per_s") or 1.0e9,
     )
     platform.process_start_s = facts.get("process_start_trace_s") or 0.0
     return platform
