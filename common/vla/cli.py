@@ -820,7 +820,8 @@ def register(subparsers) -> None:
     p.add_argument(
         "--experiments",
         help="comma-separated subset of: single, policies, traffic, ilp, multi, inter-gpu, calibration "
-        "(the SLO factor fitted to the paper's 18-robot anchor for each unpinned setting, then 8 x 4 at each); "
+        "(the SLO factor fitted to the paper's 18-robot anchor for each unpinned setting, then 8 x 4 at each), "
+        "early-release (actions released when their ADiT ends, not at the lockstep barrier); "
         "default: all",
     )
     p.add_argument("--json", help="also write the measured numbers to this JSON file")

@@ -87,11 +87,18 @@ class SystemConfig:
     step_admission: bool = True
     handoff_ms: float = 1.0  # orchestrator hop between stage workers (queue + shared-memory connector)
     link_gbs: float = 50.0  # inter-GPU copy bandwidth (PCIe 5.0 x16, effective)
+    # Beyond the paper (robion only): a request whose ADiT ran in a lockstep gets its action when
+    # its ADiT stream finishes, not at the lockstep's barrier (the slower VLM stream's end). Safe:
+    # the two streams serve different requests, so the action is final once its ADiT is done;
+    # the GPU still starts the next lockstep at the barrier (docs/vla.md "Early release").
+    early_release: bool = False
 
     @property
     def label(self) -> str:
         if self.kind == "dis":
             return f"dis-{len(self.vlm_gpus)}:{len(self.adit_gpus)}"
+        if self.kind == "robion" and self.early_release:
+            return "robion-early-release"
         if self.kind == "robion" and self.sm_mode == "static":
             return "robion-static-sm"
         return {"robion": "robion", "monolithic": "monolithic", "omni": "vllm-omni-style"}[self.kind]
@@ -200,8 +207,10 @@ class LockstepGpu:
         scheduler: LockstepScheduler | SequentialScheduler,
         profile: ProfileTable,
         respond: Callable[[VlaRequest], None],
+        early_release: bool = False,
     ):
         self.loop, self.scheduler, self.profile, self.respond = loop, scheduler, profile, respond
+        self.early_release = early_release
         self.busy = False
         self.locksteps = 0
 
@@ -221,10 +230,17 @@ class LockstepGpu:
             return
         self.busy = True
         self.locksteps += 1
-        self.loop.at(self.loop.now + self.profile.plan_ms(plan) / 1e3, self._finish, plan)
+        self.loop.at(self.loop.now + self.profile.plan_ms(plan) / 1e3, self._finish, plan, self.loop.now)
 
-    def _finish(self, plan) -> None:
-        for r in self.scheduler.complete(plan, self.loop.now):
+    def _finish(self, plan, started: float) -> None:
+        done = self.scheduler.complete(plan, self.loop.now)
+        if self.early_release and done and not plan.sequential and plan.vlm is not None and plan.adit is not None:
+            entry = self.profile.lockstep(
+                plan.vlm.arch, plan.vlm.padded_size, plan.adit.arch, plan.adit.padded_size, share=plan.vlm_share
+            )
+            for r in done:  # the action leaves when its ADiT stream ends, at most at the barrier
+                r.done_at = min(self.loop.now, started + entry.adit_ms / 1e3)
+        for r in done:
             self.respond(r)
         self._start()
 
@@ -477,7 +493,7 @@ def simulate(
                 )
                 if on_scheduler is not None:
                     on_scheduler(g, sched)
-                srv = LockstepGpu(loop, sched, profile, respond)
+                srv = LockstepGpu(loop, sched, profile, respond, early_release=system.early_release)
                 gpu_servers.append(srv)
                 for m in hosted:
                     targets[(m, g)] = srv.arrive
