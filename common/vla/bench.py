@@ -60,7 +60,11 @@ class BenchSettings:
     @classmethod
     def quick(cls) -> BenchSettings:
         return cls(
-            epochs=5, duration_s=6.0, max_batches=(1, 2, 4), seeds=(0, 1), controller=ControllerSettings(epochs=10)
+            epochs=5,
+            duration_s=6.0,
+            max_batches=(1, 2, 4),
+            seeds=(0, 1),
+            controller=ControllerSettings(epochs=10, replay_epochs=5),
         )
 
     def workload(self, robots: dict[str, int], seed: int | None = None) -> sim.Workload:
@@ -627,8 +631,13 @@ def run_bench(
         mb = {m: arch_mb[model_spec(m).arch] for m in EIGHT_MODELS}
         cs = settings.controller
         rep.add(
-            f"== Traffic controller: co-location limits at {cs.plan_target:.1%} for every model, worst of "
-            f"{cs.check_draws} draws ({cs.epochs} epochs x {cs.duration_s:g} s in all, seeds from {cs.seed}); "
+            f"== Traffic controller: co-location limits at {cs.plan_target:.1%} for every model ("
+            + (
+                f"one-sided {cs.confidence:.0%} prediction bound for a {cs.replay_epochs}-epoch replay, from "
+                if cs.acceptance == "prediction"
+                else "worst of "
+            )
+            + f"{cs.check_draws} draws, {cs.epochs} epochs x {cs.duration_s:g} s in all, seeds from {cs.seed}); "
             f"plans checked the same way =="
         )
         controller = TrafficController.calibrate(profile, EIGHT_MODELS, mb, cs, progress=rep.add)

@@ -107,3 +107,18 @@ def test_identical_failing_gpus_derate_once_and_plans_do_not_inherit(profile):
     assert controller.limits["pi0"] == (measured,)  # the measured limits are untouched
     again = controller.plan(placement, robots)
     assert again.learned == plan.learned  # no carry-over: the same plan from the same start
+
+
+def test_the_acceptance_is_a_prediction_bound_over_epochs():
+    from common.vla.controller import prediction_bound
+
+    # no spread: the bound is the mean; a spread lowers it by t * sd * sqrt(1/n + 1/replay)
+    assert prediction_bound([1.0] * 10, 20, 0.95) == 1.0
+    draws = [1.0, 0.98, 0.99, 1.0, 0.97, 1.0, 0.99, 1.0, 1.0, 0.99]
+    mean, sd = 0.992, 0.010328
+    expected = mean - 1.833113 * sd * (1 / 10 + 1 / 20) ** 0.5  # t(0.95, 9) = 1.833
+    assert prediction_bound(draws, 20, 0.95) == pytest.approx(expected, abs=1e-5)
+    assert prediction_bound(draws, 20, 0.99) < prediction_bound(draws, 20, 0.95)  # more confidence, lower
+    assert prediction_bound(draws, 5, 0.95) < prediction_bound(draws, 50, 0.95)  # a short replay swings more
+    with pytest.raises(ValueError):
+        ControllerSettings(acceptance="average")

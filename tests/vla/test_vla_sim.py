@@ -103,7 +103,11 @@ def test_early_release_only_moves_actions_earlier_and_helps_a_mixed_gpu():
 
     def both(robots):
         return [
-            sim.simulate(sim.robion(max_batch=mb, early_release=e), sim.Workload(robots, epochs=10, duration_s=10.0, seed=0), prof)
+            sim.simulate(
+                sim.robion(max_batch=mb, early_release=e),
+                sim.Workload(robots, epochs=10, duration_s=10.0, seed=0),
+                prof,
+            )
             for e in (False, True)
         ]
 
