@@ -9,11 +9,19 @@ the payload was powered and connected. The full size is `python -m bench.redteam
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
 from hil import buslog as bl
-from hil.chaos import FAULT_KINDS, INJECTED_KINDS, ChaosCampaign, _connected_throughout, plan_faults
+from hil.chaos import (
+    FAULT_KINDS,
+    INJECTED_KINDS,
+    ChaosCampaign,
+    StorageControl,
+    _connected_throughout,
+    plan_faults,
+)
 from hil.redteam import RunLogTail, TaskShape
 
 
@@ -124,3 +132,28 @@ def test_the_campaign_follows_its_run_log_across_a_rotation_and_a_torn_line(tmp_
     assert [e.n for e in tail.read()] == [6]
     assert (tail.trace_cuts, tail.last_trace_s) == (2, 6.0)
     tail.close()
+
+
+def test_the_faults_left_when_the_trace_runs_out_of_cuts_follow_each_other(tmp_path):
+    """Bus restarts skip the cuts of the windows the bus was killed in, so the trace can reach its
+    last window (power on for good) before the plan's cuts are done. The injector schedules its
+    faults by cuts; once no cut can come it must inject the rest one after another (it waited
+    for cuts there, and a 500-fault campaign hung until stopped by hand)."""
+    campaign = ChaosCampaign(str(tmp_path), str(tmp_path), faults=12)
+    campaign.gap_s = (0.0, 0.0)
+    campaign.storage = StorageControl(str(tmp_path / "storage-faults.json"), str(tmp_path / "payload"))
+    campaign.log = RunLogTail(str(tmp_path / "none.jsonl"))
+    campaign.log.trace_cuts = 1  # of the plan's campaign.kills
+    campaign.settle_start = 50.0
+    campaign.log.last_trace_s = 60.0  # in the last window
+    campaign.commissioned.set()
+    done: list[str] = []
+    for kind in set(campaign.plan.injected):
+        setattr(campaign, f"_inject_{kind}", lambda rng, kind=kind: done.append(kind))
+    injector = threading.Thread(target=campaign._inject, daemon=True)
+    injector.start()
+    injector.join(timeout=60)
+    alive = injector.is_alive()
+    campaign.halt.set()
+    assert not alive and campaign.injector_done.is_set()
+    assert sorted(done) == sorted(campaign.plan.injected)
