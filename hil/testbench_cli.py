@@ -337,7 +337,13 @@ def cmd_run(args) -> int:
         raise CliError(str(exc), 2) from None
     except ModelError as exc:  # one the weight check cannot see (a tensor missing): the reference run's load
         raise CliError(str(exc), EXIT_MODEL) from None
-    print(json.dumps(report.to_json(), indent=2) if args.json else report.summary())
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        print(report.summary())
+        print(f"report: {os.path.join(args.out, 'report.json')} and {os.path.join(args.out, 'summary.txt')}")
+        bus = os.path.join(args.out, "bus")
+        print(f"data:   {bus}/ (the bus log, which `ow hil replay` re-drives, and the payload's)")
     return 0 if report.completion_rate == 1.0 and report.all_correct else 1
 
 
