@@ -385,7 +385,8 @@ def run_campaign(
             stop.set()
             raise
     done = [c for c in cells if c is not None]
-    write_report(out, done)
+    if not stop.is_set():  # stopped: each finished run already rewrote the report; keep it as is
+        write_report(out, done)
     return done
 
 
