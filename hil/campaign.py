@@ -263,14 +263,21 @@ def run_campaign(
     max_new_tokens: int | None = None,
     resume: bool = False,
     slots: RunSlots | None = None,
+    stop: threading.Event | None = None,
 ) -> list[CampaignCell]:
     """Every trace x workload x seed x policy variant; `jobs` runs at once (each is a bus, a
     payload and a ground link of its own), the first traces' first, or as many as `slots` gives,
     shared with the other campaigns given the same slots. Without `workloads`,
     `base.workload` (or its request count) is the only one. With `resume`, a run that an earlier
     campaign into the same directory finished with the same configuration is kept as it was
-    (`kept_run`), not run again: a campaign of hours that was stopped goes on where it stopped."""
+    (`kept_run`), not run again: a campaign of hours that was stopped goes on where it stopped.
+
+    `stop` set (a Ctrl-C: KeyboardInterrupt here sets it too) ends the campaign: no run starts any
+    more, and a run that ends after it is not recorded as finished (a Ctrl-C in a terminal also
+    reaches each run's bus, which stops early: that run's report is not what the run would have
+    measured, so --resume runs it again). KeyboardInterrupt is raised once the runs under way end."""
     out = Path(base.out_dir)
+    stop = stop or threading.Event()
     cadences = cadences or [resolve_cadence("orbitweaver", base.cadence)]
     plan = []
     no_workload: list[str | None] = [None]  # the base config's own workload
@@ -338,6 +345,8 @@ def run_campaign(
             slots.acquire(rank[index])
         try:
             if kept is None:
+                if stop.is_set():
+                    return
                 with lock:
                     counts["started"] += 1
                     say(f"[campaign] run {counts['started']}/{to_run} starting: {what}")
@@ -345,6 +354,8 @@ def run_campaign(
                 # an earlier campaign run again. A run starts from nothing, never on top of it.
                 shutil.rmtree(cfg.out_dir, ignore_errors=True)
                 report = _started_one_at_a_time(slots.starting, cfg)
+                if stop.is_set():
+                    return  # cut short by the stop: not a finished run
                 _keep_run(cfg, report)
             else:
                 report = kept
@@ -366,10 +377,16 @@ def run_campaign(
     rank = [(traces_.index(trace), -cfg.requests, i) for i, (trace, *_, cfg) in enumerate(plan)]
     order = sorted(range(len(plan)), key=rank.__getitem__)
     with ThreadPoolExecutor(max_workers=max(1, len(plan))) as pool:
-        for future in [pool.submit(run_one, i) for i in order]:
-            future.result()
+        try:
+            for future in [pool.submit(run_one, i) for i in order]:
+                future.result()
+        except KeyboardInterrupt:
+            # Leaving the pool waits for every thread: the runs waiting for a slot must not start.
+            stop.set()
+            raise
     done = [c for c in cells if c is not None]
-    write_report(out, done)
+    if not stop.is_set():  # stopped: each finished run already rewrote the report; keep it as is
+        write_report(out, done)
     return done
 
 

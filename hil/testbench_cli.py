@@ -11,6 +11,8 @@ import argparse
 import json
 import math
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -337,7 +339,13 @@ def cmd_run(args) -> int:
         raise CliError(str(exc), 2) from None
     except ModelError as exc:  # one the weight check cannot see (a tensor missing): the reference run's load
         raise CliError(str(exc), EXIT_MODEL) from None
-    print(json.dumps(report.to_json(), indent=2) if args.json else report.summary())
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        print(report.summary())
+        print(f"report: {os.path.join(args.out, 'report.json')} and {os.path.join(args.out, 'summary.txt')}")
+        bus = os.path.join(args.out, "bus")
+        print(f"data:   {bus}/ (the bus log, which `ow hil replay` re-drives, and the payload's)")
     return 0 if report.completion_rate == 1.0 and report.all_correct else 1
 
 
@@ -373,6 +381,14 @@ def cmd_campaign(args) -> int:
         raise CliError(f"unknown workload {bad[0]!r} ({', '.join(WORKLOADS)})", 2)
     if args.jobs < 1:
         raise CliError("--jobs must be at least 1", 2)
+    stop = threading.Event()
+
+    def interrupted(signum, frame) -> None:
+        # at once, before the runs whose buses the same Ctrl-C stopped can be recorded as finished
+        stop.set()
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, interrupted)
     try:
         cells = run_campaign(
             _config(args, traces_[0], policies[0]),
@@ -385,23 +401,29 @@ def cmd_campaign(args) -> int:
             max_new_tokens=args.max_new_tokens,
             say=lambda line: print(line, flush=True),
             resume=args.resume,
+            stop=stop,
         )
     except KeyboardInterrupt:
         from hil.campaign import RUN_RECORD
 
         finished = len(list(Path(args.out).glob(f"runs/*/{RUN_RECORD}")))
         print(
-            f"[campaign] stopped: {finished} finished run(s) are kept in {args.out}; run the same command with "
-            "--resume to run the rest",
+            f"[campaign] stopped: {finished} finished run(s) are kept in {args.out} (runs cut short are not); "
+            "run the same command with --resume to run the rest",
             flush=True,
         )
         _print_campaign_outputs(args.out)
         return 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
     _print_campaign_outputs(args.out)
     return 0 if all(c.report.all_correct for c in cells if any(r.completed for r in c.report.requests)) else 1
 
 
 def _print_campaign_outputs(out: str) -> None:
+    if not os.path.exists(os.path.join(out, "report.md")):
+        print(f"report: none yet in {out} (no run finished)", flush=True)
+        return
     print(f"report: {os.path.join(out, 'report.md')} (with its plots, *.png)", flush=True)
     runs = os.path.join(out, "runs", "<run>")
     print(f"data:   {os.path.join(out, 'campaign.json')}; each run in {runs}/", flush=True)

@@ -111,6 +111,16 @@ def test_short_campaign_end_to_end(model_dirs, tmp_path):
     assert {log: log.stat().st_mtime_ns for log in logs} == before
     assert [c.report.to_json() for c in again] == [c.report.to_json() for c in cells]
 
+    # stopped (a Ctrl-C sets the event): no run starts, none is emptied or recorded
+    import threading
+
+    stopped = threading.Event()
+    stopped.set()
+    said.clear()
+    none = run_campaign(base, [short, "demo"], ["orbitweaver", "none"], [0], say=said.append, jobs=2, stop=stopped)
+    assert none == [] and not any("starting" in line for line in said)
+    assert {log: log.stat().st_mtime_ns for log in logs} == before
+
     # A run a stopped campaign cut short (its record not yet written) runs again from nothing:
     # not on top of the payload's queue and checkpoints it left, nor appending to its bus log.
     from hil import buslog as bl
