@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from common.durable import DurableFS, ThrottledFS, TokenBucket
 from common.errors import EXIT_OUT_OF_MEMORY, CliError, check_number
 from flight.checkpoint.policies import POLICIES, Geometry, Policy, get_policy
-from flight.options import EngineOptions, default_cadence, resolve_cadence
+from flight.options import DEFAULT_PLANNER, EngineOptions, default_cadence, resolve_cadence
 
 if TYPE_CHECKING:
     from flight.checkpoint.cadence import Cadence
@@ -86,7 +86,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help=f"vision blocks per vision checkpoint ({DEFAULT_GEOMETRY.vision_every})",
     )
-    group.add_argument("--planner", default="chunk-first", help="recovery planner (chunk-first, layer-first, ...)")
+    group.add_argument(
+        "--planner",
+        default=DEFAULT_PLANNER,
+        help=f"recovery planner of orbitweaver and the strengthened baselines: {DEFAULT_PLANNER} (default, "
+        "OrbitWeaver's own), chunk-first or layer-first; the paper-defined baselines restore as their "
+        "definitions say",
+    )
     group.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when present, else cpu")
     group.add_argument(
         "--dtype",

@@ -38,6 +38,7 @@ from common.wire import messages as m
 from flight.checkpoint.policies import Geometry
 from flight.cli_options import GEOMETRY_FLAGS
 from flight.model.inputs import build_inputs, decode_image
+from flight.options import DEFAULT_PLANNER
 from hil import buslog as bl
 from hil.campaign import SEED_TRACE_DIR, seed_trace_from_filename
 from hil.testbench import NOT_FINISHED, STOPPED_BY_LIMIT
@@ -49,8 +50,10 @@ from .platform import Platform, testbench_platform
 if TYPE_CHECKING:
     from flight.model.loader import LoadedModel
 
-#: `ow flight run`'s planner when its command line names none (flight/cli_options.py)
-PAYLOAD_DEFAULT_PLANNER = "chunk-first"
+#: `ow flight run`'s planner when its command line names none (flight/options.py). Until
+#: 2026-12-05 that was chunk-first: a bus run recorded before then without --planner is predicted
+#: with the wrong planner (the testbench and its campaigns always name theirs).
+PAYLOAD_DEFAULT_PLANNER = DEFAULT_PLANNER
 
 
 def commit_latency(directory: str, records: int = 20, nbytes: int = 64 << 10) -> float:
