@@ -381,6 +381,36 @@ def register(subparsers) -> None:
     )
     p.add_argument("task", metavar="TASK")
     p.add_argument("priority", type=int, metavar="P", help="0..255, higher runs first")
+    _register_console(leaf)
+
+
+def _register_console(leaf) -> None:
+    p = leaf(
+        "console",
+        "serve the web console for operators (timeline, tasks, events, telemetry, uplink)",
+        'Serve a live web console (docs/ground.md "Console"): pass timeline, tasks with their actions, events '
+        "and command history, telemetry plots with CSV export, and uplink. It is a ground client like these "
+        "commands, with the station's keys. On loopback by default; bound beyond loopback it refuses to start "
+        "without --token/--token-file and TLS (--tls-cert/--tls-key, or --tls-self-signed DIR, whose SHA-256 "
+        "fingerprint it prints). Serves until Ctrl-C.",
+        cmd_console,
+    )
+    p.add_argument("--host", default="127.0.0.1", metavar="ADDR", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8765, metavar="N", help="port (default: 8765; 0 picks a free one)")
+    p.add_argument("--token", default=None, metavar="TEXT", help="token that actions need (header X-Console-Token)")
+    p.add_argument("--token-file", default=None, metavar="FILE", help="read the token from FILE (first line)")
+    p.add_argument("--tls-cert", default=None, metavar="PEM", help="TLS certificate (with --tls-key)")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="TLS private key (with --tls-cert)")
+    p.add_argument(
+        "--tls-self-signed",
+        default=None,
+        metavar="DIR",
+        help="make (or reuse) a self-signed certificate in DIR and print its SHA-256 fingerprint",
+    )
+    p.add_argument("--read-only", action="store_true", help="serve the views only: every action is refused")
+    p.add_argument(
+        "--max-events", type=int, default=100_000, metavar="N", help="events the console keeps (default: 100000)"
+    )
 
 
 # --- plumbing ---------------------------------------------------------------------------------
@@ -878,4 +908,39 @@ def cmd_resend(args) -> int:
     else:
         sent = sum(i.chunks_sent for i in result.images)
         print(f"task {result.task_id}: images on board ({sent} chunk(s) sent again), task re-sent", flush=True)
+    return 0
+
+
+def cmd_console(args) -> int:
+    # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
+    from ground.console import ConsoleConfig, ConsoleSecurity, History, SecurityError
+    from ground.console.security import read_token_file, self_signed
+    from ground.console.server import run
+    from ground.state import GroundState
+
+    if not 0 <= args.port <= 65535:
+        raise LocalInputError("--port must be 0..65535")
+    if args.max_events < 1:
+        raise LocalInputError("--max-events must be >= 1")
+    try:
+        token = read_token_file(args.token_file) if args.token_file else args.token
+        cert, key = args.tls_cert, args.tls_key
+        if bool(cert) != bool(key):
+            raise SecurityError("--tls-cert and --tls-key go together")
+        if args.tls_self_signed and not cert:
+            cert, key, fingerprint = self_signed(args.tls_self_signed, args.host)
+            _notify(f"self-signed TLS certificate {cert}, SHA-256 fingerprint {fingerprint}")
+        security = ConsoleSecurity(host=args.host, token=token, read_only=args.read_only, tls_cert=cert, tls_key=key)
+        security.check_startup()
+    except SecurityError as exc:
+        raise LocalInputError(str(exc)) from None
+    state = GroundState(args.state_dir or KeyLayout(Path(_keys_dir(args))).state_dir)
+    config = ConsoleConfig(
+        client_factory=lambda **overrides: _client(args, **overrides),
+        security=security,
+        station=args.station,
+        state=state,
+        history=History(max_events=args.max_events),
+    )
+    run(config, args.port, announce=_notify)
     return 0

@@ -1,0 +1,190 @@
+"""What the console remembers of the telemetry link: bounded, and decimated on the way out.
+
+Events (every packet but the routine telemetry samples) sit in a ring of `max_events`; the
+numbers of POWER, THERMAL and HOUSEKEEPING reports go into per-series rings of `max_samples`;
+cuts, boots and power windows are derived as packets arrive. A view asks for a time range and a
+number of buckets and gets at most that many (min, max) pairs per series, so a 72-hour deployment
+costs the page the same as a minute of it, and the server's memory stays bounded whatever runs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import deque
+from typing import Any
+
+#: the telemetry series the console plots: (packet type, body field) -> series name
+SERIES: dict[tuple[str, str], str] = {
+    ("POWER", "battery_soc"): "battery_soc",
+    ("POWER", "bus_voltage_v"): "bus_voltage_v",
+    ("POWER", "payload_power_w"): "payload_power_w",
+    ("THERMAL", "payload_temp_c"): "payload_temp_c",
+    ("THERMAL", "bus_temp_c"): "bus_temp_c",
+    ("HOUSEKEEPING", "checkpoint_bytes"): "storage_used_bytes",
+    ("HOUSEKEEPING", "disk_free_bytes"): "disk_free_bytes",
+    ("HOUSEKEEPING", "queue_depth"): "queue_depth",
+    ("HOUSEKEEPING", "progress_done"): "progress_done",
+}
+#: reports that are samples of the series, not events an operator reads one by one
+SAMPLE_TYPES = {"POWER", "THERMAL", "HEARTBEAT"}
+
+
+class Series:
+    def __init__(self, capacity: int):
+        self.t: deque[float] = deque(maxlen=capacity)
+        self.v: deque[float] = deque(maxlen=capacity)
+
+    def add(self, t: float, v: float) -> None:
+        if self.t and t < self.t[-1]:
+            t = self.t[-1]  # keep time sorted: packets may arrive a little out of order
+        self.t.append(t)
+        self.v.append(v)
+
+    def window(self, t0: float, t1: float) -> tuple[list[float], list[float]]:
+        ts = list(self.t)
+        lo, hi = bisect.bisect_left(ts, t0), bisect.bisect_right(ts, t1)
+        vs = list(self.v)
+        return ts[lo:hi], vs[lo:hi]
+
+
+def decimate(ts: list[float], vs: list[float], t0: float, t1: float, buckets: int) -> list[list[float]]:
+    """At most 2 points per bucket: the min and the max, each at its own time, in time order, so
+    peaks and dips survive (a mean would hide the dip to zero that a cut is)."""
+    if len(ts) <= 2 * buckets or t1 <= t0:
+        return [[t, v] for t, v in zip(ts, vs, strict=True)]
+    width = (t1 - t0) / buckets
+    out: list[list[float]] = []
+    current, lo_i, hi_i = -1, -1, -1
+    for i, t in enumerate(ts):
+        b = min(int((t - t0) / width), buckets - 1)
+        if b != current:
+            if current >= 0:
+                out.extend([[ts[j], vs[j]] for j in sorted({lo_i, hi_i})])
+            current, lo_i, hi_i = b, i, i
+        else:
+            if vs[i] < vs[lo_i]:
+                lo_i = i
+            if vs[i] > vs[hi_i]:
+                hi_i = i
+    if current >= 0:
+        out.extend([[ts[j], vs[j]] for j in sorted({lo_i, hi_i})])
+    return out
+
+
+class History:
+    def __init__(self, max_events: int = 100_000, max_samples: int = 200_000):
+        self.lock = threading.Lock()
+        self.events: deque[dict] = deque(maxlen=max_events)
+        self.series = {name: Series(max_samples) for name in SERIES.values()}
+        self.cuts: deque[dict] = deque(maxlen=max_events)
+        self.boots: deque[float] = deque(maxlen=max_events)
+        self.windows: deque[list[Any]] = deque(maxlen=max_events)  # [on, off or None while on]
+        self.number = 0
+        self._warning: dict | None = None
+        self._doing: dict = {}
+        self.latest: dict[str, Any] = {}
+
+    def add(self, record: dict) -> dict | None:
+        """Take one packet record (ground.report.packet_record); returns what to push to pages
+        (None for samples, which the pages fetch decimated)."""
+        with self.lock:
+            return self._add(record)
+
+    def _add(self, record: dict) -> dict | None:
+        t = float(record["t"])
+        kind, body = record["type"], record.get("body") or {}
+        for (ptype, field), name in SERIES.items():
+            if ptype == kind and isinstance(body.get(field), int | float):
+                self.series[name].add(t, float(body[field]))
+        self.latest[kind] = {"t": t, "body": body}
+        if kind == "HOUSEKEEPING":
+            self._doing = {"task": body.get("current_task"), "phase": body.get("phase")}
+        elif kind == "SHUTDOWN_WARNING":
+            self._warning = {"t": t, "cause": body.get("cause"), "lead_s": body.get("lead_time_s")}
+        elif kind == "POWER_STATE":
+            if body.get("payload_on"):
+                self.windows.append([t, None])
+            else:
+                if self.windows and self.windows[-1][1] is None:
+                    self.windows[-1][1] = t
+                warning = self._warning
+                lead = round(t - warning["t"], 3) if warning else None
+                self.cuts.append(
+                    {
+                        "t": t,
+                        "cause": body.get("cause"),
+                        "after_fault": body.get("after_fault"),
+                        "warning_lead_s": lead,
+                        "warned_lead_s": warning["lead_s"] if warning else None,
+                        "task": self._doing.get("task"),
+                        "phase": self._doing.get("phase"),
+                    }
+                )
+                self._warning = None
+        elif kind == "EVENT" and body.get("event_id") == "BOOT":
+            self.boots.append(t)
+        if kind in SAMPLE_TYPES:
+            return None
+        self.number += 1
+        record = dict(record, n=self.number)
+        self.events.append(record)
+        return record
+
+    def events_page(self, after: int = 0, limit: int = 500, kinds: set[str] | None = None) -> list[dict]:
+        """Events numbered above `after`, oldest first, at most `limit` (the page pages back)."""
+        with self.lock:
+            found = []
+            for record in reversed(self.events):
+                if record["n"] <= after:
+                    break
+                if kinds and record["type"] not in kinds:
+                    continue
+                found.append(record)
+                if len(found) >= limit:
+                    break
+            return found[::-1]
+
+    def span(self) -> tuple[float, float]:
+        with self.lock:
+            starts = [s.t[0] for s in self.series.values() if s.t]
+            ends = [s.t[-1] for s in self.series.values() if s.t]
+            if self.events:
+                starts.append(self.events[0]["t"])
+                ends.append(self.events[-1]["t"])
+            return (min(starts), max(ends)) if starts else (0.0, 0.0)
+
+    def telemetry(self, t0: float, t1: float, buckets: int, names: list[str] | None = None) -> dict:
+        with self.lock:
+            out = {}
+            for name, series in self.series.items():
+                if names and name not in names:
+                    continue
+                ts, vs = series.window(t0, t1)
+                out[name] = decimate(ts, vs, t0, t1, buckets)
+            return out
+
+    def raw(self, t0: float, t1: float, names: list[str]) -> dict[str, tuple[list[float], list[float]]]:
+        with self.lock:
+            return {name: self.series[name].window(t0, t1) for name in names if name in self.series}
+
+    def timeline(self, t0: float, t1: float, limit: int = 2000) -> dict:
+        with self.lock:
+            cuts = [c for c in self.cuts if t0 <= c["t"] <= t1]
+            boots = [b for b in self.boots if t0 <= b <= t1]
+            windows = [w for w in self.windows if (w[1] is None or w[1] >= t0) and w[0] <= t1]
+            on = bool(self.windows) and self.windows[-1][1] is None
+
+        # Beyond `limit` marks the page could not tell them apart anyway: keep every n-th, say so.
+        def thin(items: list) -> list:
+            step = max(1, len(items) // limit + (1 if len(items) % limit else 0))
+            return items[::step]
+
+        return {
+            "cuts": thin(cuts),
+            "boots": thin(boots),
+            "windows": thin(windows),
+            "total_cuts": len(cuts),
+            "payload_on": on,
+            "doing": dict(self._doing),
+        }

@@ -1,0 +1,429 @@
+"""The console's aiohttp application.
+
+    GET  /                      the page (static/index.html)
+    GET  /static/<file>         its script, style and the vendored uPlot
+    GET  /api/info              read-only?, station, series names, time span
+    GET  /api/stream            server-sent events: every packet and command as it comes
+    GET  /api/events            events, paged (?after=N&limit=L&kind=A,B)
+    GET  /api/timeline          windows, cuts, boots in ?t0&t1 (thinned past 2,000 marks)
+    GET  /api/telemetry         series in ?t0&t1 decimated to ?buckets (min and max per bucket)
+    GET  /api/telemetry.csv     the same range, every sample (?series=a,b)
+    GET  /api/tasks             the station's tasks, their results, and the completion forecast
+    POST /api/uplink            multipart: prompt, max_new_tokens, priority, image (1..n)
+    POST /api/tasks/{id}/cancel | priority | resend,  POST /api/quarantine/{item}/release
+
+POSTs need the token and a same-origin `Origin` (security.py), and are refused on a
+`--read-only` console. Each action opens its own GroundClient, exactly as the CLI command does,
+so the same checks run and the same messages come back (HTTP 400 with the CLI's text).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import csv
+import io
+import json
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import BodyPartReader, web
+
+from ground.console.history import SERIES, History
+from ground.console.security import TOKEN_HEADER, ConsoleSecurity
+from ground.errors import GroundError, LocalInputError
+
+STATIC = Path(__file__).parent / "static"
+#: a page that stops reading is dropped (it reconnects and re-reads the history) rather than
+#: letting its backlog grow without bound in the server
+SUBSCRIBER_BACKLOG = 5000
+
+
+@dataclass
+class ConsoleConfig:
+    #: builds a GroundClient with the station's keys; keyword overrides as ground.cli._client takes
+    client_factory: Callable[..., Any]
+    security: ConsoleSecurity = field(default_factory=ConsoleSecurity)
+    station: str = ""
+    state: Any = None  # ground.state.GroundState
+    history: History = field(default_factory=History)
+    #: listen to the telemetry link (off in tests that feed the history themselves)
+    listen: bool = True
+
+
+class Hub:
+    """Fan-out of records to the pages' event streams."""
+
+    def __init__(self) -> None:
+        self.queues: set[asyncio.Queue] = set()
+
+    def publish(self, record: dict) -> None:
+        for queue in list(self.queues):
+            try:
+                queue.put_nowait(record)
+            except asyncio.QueueFull:
+                self.queues.discard(queue)
+
+
+def _record(packet: Any) -> dict:
+    from ground.report import describe, packet_record
+
+    record = packet_record(packet)
+    record["t"] = packet.received_at
+    record["sent_t"] = packet.header.time_us / 1e6  # the bus stamped it: bus-to-page latency starts here
+    record["text"] = describe(packet.message)
+    return record
+
+
+class Console:
+    def __init__(self, config: ConsoleConfig):
+        self.config = config
+        self.history = config.history
+        self.hub = Hub()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.stop = threading.Event()
+        self.commands: deque[dict] = deque(maxlen=10_000)
+        self.action_lock = asyncio.Lock()
+
+    # --- the telemetry link, in a thread (ZeroMQ receive blocks) -----------------------------
+    def ingest(self, record: dict) -> None:
+        """Called in the loop's thread: remember, then push to the pages."""
+        pushed = self.history.add(record)
+        self.hub.publish(pushed or record)
+
+    def _listen(self) -> None:
+        while not self.stop.is_set():
+            try:
+                with self.config.client_factory(commands=False, notify=lambda text: None) as client:
+                    for packet in client.telemetry(None):
+                        if self.stop.is_set():
+                            return
+                        record = _record(packet)
+                        assert self.loop is not None
+                        self.loop.call_soon_threadsafe(self.ingest, record)
+            except Exception as exc:  # the link failing must not end the console: say so, retry
+                if self.loop is not None:
+                    note = {"t": time.time(), "type": "CONSOLE", "text": f"telemetry link: {exc}"}
+                    self.loop.call_soon_threadsafe(self.ingest, note)
+                self.stop.wait(2.0)
+
+    async def on_startup(self, app: web.Application) -> None:
+        self.loop = asyncio.get_running_loop()
+        if self.config.listen:
+            threading.Thread(target=self._listen, name="console-telemetry", daemon=True).start()
+
+    async def on_cleanup(self, app: web.Application) -> None:
+        self.stop.set()
+
+    # --- security ------------------------------------------------------------------------------
+    @web.middleware
+    async def guard(self, request: web.Request, handler):
+        security = self.config.security
+        if request.method not in ("GET", "HEAD"):
+            if security.read_only:
+                return _error(403, "this console is read-only: it serves views only")
+            if not security.token_ok(request.headers.get(TOKEN_HEADER)):
+                return _error(401, f"missing or wrong console token (header {TOKEN_HEADER})")
+            origin = request.headers.get("Origin")
+            own = f"{request.scheme}://{request.host}"
+            if origin != own:
+                return _error(403, f"cross-origin request refused (Origin {origin or 'missing'}, console {own})")
+        response = await handler(request)
+        response.headers.setdefault("X-Content-Type-Options", "nosniff")
+        response.headers.setdefault("Referrer-Policy", "no-referrer")
+        response.headers.setdefault(
+            "Content-Security-Policy", "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'"
+        )
+        return response
+
+    # --- views ---------------------------------------------------------------------------------
+    async def index(self, request: web.Request) -> web.StreamResponse:
+        return web.FileResponse(STATIC / "index.html")
+
+    async def info(self, request: web.Request) -> web.Response:
+        t0, t1 = self.history.span()
+        return web.json_response(
+            {
+                "read_only": self.config.security.read_only,
+                "token_required": bool(self.config.security.token),
+                "station": self.config.station,
+                "series": sorted(set(SERIES.values())),
+                "span": [t0, t1],
+                "events": self.history.number,
+            }
+        )
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        queue: asyncio.Queue = asyncio.Queue(maxsize=SUBSCRIBER_BACKLOG)
+        self.hub.queues.add(queue)
+        try:
+            await response.write(b": connected\n\n")
+            while queue in self.hub.queues:
+                try:
+                    record = await asyncio.wait_for(queue.get(), timeout=15.0)
+                except TimeoutError:
+                    await response.write(b": keep-alive\n\n")  # proxies close silent streams
+                    continue
+                record = dict(record, pushed=time.time())
+                await response.write(f"data: {json.dumps(record, default=str)}\n\n".encode())
+        except (ConnectionResetError, asyncio.CancelledError):
+            pass
+        finally:
+            self.hub.queues.discard(queue)
+        return response
+
+    async def events(self, request: web.Request) -> web.Response:
+        after = _int(request, "after", 0)
+        limit = min(_int(request, "limit", 500), 5000)
+        kinds = {k for k in request.query.get("kind", "").split(",") if k} or None
+        return web.json_response(
+            {"events": self.history.events_page(after, limit, kinds), "commands": list(self.commands)[-500:]},
+            dumps=_dumps,
+        )
+
+    def _range(self, request: web.Request) -> tuple[float, float]:
+        s0, s1 = self.history.span()
+        return _float(request, "t0", s0), _float(request, "t1", s1)
+
+    async def timeline(self, request: web.Request) -> web.Response:
+        t0, t1 = self._range(request)
+        return web.json_response(dict(self.history.timeline(t0, t1), t0=t0, t1=t1), dumps=_dumps)
+
+    async def telemetry(self, request: web.Request) -> web.Response:
+        t0, t1 = self._range(request)
+        buckets = max(10, min(_int(request, "buckets", 800), 4000))
+        names = [n for n in request.query.get("series", "").split(",") if n] or None
+        return web.json_response(
+            {"t0": t0, "t1": t1, "series": self.history.telemetry(t0, t1, buckets, names)}, dumps=_dumps
+        )
+
+    async def telemetry_csv(self, request: web.Request) -> web.Response:
+        t0, t1 = self._range(request)
+        names = [n for n in request.query.get("series", "").split(",") if n] or sorted(set(SERIES.values()))
+        unknown = [n for n in names if n not in set(SERIES.values())]
+        if unknown:
+            return _error(400, f"unknown series: {', '.join(unknown)}")
+        out = io.StringIO()
+        writer = csv.writer(out, lineterminator="\n")
+        writer.writerow(["time_unix_s", "series", "value"])
+        for name, (ts, vs) in self.history.raw(t0, t1, names).items():
+            for t, v in zip(ts, vs, strict=True):
+                writer.writerow([repr(t), name, repr(v)])
+        return web.Response(
+            text=out.getvalue(),
+            content_type="text/csv",
+            headers={"Content-Disposition": f'attachment; filename="telemetry-{t0:.0f}-{t1:.0f}.csv"'},
+        )
+
+    async def tasks(self, request: web.Request) -> web.Response:
+        state = self.config.state
+        tasks = state.tasks() if state is not None and state.tasks_path.exists() else []
+        for task in tasks:
+            result = state.load_result(task["task_id"])
+            if result is not None:
+                task["result"] = result
+        return web.json_response({"tasks": tasks, "forecast": self._forecast(tasks)}, dumps=_dumps)
+
+    def _forecast(self, tasks: list[dict]) -> Any:
+        """The completion forecast (ground.forecast) where it exists; otherwise the page says
+        "no forecast yet". Any failure of the forecast must not take the task view with it."""
+        try:
+            from ground.forecast import forecast_tasks  # type: ignore[import-not-found,unused-ignore]
+        except ImportError:
+            return None
+        try:
+            basis = {"timeline": self.history.timeline(*self.history.span()), "latest": self.history.latest}
+            return forecast_tasks(tasks, basis)
+        except Exception as exc:
+            return {"error": f"forecast failed: {exc}"}
+
+    # --- actions -------------------------------------------------------------------------------
+    async def _act(self, name: str, work: Callable[[Any], Any], **client_options: Any) -> web.Response:
+        """Run one command through a fresh GroundClient in a worker thread; log it with its answer
+        code and round trip in the command history (streamed to the pages)."""
+        started = time.time()
+        entry: dict[str, Any] = {"type": "COMMAND", "command": name, "t": started}
+        async with self.action_lock:
+            try:
+                result = await asyncio.to_thread(self._run_client, work, client_options)
+            except GroundError as exc:
+                entry.update(code=type(exc).__name__, ok=False, text=str(exc), rtt_ms=_ms(started))
+                self._log(entry)
+                return _error(400 if isinstance(exc, LocalInputError) else 502, str(exc))
+        entry.update(code="OK", ok=True, rtt_ms=_ms(started))
+        self._log(entry)
+        return web.json_response({"ok": True, "result": result}, dumps=_dumps)
+
+    def _run_client(self, work: Callable[[Any], Any], options: dict) -> Any:
+        from ground.report import to_jsonable
+
+        with self.config.client_factory(notify=lambda text: None, progress=False, **options) as client:
+            return to_jsonable(work(client))
+
+    def _log(self, entry: dict) -> None:
+        self.commands.append(entry)
+        self.hub.publish(entry)
+
+    async def cancel(self, request: web.Request) -> web.Response:
+        task = _task_id(request)
+        return await self._act(f"CANCEL {task}", lambda c: c.cancel(task))
+
+    async def priority(self, request: web.Request) -> web.Response:
+        from ground.images import check_priority
+
+        task = _task_id(request)
+        form = await request.post()
+        try:
+            priority = check_priority(int(str(form.get("priority", ""))))
+        except ValueError:
+            return _error(400, "priority must be a whole number")
+        except LocalInputError as exc:
+            return _error(400, str(exc))
+        return await self._act(f"SET_PRIORITY {task} {priority}", lambda c: c.set_priority(task, priority))
+
+    async def resend(self, request: web.Request) -> web.Response:
+        task = _task_id(request)
+        return await self._act(f"RESEND {task}", lambda c: c.resend(task).to_dict())
+
+    async def release(self, request: web.Request) -> web.Response:
+        item = request.match_info["item"]
+        return await self._act(f"RELEASE_QUARANTINE {item}", lambda c: c.release(item))
+
+    async def uplink(self, request: web.Request) -> web.Response:
+        """The same checks, in the same order and with the same messages, as `ow ground uplink`."""
+        from ground.images import check_max_new_tokens, check_priority, check_prompt, prepare_images
+
+        reader = await request.multipart()
+        fields: dict[str, str] = {}
+        with tempfile.TemporaryDirectory(prefix="ow-console-") as tmp:
+            paths: list[str] = []
+            async for part in reader:
+                if not isinstance(part, BodyPartReader):
+                    return _error(400, "nested multipart is not an uplink form")
+                if part.name == "image" and part.filename:
+                    name = Path(part.filename).name or "image"
+                    folder = Path(tmp) / str(len(paths))
+                    folder.mkdir()
+                    path = folder / name
+                    with path.open("wb") as out:
+                        while chunk := await part.read_chunk():
+                            out.write(chunk)
+                    paths.append(str(path))
+                elif part.name:
+                    fields[part.name] = (await part.text())[:100_000]
+            shown = {repr(p): repr(Path(p).name) for p in paths}
+
+            def as_operator_sees(text: str) -> str:
+                for temp, name in shown.items():
+                    text = text.replace(temp, name)
+                return text
+
+            try:
+                prompt = check_prompt(fields.get("prompt", ""))
+                max_new_tokens = int(fields.get("max_new_tokens") or 0) or None
+                priority = int(fields.get("priority") or 0)
+                if max_new_tokens is not None:
+                    check_max_new_tokens(max_new_tokens)
+                check_priority(priority)
+                await asyncio.to_thread(prepare_images, paths)
+            except LocalInputError as exc:
+                return _error(400, as_operator_sees(str(exc)))
+            except ValueError:
+                return _error(400, "max new tokens and priority must be whole numbers")
+            options = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
+            response = await self._act(
+                "UPLINK_TASK", lambda c: c.uplink(paths, prompt, priority=priority, **options).to_dict()
+            )
+        if response.status != 200:
+            assert isinstance(response.text, str)
+            response.text = as_operator_sees(response.text)
+        return response
+
+
+def _ms(started: float) -> float:
+    return round((time.time() - started) * 1000, 1)
+
+
+def _dumps(data: Any) -> str:
+    return json.dumps(data, default=str)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"ok": False, "error": message}, status=status)
+
+
+def _int(request: web.Request, name: str, default: int) -> int:
+    try:
+        return int(request.query.get(name, default))
+    except ValueError:
+        raise web.HTTPBadRequest(text=f"{name} must be a whole number") from None
+
+
+def _float(request: web.Request, name: str, default: float) -> float:
+    try:
+        value = float(request.query.get(name, default))
+    except ValueError:
+        raise web.HTTPBadRequest(text=f"{name} must be a number") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise web.HTTPBadRequest(text=f"{name} must be finite")
+    return value
+
+
+def _task_id(request: web.Request) -> str:
+    from ground.images import check_operator_name
+
+    try:
+        return check_operator_name(request.match_info["task"], "task id")
+    except LocalInputError as exc:
+        raise web.HTTPBadRequest(text=str(exc)) from None
+
+
+CONSOLE_KEY = web.AppKey("console", Console)
+
+
+def make_app(config: ConsoleConfig) -> web.Application:
+    console = Console(config)
+    app = web.Application(middlewares=[console.guard], client_max_size=64 * 1024 * 1024)
+    app[CONSOLE_KEY] = console
+    app.on_startup.append(console.on_startup)
+    app.on_cleanup.append(console.on_cleanup)
+    app.router.add_get("/", console.index)
+    app.router.add_static("/static/", STATIC)
+    app.router.add_get("/api/info", console.info)
+    app.router.add_get("/api/stream", console.stream)
+    app.router.add_get("/api/events", console.events)
+    app.router.add_get("/api/timeline", console.timeline)
+    app.router.add_get("/api/telemetry", console.telemetry)
+    app.router.add_get("/api/telemetry.csv", console.telemetry_csv)
+    app.router.add_get("/api/tasks", console.tasks)
+    app.router.add_post("/api/uplink", console.uplink)
+    app.router.add_post("/api/tasks/{task}/cancel", console.cancel)
+    app.router.add_post("/api/tasks/{task}/priority", console.priority)
+    app.router.add_post("/api/tasks/{task}/resend", console.resend)
+    app.router.add_post("/api/quarantine/{item}/release", console.release)
+    return app
+
+
+def run(config: ConsoleConfig, port: int, *, announce: Callable[[str], None] = print) -> None:
+    """Serve until Ctrl-C; refuses first what security.check_startup refuses."""
+    security = config.security
+    security.check_startup()
+    scheme = "https" if security.tls_cert else "http"
+    announce(f"console on {scheme}://{security.host}:{port}/" + (" (read-only)" if security.read_only else ""))
+    with contextlib.suppress(KeyboardInterrupt):
+        web.run_app(
+            make_app(config),
+            host=security.host,
+            port=port,
+            ssl_context=security.ssl_context(),
+            print=None,
+            access_log=None,
+        )

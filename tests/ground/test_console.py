@@ -1,0 +1,176 @@
+"""The console's server without a browser: pages, security refusals, decimation, CSV, the
+uplink's local checks (tests/ground/test_console_browser.py drives it in Chromium)."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from ground.console import ConsoleConfig, ConsoleSecurity, History, SecurityError, make_app
+from ground.console.history import decimate
+from ground.console.security import self_signed
+from ground.errors import LocalInputError
+from ground.images import prepare_images
+
+
+def _no_link(**overrides):
+    raise AssertionError("this test must not reach the link")
+
+
+def serve(security: ConsoleSecurity, history: History | None = None):
+    """Run the console on a free loopback port around `body(session, base)`."""
+
+    def runner(body):
+        async def main():
+            config = ConsoleConfig(
+                client_factory=_no_link, security=security, history=history or History(), listen=False
+            )
+            app_runner = web.AppRunner(make_app(config))
+            await app_runner.setup()
+            site = web.TCPSite(app_runner, "127.0.0.1", 0)
+            await site.start()
+            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            try:
+                async with aiohttp.ClientSession() as session:
+                    return await body(session, f"http://127.0.0.1:{port}")
+            finally:
+                await app_runner.cleanup()
+
+        return asyncio.run(main())
+
+    return runner
+
+
+def test_page_and_vendored_scripts_are_served():
+    async def body(session, base):
+        async with session.get(base + "/") as r:
+            page = await r.text()
+            assert r.status == 200 and "OrbitWeaver ground console" in page
+            assert "http" not in page.replace("http-equiv", "")  # nothing from a CDN
+        for name in ("uPlot.iife.min.js", "uPlot.min.css", "console.js", "console.css"):
+            async with session.get(base + "/static/" + name) as r:
+                assert r.status == 200, name
+        async with session.get(base + "/api/info") as r:
+            assert (await r.json())["read_only"] is False
+
+    serve(ConsoleSecurity())(body)
+
+
+def test_beyond_loopback_refuses_to_start_without_token_or_tls(tmp_path):
+    with pytest.raises(SecurityError, match="without a token"):
+        ConsoleSecurity(host="0.0.0.0").check_startup()
+    with pytest.raises(SecurityError, match="without TLS"):
+        ConsoleSecurity(host="0.0.0.0", token="t").check_startup()
+    cert, key, fingerprint = self_signed(str(tmp_path), "10.0.0.5")
+    ConsoleSecurity(host="10.0.0.5", token="t", tls_cert=cert, tls_key=key).check_startup()
+    assert len(fingerprint) == 95 and fingerprint.count(":") == 31
+    assert ConsoleSecurity(host="10.0.0.5", token="t", tls_cert=cert, tls_key=key).ssl_context() is not None
+    ConsoleSecurity(host="127.0.0.1").check_startup()  # loopback: nothing more needed
+
+
+def _form(prompt: str = "describe") -> aiohttp.FormData:
+    form = aiohttp.FormData()
+    form.add_field("prompt", prompt)
+    form.add_field("image", b"not a picture", filename="bad.png", content_type="image/png")
+    return form
+
+
+def test_actions_need_the_token_and_the_same_origin():
+    async def body(session, base):
+        own = {"Origin": base}
+        async with session.post(base + "/api/uplink", data=_form(), headers=own) as r:
+            assert r.status == 401 and "token" in (await r.json())["error"]
+        async with session.post(base + "/api/uplink", data=_form(), headers={**own, "X-Console-Token": "wrong"}) as r:
+            assert r.status == 401
+        evil = {"Origin": "http://evil.example", "X-Console-Token": "s3cret"}
+        async with session.post(base + "/api/tasks/t-abc/cancel", headers=evil) as r:
+            assert r.status == 403 and "cross-origin" in (await r.json())["error"]
+        async with session.post(base + "/api/tasks/t-abc/cancel", headers={"X-Console-Token": "s3cret"}) as r:
+            assert r.status == 403  # no Origin at all: refused too
+        # right token, right origin: reaches the uplink's own checks (a bad image, refused locally)
+        async with session.post(base + "/api/uplink", data=_form(), headers={**own, "X-Console-Token": "s3cret"}) as r:
+            assert r.status == 400
+
+    serve(ConsoleSecurity(token="s3cret"))(body)
+
+
+def test_read_only_console_refuses_an_uplink():
+    async def body(session, base):
+        async with session.post(base + "/api/uplink", data=_form(), headers={"Origin": base}) as r:
+            assert r.status == 403 and "read-only" in (await r.json())["error"]
+        async with session.get(base + "/api/tasks") as r:
+            assert r.status == 200  # views still served
+
+    serve(ConsoleSecurity(read_only=True))(body)
+
+
+def test_bad_image_gets_the_cli_message(tmp_path):
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"not a picture")
+    with pytest.raises(LocalInputError) as cli:
+        prepare_images([str(bad)])
+    expected = str(cli.value).replace(repr(str(bad)), repr("bad.png"))
+
+    async def body(session, base):
+        async with session.post(base + "/api/uplink", data=_form(), headers={"Origin": base}) as r:
+            assert r.status == 400
+            assert (await r.json())["error"] == expected
+
+    serve(ConsoleSecurity())(body)
+
+
+def _history(n: int) -> History:
+    history = History(max_events=1000, max_samples=n)
+    for i in range(n):
+        body = {"battery_soc": (i % 97) / 97, "payload_power_w": float(i % 13), "bus_voltage_v": 28.0}
+        history.add({"t": 1000.0 + i, "type": "POWER", "body": body})
+    return history
+
+
+def test_decimation_keeps_extremes_and_bounds_points():
+    ts = [float(i) for i in range(10_000)]
+    vs = [0.0 if i == 5_555 else 1.0 + (i % 7) for i in range(10_000)]
+    points = decimate(ts, vs, 0.0, 9_999.0, 100)
+    assert len(points) <= 200
+    assert [5_555.0, 0.0] in points and max(p[1] for p in points) == 7.0
+
+
+def test_memory_is_bounded():
+    history = _history(5_000)
+    history2 = History(max_events=10, max_samples=100)
+    for i in range(1_000):
+        history2.add({"t": float(i), "type": "EVENT", "body": {"event_id": "TASK_PHASE"}, "text": "x"})
+        history2.add({"t": float(i), "type": "POWER", "body": {"battery_soc": 0.5}})
+    assert len(history2.events) == 10 and len(history2.series["battery_soc"].t) == 100
+    assert len(history.series["battery_soc"].t) == 5_000
+
+
+def test_csv_holds_what_the_plot_shows():
+    history = _history(300)
+
+    async def body(session, base):
+        async with session.get(base + "/api/telemetry?t0=1100&t1=1199&buckets=800") as r:
+            shown = (await r.json())["series"]["battery_soc"]
+        async with session.get(base + "/api/telemetry.csv?t0=1100&t1=1199&series=battery_soc") as r:
+            rows = list(csv.DictReader(io.StringIO(await r.text())))
+        assert [[float(row["time_unix_s"]), float(row["value"])] for row in rows] == shown
+        assert len(rows) == 100
+
+    serve(ConsoleSecurity(), history)(body)
+
+
+def test_timeline_records_cut_cause_warning_lead_and_running_task():
+    history = History()
+    history.add({"t": 10.0, "type": "POWER_STATE", "body": {"payload_on": True, "cause": "TRACE"}})
+    history.add({"t": 11.0, "type": "HOUSEKEEPING", "body": {"current_task": "t-x", "phase": "DECODE"}})
+    history.add({"t": 20.0, "type": "SHUTDOWN_WARNING", "body": {"cause": "POWER", "lead_time_s": 5.0}})
+    history.add({"t": 24.5, "type": "POWER_STATE", "body": {"payload_on": False, "cause": "POWER"}})
+    timeline = history.timeline(0.0, 100.0)
+    (cut,) = timeline["cuts"]
+    assert cut["cause"] == "POWER" and cut["warning_lead_s"] == 4.5 and cut["task"] == "t-x"
+    assert timeline["windows"] == [[10.0, 24.5]] and timeline["payload_on"] is False
