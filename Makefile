@@ -39,13 +39,15 @@ lint: $(STAMP)
 	$(BIN)/mypy $(TYPED_PACKAGES)
 
 # The SSH power-switch tests run a real sshd: Debian's openssh-server, installed when missing
-# (root and apt-get only; otherwise those tests skip and say why).
+# (root and apt-get only; otherwise those tests skip and say why). The console's browser tests
+# run Debian's headless chromium and chromium-driver, installed the same way.
 # A hung test fails on its own (pytest-timeout, pyproject.toml); should the run as a whole still
 # overstay 50 minutes (four times its length on a busy 2-core machine), it is interrupted with
 # SIGINT, so pytest still prints the failures it has seen (a bare kill would print nothing).
 test: $(STAMP)
 	$(MAKE) --no-print-directory lint
 	$(BIN)/python tests/bus/sshd_testkit.py --install
+	$(BIN)/python tests/ground/chromium_testkit.py --install
 	timeout -s INT -k 120 3000 $(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 bench: $(STAMP)

@@ -90,12 +90,30 @@ class Console:
         self.stop = threading.Event()
         self.commands: deque[dict] = deque(maxlen=10_000)
         self.action_lock = asyncio.Lock()
+        self.fetched: set[str] = set()
+        self.background: set[asyncio.Future] = set()
 
     # --- the telemetry link, in a thread (ZeroMQ receive blocks) -----------------------------
     def ingest(self, record: dict) -> None:
         """Called in the loop's thread: remember, then push to the pages."""
         pushed = self.history.add(record)
         self.hub.publish(pushed or record)
+        body = record.get("body") or {}
+        if record.get("type") == "EVENT" and body.get("event_id") == "TASK_COMPLETED" and body.get("task_id"):
+            self._fetch_result(str(body["task_id"]))
+
+    def _fetch_result(self, task: str) -> None:
+        """A task of this station completed: downlink its result, as `ow ground results TASK`
+        would, so the task view shows the answer and its verification without being asked."""
+        state = self.config.state
+        if self.config.security.read_only or state is None or task in self.fetched:
+            return
+        if state.load_result(task) is not None or state.task(task) is None:
+            return  # already here, or another station's task
+        self.fetched.add(task)
+        future = asyncio.ensure_future(self._act(f"DOWNLINK_RESULT {task}", lambda c: c.result(task)))
+        self.background.add(future)  # held until done: the loop keeps only weak references
+        future.add_done_callback(self.background.discard)
 
     def _listen(self) -> None:
         while not self.stop.is_set():

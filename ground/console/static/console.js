@@ -132,9 +132,9 @@ function showCommand(c) {
 }
 
 // --- telemetry -----------------------------------------------------------------------------
-const GROUPS = [["battery and power", ["battery_soc", "payload_power_w", "bus_voltage_v"]],
+const GROUPS = [["battery (state of charge), power (W), bus voltage (V)", ["battery_soc", "payload_power_w", "bus_voltage_v"]],
   ["temperature (°C)", ["payload_temp_c", "bus_temp_c"]],
-  ["storage (bytes)", ["storage_used_bytes", "disk_free_bytes"]],
+  ["storage: checkpoint bytes held, disk free", ["storage_used_bytes", "disk_free_bytes"]],
   ["queue and progress", ["queue_depth", "progress_done"]]];
 let telemetryZoom = null;
 async function loadTelemetry() {
@@ -149,9 +149,12 @@ async function loadTelemetry() {
   for (const [title, names] of GROUPS) {
     const times = [...new Set(names.flatMap((n) => (data.series[n] || []).map((p) => p[0])))].sort((a, b) => a - b);
     const cols = names.map((n) => { const m = new Map((data.series[n] || []).map((p) => [p[0], p[1]])); return times.map((t) => (m.has(t) ? m.get(t) : null)); });
-    const opts = { width: plotWidth(), height: 170, title, scales: { x: { time: true } },
+    const empty = names.every((n) => !(data.series[n] || []).length);
+    const human = (u, vals) => vals.map((v) => (Math.abs(v) >= 1e6 ? (v / 1048576).toFixed(1) + " MiB" : String(+v.toPrecision(4))));
+    const opts = { width: plotWidth(), height: empty ? 60 : 170, title: empty ? `${title}: no samples in this range (the trace does not carry them)` : title,
+      scales: { x: { time: true } },
       series: [{}, ...names.map((n, i) => ({ label: n, stroke: ["#c60", "#06c", "#393", "#939"][i], spanGaps: true, scale: i ? "y" + i : "y" }))],
-      axes: [{}, ...names.map((n, i) => ({ scale: i ? "y" + i : "y", side: i % 2 ? 1 : 3, show: i < 2 }))],
+      axes: [{}, ...names.map((n, i) => ({ scale: i ? "y" + i : "y", side: i % 2 ? 1 : 3, show: i < 2, values: human, size: 70 }))],
       cursor: { drag: { x: true, setScale: false } },
       hooks: { setSelect: [(u) => { if (u.select.width > 2) {
         telemetryZoom = [u.posToVal(u.select.left, "x"), u.posToVal(u.select.left + u.select.width, "x")]; loadTelemetry(); } }] } };

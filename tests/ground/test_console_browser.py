@@ -1,0 +1,177 @@
+"""The console in a real browser (headless Chromium) against a real bus and payload (tiny model)
+on the demo trace: the page loads; the bus's first power cut shows in the timeline; an uplink
+through the form completes, says each image was verified on board, and the task's result shows;
+the telemetry CSV export holds what the plot shows; a bad image is refused with the CLI's message.
+Every wait is on the page, with a deadline and what it waits for. Screenshots go to docs/img/."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+import threading
+from pathlib import Path
+
+import pytest
+from chromium_testkit import install_chromium
+
+import traces
+
+ROOT = Path(__file__).resolve().parents[2]
+SHOTS = ROOT / "docs" / "img"
+DEADLINE_S = 90.0
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class ConsoleThread(threading.Thread):
+    """The console's aiohttp server on a free loopback port, in its own event loop."""
+
+    def __init__(self, config):
+        super().__init__(daemon=True)
+        self.config, self.port, self.ready = config, 0, threading.Event()
+        self.loop = asyncio.new_event_loop()
+
+    def run(self) -> None:
+        from aiohttp import web
+
+        from ground.console import make_app
+
+        asyncio.set_event_loop(self.loop)
+        runner = web.AppRunner(make_app(self.config))
+        self.loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.runner = runner
+        self.ready.set()
+        self.loop.run_forever()
+        self.loop.run_until_complete(runner.cleanup())
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    reason = install_chromium()
+    if reason is not None:
+        pytest.skip(reason)
+    from chromium_testkit import driver
+
+    d = driver()
+    yield d
+    d.quit()
+
+
+def test_console_in_chromium_against_bus_and_payload(browser, model_dirs, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from common.wire.link import Endpoints, KeyLayout, init_keys
+    from ground.client import GroundClient
+    from ground.console import ConsoleConfig, ConsoleSecurity
+    from ground.state import GroundState
+    from hil.bus import BusConfig, BusProcess
+    from hil.testbench import BenchConfig, Testbench
+
+    keys = str(tmp_path / "keys")
+    init_keys(keys)
+    bench = Testbench(BenchConfig(trace="demo", model=model_dirs["qwen3-vl"], out_dir=str(tmp_path / "bench")))
+    bench.pace_ms = 20.0  # what the run's preparation would set from its references
+    loopback = "tcp://127.0.0.1:*"
+    bus = BusProcess(
+        BusConfig(
+            trace=str(traces.resolve("demo")),
+            data_dir=str(tmp_path / "bus"),
+            keys_dir=keys,
+            time_scale=0.1,  # 300 trace s in 30 s: four cuts in the first 6.2 s, then on
+            endpoints=Endpoints(commands=loopback, payload=loopback, telemetry=loopback),
+            model=model_dirs["qwen3-vl"],
+            flight_args=bench._flight_args(),
+            heartbeat_timeout_s=20.0,
+            boot_timeout_s=60.0,
+        )
+    ).start()
+
+    def client(**overrides):
+        options = dict(endpoints=bus.endpoints, timeout_s=30.0, retries=50, progress=False, notify=lambda s: None)
+        options.update(overrides)
+        return GroundClient(keys, **options)
+
+    console = ConsoleThread(
+        ConsoleConfig(
+            client_factory=client, security=ConsoleSecurity(), state=GroundState(KeyLayout(Path(keys)).state_dir)
+        )
+    )
+    console.start()
+    assert console.ready.wait(30), "the console did not start"
+    base = f"http://127.0.0.1:{console.port}/"
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    wait = WebDriverWait(browser, DEADLINE_S, poll_frequency=0.2)
+    try:
+        browser.get(base)
+        wait.until(
+            lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-loaded") == "1", "the page to load"
+        )
+
+        # a power cut, reported by the bus, shows in the timeline
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#cuts tbody tr.cut"), "a cut in the timeline")
+        first_cut = browser.find_element(By.CSS_SELECTOR, "#cuts tbody tr.cut:last-child").text
+        assert "thermal" in first_cut.lower(), first_cut
+
+        # a bad image is refused with the CLI's message
+        bad = tmp_path / "bad.png"
+        bad.write_bytes(b"not a picture")
+        browser.find_element(By.CSS_SELECTOR, "nav button[data-view=uplink]").click()
+        browser.find_element(By.ID, "prompt").send_keys("describe the coast")
+        browser.find_element(By.ID, "images").send_keys(str(bad))
+        browser.find_element(By.ID, "send").click()
+        wait.until(lambda d: "error" in d.find_element(By.ID, "uplink-status").get_attribute("class"), "the refusal")
+        message = browser.find_element(By.ID, "uplink-status").text
+        assert message == "image 'bad.png': not a decodable picture (UnidentifiedImageError)", message
+
+        # an uplink through the form completes and shows the verification
+        browser.execute_script("chosen = []; document.getElementById('images').value = '';")
+        browser.find_element(By.ID, "max-new-tokens").clear()
+        browser.find_element(By.ID, "max-new-tokens").send_keys("4")
+        browser.find_element(By.ID, "images").send_keys(str(ROOT / "hil" / "samples" / "coast.png"))
+        browser.find_element(By.ID, "send").click()
+        wait.until(lambda d: d.find_element(By.ID, "uplink-status").get_attribute("class") in ("ok", "error"), "uplink")
+        status = browser.find_element(By.ID, "uplink-status").text
+        assert "verified on board" in status and "accepted by the payload" in status, status
+        task = browser.find_element(By.ID, "uplink-status").get_attribute("data-task")
+        browser.save_screenshot(str(SHOTS / "console-uplink.png"))
+        browser.find_element(By.CSS_SELECTOR, "nav button[data-view=tasks]").click()
+        wait.until(
+            lambda d: "logits SHA-256" in d.find_element(By.CSS_SELECTOR, f"#tasks tr[data-task='{task}']").text,
+            "the task's result in the task view",
+        )
+        browser.save_screenshot(str(SHOTS / "console-tasks.png"))
+
+        browser.find_element(By.CSS_SELECTOR, "nav button[data-view=timeline]").click()
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#cuts tbody tr.cut")) >= 4, "all four cuts")
+        browser.save_screenshot(str(SHOTS / "console-timeline.png"))
+        browser.find_element(By.CSS_SELECTOR, "nav button[data-view=events]").click()
+        browser.save_screenshot(str(SHOTS / "console-events.png"))
+
+        # the CSV export holds what the plot shows
+        browser.find_element(By.CSS_SELECTOR, "nav button[data-view=telemetry]").click()
+        wait.until(lambda d: d.execute_script("return consoleState.plots.length") == 4, "the telemetry plots")
+        browser.save_screenshot(str(SHOTS / "console-telemetry.png"))
+        plotted = browser.execute_script("return consoleState.telemetry.series")
+        for name, shown in plotted.items():
+            if not shown:
+                continue  # a series this trace does not carry
+            href = browser.find_element(By.ID, "csv").get_attribute("href")
+            text = browser.execute_async_script(
+                "const done = arguments[arguments.length - 1]; fetch(arguments[0]).then(r => r.text()).then(done);",
+                f"{href}&series={name}",
+            )
+            rows = [[float(r["time_unix_s"]), float(r["value"])] for r in csv.DictReader(io.StringIO(text))]
+            assert rows == shown, (name, len(rows), len(shown))
+        assert any(plotted.values()), f"nothing plotted: {sorted(plotted)}"
+    finally:
+        console.stop()
+        bus.stop()
