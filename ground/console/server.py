@@ -244,10 +244,22 @@ class Console:
     async def tasks(self, request: web.Request) -> web.Response:
         state = self.config.state
         tasks = state.tasks() if state is not None and state.tasks_path.exists() else []
+        with self.history.lock:
+            cuts = list(self.history.cuts)
+            hk = (self.history.latest.get("HOUSEKEEPING") or {}).get("body") or {}
         for task in tasks:
             result = state.load_result(task["task_id"])
             if result is not None:
                 task["result"] = result
+            # what the console saw of it: the cuts it was running through, its progress now
+            task["cuts_seen"] = sum(1 for cut in cuts if cut.get("task") == task["task_id"])
+            if hk.get("current_task") == task["task_id"]:
+                task["live"] = {
+                    "phase": hk.get("phase"),
+                    "done": hk.get("progress_done"),
+                    "total": hk.get("progress_total"),
+                    "checkpoint_bytes": hk.get("checkpoint_bytes"),
+                }
         return web.json_response({"tasks": tasks, "forecast": self._forecast(tasks)}, dumps=_dumps)
 
     def _forecast(self, tasks: list[dict]) -> Any:
@@ -445,3 +457,36 @@ def run(config: ConsoleConfig, port: int, *, announce: Callable[[str], None] = p
             print=None,
             access_log=None,
         )
+
+
+class ConsoleThread(threading.Thread):
+    """The console on a loopback port in its own thread and event loop, for programs that drive
+    it in-process (the browser tests, bench/console_bench.py). `port` is set once `ready` is."""
+
+    def __init__(self, config: ConsoleConfig, host: str = "127.0.0.1", port: int = 0):
+        super().__init__(name="console", daemon=True)
+        self.config, self.host, self.port = config, host, port
+        self.ready = threading.Event()
+        self.loop = asyncio.new_event_loop()
+        self.app = make_app(config)
+
+    @property
+    def console(self) -> Console:
+        return self.app[CONSOLE_KEY]
+
+    def run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        runner = web.AppRunner(self.app)
+        self.loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, self.host, self.port)
+        self.loop.run_until_complete(site.start())
+        server = site._server
+        assert server is not None
+        self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        self.ready.set()
+        self.loop.run_forever()
+        self.loop.run_until_complete(runner.cleanup())
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.join(timeout=10)

@@ -6,10 +6,8 @@ Every wait is on the page, with a deadline and what it waits for. Screenshots go
 
 from __future__ import annotations
 
-import asyncio
 import csv
 import io
-import threading
 from pathlib import Path
 
 import pytest
@@ -22,35 +20,6 @@ SHOTS = ROOT / "docs" / "img"
 DEADLINE_S = 90.0
 
 pytestmark = pytest.mark.timeout(300)
-
-
-class ConsoleThread(threading.Thread):
-    """The console's aiohttp server on a free loopback port, in its own event loop."""
-
-    def __init__(self, config):
-        super().__init__(daemon=True)
-        self.config, self.port, self.ready = config, 0, threading.Event()
-        self.loop = asyncio.new_event_loop()
-
-    def run(self) -> None:
-        from aiohttp import web
-
-        from ground.console import make_app
-
-        asyncio.set_event_loop(self.loop)
-        runner = web.AppRunner(make_app(self.config))
-        self.loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        self.loop.run_until_complete(site.start())
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.runner = runner
-        self.ready.set()
-        self.loop.run_forever()
-        self.loop.run_until_complete(runner.cleanup())
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.join(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -66,12 +35,14 @@ def browser():
 
 
 def test_console_in_chromium_against_bus_and_payload(browser, model_dirs, tmp_path):
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
     from common.wire.link import Endpoints, KeyLayout, init_keys
     from ground.client import GroundClient
     from ground.console import ConsoleConfig, ConsoleSecurity
+    from ground.console.server import ConsoleThread
     from ground.state import GroundState
     from hil.bus import BusConfig, BusProcess
     from hil.testbench import BenchConfig, Testbench
@@ -109,7 +80,9 @@ def test_console_in_chromium_against_bus_and_payload(browser, model_dirs, tmp_pa
     assert console.ready.wait(30), "the console did not start"
     base = f"http://127.0.0.1:{console.port}/"
     SHOTS.mkdir(parents=True, exist_ok=True)
-    wait = WebDriverWait(browser, DEADLINE_S, poll_frequency=0.2)
+    # views re-render their rows as pushed updates arrive: an element found a moment ago may be gone
+    redrawn = (NoSuchElementException, StaleElementReferenceException)
+    wait = WebDriverWait(browser, DEADLINE_S, poll_frequency=0.2, ignored_exceptions=redrawn)
     try:
         browser.get(base)
         wait.until(
@@ -118,7 +91,7 @@ def test_console_in_chromium_against_bus_and_payload(browser, model_dirs, tmp_pa
 
         # a power cut, reported by the bus, shows in the timeline
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#cuts tbody tr.cut"), "a cut in the timeline")
-        first_cut = browser.find_element(By.CSS_SELECTOR, "#cuts tbody tr.cut:last-child").text
+        first_cut = browser.execute_script("return document.querySelector('#cuts tbody tr.cut:last-child').innerText")
         assert "thermal" in first_cut.lower(), first_cut
 
         # a bad image is refused with the CLI's message

@@ -78,8 +78,10 @@ async function loadTasks() {
   const body = $("#tasks tbody"); body.innerHTML = "";
   for (const t of data.tasks.slice().reverse()) {
     const tr = document.createElement("tr"); tr.dataset.task = t.task_id;
-    const result = t.result ? `${t.result.text} — logits SHA-256 ${String(t.result.logits_sha256).slice(0, 16)}…` : "";
-    for (const v of [t.task_id, t.state || "", t.prompt || "", String(t.priority ?? ""), (t.images || []).map((i) => i.name || i).join(", "), result]) {
+    const timings = t.result && t.result.timings ? Object.entries(t.result.timings).map(([k, v]) => `${k} ${(+v).toFixed(2)} s`).join(", ") : "";
+    const result = t.result ? `${t.result.text} — logits SHA-256 ${String(t.result.logits_sha256).slice(0, 16)}… (${timings})` : "";
+    const live = t.live ? `${t.live.phase || "-"} ${t.live.done}/${t.live.total}, checkpoints ${t.live.checkpoint_bytes} B` : "";
+    for (const v of [t.task_id, t.state || "", live, String(t.cuts_seen ?? 0), t.prompt || "", String(t.priority ?? ""), (t.images || []).map((i) => i.name || i).join(", "), result]) {
       const td = document.createElement("td"); td.textContent = v; tr.appendChild(td);
     }
     const td = document.createElement("td");
@@ -215,7 +217,6 @@ function connect() {
 }
 
 async function start() {
-  const t0 = performance.now();
   const m = location.hash.match(/token=([^&]+)/); if (m) $("#token").value = decodeURIComponent(m[1]);
   state.info = await getJSON("/api/info");
   $("#station").textContent = state.info.station ? `station ${state.info.station}` : "";
@@ -226,7 +227,7 @@ async function start() {
   const page = await getJSON("/api/events?limit=2000");
   page.events.forEach(showEvent); page.commands.forEach(showCommand);
   await Promise.all([loadTimeline(), loadTasks()]);
-  state.loadMs = performance.now() - t0;
+  state.loadMs = performance.now();  // since navigation start: what the operator waits
   document.body.dataset.loaded = "1";
 }
 start().catch((e) => { document.body.dataset.error = e.message; $("#link").textContent = "error: " + e.message; });
