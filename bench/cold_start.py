@@ -8,9 +8,11 @@ interleaved runs):
     import stack           `python -c "import torch, transformers; from transformers import
                            Qwen3VLForConditionalGeneration"`: what a naive payload pays before work
     import torch._dynamo   `python -c "import torch, torch._dynamo"`: the floor of any payload built
-                           on transformers' model classes, whatever it trims: every transformers
-                           decoder imports transformers.masking_utils, which imports torch._dynamo
-                           unconditionally (transformers 5.24.0), and torch does not import it itself
+                           on transformers' model classes, whatever it trims: ten module-level uses
+                           of torch._dynamo sit on their import chain (transformers 5.24.0:
+                           masking_utils, continuous batching's cache, the deepgemm, sonicmoe, fp8
+                           and flex-attention integrations; docs/flight.md "Boot"), and torch does
+                           not import it itself
     ow flight run          exec to: its first packet on the bus link (heartbeat), the BOOT event,
                            the answer to a PING sent as soon as it is connected, and the first unit
                            of inference work of the task it resumes (its first PROGRESS report:
