@@ -194,6 +194,10 @@ def infer_cmd(model: str, images: list[str], prompt: str, args, policy: str, ckp
     cmd += ["--max-new-tokens", str(args.new_tokens), "--policy", policy, "--threads", str(args.threads)]
     cmd += ["--chunk", str(args.chunk), "--group", str(args.group), "--decode-every", str(args.decode_every)]
     cmd += ["--vision-every", str(args.vision_every), "--cadence", args.cadence, "--planner", args.planner]
+    # bench/gpu_check.py runs these on CUDA in bf16; this bench leaves both to the engine's defaults
+    for option in ("device", "dtype"):
+        if getattr(args, option, None):
+            cmd += [f"--{option}", getattr(args, option)]
     return cmd + ["--json", "--log-level", "debug"]
 
 
