@@ -17,7 +17,8 @@ The VLA stage (the CUDA backend and a measured profile) is not built yet: the JS
 
 A stage that would start past --budget-s is skipped and named in the JSON. `--cpu-smoke` runs the
 same stages on CPU with the tiny model and a 256-token request, so that the script is known to
-work before a GPU sees it.
+work before a GPU sees it (tests/bench/test_gpu_check.py, in make test); it imports the engine
+once and forks its runs from there (ForkedProcess), where on CUDA each run is a fresh process.
 
     python -m bench.gpu_check [--budget-s 480] [--out runs/bench/gpu_check.json]
     python -m bench.gpu_check --cpu-smoke
@@ -30,9 +31,11 @@ import json
 import os
 import platform
 import shutil
+import signal
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -62,6 +65,66 @@ SMOKE: dict[str, Any] = {
 }
 
 
+class ForkedProcess:
+    """`ow infer` forked from this process, which has imported torch, transformers and the engine
+    already (the CPU smoke's runs, without each paying the imports again): a real process, with
+    its own output pipes, killed with a real SIGKILL; what bench/real_size.py's infer_session
+    reads of a Popen. Never on CUDA (a forked child cannot use a CUDA its parent initialised)."""
+
+    def __init__(self, cmd: list[str], env: dict):
+        argv = cmd[cmd.index("common.cli") + 1 :]
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: ow infer, then out without the parent's exit handlers
+            code = 1
+            try:
+                os.close(out_r)
+                os.close(err_r)
+                os.dup2(out_w, 1)
+                os.dup2(err_w, 2)
+                sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+                sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+                os.environ.clear()
+                os.environ.update(env)
+                from common.cli import main as ow
+
+                code = ow(argv)
+            except BaseException:  # noqa: BLE001 - the child reports and leaves, whatever happened
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        os.close(out_w)
+        os.close(err_w)
+        self.pid = pid
+        self.stdout = os.fdopen(out_r, "r")
+        self.stderr = os.fdopen(err_r, "r")
+        self.returncode: int | None = None
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            _, status = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(status)
+            self.stdout.close()
+            self.stderr.close()
+        return self.returncode
+
+
+def preload_engine() -> None:
+    """What `ow infer` imports before its first unit, imported once here so that forked runs
+    start from it (the smoke measures nothing of the boot)."""
+    from transformers.models.qwen3_vl import modeling_qwen3_vl  # noqa: F401
+
+    import flight.cli  # noqa: F401
+    import flight.engine.request  # noqa: F401
+    import flight.model.loader  # noqa: F401
+
+
 def engine_args(setup: dict, planner: str = "optimal") -> SimpleNamespace:
     """What bench/real_size.py's infer_cmd reads, with the device and dtype of this run."""
     e = setup["engine"]
@@ -83,17 +146,17 @@ def _answer_key(answer: dict) -> tuple:
     return (answer["token_ids"], answer["logits_sha256"])
 
 
-def interrupted(model: str, images: list[str], prompt: str, tokens: int, setup: dict, scratch: Path) -> dict:
+def interrupted(model: str, images: list[str], prompt: str, tokens: int, setup: dict, scratch: Path, spawn) -> dict:
     """Uninterrupted, --policy none, then killed once in every phase: bitwise, overhead, and the
     checkpoint directory as the prefill kill left it (for the plans stage)."""
     args = engine_args(setup)
     env = real_size._env(args)
     t0 = time.time()
     none = real_size.infer_session(
-        real_size.infer_cmd(model, images, prompt, args, "none", str(scratch / "none")), env, t0
+        real_size.infer_cmd(model, images, prompt, args, "none", str(scratch / "none")), env, t0, spawn=spawn
     )
     whole = real_size.infer_session(
-        real_size.infer_cmd(model, images, prompt, args, "orbitweaver", str(scratch / "whole")), env, t0
+        real_size.infer_cmd(model, images, prompt, args, "orbitweaver", str(scratch / "whole")), env, t0, spawn=spawn
     )
     assert none.answer is not None and whole.answer is not None
     units = real_size.units_per_phase(model, tokens, args)
@@ -103,7 +166,7 @@ def interrupted(model: str, images: list[str], prompt: str, tokens: int, setup: 
     sessions = []
     while True:
         s = real_size.infer_session(
-            real_size.infer_cmd(model, images, prompt, args, "orbitweaver", str(ckpt)), env, t0, kill_at
+            real_size.infer_cmd(model, images, prompt, args, "orbitweaver", str(ckpt)), env, t0, kill_at, spawn
         )
         sessions.append(s)
         if s.killed_at is None:
@@ -141,8 +204,8 @@ def interrupted(model: str, images: list[str], prompt: str, tokens: int, setup: 
     }
 
 
-def plans(model: str, images: list[str], prompt: str, template: str, setup: dict, scratch: Path) -> list[dict]:
-    """The checkpoint cut mid-prefill, resumed with each planner in a fresh process."""
+def plans(model: str, images: list[str], prompt: str, template: str, setup: dict, scratch: Path, spawn) -> list[dict]:
+    """The checkpoint cut mid-prefill, resumed with each planner in its own process."""
     rows = []
     for planner in PLANNERS:
         args = engine_args(setup, planner)
@@ -152,6 +215,7 @@ def plans(model: str, images: list[str], prompt: str, template: str, setup: dict
             real_size.infer_cmd(model, images, prompt, args, "orbitweaver", str(ckpt)),
             real_size._env(args),
             time.time(),
+            spawn=spawn,
         )
         assert s.answer is not None
         rows.append(
@@ -191,6 +255,11 @@ def main(argv=None) -> int:
     result: dict = {"mode": "cpu-smoke" if args.cpu_smoke else "gpu", "setup": setup, "stages": {}}
     result["device"] = device_info(setup["device"])
     model = ensure_model(setup["size"])
+    # on CUDA each run is a fresh process, its boot measured; the smoke forks them (ForkedProcess)
+    spawn = real_size.spawn_process
+    if args.cpu_smoke:
+        preload_engine()
+        spawn = ForkedProcess
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="gpu-check-", dir=out.parent))
@@ -206,13 +275,13 @@ def main(argv=None) -> int:
             stage_start = time.monotonic()
             work = scratch / name
             work.mkdir()
-            stage = interrupted(model, images, prompt, tokens, setup, work)
+            stage = interrupted(model, images, prompt, tokens, setup, work, spawn)
             stage["visual_tokens"], stage["text_tokens"] = visual, text
             ok = ok and stage["bitwise"]
             # the plans from the first request's prefill cut (the 32K one would not fit the budget)
             template, answer = stage.pop("template"), stage.pop("answer")
             if i == 0 and template and time.monotonic() - start <= args.budget_s:
-                stage["plans"] = plans(model, images, prompt, template, setup, work)
+                stage["plans"] = plans(model, images, prompt, template, setup, work, spawn)
                 for row in stage["plans"]:
                     row["bitwise"] = row.pop("answer") == answer
                     ok = ok and row["bitwise"]
