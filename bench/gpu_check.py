@@ -13,7 +13,9 @@ text the rest: an uplink's prompt is at most 8,192 bytes):
                 layer-first, optimal): the engine's recovery plan and restore events, and exec to
                 the first unit of new work
 
-The VLA stage (the CUDA backend and a measured profile) is not built yet: the JSON says so.
+  vla           the VLA backend of the device (CUDA streams and green contexts) running the real
+                models' lockstep plans: each stage alone and co-running, per batch size (the
+                times a profile is made of; common/vla/profiler.py's measurement)
 
 A stage that would start past --budget-s is skipped and named in the JSON. `--cpu-smoke` runs the
 same stages on CPU with the tiny model and a 256-token request, so that the script is known to
@@ -55,6 +57,7 @@ GPU: dict[str, Any] = {
     "device": "cuda",
     "dtype": "bfloat16",
     "engine": {"chunk": 2048, "group": 4, "decode_every": 4, "vision_every": 4, "new_tokens": 32},
+    "vla": {"archs": ("pi0", "smolvla"), "batch_sizes": (1, 2, 4), "repeats": 5},
 }
 SMOKE: dict[str, Any] = {
     "requests": [(256, 224)],
@@ -62,6 +65,7 @@ SMOKE: dict[str, Any] = {
     "device": "cpu",
     "dtype": "bfloat16",
     "engine": {"chunk": 64, "group": 2, "decode_every": 2, "vision_every": 1, "new_tokens": 8},
+    "vla": {"archs": ("smolvla",), "batch_sizes": (1,), "repeats": 1},
 }
 
 
@@ -231,6 +235,58 @@ def plans(model: str, images: list[str], prompt: str, template: str, setup: dict
     return rows
 
 
+def vla(device: str, archs: tuple[str, ...], batch_sizes: tuple[int, ...], repeats: int) -> dict:
+    """The VLA backend of this device (common/vla/engine.py select_backend: CUDA streams and green
+    contexts on a GPU) running the real models' lockstep plans, timed as common/vla/profiler.py
+    times a profile: each stage alone and both co-running at an even split, per batch size; the
+    median of `repeats` runs after one warm-up."""
+    import statistics
+
+    from common.vla.config import ModelSpec
+    from common.vla.engine import select_backend
+    from common.vla.models import VlaPolicy
+    from common.vla.profiler import _batch, _requests
+    from common.vla.scheduler import LockstepPlan, Stage
+
+    backend = select_backend(device, threads=1 if device == "cpu" else None)
+    rows = []
+    try:
+        for arch in archs:
+            policy = VlaPolicy(ModelSpec(arch, arch), device=device)
+            by_name = {policy.spec.name: policy}
+            top = max(batch_sizes)
+            # disjoint request pools for the two stages, as in serving (and in the profiler)
+            vlm_pool = _requests(policy, top)
+            adit_pool = _requests(policy, top, first_seed=top)
+            saved = {r.request_id: r.prefix for r in adit_pool}
+
+            def timed(plan: LockstepPlan, saved: dict = saved, by_name: dict = by_name) -> dict:
+                runs = []
+                for i in range(repeats + 1):  # the first run warms up
+                    if plan.adit:  # the ADiT batch consumes its prefixes: give them back
+                        for r in plan.adit.requests:
+                            r.prefix = saved[r.request_id]
+                    t = backend.run(plan, by_name)
+                    if i:
+                        runs.append(t)
+                return {k: statistics.median(getattr(r, k) for r in runs) for k in ("vlm_ms", "adit_ms", "wall_ms")}
+
+            for b in batch_sizes:
+                v, a = _batch(Stage.VLM, policy, vlm_pool[:b]), _batch(Stage.ADIT, policy, adit_pool[:b])
+                rows.append(
+                    {
+                        "arch": arch,
+                        "batch": b,
+                        "vlm_alone": timed(LockstepPlan(0, v, None, 1.0)),
+                        "adit_alone": timed(LockstepPlan(0, None, a, 0.0)),
+                        "co_run_even": timed(LockstepPlan(0, v, a, 0.5)),
+                    }
+                )
+    finally:
+        backend.close()
+    return {"backend": backend.name, "repeats": repeats, "profile": rows}
+
+
 def device_info(device: str) -> dict:
     info: dict = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()}
     import torch  # the device's own build: what it is, in the JSON
@@ -293,7 +349,13 @@ def main(argv=None) -> int:
                 f"{(stage['overhead'] or 0) * 100:.1f} % against --policy none, {stage['wall_s']:.0f} s",
                 flush=True,
             )
-        result["stages"]["vla"] = {"skipped": "not built yet (docs/benchmarks.md, The GPU check)"}
+        if time.monotonic() - start > args.budget_s:
+            result["stages"]["vla"] = {"skipped": "budget"}
+        else:
+            vla_start = time.monotonic()
+            result["stages"]["vla"] = vla(setup["device"], **setup["vla"])
+            result["stages"]["vla"]["wall_s"] = time.monotonic() - vla_start
+            print(f"vla: {result['stages']['vla']['backend']} backend, {result['stages']['vla']['wall_s']:.0f} s")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     result["wall_s"] = time.monotonic() - start

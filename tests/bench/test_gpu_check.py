@@ -33,4 +33,5 @@ def test_the_gpu_check_runs_on_cpu_at_the_tiny_size(tmp_path):
     assert all(row["bitwise"] for row in stage["plans"])
     assert all(any(e["event"] == "recovery_plan" for e in row["restore"]) for row in stage["plans"])
     assert stage["overhead"] is not None and stage["uninterrupted"]["bytes_written"] > 0
-    assert "skipped" in result["stages"]["vla"]
+    vla = result["stages"]["vla"]
+    assert vla["backend"] == "cpu" and vla["profile"][0]["co_run_even"]["wall_ms"] > 0
