@@ -17,7 +17,11 @@ interleaved runs):
                            the end of that unit; one unit of the tiny model is milliseconds)
 
 and prints the ratios exec-to-first-unit / import torch (goal: at most 1.5), exec-to-first-unit /
-import torch._dynamo (what the payload adds to that floor) and exec-to-link.
+import torch._dynamo (what the payload adds to that floor) and exec-to-link, and the recovery
+planner's cost at boot: the payload resumes with OrbitWeaver's `optimal` planner by default, which
+the inference worker imports with the engine (after torch, which brings numpy), never the thread
+that answers the bus; its import is timed inside a process that has imported torch. Each round
+records the 1-min load average at its start: on a shared machine the medians mean little without it.
 The payload resumes the same checkpointed task in every round (its data directory is restored
 from a snapshot taken after a first boot that started the task; the scripted bus tells it at
 connection that the previous boot was cut, as the real bus does), with a warm page cache like
@@ -207,7 +211,8 @@ def main(argv=None) -> int:
         snapshot = prepare(bus, work, model, os.path.join(work, "keys"))
         timed_python(IMPORT_TORCH)  # one warm-up of each, not counted
         for r in range(args.rounds):
-            row = {"import_torch_s": timed_python(IMPORT_TORCH)}
+            # the machine's load as each round starts: these medians mean little without it
+            row = {"load1": os.getloadavg()[0], "import_torch_s": timed_python(IMPORT_TORCH)}
             row.update(measure_boot(bus, snapshot, work, model, os.path.join(work, "keys"), args.cold_model))
             row["import_stack_s"] = timed_python(IMPORT_STACK)
             row["import_floor_s"] = timed_python(IMPORT_FLOOR)
@@ -239,7 +244,11 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"\nmedians over {len(rows)} rounds (load average {load[0]:.1f} on {os.cpu_count()} CPUs):")
+    loads = [row["load1"] for row in rows]
+    print(
+        f"\nmedians over {len(rows)} rounds (1-min load average {min(loads):.1f}-{max(loads):.1f} at the rounds' "
+        f"starts, {load[0]:.1f} at the end, on {os.cpu_count()} CPUs):"
+    )
     print(f"  python -c 'import torch'                  {med['import_torch_s']:.2f} s")
     print(
         f"  import torch + transformers' Qwen3-VL     {med['import_stack_s']:.2f} s "
