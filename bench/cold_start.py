@@ -8,16 +8,29 @@ interleaved runs):
     import stack           `python -c "import torch, transformers; from transformers import
                            Qwen3VLForConditionalGeneration"`: what a naive payload pays before work
     import torch._dynamo   `python -c "import torch, torch._dynamo"`: the floor of any payload built
-                           on transformers' model classes, whatever it trims: every transformers
-                           decoder imports transformers.masking_utils, which imports torch._dynamo
-                           unconditionally (transformers 5.24.0), and torch does not import it itself
+                           on transformers' model classes, whatever it trims: ten module-level uses
+                           of torch._dynamo sit on their import chain (transformers 5.24.0:
+                           masking_utils, continuous batching's cache, the deepgemm, sonicmoe, fp8
+                           and flex-attention integrations; docs/flight.md "Boot"), and torch does
+                           not import it itself
     ow flight run          exec to: its first packet on the bus link (heartbeat), the BOOT event,
                            the answer to a PING sent as soon as it is connected, and the first unit
                            of inference work of the task it resumes (its first PROGRESS report:
                            the end of that unit; one unit of the tiny model is milliseconds)
 
+    optimal planner        OrbitWeaver's recovery planner, the default of `ow flight run`: its import
+                           and its first plan in a fresh process (bench/recovery_planner.py's boot
+                           row, the 36-layer G = 2 case, a random frontier of 32 chunks: the
+                           largest plan a payload makes). The payload makes both on its engine
+                           thread after the link is up (docs/flight.md "Boot"), so they are part
+                           of exec-to-first-unit above and never of a PING's answer
+
 and prints the ratios exec-to-first-unit / import torch (goal: at most 1.5), exec-to-first-unit /
-import torch._dynamo (what the payload adds to that floor) and exec-to-link.
+import torch._dynamo (what the payload adds to that floor) and exec-to-link, and the recovery
+planner's cost at boot: the payload resumes with OrbitWeaver's `optimal` planner by default, which
+the inference worker imports with the engine (after torch, which brings numpy), never the thread
+that answers the bus; its import is timed inside a process that has imported torch. Each round
+records the 1-min load average at its start: on a shared machine the medians mean little without it.
 The payload resumes the same checkpointed task in every round (its data directory is restored
 from a snapshot taken after a first boot that started the task; the scripted bus tells it at
 connection that the previous boot was cut, as the real bus does), with a warm page cache like
@@ -42,6 +55,7 @@ import tempfile
 import time
 
 from bench.recovery_latency import drop_cache
+from bench.recovery_planner import boot_times
 from common.wire import Apid, NodeId, PowerCause, decode, encode
 from common.wire import messages as m
 from common.wire.link import recv_packet
@@ -191,10 +205,13 @@ def main(argv=None) -> int:
         snapshot = prepare(bus, work, model, os.path.join(work, "keys"))
         timed_python(IMPORT_TORCH)  # one warm-up of each, not counted
         for r in range(args.rounds):
-            row = {"import_torch_s": timed_python(IMPORT_TORCH)}
+            row = {"load1": os.getloadavg()[0], "import_torch_s": timed_python(IMPORT_TORCH)}
             row.update(measure_boot(bus, snapshot, work, model, os.path.join(work, "keys"), args.cold_model))
             row["import_stack_s"] = timed_python(IMPORT_STACK)
             row["import_floor_s"] = timed_python(IMPORT_FLOOR)
+            planner = boot_times(chunks=32, runs=1, frontiers=("random",))[0]
+            row["planner_import_s"] = planner["import_ms"] / 1e3
+            row["planner_first_plan_s"] = planner["first_plan_ms"] / 1e3
             rows.append(row)
             print(f"round {r + 1}: " + "  ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
     finally:
@@ -210,6 +227,8 @@ def main(argv=None) -> int:
         "command_answered_s": med["command_answered_s"],
     }
     load = os.getloadavg()
+    # the machine is shared: each round's 1-minute load average, and the median of them
+    loads = [row["load1"] for row in rows]
     result = {
         "rounds": rows,
         "median": med,
@@ -217,12 +236,16 @@ def main(argv=None) -> int:
         "model": model,
         "cold_model": args.cold_model,
         "loadavg": load,
+        "load1_per_round": loads,
         "cpus": os.cpu_count(),
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"\nmedians over {len(rows)} rounds (load average {load[0]:.1f} on {os.cpu_count()} CPUs):")
+    print(
+        f"\nmedians over {len(rows)} rounds on {os.cpu_count()} CPUs; 1-minute load average "
+        f"at each round's start: median {statistics.median(loads):.1f}, {min(loads):.1f} to {max(loads):.1f}):"
+    )
     print(f"  python -c 'import torch'                  {med['import_torch_s']:.2f} s")
     print(
         f"  import torch + transformers' Qwen3-VL     {med['import_stack_s']:.2f} s "
@@ -232,9 +255,17 @@ def main(argv=None) -> int:
         f"  import torch + torch._dynamo              {med['import_floor_s']:.2f} s "
         f"({ratios['import_floor_over_import_torch']:.2f}x import torch: the floor with transformers' models)"
     )
+    print(
+        f"  optimal planner (engine thread)           import {med['planner_import_s'] * 1e3:.0f} ms, "
+        f"first plan {med['planner_first_plan_s'] * 1e3:.0f} ms (inside the first unit, not the PING's answer)"
+    )
     print(f"  ow flight run: first packet on the link   {med['link_s']:.2f} s (goal <= 0.5 s)")
     print(f"                 a PING answered            {med['command_answered_s']:.2f} s")
     print(f"                 first unit of work done    {med['first_unit_s']:.2f} s")
+    print(
+        f"  the recovery planner (optimal, the default): its import on the worker after torch "
+        f"{med['planner_import_s'] * 1e3:.0f} ms (off the thread that answers the bus)"
+    )
     print(f"  ratio first unit / import torch: {ratios['first_unit_over_import_torch']:.2f}x (goal <= 1.5x)")
     print(
         f"  ratio first unit / import torch + torch._dynamo: {ratios['first_unit_over_import_floor']:.2f}x "

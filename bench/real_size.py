@@ -142,13 +142,22 @@ def _stamp(line: dict) -> float:
     return datetime.fromisoformat(line["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
-def infer_session(cmd: list[str], env: dict, t0: float, kill_at: set[tuple[str, int]] | None = None) -> Session:
+def spawn_process(cmd: list[str], env: dict):
+    """`cmd` in a fresh process: what a payload's boot costs, imports included."""
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+
+
+def infer_session(
+    cmd: list[str], env: dict, t0: float, kill_at: set[tuple[str, int]] | None = None, spawn=spawn_process
+) -> Session:
     """Run `cmd` (ow infer ... --log-level debug --json) and follow its log; SIGKILL it right
-    after it reports a unit in `kill_at` ((phase, unit number) pairs). Returns what it did."""
+    after it reports a unit in `kill_at` ((phase, unit number) pairs). Returns what it did.
+    `spawn(cmd, env)` starts it (a Popen, or what behaves like one: bench/gpu_check.py's smoke
+    forks it from a process that has imported the engine)."""
 
     started = time.time()
     session = Session(exec_s=started - t0)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    proc = spawn(cmd, env)
     rss = PeakRss(proc.pid)
     rss.start()
     assert proc.stderr is not None and proc.stdout is not None
@@ -194,6 +203,10 @@ def infer_cmd(model: str, images: list[str], prompt: str, args, policy: str, ckp
     cmd += ["--max-new-tokens", str(args.new_tokens), "--policy", policy, "--threads", str(args.threads)]
     cmd += ["--chunk", str(args.chunk), "--group", str(args.group), "--decode-every", str(args.decode_every)]
     cmd += ["--vision-every", str(args.vision_every), "--cadence", args.cadence, "--planner", args.planner]
+    # bench/gpu_check.py runs these on CUDA in bf16; this bench leaves both to the engine's defaults
+    for option in ("device", "dtype"):
+        if getattr(args, option, None):
+            cmd += [f"--{option}", getattr(args, option)]
     return cmd + ["--json", "--log-level", "debug"]
 
 

@@ -175,11 +175,13 @@ print(json.dumps({"import_ms": (t1 - t0) * 1e3, "first_plan_ms": (t3 - t2) * 1e3
 """
 
 
-def boot_times(chunks: int, runs: int = 3) -> list[dict]:
+def boot_times(
+    chunks: int, runs: int = 3, frontiers: tuple[str, ...] = ("staircase", "random-stair", "random")
+) -> list[dict]:
     """The first plan in a fresh process (what a payload pays at each boot), per frontier of
     the 36-layer G = 2 case: the planner's import and its first call; median of `runs`."""
     rows = []
-    for frontier in ("staircase", "random-stair", "random"):
+    for frontier in frontiers:
         p = timing_problem(36, 2, frontier, chunks)
         spec = {
             "groups": p.num_groups,

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import crc32c as _crc32c
 import msgpack
-import numpy as np
 
 if TYPE_CHECKING:
     import torch
@@ -139,6 +138,9 @@ def aligned_buffer(nbytes: int) -> memoryview:
     Tensors decoded from it are then aligned like freshly computed ones; CPU kernels pick
     different code paths for misaligned operands, and restored state must compute bitwise
     like the original."""
+    import numpy as np  # here, not at the top: the payload's command thread reads and writes its
+    # state and queue records before it answers the bus, and they carry no tensor (docs/flight.md "Boot")
+
     raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
     start = (-raw.ctypes.data) % ALIGN
     return raw[start : start + nbytes].data

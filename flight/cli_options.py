@@ -5,8 +5,10 @@ emulation, the cadence, and the report of options a policy overrides.
 Both commands import this module; it imports neither of them. It is on `ow flight run`'s boot
 path (flight/runtime/cli.py), so its top-level imports are the light ones parsing needs; two are
 imported where they are used, after the boot has asked the kernel to page the weights in:
-flight.recovery.plan (it registers the optimal planner, which brings numpy: ~0.2 s idle, over 1 s
-on a loaded machine) and flight.checkpoint.cadence (crc32c). Nothing here imports torch.
+flight.checkpoint.cadence (crc32c). Nothing here imports torch, and nothing here imports the
+recovery planners (the optimal one brings numpy: ~0.2 s idle, over 1 s on a loaded machine):
+`--planner` is checked against flight.options.PLANNER_NAMES, and the planner loads with the engine
+on the inference worker (docs/flight.md "Boot").
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import TYPE_CHECKING
 from common.durable import DurableFS, ThrottledFS, TokenBucket
 from common.errors import EXIT_OUT_OF_MEMORY, CliError, check_number
 from flight.checkpoint.policies import POLICIES, Geometry, Policy, get_policy
-from flight.options import DEFAULT_PLANNER, EngineOptions, default_cadence, resolve_cadence
+from flight.options import DEFAULT_PLANNER, PLANNER_NAMES, EngineOptions, default_cadence, resolve_cadence
 
 if TYPE_CHECKING:
     from flight.checkpoint.cadence import Cadence
@@ -209,14 +211,12 @@ def check_room_for_torch() -> None:
 
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:
-    from flight.recovery.plan import PLANNERS  # numpy, on the boot path (module docstring)
-
     for name, flag in GEOMETRY_FLAGS.items():
         value = getattr(args, name)
         if value is not None and value < 1:
             raise CliError(f"{flag} must be at least 1", EXIT_USAGE)
-    if args.planner not in PLANNERS:
-        raise CliError(f"unknown --planner {args.planner!r}; choose from {', '.join(sorted(PLANNERS))}", EXIT_USAGE)
+    if args.planner not in PLANNER_NAMES:
+        raise CliError(f"unknown --planner {args.planner!r}; choose from {', '.join(PLANNER_NAMES)}", EXIT_USAGE)
     if args.threads is not None and args.threads < 1:
         raise CliError("--threads must be at least 1", EXIT_USAGE)
     cadence = resolve_cadence(args.policy, args.cadence)

@@ -20,6 +20,11 @@ DEFAULT_RESERVE_BYTES = 8 << 20
 #: numpy), never on the path that answers the bus.
 DEFAULT_PLANNER = "optimal"
 
+#: The names `--planner` accepts: those flight/recovery registers (plan.PLANNERS once the package is
+#: imported; a test keeps the two equal). Named here so that checking a command line imports no
+#: planner: the planner and numpy load on the inference worker, off the thread that answers the bus.
+PLANNER_NAMES = ("chunk-first", "layer-first", "optimal")
+
 
 @dataclass
 class EngineOptions:

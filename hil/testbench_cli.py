@@ -251,10 +251,10 @@ def check_run_numbers(args) -> float | str:
     check_number(args.pace_ms, "--pace-ms", at_least=0)
     check_number(args.start_at, "--start-at", at_least=0)
     check_number(args.timeout, "--timeout", above=0)
-    from flight.recovery.plan import PLANNERS  # lazy: numpy; `ow --help` imports this module
+    from flight.options import PLANNER_NAMES  # the names the payload checks, without importing a planner
 
-    if args.planner not in PLANNERS:  # the payload would refuse it at every boot
-        raise CliError(f"unknown --planner {args.planner!r}; choose from {', '.join(sorted(PLANNERS))}", EXIT_USAGE)
+    if args.planner not in PLANNER_NAMES:  # the payload would refuse it at every boot
+        raise CliError(f"unknown --planner {args.planner!r}; choose from {', '.join(PLANNER_NAMES)}", EXIT_USAGE)
     return scale
 
 

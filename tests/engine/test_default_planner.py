@@ -34,3 +34,12 @@ def test_a_bad_planner_is_one_line():
 
     with pytest.raises(CliError, match="unknown --planner"):
         engine_options(_parsed("--planner", "fastest"))
+
+
+def test_the_planner_names_the_command_line_checks_are_those_registered():
+    """`--planner` is checked without importing the planners (they load on the inference worker,
+    off the thread that answers the bus): the names it accepts must stay those registered."""
+    from flight.options import PLANNER_NAMES
+    from flight.recovery.plan import PLANNERS
+
+    assert sorted(PLANNER_NAMES) == sorted(PLANNERS)

@@ -75,11 +75,15 @@ class BusPeer:
         return [msg for h, msg in self.received if isinstance(msg, m.Verification) and msg.tc_seq == seq]
 
 
-def spawn_flight(data_dir, model_dir, keys_dir, endpoint, *extra, log_path=None):
+def spawn_flight(data_dir, model_dir, keys_dir, endpoint, *extra, log_path=None, import_record=None):
+    """`ow flight run` on the scripted bus; with `import_record`, under import_probe.py, which
+    records the process's imports there (see that module)."""
+    launcher = ["-m", "common.cli"]
+    if import_record is not None:
+        launcher = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "import_probe.py"), str(import_record)]
     cmd = [
         sys.executable,
-        "-m",
-        "common.cli",
+        *launcher,
         "flight",
         "run",
         "--data-dir",
