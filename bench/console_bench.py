@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         f"p99 {p99:.1f} ms, max {ms[-1]:.1f} ms"
     )
     print(
-        f"server process peak RSS after {args.seconds:g} s live: {rss2 / 1024:.0f} MiB "
+        f"bench process (console and its ground client) peak RSS after {args.seconds:g} s live: {rss2 / 1024:.0f} MiB "
         f"(history bounded: {args.events} events, 200,000 samples per series)"
     )
     return 0
