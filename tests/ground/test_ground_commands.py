@@ -222,11 +222,19 @@ def test_keys_bind_each_station_to_a_source_id_and_the_tools_default_to_it(ow, t
         ["ping"],
         ["cancel"],
         ["priority"],
+        ["console"],
     ],
 )
 def test_every_command_explains_itself(ow, action):
     result = ow("ground", *action, "--help")
     assert result.code == 0 and "usage: ow ground" in result.out and "exit status" in result.out
+
+
+def test_console_beyond_loopback_refuses_to_start_without_token_and_tls(ow, tmp_path):
+    result = ow("ground", "console", "--keys", str(tmp_path), "--host", "0.0.0.0", "--port", "0")
+    assert result.code == 5 and "without a token" in result.err
+    result = ow("ground", "console", "--keys", str(tmp_path), "--host", "0.0.0.0", "--port", "0", "--token", "t")
+    assert result.code == 5 and "without TLS" in result.err
 
 
 def test_a_refusal_by_the_bus_itself_is_exit_3_naming_the_bus(ow, keys, peer):
