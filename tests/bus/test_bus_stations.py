@@ -177,3 +177,11 @@ def test_a_flood_from_one_station_is_bounded_and_another_station_goes_next(tmp_p
     backlog = log[arrived]["queued"]
     assert backlog > 3 * config.max_in_flight, "the flooder had a backlog to overtake"
     assert len(overtaking) <= config.max_in_flight
+    # The window's last slot stays free for a station with nothing in flight: the flooder alone
+    # never has the whole window, so the other station's PING never waits for it to drain.
+    flood_in_flight, most = 0, 0
+    for e in log:
+        if e.kind in (bl.COMMAND_FORWARDED, bl.COMMAND_CONFIRMED) and e["request"]["source"] == 0x0010:
+            flood_in_flight += 1 if e.kind == bl.COMMAND_FORWARDED else -1
+            most = max(most, flood_in_flight)
+    assert 0 < most <= config.max_in_flight - 1
