@@ -203,7 +203,10 @@ def forecast_tasks(
         units: list[float] = []
         marks: list[int] = []
         for task in queue:
-            if task.get("task_id") == current and progress.get("phase") in PHASES:
+            if task.get("task_id") == current and "units_done" in progress:
+                # progress counted in durable units of the whole task (the benchmark's form)
+                mine = _unit_list(profile, None, 0, None, task.get("max_new_tokens"))[1 + int(progress["units_done"]) :]
+            elif task.get("task_id") == current and progress.get("phase") in PHASES:
                 mine = _unit_list(
                     profile,
                     progress["phase"],
@@ -218,18 +221,16 @@ def forecast_tasks(
     except ForecastUnavailable as exc:
         return {"made_at": now, "unavailable": str(exc)}
     t_heard = float(progress.get("heard_at", now)) if plan is None else now
-    first_overhead = 0.0
-    if plan is None and current_len is not None:
-        first_overhead = float(profile.get("overhead_s", 0.0))  # the window it was heard in had ended
+    overhead = float(profile.get("overhead_s", 0.0))
+    if plan is not None or current_len is not None:
+        first_overhead = overhead  # the walk starts at a power-up
+    else:  # heard inside a window: what is left of its power-up overhead
+        first_overhead = max(0.0, overhead - (t_heard - current_start))
     rng = random.Random(seed)
     results: list[list[tuple[float, int] | None]] = []
     for _ in range(draws if plan is None else 1):
         wins = _windows(rng, pairs, t_heard, current_start, current_len, plan, plan_scale)
-        results.append(
-            finish_times(
-                units, marks, wins, overhead_s=float(profile.get("overhead_s", 0.0)), first_overhead_s=first_overhead
-            )
-        )
+        results.append(finish_times(units, marks, wins, overhead_s=overhead, first_overhead_s=first_overhead))
     out: dict[str, Any] = {}
     for k, task in enumerate(queue):
         got = [hit for hit in (r[k] for r in results) if hit is not None]
