@@ -78,7 +78,7 @@ def evaluate(kind: str, seed: int, workload: str, cadence: str, draws: int) -> l
         truth = finish_times(
             units, marks, iter(windows[a:]), overhead_s=profile["overhead_s"], first_overhead_s=profile["overhead_s"]
         )
-        if truth[-1] is None:
+        if any(x is None for x in truth):
             continue  # does not complete before the trace ends
         done_at = [
             t
@@ -94,7 +94,9 @@ def evaluate(kind: str, seed: int, workload: str, cadence: str, draws: int) -> l
                 if x is not None
             )
         ]
-        last = truth[-1][0]
+        final = truth[-1]
+        assert final is not None
+        last = final[0]
         for after in AFTER:
             w = a + after
             if w >= len(windows) or windows[w][0] >= last:
@@ -120,7 +122,9 @@ def evaluate(kind: str, seed: int, workload: str, cadence: str, draws: int) -> l
                 f = fc["tasks"][task["task_id"]]
                 if "unavailable" in f:
                     continue
-                actual = truth[k][0]
+                hit = truth[k]
+                assert hit is not None
+                actual = hit[0]
                 e2e = actual - uplink
                 rows.append(
                     {
