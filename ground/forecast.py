@@ -54,6 +54,21 @@ LONG_GAP_FACTOR_RANGE = (1.0, 6.0)
 BAND_WIDEN = 1.3
 
 
+def forecast_profile(msg: Any) -> dict:
+    """A PAYLOAD_PROFILE as the forecast basis keeps it."""
+    return {
+        "model": msg.model,
+        "policy": msg.policy,
+        "cadence": msg.cadence,
+        "unit_s": dict(msg.unit_s),
+        "task_units": dict(msg.task_units),
+        "durable_every": dict(msg.durable_every),
+        "decode_tokens": msg.decode_tokens,
+        "overhead_s": msg.overhead_s,
+        "setup_s": msg.setup_s,
+    }
+
+
 class ForecastUnavailable(Exception):
     """Why no forecast can be made (said to the operator, never replaced by a guess)."""
 

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import time
+
+from ground_testkit import link_args
+
 from common.sim.windows import finish_time
+from common.wire import messages as m
 from ground.forecast import forecast_lines, forecast_tasks
+from ground.state import GroundState
 
 PROFILE = {
     "model": "qwen3-vl-2b",
@@ -70,3 +77,29 @@ def test_the_band_narrows_as_the_task_advances():
     assert la["p90"] - la["p10"] < e["p90"] - e["p10"]
     assert la["expected"] < e["expected"]
     assert "inside" in forecast_lines(late, now_wall=now)[0]
+
+
+def test_status_shows_the_forecast_from_the_payloads_telemetry(ow, keys, peer, pictures):
+    result = ow("ground", "uplink", *link_args(keys, peer), "--image", pictures[1], "--prompt", "count the ships")
+    task_id = result.out.strip()
+    before = ow("ground", "status", *link_args(keys, peer))
+    assert before.code == 0 and "forecast: none (no payload profile yet" in before.out
+    now = time.time()
+    peer.forecast_packets = [
+        m.PayloadProfile(
+            model="qwen3-vl-2b",
+            policy="orbitweaver",
+            cadence="fixed",
+            decode_tokens=0,
+            **{k: PROFILE[k] for k in ("unit_s", "task_units", "durable_every", "overhead_s", "setup_s")},
+        ),
+        m.WindowHistory(boot_count=3, starts=[now - 300, now - 200, now - 100], lengths=[60.0, 70.0]),
+    ]
+    text = ow("ground", "status", *link_args(keys, peer))
+    assert text.code == 0, text.err
+    assert f"forecast {task_id}: done ~" in text.out and "more window(s)" in text.out
+    as_json = json.loads(ow("ground", "status", *link_args(keys, peer), "--json").out)
+    mine = as_json["forecast"]["tasks"][task_id]
+    assert mine["p10"] <= mine["expected"] <= mine["p90"]
+    basis = GroundState(keys.state_dir).forecast_basis()
+    assert basis["windows"]["lengths"] == [60.0, 70.0] and basis["progress"]["task_id"] == task_id
