@@ -64,6 +64,7 @@ from flight.options import EngineOptions, resolve_cadence
 from .handlers import MAX_QUEUED, CommandHandlers  # noqa: F401  (MAX_QUEUED: re-exported)
 from .health import COMMANDS, ENGINE_ITEM, MAIN, WORKER, Health, command_item, item_task_id, report_item, task_item
 from .images import ImageCorrupt, ImageStore
+from .profile import WorkProfile, append_start
 from .queue import CANCELLED, COMPLETED, RUNNING, TaskQueue
 from .storage import DEFAULT_RESERVE_BYTES, GatedFS, Storage
 
@@ -275,6 +276,9 @@ class FlightApp(CommandHandlers):
         except OSError as exc:  # advice only (the adaptive cadence): never a reason not to boot
             self.log.warning("window_log_unavailable", error=str(exc))
             self.windows = None
+        # What this payload measures of its own work, downlinked for the ground's completion
+        # forecast (PAYLOAD_PROFILE, WINDOW_HISTORY; flight/runtime/profile.py).
+        self.profile = WorkProfile(os.path.join(self.data_dir, "state", "profile.json"))
         self.handlers = self._handler_table()
 
     def _telemetry_counter(self) -> AheadSequenceCounter:
@@ -847,6 +851,7 @@ class FlightApp(CommandHandlers):
                 task=task.task_id, phase=TaskPhase.RECOVERING if resumed else TaskPhase.VISION, done=0, total=0
             )
             self.send(m.Started.about(request, task_id=task.task_id))
+            self.profile.task_started(time.monotonic())
             self.event(
                 EventId.TASK_RESUMED if resumed else EventId.TASK_STARTED,
                 f"task {task.task_id} "
@@ -890,6 +895,8 @@ class FlightApp(CommandHandlers):
                 self.engine = None
             timings = dict(result.phase_seconds)
             timings["total_this_boot"] = time.monotonic() - t0
+            self.profile.task_ended(task.max_new_tokens)
+            self.jobs.put(self._send_profile)
             outcome = {
                 "token_ids": result.token_ids,
                 "text": result.text,
@@ -1050,6 +1057,7 @@ class FlightApp(CommandHandlers):
             changed = phase != self.current["phase"]
             self.current.update(phase=phase, done=done, total=total)
             now = time.monotonic()
+            self.profile.unit(str(phase), done, total, now, now - self.started)
             if changed or done == total or now - last_sent["t"] > 0.1:
                 last_sent["t"] = now
                 self.send(m.Progress.about(request, task_id=task.task_id, phase=phase, done=done, total=total))
@@ -1214,10 +1222,12 @@ class FlightApp(CommandHandlers):
             return
         windows = self.windows
         try:
-            self.cadence.set_windows(windows.open(self.state.counters.boot_count))
+            lengths = windows.open(self.state.counters.boot_count)
+            self.cadence.set_windows(lengths)
         except OSError as exc:  # the history is advice: without it the cadence is the fixed one
             self.log.warning("window_log_unavailable", error=str(exc))
             return
+        self._send_window_history(lengths)
         costs = WriteCosts(windows.dir)
         try:
             learned = costs.load()
@@ -1235,6 +1245,45 @@ class FlightApp(CommandHandlers):
         threading.Thread(
             target=windows.keep_marking, args=(self.stop, keep_costs), name="window-log", daemon=True
         ).start()
+
+    def _send_window_history(self, lengths: list[float]) -> None:
+        """WINDOW_HISTORY and PAYLOAD_PROFILE, at power-on (command thread, before any STATUS is
+        answered): the windows lived through, each with its start on this payload's clock."""
+        path = os.path.join(self.data_dir, "state", "window-starts.log")
+        try:
+            starts = append_start(self.fs, path, time.time() - (time.monotonic() - self.started))
+        except OSError as exc:  # advice only: the ground says it cannot forecast
+            self.log.warning("window_starts_unavailable", error=str(exc))
+            return
+        # lengths are of the ended windows, oldest first; the newest start is this window's
+        paired = min(len(lengths), len(starts) - 1)
+        self.send(
+            m.WindowHistory(
+                boot_count=self.state.counters.boot_count,
+                starts=starts[len(starts) - 1 - paired :],
+                lengths=lengths[len(lengths) - paired :] if paired else [],
+            )
+        )
+        self._send_profile(save=False)
+
+    def _send_profile(self, save: bool = True) -> None:
+        """PAYLOAD_PROFILE (at power-on and after each task; command thread: it saves first)."""
+        if save:
+            try:
+                self.profile.save(self.fs)
+            except OSError as exc:  # advice only: measured again
+                self.log.warning("profile_unsaved", error=str(exc))
+        options = self.options if self.options is not None else EngineOptions()
+        geometry = options.geometry
+        self.send(
+            m.PayloadProfile(
+                model=clip_utf8(os.path.basename(os.path.normpath(self.model_dir)) if self.model_dir else "", 128),
+                policy=options.policy,
+                cadence=self.cadence.mode,
+                durable_every={"vision": geometry.vision_every, "prefill": 1, "decode": geometry.decode_every},
+                **self.profile.fields(),
+            )
+        )
 
     def _worker_guarded(self) -> None:
         """The worker catches everything itself; this is the last line, which keeps the process
