@@ -181,7 +181,22 @@ def run(seeds=(101, 102), draws: int = 200) -> dict:
             for workload in WORKLOADS:
                 for cadence in ("fixed", "adaptive"):
                     rows += evaluate(kind, seed, workload, cadence, draws)
-    return {"table": table(rows), "timing": timing(), "seeds": list(seeds), "draws": draws}
+    by_seed = []
+    for seed in seeds:
+        for held in (False, True):
+            sel = [r for r in rows if r["seed"] == seed and (r["trace"] in HELD_OUT) == held]
+            up = [r["error"] for r in sel if r["after"] == 0]
+            if sel and up:
+                by_seed.append(
+                    {
+                        "seed": seed,
+                        "held_out": held,
+                        "n": len(sel),
+                        "inside": sum(r["inside"] for r in sel) / len(sel),
+                        "median_error_at_uplink": statistics.median(up),
+                    }
+                )
+    return {"table": table(rows), "by_seed": by_seed, "timing": timing(), "seeds": list(seeds), "draws": draws}
 
 
 def format_table(result: dict) -> str:
@@ -190,6 +205,11 @@ def format_table(result: dict) -> str:
         lines.append(
             f"{r['trace']:<14} {'yes' if r['held_out'] else 'no':<9} {r['after']:>5}  {r['n']:<4} "
             f"{100 * r['inside']:6.0f} %  {100 * r['median_error']:8.1f} %  {100 * r['p90_error']:5.1f} %"
+        )
+    for r in result.get("by_seed", []):
+        lines.append(
+            f"seed {r['seed']} {'held-out' if r['held_out'] else 'training'}: {100 * r['inside']:.0f} % in band "
+            f"over all forecasts (n={r['n']}), median error at uplink {100 * r['median_error_at_uplink']:.1f} %"
         )
     t = result["timing"]
     lines.append(f"10-task forecast, {t['draws']} draws: {1000 * t['seconds']:.0f} ms")

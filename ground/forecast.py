@@ -50,8 +50,10 @@ SIGMA_SHORT = 0.9
 #: or gap seen.
 PRIOR_LONG_GAP = 0.5
 LONG_GAP_FACTOR_RANGE = (1.0, 6.0)
-#: The 10-90 band is widened around the median by this factor (calibrated, bench/forecast_bench.py).
-BAND_WIDEN = 1.3
+#: The 10-90 band is widened around the median by this factor: the smallest of 1.0/1.3/1.5/1.7 that
+#: put at least 80 % of completions inside it on the training kinds (trace-a, sat2-like) with
+#: seeds 1 and 2 (82 %; 1.3: 78 %), none of them the benchmark's seeds.
+BAND_WIDEN = 1.5
 
 
 def forecast_profile(msg: Any) -> dict:
