@@ -103,3 +103,12 @@ def test_status_shows_the_forecast_from_the_payloads_telemetry(ow, keys, peer, p
     assert mine["p10"] <= mine["expected"] <= mine["p90"]
     basis = GroundState(keys.state_dir).forecast_basis()
     assert basis["windows"]["lengths"] == [60.0, 70.0] and basis["progress"]["task_id"] == task_id
+
+
+def test_a_plan_replaces_the_history():
+    # windows of 20 s every 30 s from now: the task needs 1 + 2x2 + 20x3 + 4x8 = 97 s of units
+    now = 5_000.0
+    plan = [(now / 2 + 15.0 * k, now / 2 + 15.0 * k + 10.0) for k in range(100)]  # plan seconds, scale 2
+    out = forecast_tasks(TASKS, {"profile": PROFILE}, plan=plan, plan_scale=2.0, now_wall=now)
+    f = out["tasks"]["t1"]
+    assert f["p10"] == f["expected"] == f["p90"] and f["windows"] >= 5
