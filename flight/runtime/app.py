@@ -70,6 +70,9 @@ from .storage import DEFAULT_RESERVE_BYTES, GatedFS, Storage
 
 HEARTBEAT_S = 1.0
 HOUSEKEEPING_S = 5.0
+#: How long the command thread holds the boot's WINDOW_HISTORY for the main thread's first
+#: HEARTBEAT (queued microseconds after the command thread starts).
+HEARTBEAT_FIRST_WAIT_S = 5.0
 #: Fault events of one kind at most this often (a fault that repeats must not flood the link).
 FAULT_EVENT_EVERY_S = 5.0
 #: Pause after an unexpected fault in a loop, so a fault that repeats cannot spin the CPU.
@@ -279,6 +282,7 @@ class FlightApp(CommandHandlers):
         # What this payload measures of its own work, downlinked for the ground's completion
         # forecast (PAYLOAD_PROFILE, WINDOW_HISTORY; flight/runtime/profile.py).
         self.profile = WorkProfile(os.path.join(self.data_dir, "state", "profile.json"))
+        self._heartbeat_queued = threading.Event()  # the boot's HEARTBEAT goes before anything else
         self.handlers = self._handler_table()
 
     def _telemetry_counter(self) -> AheadSequenceCounter:
@@ -1093,6 +1097,7 @@ class FlightApp(CommandHandlers):
         self.send(
             m.Heartbeat(boot_count=self.state.counters.boot_count, uptime_s=0.0)
         )  # first: the bus learns the boot
+        self._heartbeat_queued.set()
         self.event(EventId.BOOT, f"payload boot {self.state.counters.boot_count}; {self.queue.depth()} task(s) pending")
         self._boot_events()
         for task in self.queue.unreported():
@@ -1257,6 +1262,7 @@ class FlightApp(CommandHandlers):
             return
         # lengths are of the ended windows, oldest first; the newest start is this window's
         paired = min(len(lengths), len(starts) - 1)
+        self._heartbeat_queued.wait(HEARTBEAT_FIRST_WAIT_S)
         self.send(
             m.WindowHistory(
                 boot_count=self.state.counters.boot_count,
