@@ -283,6 +283,7 @@ class FlightApp(CommandHandlers):
         # forecast (PAYLOAD_PROFILE, WINDOW_HISTORY; flight/runtime/profile.py).
         self.profile = WorkProfile(os.path.join(self.data_dir, "state", "profile.json"))
         self._heartbeat_queued = threading.Event()  # the boot's HEARTBEAT goes before anything else
+        self._window_history: m.WindowHistory | None = None  # this boot's, sent again with each STATUS
         self.handlers = self._handler_table()
 
     def _telemetry_counter(self) -> AheadSequenceCounter:
@@ -1263,14 +1264,19 @@ class FlightApp(CommandHandlers):
         # lengths are of the ended windows, oldest first; the newest start is this window's
         paired = min(len(lengths), len(starts) - 1)
         self._heartbeat_queued.wait(HEARTBEAT_FIRST_WAIT_S)
-        self.send(
-            m.WindowHistory(
-                boot_count=self.state.counters.boot_count,
-                starts=starts[len(starts) - 1 - paired :],
-                lengths=lengths[len(lengths) - paired :] if paired else [],
-            )
+        self._window_history = m.WindowHistory(
+            boot_count=self.state.counters.boot_count,
+            starts=starts[len(starts) - 1 - paired :],
+            lengths=lengths[len(lengths) - paired :] if paired else [],
         )
+        self.send(self._window_history)
         self._send_profile(save=False)
+
+    def forecast_messages(self) -> list[m.Message]:
+        """WINDOW_HISTORY (once this boot has logged its window) and PAYLOAD_PROFILE, from memory:
+        sent before the HOUSEKEEPING that answers STATUS, so that a ground that was not listening
+        at power-on still gets the forecast's inputs (main thread: no disk)."""
+        return ([self._window_history] if self._window_history is not None else []) + [self._profile_message()]
 
     def _send_profile(self, save: bool = True) -> None:
         """PAYLOAD_PROFILE (at power-on and after each task; command thread: it saves first)."""
@@ -1279,16 +1285,17 @@ class FlightApp(CommandHandlers):
                 self.profile.save(self.fs)
             except OSError as exc:  # advice only: measured again
                 self.log.warning("profile_unsaved", error=str(exc))
+        self.send(self._profile_message())
+
+    def _profile_message(self) -> m.PayloadProfile:
         options = self.options if self.options is not None else EngineOptions()
         geometry = options.geometry
-        self.send(
-            m.PayloadProfile(
-                model=clip_utf8(os.path.basename(os.path.normpath(self.model_dir)) if self.model_dir else "", 128),
-                policy=options.policy,
-                cadence=self.cadence.mode,
-                durable_every={"vision": geometry.vision_every, "prefill": 1, "decode": geometry.decode_every},
-                **self.profile.fields(),
-            )
+        return m.PayloadProfile(
+            model=clip_utf8(os.path.basename(os.path.normpath(self.model_dir)) if self.model_dir else "", 128),
+            policy=options.policy,
+            cadence=self.cadence.mode,
+            durable_every={"vision": geometry.vision_every, "prefill": 1, "decode": geometry.decode_every},
+            **self.profile.fields(),
         )
 
     def _worker_guarded(self) -> None:
