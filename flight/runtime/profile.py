@@ -85,9 +85,17 @@ class WorkProfile:
 
     def unit(self, phase: str, done: int, total: int, now: float, uptime: float) -> None:
         with self.lock:
+            since = None  # a phase's first units: from the task's start or the last phase's last unit
             if self._task_t0 is not None:
                 self.setup = (self.setup + [now - self._task_t0])[-KEEP_OVERHEADS:]
+                since = self._task_t0
                 self._task_t0 = None
+            elif self._last is not None and self._last[0] != phase:
+                since = self._last[2]
+            if since is not None and phase not in self.unit_s and done > 0:
+                # a first estimate (it holds a setup or a restore), until two units of the phase
+                # follow each other: a phase of one unit would otherwise never be measured
+                self.unit_s[phase] = (now - since) / done
             if not self._first_unit_seen:
                 self._first_unit_seen = True
                 self.overheads = (self.overheads + [uptime])[-KEEP_OVERHEADS:]
