@@ -1063,6 +1063,8 @@ class FlightApp(CommandHandlers):
             self.current.update(phase=phase, done=done, total=total)
             now = time.monotonic()
             self.profile.unit(str(phase), done, total, now, now - self.started)
+            if changed:  # kept at each phase change: a cut must not take a window's measurements with it
+                self.jobs.put(self._save_profile)
             if changed or done == total or now - last_sent["t"] > 0.1:
                 last_sent["t"] = now
                 self.send(m.Progress.about(request, task_id=task.task_id, phase=phase, done=done, total=total))
@@ -1278,13 +1280,17 @@ class FlightApp(CommandHandlers):
         at power-on still gets the forecast's inputs (main thread: no disk)."""
         return ([self._window_history] if self._window_history is not None else []) + [self._profile_message()]
 
+    def _save_profile(self) -> None:
+        """Keep what was measured (command thread)."""
+        try:
+            self.profile.save(self.fs)
+        except OSError as exc:  # advice only: measured again
+            self.log.warning("profile_unsaved", error=str(exc))
+
     def _send_profile(self, save: bool = True) -> None:
         """PAYLOAD_PROFILE (at power-on and after each task; command thread: it saves first)."""
         if save:
-            try:
-                self.profile.save(self.fs)
-            except OSError as exc:  # advice only: measured again
-                self.log.warning("profile_unsaved", error=str(exc))
+            self._save_profile()
         self.send(self._profile_message())
 
     def _profile_message(self) -> m.PayloadProfile:
