@@ -215,8 +215,20 @@ def forecast_tasks(
         progress = basis.get("progress") or {}
         current = progress.get("task_id")
         queue = _order(tasks, current)
+        assumed_done: list[str] = []
+        depth = progress.get("queue_depth")
+        if isinstance(depth, int) and len(queue) > depth:
+            # More open tasks in this station's list than live on board: the oldest ones finished
+            # while no ground of this state directory listened (their COMPLETED unheard). Said in
+            # the result ("assumed_done"), not hidden.
+            running = [t for t in queue if t.get("task_id") == current]
+            others = [t for t in queue if t.get("task_id") != current]
+            keep = max(0, depth - len(running))
+            by_age = sorted(others, key=lambda t: t.get("created", ""))
+            assumed_done = [t["task_id"] for t in by_age[: len(by_age) - keep]]
+            queue = [t for t in queue if t["task_id"] not in assumed_done]
         if not queue:
-            return {"made_at": now, "tasks": {}}
+            return {"made_at": now, "tasks": {}, "assumed_done": assumed_done}
         units: list[float] = []
         marks: list[int] = []
         for task in queue:
@@ -271,7 +283,13 @@ def forecast_tasks(
             "remaining_s": med - now,
             "windows": int(statistics.median(n for _, n in got)),
         }
-    return {"made_at": now, "draws": len(results), "history_windows": len(pairs), "tasks": out}
+    return {
+        "made_at": now,
+        "draws": len(results),
+        "history_windows": len(pairs),
+        "tasks": out,
+        "assumed_done": assumed_done,
+    }
 
 
 def _pct(sorted_values: Sequence[float], q: float) -> float:
@@ -293,6 +311,11 @@ def forecast_lines(forecast: dict, now_wall: float | None = None) -> list[str]:
         lines.append(
             f"forecast {task_id}: done ~{when} UTC (in {_dur(f['expected'] - now)}; 10-90 %: "
             f"{_dur(f['p10'] - now)} - {_dur(f['p90'] - now)}), inside {f['windows']} more window(s)"
+        )
+    if forecast.get("assumed_done"):
+        lines.append(
+            f"forecast: taken as done on board (more open tasks here than the payload holds; fetch them with "
+            f"results): {', '.join(forecast['assumed_done'])}"
         )
     if not lines:
         lines.append("forecast: no open task")

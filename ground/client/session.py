@@ -209,14 +209,16 @@ class CommandSession:
             else:
                 assert isinstance(msg, m.Progress)
                 task, phase, done, total = msg.task_id, msg.phase, msg.done, msg.total
+            last = self._forecast_progress
             progress = {
                 "task_id": task,
                 "phase": str(phase) if phase is not None else None,
                 "done": done,
                 "total": total,
                 "heard_at": time.time(),
+                # live tasks on board (HOUSEKEEPING only; PROGRESS keeps the last one heard)
+                "queue_depth": msg.queue_depth if isinstance(msg, m.Housekeeping) else (last or {}).get("queue_depth"),
             }
-            last = self._forecast_progress
             if last is not None and (last["task_id"], last["phase"]) == (task, progress["phase"]):
                 if progress["heard_at"] - last["heard_at"] < 1.0 and not isinstance(msg, m.Housekeeping):
                     return

@@ -112,3 +112,14 @@ def test_a_plan_replaces_the_history():
     out = forecast_tasks(TASKS, {"profile": PROFILE}, plan=plan, plan_scale=2.0, now_wall=now)
     f = out["tasks"]["t1"]
     assert f["p10"] == f["expected"] == f["p90"] and f["windows"] >= 5
+
+
+def test_tasks_beyond_the_payloads_queue_are_said_to_be_done():
+    now = 10_000.0
+    tasks = [{"task_id": f"t{k}", "state": "accepted", "created": f"2026-01-01T00:00:0{k}.000Z"} for k in range(3)]
+    basis = _basis(
+        [(40.0, 20.0)] * 10, now, {"task_id": "t2", "phase": "prefill", "done": 3, "total": 20, "queue_depth": 1}
+    )
+    out = forecast_tasks(tasks, basis, now_wall=now, draws=50)
+    assert out["assumed_done"] == ["t0", "t1"] and list(out["tasks"]) == ["t2"]
+    assert any("taken as done on board" in line and "t0, t1" in line for line in forecast_lines(out, now_wall=now))
