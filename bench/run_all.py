@@ -27,7 +27,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from bench import engine_overhead, real_size, recovery_latency, recovery_planner, sim_figures
+from bench import engine_overhead, forecast_bench, real_size, recovery_latency, recovery_planner, sim_figures
 from bench import report as rep
 from common import log as owlog
 from common import machine
@@ -64,6 +64,7 @@ PARTS = (
     "repeats",
     "sim",
     "real_size",
+    "forecast",
 )
 
 
@@ -319,7 +320,8 @@ def main(argv=None) -> int:
         "--parts",
         default=None,
         help="measure only these parts, comma-separated (overhead, bytes_energy, planner, recovery, "
-        "compression, e2e, e2e_plus, validation, repeats, sim, real_size); the report leaves out what is missing",
+        "compression, e2e, e2e_plus, validation, repeats, sim, real_size, forecast); "
+        "the report leaves out what is missing",
     )
     p.add_argument(
         "--reuse",
@@ -413,6 +415,11 @@ def main(argv=None) -> int:
         writes_its_own(recovery_latency.main, ["--repeats", "1" if args.quick else "2", "--out"]),
     )
     part("compression", "Sec. 6: decode-KV compression", lambda path: decode_compression(model, small_imgs, prompt))
+    part(
+        "forecast",
+        "Completion forecast: calibration and error on held-out traces",
+        lambda path: forecast_bench.run(draws=100 if args.quick else 200),
+    )
     # The real processes, paced: 600 ms per unit of work (a prefill block of G layers is G units)
     # and 0.6 wall s per trace s (--pace-ms moves both), fixed rather than derived from a measured
     # start, so that a slow machine does not change the pace (docs/benchmarks.md). The payload's boot is emulated (15
@@ -673,6 +680,15 @@ def _engine_sections(out: str, d: dict) -> list:
             "",
             "```",
             *real_size.summary(d["real_size"]),
+            "```",
+        ]
+    if "forecast" in d:
+        lines += [
+            "",
+            "## Completion forecast (bench/forecast_bench.py; window model only, docs/ground.md)",
+            "",
+            "```",
+            forecast_bench.format_table(d["forecast"]),
             "```",
         ]
     if "compression" in d:

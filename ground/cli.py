@@ -252,13 +252,17 @@ def register(subparsers) -> None:
     bar.add_argument("--no-progress", dest="progress", action="store_false", help="never show the progress bar")
 
     # status -----------------------------------------------------------------------------------
-    leaf(
+    p = leaf(
         "status",
-        "payload housekeeping now",
+        "payload housekeeping now, and when each open task should be done",
         "Send STATUS and print the payload's housekeeping: queue depth, current task and its progress, checkpoint "
-        "bytes, free disk, boot count, uptime, command and error counters.",
+        "bytes, free disk, boot count, uptime, command and error counters. Then the completion forecast of every "
+        "task of this station still queued or running: expected time, 10-90 % band and the power windows still to "
+        "come before it is done, from the payload's measured rates and the windows it has lived through "
+        '(docs/ground.md), or why there is none. --json adds it under "forecast".',
         cmd_status,
     )
+    _forecast_options(p)
 
     # results ----------------------------------------------------------------------------------
     p = leaf(
@@ -285,6 +289,7 @@ def register(subparsers) -> None:
     p.add_argument(
         "--poll", type=float, default=30.0, metavar="S", help="with --wait: ask again every S seconds (default: 30)"
     )
+    _forecast_options(p)
 
     # events -----------------------------------------------------------------------------------
     p = leaf(
@@ -707,16 +712,59 @@ def _check_task_id(task_id: str) -> None:
     check_operator_name(task_id, "task id")
 
 
+def _forecast_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--plan",
+        metavar="FILE",
+        help="forecast on these power windows (a trace file, docs/trace-format.md: eclipse times, contact plan, "
+        "expected duty cycle) instead of resampling the payload's window history",
+    )
+    p.add_argument(
+        "--plan-scale",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="with --plan: wall seconds per plan second (default 1); the plan's second 0 is now",
+    )
+
+
+def _forecast(args) -> dict:
+    """The completion forecast of this station's open tasks (ground/forecast.py)."""
+    from common.sim.windows import trace_windows  # lazy, as above
+    from ground.forecast import forecast_tasks
+    from ground.state import GroundState
+
+    state = GroundState(args.state_dir or KeyLayout(Path(_keys_dir(args))).state_dir)
+    now = time.time()
+    plan = None
+    if getattr(args, "plan", None):
+        import traces
+
+        try:
+            windows, _ = trace_windows(traces.load(args.plan))
+        except Exception as exc:  # noqa: BLE001 - any unreadable plan: say which and why
+            raise LocalInputError(f"--plan {args.plan}: {exc}") from None
+        if args.plan_scale <= 0:
+            raise LocalInputError("--plan-scale must be above 0")
+        # plan second 0 is now: shift into Unix seconds after the scale
+        plan = [(now / args.plan_scale + a, now / args.plan_scale + b) for a, b in windows]
+    tasks = state.tasks() if state.tasks_path.exists() else []
+    return forecast_tasks(tasks, state.forecast_basis(), plan=plan, plan_scale=args.plan_scale, now_wall=now)
+
+
 def cmd_status(args) -> int:
     # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
+    from ground.forecast import forecast_lines
     from ground.report import housekeeping_text, to_jsonable
 
     with _client(args) as client:
         hk = client.status()
+    forecast = _forecast(args)
     if args.json:
-        _print_json(to_jsonable(hk))
+        _print_json(dict(to_jsonable(hk), forecast=forecast))
     else:
         print(housekeeping_text(hk), flush=True)
+        print("\n".join(forecast_lines(forecast)), flush=True)
     return 0
 
 
@@ -735,10 +783,18 @@ def cmd_results(args) -> int:
             print(tasks_table(tasks), flush=True)
         return 0
     _check_task_id(args.task)
+    forecast = None
+    if args.wait:
+        from ground.forecast import forecast_lines  # lazy, as above
+
+        forecast = _forecast(args)
+        mine = {"tasks": {k: v for k, v in forecast.get("tasks", {}).items() if k == args.task}}
+        for line in forecast_lines(forecast if "unavailable" in forecast else mine):
+            _notify(line)
     with _client(args) as client:
         result = client.result(args.task, wait=args.wait, max_wait_s=args.max_wait, poll_s=args.poll)
     if args.json:
-        _print_json(to_jsonable(result))
+        _print_json(to_jsonable(result) if forecast is None else dict(to_jsonable(result), forecast=forecast))
     else:
         print(result_text(result), flush=True)
     return 0

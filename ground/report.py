@@ -166,6 +166,20 @@ def describe(message: m.Message) -> str:
             f"{message.total} task(s) lost: {', '.join(message.task_ids) or '-'}; {message.bytes_dropped} damaged "
             f"bytes skipped in {message.records_dropped} region(s), {message.unnamed} unnamed"
         )
+    if isinstance(message, m.PayloadProfile):
+        rates = ", ".join(f"{k} {v:.3g} s" for k, v in message.unit_s.items()) or "no unit measured yet"
+        return (
+            f"{message.model or '-'} {message.policy} ({message.cadence}): {rates} per unit; power-up "
+            f"{message.overhead_s:.1f} s, setup {message.setup_s:.1f} s"
+        )
+    if isinstance(message, m.WindowHistory):
+        if not message.lengths:
+            return f"boot {message.boot_count}: {len(message.starts)} window(s), none ended yet"
+        lengths = sorted(message.lengths)
+        return (
+            f"boot {message.boot_count}: {len(message.lengths)} ended window(s), median "
+            f"{lengths[len(lengths) // 2]:.1f} s (shortest {lengths[0]:.1f} s, longest {lengths[-1]:.1f} s)"
+        )
     return str(to_jsonable(message))
 
 

@@ -4,6 +4,8 @@
     tasks.json          tasks this station uplinked: id, prompt, images, request ids, last state
     results/<task>.json TASK_RESULTs downlinked so far
     telemetry.jsonl     packets archived by `ow ground events` (numbered lines; rotated at 64 MiB)
+    forecast-basis.json the newest PAYLOAD_PROFILE, WINDOW_HISTORY and running task's progress
+                        (the completion forecast's inputs, docs/ground.md)
     ground.lock         advisory lock serialising updates by concurrent `ow ground` processes
 
 Several `ow ground` processes may run at once (an `events --follow` recorder, an uplink, a
@@ -204,6 +206,29 @@ class GroundState:
             return json.loads(path.read_text("utf-8"))
         except (OSError, ValueError):
             return None
+
+    # --- completion forecast's inputs ---------------------------------------------------------
+    @property
+    def forecast_basis_path(self) -> Path:
+        return self.dir / "forecast-basis.json"
+
+    def forecast_basis(self) -> dict:
+        """{"profile", "windows", "progress"} as last downlinked ({} before any); a damaged file
+        reads as empty (the payload sends both again at its next power-on)."""
+        try:
+            data = json.loads(self.forecast_basis_path.read_text("utf-8"))
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def note_forecast_basis(self, **parts: dict) -> None:
+        """Replace the named parts ("profile", "windows", "progress") of the forecast basis."""
+        with self._locked():
+            basis = self.forecast_basis()
+            basis.update(parts)
+            basis["format"] = 1
+            blob = json.dumps(basis, indent=1, sort_keys=True).encode()
+            self.fs.write_atomic(str(self.forecast_basis_path), [blob])
 
     # --- telemetry archive --------------------------------------------------------------------
     def archived(self, since: int) -> list[dict]:

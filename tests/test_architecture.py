@@ -110,6 +110,9 @@ def test_the_parser_sees_the_code():
     assert any(imp.importer == "flight.checkpoint.store" and imp.target == "common.record" for imp in IMPORTS)
     # imports inside functions count too
     assert any(imp.importer == "flight.cli" and imp.target.startswith("flight.model") for imp in IMPORTS)
+    # the simulator's shared pieces are used by the ground and by the testbench's simulator
+    assert any(imp.importer == "ground.forecast" and imp.target == "common.sim.windows" for imp in IMPORTS)
+    assert any(imp.importer == "hil.sim.lifecycle" and imp.target == "common.sim.windows" for imp in IMPORTS)
 
 
 @pytest.mark.parametrize(
@@ -119,6 +122,12 @@ def test_the_parser_sees_the_code():
         ("ground reaches the payload only over the wire", "ground", ("flight", "hil"), ()),
         ("flight never imports hil or ground", "flight", ("hil", "ground"), ()),
         ("traces imports no flight, hil or ground", "traces", ("flight", "hil", "ground"), ()),
+        (
+            "the shared simulator pieces (common/sim) are pure: ground, hil and bench all import them",
+            "common.sim",
+            ("flight", "hil", "ground", "traces", "bench"),
+            (),
+        ),
         (
             "the VLA scheduler is independent of the flight stack",
             "common.vla",

@@ -78,6 +78,11 @@ MAX_ITEM_BYTES: Final[int] = 128
 #: Entries one QUARANTINE_LIST or LOST_TASKS report carries (the most recent first).
 MAX_LISTED_ITEMS: Final[int] = 64
 MAX_LISTED_TASKS: Final[int] = 256
+#: Windows one WINDOW_HISTORY carries (the payload's window log keeps as many).
+MAX_HISTORY_WINDOWS: Final[int] = 256
+#: PAYLOAD_PROFILE: entries of its per-phase maps, and bytes of its model/policy/cadence names.
+MAX_PROFILE_PHASES: Final[int] = 8
+MAX_PROFILE_TEXT_BYTES: Final[int] = 128
 
 
 # --- addressing -------------------------------------------------------------------------------
@@ -174,6 +179,10 @@ class MessageType(enum.IntEnum):
     LIST_LOST_TASKS = 0x0116
     QUARANTINE_LIST = 0x0307
     LOST_TASKS = 0x0308
+
+    # the completion forecast's inputs (docs/ground.md)
+    PAYLOAD_PROFILE = 0x0309
+    WINDOW_HISTORY = 0x030A
 
     # the bus's own telecommand (APID BUS): the boot-loop guard's retry
     PAYLOAD_RETRY = 0x0130

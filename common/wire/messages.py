@@ -24,6 +24,7 @@ from common.wire.ids import (
     DEFAULT_CHUNK_DATA_BYTES,
     MAX_CHUNK_DATA_BYTES,
     MAX_EVENT_TEXT_BYTES,
+    MAX_HISTORY_WINDOWS,
     MAX_IMAGE_BYTES,
     MAX_IMAGE_CHUNKS,
     MAX_IMAGES_PER_TASK,
@@ -32,6 +33,8 @@ from common.wire.ids import (
     MAX_LISTED_TASKS,
     MAX_NEW_TOKENS,
     MAX_PRIORITY,
+    MAX_PROFILE_PHASES,
+    MAX_PROFILE_TEXT_BYTES,
     MAX_PROMPT_BYTES,
     MAX_REASON_BYTES,
     MAX_RESULT_TEXT_BYTES,
@@ -627,6 +630,44 @@ class PayloadRetry(Message):
     COMPLETED, or REJECTED NOT_HELD when nothing is held."""
 
     TYPE = MessageType.PAYLOAD_RETRY
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PayloadProfile(Message):
+    """What the payload's own process measured of its work (the completion forecast's rates):
+    seconds per PROGRESS unit of each phase (`unit_s`), the units of each phase of its last task
+    and the answer tokens it was asked for, the units between durable records (`durable_every`),
+    the overhead of a power-up (process start to the first unit of work, median over the boots
+    measured) and a task's setup. Sent at power-on and after each task."""
+
+    TYPE = MessageType.PAYLOAD_PROFILE
+    model: str = wire(f.Text(MAX_PROFILE_TEXT_BYTES))
+    policy: str = wire(f.Text(MAX_PROFILE_TEXT_BYTES))
+    cadence: str = wire(f.Text(MAX_PROFILE_TEXT_BYTES))
+    unit_s: Mapping[str, float] = wire(f.MapOf(f.Name(), f.Float(0.0), MAX_PROFILE_PHASES))
+    task_units: Mapping[str, int] = wire(f.MapOf(f.Name(), f.UInt(U32), MAX_PROFILE_PHASES))
+    durable_every: Mapping[str, int] = wire(f.MapOf(f.Name(), f.UInt(U32), MAX_PROFILE_PHASES))
+    decode_tokens: int = wire(f.UInt(U32))
+    overhead_s: float = wire(f.Float(0.0))
+    setup_s: float = wire(f.Float(0.0))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WindowHistory(Message):
+    """The power windows the payload has lived through, oldest first (at most 256): when each
+    started (`starts`, the payload's clock, Unix seconds) and how long each ended one lasted
+    (`lengths[i]` of `starts[i]`; the newest window, still open, has none). Sent at power-on."""
+
+    TYPE = MessageType.WINDOW_HISTORY
+    boot_count: int = wire(f.UInt(U32))
+    starts: Sequence[float] = wire(f.ListOf(f.Float(0.0), MAX_HISTORY_WINDOWS))
+    lengths: Sequence[float] = wire(f.ListOf(f.Float(0.0), MAX_HISTORY_WINDOWS))
+
+    def _validate(self) -> None:
+        if len(self.lengths) not in (len(self.starts), len(self.starts) - 1) and self.starts:
+            raise WireError(ResponseCode.BAD_FIELD_VALUE, "one length per ended window", field="lengths")
+        if list(self.starts) != sorted(self.starts):
+            raise WireError(ResponseCode.BAD_FIELD_VALUE, "window starts out of order", field="starts")
 
 
 _missing = set(MessageType) - set(_REGISTRY)

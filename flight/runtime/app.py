@@ -64,11 +64,15 @@ from flight.options import EngineOptions, resolve_cadence
 from .handlers import MAX_QUEUED, CommandHandlers  # noqa: F401  (MAX_QUEUED: re-exported)
 from .health import COMMANDS, ENGINE_ITEM, MAIN, WORKER, Health, command_item, item_task_id, report_item, task_item
 from .images import ImageCorrupt, ImageStore
+from .profile import WorkProfile, append_start
 from .queue import CANCELLED, COMPLETED, RUNNING, TaskQueue
 from .storage import DEFAULT_RESERVE_BYTES, GatedFS, Storage
 
 HEARTBEAT_S = 1.0
 HOUSEKEEPING_S = 5.0
+#: How long the command thread holds the boot's WINDOW_HISTORY for the main thread's first
+#: HEARTBEAT (queued microseconds after the command thread starts).
+HEARTBEAT_FIRST_WAIT_S = 5.0
 #: Fault events of one kind at most this often (a fault that repeats must not flood the link).
 FAULT_EVENT_EVERY_S = 5.0
 #: Pause after an unexpected fault in a loop, so a fault that repeats cannot spin the CPU.
@@ -275,6 +279,11 @@ class FlightApp(CommandHandlers):
         except OSError as exc:  # advice only (the adaptive cadence): never a reason not to boot
             self.log.warning("window_log_unavailable", error=str(exc))
             self.windows = None
+        # What this payload measures of its own work, downlinked for the ground's completion
+        # forecast (PAYLOAD_PROFILE, WINDOW_HISTORY; flight/runtime/profile.py).
+        self.profile = WorkProfile(os.path.join(self.data_dir, "state", "profile.json"))
+        self._heartbeat_queued = threading.Event()  # the boot's HEARTBEAT goes before anything else
+        self._window_history: m.WindowHistory | None = None  # this boot's, sent again with each STATUS
         self.handlers = self._handler_table()
 
     def _telemetry_counter(self) -> AheadSequenceCounter:
@@ -847,6 +856,7 @@ class FlightApp(CommandHandlers):
                 task=task.task_id, phase=TaskPhase.RECOVERING if resumed else TaskPhase.VISION, done=0, total=0
             )
             self.send(m.Started.about(request, task_id=task.task_id))
+            self.profile.task_started(time.monotonic())
             self.event(
                 EventId.TASK_RESUMED if resumed else EventId.TASK_STARTED,
                 f"task {task.task_id} "
@@ -890,6 +900,8 @@ class FlightApp(CommandHandlers):
                 self.engine = None
             timings = dict(result.phase_seconds)
             timings["total_this_boot"] = time.monotonic() - t0
+            self.profile.task_ended(task.max_new_tokens)
+            self.jobs.put(self._send_profile)
             outcome = {
                 "token_ids": result.token_ids,
                 "text": result.text,
@@ -1050,6 +1062,9 @@ class FlightApp(CommandHandlers):
             changed = phase != self.current["phase"]
             self.current.update(phase=phase, done=done, total=total)
             now = time.monotonic()
+            self.profile.unit(str(phase), done, total, now, now - self.started)
+            if changed:  # kept at each phase change: a cut must not take a window's measurements with it
+                self.jobs.put(self._save_profile)
             if changed or done == total or now - last_sent["t"] > 0.1:
                 last_sent["t"] = now
                 self.send(m.Progress.about(request, task_id=task.task_id, phase=phase, done=done, total=total))
@@ -1085,6 +1100,7 @@ class FlightApp(CommandHandlers):
         self.send(
             m.Heartbeat(boot_count=self.state.counters.boot_count, uptime_s=0.0)
         )  # first: the bus learns the boot
+        self._heartbeat_queued.set()
         self.event(EventId.BOOT, f"payload boot {self.state.counters.boot_count}; {self.queue.depth()} task(s) pending")
         self._boot_events()
         for task in self.queue.unreported():
@@ -1214,10 +1230,12 @@ class FlightApp(CommandHandlers):
             return
         windows = self.windows
         try:
-            self.cadence.set_windows(windows.open(self.state.counters.boot_count))
+            lengths = windows.open(self.state.counters.boot_count)
+            self.cadence.set_windows(lengths)
         except OSError as exc:  # the history is advice: without it the cadence is the fixed one
             self.log.warning("window_log_unavailable", error=str(exc))
             return
+        self._send_window_history(lengths)
         costs = WriteCosts(windows.dir)
         try:
             learned = costs.load()
@@ -1235,6 +1253,56 @@ class FlightApp(CommandHandlers):
         threading.Thread(
             target=windows.keep_marking, args=(self.stop, keep_costs), name="window-log", daemon=True
         ).start()
+
+    def _send_window_history(self, lengths: list[float]) -> None:
+        """WINDOW_HISTORY and PAYLOAD_PROFILE, at power-on (command thread, before any STATUS is
+        answered): the windows lived through, each with its start on this payload's clock."""
+        path = os.path.join(self.data_dir, "state", "window-starts.log")
+        try:
+            starts = append_start(self.fs, path, time.time() - (time.monotonic() - self.started))
+        except OSError as exc:  # advice only: the ground says it cannot forecast
+            self.log.warning("window_starts_unavailable", error=str(exc))
+            return
+        # lengths are of the ended windows, oldest first; the newest start is this window's
+        paired = min(len(lengths), len(starts) - 1)
+        self._heartbeat_queued.wait(HEARTBEAT_FIRST_WAIT_S)
+        self._window_history = m.WindowHistory(
+            boot_count=self.state.counters.boot_count,
+            starts=starts[len(starts) - 1 - paired :],
+            lengths=lengths[len(lengths) - paired :] if paired else [],
+        )
+        self.send(self._window_history)
+        self._send_profile(save=False)
+
+    def forecast_messages(self) -> list[m.Message]:
+        """WINDOW_HISTORY (once this boot has logged its window) and PAYLOAD_PROFILE, from memory:
+        sent before the HOUSEKEEPING that answers STATUS, so that a ground that was not listening
+        at power-on still gets the forecast's inputs (main thread: no disk)."""
+        return ([self._window_history] if self._window_history is not None else []) + [self._profile_message()]
+
+    def _save_profile(self) -> None:
+        """Keep what was measured (command thread)."""
+        try:
+            self.profile.save(self.fs)
+        except OSError as exc:  # advice only: measured again
+            self.log.warning("profile_unsaved", error=str(exc))
+
+    def _send_profile(self, save: bool = True) -> None:
+        """PAYLOAD_PROFILE (at power-on and after each task; command thread: it saves first)."""
+        if save:
+            self._save_profile()
+        self.send(self._profile_message())
+
+    def _profile_message(self) -> m.PayloadProfile:
+        options = self.options if self.options is not None else EngineOptions()
+        geometry = options.geometry
+        return m.PayloadProfile(
+            model=clip_utf8(os.path.basename(os.path.normpath(self.model_dir)) if self.model_dir else "", 128),
+            policy=options.policy,
+            cadence=self.cadence.mode,
+            durable_every={"vision": geometry.vision_every, "prefill": 1, "decode": geometry.decode_every},
+            **self.profile.fields(),
+        )
 
     def _worker_guarded(self) -> None:
         """The worker catches everything itself; this is the last line, which keeps the process

@@ -23,6 +23,7 @@ from common.wire import messages as m
 from common.wire.ids import DEFAULT_CHUNK_DATA_BYTES
 from common.wire.link import Endpoints, KeyLayout, station_source_id
 from ground.errors import CommandRejected, LocalInputError, NoAnswer
+from ground.forecast import forecast_profile
 from ground.images import check_chunk_bytes, check_operator_name
 from ground.link import GroundLink, Telemetry
 from ground.state import GroundState
@@ -109,6 +110,7 @@ class CommandSession:
         self._image_status: dict[str, tuple[int, m.ImageStatus]] = {}
         self._pongs: dict[int, tuple[int, float]] = {}
         self._housekeeping: tuple[int, m.Housekeeping] | None = None
+        self._forecast_progress: dict | None = None  # the last progress kept for the forecast
         self._results: dict[str, tuple[int, m.TaskResult]] = {}
         self._quarantine: tuple[int, m.QuarantineList] | None = None
         self._lost: tuple[int, m.LostTasks] | None = None
@@ -154,6 +156,8 @@ class CommandSession:
         self._arrivals += 1
         n = self._arrivals
         msg = packet.message
+        if isinstance(msg, (m.PayloadProfile, m.WindowHistory, m.Housekeeping, m.Progress)):
+            self._note_forecast_basis(packet)
         if isinstance(msg, m.Verification):
             if msg.tc_source == self.source_id and msg.tc_apid in (Apid.PAYLOAD, Apid.BUS):
                 self._reports.setdefault(msg.request, []).append((n, msg))
@@ -188,6 +192,38 @@ class CommandSession:
                 self.power_cause = str(msg.cause)
         for observer in self.observers:
             observer(packet)
+
+    def _note_forecast_basis(self, packet: Telemetry) -> None:
+        """Keep the completion forecast's inputs (ground/forecast.py) in the ground state: the
+        payload's profile and window history whole, the running task's progress at most once a
+        second (PROGRESS comes at up to 10 Hz) and at each phase change."""
+        msg = packet.message
+        if isinstance(msg, m.PayloadProfile):
+            self.state.note_forecast_basis(profile=forecast_profile(msg))
+        elif isinstance(msg, m.WindowHistory):
+            windows = {"boot_count": msg.boot_count, "starts": list(msg.starts), "lengths": list(msg.lengths)}
+            self.state.note_forecast_basis(windows=windows)
+        else:
+            if isinstance(msg, m.Housekeeping):
+                task, phase, done, total = msg.current_task, msg.phase, msg.progress_done, msg.progress_total
+            else:
+                assert isinstance(msg, m.Progress)
+                task, phase, done, total = msg.task_id, msg.phase, msg.done, msg.total
+            last = self._forecast_progress
+            progress = {
+                "task_id": task,
+                "phase": str(phase) if phase is not None else None,
+                "done": done,
+                "total": total,
+                "heard_at": time.time(),
+                # live tasks on board (HOUSEKEEPING only; PROGRESS keeps the last one heard)
+                "queue_depth": msg.queue_depth if isinstance(msg, m.Housekeeping) else (last or {}).get("queue_depth"),
+            }
+            if last is not None and (last["task_id"], last["phase"]) == (task, progress["phase"]):
+                if progress["heard_at"] - last["heard_at"] < 1.0 and not isinstance(msg, m.Housekeeping):
+                    return
+            self._forecast_progress = progress
+            self.state.note_forecast_basis(progress=progress)
 
     def _note_task_event(self, task_id: str, event: m.Event) -> None:
         """A watched task's start, or its resume after a power cut: the payload's TASK_STARTED /

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from common.sim.windows import trace_windows  # noqa: F401 - shared with the ground (common/sim)
 from flight.checkpoint.cadence import HISTORY_WINDOWS, Cadence
 from flight.checkpoint.policies import Geometry, get_policy
 from flight.recovery.cost import BlockCosts
@@ -857,17 +858,6 @@ class Outcome:
     bytes_written: int
     group: int | None = None  # the prefill block's layers the task ran with
     early_records: int = 0  # early records the adaptive cadence asked for before the cuts
-
-
-def trace_windows(trace) -> tuple[list[tuple[float, float]], dict]:
-    """(windows, {cut time: warning time}) of a traces.Trace."""
-    windows, warns = [], {}
-    for w in trace.windows():
-        end = w.end_s if w.cut_cause is not None else math.inf
-        windows.append((w.start_s, end))
-        if w.cut_cause is not None and w.warning_lead_s > 0:
-            warns[end] = w.end_s - w.warning_lead_s
-    return windows, warns
 
 
 def trace_telemetry(trace):

@@ -74,6 +74,9 @@ class ScriptedBusPayloadPeer:
         self.tasks: dict[str, dict] = {}
         self.boot_count = 1
         self.booted_at = time.monotonic()
+        #: PAYLOAD_PROFILE / WINDOW_HISTORY sent before the HOUSEKEEPING that answers STATUS (none: a
+        #: payload that has not sent them)
+        self.forecast_packets: list[m.Message] = []
         # --- what happened, for assertions ---
         self.commands: list[tuple[str | None, PacketHeader, m.Message]] = []
         self.replays: list = []
@@ -270,6 +273,8 @@ class ScriptedBusPayloadPeer:
 
     def _on_status(self, request, msg, rid) -> None:
         self._reply(m.Accepted.about(request), rid)
+        for packet in self.forecast_packets:  # as a payload sends them at power-on, before HOUSEKEEPING
+            self._reply(packet, rid)
         self._reply(self.housekeeping(), rid)
         self._reply(m.Completed.about(request), rid)
 

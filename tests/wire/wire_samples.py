@@ -60,4 +60,16 @@ def sample_messages() -> list[m.Message]:
             total=2,
         ),
         m.LostTasks(task_ids=["task-002"], total=1, bytes_dropped=336, records_dropped=1, unnamed=0),
+        m.PayloadProfile(
+            model="qwen3-vl-2b",
+            policy="orbitweaver",
+            cadence="fixed",
+            unit_s={"vision": 0.4, "prefill": 0.6, "decode": 0.05},
+            task_units={"vision": 4, "prefill": 28, "decode": 64},
+            durable_every={"vision": 2, "decode": 8},
+            decode_tokens=64,
+            overhead_s=2.5,
+            setup_s=0.3,
+        ),
+        m.WindowHistory(boot_count=3, starts=[1764900000.0, 1764900040.5, 1764900100.25], lengths=[30.0, 42.5]),
     ]

@@ -1,0 +1,125 @@
+"""The completion forecast (ground/forecast.py, docs/ground.md "Completion forecast")."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from ground_testkit import link_args
+
+from common.sim.windows import finish_time
+from common.wire import messages as m
+from ground.forecast import forecast_lines, forecast_tasks
+from ground.state import GroundState
+
+PROFILE = {
+    "model": "qwen3-vl-2b",
+    "policy": "orbitweaver",
+    "cadence": "fixed",
+    "unit_s": {"vision": 2.0, "prefill": 3.0, "decode": 1.0},
+    "task_units": {"vision": 4, "prefill": 20, "decode": 32},
+    "durable_every": {"vision": 2, "decode": 8},
+    "overhead_s": 5.0,
+    "setup_s": 1.0,
+}
+TASKS = [{"task_id": "t1", "state": "accepted", "created": "2026-01-01T00:00:00.000Z"}]
+
+
+def _basis(pairs, now, progress=None):
+    starts, lengths, t = [], [], now - sum(a + b for a, b in pairs)
+    for on, off in pairs:
+        starts.append(t)
+        lengths.append(on)
+        t += on + off
+    starts.append(now)  # the current window has just started
+    return {"profile": PROFILE, "windows": {"starts": starts, "lengths": lengths}, "progress": progress or {}}
+
+
+def test_the_walk_loses_the_unit_in_flight_at_a_cut():
+    # 3 units of 4 s; windows of 10 s with 5 s overhead after the first: 8 s in window 0,
+    # the third unit (ends at 12) is cut and runs again in window 1 (start 20 + 5 + 4)
+    assert finish_time([4, 4, 4], [(0, 10), (20, 30)], overhead_s=5.0) == (29.0, 1)
+    assert finish_time([4, 4, 40], [(0, 10), (20, 30)], overhead_s=5.0, max_windows=10) is None
+
+
+def test_no_history_says_so():
+    out = forecast_tasks(TASKS, {"profile": PROFILE}, now_wall=1000.0)
+    assert "window history" in out["unavailable"]
+    assert "none (" in forecast_lines(out)[0]
+    assert "profile" in forecast_tasks(TASKS, {}, now_wall=1000.0)["unavailable"]
+
+
+def test_the_band_widens_when_the_history_is_erratic():
+    now = 10_000.0
+    steady = _basis([(40.0, 20.0)] * 30, now)
+    erratic = _basis([(10.0, 20.0), (80.0, 200.0), (30.0, 5.0), (60.0, 60.0), (5.0, 400.0)] * 6, now)
+    a = forecast_tasks(TASKS, steady, now_wall=now, draws=200)["tasks"]["t1"]
+    b = forecast_tasks(TASKS, erratic, now_wall=now, draws=200)["tasks"]["t1"]
+    assert b["p90"] - b["p10"] > 2 * (a["p90"] - a["p10"])
+
+
+def test_the_band_narrows_as_the_task_advances():
+    now = 10_000.0
+    pairs = [(40.0, 20.0), (25.0, 60.0), (55.0, 10.0)] * 10
+    early = forecast_tasks(
+        TASKS,
+        _basis(pairs, now, {"task_id": "t1", "phase": "vision", "done": 0, "total": 4, "heard_at": now}),
+        now_wall=now,
+        draws=200,
+    )
+    late = forecast_tasks(
+        TASKS,
+        _basis(pairs, now, {"task_id": "t1", "phase": "decode", "done": 24, "total": 32, "heard_at": now}),
+        now_wall=now,
+        draws=200,
+    )
+    e, la = early["tasks"]["t1"], late["tasks"]["t1"]
+    assert la["p90"] - la["p10"] < e["p90"] - e["p10"]
+    assert la["expected"] < e["expected"]
+    assert "inside" in forecast_lines(late, now_wall=now)[0]
+
+
+def test_status_shows_the_forecast_from_the_payloads_telemetry(ow, keys, peer, pictures):
+    result = ow("ground", "uplink", *link_args(keys, peer), "--image", pictures[1], "--prompt", "count the ships")
+    task_id = result.out.strip()
+    before = ow("ground", "status", *link_args(keys, peer))
+    assert before.code == 0 and "forecast: none (no payload profile yet" in before.out
+    now = time.time()
+    peer.forecast_packets = [
+        m.PayloadProfile(
+            model="qwen3-vl-2b",
+            policy="orbitweaver",
+            cadence="fixed",
+            decode_tokens=0,
+            **{k: PROFILE[k] for k in ("unit_s", "task_units", "durable_every", "overhead_s", "setup_s")},
+        ),
+        m.WindowHistory(boot_count=3, starts=[now - 300, now - 200, now - 100], lengths=[60.0, 70.0]),
+    ]
+    text = ow("ground", "status", *link_args(keys, peer))
+    assert text.code == 0, text.err
+    assert f"forecast {task_id}: done ~" in text.out and "more window(s)" in text.out
+    as_json = json.loads(ow("ground", "status", *link_args(keys, peer), "--json").out)
+    mine = as_json["forecast"]["tasks"][task_id]
+    assert mine["p10"] <= mine["expected"] <= mine["p90"]
+    basis = GroundState(keys.state_dir).forecast_basis()
+    assert basis["windows"]["lengths"] == [60.0, 70.0] and basis["progress"]["task_id"] == task_id
+
+
+def test_a_plan_replaces_the_history():
+    # windows of 20 s every 30 s from now: the task needs 1 + 2x2 + 20x3 + 4x8 = 97 s of units
+    now = 5_000.0
+    plan = [(now / 2 + 15.0 * k, now / 2 + 15.0 * k + 10.0) for k in range(100)]  # plan seconds, scale 2
+    out = forecast_tasks(TASKS, {"profile": PROFILE}, plan=plan, plan_scale=2.0, now_wall=now)
+    f = out["tasks"]["t1"]
+    assert f["p10"] == f["expected"] == f["p90"] and f["windows"] >= 5
+
+
+def test_tasks_beyond_the_payloads_queue_are_said_to_be_done():
+    now = 10_000.0
+    tasks = [{"task_id": f"t{k}", "state": "accepted", "created": f"2026-01-01T00:00:0{k}.000Z"} for k in range(3)]
+    basis = _basis(
+        [(40.0, 20.0)] * 10, now, {"task_id": "t2", "phase": "prefill", "done": 3, "total": 20, "queue_depth": 1}
+    )
+    out = forecast_tasks(tasks, basis, now_wall=now, draws=50)
+    assert out["assumed_done"] == ["t0", "t1"] and list(out["tasks"]) == ["t2"]
+    assert any("taken as done on board" in line and "t0, t1" in line for line in forecast_lines(out, now_wall=now))
