@@ -38,6 +38,7 @@ from aiohttp import BodyPartReader, web
 from ground.console.history import SERIES, History
 from ground.console.security import TOKEN_HEADER, ConsoleSecurity
 from ground.errors import GroundError, LocalInputError
+from ground.forecast import forecast_tasks
 
 STATIC = Path(__file__).parent / "static"
 #: a page that stops reading is dropped (it reconnects and re-reads the history) rather than
@@ -263,16 +264,16 @@ class Console:
         return web.json_response({"tasks": tasks, "forecast": self._forecast(tasks)}, dumps=_dumps)
 
     def _forecast(self, tasks: list[dict]) -> Any:
-        """The completion forecast (ground.forecast) where it exists; otherwise the page says
-        "no forecast yet". Any failure of the forecast must not take the task view with it."""
-        try:
-            from ground.forecast import forecast_tasks  # type: ignore[import-not-found,unused-ignore]
-        except ImportError:
+        """The completion forecast (ground/forecast.py, as `ow ground status` prints it) from the
+        station's forecast basis (the payload's profile and window history, kept by its ground
+        state as the telemetry arrives); None without a ground state. Any failure of the forecast
+        must not take the task view with it."""
+        state = self.config.state
+        if state is None:
             return None
         try:
-            basis = {"timeline": self.history.timeline(*self.history.span()), "latest": self.history.latest}
-            return forecast_tasks(tasks, basis)
-        except Exception as exc:
+            return forecast_tasks(state.tasks(), state.forecast_basis())
+        except Exception as exc:  # noqa: BLE001 - the task view stays up and says what failed
             return {"error": f"forecast failed: {exc}"}
 
     # --- actions -------------------------------------------------------------------------------

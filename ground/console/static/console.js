@@ -71,10 +71,22 @@ async function loadTimeline() {
 const timelineSoon = later(loadTimeline, 250);
 
 // --- tasks ---------------------------------------------------------------------------------
+// The completion forecast as `ow ground status` says it: per task the expected time, the 10-90 %
+// band and the power-ups still to come, or why there is none (ground/forecast.py).
+function forecastText(f) {
+  if (f === null || f === undefined) return "no forecast (the console has no ground state)";
+  if (f.error) return f.error;
+  if (f.unavailable) return "no forecast: " + f.unavailable;
+  const clock = (t) => new Date(t * 1000).toISOString().slice(11, 19) + "Z";
+  const parts = Object.entries(f.tasks || {}).map(([id, x]) =>
+    x.expected === undefined ? `${id}: ${x.reason || x.unavailable || "no forecast"}`
+      : `${id}: done at ${clock(x.expected)} (10-90 % ${clock(x.p10)}..${clock(x.p90)}; ${x.windows} more window(s))`);
+  return parts.length ? "completion forecast: " + parts.join("; ") : "completion forecast: no open task";
+}
 async function loadTasks() {
   const data = await getJSON("/api/tasks");
   const f = data.forecast;
-  $("#forecast").textContent = f === null ? "no forecast yet" : (f.error || "completion forecast: " + JSON.stringify(f));
+  $("#forecast").textContent = forecastText(f);
   const body = $("#tasks tbody"); body.innerHTML = "";
   for (const t of data.tasks.slice().reverse()) {
     const tr = document.createElement("tr"); tr.dataset.task = t.task_id;
