@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -980,6 +981,11 @@ def cmd_console(args) -> int:
         raise LocalInputError("--max-events must be >= 1")
     try:
         token = read_token_file(args.token_file) if args.token_file else args.token
+        # Actions need a token on loopback too (any local program could post to the port): one is
+        # made for this run when none is given, and the announced address carries it.
+        made_token = not token and not args.read_only
+        if made_token:
+            token = secrets.token_urlsafe(24)
         cert, key = args.tls_cert, args.tls_key
         if bool(cert) != bool(key):
             raise SecurityError("--tls-cert and --tls-key go together")
@@ -998,5 +1004,5 @@ def cmd_console(args) -> int:
         state=state,
         history=History(max_events=args.max_events),
     )
-    run(config, args.port, announce=_notify)
+    run(config, args.port, announce=_notify, token_in_url=made_token)
     return 0

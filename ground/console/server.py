@@ -443,12 +443,19 @@ def make_app(config: ConsoleConfig) -> web.Application:
     return app
 
 
-def run(config: ConsoleConfig, port: int, *, announce: Callable[[str], None] = print) -> None:
-    """Serve until Ctrl-C; refuses first what security.check_startup refuses."""
+def run(
+    config: ConsoleConfig, port: int, *, announce: Callable[[str], None] = print, token_in_url: bool = False
+) -> None:
+    """Serve until Ctrl-C; refuses first what security.check_startup refuses. `token_in_url`: the
+    token was made for this run, so the address announced carries it (`#token=`, read by the page
+    and never sent to the server) for the operator to open."""
     security = config.security
     security.check_startup()
     scheme = "https" if security.tls_cert else "http"
-    announce(f"console on {scheme}://{security.host}:{port}/" + (" (read-only)" if security.read_only else ""))
+    fragment = f"#token={security.token}" if token_in_url and security.token else ""
+    announce(
+        f"console on {scheme}://{security.host}:{port}/{fragment}" + (" (read-only)" if security.read_only else "")
+    )
     with contextlib.suppress(KeyboardInterrupt):
         web.run_app(
             make_app(config),

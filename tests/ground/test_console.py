@@ -174,3 +174,62 @@ def test_timeline_records_cut_cause_warning_lead_and_running_task():
     (cut,) = timeline["cuts"]
     assert cut["cause"] == "POWER" and cut["warning_lead_s"] == 4.5 and cut["task"] == "t-x"
     assert timeline["windows"] == [[10.0, 24.5]] and timeline["payload_on"] is False
+
+
+def test_on_loopback_a_token_is_made_for_the_run_and_actions_need_it(tmp_path):
+    """`ow ground console` with no token (loopback) makes one for the run and announces the
+    address with it (#token=, for the page): a POST without it is refused, as beyond loopback."""
+    import os
+    import re
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root}
+    subprocess.run(
+        [sys.executable, "-m", "common.cli", "ground", "keys", "init", "--keys", str(tmp_path / "keys")],
+        check=True,
+        capture_output=True,
+        env=env,
+        timeout=120,
+    )
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cmd = [sys.executable, "-m", "common.cli", "ground", "console", "--keys", str(tmp_path / "keys")]
+    proc = subprocess.Popen(cmd + ["--port", str(port)], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stderr is not None
+        line = ""
+        for line in proc.stderr:  # the announcement, before it serves
+            if "console on" in line:
+                break
+        found = re.search(r"#token=([A-Za-z0-9_\-]+)", line)
+        assert found, f"no token in the announcement: {line!r}"
+        url = f"http://127.0.0.1:{port}/api/tasks/t-1/cancel"
+
+        def post(token: str | None) -> int:
+            headers = {"Origin": f"http://127.0.0.1:{port}"}
+            if token is not None:
+                headers["X-Console-Token"] = token
+            request = urllib.request.Request(url, data=b"", headers=headers, method="POST")
+            for _ in range(100):  # the server binds a moment after it announces
+                try:
+                    with urllib.request.urlopen(request, timeout=30) as response:
+                        return response.status
+                except urllib.error.HTTPError as exc:
+                    return exc.code
+                except urllib.error.URLError:
+                    time.sleep(0.1)
+            raise AssertionError("the console never answered")
+
+        assert post(None) == 401
+        assert post("wrong") == 401
+        assert post(found.group(1)) != 401
+    finally:
+        proc.terminate()
+        proc.wait(30)
