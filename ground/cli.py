@@ -971,7 +971,7 @@ def cmd_resend(args) -> int:
 def cmd_console(args) -> int:
     # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
     from ground.console import ConsoleConfig, ConsoleSecurity, History, SecurityError
-    from ground.console.security import read_token_file, self_signed
+    from ground.console.security import is_loopback, read_token_file, self_signed
     from ground.console.server import run
     from ground.state import GroundState
 
@@ -982,8 +982,9 @@ def cmd_console(args) -> int:
     try:
         token = read_token_file(args.token_file) if args.token_file else args.token
         # Actions need a token on loopback too (any local program could post to the port): one is
-        # made for this run when none is given, and the announced address carries it.
-        made_token = not token and not args.read_only
+        # made for this run when none is given, and the announced address carries it. Beyond
+        # loopback the operator must give one (check_startup refuses to start without).
+        made_token = not token and not args.read_only and is_loopback(args.host)
         if made_token:
             token = secrets.token_urlsafe(24)
         cert, key = args.tls_cert, args.tls_key
