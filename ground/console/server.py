@@ -39,6 +39,7 @@ from ground.console.history import SERIES, History
 from ground.console.security import TOKEN_HEADER, ConsoleSecurity
 from ground.errors import GroundError, LocalInputError
 from ground.forecast import forecast_tasks
+from ground.report import ROUTINE_TYPES, RoutineFilter
 
 STATIC = Path(__file__).parent / "static"
 #: a page that stops reading is dropped (it reconnects and re-reads the history) rather than
@@ -93,10 +94,17 @@ class Console:
         self.action_lock = asyncio.Lock()
         self.fetched: set[str] = set()
         self.background: set[asyncio.Future] = set()
+        self.routine = RoutineFilter()
 
     # --- the telemetry link, in a thread (ZeroMQ receive blocks) -----------------------------
     def ingest(self, record: dict) -> None:
-        """Called in the loop's thread: remember, then push to the pages."""
+        """Called in the loop's thread: remember, then push to the pages. A routine report the
+        CLI's `events` would not print (the bus's once-a-second FDIR "nominal", an unchanged POWER,
+        THERMAL: ground/report.py RoutineFilter) is marked `routine`: the events view hides it
+        unless asked; the timeline and the plots use every one."""
+        if record.get("type") in ROUTINE_TYPES:
+            sent = record.get("sent_t") or record.get("t") or 0.0
+            record["routine"] = not self.routine.show(str(record["type"]), record.get("body") or {}, float(sent))
         pushed = self.history.add(record)
         self.hub.publish(pushed or record)
         body = record.get("body") or {}

@@ -233,3 +233,17 @@ def test_on_loopback_a_token_is_made_for_the_run_and_actions_need_it(tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_routine_housekeeping_is_marked_for_the_events_view_and_kept():
+    """The bus's once-a-second FDIR "nominal" is marked routine (the events view hides it unless
+    asked, as `ow ground events` does); a change of FDIR mode is not routine."""
+    from ground.console.server import Console
+
+    console = Console(ConsoleConfig(client_factory=_no_link, security=ConsoleSecurity(), listen=False))
+    body = {"mode": "nominal", "fault_count": 0, "last_fault": ""}
+    records = [{"n": n, "t": 100.0 + n, "sent_t": 100.0 + n, "type": "FDIR", "body": dict(body)} for n in range(3)]
+    records.append({"n": 3, "t": 103.0, "sent_t": 103.0, "type": "FDIR", "body": {**body, "mode": "safe"}})
+    for record in records:
+        console.ingest(record)
+    assert [r["routine"] for r in records] == [False, True, True, False]

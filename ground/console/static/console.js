@@ -122,6 +122,7 @@ const MAX_ROWS = 2000;
 function addOption(sel, set, v) { if (v && !set.has(v)) { set.add(v); const o = document.createElement("option"); o.textContent = v; $(sel).appendChild(o); } }
 function eventRow(e) {
   const tr = document.createElement("tr"); tr.dataset.kind = e.type; tr.dataset.severity = e.severity || "";
+  tr.dataset.routine = e.routine ? "1" : "";
   tr.className = "sev-" + (e.severity || "");
   for (const v of [e.n, fmtTime(e.t), e.type === "EVENT" ? e.body.event_id : e.type, e.severity || "", e.text || ""]) {
     const td = document.createElement("td"); td.textContent = v; tr.appendChild(td);
@@ -130,9 +131,11 @@ function eventRow(e) {
 }
 function applyFilter(tr) {
   const k = $("#kind-filter").value, s = $("#severity-filter").value;
-  tr.hidden = (k && tr.dataset.kind !== k) || (s && tr.dataset.severity !== s);
+  // routine housekeeping (FDIR nominal every second...) only when asked, as `ow ground events --all`
+  const routine = tr.dataset.routine && !$("#show-routine").checked && k !== tr.dataset.kind;
+  tr.hidden = routine || (k && tr.dataset.kind !== k) || (s && tr.dataset.severity !== s);
 }
-["#kind-filter", "#severity-filter"].forEach((s) => $(s).addEventListener("change", () => document.querySelectorAll("#events tbody tr").forEach(applyFilter)));
+["#kind-filter", "#severity-filter", "#show-routine"].forEach((s) => $(s).addEventListener("change", () => document.querySelectorAll("#events tbody tr").forEach(applyFilter)));
 function showEvent(e) {
   addOption("#kind-filter", state.kinds, e.type); addOption("#severity-filter", state.severities, e.severity);
   const body = $("#events tbody"); body.insertBefore(eventRow(e), body.firstChild);
