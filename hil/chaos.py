@@ -494,9 +494,11 @@ class ChaosCampaign(KillCampaign):
                 self.boot_units += 1
 
     def _windows(self) -> int:
-        # one per cut and one per bus kill (a killed bus's restart skips the rest of its window):
-        # the trace reaches its last window, on for good, as the last cut is done
-        return self.plan.kills + self.plan.bus_kills
+        # one per cut and one per bus kill (a killed bus's restart skips the rest of its window),
+        # and spares: a restart can land a window further on, and a campaign whose trace ran out
+        # of cuts ended short of its plan (498 of 500 faults). Once the plan's cuts are done the
+        # bus is restarted in the last window, on for good (_settle).
+        return self.plan.kills + self.plan.bus_kills + max(4, self.plan.bus_kills)
 
     def _want_task(self, uplinked: int) -> bool:
         # work for the payload until the last fault: an OOM kill waits for a payload at work
@@ -506,9 +508,9 @@ class ChaosCampaign(KillCampaign):
         return self.log.trace_cuts >= self.kills or self.log.last_trace_s >= self.settle_start
 
     def _settle(self, bus):
-        if self._in_last_window() and bus.poll() is None:
+        if self.log.last_trace_s >= self.settle_start and bus.poll() is None:
             return bus  # power stays on already: a restart would only cost a zygote's imports
-        return super()._settle(bus)
+        return super()._settle(bus)  # the plan's cuts are done before the spare windows: skip them
 
     def _faults_done(self) -> bool:
         # every injected fault, and every trace window cut (KillCampaign would stop one window
