@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import numpy as np
 import torch
 from PIL import Image
@@ -101,3 +103,15 @@ def run_to_completion(model_dir, inputs, ckpt, max_new=MAX_NEW, geometry=GEOMETR
     """A fresh process lifetime: load the model anew, run (or resume) the request."""
     model = load_model(model_dir, device="cpu")
     return engine(model, geometry, policy, **kw).run(inputs, str(ckpt), max_new)
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct loopback ports free a moment ago (all held at once while they are picked, so
+    they differ), for processes that must be told their ports before they start."""
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports

@@ -4,10 +4,10 @@ bus that powers and SIGKILLs the payload, the ground's events, uplink and result
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
+from testkit import free_ports
 
 from hil.handrun import STEPS, TASK_ID, readme_block, run
 
@@ -25,21 +25,11 @@ def test_the_readme_shows_exactly_the_commands_the_script_runs():
     assert [c.split(" --")[0] for c in commands] == [s.command.split(" --")[0] for s in STEPS]
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 @pytest.mark.slow
 def test_the_hand_run_runs_as_the_readme_says(tmp_path, monkeypatch):
     (tmp_path / "hil").mkdir()
     (tmp_path / "hil" / "samples").symlink_to(REPO / "hil" / "samples")
-    commands, payload, telemetry = _free_ports(3)
+    commands, payload, telemetry = free_ports(3)
     monkeypatch.setenv("OW_COMMANDS_ENDPOINT", f"tcp://127.0.0.1:{commands}")
     monkeypatch.setenv("OW_PAYLOAD_ENDPOINT", f"tcp://127.0.0.1:{payload}")
     monkeypatch.setenv("OW_TELEMETRY_ENDPOINT", f"tcp://127.0.0.1:{telemetry}")

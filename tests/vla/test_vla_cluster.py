@@ -23,6 +23,7 @@ import numpy as np
 import psutil
 import pytest
 from openpi_venv import REPO, openpi_python
+from testkit import free_ports
 
 pytest.importorskip("ray.serve", reason="Ray Serve is in the test extra; `make venv` installs it")
 
@@ -82,20 +83,10 @@ json.dump({"records": records, "refused": refused}, open(out + ".json", "w"))
 """
 
 
-def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def _ray_node(tmp, short, name, ip, resources, *, head_port=None, gcs=None):
     """A `ray start --block` node in its own session; returns the process (its tree is the node).
     Its temp dir is under a short path: Ray's unix socket paths must stay under 108 bytes."""
-    nm, om, agent_grpc, agent_http, metrics, rt_env = _free_ports(6)
+    nm, om, agent_grpc, agent_http, metrics, rt_env = free_ports(6)
     args = [
         os.path.join(os.path.dirname(sys.executable), "ray"),
         "start",
@@ -113,7 +104,7 @@ def _ray_node(tmp, short, name, ip, resources, *, head_port=None, gcs=None):
         f"--runtime-env-agent-port={rt_env}",
     ]
     if head_port:
-        client_port, dash = _free_ports(2)
+        client_port, dash = free_ports(2)
         args += [
             "--head",
             f"--port={head_port}",
@@ -222,7 +213,7 @@ def test_plan_served_by_two_ray_nodes_survives_losing_one(tmp_path):
 
     py = openpi_python()
     (tmp_path / "robot.py").write_text(CLIENT)
-    gcs_port, serve_port = _free_ports(2)
+    gcs_port, serve_port = free_ports(2)
     short = tempfile.mkdtemp(prefix="owray-", dir="/tmp")
     head = worker = cluster = None
     try:
