@@ -16,8 +16,7 @@ import time
 from pathlib import Path
 
 from common import log
-from common.cli import CliError
-from common.errors import check_number
+from common.errors import CliError, check_number
 from common.wire import WireError
 from common.wire.ids import is_admin_source
 from common.wire.link import (
