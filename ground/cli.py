@@ -257,7 +257,8 @@ def register(subparsers) -> None:
         "status",
         "payload housekeeping now, and when each open task should be done",
         "Send STATUS and print the payload's housekeeping: queue depth, current task and its progress, checkpoint "
-        "bytes, free disk, boot count, uptime, command and error counters. Then the completion forecast of every "
+        "bytes, free disk, bytes written to data storage since this boot (wear), resident memory, boot count, uptime, "
+        "command and error counters. Then the completion forecast of every "
         "task of this station still queued or running: expected time, 10-90 % band and the power windows still to "
         "come before it is done, from the payload's measured rates and the windows it has lived through "
         '(docs/ground.md), or why there is none. --json adds it under "forecast".',

@@ -35,7 +35,7 @@ from typing import Any
 
 from aiohttp import BodyPartReader, web
 
-from ground.console.history import SERIES, History
+from ground.console.history import SERIES_NAMES, History
 from ground.console.security import TOKEN_HEADER, ConsoleSecurity
 from ground.errors import GroundError, LocalInputError
 from ground.forecast import forecast_tasks
@@ -180,7 +180,7 @@ class Console:
                 "read_only": self.config.security.read_only,
                 "token_required": bool(self.config.security.token),
                 "station": self.config.station,
-                "series": sorted(set(SERIES.values())),
+                "series": sorted(SERIES_NAMES),
                 "span": [t0, t1],
                 "events": self.history.number,
             }
@@ -234,8 +234,8 @@ class Console:
 
     async def telemetry_csv(self, request: web.Request) -> web.Response:
         t0, t1 = self._range(request)
-        names = [n for n in request.query.get("series", "").split(",") if n] or sorted(set(SERIES.values()))
-        unknown = [n for n in names if n not in set(SERIES.values())]
+        names = [n for n in request.query.get("series", "").split(",") if n] or sorted(SERIES_NAMES)
+        unknown = [n for n in names if n not in SERIES_NAMES]
         if unknown:
             return _error(400, f"unknown series: {', '.join(unknown)}")
         out = io.StringIO()

@@ -164,6 +164,36 @@ def test_csv_holds_what_the_plot_shows():
     serve(ConsoleSecurity(), history)(body)
 
 
+def test_memory_and_storage_written_over_boots_are_plotted_and_exported():
+    """HOUSEKEEPING `written_bytes` restarts at each boot (wire-protocol.md §3.3): the console sums
+    each boot's largest count; a late report of an earlier boot, and an older payload's report
+    without the fields, add nothing. Memory is plotted as reported."""
+    history = History()
+    reports = [  # (t, boot, written, memory)
+        (1.0, 1, 100, 50_000_000),
+        (2.0, 1, 300, 60_000_000),
+        (3.0, 2, 40, 55_000_000),  # a cut and a boot: the count restarted
+        (3.5, 1, 310, None),  # late, from boot 1: already summed
+        (4.0, 2, 90, 70_000_000),
+    ]
+    for t, boot, written, memory in reports:
+        body = {"boot_count": boot, "written_bytes": written, "memory_rss_bytes": memory}
+        history.add({"t": t, "type": "HOUSEKEEPING", "body": body})
+    history.add({"t": 5.0, "type": "HOUSEKEEPING", "body": {"boot_count": 2}})  # an older payload
+    raw = history.raw(0.0, 10.0, ["storage_written_bytes", "payload_memory_bytes"])
+    assert raw["storage_written_bytes"] == ([1.0, 2.0, 3.0, 4.0], [100.0, 300.0, 340.0, 390.0])
+    assert raw["payload_memory_bytes"] == ([1.0, 2.0, 3.0, 4.0], [5e7, 6e7, 5.5e7, 7e7])
+
+    async def body(session, base):
+        async with session.get(base + "/api/info") as r:
+            assert {"storage_written_bytes", "payload_memory_bytes"} <= set((await r.json())["series"])
+        async with session.get(base + "/api/telemetry.csv?t0=0&t1=10&series=storage_written_bytes") as r:
+            rows = list(csv.DictReader(io.StringIO(await r.text())))
+        assert [float(row["value"]) for row in rows] == [100.0, 300.0, 340.0, 390.0]
+
+    serve(ConsoleSecurity(), history)(body)
+
+
 def test_timeline_records_cut_cause_warning_lead_and_running_task():
     history = History()
     history.add({"t": 10.0, "type": "POWER_STATE", "body": {"payload_on": True, "cause": "TRACE"}})

@@ -1,7 +1,8 @@
 """The console in a real browser (headless Chromium) against a real bus and payload (tiny model)
 on the demo trace: the page loads; the bus's first power cut shows in the timeline; an uplink
 through the form completes, says each image was verified on board, and the task's result shows;
-the telemetry CSV export holds what the plot shows; a bad image is refused with the CLI's message.
+the telemetry CSV export holds what the plot shows, the payload's memory and storage written
+among it; a bad image is refused with the CLI's message.
 Every wait is on the page, with a deadline and what it waits for. Screenshots go to the test's
 temporary directory, or to docs/img/ (the ones docs/ground.md shows) with
 OW_CONSOLE_SCREENSHOTS=docs/img."""
@@ -138,9 +139,25 @@ def test_console_in_chromium_against_bus_and_payload(browser, model_dirs, tmp_pa
 
         # the CSV export holds what the plot shows
         browser.find_element(By.CSS_SELECTOR, "nav button[data-view=telemetry]").click()
-        wait.until(lambda d: d.execute_script("return consoleState.plots.length") == 4, "the telemetry plots")
+        wait.until(lambda d: d.execute_script("return consoleState.plots.length") == 5, "the telemetry plots")
+        # the payload's memory and storage written (its HOUSEKEEPING, every 5 s): plotted from
+        # the real payload's reports; the view re-reads the server until they are in
+        wanted = ("payload_memory_bytes", "storage_written_bytes")
+        reload_then = (
+            "const done = arguments[arguments.length - 1];"
+            " loadTelemetry().then(() => done(consoleState.telemetry.series));"
+        )
+        wait.until(
+            lambda d: all((d.execute_async_script(reload_then) or {}).get(n) for n in wanted),
+            "the payload's memory and storage written in the telemetry plots",
+        )
+        legend = browser.find_element(By.ID, "plots").text
+        assert all(n in legend for n in wanted), legend
         browser.save_screenshot(str(shots / "console-telemetry.png"))
         plotted = browser.execute_script("return consoleState.telemetry.series")
+        memory = [v for _, v in plotted["payload_memory_bytes"]]
+        assert all(10 * 2**20 < v < 64 * 2**30 for v in memory), memory  # a live Python process (model loaded or not)
+        assert plotted["storage_written_bytes"][-1][1] > 0, plotted["storage_written_bytes"]
         for name, shown in plotted.items():
             if not shown:
                 continue  # a series this trace does not carry

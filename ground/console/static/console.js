@@ -152,6 +152,7 @@ function showCommand(c) {
 const GROUPS = [["battery (state of charge), power (W), bus voltage (V)", ["battery_soc", "payload_power_w", "bus_voltage_v"]],
   ["temperature (°C)", ["payload_temp_c", "bus_temp_c"]],
   ["storage: checkpoint bytes held, disk free", ["storage_used_bytes", "disk_free_bytes"]],
+  ["wear and memory: bytes written to storage over the boots seen, payload resident memory", ["storage_written_bytes", "payload_memory_bytes"]],
   ["queue and progress", ["queue_depth", "progress_done"]]];
 let telemetryZoom = null;
 async function loadTelemetry() {
