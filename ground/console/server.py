@@ -5,7 +5,7 @@
     GET  /api/info              read-only?, station, series names, time span
     GET  /api/stream            server-sent events: every packet and command as it comes
     GET  /api/events            events, paged (?after=N&limit=L&kind=A,B)
-    GET  /api/timeline          windows, cuts, boots in ?t0&t1 (thinned past 2,000 marks)
+    GET  /api/timeline          windows, cuts, boots in ?t0&t1 (thinned past 2,000 marks), the span
     GET  /api/telemetry         series in ?t0&t1 decimated to ?buckets (min and max per bucket)
     GET  /api/telemetry.csv     the same range, every sample (?series=a,b)
     GET  /api/tasks             the station's tasks, their results, and the completion forecast
@@ -222,7 +222,8 @@ class Console:
 
     async def timeline(self, request: web.Request) -> web.Response:
         t0, t1 = self._range(request)
-        return web.json_response(dict(self.history.timeline(t0, t1), t0=t0, t1=t1), dumps=_dumps)
+        span = list(self.history.span())  # the whole history: how far the page may pan
+        return web.json_response(dict(self.history.timeline(t0, t1), t0=t0, t1=t1, span=span), dumps=_dumps)
 
     async def telemetry(self, request: web.Request) -> web.Response:
         t0, t1 = self._range(request)

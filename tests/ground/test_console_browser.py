@@ -43,7 +43,9 @@ def browser():
 
 def test_console_in_chromium_against_bus_and_payload(browser, model_dirs, tmp_path):
     from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+    from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import WebDriverWait
 
     from common.wire.link import Endpoints, KeyLayout, init_keys
@@ -134,6 +136,32 @@ def test_console_in_chromium_against_bus_and_payload(browser, model_dirs, tmp_pa
         browser.find_element(By.CSS_SELECTOR, "nav button[data-view=timeline]").click()
         wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#cuts tbody tr.cut")) >= 4, "all four cuts")
         browser.save_screenshot(str(shots / "console-timeline.png"))
+
+        # pan: the same width, later then back, kept inside the history; shift+drag pans too
+        def view() -> list[float]:
+            return browser.execute_script("const t = consoleState.timeline; return [t.t0, t.t1, ...t.span]")
+
+        browser.execute_async_script(
+            "const done = arguments[arguments.length - 1]; const [s0, s1] = consoleState.timeline.span;"
+            " timelineZoom = [s0, s0 + (s1 - s0) / 4]; loadTimeline().then(done);"
+        )
+        t0, t1, s0, _ = view()
+        width = t1 - t0
+        browser.find_element(By.ID, "pan-later").click()
+        wait.until(lambda d: view()[0] > t0, "the timeline to pan later")
+        later0, later1, _, _ = view()
+        assert later0 == pytest.approx(t0 + width / 2) and later1 - later0 == pytest.approx(width)
+        for _ in range(2):  # the second would pass the start of the history: held there
+            before = view()[0]
+            browser.find_element(By.ID, "pan-earlier").click()
+            wait.until(lambda d, before=before: view()[0] < before or view()[0] == s0, "the timeline to pan earlier")
+        assert view()[:2] == pytest.approx([s0, s0 + width])
+        over = browser.find_element(By.CSS_SELECTOR, "#timeline-plot .u-over")
+        chain = ActionChains(browser).key_down(Keys.SHIFT).move_to_element(over).click_and_hold()
+        chain.move_by_offset(-200, 0).release().key_up(Keys.SHIFT).perform()
+        wait.until(lambda d: view()[0] > s0, "shift+drag to pan the timeline later")
+        dragged0, dragged1, _, _ = view()
+        assert dragged1 - dragged0 == pytest.approx(width), "a pan, not a zoom"
         browser.find_element(By.CSS_SELECTOR, "nav button[data-view=events]").click()
         browser.save_screenshot(str(shots / "console-events.png"))
 
