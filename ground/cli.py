@@ -403,7 +403,13 @@ def _register_console(leaf) -> None:
         cmd_console,
     )
     p.add_argument("--host", default="127.0.0.1", metavar="ADDR", help="address to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8765, metavar="N", help="port (default: 8765; 0 picks a free one)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=8765,
+        metavar="N",
+        help="port (default: 8765; 0 picks a free one, and the address announced names it)",
+    )
     p.add_argument("--token", default=None, metavar="TEXT", help="token that actions need (header X-Console-Token)")
     p.add_argument("--token-file", default=None, metavar="FILE", help="read the token from FILE (first line)")
     p.add_argument("--tls-cert", default=None, metavar="PEM", help="TLS certificate (with --tls-key)")

@@ -24,6 +24,7 @@ import contextlib
 import csv
 import io
 import json
+import signal
 import tempfile
 import threading
 import time
@@ -455,25 +456,35 @@ def make_app(config: ConsoleConfig) -> web.Application:
 def run(
     config: ConsoleConfig, port: int, *, announce: Callable[[str], None] = print, token_in_url: bool = False
 ) -> None:
-    """Serve until Ctrl-C; refuses first what security.check_startup refuses. `token_in_url`: the
-    token was made for this run, so the address announced carries it (`#token=`, read by the page
-    and never sent to the server) for the operator to open."""
+    """Serve until Ctrl-C (or SIGTERM); refuses first what security.check_startup refuses.
+    Announces the address once it is bound, with the port the system gave (`port` 0: any free
+    one). `token_in_url`: the token was made for this run, so the address announced carries it
+    (`#token=`, read by the page and never sent to the server) for the operator to open."""
     security = config.security
     security.check_startup()
     scheme = "https" if security.tls_cert else "http"
     fragment = f"#token={security.token}" if token_in_url and security.token else ""
-    announce(
-        f"console on {scheme}://{security.host}:{port}/{fragment}" + (" (read-only)" if security.read_only else "")
-    )
+
+    async def serve() -> None:
+        runner = web.AppRunner(make_app(config), access_log=None)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, security.host, port, ssl_context=security.ssl_context())
+            await site.start()
+            bound = runner.addresses[0][1]  # what the system gave for port 0
+            announce(
+                f"console on {scheme}://{security.host}:{bound}/{fragment}"
+                + (" (read-only)" if security.read_only else "")
+            )
+            stop = asyncio.Event()
+            with contextlib.suppress(NotImplementedError):  # (no signal handlers off the main thread)
+                asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+
     with contextlib.suppress(KeyboardInterrupt):
-        web.run_app(
-            make_app(config),
-            host=security.host,
-            port=port,
-            ssl_context=security.ssl_context(),
-            print=None,
-            access_log=None,
-        )
+        asyncio.run(serve())
 
 
 class ConsoleThread(threading.Thread):
