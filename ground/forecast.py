@@ -123,8 +123,39 @@ def _unit_list(
             k = min(every, left)
             out.append(k * float(rate))
             left -= k
-    out.insert(0, float(profile.get("setup_s", 0.0)))
+    # The payload measures a task's setup from its start to the end of its first unit
+    # (flight/runtime/profile.py), so that unit is in the setup already; a task under way has
+    # had its setup (a restart's is in the power-up overhead).
+    setup = 0.0
+    if phase is None:
+        first_rate = next((float(rates[p]) for p in PHASES if (units_of.get(p) or 0) > 0 and rates.get(p)), 0.0)
+        setup = max(0.0, float(profile.get("setup_s", 0.0)) - first_rate)
+    out.insert(0, setup)
     return out
+
+
+def _typical_unit(profile: dict) -> float:
+    """Seconds of a typical unit: the median over a task's units (each phase's rate, weighted
+    by its units)."""
+    rates = profile.get("unit_s") or {}
+    units_of = profile.get("task_units") or {}
+    weighted = sorted((float(rates[p]), int(units_of.get(p) or 0)) for p in PHASES if rates.get(p))
+    total = sum(n for _, n in weighted)
+    if not weighted or total <= 0:
+        return 0.0
+    seen = 0
+    for rate, n in weighted:
+        seen += n
+        if seen >= total / 2:
+            return rate
+    return weighted[-1][0]
+
+
+def power_up_overhead(profile: dict) -> float:
+    """A power-up's cost before the walk's next unit: the payload measures its overhead from
+    the process start to the end of the first unit of work (boot work, restore and that unit),
+    so a typical unit comes off it."""
+    return max(0.0, float(profile.get("overhead_s", 0.0)) - _typical_unit(profile))
 
 
 def _windows(
@@ -250,9 +281,13 @@ def forecast_tasks(
     except ForecastUnavailable as exc:
         return {"made_at": now, "unavailable": str(exc)}
     t_heard = float(progress.get("heard_at", now)) if plan is None else now
-    overhead = float(profile.get("overhead_s", 0.0))
-    if plan is not None or current_len is not None:
-        first_overhead = overhead  # the walk starts at a power-up
+    overhead = power_up_overhead(profile)
+    if plan is not None:
+        # a plan window that began before now: the payload has been up since its start
+        up_since = next((a * plan_scale for a, b in plan if a * plan_scale <= now < b * plan_scale), None)
+        first_overhead = overhead if up_since is None else max(0.0, overhead - (now - up_since))
+    elif current_len is not None:
+        first_overhead = overhead  # the walk starts at the next power-up
     else:  # heard inside a window: what is left of its power-up overhead
         first_overhead = max(0.0, overhead - (t_heard - current_start))
     rng = random.Random(seed)
