@@ -34,6 +34,8 @@ from traces.presets import generate
 TRAINING = ("trace-a", "sat2-like")
 HELD_OUT = ("trace-b", "sat1-like", "dellingr-like")
 AFTER = (0, 1, 3, 10)
+#: A kind's rows forecast with its contact plan (`known_off`) as well as the history.
+PLAN_SUFFIX = " + contact plan"
 
 # Seconds per durable unit in trace seconds: a 2B-class request at the testbench's pace.
 BASE = {
@@ -64,8 +66,22 @@ def _basis(profile, windows, upto_index, now, progress):
     return {"profile": profile, "windows": {"starts": starts, "lengths": lengths}, "progress": progress}
 
 
-def evaluate(kind: str, seed: int, workload: str, cadence: str, draws: int) -> list[dict]:
+def known_off(kind: str, seed: int) -> list[tuple[float, float]]:
+    """The periods a trace's payload is known in advance to be off: its scheduled higher-priority
+    payload windows (the contact plan; traces/generator.py, the bus starts no payload within the
+    warning lead before one), none where the kind has none."""
+    from traces.generator import _contention_windows
+    from traces.presets import PRESETS
+
+    config = PRESETS[kind]
+    lead = config.contention.warning_lead_s
+    scheduled = _contention_windows(config, seed, -int(config.warmup_s), int(config.duration_s + config.orbit.period_s))
+    return [(a - lead, float(b)) for a, b in scheduled]
+
+
+def evaluate(kind: str, seed: int, workload: str, cadence: str, draws: int, plan_known: bool = False) -> list[dict]:
     trace = generate(kind, seed)
+    off = known_off(kind, seed) if plan_known else []
     windows, _ = trace_windows(trace)
     windows = [(s, min(e, trace.duration_s)) for s, e in windows]
     profile = _profile(cadence)
@@ -122,7 +138,7 @@ def evaluate(kind: str, seed: int, workload: str, cadence: str, draws: int) -> l
             basis = _basis(profile, windows, w, now, {})
             if within > 0:
                 basis["progress"] = {"task_id": tasks[0]["task_id"], "units_done": within, "heard_at": now}
-            fc = forecast_tasks(tasks, basis, now_wall=now, draws=draws, seed=seed)
+            fc = forecast_tasks(tasks, basis, known_off=off, now_wall=now, draws=draws, seed=seed)
             if "unavailable" in fc:
                 continue
             for task in tasks:
@@ -136,7 +152,7 @@ def evaluate(kind: str, seed: int, workload: str, cadence: str, draws: int) -> l
                 e2e = actual - uplink
                 rows.append(
                     {
-                        "trace": kind,
+                        "trace": kind + (PLAN_SUFFIX if plan_known else ""),
                         "seed": seed,
                         "workload": workload,
                         "cadence": cadence,
@@ -152,7 +168,7 @@ def evaluate(kind: str, seed: int, workload: str, cadence: str, draws: int) -> l
 
 def table(rows: list[dict]) -> list[dict]:
     out = []
-    for kind in TRAINING + HELD_OUT:
+    for kind in [k + suffix for k in TRAINING + HELD_OUT for suffix in ("", PLAN_SUFFIX)]:
         for after in AFTER:
             sel = [r for r in rows if r["trace"] == kind and r["after"] == after]
             if not sel:
@@ -161,7 +177,7 @@ def table(rows: list[dict]) -> list[dict]:
             out.append(
                 {
                     "trace": kind,
-                    "held_out": kind in HELD_OUT,
+                    "held_out": kind.removesuffix(PLAN_SUFFIX) in HELD_OUT,
                     "after": after,
                     "n": len(sel),
                     "inside": sum(r["inside"] for r in sel) / len(sel),
@@ -191,10 +207,16 @@ def run(seeds=(101, 102), draws: int = 200) -> dict:
             for workload in WORKLOADS:
                 for cadence in ("fixed", "adaptive"):
                     rows += evaluate(kind, seed, workload, cadence, draws)
+                    if known_off(kind, seed):  # the same again, given the contact plan
+                        rows += evaluate(kind, seed, workload, cadence, draws, plan_known=True)
     by_seed = []
     for seed in seeds:
         for held in (False, True):
-            sel = [r for r in rows if r["seed"] == seed and (r["trace"] in HELD_OUT) == held]
+            sel = [
+                r
+                for r in rows
+                if r["seed"] == seed and (r["trace"] in HELD_OUT) == held and not r["trace"].endswith(PLAN_SUFFIX)
+            ]
             up = [r["error"] for r in sel if r["after"] == 0]
             if sel and up:
                 by_seed.append(
@@ -210,10 +232,10 @@ def run(seeds=(101, 102), draws: int = 200) -> dict:
 
 
 def format_table(result: dict) -> str:
-    lines = ["trace          held-out  after  n    in 10-90  median err  p90 err"]
+    lines = ["trace                        held-out  after  n    in 10-90  median err  p90 err"]
     for r in result["table"]:
         lines.append(
-            f"{r['trace']:<14} {'yes' if r['held_out'] else 'no':<9} {r['after']:>5}  {r['n']:<4} "
+            f"{r['trace']:<28} {'yes' if r['held_out'] else 'no':<9} {r['after']:>5}  {r['n']:<4} "
             f"{100 * r['inside']:6.0f} %  {100 * r['median_error']:8.1f} %  {100 * r['p90_error']:5.1f} %"
         )
     for r in result.get("by_seed", []):

@@ -205,6 +205,41 @@ def _windows(
             yield start, end
 
 
+def _outside(
+    windows: Iterator[tuple[float, float]], off: Sequence[tuple[float, float]]
+) -> Iterator[tuple[float, float]]:
+    """The drawn windows with the periods the payload is known to be off taken out (a window
+    that meets one ends at its start; what is left after it is a new power-up)."""
+    off = sorted(off)
+    for start, end in windows:
+        for a, b in off:
+            if b <= start or a >= end:
+                continue
+            if a > start:
+                yield start, a
+            start = b
+            if start >= end:
+                break
+        if start < end:
+            yield start, end
+
+
+def _unexplained(
+    pairs: list[tuple[float, float]], starts: Sequence[float], off: Sequence[tuple[float, float]]
+) -> list[tuple[float, float]]:
+    """The history with each gap that a known off period explains replaced by the median of the
+    others: those come again where the plan says, not as random gaps."""
+    explained = []
+    for i, (on, gap) in enumerate(pairs):
+        a, b = starts[i] + on, starts[i] + on + gap
+        explained.append(any(x < b and y > a for x, y in off))
+    free = [gap for (_, gap), e in zip(pairs, explained, strict=True) if not e]
+    if not free or not any(explained):
+        return pairs
+    typical = statistics.median(free)
+    return [(on, typical if e else gap) for (on, gap), e in zip(pairs, explained, strict=True)]
+
+
 def _order(tasks: Sequence[dict], current: str | None) -> list[dict]:
     """Open tasks in the order the payload serves them: the running one, then by priority
     (higher first), ties by arrival."""
@@ -219,6 +254,7 @@ def forecast_tasks(
     *,
     plan: Sequence[tuple[float, float]] | None = None,
     plan_scale: float = 1.0,
+    known_off: Sequence[tuple[float, float]] = (),
     now_wall: float | None = None,
     draws: int = 400,
     seed: int = 0,
@@ -241,6 +277,8 @@ def forecast_tasks(
             pairs, current_start, current_len = _history(basis)
             if not pairs:
                 raise ForecastUnavailable("the window history holds no ended window yet")
+            if known_off:
+                pairs = _unexplained(pairs, [float(x) for x in basis["windows"]["starts"]], known_off)
         else:
             pairs, current_start, current_len = [], now, None
         progress = basis.get("progress") or {}
@@ -294,6 +332,8 @@ def forecast_tasks(
     results: list[list[tuple[float, int] | None]] = []
     for _ in range(draws if plan is None else 1):
         wins = _windows(rng, pairs, t_heard, current_start, current_len, plan, plan_scale)
+        if known_off and plan is None:
+            wins = _outside(wins, known_off)
         results.append(finish_times(units, marks, wins, overhead_s=overhead, first_overhead_s=first_overhead))
     out: dict[str, Any] = {}
     for k, task in enumerate(queue):

@@ -123,3 +123,38 @@ def test_tasks_beyond_the_payloads_queue_are_said_to_be_done():
     out = forecast_tasks(tasks, basis, now_wall=now, draws=50)
     assert out["assumed_done"] == ["t0", "t1"] and list(out["tasks"]) == ["t2"]
     assert any("taken as done on board" in line and "t0, t1" in line for line in forecast_lines(out, now_wall=now))
+
+
+def test_setup_and_power_up_overhead_already_hold_the_first_unit():
+    # The payload measures a task's setup and a power-up's overhead to the END of the first unit
+    # (flight/runtime/profile.py): that unit must not be charged twice. Units: vision 4 x 2 s,
+    # prefill 20 x 3 s, decode 32 x 1 s = 100 s; setup 1 s < the first (vision) unit: nothing more.
+    now = 5_000.0
+    up_since = forecast_tasks(TASKS, {"profile": PROFILE}, plan=[(now - 100.0, now + 1e6)], now_wall=now)
+    assert up_since["tasks"]["t1"]["expected"] == now + 100.0
+    # a window that starts now: the power-up overhead (5 s) less a typical unit (decode's 1 s)
+    fresh = forecast_tasks(TASKS, {"profile": PROFILE}, plan=[(now, now + 1e6)], now_wall=now)
+    assert fresh["tasks"]["t1"]["expected"] == now + 104.0
+
+
+def test_a_known_off_period_is_waited_out_and_its_gap_not_drawn_again():
+    now = 10_000.0
+    steady = _basis([(400.0, 20.0)] * 20, now)
+    free = forecast_tasks(TASKS, steady, now_wall=now, draws=100)["tasks"]["t1"]
+    off = [(now + 30.0, now + 900.0)]
+    planned = forecast_tasks(TASKS, steady, known_off=off, now_wall=now, draws=100)["tasks"]["t1"]
+    assert free["expected"] < now + 200.0 < now + 900.0 < planned["p10"] <= planned["expected"]
+    # a history whose long gaps a known (past) off period explains: with the plan they are not
+    # drawn as random gaps again, so the band is narrower
+    pairs = [(60.0, 20.0), (60.0, 20.0), (60.0, 1500.0)] * 6
+    basis = _basis(pairs, now)
+    starts, lengths = basis["windows"]["starts"], basis["windows"]["lengths"]
+    past = [
+        (s + on + 1.0, s + on + 1499.0)
+        for s, on, (_, gap) in zip(starts[:-1], lengths, pairs, strict=True)
+        if gap > 1000
+    ]
+    blind = forecast_tasks(TASKS, basis, now_wall=now, draws=200)["tasks"]["t1"]
+    told = forecast_tasks(TASKS, basis, known_off=past, now_wall=now, draws=200)["tasks"]["t1"]
+    assert told["p90"] - told["p10"] < blind["p90"] - blind["p10"]
+    assert told["expected"] <= blind["expected"]
