@@ -29,7 +29,7 @@ from typing import Any
 
 from common.sim.windows import finish_times, trace_windows
 from ground.forecast import forecast_tasks, power_up_overhead
-from traces.presets import generate
+from traces.presets import SHIPPED_SEEDS, generate
 
 TRAINING = ("trace-a", "sat2-like")
 HELD_OUT = ("trace-b", "sat1-like", "dellingr-like")
@@ -346,7 +346,9 @@ def run_kind_seed(run_dir: str | Path) -> tuple[str, int]:
     return (kind, int(seed)) if sep and seed.isdigit() else (str(start.get("trace")), 0)
 
 
-def replay_run(run_dir: str | Path, profile: dict, *, draws: int = 200, seed: int = 0) -> list[dict]:
+def replay_run(
+    run_dir: str | Path, profile: dict, *, draws: int = 200, seed: int = 0, plan_known: bool = False
+) -> list[dict]:
     """Forecasts made again from one testbench run's bus log, each against the task's real
     completion (see above). One row per (task, moment): after (power-ups since its uplink),
     error (|expected - completed| / the task's real end-to-end time), inside (the 10-90 band
@@ -397,8 +399,9 @@ def replay_run(run_dir: str | Path, profile: dict, *, draws: int = 200, seed: in
         elif kind == "PROGRESS":
             progress.append((e.trace_s, e["task_id"], str(e.get("phase")), int(e.get("done")), int(e.get("total"))))
     order = sorted(accepted, key=lambda t: accepted[t])
+    off = known_off(kind_, trace_seed or SHIPPED_SEEDS[kind_]) if plan_known and kind_ in KINDS else []
     label = {
-        "trace": kind_,
+        "trace": kind_ + (PLAN_SUFFIX if plan_known else ""),
         "seed": trace_seed,
         "workload": "paper" if len(order) <= 2 else "back-to-back",
         "cadence": _flight_option(list(start.get("flight_args") or []), "--cadence") or "fixed",
@@ -429,7 +432,7 @@ def replay_run(run_dir: str | Path, profile: dict, *, draws: int = 200, seed: in
             }
             for t in queue
         ]
-        fc = forecast_tasks(tasks, basis, now_wall=now, draws=draws, seed=seed)
+        fc = forecast_tasks(tasks, basis, known_off=off, now_wall=now, draws=draws, seed=seed)
         # the same forecast given the windows that really came (a plan): what is left is the
         # error of the unit model (rates, overheads, lost units), not of the windows' model
         to_come = [(s, math.inf if e is None else e) for s, e in history if e is None or e > now]
@@ -482,8 +485,9 @@ def campaign_runs(paths: Sequence[str]) -> list[Path]:
 
 def real(paths: Sequence[str], draws: int = 200) -> dict:
     """Forecasts replayed from real testbench runs (`campaign_runs(paths)`), each run given the
-    profile another run of the same cadence kept (preferring another trace kind): the rows, the
-    summary per trace, seed and cadence, and which profile each run was given."""
+    profile another run kept: one of the same trace kind and cadence where there is one (the
+    payload's earlier tasks on the same spacecraft), else of the same cadence, else any. The
+    rows, the summary per trace, seed and cadence, and which profile each run was given."""
     runs = campaign_runs(paths)
     profiles = {run: kept_profile(run) for run in runs}
     # a profile that has not measured every phase (a run stopped early) gives no forecast
@@ -494,14 +498,22 @@ def real(paths: Sequence[str], draws: int = 200) -> dict:
     rows, given = [], {}
     for run in runs:
         kind, _ = run_kind_seed(run)
-        cadence = (profiles[run] or {}).get("cadence")
+        cadence = _flight_option(list(_run_start(run)[1].get("flight_args") or []), "--cadence") or "fixed"
         others = [r for r in runs if r != run and profiles[r] is not None]
-        same = [r for r in others if profiles[r]["cadence"] == cadence] or others  # type: ignore[index]
-        pick = next((r for r in same if run_kind_seed(r)[0] != kind), same[0] if same else None)
+
+        def rank(r: Path, kind: str = kind, cadence: Any = cadence) -> int:
+            same_kind = run_kind_seed(r)[0] == kind
+            same_cadence = profiles[r]["cadence"] == cadence  # type: ignore[index]
+            return {(True, True): 0, (False, True): 1, (True, False): 2, (False, False): 3}[(same_kind, same_cadence)]
+
+        pick = min(others, key=rank, default=None)
         if pick is None:
             continue  # no other run kept a profile: nothing honest to forecast with
         given[run.name] = pick.name
         rows += replay_run(run, profiles[pick], draws=draws)  # type: ignore[arg-type]
+        kind_seed = run_kind_seed(run)
+        if kind_seed[0] in KINDS and known_off(kind_seed[0], kind_seed[1] or SHIPPED_SEEDS[kind_seed[0]]):
+            rows += replay_run(run, profiles[pick], draws=draws, plan_known=True)  # type: ignore[arg-type]
     return {"rows": rows, "summary": real_summary(rows), "profile_from": given, "runs": len(runs)}
 
 
