@@ -54,7 +54,7 @@ def _profile(cadence: str) -> dict:
     return dict(BASE, cadence=cadence)
 
 
-def _units(profile: dict) -> list[float]:
+def _units(profile: dict) -> list[tuple[float, int]]:
     from ground.forecast import _unit_list  # the forecast's own unit list: truth and forecast agree on work
 
     return _unit_list(profile, None, 0, None, None)
@@ -82,12 +82,16 @@ def known_off(kind: str, seed: int) -> list[tuple[float, float]]:
 def evaluate(kind: str, seed: int, workload: str, cadence: str, draws: int, plan_known: bool = False) -> list[dict]:
     trace = generate(kind, seed)
     off = known_off(kind, seed) if plan_known else []
-    windows, _ = trace_windows(trace)
+    windows, warns = trace_windows(trace)
+    # each window's cut as the bus makes it: announced (SHUTDOWN_WARNING) or not
+    announced = [e in warns for _, e in windows]
     windows = [(s, min(e, trace.duration_s)) for s, e in windows]
+    flagged = [(s, e, w) for (s, e), w in zip(windows, announced, strict=True)]
     profile = _profile(cadence)
     one = _units(profile)
     ntasks = WORKLOADS[workload]
-    units = one * ntasks
+    units = [u for u, _ in one] * ntasks
+    parts = [max(1, k) for _, k in one] * ntasks
     marks = [len(one) * (k + 1) for k in range(ntasks)]
     rows = []
     # arrivals: at the start of windows with at least 3 ended before, 6 spread over the trace
@@ -98,9 +102,10 @@ def evaluate(kind: str, seed: int, workload: str, cadence: str, draws: int, plan
         truth = finish_times(
             units,
             marks,
-            iter(windows[a:]),
+            iter(flagged[a:]),
             overhead_s=power_up_overhead(profile),
             first_overhead_s=power_up_overhead(profile),
+            parts=parts,
         )
         if any(x is None for x in truth):
             continue  # does not complete before the trace ends
@@ -111,9 +116,10 @@ def evaluate(kind: str, seed: int, workload: str, cadence: str, draws: int, plan
                 for x in finish_times(
                     units,
                     list(range(1, len(units) + 1)),
-                    iter(windows[a:]),
+                    iter(flagged[a:]),
                     overhead_s=power_up_overhead(profile),
                     first_overhead_s=power_up_overhead(profile),
+                    parts=parts,
                 )
                 if x is not None
             )
@@ -136,6 +142,7 @@ def evaluate(kind: str, seed: int, workload: str, cadence: str, draws: int, plan
             first_open = int(tasks[0]["task_id"][1:])
             within = made - (marks[first_open - 1] if first_open else 0)
             basis = _basis(profile, windows, w, now, {})
+            basis["cuts"] = {"heard": w, "warned": sum(announced[:w])}  # as the ground heard them
             if within > 0:
                 basis["progress"] = {"task_id": tasks[0]["task_id"], "units_done": within, "heard_at": now}
             fc = forecast_tasks(tasks, basis, known_off=off, now_wall=now, draws=draws, seed=seed)
@@ -364,24 +371,29 @@ def replay_run(
     # The payload's past: another realisation of the same trace kind (seed + PAST_SEED), played
     # just before the trace, then the trace's own windows before the run started.
     past = generate(kind_, trace_seed + PAST_SEED) if kind_ in KINDS else None
-    windows, _ = trace_windows(trace)
-    lived = (
-        [(a - past.duration_s, min(b, past.duration_s) - past.duration_s) for a, b in trace_windows(past)[0]]
-        if past
-        else []
-    )
-    lived += [(a, b) for a, b in windows if b <= start_at]
-    history: list[tuple[float, float | None]] = [(a + boot, b) for a, b in lived if b > a + boot]
+    windows, warns = trace_windows(trace)
+    lived: list[tuple[float, float, bool]] = []
+    if past is not None:
+        past_windows, past_warns = trace_windows(past)
+        lived += [
+            (a - past.duration_s, min(b, past.duration_s) - past.duration_s, b in past_warns) for a, b in past_windows
+        ]
+    lived += [(a, b, b in warns) for a, b in windows if b <= start_at]
+    # (process start, cut or None while powered, the cut announced)
+    history: list[tuple[float, float | None, bool]] = [(a + boot, b, w) for a, b, w in lived if b > a + boot]
     on: float | None = None
+    warned = False
     for e in entries:
         if e.kind == bl.POWER_ON and e.trace_s is not None:
-            on = e.trace_s
+            on, warned = e.trace_s, False
+        elif e.kind == bl.WARNING:
+            warned = True
         elif e.kind == bl.POWER_OFF and e.trace_s is not None and on is not None:
             if e.trace_s > on + boot:  # a window the payload process lived in (it logs those)
-                history.append((on + boot, e.trace_s))
+                history.append((on + boot, e.trace_s, warned))
             on = None
     if on is not None:
-        history.append((on + boot, None))  # still powered when the log ends
+        history.append((on + boot, None, False))  # still powered when the log ends
     uplinks, _ = bl.recorded_uplinks(entries)
     accepted: dict[str, float] = {}
     completed: dict[str, float] = {}
@@ -407,18 +419,23 @@ def replay_run(
         "cadence": _flight_option(list(start.get("flight_args") or []), "--cadence") or "fixed",
         "run": run.name,
     }
-    moments = sorted(set(accepted.values()) | {s for s, _ in history if s >= start_at})
+    moments = sorted(set(accepted.values()) | {s for s, _, _ in history if s >= start_at})
     rows = []
     for now in moments:
         queue = [t for t in order if accepted[t] <= now and completed.get(t, math.inf) > now]
         if not queue:
             continue
-        ws = [(s, e) for s, e in history if s <= now][-KEEP_WINDOWS:]
+        ws = [w for w in history if w[0] <= now][-KEEP_WINDOWS:]
         if not ws:
             continue
-        starts = [s for s, _ in ws]
-        lengths = [e - s for s, e in ws if e is not None and e <= now]
-        basis: dict[str, Any] = {"profile": profile, "windows": {"starts": starts, "lengths": lengths}}
+        starts = [s for s, _, _ in ws]
+        ended = [(s, e, w) for s, e, w in ws if e is not None and e <= now]
+        basis: dict[str, Any] = {
+            "profile": profile,
+            "windows": {"starts": starts, "lengths": [e - s for s, e, _ in ended]},
+            # the cuts the ground heard, and how many the bus announced
+            "cuts": {"heard": len(ended), "warned": sum(w for _, _, w in ended)},
+        }
         heard = [p for p in progress if p[0] <= now and p[1] in queue]
         if heard:
             _, task_id, phase, done, total = heard[-1]
@@ -435,14 +452,14 @@ def replay_run(
         fc = forecast_tasks(tasks, basis, known_off=off, now_wall=now, draws=draws, seed=seed)
         # the same forecast given the windows that really came (a plan): what is left is the
         # error of the unit model (rates, overheads, lost units), not of the windows' model
-        to_come = [(s, math.inf if e is None else e) for s, e in history if e is None or e > now]
+        to_come = [(s, math.inf if e is None else e, w) for s, e, w in history if e is None or e > now]
         known = forecast_tasks(tasks, basis, plan=to_come, now_wall=now) if to_come else {}
         for t in queue:
             f = (fc.get("tasks") or {}).get(t)
             if t not in completed:
                 continue
             actual = completed[t]
-            after = sum(1 for s, _ in history if accepted[t] < s <= now)
+            after = sum(1 for s, _, _ in history if accepted[t] < s <= now)
             if after == 0 and now != accepted[t]:
                 continue  # at uplink means at its own uplink, not at a later task's
             row = {**label, "task": t, "after": after}

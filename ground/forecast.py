@@ -95,10 +95,12 @@ def _history(basis: dict) -> tuple[list[tuple[float, float]], float, float | Non
 
 def _unit_list(
     profile: dict, phase: str | None, done: int, total: int | None, max_new_tokens: int | None
-) -> list[float]:
+) -> list[tuple[float, int]]:
+    """The task's work still to do as durable units: (seconds, PROGRESS steps in it), the first
+    its setup (steps 0)."""
     rates = profile.get("unit_s") or {}
     units_of = profile.get("task_units") or {}
-    out: list[float] = []
+    out: list[tuple[float, int]] = []
     started = phase is None
     for name in PHASES:
         rate = rates.get(name)
@@ -121,7 +123,7 @@ def _unit_list(
         left = max(0, n - first)
         while left > 0:
             k = min(every, left)
-            out.append(k * float(rate))
+            out.append((k * float(rate), k))
             left -= k
     # The payload measures a task's setup from its start to the end of its first unit
     # (flight/runtime/profile.py), so that unit is in the setup already; a task under way has
@@ -130,7 +132,7 @@ def _unit_list(
     if phase is None:
         first_rate = next((float(rates[p]) for p in PHASES if (units_of.get(p) or 0) > 0 and rates.get(p)), 0.0)
         setup = max(0.0, float(profile.get("setup_s", 0.0)) - first_rate)
-    out.insert(0, setup)
+    out.insert(0, (setup, 0))
     return out
 
 
@@ -164,14 +166,14 @@ def _windows(
     t_heard: float,
     current_start: float,
     current_len: float | None,
-    plan: Sequence[tuple[float, float]] | None,
+    plan: Sequence[tuple[float, ...]] | None,
     plan_scale: float,
 ) -> Iterator[tuple[float, float]]:
     if plan is not None:
-        for start, end in plan:
-            start, end = start * plan_scale, end * plan_scale
+        for window in plan:  # (start, end) or (start, end, the cut announced)
+            start, end = window[0] * plan_scale, window[1] * plan_scale
             if end > t_heard:
-                yield max(start, t_heard), end
+                yield (max(start, t_heard), end, *window[2:])  # type: ignore[misc]
         return
     n = len(pairs)
     lengths = [a for a, _ in pairs]
@@ -240,6 +242,21 @@ def _unexplained(
     return [(on, typical if e else gap) for (on, gap), e in zip(pairs, explained, strict=True)]
 
 
+def _warned_share(basis: dict) -> float:
+    """The share of the cuts heard that the bus announced (SHUTDOWN_WARNING before the cut)."""
+    cuts = basis.get("cuts") or {}
+    heard = int(cuts.get("heard") or 0)
+    return min(1.0, int(cuts.get("warned") or 0) / heard) if heard > 0 else 0.0
+
+
+def _announced(
+    rng: random.Random, windows: Iterator[tuple[float, float]], share: float
+) -> Iterator[tuple[float, float, bool]]:
+    """Each drawn window's cut announced with the chance the history shows."""
+    for start, end in windows:
+        yield start, end, rng.random() < share
+
+
 def _order(tasks: Sequence[dict], current: str | None) -> list[dict]:
     """Open tasks in the order the payload serves them: the running one, then by priority
     (higher first), ties by arrival."""
@@ -252,7 +269,7 @@ def forecast_tasks(
     tasks: Sequence[dict],
     basis: dict,
     *,
-    plan: Sequence[tuple[float, float]] | None = None,
+    plan: Sequence[tuple[float, ...]] | None = None,
     plan_scale: float = 1.0,
     known_off: Sequence[tuple[float, float]] = (),
     now_wall: float | None = None,
@@ -298,7 +315,7 @@ def forecast_tasks(
             queue = [t for t in queue if t["task_id"] not in assumed_done]
         if not queue:
             return {"made_at": now, "tasks": {}, "assumed_done": assumed_done}
-        units: list[float] = []
+        units: list[tuple[float, int]] = []
         marks: list[int] = []
         for task in queue:
             if task.get("task_id") == current and "units_done" in progress:
@@ -322,19 +339,26 @@ def forecast_tasks(
     overhead = power_up_overhead(profile)
     if plan is not None:
         # a plan window that began before now: the payload has been up since its start
-        up_since = next((a * plan_scale for a, b in plan if a * plan_scale <= now < b * plan_scale), None)
+        up_since = next((w[0] * plan_scale for w in plan if w[0] * plan_scale <= now < w[1] * plan_scale), None)
         first_overhead = overhead if up_since is None else max(0.0, overhead - (now - up_since))
     elif current_len is not None:
         first_overhead = overhead  # the walk starts at the next power-up
     else:  # heard inside a window: what is left of its power-up overhead
         first_overhead = max(0.0, overhead - (t_heard - current_start))
+    seconds = [u for u, _ in units]
+    steps = [max(1, k) for _, k in units]
+    warned = _warned_share(basis) if plan is None else 0.0
     rng = random.Random(seed)
     results: list[list[tuple[float, int] | None]] = []
     for _ in range(draws if plan is None else 1):
-        wins = _windows(rng, pairs, t_heard, current_start, current_len, plan, plan_scale)
+        wins: Iterator[Any] = _windows(rng, pairs, t_heard, current_start, current_len, plan, plan_scale)
         if known_off and plan is None:
             wins = _outside(wins, known_off)
-        results.append(finish_times(units, marks, wins, overhead_s=overhead, first_overhead_s=first_overhead))
+        if warned > 0:
+            wins = _announced(rng, wins, warned)
+        results.append(
+            finish_times(seconds, marks, wins, overhead_s=overhead, first_overhead_s=first_overhead, parts=steps)
+        )
     out: dict[str, Any] = {}
     for k, task in enumerate(queue):
         got = [hit for hit in (r[k] for r in results) if hit is not None]
