@@ -7,8 +7,9 @@ import time
 
 from ground_testkit import link_args
 
-from common.sim.windows import finish_time
+from common.sim.windows import finish_time, finish_times
 from common.wire import messages as m
+from common.wire.ids import PowerCause
 from ground.forecast import forecast_lines, forecast_tasks
 from ground.state import GroundState
 
@@ -94,6 +95,11 @@ def test_status_shows_the_forecast_from_the_payloads_telemetry(ow, keys, peer, p
             **{k: PROFILE[k] for k in ("unit_s", "task_units", "durable_every", "overhead_s", "setup_s")},
         ),
         m.WindowHistory(boot_count=3, starts=[now - 300, now - 200, now - 100], lengths=[60.0, 70.0]),
+        # one cut announced, one not: the forecast keeps the share of announced cuts it heard
+        m.ShutdownWarning(trace_time_s=1.0, lead_time_s=10.0, cause=PowerCause.THERMAL),
+        m.PowerStateChange(trace_time_s=2.0, payload_on=False, cause=PowerCause.THERMAL),
+        m.PowerStateChange(trace_time_s=3.0, payload_on=True, cause=PowerCause.RESTORED),
+        m.PowerStateChange(trace_time_s=4.0, payload_on=False, cause=PowerCause.FDIR),
     ]
     text = ow("ground", "status", *link_args(keys, peer))
     assert text.code == 0, text.err
@@ -103,6 +109,7 @@ def test_status_shows_the_forecast_from_the_payloads_telemetry(ow, keys, peer, p
     assert mine["p10"] <= mine["expected"] <= mine["p90"]
     basis = GroundState(keys.state_dir).forecast_basis()
     assert basis["windows"]["lengths"] == [60.0, 70.0] and basis["progress"]["task_id"] == task_id
+    assert basis["cuts"]["heard"] >= 2 and basis["cuts"]["recent"][:2] == [True, False]
 
 
 def test_a_plan_replaces_the_history():
@@ -158,3 +165,19 @@ def test_a_known_off_period_is_waited_out_and_its_gap_not_drawn_again():
     told = forecast_tasks(TASKS, basis, known_off=past, now_wall=now, draws=200)["tasks"]["t1"]
     assert told["p90"] - told["p10"] < blind["p90"] - blind["p10"]
     assert told["expected"] <= blind["expected"]
+
+
+def test_an_announced_cut_keeps_the_steps_that_ended():
+    # one unit of 4 steps (a decode record every 4 steps, 2 s each) and a window ending at 7 s:
+    # unannounced, the unit is lost and runs whole in the next window (10 + 1 + 8); announced,
+    # its 3 finished steps are kept and only the 4th runs again (10 + 1 + 2)
+    windows = [(0.0, 7.0), (10.0, 100.0)]
+    assert finish_time([8.0], windows, overhead_s=1.0, max_windows=5) == (19.0, 1)
+    announced = [(0.0, 7.0, True), (10.0, 100.0, False)]
+    assert finish_times([8.0], [1], announced, overhead_s=1.0, parts=[4]) == [(13.0, 1)]
+    # the forecast draws announced cuts with the share the ground heard: earlier, never later
+    now = 10_000.0
+    basis = _basis([(45.0, 30.0)] * 20, now)
+    quiet = forecast_tasks(TASKS, basis, now_wall=now, draws=100)["tasks"]["t1"]
+    warned = forecast_tasks(TASKS, {**basis, "cuts": {"heard": 20, "warned": 20}}, now_wall=now, draws=100)
+    assert warned["tasks"]["t1"]["expected"] < quiet["expected"]
