@@ -13,6 +13,7 @@ so a subscriber can filter on the packet's first two bytes (version, type, APID)
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -452,6 +453,17 @@ def server_socket(context: zmq.Context, socket_type: int, layout: KeyLayout, end
     return sock
 
 
+_MONITOR_NUMBERS = itertools.count()
+
+
+def monitor_socket(sock: zmq.Socket, events: int | None = None) -> zmq.Socket:
+    """`sock.get_monitor_socket(events)` on an inproc address of its own. pyzmq's default names
+    the address after the socket, and a closed socket's monitor endpoint is released by ZeroMQ's
+    reaper thread later: a new socket at the same place could then fail with "Address already in
+    use" (seen on a loaded machine)."""
+    return sock.get_monitor_socket(events, addr=f"inproc://ow-monitor-{os.getpid()}-{next(_MONITOR_NUMBERS)}")
+
+
 def client_socket(
     context: zmq.Context,
     socket_type: int,
@@ -481,7 +493,7 @@ def client_socket(
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         if socket_type == zmq.SUB:
             sock.setsockopt(zmq.SUBSCRIBE, subscribe)
-        monitor = sock.get_monitor_socket() if handshake_timeout_s is not None else None
+        monitor = monitor_socket(sock) if handshake_timeout_s is not None else None
         sock.connect(endpoint)
         if monitor is not None and handshake_timeout_s is not None:
             try:

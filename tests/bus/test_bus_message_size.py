@@ -12,6 +12,7 @@ from bus_testkit import bus_config, ground_station, wait_for, window, write_trac
 
 from common.wire import Apid, SequenceCounter
 from common.wire import messages as m
+from common.wire.link import monitor_socket
 from hil.bus import buslog as bl
 
 pytestmark = pytest.mark.slow
@@ -47,7 +48,7 @@ def test_oversized_messages_and_floods_do_not_reach_the_bus(tmp_path, keys, cont
     ground.send(m.Ping(key=1))
     wait_for(lambda: len(_received(log)) == 1, 30, what="first command stored")
     before = _peak_rss(bus.proc.pid, reset=True)
-    monitor = ground.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    monitor = monitor_socket(ground.sock, zmq.EVENT_DISCONNECTED)
     big = os.urandom(200 << 20)
     ground.sock.send(big, copy=False)  # an authorized client, a 200 MiB message
     del big

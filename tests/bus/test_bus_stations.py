@@ -10,7 +10,7 @@ from bus_testkit import bus_config, ground_station, read_record, wait_for, windo
 
 from common.wire import Apid, EventId, NodeId, ResponseCode, SequenceCounter, decode
 from common.wire import messages as m
-from common.wire.link import LinkTimeout, client_socket, init_keys, recv_packet
+from common.wire.link import LinkTimeout, client_socket, init_keys, monitor_socket, recv_packet
 from hil.bus import BusThread
 from hil.bus import buslog as bl
 
@@ -70,7 +70,7 @@ def test_source_binding_and_key_revocation(tmp_path, context, always_on_trace):
         listener = client_socket(context, zmq.SUB, keys, "station2", bus.endpoints.telemetry, handshake_timeout_s=10)
         observer = client_socket(context, zmq.SUB, keys, "ground", bus.endpoints.telemetry, handshake_timeout_s=10)
         monitors = {
-            name: sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            name: monitor_socket(sock, zmq.EVENT_DISCONNECTED)
             for name, sock in (("spoke", station2.sock), ("subscribed", listener))
         }
         wait_for(lambda: len(bus.bus.connections["telemetry"]) >= 2, 10, what="both subscriptions seen")
