@@ -62,7 +62,7 @@ WORDS = (
     "port city farm crop snow ice water forest mountain desert bridge runway smoke flood fire dune reef glacier"
 ).split()
 PHASES = ("vision", "prefill", "decode")
-UNIT_EVENTS = {
+UNIT_EVENTS: dict[str, str] = {
     EngineEvent.VISION_BLOCK_DONE: "vision",
     EngineEvent.PREFILL_BLOCK_DONE: "prefill",
     EngineEvent.DECODE_STEP_DONE: "decode",
