@@ -30,6 +30,7 @@ from common.durable import DurableFS
 from common.record import Kind, encode, read_partial
 from flight.checkpoint.policies import Geometry
 from flight.engine import Engine, EngineOptions
+from flight.events import EngineEvent
 from flight.model.inputs import build_inputs
 from flight.model.loader import load_model
 from flight.model.tiny import vocabulary
@@ -211,8 +212,8 @@ def _block_stamper(stamps: list[tuple[int, int, float, float, float | None]]) ->
     each prefill block; reading the run-queue wait falls between the two times, so it is charged
     to no block."""
 
-    def events(name: str, **fields: Any) -> None:
-        if name == "prefill_block_done":
+    def events(event: EngineEvent, **fields: Any) -> None:
+        if event == EngineEvent.PREFILL_BLOCK_DONE:
             done = time.perf_counter()
             waited = runqueue_wait_s()
             stamps.append((fields["group"], fields["chunk"], done, time.perf_counter(), waited))

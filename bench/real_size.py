@@ -49,6 +49,7 @@ import psutil
 from bench.engine_overhead import ensure_images, ensure_model
 from common.wire.ids import MAX_PROMPT_BYTES
 from flight.checkpoint.policies import Geometry
+from flight.events import EngineEvent
 from hil.sim import validate as simval
 from hil.sim.lifecycle import RequestModel
 from hil.sim.models import spec_from_dir
@@ -61,9 +62,19 @@ WORDS = (
     "port city farm crop snow ice water forest mountain desert bridge runway smoke flood fire dune reef glacier"
 ).split()
 PHASES = ("vision", "prefill", "decode")
-UNIT_EVENTS = {"vision_block_done": "vision", "prefill_block_done": "prefill", "decode_step_done": "decode"}
+UNIT_EVENTS: dict[str, str] = {
+    EngineEvent.VISION_BLOCK_DONE: "vision",
+    EngineEvent.PREFILL_BLOCK_DONE: "prefill",
+    EngineEvent.DECODE_STEP_DONE: "decode",
+}
 #: what the engine's log keeps of a restart
-RESTORE_EVENTS = ("request_opened", "recovery_plan", "prefill_restored", "vision_restored", "decode_restored")
+RESTORE_EVENTS = (
+    EngineEvent.REQUEST_OPENED,
+    EngineEvent.RECOVERY_PLAN,
+    EngineEvent.PREFILL_RESTORED,
+    EngineEvent.VISION_RESTORED,
+    EngineEvent.DECODE_RESTORED,
+)
 
 
 def machine_load() -> str:
@@ -169,11 +180,11 @@ def infer_session(
         if not isinstance(line, dict):
             continue
         event = line.get("event")
-        if event == "request_completed":
+        if event == EngineEvent.REQUEST_COMPLETED:
             session.completed_s = _stamp(line) - t0
         if event in RESTORE_EVENTS:
             session.restore.append({k: v for k, v in line.items() if k not in ("component", "level", "timestamp")})
-            if event == "request_opened":
+            if event == EngineEvent.REQUEST_OPENED:
                 session.opened_s = _stamp(line) - started
         phase = UNIT_EVENTS.get(str(event))
         if phase is None:
@@ -363,7 +374,7 @@ def main(argv=None) -> int:
     while True:
         s = infer_session(cmd, env, t0, kill_at)
         sessions.append(s)
-        opened = next((r for r in s.restore if r.get("event") == "request_opened"), {})
+        opened = next((r for r in s.restore if r.get("event") == EngineEvent.REQUEST_OPENED), {})
         say(
             f"  process {len(sessions)}: boot {s.opened_s or 0:.1f} s, opened {opened.get('status')} at "
             f"{opened.get('phase')} {opened.get('position')}, "
@@ -437,8 +448,8 @@ def summary(results: dict) -> list[str]:
         )
     lines.append(f"bitwise after {sum(1 for s in killed['sessions'] if s['killed_at'])} kills: {killed['bitwise']}")
     for i, s in enumerate(killed["sessions"][1:], start=2):
-        plans = [r for r in s["restore"] if r.get("event") != "request_opened"]
-        opened: dict = next((r for r in s["restore"] if r.get("event") == "request_opened"), {})
+        plans = [r for r in s["restore"] if r.get("event") != EngineEvent.REQUEST_OPENED]
+        opened: dict = next((r for r in s["restore"] if r.get("event") == EngineEvent.REQUEST_OPENED), {})
         lines.append(
             f"  restart {i - 1}: resumed in {opened.get('phase')} at {opened.get('position')}; boot "
             f"{s['opened_s']:.1f} s, first unit {s['first_unit_s'] or 0:.1f} s after exec; "

@@ -31,10 +31,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 from bench.engine_overhead import ensure_images, ensure_model
 from common.durable import ThrottledFS
 from flight.checkpoint.policies import Geometry, get_policy
+from flight.events import EngineEvent
 from flight.recovery.cost import ModelDims, native_and_emulated
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -79,8 +81,8 @@ def make_checkpoint(model_dir, images, prompt, geometry, fraction, out, policy="
     target = max(1, round(fraction * blocks))
     seen = {"n": 0}
 
-    def events(name, **fields):
-        if name == "prefill_block_done":
+    def events(event: EngineEvent, **fields: Any) -> None:
+        if event == EngineEvent.PREFILL_BLOCK_DONE:
             seen["n"] += 1
             if seen["n"] == target:
                 raise SimulatedCut(f"cut after {target} of {blocks} prefill blocks")
@@ -109,8 +111,8 @@ def worker(args) -> None:
     geometry = Geometry(args.chunk, args.group, 8, 2)
     stamps = []
 
-    def events(name, **fields):
-        if name == "prefill_block_done":
+    def events(event: EngineEvent, **fields: Any) -> None:
+        if event == EngineEvent.PREFILL_BLOCK_DONE:
             stamps.append(time.perf_counter())
 
     result = Engine(

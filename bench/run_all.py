@@ -26,12 +26,14 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from bench import engine_overhead, forecast_bench, real_size, recovery_latency, recovery_planner, sim_figures
 from bench import report as rep
 from common import log as owlog
 from common import machine
 from flight.checkpoint.policies import Geometry
+from flight.events import EngineEvent
 from hil.campaign import RunSlots, run_campaign
 from hil.testbench import NOT_FINISHED, STOPPED_BY_LIMIT, BenchConfig, PowerModel, RequestSpec
 from traces import load as load_trace
@@ -127,8 +129,8 @@ def decode_compression(model_dir: str, images: list, prompt: str) -> dict:
         with tempfile.TemporaryDirectory(dir=os.path.join(ROOT, "runs")) as d:
             seen = {"n": 0}
 
-            def cut(name, seen=seen, **_):
-                if name == "decode_step_done":
+            def cut(event: EngineEvent, seen: dict = seen, **_: Any) -> None:
+                if event == EngineEvent.DECODE_STEP_DONE:
                     seen["n"] += 1
                     if seen["n"] == n - 3:
                         raise SimulatedCut("late in decode")

@@ -12,12 +12,13 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 from common import log as owlog
 from common.errors import CliError
 from common.imagecheck import ProcessorLimits
-from common.wire.ids import ResponseCode
-from common.wire.text import is_blank
+from common.wire.rules import prompt_rule
+from flight.events import UNIT_DONE, EngineEvent
 from flight.model.config import ModelError, check_weight_files, read_model_type
 from flight.runtime import cli as runtime_cli
 
@@ -150,8 +151,9 @@ def cmd_infer(args) -> int:
         raise CliError("--max-new-tokens must be at least 1", EXIT_USAGE)
     options = engine_options(args)
     fs, weight_hook = storage_for(args)
-    if is_blank(args.prompt):
-        raise CliError(f"bad input: {ResponseCode.EMPTY_PROMPT.description}", EXIT_INPUT)
+    broken = prompt_rule(args.prompt)  # the payload's rule (common/wire/rules.py)
+    if broken is not None:
+        raise CliError(f"bad input: {broken.reason}", EXIT_INPUT)
     for path in args.image:
         if not os.path.isfile(path):
             raise CliError(f"image not found: {path}", EXIT_INPUT)
@@ -191,13 +193,9 @@ def cmd_infer(args) -> int:
     except (InputError, ValueError) as exc:
         raise CliError(f"bad input: {exc}", EXIT_INPUT) from None
 
-    def events(name, **fields):
-        level = (
-            "debug"
-            if name in ("checkpoint_committed", "decode_step_done", "vision_block_done", "prefill_block_done")
-            else "info"
-        )
-        getattr(logger, level)(name, **fields)
+    def events(event: EngineEvent, **fields: Any) -> None:
+        level = "debug" if event == EngineEvent.CHECKPOINT_COMMITTED or event in UNIT_DONE else "info"
+        getattr(logger, level)(event, **fields)
 
     logger.info(
         "engine_started",

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from common.durable import DurableFS, ThrottledFS, TokenBucket
 from common.errors import EXIT_OUT_OF_MEMORY, CliError, check_number
-from flight.checkpoint.policies import POLICIES, Geometry, Policy, get_policy
+from flight.checkpoint.policies import POLICIES, Geometry, Policy, adaptive_policies, get_policy, takes_adaptive_cadence
 from flight.options import DEFAULT_PLANNER, PLANNER_NAMES, EngineOptions, default_cadence, resolve_cadence
 
 if TYPE_CHECKING:
@@ -220,10 +220,10 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
     if args.threads is not None and args.threads < 1:
         raise CliError("--threads must be at least 1", EXIT_USAGE)
     cadence = resolve_cadence(args.policy, args.cadence)
-    if cadence == "adaptive" and args.policy != "orbitweaver":
+    if cadence == "adaptive" and not takes_adaptive_cadence(args.policy):
         raise CliError(
-            f"--cadence adaptive is orbitweaver's; the {args.policy} baseline keeps the cadence its "
-            f"definition gives (docs/baselines.md)",
+            f"--cadence adaptive is {'/'.join(adaptive_policies())}'s; the {args.policy} baseline keeps the cadence "
+            f"its definition gives (docs/baselines.md)",
             EXIT_USAGE,
         )
     if args.soc_cutoff is not None and not 0 <= args.soc_cutoff <= 1:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .checkpoint.policies import Geometry
+from .checkpoint.policies import Geometry, adaptive_policies, takes_adaptive_cadence
 
 #: The payload's storage reserve unless `ow flight run --storage-reserve-mb` says otherwise
 #: (flight/runtime/storage.py): many times the largest record the payload writes for itself (a
@@ -53,10 +53,10 @@ class EngineOptions:
         # adaptive cadence would otherwise fly the fixed one and say nothing.
         if self.cadence not in (None, *CADENCES):
             raise ValueError(f"unknown cadence {self.cadence!r} (one of {', '.join(CADENCES)})")
-        if self.cadence == "adaptive" and self.policy != "orbitweaver":
+        if self.cadence == "adaptive" and not takes_adaptive_cadence(self.policy):
             raise ValueError(
-                f"the adaptive cadence is orbitweaver's; the {self.policy} baseline keeps the cadence its "
-                "definition gives (docs/baselines.md)"
+                f"the adaptive cadence is {'/'.join(adaptive_policies())}'s; the {self.policy} baseline keeps the "
+                "cadence its definition gives (docs/baselines.md)"
             )
 
 
@@ -69,7 +69,7 @@ def default_cadence(policy: str) -> str:
     other policy (a baseline's cadence is part of its definition, docs/baselines.md). The one
     place this default is decided: the command lines, the engine, the onboard process and the
     testbench all ask here."""
-    return "adaptive" if policy == "orbitweaver" else "fixed"
+    return "adaptive" if takes_adaptive_cadence(policy) else "fixed"
 
 
 def resolve_cadence(policy: str, cadence: str | None) -> str:

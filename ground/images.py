@@ -31,9 +31,8 @@ from common.wire.ids import (
     MAX_NEW_TOKENS,
     MAX_PRIORITY,
     MAX_PROMPT_BYTES,
-    ResponseCode,
 )
-from common.wire.text import is_blank
+from common.wire.rules import prompt_rule
 from ground.errors import LocalInputError
 
 #: Hex digits of the content hash in an image's on-board name: 64 bits, so two different files
@@ -132,11 +131,9 @@ def check_prompt(prompt: str) -> str:
         encoded = prompt.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise LocalInputError(f"prompt is not valid UTF-8 (undecodable byte at character {exc.start})") from None
-    if is_blank(prompt):  # the payload's rule (EMPTY_PROMPT), checked before anything is sent
-        raise LocalInputError(
-            "prompt is empty or blank: no visible character, only whitespace, control or format characters "
-            f"({ResponseCode.EMPTY_PROMPT.name})"
-        )
+    broken = prompt_rule(prompt)  # the payload's rule (common/wire/rules.py), checked before anything is sent
+    if broken is not None:
+        raise LocalInputError(f"{broken.reason} ({broken.code.name})")
     if len(encoded) > MAX_PROMPT_BYTES:
         raise LocalInputError(f"prompt is {len(encoded)} bytes of UTF-8, more than {MAX_PROMPT_BYTES}")
     return prompt

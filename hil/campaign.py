@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import traces
+from flight.checkpoint.policies import takes_adaptive_cadence
 from flight.options import default_cadence, resolve_cadence
 from hil.testbench import (
     BenchConfig,
@@ -54,10 +55,11 @@ class CampaignCell:
 
 
 def variants(policies: list[str], cadences: list[str]) -> list[tuple[str, str, str]]:
-    """(label, policy, cadence): orbitweaver once per cadence, each baseline with its own."""
+    """(label, policy, cadence): a policy that takes the adaptive cadence (orbitweaver) once per
+    cadence, each baseline with its own."""
     out = []
     for policy in policies:
-        if policy == "orbitweaver":
+        if takes_adaptive_cadence(policy):
             out += [
                 (policy if cadence == "fixed" and len(cadences) == 1 else f"{policy} ({cadence})", policy, cadence)
                 for cadence in cadences

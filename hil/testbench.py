@@ -28,11 +28,13 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import traces
 from common.wire import messages as m
 from common.wire.link import Endpoints, init_keys
 from flight.checkpoint.policies import Geometry
+from flight.events import EngineEvent
 from flight.options import resolve_cadence
 from flight.recovery.cost import MODELS, ORIN_AGX_NVME, REFERENCE_CHUNK, CostModel
 from ground.client import GroundClient
@@ -312,12 +314,12 @@ def _reference_run(model_dir: str, spec: RequestSpec, cfg: BenchConfig, scratch:
     geometry = Geometry(cfg.chunk, cfg.group, cfg.decode_every, cfg.vision_every)
     groups = geometry.layer_groups(model.adapter.num_layers)
 
-    def count(name, **fields):
+    def count(event: EngineEvent, **fields: Any) -> None:
         # Paced units, as the engine's pacer counts them: a prefill block of G layers is G units.
-        if name == "prefill_block_done":
+        if event == EngineEvent.PREFILL_BLOCK_DONE:
             l0, l1 = groups[fields["group"]]
             units["n"] += l1 - l0
-        elif name in ("vision_block_done", "decode_step_done"):
+        elif event in (EngineEvent.VISION_BLOCK_DONE, EngineEvent.DECODE_STEP_DONE):
             units["n"] += 1
 
     result = Engine(model, EngineOptions(geometry=geometry, policy="none", threads=cfg.threads), events=count).run(

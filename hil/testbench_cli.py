@@ -20,7 +20,7 @@ import traces
 from common import log as owlog
 from common.errors import CliError, check_number
 from common.wire.ids import MAX_NEW_TOKENS
-from flight.checkpoint.policies import POLICIES
+from flight.checkpoint.policies import POLICIES, adaptive_policies, takes_adaptive_cadence
 from flight.cli_options import check_directory_option
 from flight.model.config import ModelError, check_weight_files, read_model_type
 
@@ -330,8 +330,10 @@ def cmd_run(args) -> int:
     check_run_numbers(args)  # first: --start-at is checked against the trace next
     _check_trace(args.trace, args.start_at)
     _check_policy(args.policy)
-    if args.cadence == "adaptive" and args.policy != "orbitweaver":  # the payload would refuse it at every boot
-        raise CliError(f"--cadence adaptive is orbitweaver's; the {args.policy} baseline keeps its own", 2)
+    if args.cadence == "adaptive" and not takes_adaptive_cadence(args.policy):  # the payload would refuse it
+        raise CliError(
+            f"--cadence adaptive is {'/'.join(adaptive_policies())}'s; the {args.policy} baseline keeps its own", 2
+        )
     try:
         report = Testbench(_config(args, args.trace, args.policy)).run()
     except EarlierRunError as exc:

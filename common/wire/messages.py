@@ -50,7 +50,7 @@ from common.wire.ids import (
     TaskPhase,
     TlmChannel,
 )
-from common.wire.text import is_blank
+from common.wire.rules import prompt_rule
 
 U16 = 0xFFFF
 U32 = 0xFFFF_FFFF
@@ -162,10 +162,11 @@ class UplinkTask(Message):
     priority: int = wire(f.UInt(MAX_PRIORITY))
 
     def _validate(self) -> None:
-        if is_blank(self.prompt):
-            # Checked here, at uplink, so that it never fails later as something else; the same
-            # rule as the ground's and the input building's (common.wire.text.is_blank).
-            raise WireError(ResponseCode.EMPTY_PROMPT, ResponseCode.EMPTY_PROMPT.description, field="prompt")
+        # Checked here, at uplink, so that it never fails later as something else; the same rule
+        # as the ground's, `ow infer`'s and the input building's (common/wire/rules.py).
+        broken = prompt_rule(self.prompt)
+        if broken is not None:
+            raise WireError(broken.code, broken.reason, field=broken.field)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

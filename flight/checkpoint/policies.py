@@ -18,6 +18,7 @@ path; HCache's hidden states and layer-wise restore), and `sonic-layer+`, `sonic
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,10 @@ class PrefillPersist:
 class Policy:
     name = "abstract"
     description = ""
+    #: Whether this policy takes the adaptive cadence (early records when a cut is likely,
+    #: cadence.py) and has it by default. A baseline keeps the cadence its definition gives
+    #: (docs/baselines.md), so only a policy that says so here adapts.
+    adaptive_cadence: ClassVar[bool] = False
 
     def geometry(self, requested: Geometry, num_layers: int) -> Geometry:
         """The geometry this policy runs with (baselines fix G, for example)."""
@@ -89,6 +94,7 @@ class Policy:
 
 class OrbitWeaverPolicy(Policy):
     name = "orbitweaver"
+    adaptive_cadence = True
     description = (
         "phase-aware: vision state every k blocks, prefill blocks of G layers x C tokens "
         "(KV + boundary hidden), decode record every D steps"
@@ -310,6 +316,18 @@ def register(cls: type[Policy]) -> type[Policy]:
     return cls
 
 
+def takes_adaptive_cadence(name: str) -> bool:
+    """Whether the policy named `name` takes the adaptive cadence (False for an unknown name:
+    its own check says what is wrong with it)."""
+    cls = POLICIES.get(name)
+    return cls is not None and cls.adaptive_cadence
+
+
+def adaptive_policies() -> list[str]:
+    """The names of the policies that take the adaptive cadence (for messages)."""
+    return sorted(name for name, cls in POLICIES.items() if cls.adaptive_cadence)
+
+
 def get_policy(name: str) -> Policy:
     try:
         return POLICIES[name]()
@@ -332,7 +350,9 @@ __all__ = [
     "BASELINES",
     "STRENGTHENED",
     "POLICIES",
+    "adaptive_policies",
     "get_policy",
+    "takes_adaptive_cadence",
     "register",
     "replace",
     "hcache_recompute_layers",

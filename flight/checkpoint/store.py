@@ -28,6 +28,7 @@ import torch
 from common import log as owlog
 from common.durable import DurableFS
 from common.record import Kind, Record, RecordError, decode, encode, read_envelope, read_partial
+from flight.events import EngineEvent, Events
 
 BLOCK_SUFFIX = ".blk"
 HIDDEN_SUFFIX = ".hid"
@@ -143,14 +144,14 @@ class OpenOutcome:
 
 
 class CheckpointStore:
-    def __init__(self, root: str, fs: DurableFS | None = None, events=None):
+    def __init__(self, root: str, fs: DurableFS | None = None, events: Events | None = None):
         self.root = os.path.abspath(root)
         self.fs = fs or DurableFS()
         self.prefill_dir = os.path.join(self.root, "prefill")
         self.salt = 0
         self.bytes_written = 0
         self._count_lock = threading.Lock()  # the background writer counts too
-        self.events = events or (lambda name, **kw: owlog.get().info(name, **kw))
+        self.events: Events = events or (lambda event, **kw: owlog.get().info(event, **kw))
         self._next_vision_slot = "A"
 
     # ---- paths ------------------------------------------------------------------------------
@@ -288,7 +289,7 @@ class CheckpointStore:
 
     def quarantine(self, path: str, reason: str) -> None:
         """A record failed verification while being read: move it aside so it is never used."""
-        self.events("record_rejected", file=os.path.relpath(path, self.root), reason=reason)
+        self.events(EngineEvent.RECORD_REJECTED, file=os.path.relpath(path, self.root), reason=reason)
         try:
             os.replace(path, path + ".bad")
         except OSError:
@@ -304,13 +305,13 @@ class CheckpointStore:
                 header = read_envelope(f, os.fstat(f.fileno()).st_size)
         except (RecordError, OSError) as exc:
             reason = exc.reason if isinstance(exc, RecordError) else type(exc).__name__
-            self.events("record_rejected", file=rel, reason=reason)
+            self.events(EngineEvent.RECORD_REJECTED, file=rel, reason=reason)
             return None
         if header.kind != kind:
-            self.events("record_rejected", file=rel, reason="bad_meta")
+            self.events(EngineEvent.RECORD_REJECTED, file=rel, reason="bad_meta")
             return None
         if int(header.meta.get("salt", 0)) != self.salt:
-            self.events("record_rejected", file=rel, reason="stale_salt")
+            self.events(EngineEvent.RECORD_REJECTED, file=rel, reason="stale_salt")
             return None
         return header
 
@@ -374,11 +375,11 @@ class CheckpointStore:
             try:
                 rec, length = decode(buf, pos, expect_kind=Kind.DECODE_STEPS)
             except RecordError as exc:
-                self.events("record_rejected", file="decode.log", offset=pos, reason=exc.reason)
+                self.events(EngineEvent.RECORD_REJECTED, file="decode.log", offset=pos, reason=exc.reason)
                 break
             if rec.salt != self.salt or int(rec.meta["step_start"]) != expect_step:
                 self.events(
-                    "record_rejected",
+                    EngineEvent.RECORD_REJECTED,
                     file="decode.log",
                     offset=pos,
                     reason="stale_salt" if rec.salt != self.salt else "out_of_sequence",

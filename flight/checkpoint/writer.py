@@ -27,6 +27,7 @@ import time
 import torch
 
 from common.durable import is_storage_fault
+from flight.events import EngineEvent, Events
 
 
 def state_bytes(obj) -> int:
@@ -41,7 +42,7 @@ def state_bytes(obj) -> int:
 
 
 class CheckpointWriter:
-    def __init__(self, events, async_writes: bool = True, after_commit=None):
+    def __init__(self, events: Events, async_writes: bool = True, after_commit=None):
         self.events = events
         self.after_commit = after_commit  # (what, nbytes) -> None; tests raise a simulated cut here
         self.async_writes = async_writes
@@ -73,7 +74,7 @@ class CheckpointWriter:
         self._raise_pending()
         if optional and self._queue is not None and self._queue.unfinished_tasks > 0:
             self.records_deferred += 1
-            self.events("checkpoint_deferred", record=what, reason="writer busy")
+            self.events(EngineEvent.CHECKPOINT_DEFERRED, record=what, reason="writer busy")
             return False
         held = state_bytes(args)  # arguments passed in are alive while this waits for room
         self._hold(held)
@@ -172,7 +173,7 @@ class CheckpointWriter:
                 if not is_storage_fault(exc):
                     raise
                 self.records_skipped += 1
-            self.events("checkpoint_write_failed", record=what, errno=exc.errno, reason=str(exc.strerror))
+            self.events(EngineEvent.CHECKPOINT_WRITE_FAILED, record=what, errno=exc.errno, reason=str(exc.strerror))
             return
         with self._counters:
             self.busy_seconds += time.perf_counter() - start
@@ -180,7 +181,7 @@ class CheckpointWriter:
                 return
             self.bytes_committed += n
             self.records_committed += 1
-        self.events("checkpoint_committed", record=what, bytes=n)
+        self.events(EngineEvent.CHECKPOINT_COMMITTED, record=what, bytes=n)
         if self.after_commit is not None:
             self.after_commit(what, n)
 

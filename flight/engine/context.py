@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol, cast
 
 import torch
@@ -12,6 +13,7 @@ from transformers.cache_utils import DynamicCache
 from flight.checkpoint.cadence import Cadence
 from flight.checkpoint.policies import Geometry, Policy
 from flight.checkpoint.store import CheckpointStore
+from flight.events import Events
 from flight.model.adapters import Adapter
 from flight.model.inputs import RequestInputs
 from flight.model.loader import LoadedModel
@@ -19,7 +21,7 @@ from flight.options import EngineOptions
 from flight.recovery.cost import CostModel
 
 from .pacing import Pacer
-from .records import Events, RecordSink
+from .records import RecordSink
 
 
 class RopePositions:
@@ -43,19 +45,29 @@ class RopePositions:
         return self.position_ids[1:, :, start:end]
 
 
+@dataclass(frozen=True)
+class RequestSpec:
+    """What one request is, fixed for its whole run: the model, the options, policy and
+    geometry the engine runs it with, the cost model its plans use, its inputs and its token
+    budget. Nothing here changes while the request runs (what does is in RequestContext)."""
+
+    model: LoadedModel
+    options: EngineOptions
+    policy: Policy
+    geometry: Geometry
+    cost_model: Callable[[], CostModel]  # called when the optimal planner needs costs
+    inputs: RequestInputs
+    max_new_tokens: int
+
+
 class RequestContext:
-    """One request inside one process lifetime: its inputs, the model, the block grid, the
-    policy and geometry the engine was handed, and where records, events and time go."""
+    """One request inside one process lifetime: its fixed inputs (`spec`), the block grid, and
+    where records, events and time go."""
 
     def __init__(
         self,
-        model: LoadedModel,
-        options: EngineOptions,
-        policy: Policy,
-        geometry: Geometry,
-        cost_model: Callable[[], CostModel],
-        inputs: RequestInputs,
-        max_new_tokens: int,
+        spec: RequestSpec,
+        *,
         store: CheckpointStore,
         records: RecordSink,
         events: Events,
@@ -64,15 +76,17 @@ class RequestContext:
         phase_seconds: dict[str, float],
         phase_plans: dict[str, dict],
     ):
+        self.spec = spec
+        model, inputs, geometry = spec.model, spec.inputs, spec.geometry
         self.model = model
         self.adapter = model.adapter
         self.device = model.device
-        self.options = options
-        self.policy = policy
+        self.options = spec.options
+        self.policy = spec.policy
         self.geometry = geometry
-        self.cost_model = cost_model  # called when the optimal planner needs costs
+        self.cost_model = spec.cost_model
         self.inputs = inputs
-        self.max_new_tokens = max_new_tokens
+        self.max_new_tokens = spec.max_new_tokens
         self.prompt_tokens = inputs.num_tokens
         self.layer_groups = geometry.layer_groups(self.adapter.num_layers)
         self.token_chunks = geometry.token_chunks(self.prompt_tokens)
@@ -81,7 +95,7 @@ class RequestContext:
         self.events = events
         self.cadence = cadence
         self.checkpoint_soon = checkpoint_soon  # set from any thread: persist at the next unit boundary
-        self.pacer = Pacer(options.pace_ms)
+        self.pacer = Pacer(spec.options.pace_ms)
         self.phase_seconds = phase_seconds
         self.phase_plans = phase_plans
         self.positions = RopePositions(model, inputs)

@@ -15,6 +15,7 @@ import torch
 
 from common.record import Record
 from flight.checkpoint.store import Frontier
+from flight.events import EngineEvent
 from flight.recovery.phases import StepOp
 
 from .context import LanguageState, RequestContext
@@ -124,7 +125,7 @@ class DecodePhase:
             tokens, step = list(restart.tokens), restart.step
             self.durable_step = step
             request.store.prepare_decode_log(frontier.decode_log_end)
-            request.events("decode_restored", step=step)
+            request.events(EngineEvent.DECODE_RESTORED, step=step)
             if restart.finished:
                 # Finished, but the final logits never reached RESULT: the step redid the last one.
                 tokens.pop()
@@ -153,7 +154,7 @@ class DecodePhase:
             tokens.append(int(logits.argmax(-1)))
             step += 1
             request.cadence.observe_unit("decode", time.perf_counter() - unit_start)
-            request.events("decode_step_done", step=step, of=max_new_tokens - 1)
+            request.events(EngineEvent.DECODE_STEP_DONE, step=step, of=max_new_tokens - 1)
             finished = len(tokens) >= max_new_tokens or tokens[-1] in self.eos
             if finished:
                 continue  # the final step is covered by RESULT, which also holds its logits

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from flight.checkpoint.store import BlockInfo
+from flight.events import EngineEvent
 from flight.recovery.plan import ComputeOp, ReadOp
 
 from .context import LanguageState, RequestContext
@@ -117,7 +118,9 @@ class PrefillBlocks:
             state.hidden[(group, chunk)] = hidden
         request.pacer.end(units=end - first)
         self.blocks_done += 1
-        request.events("prefill_block_done", group=group, chunk=chunk, done=self.blocks_done, of=request.num_blocks)
+        request.events(
+            EngineEvent.PREFILL_BLOCK_DONE, group=group, chunk=chunk, done=self.blocks_done, of=request.num_blocks
+        )
         self._persist(group, chunk, hidden, layer_inputs)
 
     def _persist(self, group: int, chunk: int, hidden: torch.Tensor, layer_inputs: dict[int, torch.Tensor]) -> None:

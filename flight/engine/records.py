@@ -17,8 +17,7 @@ from common.durable import is_storage_fault
 from flight.checkpoint.cadence import Cadence
 from flight.checkpoint.store import CheckpointStore
 from flight.checkpoint.writer import CheckpointWriter
-
-Events = Callable[..., None]
+from flight.events import EngineEvent, Events
 
 
 class RecordSink:
@@ -75,7 +74,7 @@ class RecordSink:
         as an `early_record` event so that a run's log says how many the cadence asked for."""
         asked = self.adaptive and self.enabled and self.cadence.early_record(phase, since, every)
         if asked:
-            self.events("early_record", phase=phase, since=since)
+            self.events(EngineEvent.EARLY_RECORD, phase=phase, since=since)
         return asked
 
     def note_held_peak(self, phase: str) -> None:
@@ -92,8 +91,8 @@ class RecordSink:
             if not is_storage_fault(exc):
                 raise
             self.writer.records_skipped += 1
-            self.events("checkpoint_write_failed", record="RESULT", errno=exc.errno, reason=str(exc.strerror))
-        self.events("request_completed", tokens=len(tokens), finish_reason=finish)
+            self.events(EngineEvent.CHECKPOINT_WRITE_FAILED, record="RESULT", errno=exc.errno, reason=str(exc.strerror))
+        self.events(EngineEvent.REQUEST_COMPLETED, tokens=len(tokens), finish_reason=finish)
 
 
 def tensor_bytes(record: Any) -> int:

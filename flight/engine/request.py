@@ -22,16 +22,17 @@ from flight.checkpoint.cadence import Cadence
 from flight.checkpoint.policies import Geometry, Policy, get_policy
 from flight.checkpoint.store import CheckpointStore, Frontier, OpenOutcome
 from flight.checkpoint.writer import CheckpointWriter
+from flight.events import EngineEvent, Events, no_events
 from flight.model.inputs import RequestInputs
 from flight.model.loader import LoadedModel
 from flight.options import EngineOptions, resolve_cadence
 from flight.recovery.calibration_cache import cost_model_for
 from flight.recovery.cost import CostModel
 
-from .context import LanguageState, RequestContext
+from .context import LanguageState, RequestContext, RequestSpec
 from .decode import DecodePhase
 from .prefill import PrefillBlocks
-from .records import Events, RecordSink
+from .records import RecordSink
 from .restore import PrefillRestore
 from .vision import VisionPhase
 
@@ -90,9 +91,9 @@ class Engine:
         # when it has one (the onboard process), else one that knows only this engine's timings.
         # An options object that names no cadence gets the default of the policy that runs.
         self.cadence = cadence or Cadence(resolve_cadence(self.policy.name, self.options.cadence))
-        self.adaptive = self.cadence.mode == "adaptive" and self.policy.name == "orbitweaver"
+        self.adaptive = self.cadence.mode == "adaptive" and self.policy.adaptive_cadence
         self.fs = fs
-        self.events: Events = events or (lambda name, **fields: None)
+        self.events: Events = events or no_events
         self.after_commit = after_commit
         # Set from any thread (e.g. on a bus shutdown warning): persist progress at the next unit
         # boundary instead of waiting for the policy's cadence.
@@ -120,7 +121,7 @@ class Engine:
         try:
             estimate = self.planning_costs().compute_s(1, chunk_tokens, 0)
         except (OSError, ValueError, KeyError) as exc:  # the shape is advice: never a reason to fail the task
-            self.events("block_shape_estimate_failed", reason=f"{type(exc).__name__}: {exc}")
+            self.events(EngineEvent.BLOCK_SHAPE_ESTIMATE_FAILED, reason=f"{type(exc).__name__}: {exc}")
             estimate = 0.0
         layer_chunk_s = max(self.options.pace_ms / 1000.0, estimate)
         group = self.cadence.prefill_group(self.geometry.group, layer_chunk_s)
@@ -186,14 +187,16 @@ class RequestRun:
             if not is_storage_fault(exc):
                 raise
             # Not even the MANIFEST fits: run without checkpoints rather than not at all.
-            self.events("checkpoint_write_failed", record="MANIFEST", errno=exc.errno, reason=str(exc.strerror))
+            self.events(
+                EngineEvent.CHECKPOINT_WRITE_FAILED, record="MANIFEST", errno=exc.errno, reason=str(exc.strerror)
+            )
             self.checkpoints_enabled = False
             outcome = OpenOutcome(0, "no_space", {})
         restarted = None
         if outcome.status in ("mismatch", "unreadable_manifest"):
             restarted = outcome.status
             self.events(
-                "manifest_mismatch",
+                EngineEvent.MANIFEST_MISMATCH,
                 status=outcome.status,
                 differences={name: [str(old), str(new)] for name, (old, new) in outcome.differences.items()}
                 if outcome.status == "mismatch"
@@ -205,7 +208,7 @@ class RequestRun:
         phase = frontier.phase()
         resumed_from = self._describe(frontier, phase)
         self.events(
-            "request_opened",
+            EngineEvent.REQUEST_OPENED,
             status=outcome.status,
             **resumed_from,
             prompt_tokens=self.inputs.num_tokens,
@@ -255,7 +258,7 @@ class RequestRun:
     def _run_phases(self, frontier: Frontier, records: RecordSink) -> tuple[list[int], torch.Tensor, str, dict | None]:
         """Vision (when it is the next work), prefill as a recovery plan, decode."""
         engine = self.engine
-        request = RequestContext(
+        spec = RequestSpec(
             engine.model,
             engine.options,
             engine.policy,
@@ -263,13 +266,16 @@ class RequestRun:
             engine.planning_costs,
             self.inputs,
             self.max_new_tokens,
-            self.store,
-            records,
-            self.events,
-            engine.cadence,
-            engine.checkpoint_soon,
-            self.phase_seconds,
-            self.phase_plans,
+        )
+        request = RequestContext(
+            spec,
+            store=self.store,
+            records=records,
+            events=self.events,
+            cadence=engine.cadence,
+            checkpoint_soon=engine.checkpoint_soon,
+            phase_seconds=self.phase_seconds,
+            phase_plans=self.phase_plans,
         )
         vision = VisionPhase(request, frontier)
         vision_next = not frontier.vision_done and not frontier.blocks and not frontier.decode_records

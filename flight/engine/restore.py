@@ -18,6 +18,7 @@ from typing import cast
 
 from common.durable import read_rate_of
 from flight.checkpoint.store import BlockInfo, Frontier
+from flight.events import EngineEvent
 from flight.recovery.executor import RecordRejected
 from flight.recovery.phases import VISION_OUT, PhaseExecutor, StepOp, needs_vision_out, vision_groups
 from flight.recovery.plan import ComputeOp, ReadOp, RecoveryProblem, make_plan
@@ -112,7 +113,7 @@ class PrefillRestore:
                 # what the payload's log keeps of a restart: what was found (stored blocks per
                 # layer group, whether vision.out was durable) and what the plan does first
                 request.events(
-                    "recovery_plan",
+                    EngineEvent.RECOVERY_PLAN,
                     **summary,
                     stored_by_group=[stored[g] for g in range(len(request.layer_groups))],
                     vision_out_durable=frontier.vision_done,
@@ -156,7 +157,7 @@ class PrefillRestore:
             )
             if frontier.blocks:
                 request.events(
-                    "prefill_restored",
+                    EngineEvent.PREFILL_RESTORED,
                     stall_s=round(stats.stall_seconds, 4),
                     read_s=round(stats.read_seconds, 4),
                     bytes_read=stats.bytes_read,

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from flight.checkpoint.store import Frontier
+from flight.events import EngineEvent
 from flight.recovery.phases import ReadAhead
 
 from .context import RequestContext
@@ -50,7 +51,7 @@ class VisionPhase:
                 "reads": len(reads),
                 "order": [name for name, _ in reads],
             }
-            request.events("recovery_plan", phase="vision", block=start, reads=len(reads))
+            request.events(EngineEvent.RECOVERY_PLAN, phase="vision", block=start, reads=len(reads))
         self.reads = ReadAhead(reads).start()
 
     def _read_state(self) -> tuple[object, int]:
@@ -119,7 +120,7 @@ class VisionPhase:
             start = int(record.meta["block"])
             hidden = record.tensors["hidden"].to(request.device)
             side = {name: t.to(request.device) for name, t in record.tensors.items() if name != "hidden"}
-            request.events("vision_restored", block=start)
+            request.events(EngineEvent.VISION_RESTORED, block=start)
         else:
             hidden = adapter.vision_embed(context, request.inputs.pixel_values.to(request.device))
         # the newest vision state handed to the writer, states dropped since, and whether that
@@ -134,7 +135,7 @@ class VisionPhase:
             request.pacer.end()
             request.cadence.observe_unit("vision", time.perf_counter() - unit_start)
             done = block + 1
-            request.events("vision_block_done", block=done, of=num_blocks)
+            request.events(EngineEvent.VISION_BLOCK_DONE, block=done, of=num_blocks)
             urgent = done < num_blocks and request.checkpoint_requested()
             scheduled = policy.vision_state_due(done, num_blocks, geometry)
             early = (

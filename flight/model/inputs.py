@@ -26,7 +26,7 @@ import torch
 from common.imagecheck import ImageRejected, ProcessorLimits, open_reduced
 from common.record import Kind, RecordError, decode, encode
 from common.wire.ids import MAX_IMAGE_PIXELS, ResponseCode  # noqa: F401  (MAX_IMAGE_PIXELS: re-exported)
-from common.wire.text import is_blank
+from common.wire.rules import prompt_rule
 
 MAX_IMAGE_BYTES = 64 << 20
 
@@ -160,8 +160,9 @@ def chat_ids(tokenizer, prompt: str, num_images: int) -> list[int]:
 
 
 def build_inputs(tokenizer, image_processor, images: list, prompt: str, image_token_id: int) -> RequestInputs:
-    if is_blank(prompt):  # the wire's rule (UPLINK_TASK), for prompts that did not come over it
-        raise InputError(ResponseCode.EMPTY_PROMPT.description, ResponseCode.EMPTY_PROMPT)
+    broken = prompt_rule(prompt)  # the wire's rule (UPLINK_TASK), for prompts that did not come over it
+    if broken is not None:
+        raise InputError(broken.reason, broken.code)
     if images:
         processed = image_processor(images=images, return_tensors="pt")
         pixel_values = processed["pixel_values"].to(torch.float32)

@@ -27,6 +27,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -58,9 +59,11 @@ from common.wire.link import KeyLayout, LinkError, client_socket, recv_packet, s
 from common.wire.seq import AheadSequenceCounter
 from common.wire.text import clip_utf8
 from flight.checkpoint.cadence import Cadence, WindowLog, WriteCosts
+from flight.events import UNIT_DONE, EngineEvent
 from flight.model.config import processors_hash
 from flight.options import EngineOptions, resolve_cadence
 
+from .current import CurrentWork
 from .handlers import MAX_QUEUED, CommandHandlers  # noqa: F401  (MAX_QUEUED: re-exported)
 from .health import COMMANDS, ENGINE_ITEM, MAIN, WORKER, Health, command_item, item_task_id, report_item, task_item
 from .images import ImageCorrupt, ImageStore
@@ -118,11 +121,13 @@ MODEL_RECHECK_S = 2.0
 #: unit of work. A unit takes well under this on the target; a weight load may not (then see
 #: `worker_busy`).
 STOP_WAIT_S = 30.0
+#: The wire's phase of each unit of work (flight/events.py UNIT_DONE).
 UNIT_EVENTS = {
-    "vision_block_done": TaskPhase.VISION,
-    "prefill_block_done": TaskPhase.PREFILL,
-    "decode_step_done": TaskPhase.DECODE,
+    EngineEvent.VISION_BLOCK_DONE: TaskPhase.VISION,
+    EngineEvent.PREFILL_BLOCK_DONE: TaskPhase.PREFILL,
+    EngineEvent.DECODE_STEP_DONE: TaskPhase.DECODE,
 }
+assert set(UNIT_EVENTS) == UNIT_DONE
 
 
 class TaskCancelled(Exception):
@@ -232,7 +237,7 @@ class FlightApp(CommandHandlers):
         self.jobs: queue.Queue = queue.Queue()
         self._command_thread: threading.Thread | None = None
         self.started = time.monotonic()
-        self.current = {"task": None, "phase": None, "done": 0, "total": 0}
+        self.current = CurrentWork()  # the worker writes it; the main and command threads read it
         self.stop = threading.Event()
         self.work_available = threading.Event()
         self.cancel_requested: set[str] = set()
@@ -325,7 +330,7 @@ class FlightApp(CommandHandlers):
         if self.health.held(item):
             self._deferred_reports.add(task.task_id)  # sent once the bus says how the last boot ended
             return
-        request = RequestRef(*task.request)
+        request = task.request
         mark = lambda: self.queue.mark_reported(task.task_id)  # noqa: E731
         try:
             with self.health.handling(item, self._slot()):
@@ -394,12 +399,13 @@ class FlightApp(CommandHandlers):
         memory one procfs read; the bytes written a counter of the durable file layer)."""
         c = self.state.counters
         storage = self.storage
+        now = self.current.snapshot()
         return m.Housekeeping(
             queue_depth=self.queue.depth(),
-            current_task=self.current["task"],
-            phase=self.current["phase"],
-            progress_done=self.current["done"],
-            progress_total=self.current["total"],
+            current_task=now.task,
+            phase=now.phase,
+            progress_done=now.done,
+            progress_total=now.total,
             checkpoint_bytes=self._checkpoint_bytes_seen,
             disk_free_bytes=max(0, self.fs.free_bytes(self.data_dir)),
             boot_count=c.boot_count,
@@ -487,7 +493,7 @@ class FlightApp(CommandHandlers):
             if task is not None:  # the ground waits on this task: tell it, with the code
                 self.send(
                     m.Failed.about(
-                        RequestRef(*task.request),
+                        task.request,
                         task_id=task_id,
                         code=ResponseCode.QUARANTINED,
                         reason=clip_reason(f"task quarantined; RELEASE_QUARANTINE task:{task_id} to run it again"),
@@ -813,7 +819,7 @@ class FlightApp(CommandHandlers):
             try:
                 task = self._next_runnable()
                 if task is None:
-                    self.current.update(task=None, phase=None, done=0, total=0)
+                    self.current.idle()
                     self.work_available.wait(0.5)
                     self.work_available.clear()
                     continue
@@ -867,10 +873,8 @@ class FlightApp(CommandHandlers):
                 return
             resumed = task.state == RUNNING
             self.queue.start(task.task_id)
-            request = RequestRef(*task.request)
-            self.current.update(
-                task=task.task_id, phase=TaskPhase.RECOVERING if resumed else TaskPhase.VISION, done=0, total=0
-            )
+            request = task.request
+            self.current.start(task.task_id, TaskPhase.RECOVERING if resumed else TaskPhase.VISION)
             self.send(m.Started.about(request, task_id=task.task_id))
             self.profile.task_started(time.monotonic())
             self.event(
@@ -932,7 +936,7 @@ class FlightApp(CommandHandlers):
         shutil.rmtree(
             self._task_dir(task.task_id), ignore_errors=True
         )  # finished and durable: checkpoints and inputs go
-        self.current.update(phase=TaskPhase.COMPLETED)
+        self.current.set_phase(TaskPhase.COMPLETED)
         self.event(
             EventId.TASK_COMPLETED,
             f"task {task.task_id} completed: {len(result.token_ids)} tokens, {task.interruptions} cut(s) survived",
@@ -1022,8 +1026,9 @@ class FlightApp(CommandHandlers):
         last_sent = {"t": 0.0}
         item = task_item(task.task_id)
 
-        def on_event(name, **fields):
-            if name == "request_opened":
+        def on_event(event: EngineEvent, **fields: Any) -> None:
+            name = event
+            if name == EngineEvent.REQUEST_OPENED:
                 phase = fields.get("phase")
                 if phase not in (None, "start"):
                     self.event(
@@ -1031,23 +1036,23 @@ class FlightApp(CommandHandlers):
                         f"task {task.task_id} resumes in {phase} at {fields.get('position')}",
                         task.task_id,
                     )
-            elif name == "manifest_mismatch":
+            elif name == EngineEvent.MANIFEST_MISMATCH:
                 self.event(
                     EventId.CHECKPOINT_MANIFEST_MISMATCH,
                     f"task {task.task_id}: checkpoints from another configuration, restarting",
                     task.task_id,
                 )
-            elif name == "record_rejected":
+            elif name == EngineEvent.RECORD_REJECTED:
                 self.event(
                     EventId.CHECKPOINT_CORRUPT,
                     f"task {task.task_id}: rejected {fields.get('file')} ({fields.get('reason')})",
                     task.task_id,
                 )
-            elif name == "early_record":  # in the payload's log: the simulator's count is checked against it
-                self.log.info("early_record", task_id=task.task_id, phase=fields.get("phase"))
-            elif name in ("recovery_plan", "prefill_restored"):  # a restart's plan and what it cost
+            elif name == EngineEvent.EARLY_RECORD:  # in the payload's log: the simulator's count is checked against it
+                self.log.info(EngineEvent.EARLY_RECORD, task_id=task.task_id, phase=fields.get("phase"))
+            elif name in (EngineEvent.RECOVERY_PLAN, EngineEvent.PREFILL_RESTORED):  # a restart's plan and its cost
                 self.log.info(name, task_id=task.task_id, **fields)
-            elif name == "checkpoint_write_failed":
+            elif name == EngineEvent.CHECKPOINT_WRITE_FAILED:
                 # The disk refused a checkpoint (the engine goes on without it). The storage state
                 # says so once (STORAGE_FULL, ...); the record skipped is an event at most every
                 # FAULT_EVENT_EVERY_S, not one per record while the disk stays full.
@@ -1075,8 +1080,7 @@ class FlightApp(CommandHandlers):
                 done, total = fields["done"], fields["of"]
             else:
                 done, total = fields["step"], fields["of"]
-            changed = phase != self.current["phase"]
-            self.current.update(phase=phase, done=done, total=total)
+            changed = phase != self.current.advance(phase, done, total).phase
             now = time.monotonic()
             self.profile.unit(str(phase), done, total, now, now - self.started)
             if changed:  # kept at each phase change: a cut must not take a window's measurements with it
@@ -1139,7 +1143,7 @@ class FlightApp(CommandHandlers):
             sock.close(linger=200)
             worker.join(STOP_WAIT_S)  # to the end of its unit of work (PayloadStopping)
             if worker.is_alive():
-                self.log.warning("worker_busy_at_stop", waited_s=STOP_WAIT_S, task=self.current.get("task"))
+                self.log.warning("worker_busy_at_stop", waited_s=STOP_WAIT_S, task=self.current.snapshot().task)
             commands.join(STOP_WAIT_S)  # a write in progress ends (or the disk is stalled)
             self._final_writes()
         return 0
@@ -1205,12 +1209,13 @@ class FlightApp(CommandHandlers):
         now = time.monotonic()
         if now >= timers["heartbeat"]:
             timers["heartbeat"] = now + HEARTBEAT_S
+            work = self.current.snapshot()
             self.send(
                 m.Heartbeat(
                     boot_count=self.state.counters.boot_count,
                     uptime_s=now - self.started,
-                    current_task=self.current["task"],
-                    phase=self.current["phase"],
+                    current_task=work.task,
+                    phase=work.phase,
                 )
             )
         if now >= timers["housekeeping"]:

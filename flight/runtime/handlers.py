@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from common.wire import RequestRef
     from flight.checkpoint.cadence import Cadence
 
+    from .current import CurrentWork
     from .health import Health
     from .images import ImageStore
     from .queue import TaskQueue
@@ -43,7 +44,7 @@ class CommandHandlers:
         cadence: Cadence
         engine: Any
         log: Any
-        current: dict[str, Any]
+        current: CurrentWork
         corrupt_images: dict[str, str]
         cancel_requested: set[str]
         work_available: threading.Event
@@ -121,7 +122,7 @@ class CommandHandlers:
             list(msg.images),
             msg.max_new_tokens,
             msg.priority,
-            (request.apid, request.source_id, request.seq, request.message_type),
+            request,
             digest,
         )
         self._accept(request, task_id=msg.task_id)
@@ -165,7 +166,7 @@ class CommandHandlers:
         _refuse_foreign(request, _owner_of(self.queue, msg.task_id), msg.task_id)
         task = self._unfinished_task(msg.task_id)
         self._accept(request, task_id=msg.task_id)
-        if self.current["task"] == msg.task_id:
+        if self.current.snapshot().task == msg.task_id:
             self.cancel_requested.add(msg.task_id)  # the worker stops at the next unit of work
         else:
             self._finish_cancel(task)
@@ -343,7 +344,7 @@ def _owner_of(queue: TaskQueue, task_id: str) -> int | None:
     """The source id that uplinked the task (its stored request), or None when the payload no
     longer knows it (unknown, or a finished task whose record was evicted or damaged)."""
     task = queue.get(task_id)
-    return None if task is None else int(task.request[1])
+    return None if task is None else task.request.source_id
 
 
 def _refuse_foreign(request: RequestRef, owner: int | None, task_id: str) -> None:

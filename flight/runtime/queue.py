@@ -26,11 +26,12 @@ import secrets
 import struct
 import threading
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from common.durable import DurableFS, best_effort
 from common.record import FIXED_HEADER, HEADER_LEN, MAGIC, MAX_META, Kind, RecordError, _parse_header, decode, encode
 from common.wire.fields import check_name
+from common.wire.header import RequestRef
 from common.wire.ids import MAX_REASON_BYTES, MAX_RESULT_TEXT_BYTES
 from common.wire.text import clip_utf8
 
@@ -51,7 +52,7 @@ class Task:
     images: list[str]
     max_new_tokens: int
     priority: int
-    request: tuple[int, ...]  # 4 values, the UPLINK_TASK's (apid, source id, seq, type): reports refer to it
+    request: RequestRef  # the UPLINK_TASK's: reports refer to it
     content_hash: str
     order: int  # arrival order: ties in priority run first-come first-served
     state: str = QUEUED
@@ -66,9 +67,20 @@ class Task:
         return max(0, self.starts - 1)
 
 
+def request_ref(stored: RequestRef | dict | list | tuple) -> RequestRef:
+    """A task's request as the journal and the result store hold it: by name (`apid`,
+    `source_id`, `seq`, `message_type`), or the list of the four that older builds wrote."""
+    if isinstance(stored, RequestRef):
+        return stored
+    if isinstance(stored, dict):
+        return RequestRef(**{name: int(stored[name]) for name in RequestRef.__dataclass_fields__})
+    apid, source_id, seq, message_type = (int(value) for value in stored)
+    return RequestRef(apid, source_id, seq, message_type)
+
+
 def _task_from(d: dict) -> Task:
     d = dict(d)
-    d["request"] = tuple(d["request"])
+    d["request"] = request_ref(d["request"])
     known = Task.__dataclass_fields__
     return Task(**{k: v for k, v in d.items() if k in known})
 
@@ -399,7 +411,7 @@ class TaskQueue:
         images: list[str],
         max_new_tokens: int,
         priority: int,
-        request: tuple[int, int, int, int],
+        request: RequestRef,
         content_hash: str,
     ) -> Task:
         with self._lock:
@@ -409,7 +421,7 @@ class TaskQueue:
                 list(images),
                 int(max_new_tokens),
                 int(priority),
-                tuple(request),
+                request_ref(request),
                 content_hash,
                 self._next_order,
             )
@@ -430,8 +442,7 @@ class TaskQueue:
             task = self.tasks.get(task_id)
             if task is None:
                 return
-            done = Task(**{**asdict(task), **final})
-            done.request = tuple(done.request)
+            done = replace(task, **final)
             self._store_finished(done)  # durable first ...
             self._append({"op": "finished", "task_id": task_id})  # ... then it leaves the journal
 

@@ -488,8 +488,8 @@ class RequestModel:
         self.NG, self.NC = len(self.groups), len(self.chunks)
 
     def adaptive(self, process: PayloadProcess) -> bool:
-        """The engine's `adaptive`: OrbitWeaver under the adaptive cadence (and checkpoints on)."""
-        return process.cadence is not None and self.policy.name == "orbitweaver" and self.writes
+        """The engine's `adaptive`: a policy that takes the adaptive cadence, under it (and checkpoints on)."""
+        return process.cadence is not None and self.policy.adaptive_cadence and self.writes
 
     def task_group(self, d: Durable, process: PayloadProcess, now: float) -> int:
         """Engine.task_geometry: the group a resume reads back from the MANIFEST, else the

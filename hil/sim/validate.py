@@ -37,6 +37,7 @@ from common.wire import decode
 from common.wire import messages as m
 from flight.checkpoint.policies import Geometry
 from flight.cli_options import GEOMETRY_FLAGS
+from flight.events import EngineEvent
 from flight.model.inputs import build_inputs, decode_image
 from flight.options import DEFAULT_PLANNER
 from hil.bus import buslog as bl
@@ -390,7 +391,7 @@ def _early_records(path: Path) -> dict[str, int] | None:
             continue
         if entry.get("event") == "flight_booted":
             counted = counted or "cadence" in entry
-        elif entry.get("event") == "early_record" and entry.get("task_id"):
+        elif entry.get("event") == EngineEvent.EARLY_RECORD and entry.get("task_id"):
             counts[entry["task_id"]] = counts.get(entry["task_id"], 0) + 1
     return counts if counted else None
 

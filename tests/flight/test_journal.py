@@ -285,3 +285,27 @@ def test_a_journal_of_an_older_build_is_migrated(tmp_path, legacy_ops):
     assert set(q.tasks) == {"waiting"}
     assert q.get("old").state in ("completed", "failed", "cancelled")
     assert q.finished("old").reported == ("reported" in legacy_ops)
+
+
+def test_the_request_is_stored_by_name_and_the_older_list_still_reads(tmp_path):
+    """A task's request id is a RequestRef in memory and on disk (by field name); a journal whose
+    tasks carry the list of the four values (older builds) reads as the same RequestRef."""
+    from common.record import iter_records
+    from common.wire.header import RequestRef
+
+    ref = RequestRef(apid=0x20, source_id=9, seq=77, message_type=0x110)
+    q = TaskQueue(str(tmp_path / "new"), NoSyncFS())
+    q.submit("t", "describe the coast", [], 4, 0, ref, "h")
+    journal = (tmp_path / "new" / "journal.log").read_bytes()
+    stored = [rec.meta["task"]["request"] for rec, _, _ in iter_records(journal) if "task" in rec.meta]
+    assert stored == [{"apid": 0x20, "source_id": 9, "seq": 77, "message_type": 0x110}]
+    assert TaskQueue(str(tmp_path / "new"), NoSyncFS()).get("t").request == ref
+    q.complete("t", _result(1))  # the result store keeps it the same way once the task has ended
+    assert TaskQueue(str(tmp_path / "new"), NoSyncFS()).get("t").request == ref
+
+    old = tmp_path / "old"
+    old.mkdir()
+    task = {"task_id": "t", "prompt": "p", "images": [], "max_new_tokens": 2, "priority": 0}
+    task |= {"request": [0x20, 9, 77, 0x110], "content_hash": "h", "order": 0}
+    (old / "journal.log").write_bytes(encode(Kind.QUEUE_ENTRY, {"op": "submit", "task": task}).to_bytes())
+    assert TaskQueue(str(old), NoSyncFS()).get("t").request == ref

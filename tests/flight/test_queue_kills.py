@@ -60,11 +60,11 @@ def test_queue_survives_sigkill_at_random_instants(tmp_path):
 
 
 def _objects(state: dict):
-    from flight.runtime.queue import Task
+    from flight.runtime.queue import Task, request_ref
 
     out = {}
     for k, v in state.items():
         v = dict(v)
-        v["request"] = tuple(v["request"])
+        v["request"] = request_ref(v["request"])
         out[k] = Task(**v)
     return out

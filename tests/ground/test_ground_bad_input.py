@@ -36,15 +36,15 @@ CASES = {
         lambda t, p: ["--image", _sparse(t / "huge.png", 16 * 1024 * 1024 + 1), "--prompt", "q"],
         "larger than the payload limit",
     ),
-    "empty prompt": (lambda t, p: ["--image", p[0], "--prompt", ""], "prompt is empty"),
-    "blank prompt": (lambda t, p: ["--image", p[0], "--prompt", " \t\n"], "prompt is empty"),
+    "empty prompt": (lambda t, p: ["--image", p[0], "--prompt", ""], "prompt has no visible character"),
+    "blank prompt": (lambda t, p: ["--image", p[0], "--prompt", " \t\n"], "prompt has no visible character"),
     # issue 27, finding 9: no visible character is blank too (these were sent as prompts)
-    "NUL prompt": (lambda t, p: ["--image", p[0], "--prompt", "\x00\x00"], "prompt is empty"),
+    "NUL prompt": (lambda t, p: ["--image", p[0], "--prompt", "\x00\x00"], "prompt has no visible character"),
     "zero-width prompt": (
         lambda t, p: ["--image", p[0], "--prompt", "\u200b\u200c\u200d\u2060\ufeff"],
-        "prompt is empty",
+        "prompt has no visible character",
     ),
-    "bidi-only prompt": (lambda t, p: ["--image", p[0], "--prompt", "\u202e\u2066 \u200f"], "prompt is empty"),
+    "bidi-only prompt": (lambda t, p: ["--image", p[0], "--prompt", "\u202e\u2066 \u200f"], "no visible character"),
     "prompt not UTF-8": (
         lambda t, p: ["--image", p[0], "--prompt", b"caf\xe9 \xff".decode("utf-8", "surrogateescape")],
         "not valid UTF-8",

@@ -1,0 +1,71 @@
+"""The events the engine reports while it runs a request, declared in one place.
+
+The engine, and the checkpoint store and writer under it, report what happens through one
+callback, `events(event, **fields)`, where `event` is an `EngineEvent` and `fields` are those
+listed here. Whoever listens (the onboard process, `ow infer`, the testbench, tests) matches on
+the members, never on free strings: a misspelt member is an error where it is written, not an
+event dropped in silence. The members are `str`s with the values the logs have always carried,
+so a run's log reads as before.
+
+    member                       fields
+    REQUEST_OPENED               status, phase, position, [blocks_total], prompt_tokens, chunks, groups
+    MANIFEST_MISMATCH            status, differences
+    RECORD_REJECTED              file, reason, [offset]
+    RECOVERY_PLAN                phase, block, reads, first_computes, ... (the plan's summary)
+    PREFILL_RESTORED             bytes_read, read_s, stall_s
+    VISION_RESTORED              block
+    DECODE_RESTORED              step
+    VISION_BLOCK_DONE            block, of          a unit of work done (UNIT_DONE)
+    PREFILL_BLOCK_DONE           group, chunk, done, of
+    DECODE_STEP_DONE             step, of
+    EARLY_RECORD                 phase, since       the adaptive cadence asked for a record early
+    CHECKPOINT_COMMITTED         record, bytes
+    CHECKPOINT_DEFERRED          record, reason     an optional record dropped: the writer was busy
+    CHECKPOINT_WRITE_FAILED      record, errno, reason
+    BLOCK_SHAPE_ESTIMATE_FAILED  reason
+    REQUEST_COMPLETED            tokens, finish_reason
+
+Pure: the standard library only (the onboard process's command thread imports it without torch).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Protocol
+
+
+class EngineEvent(enum.StrEnum):
+    REQUEST_OPENED = "request_opened"
+    MANIFEST_MISMATCH = "manifest_mismatch"
+    RECORD_REJECTED = "record_rejected"
+    RECOVERY_PLAN = "recovery_plan"
+    PREFILL_RESTORED = "prefill_restored"
+    VISION_RESTORED = "vision_restored"
+    DECODE_RESTORED = "decode_restored"
+    VISION_BLOCK_DONE = "vision_block_done"
+    PREFILL_BLOCK_DONE = "prefill_block_done"
+    DECODE_STEP_DONE = "decode_step_done"
+    EARLY_RECORD = "early_record"
+    CHECKPOINT_COMMITTED = "checkpoint_committed"
+    CHECKPOINT_DEFERRED = "checkpoint_deferred"
+    CHECKPOINT_WRITE_FAILED = "checkpoint_write_failed"
+    BLOCK_SHAPE_ESTIMATE_FAILED = "block_shape_estimate_failed"
+    REQUEST_COMPLETED = "request_completed"
+
+
+#: The events that end a unit of work (a vision block, a prefill block, a decode step): where a
+#: listener may count progress, and where a stop takes effect.
+UNIT_DONE = frozenset({EngineEvent.VISION_BLOCK_DONE, EngineEvent.PREFILL_BLOCK_DONE, EngineEvent.DECODE_STEP_DONE})
+
+
+class Events(Protocol):
+    """The engine's event callback."""
+
+    def __call__(self, event: EngineEvent, **fields: Any) -> None: ...
+
+
+def no_events(event: EngineEvent, **fields: Any) -> None:
+    """The callback of an engine nobody listens to."""
+
+
+__all__ = ["UNIT_DONE", "EngineEvent", "Events", "no_events"]
