@@ -169,6 +169,27 @@ class ImageUploader(CommandSession):
     ) -> tuple[int, bool]:
         """Send `missing` with at most `window` unacknowledged. Returns (acknowledged, finished):
         it stops early, unfinished, when no acknowledgement arrives for `timeout_s`."""
+        started, sent_before = time.time(), stats.chunks_sent
+        outcome, text = "OK", ""
+        try:
+            acked, finished = self._send_chunk_round(image, chunks, missing, bar, stats)
+            if not finished:
+                outcome, text = "NO_ANSWER", "acknowledgements stopped; the upload resumes with IMAGE_QUERY"
+            return acked, finished
+        except CommandRejected as exc:
+            outcome, text = exc.code.name, exc.reason
+            raise
+        except BaseException as exc:
+            outcome, text = type(exc).__name__, str(exc)
+            raise
+        finally:
+            # one line per round in the command log, not one per chunk (thousands for one image)
+            what = f"image {image.name}"
+            self.log_command("IMAGE_CHUNK", what, started, None, outcome, text, chunks=stats.chunks_sent - sent_before)
+
+    def _send_chunk_round(
+        self, image: PreparedImage, chunks: list[m.ImageChunk], missing: list[int], bar, stats: ImageUpload
+    ) -> tuple[int, bool]:
         queue = deque(missing)
         inflight: dict[RequestRef, m.ImageChunk] = {}
         acked = resyncs = 0

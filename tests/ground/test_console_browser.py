@@ -82,7 +82,9 @@ def test_console_in_chromium_against_bus_and_payload(browser, model_dirs, tmp_pa
 
     console = ConsoleThread(
         ConsoleConfig(
-            client_factory=client, security=ConsoleSecurity(), state=GroundState(KeyLayout(Path(keys)).state_dir)
+            client_factory=lambda **overrides: client(origin="ow ground console", **overrides),
+            security=ConsoleSecurity(),
+            state=GroundState(KeyLayout(Path(keys)).state_dir),
         )
     )
     console.start()
@@ -162,7 +164,13 @@ def test_console_in_chromium_against_bus_and_payload(browser, model_dirs, tmp_pa
         wait.until(lambda d: view()[0] > s0, "shift+drag to pan the timeline later")
         dragged0, dragged1, _, _ = view()
         assert dragged1 - dragged0 == pytest.approx(width), "a pan, not a zoom"
+        # the command history: every command of the station, the console's and another client's
+        with client(origin="ow ground ping") as other:
+            other.ping()
         browser.find_element(By.CSS_SELECTOR, "nav button[data-view=events]").click()
+        wait.until(lambda d: "ow ground ping" in d.find_element(By.ID, "commands").text, "the other client's PING")
+        history = browser.find_element(By.ID, "commands").text
+        assert "UPLINK_TASK" in history and "ow ground console" in history, history
         browser.save_screenshot(str(shots / "console-events.png"))
 
         # the CSV export holds what the plot shows

@@ -192,9 +192,15 @@ function showEvent(e) {
   const body = $("#events tbody"); body.insertBefore(eventRow(e), body.firstChild);
   while (body.childElementCount > MAX_ROWS) body.removeChild(body.lastChild);
 }
+// Every command any `ow ground` process of this station sent (the station's command log: the
+// CLI's and this console's alike), with who sent it, its answer code and round trip.
 function showCommand(c) {
-  const tr = document.createElement("tr"); tr.className = c.ok ? "" : "sev-WARNING_HI";
-  for (const v of [fmtTime(c.t), c.command, c.code + (c.text ? ": " + c.text : ""), c.rtt_ms]) { const td = document.createElement("td"); td.textContent = v; tr.appendChild(td); }
+  const tr = document.createElement("tr"); tr.className = c.ok || c.not_yet ? "" : "sev-WARNING_HI";
+  const what = c.what && !c.what.startsWith(c.command) ? `${c.command} ${c.what}` : (c.what || c.command);
+  const count = c.chunks !== undefined ? ` ×${c.chunks}` : (c.sends > 1 ? ` (sent ${c.sends}×)` : "");
+  for (const v of [fmtTime(c.t), what + count, c.origin || "", c.code + (c.text ? ": " + c.text : ""), c.rtt_ms]) {
+    const td = document.createElement("td"); td.textContent = v; tr.appendChild(td);
+  }
   const body = $("#commands tbody"); body.insertBefore(tr, body.firstChild);
   while (body.childElementCount > MAX_ROWS) body.removeChild(body.lastChild);
 }
