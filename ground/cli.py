@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import secrets
 import sys
@@ -16,8 +17,7 @@ import time
 from pathlib import Path
 
 from common import log
-from common.cli import CliError
-from common.errors import check_number
+from common.errors import CliError, check_number
 from common.wire import WireError
 from common.wire.ids import is_admin_source
 from common.wire.link import (
@@ -736,6 +736,15 @@ def _forecast_options(p: argparse.ArgumentParser) -> None:
         metavar="X",
         help="with --plan: wall seconds per plan second (default 1); the plan's second 0 is now",
     )
+    p.add_argument(
+        "--off",
+        action="append",
+        default=[],
+        metavar="FROM,TO",
+        help="a period the payload is known to be off, in seconds from now (negative: in the past): a "
+        "contact plan's pass, a higher-priority payload's scheduled window; repeatable. The resampled windows "
+        "are cut around it, and the history's gaps it explains are not drawn again as random ones",
+    )
 
 
 def _forecast(args) -> dict:
@@ -758,8 +767,19 @@ def _forecast(args) -> dict:
             raise LocalInputError("--plan-scale must be above 0")
         # plan second 0 is now: shift into Unix seconds after the scale
         plan = [(now / args.plan_scale + a, now / args.plan_scale + b) for a, b in windows]
+    off = []
+    for text in getattr(args, "off", None) or []:
+        try:
+            a, b = (float(x) for x in text.split(","))
+        except ValueError:
+            raise LocalInputError(f"--off {text}: give FROM,TO in seconds from now (e.g. --off 600,900)") from None
+        if not (math.isfinite(a) and math.isfinite(b)) or b <= a:
+            raise LocalInputError(f"--off {text}: TO must be a number after FROM")
+        off.append((now + a, now + b))
     tasks = state.tasks() if state.tasks_path.exists() else []
-    return forecast_tasks(tasks, state.forecast_basis(), plan=plan, plan_scale=args.plan_scale, now_wall=now)
+    return forecast_tasks(
+        tasks, state.forecast_basis(), plan=plan, plan_scale=args.plan_scale, known_off=off, now_wall=now
+    )
 
 
 def cmd_status(args) -> int:

@@ -5,11 +5,11 @@ import os
 import signal
 
 import pytest
-from buspeer import BusPeer, spawn_flight
 from testkit import make_images
 
 from common.wire import Apid, NodeId, ResponseCode, encode
 from common.wire import messages as m
+from hil.scripted_bus import BusPeer, spawn_flight
 
 
 def _png(im) -> bytes:
