@@ -75,6 +75,7 @@ class CommandSession:
         context: zmq.Context | None = None,
         commands: bool = True,
         origin: str | None = None,
+        upload_progress: Callable[[str, int, int], None] | None = None,
     ):
         if timeout_s <= 0 or retries < 0 or window < 1:
             raise LocalInputError("timeout must be > 0, retries >= 0, window >= 1")
@@ -103,6 +104,8 @@ class CommandSession:
         #: who sends, in the shared command log: `ow ground uplink`, `ow ground console`, ...
         self.origin = origin or f"{Path(sys.argv[0]).name or 'python'} (in-process client)"
         self._log_failed = False
+        #: called with (image name, bytes the payload holds, image size) as an upload advances
+        self.upload_progress = upload_progress
         self.link = GroundLink(
             self.layout.root,
             station=self.station,

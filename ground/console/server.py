@@ -3,7 +3,8 @@
     GET  /                      the page (static/index.html)
     GET  /static/<file>         its script, style and the vendored uPlot
     GET  /api/info              read-only?, station, series names, time span
-    GET  /api/stream            server-sent events: every packet and command as it comes
+    GET  /api/stream            server-sent events: every packet and command as it comes, and an
+                                uplink's progress to the payload (UPLOAD records)
     GET  /api/events            events, paged (?after=N&limit=L&kind=A,B)
     GET  /api/timeline          windows, cuts, boots in ?t0&t1 (thinned past 2,000 marks), the span
     GET  /api/telemetry         series in ?t0&t1 decimated to ?buckets (min and max per bucket)
@@ -310,6 +311,24 @@ class Console:
         with self.config.client_factory(notify=lambda text: None, progress=False, **options) as client:
             return to_jsonable(work(client))
 
+    def _upload_progress(self) -> Callable[[str, int, int], None]:
+        """An uplink's progress to the payload, pushed to the pages as UPLOAD records (image,
+        bytes on board, size): called in the client's thread as chunks are acknowledged; at most
+        five a second per image, and always the first and the last."""
+        loop = self.loop
+        assert loop is not None
+        last: dict[str, float] = {}
+
+        def report(name: str, done: int, size: int) -> None:
+            now = time.monotonic()
+            if done < size and now - last.get(name, -1.0) < 0.2:
+                return
+            last[name] = now
+            record = {"type": "UPLOAD", "t": time.time(), "image": name, "done": done, "size": size}
+            loop.call_soon_threadsafe(self.hub.publish, record)
+
+        return report
+
     # --- the command history: the station's shared command log -------------------------------
     def _log(self, entry: dict) -> None:
         entry = dict(entry, type="COMMAND")
@@ -435,7 +454,10 @@ class Console:
             except ValueError:
                 return _error(400, "max new tokens and priority must be whole numbers")
             options = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
-            response = await self._act(lambda c: c.uplink(paths, prompt, priority=priority, **options).to_dict())
+            response = await self._act(
+                lambda c: c.uplink(paths, prompt, priority=priority, **options).to_dict(),
+                upload_progress=self._upload_progress(),
+            )
         if response.status != 200:
             assert isinstance(response.text, str)
             response.text = as_operator_sees(response.text)

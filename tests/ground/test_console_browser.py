@@ -127,6 +127,10 @@ def test_console_in_chromium_against_bus_and_payload(browser, model_dirs, tmp_pa
         status = browser.find_element(By.ID, "uplink-status").text
         assert "verified on board" in status and "accepted by the payload" in status, status
         task = browser.find_element(By.ID, "uplink-status").get_attribute("data-task")
+        # the upload to the payload showed its progress, to every byte on board
+        uploads = browser.execute_script("return consoleState.uploads")
+        assert uploads and all(u["done"] == u["size"] > 0 for u in uploads.values()), uploads
+        assert browser.execute_script("return document.getElementById('payload-progress').value") == 100
         browser.save_screenshot(str(shots / "console-uplink.png"))
         browser.find_element(By.CSS_SELECTOR, "nav button[data-view=tasks]").click()
         wait.until(
