@@ -193,6 +193,8 @@ def test_console_in_chromium_against_bus_and_payload(browser, model_dirs, tmp_pa
         )
         legend = browser.find_element(By.ID, "plots").text
         assert all(n in legend for n in wanted), legend
+        # the screenshot shows the plots this trace has samples for (storage, wear and memory)
+        browser.execute_script("document.querySelectorAll('#plots > div')[2].scrollIntoView()")
         browser.save_screenshot(str(shots / "console-telemetry.png"))
         plotted = browser.execute_script("return consoleState.telemetry.series")
         memory = [v for _, v in plotted["payload_memory_bytes"]]
