@@ -12,6 +12,8 @@ Chromium (Debian's chromium and chromium-driver) loads the page; it then measure
                 of 3 loads
   bus-to-page   for every packet pushed during `--seconds`: the page's receipt time minus the
                 bus's send time in the packet header (same machine, same clock)
+  timeline pan  a 6-hour view of the history panned half a view at a time (fetch and redraw,
+                as the buttons do), and the frames of a shift+drag (the drawn view moved, no fetch)
   memory        the process's peak resident set before and after the history was loaded
 """
 
@@ -66,6 +68,33 @@ def fill(history, events: int, hours: float) -> None:
                 "body": {"event_id": "TASK_PHASE", "task_id": f"t-{i % 50}"},
             }
         )
+
+
+#: In the page: zoom the timeline to 6 hours at the start of the history, then pan it later half
+#: a view at a time (each a fetch from the server and a redraw, as the buttons do), then time the
+#: frames of a shift+drag (the drawn view moved, no fetch).
+PAN_SCRIPT = """
+const done = arguments[arguments.length - 1];
+(async () => {
+  const [s0] = consoleState.timeline.span;
+  timelineZoom = [s0, s0 + 6 * 3600];
+  await loadTimeline();
+  const fetches = [];
+  for (let i = 0; i < 10; i++) {
+    const t = performance.now();
+    await panTimeline(0.5);
+    fetches.push(performance.now() - t);
+  }
+  const frames = [], min = timelinePlot.scales.x.min, max = timelinePlot.scales.x.max;
+  for (let i = 1; i <= 30; i++) {
+    const t = performance.now();
+    timelinePlot.setScale("x", { min: min + i * 120, max: max + i * 120 });
+    await null;  // uPlot redraws in a microtask queued by setScale: this one runs after it
+    frames.push(performance.now() - t);
+  }
+  done({ fetches, frames });
+})();
+"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         driver.execute_script("consoleState.latencies = []")
         time.sleep(args.seconds)  # measuring a period of live traffic, not waiting for a condition
         latencies = driver.execute_script("return consoleState.latencies")
+        driver.set_script_timeout(120)
+        pans = driver.execute_async_script(PAN_SCRIPT)
         rss2 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     finally:
         driver.quit()
@@ -166,6 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"bus-to-page update latency over {len(ms)} packets: median {statistics.median(ms):.1f} ms, "
         f"p99 {p99:.1f} ms, max {ms[-1]:.1f} ms"
+    )
+    fetches, frames = sorted(pans["fetches"]), sorted(pans["frames"])
+    print(
+        f"timeline pan over the history, a 6-hour view: {len(fetches)} pans (fetch and redraw) median "
+        f"{statistics.median(fetches):.0f} ms, max {fetches[-1]:.0f} ms; shift+drag frames (no fetch) median "
+        f"{statistics.median(frames):.1f} ms, max {frames[-1]:.1f} ms"
     )
     print(
         f"bench process (console and its ground client) peak RSS after {args.seconds:g} s live: {rss2 / 1024:.0f} MiB "

@@ -485,6 +485,8 @@ def _client(args, **overrides):
         state_dir=args.state_dir,
         timeout_s=args.timeout,
         notify=_notify,
+        # the command log says who sent each command: `ow ground uplink`, `ow ground console`...
+        origin=f"ow ground {getattr(args, 'ground_command', None) or 'client'}",
     )
     options.update(overrides)
     return GroundClient(_keys_dir(args), **options)

@@ -6,6 +6,8 @@
     telemetry.jsonl     packets archived by `ow ground events` (numbered lines; rotated at 64 MiB)
     forecast-basis.json the newest PAYLOAD_PROFILE, WINDOW_HISTORY and running task's progress
                         (the completion forecast's inputs, docs/ground.md)
+    commands.jsonl      every command any `ow ground` process of this station sent, with its
+                        answer code and round trip (one JSON line each; rotated at 16 MiB)
     ground.lock         advisory lock serialising updates by concurrent `ow ground` processes
 
 Several `ow ground` processes may run at once (an `events --follow` recorder, an uplink, a
@@ -20,6 +22,7 @@ import fcntl
 import json
 import os
 import time
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,7 @@ from ground.errors import LocalInputError
 #: window (the ground then resynchronises, but rarely is better).
 COUNTER_RESERVE = 16
 ARCHIVE_ROTATE_BYTES = 64 * 1024 * 1024
+COMMAND_LOG_ROTATE_BYTES = 16 * 1024 * 1024
 
 
 @contextlib.contextmanager
@@ -85,6 +89,15 @@ class SharedSequenceCounter(DurableSequenceCounter):
     def rebase(self, apid: int, seq: int) -> None:
         with file_lock(self.lock_path):
             super().rebase(apid, seq)
+
+
+def parse_command_line(line: bytes) -> dict | None:
+    """One line of commands.jsonl, or None for a torn or damaged one."""
+    try:
+        entry = json.loads(line)
+    except ValueError:
+        return None
+    return entry if isinstance(entry, dict) and isinstance(entry.get("command"), str) else None
 
 
 def _now_iso() -> str:
@@ -271,6 +284,48 @@ class GroundState:
             size = f.tell()
         if size > ARCHIVE_ROTATE_BYTES:
             os.replace(self.archive_path, self.archive_path.with_suffix(".jsonl.1"))
+
+    # --- command log (docs/ground.md "Command log") ----------------------------------------------
+    @property
+    def command_log_path(self) -> Path:
+        return self.dir / "commands.jsonl"
+
+    def log_command(self, entry: dict) -> None:
+        """Append one command's line. One write() of a whole line on an O_APPEND file: lines of
+        concurrent `ow ground` processes never interleave. No fsync: a log, not state; a crash
+        loses at most the line being written, and the next line starts on a line of its own.
+        Rotated (under the lock) past 16 MiB."""
+        self.ensure()
+        line = (json.dumps(entry, sort_keys=True, default=str) + "\n").encode()
+        fd = os.open(self.command_log_path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                line = b"\n" + line  # after a torn line (a writer killed mid-line): a line of its own
+            os.write(fd, line)
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        if size > COMMAND_LOG_ROTATE_BYTES:
+            with self._locked():  # another process may have rotated it meanwhile: look again
+                with contextlib.suppress(FileNotFoundError):
+                    if self.command_log_path.stat().st_size > COMMAND_LOG_ROTATE_BYTES:
+                        os.replace(self.command_log_path, self.command_log_path.with_suffix(".jsonl.1"))
+
+    def logged_commands(self, last: int = 500) -> list[dict]:
+        """The last `last` commands logged, oldest first (the rotated file included). A torn or
+        damaged line is skipped."""
+        entries: deque[dict] = deque(maxlen=last)
+        for path in (self.command_log_path.with_suffix(".jsonl.1"), self.command_log_path):
+            try:
+                with open(path, "rb") as f:
+                    for line in f:
+                        entry = parse_command_line(line)
+                        if entry is not None:
+                            entries.append(entry)
+            except FileNotFoundError:
+                continue
+        return list(entries)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:

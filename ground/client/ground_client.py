@@ -24,6 +24,8 @@ class GroundClient(ResultStore):
     window        IMAGE_CHUNKs in flight at once
     notify        where operator notices go (default: structlog warnings)
     progress      tqdm bar on stderr during uploads: True, False, or None (only on a terminal)
+    origin        who sends, in the station's command log (`ow ground uplink`, ...)
+    upload_progress  called with (image name, bytes on board, image size) as an upload advances
     """
 
     def ping(self) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -73,6 +74,8 @@ class CommandSession:
         progress: bool | None = False,
         context: zmq.Context | None = None,
         commands: bool = True,
+        origin: str | None = None,
+        upload_progress: Callable[[str, int, int], None] | None = None,
     ):
         if timeout_s <= 0 or retries < 0 or window < 1:
             raise LocalInputError("timeout must be > 0, retries >= 0, window >= 1")
@@ -98,6 +101,11 @@ class CommandSession:
         self.chunk_bytes = check_chunk_bytes(chunk_bytes)
         self.progress = progress
         self._notify_fn = notify
+        #: who sends, in the shared command log: `ow ground uplink`, `ow ground console`, ...
+        self.origin = origin or f"{Path(sys.argv[0]).name or 'python'} (in-process client)"
+        self._log_failed = False
+        #: called with (image name, bytes the payload holds, image size) as an upload advances
+        self.upload_progress = upload_progress
         self.link = GroundLink(
             self.layout.root,
             station=self.station,
@@ -345,6 +353,36 @@ class CommandSession:
                     found = report
         return found
 
+    def log_command(
+        self, command: str, what: str, started: float, seqs: list[int] | None, code: str, text: str = "", **extra: Any
+    ) -> None:
+        """One line in the station's shared command log (ground/state.py, docs/ground.md "Command
+        log"): every command sent by any `ow ground` process of this station, with its answer
+        code and round trip. A log that cannot be written never fails the command: said once."""
+        entry = {
+            "t": round(started, 6),
+            "station": self.station,
+            "source_id": self.source_id,
+            "origin": self.origin,
+            "pid": os.getpid(),
+            "command": command,
+            "what": what,
+            "code": code,
+            "ok": code == "OK",
+            "rtt_ms": round((time.time() - started) * 1000, 1),
+            **extra,
+        }
+        if seqs is not None:
+            entry.update(seq=seqs, sends=len(seqs))
+        if text:
+            entry["text"] = text
+        try:
+            self.state.log_command(entry)
+        except (OSError, LocalInputError) as exc:
+            if not self._log_failed:
+                self._log_failed = True
+                self._notify(f"command log {self.state.command_log_path} not written: {exc}")
+
     def _transact(
         self,
         message: m.Message,
@@ -361,6 +399,42 @@ class CommandSession:
         CommandRejected, except REPLAYED_SEQUENCE, which resynchronises and sends again. With
         `retries`, an unanswered command is sent again (only for idempotent commands); reports
         about any of the copies count. `apid`: who the command is for (the bus takes PAYLOAD_RETRY)."""
+        sent: list[int] = []
+        started = time.time()
+
+        def counted(ref: RequestRef) -> None:
+            sent.append(ref.seq)
+            if on_send is not None:
+                on_send(ref)
+
+        task_id = getattr(message, "task_id", None)
+        extra = {"task_id": task_id} if isinstance(task_id, str) else {}
+        try:
+            result = self._transact_once(message, what, reply, completion, retries, counted, apid)
+        except CommandRejected as exc:
+            # RESULT_NOT_READY is the payload's "not yet" to a running task's DOWNLINK_RESULT (§3.6)
+            answer = dict(extra, by=exc.by, failed=exc.failed, not_yet=exc.code == ResponseCode.RESULT_NOT_READY)
+            self.log_command(message.TYPE.name, what, started, sent, exc.code.name, exc.reason, **answer)
+            raise
+        except NoAnswer as exc:
+            self.log_command(message.TYPE.name, what, started, sent, "NO_ANSWER", str(exc), **extra)
+            raise
+        except BaseException as exc:  # Ctrl-C, the link failing: still a command sent, or tried
+            self.log_command(message.TYPE.name, what, started, sent, type(exc).__name__, str(exc), **extra)
+            raise
+        self.log_command(message.TYPE.name, what, started, sent, "OK", **extra)
+        return result
+
+    def _transact_once(
+        self,
+        message: m.Message,
+        what: str,
+        reply: Callable[[int], Any] | None,
+        completion: bool,
+        retries: int,
+        on_send: Callable[[RequestRef], None],
+        apid: Apid,
+    ) -> tuple[RequestRef, Any]:
         refs: list[RequestRef] = []
         mark = self._arrivals
         stalls = resyncs = 0
@@ -368,8 +442,7 @@ class CommandSession:
         while True:
             ref = self._send(message, apid)
             refs.append(ref)
-            if on_send is not None:
-                on_send(ref)
+            on_send(ref)
 
             def outcome():
                 verdict = self._verdict(refs, want)

@@ -9,6 +9,7 @@ import math
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tqdm import tqdm
@@ -40,6 +41,31 @@ class ImageUpload:
     verified: bool = False
 
 
+class _Progress:
+    """One image's upload as the operator follows it: the tqdm bar (on a terminal) and the
+    session's `upload_progress(name, bytes on board, size)` (the console's page), counted here
+    (a disabled tqdm bar counts nothing)."""
+
+    def __init__(self, bar: tqdm, image: PreparedImage, report: Callable[[str, int, int], None] | None):
+        self.bar, self.image, self.report = bar, image, report
+        self.n = 0
+
+    def update(self, nbytes: int) -> None:
+        self.bar.update(nbytes)
+        self.set(self.n + nbytes, bar=False)
+
+    def set(self, nbytes: int, bar: bool = True) -> None:
+        self.n = nbytes
+        if bar:
+            self.bar.n = nbytes
+            self.bar.refresh()
+        if self.report is not None:
+            self.report(self.image.name, self.n, self.image.size)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 class ImageUploader(CommandSession):
     """IMAGE_QUERY and IMAGE_CHUNK, resumed across silences."""
 
@@ -58,7 +84,7 @@ class ImageUploader(CommandSession):
         stats = ImageUpload(
             path=image.path, name=image.name, size=image.size, sha256=image.sha256.hex(), chunks=len(chunks)
         )
-        bar = self._progress_bar(image)
+        bar = _Progress(self._progress_bar(image), image, self.upload_progress)
         stalls = 0
         first_answer = True
         try:
@@ -99,8 +125,7 @@ class ImageUploader(CommandSession):
                             f"image {image.name}: payload already holds {len(held)}/{len(chunks)} chunks; "
                             f"sending {len(missing)}"
                         )
-                bar.n = sum(len(c.data) for c in held)
-                bar.refresh()
+                bar.set(sum(len(c.data) for c in held))
                 if not missing:
                     # Every chunk held but not verified yet: the payload is still checking the file.
                     stalls += 1
@@ -165,10 +190,31 @@ class ImageUploader(CommandSession):
         return image.chunks(size)
 
     def _send_chunks(
-        self, image: PreparedImage, chunks: list[m.ImageChunk], missing: list[int], bar, stats: ImageUpload
+        self, image: PreparedImage, chunks: list[m.ImageChunk], missing: list[int], bar: _Progress, stats: ImageUpload
     ) -> tuple[int, bool]:
         """Send `missing` with at most `window` unacknowledged. Returns (acknowledged, finished):
         it stops early, unfinished, when no acknowledgement arrives for `timeout_s`."""
+        started, sent_before = time.time(), stats.chunks_sent
+        outcome, text = "OK", ""
+        try:
+            acked, finished = self._send_chunk_round(image, chunks, missing, bar, stats)
+            if not finished:
+                outcome, text = "NO_ANSWER", "acknowledgements stopped; the upload resumes with IMAGE_QUERY"
+            return acked, finished
+        except CommandRejected as exc:
+            outcome, text = exc.code.name, exc.reason
+            raise
+        except BaseException as exc:
+            outcome, text = type(exc).__name__, str(exc)
+            raise
+        finally:
+            # one line per round in the command log, not one per chunk (thousands for one image)
+            what = f"image {image.name}"
+            self.log_command("IMAGE_CHUNK", what, started, None, outcome, text, chunks=stats.chunks_sent - sent_before)
+
+    def _send_chunk_round(
+        self, image: PreparedImage, chunks: list[m.ImageChunk], missing: list[int], bar: _Progress, stats: ImageUpload
+    ) -> tuple[int, bool]:
         queue = deque(missing)
         inflight: dict[RequestRef, m.ImageChunk] = {}
         acked = resyncs = 0

@@ -3,7 +3,8 @@
     GET  /                      the page (static/index.html)
     GET  /static/<file>         its script, style and the vendored uPlot
     GET  /api/info              read-only?, station, series names, time span
-    GET  /api/stream            server-sent events: every packet and command as it comes
+    GET  /api/stream            server-sent events: every packet and command as it comes, and an
+                                uplink's progress to the payload (UPLOAD records)
     GET  /api/events            events, paged (?after=N&limit=L&kind=A,B)
     GET  /api/timeline          windows, cuts, boots in ?t0&t1 (thinned past 2,000 marks), the span
     GET  /api/telemetry         series in ?t0&t1 decimated to ?buckets (min and max per bucket)
@@ -24,6 +25,7 @@ import contextlib
 import csv
 import io
 import json
+import os
 import signal
 import tempfile
 import threading
@@ -41,11 +43,14 @@ from ground.console.security import TOKEN_HEADER, ConsoleSecurity
 from ground.errors import GroundError, LocalInputError
 from ground.forecast import forecast_tasks
 from ground.report import ROUTINE_TYPES, RoutineFilter
+from ground.state import parse_command_line
 
 STATIC = Path(__file__).parent / "static"
 #: a page that stops reading is dropped (it reconnects and re-reads the history) rather than
 #: letting its backlog grow without bound in the server
 SUBSCRIBER_BACKLOG = 5000
+#: commands the console remembers and a page loads at start (the log on disk keeps them all)
+COMMAND_HISTORY = 500
 
 
 @dataclass
@@ -91,7 +96,7 @@ class Console:
         self.hub = Hub()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stop = threading.Event()
-        self.commands: deque[dict] = deque(maxlen=10_000)
+        self.commands: deque[dict] = deque(maxlen=COMMAND_HISTORY)
         self.action_lock = asyncio.Lock()
         self.fetched: set[str] = set()
         self.background: set[asyncio.Future] = set()
@@ -121,7 +126,7 @@ class Console:
         if state.load_result(task) is not None or state.task(task) is None:
             return  # already here, or another station's task
         self.fetched.add(task)
-        future = asyncio.ensure_future(self._act(f"DOWNLINK_RESULT {task}", lambda c: c.result(task)))
+        future = asyncio.ensure_future(self._act(lambda c: c.result(task)))
         self.background.add(future)  # held until done: the loop keeps only weak references
         future.add_done_callback(self.background.discard)
 
@@ -145,6 +150,8 @@ class Console:
         self.loop = asyncio.get_running_loop()
         if self.config.listen:
             threading.Thread(target=self._listen, name="console-telemetry", daemon=True).start()
+        if self.config.state is not None:
+            threading.Thread(target=self._follow_commands, name="console-commands", daemon=True).start()
 
     async def on_cleanup(self, app: web.Application) -> None:
         self.stop.set()
@@ -213,7 +220,7 @@ class Console:
         limit = min(_int(request, "limit", 500), 5000)
         kinds = {k for k in request.query.get("kind", "").split(",") if k} or None
         return web.json_response(
-            {"events": self.history.events_page(after, limit, kinds), "commands": list(self.commands)[-500:]},
+            {"events": self.history.events_page(after, limit, kinds), "commands": list(self.commands)},
             dumps=_dumps,
         )
 
@@ -287,20 +294,15 @@ class Console:
             return {"error": f"forecast failed: {exc}"}
 
     # --- actions -------------------------------------------------------------------------------
-    async def _act(self, name: str, work: Callable[[Any], Any], **client_options: Any) -> web.Response:
-        """Run one command through a fresh GroundClient in a worker thread; log it with its answer
-        code and round trip in the command history (streamed to the pages)."""
-        started = time.time()
-        entry: dict[str, Any] = {"type": "COMMAND", "command": name, "t": started}
+    async def _act(self, work: Callable[[Any], Any], **client_options: Any) -> web.Response:
+        """Run one command through a fresh GroundClient in a worker thread. The client logs what
+        it sends in the station's command log, whence the command history shows it, as it shows
+        the CLI's (`_follow_commands`)."""
         async with self.action_lock:
             try:
                 result = await asyncio.to_thread(self._run_client, work, client_options)
             except GroundError as exc:
-                entry.update(code=type(exc).__name__, ok=False, text=str(exc), rtt_ms=_ms(started))
-                self._log(entry)
                 return _error(400 if isinstance(exc, LocalInputError) else 502, str(exc))
-        entry.update(code="OK", ok=True, rtt_ms=_ms(started))
-        self._log(entry)
         return web.json_response({"ok": True, "result": result}, dumps=_dumps)
 
     def _run_client(self, work: Callable[[Any], Any], options: dict) -> Any:
@@ -309,13 +311,85 @@ class Console:
         with self.config.client_factory(notify=lambda text: None, progress=False, **options) as client:
             return to_jsonable(work(client))
 
+    def _upload_progress(self) -> Callable[[str, int, int], None]:
+        """An uplink's progress to the payload, pushed to the pages as UPLOAD records (image,
+        bytes on board, size): called in the client's thread as chunks are acknowledged; at most
+        five a second per image, and always the first and the last."""
+        loop = self.loop
+        assert loop is not None
+        last: dict[str, float] = {}
+
+        def report(name: str, done: int, size: int) -> None:
+            now = time.monotonic()
+            if done < size and now - last.get(name, -1.0) < 0.2:
+                return
+            last[name] = now
+            record = {"type": "UPLOAD", "t": time.time(), "image": name, "done": done, "size": size}
+            loop.call_soon_threadsafe(self.hub.publish, record)
+
+        return report
+
+    # --- the command history: the station's shared command log -------------------------------
     def _log(self, entry: dict) -> None:
+        entry = dict(entry, type="COMMAND")
         self.commands.append(entry)
         self.hub.publish(entry)
 
+    def _follow_commands(self) -> None:
+        """Follow the station's command log (ground/state.py `commands.jsonl`), which every
+        `ow ground` process of this station writes, this console's own client included: what it
+        holds at start (the rotated file first) is remembered, each line appended later is also
+        pushed to the pages. New lines are looked for twice a second; a rotation is followed to
+        the new file once the old one is read to its end."""
+        state = self.config.state
+        assert state is not None and self.loop is not None
+        path, loop = state.command_log_path, self.loop
+        current = None
+        partial = b""
+        started = True  # what is there at start is history, not news
+        if path.with_suffix(".jsonl.1").exists():
+            with open(path.with_suffix(".jsonl.1"), "rb") as rotated:
+                old = [e for e in map(parse_command_line, rotated) if e is not None]
+            loop.call_soon_threadsafe(self._remember_commands, old[-COMMAND_HISTORY:])
+        try:
+            while not self.stop.is_set():
+                if current is None:
+                    try:
+                        current = open(path, "rb")  # noqa: SIM115 - held open across the loop
+                    except FileNotFoundError:
+                        started = False
+                        self.stop.wait(0.5)
+                        continue
+                data = current.read()
+                if data:
+                    lines = (partial + data).split(b"\n")
+                    partial = lines.pop()  # a line still being written
+                    entries = [e for e in map(parse_command_line, lines) if e is not None]
+                    if started:
+                        loop.call_soon_threadsafe(self._remember_commands, entries[-COMMAND_HISTORY:])
+                    else:
+                        for entry in entries:
+                            loop.call_soon_threadsafe(self._log, entry)
+                started = False
+                try:
+                    moved = os.stat(path).st_ino != os.fstat(current.fileno()).st_ino
+                except FileNotFoundError:
+                    moved = True
+                if moved:  # rotated: the old file is read to its end (above), on to the new one
+                    current.close()
+                    current, partial = None, b""
+                    continue
+                self.stop.wait(0.5)
+        finally:
+            if current is not None:
+                current.close()
+
+    def _remember_commands(self, entries: list[dict]) -> None:
+        self.commands.extend(dict(entry, type="COMMAND") for entry in entries)
+
     async def cancel(self, request: web.Request) -> web.Response:
         task = _task_id(request)
-        return await self._act(f"CANCEL {task}", lambda c: c.cancel(task))
+        return await self._act(lambda c: c.cancel(task))
 
     async def priority(self, request: web.Request) -> web.Response:
         from ground.images import check_priority
@@ -328,15 +402,15 @@ class Console:
             return _error(400, "priority must be a whole number")
         except LocalInputError as exc:
             return _error(400, str(exc))
-        return await self._act(f"SET_PRIORITY {task} {priority}", lambda c: c.set_priority(task, priority))
+        return await self._act(lambda c: c.set_priority(task, priority))
 
     async def resend(self, request: web.Request) -> web.Response:
         task = _task_id(request)
-        return await self._act(f"RESEND {task}", lambda c: c.resend(task).to_dict())
+        return await self._act(lambda c: c.resend(task).to_dict())
 
     async def release(self, request: web.Request) -> web.Response:
         item = request.match_info["item"]
-        return await self._act(f"RELEASE_QUARANTINE {item}", lambda c: c.release(item))
+        return await self._act(lambda c: c.release(item))
 
     async def uplink(self, request: web.Request) -> web.Response:
         """The same checks, in the same order and with the same messages, as `ow ground uplink`."""
@@ -381,16 +455,13 @@ class Console:
                 return _error(400, "max new tokens and priority must be whole numbers")
             options = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
             response = await self._act(
-                "UPLINK_TASK", lambda c: c.uplink(paths, prompt, priority=priority, **options).to_dict()
+                lambda c: c.uplink(paths, prompt, priority=priority, **options).to_dict(),
+                upload_progress=self._upload_progress(),
             )
         if response.status != 200:
             assert isinstance(response.text, str)
             response.text = as_operator_sees(response.text)
         return response
-
-
-def _ms(started: float) -> float:
-    return round((time.time() - started) * 1000, 1)
 
 
 def _dumps(data: Any) -> str:

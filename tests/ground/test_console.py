@@ -4,6 +4,7 @@ uplink's local checks (tests/ground/test_console_browser.py drives it in Chromiu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import csv
 import io
 
@@ -22,13 +23,13 @@ def _no_link(**overrides):
     raise AssertionError("this test must not reach the link")
 
 
-def serve(security: ConsoleSecurity, history: History | None = None):
+def serve(security: ConsoleSecurity, history: History | None = None, state=None):
     """Run the console on a free loopback port around `body(session, base)`."""
 
     def runner(body):
         async def main():
             config = ConsoleConfig(
-                client_factory=_no_link, security=security, history=history or History(), listen=False
+                client_factory=_no_link, security=security, history=history or History(), listen=False, state=state
             )
             app_runner = web.AppRunner(make_app(config))
             await app_runner.setup()
@@ -272,3 +273,138 @@ def test_routine_housekeeping_is_marked_for_the_events_view_and_kept():
     for record in records:
         console.ingest(record)
     assert [r["routine"] for r in records] == [False, True, True, False]
+
+
+def test_command_history_follows_the_station_command_log(tmp_path):
+    """The history shows every command of the station's shared log (ground/state.py), not only
+    the console's: what was there at start, then each line another `ow ground` process appends,
+    pushed on the stream."""
+    import json
+    import time
+
+    from ground.state import GroundState
+
+    state = GroundState(tmp_path / "state")
+
+    def command(name: str, code: str = "OK") -> dict:
+        return {"t": time.time(), "origin": "ow ground cancel", "command": name, "code": code, "rtt_ms": 12.5}
+
+    state.log_command(command("CANCEL_TASK", "TASK_FINISHED"))
+
+    async def commands(session, base, wanted: int) -> list[dict]:
+        for _ in range(200):  # the log is looked at twice a second
+            async with session.get(base + "/api/events") as r:
+                found = (await r.json())["commands"]
+            if len(found) >= wanted:
+                return found
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"the console's history never had {wanted} command(s)")
+
+    async def body(session, base):
+        (first,) = await commands(session, base, 1)
+        assert (first["command"], first["code"], first["origin"]) == (
+            "CANCEL_TASK",
+            "TASK_FINISHED",
+            "ow ground cancel",
+        )
+        async with session.get(base + "/api/stream") as stream:
+            await stream.content.readline()  # ": connected": the page is subscribed
+            with open(state.command_log_path, "ab") as log:  # a torn line, as a killed writer leaves
+                log.write(b'{"command": "PI')
+            state.log_command(command("STATUS"))
+            pushed = None
+            while pushed is None:
+                line = await asyncio.wait_for(stream.content.readline(), 30)
+                if line.startswith(b"data: "):
+                    pushed = json.loads(line[6:])
+        assert (pushed["type"], pushed["command"], pushed["code"]) == ("COMMAND", "STATUS", "OK")
+        assert [c["command"] for c in await commands(session, base, 2)] == ["CANCEL_TASK", "STATUS"]
+
+    serve(ConsoleSecurity(), state=state)(body)
+
+
+def _address_beyond_loopback() -> str | None:
+    """An IPv4 address of this machine that is not loopback, or None. (A UDP socket's connect
+    only picks the route's source address: nothing is sent.)"""
+    import socket
+
+    found = []
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("198.51.100.1", 9))  # TEST-NET-2 (documentation only): any route to it will do
+        found.append(probe.getsockname()[0])
+    with contextlib.suppress(OSError):
+        found += [info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)]
+    return next((a for a in found if a and not a.startswith("127.") and a != "0.0.0.0"), None)
+
+
+def test_beyond_loopback_over_tls_with_a_self_signed_certificate(tmp_path):
+    """`ow ground console` bound to this machine's network address, with a token file and a
+    certificate it makes: reached over https by a real TLS client that trusts that certificate
+    (and checks the fingerprint the console printed), refused without the token; plain http gets
+    no page."""
+    import hashlib
+    import http.client
+    import json
+    import os
+    import re
+    import socket
+    import ssl
+    import subprocess
+    import sys
+    import urllib.error
+    import urllib.request
+
+    host = _address_beyond_loopback()
+    if host is None:
+        pytest.skip("this machine has no IPv4 address beyond loopback to bind the console to")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root}
+    keys = str(tmp_path / "keys")
+    (tmp_path / "token").write_text("s3cret-token\n")
+    ow = [sys.executable, "-m", "common.cli", "ground"]
+    subprocess.run(ow + ["keys", "init", "--keys", keys], check=True, capture_output=True, env=env, timeout=120)
+    cmd = ow + ["console", "--keys", keys, "--host", host, "--port", "0", "--token-file", str(tmp_path / "token")]
+    cmd += ["--tls-self-signed", str(tmp_path / "tls")]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stderr is not None
+        lines = []
+        for line in proc.stderr:  # the certificate's fingerprint, then the address once bound
+            lines.append(line)
+            if "console on" in line:
+                break
+        text = "".join(lines)
+        printed = re.search(r"SHA-256 fingerprint ([0-9A-F:]{95})", text)
+        found = re.search(rf"console on https://{re.escape(host)}:(\d+)/", text)
+        assert printed and found, text
+        base = f"https://{host}:{found.group(1)}"
+        # a real client: verifies the chain against the certificate and the host name against its SAN
+        context = ssl.create_default_context(cafile=str(tmp_path / "tls" / "console-cert.pem"))
+
+        def call(path: str, headers: dict | None = None, data: bytes | None = None) -> tuple[int, bytes]:
+            request = urllib.request.Request(base + path, data=data, headers=headers or {})
+            try:
+                with urllib.request.urlopen(request, timeout=30, context=context) as response:
+                    return response.status, response.read()
+            except urllib.error.HTTPError as exc:
+                return exc.code, exc.read()
+
+        status, body = call("/api/info")
+        assert status == 200 and json.loads(body)["token_required"] is True
+        with context.wrap_socket(
+            socket.create_connection((host, int(found.group(1))), 30), server_hostname=host
+        ) as tls:
+            served = hashlib.sha256(tls.getpeercert(binary_form=True)).hexdigest().upper()
+        assert ":".join(served[i : i + 2] for i in range(0, 64, 2)) == printed.group(1)
+        own = {"Origin": base}
+        assert call("/api/tasks/t-1/cancel", own, b"")[0] == 401  # no token
+        assert call("/api/tasks/t-1/cancel", {**own, "X-Console-Token": "wrong"}, b"")[0] == 401
+        status, body = call(
+            "/api/tasks/t-1/cancel", {"Origin": "https://evil.example", "X-Console-Token": "s3cret-token"}, b""
+        )
+        assert status == 403 and b"cross-origin" in body  # the token passed; the origin did not
+        with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
+            urllib.request.urlopen(f"http://{host}:{found.group(1)}/api/info", timeout=30)  # no plain http
+    finally:
+        proc.terminate()
+        proc.wait(30)

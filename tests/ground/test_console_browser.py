@@ -82,7 +82,9 @@ def test_console_in_chromium_against_bus_and_payload(browser, model_dirs, tmp_pa
 
     console = ConsoleThread(
         ConsoleConfig(
-            client_factory=client, security=ConsoleSecurity(), state=GroundState(KeyLayout(Path(keys)).state_dir)
+            client_factory=lambda **overrides: client(origin="ow ground console", **overrides),
+            security=ConsoleSecurity(),
+            state=GroundState(KeyLayout(Path(keys)).state_dir),
         )
     )
     console.start()
@@ -125,6 +127,10 @@ def test_console_in_chromium_against_bus_and_payload(browser, model_dirs, tmp_pa
         status = browser.find_element(By.ID, "uplink-status").text
         assert "verified on board" in status and "accepted by the payload" in status, status
         task = browser.find_element(By.ID, "uplink-status").get_attribute("data-task")
+        # the upload to the payload showed its progress, to every byte on board
+        uploads = browser.execute_script("return consoleState.uploads")
+        assert uploads and all(u["done"] == u["size"] > 0 for u in uploads.values()), uploads
+        assert browser.execute_script("return document.getElementById('payload-progress').value") == 100
         browser.save_screenshot(str(shots / "console-uplink.png"))
         browser.find_element(By.CSS_SELECTOR, "nav button[data-view=tasks]").click()
         wait.until(
@@ -162,7 +168,13 @@ def test_console_in_chromium_against_bus_and_payload(browser, model_dirs, tmp_pa
         wait.until(lambda d: view()[0] > s0, "shift+drag to pan the timeline later")
         dragged0, dragged1, _, _ = view()
         assert dragged1 - dragged0 == pytest.approx(width), "a pan, not a zoom"
+        # the command history: every command of the station, the console's and another client's
+        with client(origin="ow ground ping") as other:
+            other.ping()
         browser.find_element(By.CSS_SELECTOR, "nav button[data-view=events]").click()
+        wait.until(lambda d: "ow ground ping" in d.find_element(By.ID, "commands").text, "the other client's PING")
+        history = browser.find_element(By.ID, "commands").text
+        assert "UPLINK_TASK" in history and "ow ground console" in history, history
         browser.save_screenshot(str(shots / "console-events.png"))
 
         # the CSV export holds what the plot shows
@@ -181,6 +193,8 @@ def test_console_in_chromium_against_bus_and_payload(browser, model_dirs, tmp_pa
         )
         legend = browser.find_element(By.ID, "plots").text
         assert all(n in legend for n in wanted), legend
+        # the screenshot shows the plots this trace has samples for (storage, wear and memory)
+        browser.execute_script("document.querySelectorAll('#plots > div')[2].scrollIntoView()")
         browser.save_screenshot(str(shots / "console-telemetry.png"))
         plotted = browser.execute_script("return consoleState.telemetry.series")
         memory = [v for _, v in plotted["payload_memory_bytes"]]

@@ -14,11 +14,23 @@ from ground.errors import CommandRejected, LocalInputError, NoAnswer
 def test_client_api_uplinks_waits_and_downlinks(keys, peer, pictures):
     peer.task_run_s = 0.5
     notices: list[str] = []
+    progress: list[tuple[str, int, int]] = []
     endpoints = Endpoints(commands=peer.commands_endpoint, telemetry=peer.telemetry_endpoint)
-    with GroundClient(keys.root, endpoints=endpoints, timeout_s=5, notify=notices.append, chunk_bytes=4096) as ground:
+    with GroundClient(
+        keys.root,
+        endpoints=endpoints,
+        timeout_s=5,
+        notify=notices.append,
+        chunk_bytes=4096,
+        upload_progress=lambda *report: progress.append(report),
+    ) as ground:
         assert ground.ping() > 0
         up = ground.uplink([str(p) for p in pictures], "count the ships", max_new_tokens=8, priority=3)
         assert [i.verified for i in up.images] == [True, True] and up.images[0].chunks_sent == up.images[0].chunks
+        # the upload's progress, as the console's page shows it: bytes on board, rising to the size
+        for image in up.images:
+            mine = [done for name, done, size in progress if name == image.name and size == image.size]
+            assert mine == sorted(mine) and mine[-1] == image.size and len(mine) > 1, (image.name, mine)
         result = ground.result(up.task_id, wait=True, poll_s=10)
         assert result.text == RESULT_TEXT and result.interruptions == 1
         assert ground.tasks()[0]["state"] == "completed"

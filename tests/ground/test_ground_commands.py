@@ -122,6 +122,22 @@ def test_cancel_and_priority(ow, keys, peer, pictures):
     assert peer.tasks[task_id]["state"] == "cancelled"
     again = ow("ground", "cancel", task_id, *link_args(keys, peer))
     assert again.code == 3 and "TASK_FINISHED (503)" in again.err
+    # every command the CLI sent is in the station's command log (docs/ground.md "Command
+    # log"), with who sent it, its answer code and round trip: the console's history reads it
+    logged = GroundState(keys.state_dir).logged_commands()
+    sent = [(e["origin"], e["command"], e["code"]) for e in logged]
+    assert sent[0] == ("ow ground uplink", "IMAGE_QUERY", "OK")
+    assert ("ow ground uplink", "IMAGE_CHUNK", "OK") in sent and ("ow ground uplink", "UPLINK_TASK", "OK") in sent
+    assert sent[-3:] == [
+        ("ow ground priority", "SET_PRIORITY", "OK"),
+        ("ow ground cancel", "CANCEL_TASK", "OK"),
+        ("ow ground cancel", "CANCEL_TASK", "TASK_FINISHED"),
+    ]
+    refused = logged[-1]
+    assert refused["task_id"] == task_id and not refused["ok"] and refused["by"] == "payload"
+    assert refused["rtt_ms"] >= 0 and refused["sends"] == 1 and len(refused["seq"]) == 1
+    chunks = next(e for e in logged if e["command"] == "IMAGE_CHUNK")
+    assert chunks["chunks"] >= 1 and "seq" not in chunks
 
 
 TELEMETRY = [

@@ -192,9 +192,15 @@ function showEvent(e) {
   const body = $("#events tbody"); body.insertBefore(eventRow(e), body.firstChild);
   while (body.childElementCount > MAX_ROWS) body.removeChild(body.lastChild);
 }
+// Every command any `ow ground` process of this station sent (the station's command log: the
+// CLI's and this console's alike), with who sent it, its answer code and round trip.
 function showCommand(c) {
-  const tr = document.createElement("tr"); tr.className = c.ok ? "" : "sev-WARNING_HI";
-  for (const v of [fmtTime(c.t), c.command, c.code + (c.text ? ": " + c.text : ""), c.rtt_ms]) { const td = document.createElement("td"); td.textContent = v; tr.appendChild(td); }
+  const tr = document.createElement("tr"); tr.className = c.ok || c.not_yet ? "" : "sev-WARNING_HI";
+  const what = c.what && !c.what.startsWith(c.command) ? `${c.command} ${c.what}` : (c.what || c.command);
+  const count = c.chunks !== undefined ? ` ×${c.chunks}` : (c.sends > 1 ? ` (sent ${c.sends}×)` : "");
+  for (const v of [fmtTime(c.t), what + count, c.origin || "", c.code + (c.text ? ": " + c.text : ""), c.rtt_ms]) {
+    const td = document.createElement("td"); td.textContent = v; tr.appendChild(td);
+  }
   const body = $("#commands tbody"); body.insertBefore(tr, body.firstChild);
   while (body.childElementCount > MAX_ROWS) body.removeChild(body.lastChild);
 }
@@ -242,6 +248,14 @@ const drop = $("#drop");
 drop.addEventListener("dragover", (e) => { e.preventDefault(); drop.classList.add("over"); });
 drop.addEventListener("dragleave", () => drop.classList.remove("over"));
 drop.addEventListener("drop", (e) => { e.preventDefault(); drop.classList.remove("over"); chosen = chosen.concat([...e.dataTransfer.files]); showChosen(); });
+// The upload to the payload, as the station's client reports it (chunks acknowledged on board);
+// a held chunk is not sent again, so an uplink sent again after a cut starts where it stopped.
+state.uploads = {};
+function showUpload(r) {
+  state.uploads[r.image] = r;
+  $("#payload-progress").value = (100 * r.done) / Math.max(1, r.size);
+  $("#payload-progress-text").textContent = `${r.image}: ${r.done} of ${r.size} bytes on board`;
+}
 $("#uplink-form").addEventListener("submit", (e) => {
   e.preventDefault();
   const form = new FormData();
@@ -250,6 +264,7 @@ $("#uplink-form").addEventListener("submit", (e) => {
   const status = $("#uplink-status"); status.className = ""; status.textContent = "sending to the ground station…";
   const xhr = new XMLHttpRequest();  // fetch() cannot report upload progress
   xhr.open("POST", "/api/uplink"); xhr.setRequestHeader("X-Console-Token", token());
+  $("#payload-progress").value = 0; $("#payload-progress-text").textContent = "";
   xhr.upload.onprogress = (ev) => { if (ev.lengthComputable) $("#upload-progress").value = (100 * ev.loaded) / ev.total; };
   xhr.upload.onload = () => { status.textContent = "uploading to the payload (resumable; chunks the payload already holds are not sent again)…"; };
   xhr.onload = () => {
@@ -270,6 +285,7 @@ function onRecord(r) {
   if (r.sent_t) state.latencies.push(Date.now() / 1000 - r.sent_t);
   if (state.latencies.length > 10000) state.latencies.shift();
   if (r.type === "COMMAND") { showCommand(r); tasksSoon(); return; }
+  if (r.type === "UPLOAD") { showUpload(r); return; }
   if (r.type === "POWER" || r.type === "THERMAL" || r.type === "HEARTBEAT") { telemetrySoon(); return; }
   if (r.n) showEvent(r);
   if (r.type === "POWER_STATE" || r.type === "SHUTDOWN_WARNING" || (r.type === "EVENT" && r.body && r.body.event_id === "BOOT")) timelineSoon();
