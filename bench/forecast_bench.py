@@ -286,7 +286,7 @@ def _flight_option(args: list[str], flag: str) -> str | None:
 
 
 def _run_start(run_dir: Path):
-    from hil import buslog as bl
+    from hil.bus import buslog as bl
 
     recorded = bl.runs(bl.read_log(run_dir / "bus" / bl.LOG_FILE))
     if not recorded:
@@ -360,7 +360,7 @@ def replay_run(
     completion (see above). One row per (task, moment): after (power-ups since its uplink),
     error (|expected - completed| / the task's real end-to-end time), inside (the 10-90 band
     holds the completion). Tasks the run did not complete are not forecast against."""
-    from hil import buslog as bl
+    from hil.bus import buslog as bl
 
     run = Path(run_dir)
     entries, start = _run_start(run)

@@ -17,8 +17,7 @@ import time
 from pathlib import Path
 
 from common import log
-from common.cli import CliError
-from common.errors import check_number
+from common.errors import CliError, check_number
 from common.wire import WireError
 from common.wire.ids import is_admin_source
 from common.wire.link import (
@@ -258,7 +257,8 @@ def register(subparsers) -> None:
         "status",
         "payload housekeeping now, and when each open task should be done",
         "Send STATUS and print the payload's housekeeping: queue depth, current task and its progress, checkpoint "
-        "bytes, free disk, boot count, uptime, command and error counters. Then the completion forecast of every "
+        "bytes, free disk, bytes written to data storage since this boot (wear), resident memory, boot count, uptime, "
+        "command and error counters. Then the completion forecast of every "
         "task of this station still queued or running: expected time, 10-90 % band and the power windows still to "
         "come before it is done, from the payload's measured rates and the windows it has lived through "
         '(docs/ground.md), or why there is none. --json adds it under "forecast".',
@@ -403,7 +403,13 @@ def _register_console(leaf) -> None:
         cmd_console,
     )
     p.add_argument("--host", default="127.0.0.1", metavar="ADDR", help="address to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8765, metavar="N", help="port (default: 8765; 0 picks a free one)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=8765,
+        metavar="N",
+        help="port (default: 8765; 0 picks a free one, and the address announced names it)",
+    )
     p.add_argument("--token", default=None, metavar="TEXT", help="token that actions need (header X-Console-Token)")
     p.add_argument("--token-file", default=None, metavar="FILE", help="read the token from FILE (first line)")
     p.add_argument("--tls-cert", default=None, metavar="PEM", help="TLS certificate (with --tls-key)")
