@@ -67,6 +67,7 @@ PARTS = (
     "sim",
     "real_size",
     "forecast",
+    "forecast_real",
 )
 
 
@@ -322,7 +323,7 @@ def main(argv=None) -> int:
         "--parts",
         default=None,
         help="measure only these parts, comma-separated (overhead, bytes_energy, planner, recovery, "
-        "compression, e2e, e2e_plus, validation, repeats, sim, real_size, forecast); "
+        "compression, e2e, e2e_plus, validation, repeats, sim, real_size, forecast, forecast_real); "
         "the report leaves out what is missing",
     )
     p.add_argument(
@@ -489,6 +490,11 @@ def main(argv=None) -> int:
             jobs=args.jobs,
             resume=args.reuse,
         ),
+    )
+    part(
+        "forecast_real",
+        "Completion forecast against the end-to-end campaign's real runs",
+        lambda path: forecast_bench.real([os.path.join(out, "e2e")], draws=100 if args.quick else 200),
     )
     part(
         "sim",
@@ -691,6 +697,15 @@ def _engine_sections(out: str, d: dict) -> list:
             "",
             "```",
             forecast_bench.format_table(d["forecast"]),
+            "```",
+        ]
+    if d.get("forecast_real", {}).get("summary"):
+        lines += [
+            "",
+            "## Completion forecast against the real runs (bench/forecast_bench.py --runs, the e2e campaign)",
+            "",
+            "```",
+            forecast_bench.format_real(d["forecast_real"]),
             "```",
         ]
     if "compression" in d:

@@ -18,7 +18,10 @@ an orbit's pattern of long and short gaps); each length is jittered and, while t
 short, a long gap the history has not shown may be drawn (the prior), so that a few windows of
 history do not make a confident forecast. The queue's remaining units are walked across each
 draw's windows by `common.sim.windows.finish_times` (boot and recovery per power-up, the unit in
-flight at a cut lost). The 10th, 50th and 90th percentiles over draws are widened around the
+flight at a cut lost unless the bus announced the cut: each drawn cut is announced with the share
+of announced cuts the ground heard). Periods the payload is known to be off (`known_off`: a
+contact plan) cut the drawn windows, and the history's gaps they explain are not drawn again.
+The 10th, 50th and 90th percentiles over draws are widened around the
 median by a factor calibrated on training traces only (bench/forecast_bench.py).
 
 A forecast is refused, with the reason, where it cannot be made: no profile yet, no window
