@@ -235,7 +235,7 @@ class BusProcess:
         preexec: Callable[[], None] | None = None
         if self.die_with_parent:
             # imported here, not in the forked child (an import there can deadlock)
-            from hil.zygote import die_with_parent
+            from hil.bus.zygote import die_with_parent
 
             preexec = die_with_parent
         with open(self.log_path, "ab") as err:
