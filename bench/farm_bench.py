@@ -190,9 +190,11 @@ def main(argv=None) -> int:
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from common import log as owlog
     from hil.farm import BenchFarm
     from hil.testbench_cli import ensure_model
 
+    owlog.setup("error")  # the runs' link and ground lines are not what this prints
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = os.path.abspath(ensure_model(None))
