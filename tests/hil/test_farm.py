@@ -291,6 +291,19 @@ def test_campaign_on_two_ray_nodes_survives_losing_one(model_dirs, tmp_path):
         # every output bitwise, every run cut once and finished
         assert all(r["correct"] and r["completed"] == "2/2" and r["cuts"] == 1 for r in rows), rows
 
+        # a driver started again with --resume keeps every finished run, where it ran and why it
+        # ran again included, and runs none of them twice
+        logs = {p: p.stat().st_mtime_ns for p in farm_out.glob("runs/*/bus/bus-log.jsonl")}
+        again_cmd = [sys.executable, "-m", "common.cli", "hil", "campaign", *matrix, "--out", str(farm_out)]
+        again_cmd += ["--cluster", f"{HEAD_IP}:{gcs_port}", "--node-ip-address", HEAD_IP, "--resume"]
+        resumed = subprocess.run(again_cmd, cwd=REPO, env={**os.environ, **RAY_ENV}, capture_output=True, text=True,
+                                 timeout=300)  # fmt: skip
+        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+        assert "4 kept from an earlier campaign, 0 to run" in resumed.stdout and " starting" not in resumed.stdout
+        assert {p: p.stat().st_mtime_ns for p in logs} == logs
+        assert json.loads((farm_out / "campaign.json").read_text())["rows"] == rows
+        assert f"bench w1 on node {WORKER_IP} was lost" in (farm_out / "report.md").read_text()
+
         # the same matrix on this machine
         local_out = tmp_path / "local"
         base = BenchConfig(
