@@ -34,7 +34,7 @@ from common import log as owlog
 from common import machine
 from flight.checkpoint.policies import Geometry
 from flight.events import EngineEvent
-from hil.campaign import RunSlots, run_campaign
+from hil.campaign import RunExecutor, RunSlots, run_campaign
 from hil.testbench import NOT_FINISHED, STOPPED_BY_LIMIT, BenchConfig, PowerModel, RequestSpec
 from traces import load as load_trace
 
@@ -185,6 +185,7 @@ def e2e_campaign(
     jobs: int = 1,
     resume: bool = False,
     slots: RunSlots | None = None,
+    executor: RunExecutor | None = None,
 ) -> list:
     """The `small` model (12 layers: a cut inside a whole-chunk checkpoint loses up to 12
     layer-chunks, inside an OrbitWeaver block 2), a prefill-heavy request (two 512 px images, a
@@ -219,6 +220,7 @@ def e2e_campaign(
         jobs=jobs,
         resume=resume,
         slots=slots,
+        executor=executor,
     )
     # lazy: the validation module pulls in the simulator and transformers' processors
     from hil.sim.validate import stopped_trace_s
@@ -333,11 +335,25 @@ def main(argv=None) -> int:
         "an end-to-end campaign that was stopped keeps its finished runs (hil.campaign resume)",
     )
     p.add_argument(
+        "--cluster",
+        default=None,
+        metavar="ADDRESS",
+        help="run the end-to-end campaigns on a bench farm: every bench of the Ray cluster at ADDRESS, one run "
+        'per bench (docs/hil.md "Bench farm"; --jobs is then the repeats\' only); the rest runs here',
+    )
+    p.add_argument(
+        "--node-ip-address",
+        default=None,
+        help="with --cluster: this machine's address in the cluster, where it is a node of it itself",
+    )
+    p.add_argument(
         "--report-only",
         action="store_true",
         help="measure nothing: write the report from the parts in OUT (missing parts are left out)",
     )
     args = p.parse_args(argv)
+    if args.node_ip_address is not None and args.cluster is None:
+        p.error("--node-ip-address goes with --cluster")
     parts = None if args.parts is None else {x for x in args.parts.split(",") if x}
     if parts is not None and (unknown := parts - set(PARTS)):
         p.error(f"unknown part(s): {', '.join(sorted(unknown))} (known: {', '.join(PARTS)})")
@@ -432,6 +448,12 @@ def main(argv=None) -> int:
     # (hil.campaign.RunSlots): one after the other, each part's tail (the runs that never finish
     # last their trace's whole powered time) left most of the slots idle.
     slots = RunSlots(args.jobs)
+    farm = None
+    if args.cluster is not None:
+        from hil.farm import BenchFarm  # lazy: Ray, only for a bench farm
+
+        # one farm for both parts: together they never hand out more runs than there are benches
+        farm = BenchFarm(args.cluster, node_ip_address=args.node_ip_address)
     campaign_parts = [
         (
             name,
@@ -455,6 +477,7 @@ def main(argv=None) -> int:
                 jobs=args.jobs,
                 resume=args.reuse,
                 slots=slots,
+                executor=farm,
             ),
         )
         for name, pols, cadences in (("e2e", POLICIES, ("fixed", "adaptive")), ("e2e_plus", STRENGTHENED, ("fixed",)))

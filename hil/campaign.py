@@ -17,8 +17,10 @@ import json
 import shutil
 import statistics
 import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import traces
@@ -27,6 +29,7 @@ from flight.options import default_cadence, resolve_cadence
 from hil.testbench import (
     BenchConfig,
     BenchReport,
+    BenchSetup,
     PowerModel,
     RequestReport,
     RequestSpec,
@@ -52,6 +55,8 @@ class CampaignCell:
     workload: str = "paper"
     cadence: str = "fixed"
     report_dir: str = ""  # the run's own directory (its logs), for the report to link
+    bench: str = ""  # where it ran on a bench farm ("bench B on node N"); "" on this machine
+    lost: list[str] = field(default_factory=list)  # why earlier tries of it were lost (bench farm)
 
 
 def variants(policies: list[str], cadences: list[str]) -> list[tuple[str, str, str]]:
@@ -123,24 +128,36 @@ def _jsonable(value):
     return str(value)
 
 
-def _keep_run(cfg: BenchConfig, report: BenchReport) -> None:
+def _keep_run(cfg: BenchConfig, report: BenchReport, outcome: RunOutcome | None = None) -> None:
     path = Path(cfg.out_dir) / RUN_RECORD
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"config": _config_key(cfg), "report": report.to_json()}, indent=1))
+    record: dict = {"config": _config_key(cfg), "report": report.to_json()}
+    if outcome is not None and (outcome.bench or outcome.lost):
+        record["bench"], record["lost"] = outcome.bench, list(outcome.lost)  # where a bench farm ran it
+    tmp.write_text(json.dumps(record, indent=1))
     tmp.replace(path)  # whole or absent: a campaign stopped mid-write reruns the run
 
 
-def kept_run(cfg: BenchConfig) -> BenchReport | None:
-    """The report of a finished earlier run with exactly this configuration, or None (no record,
-    an unreadable one, or a different configuration: then the run runs)."""
+def kept_outcome(cfg: BenchConfig) -> RunOutcome | None:
+    """A finished earlier run with exactly this configuration (its report, and where a bench farm
+    ran it), or None (no record, an unreadable one, or a different configuration: then the run
+    runs)."""
     try:
         record = json.loads((Path(cfg.out_dir) / RUN_RECORD).read_text())
         if record["config"] != _config_key(cfg):
             return None
-        return BenchReport.from_json(record["report"])
+        return RunOutcome(
+            BenchReport.from_json(record["report"]), str(record.get("bench", "")), list(record.get("lost", []))
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def kept_run(cfg: BenchConfig) -> BenchReport | None:
+    """The report of a finished earlier run with exactly this configuration, or None."""
+    outcome = kept_outcome(cfg)
+    return None if outcome is None else outcome.report
 
 
 def config_of_run(run_dir: str | Path) -> BenchConfig:
@@ -237,7 +254,7 @@ class RunSlots:
             self._changed.notify_all()
 
 
-def _started_one_at_a_time(starting: threading.Lock, cfg: BenchConfig) -> BenchReport:
+def _started_one_at_a_time(starting: threading.Lock, cfg: BenchConfig, setup: BenchSetup | None = None) -> BenchReport:
     """Run the testbench once `starting` is free, holding it until the run's trace clock starts."""
     released = threading.Event()
 
@@ -248,9 +265,109 @@ def _started_one_at_a_time(starting: threading.Lock, cfg: BenchConfig) -> BenchR
 
     starting.acquire()
     try:
-        return Testbench(cfg, say=lambda line: None, on_clock_started=release).run()
+        return Testbench(cfg, say=lambda line: None, on_clock_started=release, setup=setup).run()
     finally:
         release()
+
+
+@dataclass
+class PlannedRun:
+    """One run of a campaign's matrix: its place in the plan, its axes and its configuration
+    (`cfg.out_dir` is where its directory ends up, OUT/runs/<name>), and its rank (lowest first)."""
+
+    index: int
+    trace: str
+    workload: str
+    seed: int
+    label: str
+    cadence: str
+    cfg: BenchConfig
+    rank: tuple = ()
+
+    @property
+    def name(self) -> str:
+        return Path(self.cfg.out_dir).name
+
+    @property
+    def what(self) -> str:
+        return f"trace {self.trace} workload {self.workload} seed {self.seed} policy {self.label}"
+
+
+@dataclass
+class RunOutcome:
+    """A finished run as an executor hands it back: its report (its directory is in place at
+    `cfg.out_dir`), where it ran ("" on this machine; on a bench farm "bench B on node N"), and
+    why earlier tries of it were lost (a bench farm runs a run again whose node died under it)."""
+
+    report: BenchReport
+    bench: str = ""
+    lost: list[str] = field(default_factory=list)
+
+
+#: what an executor calls as a run starts (the run, where: "" or "bench B on node N")
+Started = Callable[[PlannedRun, str], None]
+#: what an executor calls once a run has finished and its directory is in place
+Finished = Callable[[PlannedRun, RunOutcome], None]
+
+
+class RunExecutor(ABC):
+    """Where a campaign's runs run. The campaign (its plan, kept runs, records, report and
+    validation) is the same whatever runs them: `LocalPool`, this machine's slots, or
+    `hil.farm.BenchFarm`, one run per bench of a Ray cluster."""
+
+    def prepare(self, runs: list[PlannedRun], out: Path, say: Callable[[str], None]) -> None:  # noqa: B027
+        """Before any run starts (nothing by default)."""
+
+    @abstractmethod
+    def execute(self, runs: list[PlannedRun], started: Started, finished: Finished, stop: threading.Event) -> None:
+        """Run every one of `runs` (given in rank order; the lowest rank gets a free slot first),
+        each from nothing in its `cfg.out_dir`; call `started` as each starts and `finished` once
+        it has ended with its directory in place. Once `stop` is set no run starts any more;
+        return when none is under way. A KeyboardInterrupt sets `stop` and is raised once the
+        runs under way have ended."""
+
+
+class LocalPool(RunExecutor):
+    """This machine: as many runs at once as `slots` gives (shared with the other campaigns
+    given the same slots), started one at a time (RunSlots.starting)."""
+
+    def __init__(self, slots: RunSlots):
+        self.slots = slots
+
+    def prepare(self, runs: list[PlannedRun], out: Path, say: Callable[[str], None]) -> None:
+        # References once, before any run (computed in this process and cached; runs share them).
+        for run in runs:
+            cfg = run.cfg
+            for i, spec in enumerate(cfg.workload or default_workload(cfg.requests)):
+                reference_run(cfg.model, spec, cfg, str(out / "reference" / f"{run.index}-{i}"))
+
+    def execute(self, runs: list[PlannedRun], started: Started, finished: Finished, stop: threading.Event) -> None:
+        slots = self.slots
+
+        def run_one(run: PlannedRun) -> None:
+            slots.acquire(run.rank)
+            try:
+                if stop.is_set():
+                    return
+                started(run, "")
+                # What is there is the campaign's own: a run a stopped campaign cut short, or one of
+                # an earlier campaign run again. A run starts from nothing, never on top of it.
+                shutil.rmtree(run.cfg.out_dir, ignore_errors=True)
+                report = _started_one_at_a_time(slots.starting, run.cfg)
+                finished(run, RunOutcome(report))
+            finally:
+                slots.release()
+
+        # Every run has a thread, submitted in rank order (the first to ask get the free slots);
+        # the slots decide which of those waiting runs next.
+        with ThreadPoolExecutor(max_workers=max(1, len(runs))) as pool:
+            try:
+                for future in [pool.submit(run_one, run) for run in runs]:
+                    future.result()
+            except KeyboardInterrupt:
+                # Leaving the pool waits for every thread: the runs waiting for a slot must not start.
+                stop.set()
+                raise
 
 
 def run_campaign(
@@ -266,10 +383,12 @@ def run_campaign(
     resume: bool = False,
     slots: RunSlots | None = None,
     stop: threading.Event | None = None,
+    executor: RunExecutor | None = None,
 ) -> list[CampaignCell]:
     """Every trace x workload x seed x policy variant; `jobs` runs at once (each is a bus, a
     payload and a ground link of its own), the first traces' first, or as many as `slots` gives,
-    shared with the other campaigns given the same slots. Without `workloads`,
+    shared with the other campaigns given the same slots; or wherever `executor` runs them (a
+    bench farm: `hil.farm.BenchFarm`). Without `workloads`,
     `base.workload` (or its request count) is the only one. With `resume`, a run that an earlier
     campaign into the same directory finished with the same configuration is kept as it was
     (`kept_run`), not run again: a campaign of hours that was stopped goes on where it stopped.
@@ -281,7 +400,7 @@ def run_campaign(
     out = Path(base.out_dir)
     stop = stop or threading.Event()
     cadences = cadences or [resolve_cadence("orbitweaver", base.cadence)]
-    plan = []
+    plan: list[PlannedRun] = []
     no_workload: list[str | None] = [None]  # the base config's own workload
     for trace in traces_:
         for workload in workloads or no_workload:
@@ -297,35 +416,31 @@ def run_campaign(
                         )
                     slug = label.replace(" (", "-").replace(")", "")
                     name = f"{Path(trace).stem}-{workload or 'w'}-s{seed}-{slug}"
-                    plan.append(
-                        (
-                            trace,
-                            workload or "paper",
-                            seed,
-                            label,
-                            cadence,
-                            replace(cfg, out_dir=str(out / "runs" / name)),
-                        )
-                    )
-    # References once, before any run (computed in this process and cached; runs share them).
-    for n, (*_, cfg) in enumerate(plan):
-        for i, spec in enumerate(cfg.workload or default_workload(cfg.requests)):
-            reference_run(cfg.model, spec, cfg, str(out / "reference" / f"{n}-{i}"))
+                    cfg = replace(cfg, out_dir=str(out / "runs" / name))
+                    # Rank: the traces in the order given (make bench gives the short-window ones
+                    # first: their baselines never finish and last the trace's whole powered
+                    # time), a longer queue first, then the plan's order.
+                    rank = (traces_.index(trace), -cfg.requests, len(plan))
+                    plan.append(PlannedRun(len(plan), trace, workload or "paper", seed, label, cadence, cfg, rank))
     lock = threading.Lock()
     # Runs start one at a time (RunSlots.starting): a run's trace clock starts once its zygote has
     # imported the payload's libraries (seconds of CPU each), and ten of those at once on a 2-core
     # machine slowed the first windows of the runs already under way (a load average of 17; three
     # sat1-like runs lost a window to it, docs/hil.md "Campaigns").
-    slots = slots or RunSlots(jobs)
+    executor = executor or LocalPool(slots or RunSlots(jobs))
     cells: list[CampaignCell | None] = [None] * len(plan)
     # Kept runs are known before any run starts, so the counters below count what this campaign
     # runs and what is done, in the order things happen. (They used to print a run's place in the
     # plan at its start; runs start in rank order, not plan order, so the first line of the
     # README's campaign read 11/40: its first run was the plan's eleventh.)
-    kept_runs = {i: kept_run(cfg) for i, (*_, cfg) in enumerate(plan)} if resume else {}
-    kept_runs = {i: r for i, r in kept_runs.items() if r is not None}
-    to_run = len(plan) - len(kept_runs)
+    kept_runs: dict[int, RunOutcome] = {}
+    for run in plan if resume else ():
+        if (kept := kept_outcome(run.cfg)) is not None:
+            kept_runs[run.index] = kept
+    ordered = sorted(plan, key=lambda run: run.rank)
+    to_run = [run for run in ordered if run.index not in kept_runs]
     counts = {"started": 0, "done": 0}
+    started_once: set[int] = set()
     axes = [
         f"{len(traces_)} trace(s)",
         f"{len(workloads or no_workload)} workload(s)",
@@ -334,58 +449,60 @@ def run_campaign(
     ]
     say(
         f"[campaign] {len(plan)} runs ({' x '.join(axes)}) into {out}: "
-        + (f"{len(kept_runs)} kept from an earlier campaign, {to_run} to run" if resume else f"{to_run} to run")
+        + (
+            f"{len(kept_runs)} kept from an earlier campaign, {len(to_run)} to run"
+            if resume
+            else f"{len(to_run)} to run"
+        )
     )
     if to_run:
         say("[campaign] Ctrl-C stops it; the same command with --resume keeps every finished run and runs the rest")
 
-    def run_one(index: int) -> None:
-        trace, workload, seed, label, cadence, cfg = plan[index]
-        what = f"trace {trace} workload {workload} seed {seed} policy {label}"
-        kept = kept_runs.get(index)
-        if kept is None:
-            slots.acquire(rank[index])
-        try:
-            if kept is None:
-                if stop.is_set():
-                    return
-                with lock:
-                    counts["started"] += 1
-                    say(f"[campaign] run {counts['started']}/{to_run} starting: {what}")
-                # What is there is the campaign's own: a run a stopped campaign cut short, or one of
-                # an earlier campaign run again. A run starts from nothing, never on top of it.
-                shutil.rmtree(cfg.out_dir, ignore_errors=True)
-                report = _started_one_at_a_time(slots.starting, cfg)
-                if stop.is_set():
-                    return  # cut short by the stop: not a finished run
-                _keep_run(cfg, report)
-            else:
-                report = kept
-        finally:
-            if kept is None:
-                slots.release()
+    def record(run: PlannedRun, outcome: RunOutcome, how: str) -> None:
         with lock:
             counts["done"] += 1
-            how = "kept from an earlier campaign" if kept is not None else "finished"
-            say(f"[campaign] {counts['done']}/{len(plan)} done: {what} ({how})")
-            say("  " + report.summary().replace("\n", "\n  "))
-            cells[index] = CampaignCell(trace, label, seed, report, workload, cadence, cfg.out_dir)
+            say(f"[campaign] {counts['done']}/{len(plan)} done: {run.what} ({how})")
+            say("  " + outcome.report.summary().replace("\n", "\n  "))
+            cells[run.index] = CampaignCell(
+                run.trace,
+                run.label,
+                run.seed,
+                outcome.report,
+                run.workload,
+                run.cadence,
+                run.cfg.out_dir,
+                outcome.bench,
+                list(outcome.lost),
+            )
             write_report(out, [c for c in cells if c is not None])  # partial results survive a stop
 
-    # Every run has a thread, submitted in rank order (the first to ask get the free slots); the
-    # slots decide which of those waiting runs next. Rank: the traces in the order given (make
-    # bench gives the short-window ones first: their baselines never finish and last the trace's
-    # whole powered time), a longer queue first, then the plan's order.
-    rank = [(traces_.index(trace), -cfg.requests, i) for i, (trace, *_, cfg) in enumerate(plan)]
-    order = sorted(range(len(plan)), key=rank.__getitem__)
-    with ThreadPoolExecutor(max_workers=max(1, len(plan))) as pool:
-        try:
-            for future in [pool.submit(run_one, i) for i in order]:
-                future.result()
-        except KeyboardInterrupt:
-            # Leaving the pool waits for every thread: the runs waiting for a slot must not start.
-            stop.set()
-            raise
+    def started(run: PlannedRun, where: str) -> None:
+        with lock:
+            if run.index in started_once:  # a run a bench farm lost, started again: counted once
+                say(f"[campaign] run starting again: {run.what}" + (f" on {where}" if where else ""))
+                return
+            started_once.add(run.index)
+            counts["started"] += 1
+            say(
+                f"[campaign] run {counts['started']}/{len(to_run)} starting: {run.what}"
+                + (f" on {where}" if where else "")
+            )
+
+    def finished(run: PlannedRun, outcome: RunOutcome) -> None:
+        if stop.is_set():
+            return  # cut short by the stop: not a finished run
+        _keep_run(run.cfg, outcome.report, outcome)
+        how = "finished" + (f" on {outcome.bench}" if outcome.bench else "")
+        if outcome.lost:
+            how += f"; run again after: {'; '.join(outcome.lost)}"
+        record(run, outcome, how)
+
+    for run in ordered:
+        if run.index in kept_runs:
+            record(run, kept_runs[run.index], "kept from an earlier campaign")
+    if to_run and not stop.is_set():
+        executor.prepare(to_run, out, say)
+        executor.execute(to_run, started, finished, stop)
     done = [c for c in cells if c is not None]
     if not stop.is_set():  # stopped: each finished run already rewrote the report; keep it as is
         write_report(out, done)
@@ -409,6 +526,8 @@ def load_cells(out: Path) -> list[CampaignCell]:
                 BenchReport(**run),
                 row["workload"],
                 row.get("cadence", "fixed"),
+                bench=row.get("bench") or "",
+                lost=list(row.get("run_again_because") or []),
             )
         )
     return cells
@@ -547,6 +666,32 @@ def speedups(rows: list[dict], reference: str) -> list[dict]:
     return out
 
 
+def farm_lines(runs: list[dict]) -> list[str]:
+    """The report's bench farm section: where each run ran, and every run that ran again and why
+    (none on this machine: no section)."""
+    farmed = [r for r in runs if r.get("bench")]
+    if not farmed:
+        return []
+    again = [r for r in farmed if r["run_again_because"]]
+    lines = [
+        "## Bench farm",
+        "",
+        f'{len(farmed)} of {len(runs)} runs ran on a bench farm (docs/hil.md "Bench farm"), on '
+        f"{len({r['bench'] for r in farmed})} bench(es); {len(again)} of them ran again after losing a "
+        "bench under them, each counted once (its last, finished run).",
+        "",
+        "| trace | workload | policy | seed | ran on | run again because |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in farmed:
+        lines.append(
+            f"| {Path(r['trace']).stem} | {r['workload']} | {r['policy']} | {r['seed']} | {r['bench']} | "
+            + ("; ".join(r["run_again_because"]) or "-")
+            + " |"
+        )
+    return lines + [""]
+
+
 def write_report(out: Path, cells: list[CampaignCell]) -> Path:
     # lazy: matplotlib (~0.5 s), only to draw the plots
     import matplotlib
@@ -578,6 +723,9 @@ def write_report(out: Path, cells: list[CampaignCell]) -> Path:
                 "energy_j": report.energy_j,
                 "wall_s": report.wall_s,
                 "start_residual_s": report.start_residual_s,
+                # a bench farm's: where the run ran, and why earlier tries of it were lost
+                "bench": c.bench or None,
+                "run_again_because": list(c.lost),
             }
         )
     rows = summarise(cells)
@@ -683,6 +831,7 @@ def write_report(out: Path, cells: list[CampaignCell]) -> Path:
             f"{row['wall_s']:.0f} |"
         )
     lines += ["", "Per-run details: `runs/<trace>-<workload>-s<seed>-<policy>/summary.txt` and `report.json`.", ""]
+    lines += farm_lines(runs)
     for label, fname in plots:
         lines += [f"## {label[0].upper() + label[1:]}", "", f"![{label}]({fname})", ""]
     lines += [

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -375,6 +375,28 @@ class _TelemetryRecorder(threading.Thread):
             return list(self.packets)
 
 
+@dataclass(frozen=True)
+class BenchSetup:
+    """Where a run runs when it is not this machine's own loopback bench (a bench of a bench
+    farm, hil/farm.py): the files its configuration names (model directory, trace, request
+    images) as this host holds them, and the bench's power switch as `BusConfig` fields
+    (power_driver, ssh_host, ...; docs/hil.md "Bench farm"). The configuration itself is left as
+    it is: it says what runs, and its report names the trace as the campaign does."""
+
+    #: a path or name of the configuration -> where this host holds that file or directory
+    files: dict[str, str] = field(default_factory=dict)
+    #: BusConfig fields of the bench's power switch
+    switch: dict[str, Any] = field(default_factory=dict)
+    #: where the bus binds the payload link (default: loopback, an ephemeral port); a board on the
+    #: bench's network reaches it there
+    payload_bind: str | None = None
+    #: the run's bus dies with the thread that runs it (a farm's worker may be killed under it)
+    bus_dies_with_run: bool = False
+
+    def local(self, path: str) -> str:
+        return self.files.get(path, path)
+
+
 #: in a run's output directory: the bus's data dir, which holds the payload's (hil/bus/config.py)
 RUN_STATE_DIR = "bus"
 
@@ -384,10 +406,13 @@ class EarlierRunError(FileExistsError):
 
 
 class Testbench:
-    def __init__(self, cfg: BenchConfig, say=None, on_clock_started=None):
+    def __init__(self, cfg: BenchConfig, say=None, on_clock_started=None, setup: BenchSetup | None = None):
         """`on_clock_started` (optional) is called once the bus is ready and its trace clock
-        starts, or when the run ends without getting there (a campaign starts its next run then)."""
+        starts, or when the run ends without getting there (a campaign starts its next run then).
+        `setup`: a bench farm's bench (its files and its power switch); default this machine's."""
         self.cfg = cfg
+        self.setup = setup or BenchSetup()
+        self.model = self.setup.local(cfg.model)
         self.say = say or (lambda line: print(line, flush=True))
         self._on_clock_started = on_clock_started
         self.out = Path(cfg.out_dir)
@@ -404,7 +429,7 @@ class Testbench:
         self.out.mkdir(parents=True, exist_ok=True)
         self.keys = str(self.out / "keys")
         init_keys(self.keys)
-        self.trace = traces.load(cfg.trace)
+        self.trace = traces.load(self.setup.local(cfg.trace))
         self.start_at = cfg.start_at_s
         if self.start_at == 0 and not self.trace.is_on_at(0):
             # Nothing can happen before the first window: start there rather than wait for it.
@@ -413,7 +438,9 @@ class Testbench:
         refs_path = self.out / "references.json"
         self.references = []
         for i, spec in enumerate(self.workload):
-            self.references.append(reference_run(cfg.model, spec, cfg, str(self.out / "reference" / f"r{i}")))
+            self.references.append(
+                reference_run(self.model, self._local_spec(spec), cfg, str(self.out / "reference" / f"r{i}"))
+            )
         refs_path.write_text(json.dumps(self.references))
         units = statistics.mean(r["units"] for r in self.references)
         emulated = cfg.boot_trace_s is not None
@@ -457,9 +484,9 @@ class Testbench:
         # says which cadence flew without knowing what the default was when it ran.
         args += ["--cadence", resolve_cadence(c.policy, c.cadence)]
         if c.emulate_target_storage:
-            read, write = target_storage_mbps(c.model, c.chunk, self.pace_ms)
+            read, write = target_storage_mbps(self.model, c.chunk, self.pace_ms)
             args += ["--emulate-read-mbps", f"{read:.6f}", "--emulate-write-mbps", f"{write:.6f}"]
-            args += ["--emulate-data-weight", f"{target_data_weight(c.model):.6f}"]
+            args += ["--emulate-data-weight", f"{target_data_weight(self.model):.6f}"]
         return args + list(c.extra_flight_args)
 
     # ---- the run --------------------------------------------------------------------------------------
@@ -488,7 +515,9 @@ class Testbench:
             f"{self.pace_ms:.0f} ms/unit, {boot}"
         )
         endpoints = cfg.endpoints or Endpoints(
-            commands="tcp://127.0.0.1:*", payload="tcp://127.0.0.1:*", telemetry="tcp://127.0.0.1:*"
+            commands="tcp://127.0.0.1:*",
+            payload=self.setup.payload_bind or "tcp://127.0.0.1:*",
+            telemetry="tcp://127.0.0.1:*",
         )
         bus_cfg = BusConfig(
             trace=str(self._trace_path()),
@@ -497,15 +526,19 @@ class Testbench:
             time_scale=self.scale,
             start_at_s=self.start_at,
             endpoints=endpoints,
-            model=cfg.model,
+            model=self.model,
             flight_args=self._flight_args(),
             heartbeat_timeout_s=max(20.0, 4 * self.boot_s),
             boot_timeout_s=max(60.0, 10 * self.boot_s),
             boot_trace_s=cfg.boot_trace_s,
             skip_idle=cfg.skip_idle,
         )
+        if self.setup.switch:  # a bench farm's bench: its own power switch
+            bus_cfg = replace(bus_cfg, **self.setup.switch)
         started = time.time()
-        bus = BusProcess(bus_cfg).start()  # returns once the zygote is ready: the trace clock starts
+        bus = BusProcess(
+            bus_cfg, die_with_parent=self.setup.bus_dies_with_run
+        ).start()  # returns once the zygote is ready: the trace clock starts
         self._clock_started()
         bus_proc = bus.proc
         assert bus_proc is not None  # start() has launched it
@@ -527,7 +560,10 @@ class Testbench:
                     task_id = f"r{i:02d}"
                     try:
                         ground.uplink(
-                            list(spec.images), spec.prompt, max_new_tokens=spec.max_new_tokens, task_id=task_id
+                            [self.setup.local(x) for x in spec.images],
+                            spec.prompt,
+                            max_new_tokens=spec.max_new_tokens,
+                            task_id=task_id,
                         )
                         tasks.append((task_id, time.time()))
                         self.say(f"[ground] uplinked {task_id}: {spec.prompt!r} with {len(spec.images)} images")
@@ -588,7 +624,11 @@ class Testbench:
         return results
 
     def _trace_path(self) -> Path:
-        return Path(traces.resolve(self.cfg.trace)) if hasattr(traces, "resolve") else Path(self.cfg.trace)
+        return Path(traces.resolve(self.setup.local(self.cfg.trace)))
+
+    def _local_spec(self, spec: RequestSpec) -> RequestSpec:
+        """The request with its images as this host holds them (the same pictures)."""
+        return replace(spec, images=tuple(self.setup.local(x) for x in spec.images))
 
     def _show(self, msg: m.Message) -> None:
         if isinstance(msg, m.PowerStateChange):

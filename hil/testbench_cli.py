@@ -1,7 +1,8 @@
 """`ow hil run | campaign | replay | deploy`: the testbench from the command line.
 
 Exit status: 0 every request completed with its reference answer (replay: identical); 1 not
-(replay: a divergence); 2 a bad argument or trace; 3 an unusable model directory; 6 out of
+(replay: a divergence); 2 a bad argument or trace; 3 an unusable model directory; 4 a bench farm
+that cannot run the campaign (no benches, a node with other code, a bad bench file); 6 out of
 memory (common.errors). Every value is checked before anything is written (docs/hil.md).
 """
 
@@ -26,6 +27,8 @@ from flight.model.config import ModelError, check_weight_files, read_model_type
 
 DEFAULT_MODEL = os.path.join("runs", "models", "qwen3-vl-tiny")
 EXIT_USAGE, EXIT_MODEL = 2, 3
+#: a bench farm that cannot run the campaign (no benches, a node with other code, a bad bench file)
+EXIT_FARM = 4
 
 
 def register_testbench(hsub) -> None:
@@ -98,6 +101,20 @@ def register_testbench(hsub) -> None:
         action="store_true",
         help="keep the runs an earlier campaign into OUT finished with the same configuration, run only the "
         "others (each finished run leaves OUT/runs/<run>/campaign-run.json); rerun without it after changing code",
+    )
+    camp.add_argument(
+        "--cluster",
+        default=None,
+        metavar="ADDRESS",
+        help="run on a bench farm: the Ray cluster at ADDRESS (as `ray start` printed it, or ray://HOST:PORT), "
+        "one run per bench (each node offers the custom resource `bench` once per bench it drives; its "
+        "OW_BENCHES file says how to reach their switches). The report, data and --resume are the same; "
+        'a run whose node dies runs again on another bench (docs/hil.md "Bench farm")',
+    )
+    camp.add_argument(
+        "--node-ip-address",
+        default=None,
+        help="with --cluster: this machine's address in the cluster, where it is a node of it itself",
     )
     camp.set_defaults(func=cmd_campaign)
 
@@ -353,6 +370,7 @@ def cmd_run(args) -> int:
 def cmd_campaign(args) -> int:
     # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
     from hil.campaign import WORKLOADS, run_campaign
+    from hil.farm import FarmError
 
     owlog.setup(args.log_level, component="hil")
     preset = CAMPAIGN_QUICK if args.quick else CAMPAIGN_FULL
@@ -382,6 +400,15 @@ def cmd_campaign(args) -> int:
         raise CliError(f"unknown workload {bad[0]!r} ({', '.join(WORKLOADS)})", 2)
     if args.jobs < 1:
         raise CliError("--jobs must be at least 1", 2)
+    if args.cluster is not None and args.jobs != 1:
+        raise CliError("--jobs is for this machine; with --cluster each bench runs one run at a time", 2)
+    if args.node_ip_address is not None and args.cluster is None:
+        raise CliError("--node-ip-address goes with --cluster", 2)
+    executor = None
+    if args.cluster is not None:
+        from hil.farm import BenchFarm  # lazy: Ray, only for a bench farm
+
+        executor = BenchFarm(args.cluster, node_ip_address=args.node_ip_address)
     stop = threading.Event()
 
     def interrupted(signum, frame) -> None:
@@ -403,7 +430,10 @@ def cmd_campaign(args) -> int:
             say=lambda line: print(line, flush=True),
             resume=args.resume,
             stop=stop,
+            executor=executor,
         )
+    except FarmError as exc:
+        raise CliError(str(exc), EXIT_FARM) from None
     except KeyboardInterrupt:
         from hil.campaign import RUN_RECORD
 

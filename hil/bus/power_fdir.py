@@ -147,6 +147,12 @@ class PowerPart(TelemetryPart):
             return
         if desired:
             self._power_on()
+        elif self._stop.is_set() and self.trace_on:
+            # The bus is stopping: the payload goes off with the bus, as _shutdown says, not with
+            # the cause of the trace's last cut (left in off_cause): a testbench run counted such
+            # a power-off, after its last request, as a cut when the loop got here first.
+            origin = "end" if self.stop_reason == "trace_end" else "shutdown"
+            self._power_off(PowerCause.TRACE if origin == "end" else PowerCause.COMMANDED, origin)
         else:
             self._power_off(self.off_cause, self.off_origin)
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -208,13 +209,17 @@ class BusProcess:
         log_path: str | os.PathLike | None = None,
         python: str | None = None,
         env: dict | None = None,
+        die_with_parent: bool = False,
     ):
+        """`die_with_parent`: the bus is SIGKILLed when the thread that starts it ends (a bench
+        farm's run, whose worker may be killed: no bus, and no powered payload, outlives it)."""
         ready_file = config.ready_file or Path(config.data_dir) / "bus-ready.json"
         self.config = replace(config, ready_file=ready_file)
         self.ready_file = Path(ready_file)
         self.log_path = Path(log_path) if log_path else Path(config.data_dir) / "bus-stderr.log"
         self.argv = [python or sys.executable, "-m", "hil.bus.cli", "run", *config_to_argv(self.config)]
         self.env = env
+        self.die_with_parent = die_with_parent
         self.proc: subprocess.Popen | None = None
         self.info: dict = {}
 
@@ -227,9 +232,20 @@ class BusProcess:
         prepared: a zygote's imports can take minutes on a loaded machine, at most 600 s)."""
         Path(self.config.data_dir).mkdir(parents=True, exist_ok=True)
         self.ready_file.unlink(missing_ok=True)
+        preexec: Callable[[], None] | None = None
+        if self.die_with_parent:
+            # imported here, not in the forked child (an import there can deadlock)
+            from hil.bus.zygote import die_with_parent
+
+            preexec = die_with_parent
         with open(self.log_path, "ab") as err:
             self.proc = subprocess.Popen(
-                self.argv, stdin=subprocess.DEVNULL, stdout=err, stderr=subprocess.STDOUT, env=self.env
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=err,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                preexec_fn=preexec,
             )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

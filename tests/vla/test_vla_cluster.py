@@ -27,7 +27,9 @@ from testkit import free_ports
 
 pytest.importorskip("ray.serve", reason="Ray Serve is in the test extra; `make venv` installs it")
 
-pytestmark = pytest.mark.slow
+# One worker runs every test that starts a Ray cluster (make test runs --dist loadgroup): two
+# clusters at once would share this machine's cores and loopback (tests/hil/test_farm.py).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray-cluster")]
 TOKEN = "cluster-test-robot-key-0001"
 # Each node its own loopback address: Ray turns 127.0.0.1 into the machine's routable address,
 # and every packet of this test stays on loopback.
