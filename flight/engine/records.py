@@ -65,7 +65,7 @@ class RecordSink:
         def timed_write(*args: Any) -> int:
             start = time.perf_counter()
             nbytes = write(*args)
-            cadence.observe_write(phase, time.perf_counter() - start)
+            cadence.observe_write(phase, time.perf_counter() - start, nbytes)
             return nbytes
 
         return timed_write
@@ -77,6 +77,17 @@ class RecordSink:
         if asked:
             self.events("early_record", phase=phase, since=since)
         return asked
+
+    def skips_vision_state(self, block: int, since: int, blocks_left: int, nbytes: int) -> bool:
+        """Whether the adaptive cadence skips the vision state the fixed cadence schedules after
+        `block` (Cadence.skip_vision_state, weighed against the writer's backlog), announced as
+        a `vision_state_skipped` event."""
+        if not (self.adaptive and self.enabled):
+            return False
+        skip = self.cadence.skip_vision_state(since, blocks_left, nbytes, *self.writer.backlog())
+        if skip:
+            self.events("vision_state_skipped", block=block, since=since)
+        return skip
 
     def note_held_peak(self, phase: str) -> None:
         self.held_peaks[phase] = max(self.held_peaks.get(phase, 0), self.writer.take_peak())

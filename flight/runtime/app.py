@@ -1029,6 +1029,8 @@ class FlightApp(CommandHandlers):
                 )
             elif name == "early_record":  # in the payload's log: the simulator's count is checked against it
                 self.log.info("early_record", task_id=task.task_id, phase=fields.get("phase"))
+            elif name == "vision_state_skipped":  # the adaptive cadence's skip rule, in the payload's log
+                self.log.info(name, task_id=task.task_id, **fields)
             elif name in ("recovery_plan", "prefill_restored"):  # a restart's plan and what it cost
                 self.log.info(name, task_id=task.task_id, **fields)
             elif name == "checkpoint_write_failed":
