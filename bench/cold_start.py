@@ -59,9 +59,9 @@ from bench.recovery_planner import boot_times
 from common.wire import Apid, NodeId, PowerCause, decode, encode
 from common.wire import messages as m
 from common.wire.link import recv_packet
+from hil.scripted_bus import BusPeer, spawn_flight
 from hil.testbench import SAMPLES
 from hil.testbench_cli import ensure_model
-from tests.flight.buspeer import BusPeer, spawn_flight
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

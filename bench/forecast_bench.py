@@ -20,16 +20,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from common.sim.windows import finish_times, trace_windows
-from ground.forecast import forecast_tasks
-from traces.presets import generate
+from ground.forecast import forecast_tasks, power_up_overhead
+from traces.presets import SHIPPED_SEEDS, generate
 
 TRAINING = ("trace-a", "sat2-like")
 HELD_OUT = ("trace-b", "sat1-like", "dellingr-like")
 AFTER = (0, 1, 3, 10)
+#: A kind's rows forecast with its contact plan (`known_off`) as well as the history.
+PLAN_SUFFIX = " + contact plan"
 
 # Seconds per durable unit in trace seconds: a 2B-class request at the testbench's pace.
 BASE = {
@@ -48,7 +54,7 @@ def _profile(cadence: str) -> dict:
     return dict(BASE, cadence=cadence)
 
 
-def _units(profile: dict) -> list[float]:
+def _units(profile: dict) -> list[tuple[float, int]]:
     from ground.forecast import _unit_list  # the forecast's own unit list: truth and forecast agree on work
 
     return _unit_list(profile, None, 0, None, None)
@@ -60,14 +66,32 @@ def _basis(profile, windows, upto_index, now, progress):
     return {"profile": profile, "windows": {"starts": starts, "lengths": lengths}, "progress": progress}
 
 
-def evaluate(kind: str, seed: int, workload: str, cadence: str, draws: int) -> list[dict]:
+def known_off(kind: str, seed: int) -> list[tuple[float, float]]:
+    """The periods a trace's payload is known in advance to be off: its scheduled higher-priority
+    payload windows (the contact plan; traces/generator.py, the bus starts no payload within the
+    warning lead before one), none where the kind has none."""
+    from traces.generator import _contention_windows
+    from traces.presets import PRESETS
+
+    config = PRESETS[kind]
+    lead = config.contention.warning_lead_s
+    scheduled = _contention_windows(config, seed, -int(config.warmup_s), int(config.duration_s + config.orbit.period_s))
+    return [(a - lead, float(b)) for a, b in scheduled]
+
+
+def evaluate(kind: str, seed: int, workload: str, cadence: str, draws: int, plan_known: bool = False) -> list[dict]:
     trace = generate(kind, seed)
-    windows, _ = trace_windows(trace)
+    off = known_off(kind, seed) if plan_known else []
+    windows, warns = trace_windows(trace)
+    # each window's cut as the bus makes it: announced (SHUTDOWN_WARNING) or not
+    announced = [e in warns for _, e in windows]
     windows = [(s, min(e, trace.duration_s)) for s, e in windows]
+    flagged = [(s, e, w) for (s, e), w in zip(windows, announced, strict=True)]
     profile = _profile(cadence)
     one = _units(profile)
     ntasks = WORKLOADS[workload]
-    units = one * ntasks
+    units = [u for u, _ in one] * ntasks
+    parts = [max(1, k) for _, k in one] * ntasks
     marks = [len(one) * (k + 1) for k in range(ntasks)]
     rows = []
     # arrivals: at the start of windows with at least 3 ended before, 6 spread over the trace
@@ -76,7 +100,12 @@ def evaluate(kind: str, seed: int, workload: str, cadence: str, draws: int) -> l
     for a in picks:
         uplink = windows[a][0]
         truth = finish_times(
-            units, marks, iter(windows[a:]), overhead_s=profile["overhead_s"], first_overhead_s=profile["overhead_s"]
+            units,
+            marks,
+            iter(flagged[a:]),
+            overhead_s=power_up_overhead(profile),
+            first_overhead_s=power_up_overhead(profile),
+            parts=parts,
         )
         if any(x is None for x in truth):
             continue  # does not complete before the trace ends
@@ -87,9 +116,10 @@ def evaluate(kind: str, seed: int, workload: str, cadence: str, draws: int) -> l
                 for x in finish_times(
                     units,
                     list(range(1, len(units) + 1)),
-                    iter(windows[a:]),
-                    overhead_s=profile["overhead_s"],
-                    first_overhead_s=profile["overhead_s"],
+                    iter(flagged[a:]),
+                    overhead_s=power_up_overhead(profile),
+                    first_overhead_s=power_up_overhead(profile),
+                    parts=parts,
                 )
                 if x is not None
             )
@@ -112,9 +142,10 @@ def evaluate(kind: str, seed: int, workload: str, cadence: str, draws: int) -> l
             first_open = int(tasks[0]["task_id"][1:])
             within = made - (marks[first_open - 1] if first_open else 0)
             basis = _basis(profile, windows, w, now, {})
+            basis["cuts"] = {"heard": w, "warned": sum(announced[:w])}  # as the ground heard them
             if within > 0:
                 basis["progress"] = {"task_id": tasks[0]["task_id"], "units_done": within, "heard_at": now}
-            fc = forecast_tasks(tasks, basis, now_wall=now, draws=draws, seed=seed)
+            fc = forecast_tasks(tasks, basis, known_off=off, now_wall=now, draws=draws, seed=seed)
             if "unavailable" in fc:
                 continue
             for task in tasks:
@@ -128,13 +159,15 @@ def evaluate(kind: str, seed: int, workload: str, cadence: str, draws: int) -> l
                 e2e = actual - uplink
                 rows.append(
                     {
-                        "trace": kind,
+                        "trace": kind + (PLAN_SUFFIX if plan_known else ""),
                         "seed": seed,
                         "workload": workload,
                         "cadence": cadence,
                         "after": after,
                         "inside": f["p10"] <= actual <= f["p90"],
                         "error": abs(f["expected"] - actual) / max(1e-9, e2e),
+                        "signed": (f["expected"] - actual) / max(1e-9, e2e),
+                        "history": w,
                     }
                 )
     return rows
@@ -142,7 +175,7 @@ def evaluate(kind: str, seed: int, workload: str, cadence: str, draws: int) -> l
 
 def table(rows: list[dict]) -> list[dict]:
     out = []
-    for kind in TRAINING + HELD_OUT:
+    for kind in [k + suffix for k in TRAINING + HELD_OUT for suffix in ("", PLAN_SUFFIX)]:
         for after in AFTER:
             sel = [r for r in rows if r["trace"] == kind and r["after"] == after]
             if not sel:
@@ -151,7 +184,7 @@ def table(rows: list[dict]) -> list[dict]:
             out.append(
                 {
                     "trace": kind,
-                    "held_out": kind in HELD_OUT,
+                    "held_out": kind.removesuffix(PLAN_SUFFIX) in HELD_OUT,
                     "after": after,
                     "n": len(sel),
                     "inside": sum(r["inside"] for r in sel) / len(sel),
@@ -181,10 +214,16 @@ def run(seeds=(101, 102), draws: int = 200) -> dict:
             for workload in WORKLOADS:
                 for cadence in ("fixed", "adaptive"):
                     rows += evaluate(kind, seed, workload, cadence, draws)
+                    if known_off(kind, seed):  # the same again, given the contact plan
+                        rows += evaluate(kind, seed, workload, cadence, draws, plan_known=True)
     by_seed = []
     for seed in seeds:
         for held in (False, True):
-            sel = [r for r in rows if r["seed"] == seed and (r["trace"] in HELD_OUT) == held]
+            sel = [
+                r
+                for r in rows
+                if r["seed"] == seed and (r["trace"] in HELD_OUT) == held and not r["trace"].endswith(PLAN_SUFFIX)
+            ]
             up = [r["error"] for r in sel if r["after"] == 0]
             if sel and up:
                 by_seed.append(
@@ -200,10 +239,10 @@ def run(seeds=(101, 102), draws: int = 200) -> dict:
 
 
 def format_table(result: dict) -> str:
-    lines = ["trace          held-out  after  n    in 10-90  median err  p90 err"]
+    lines = ["trace                        held-out  after  n    in 10-90  median err  p90 err"]
     for r in result["table"]:
         lines.append(
-            f"{r['trace']:<14} {'yes' if r['held_out'] else 'no':<9} {r['after']:>5}  {r['n']:<4} "
+            f"{r['trace']:<28} {'yes' if r['held_out'] else 'no':<9} {r['after']:>5}  {r['n']:<4} "
             f"{100 * r['inside']:6.0f} %  {100 * r['median_error']:8.1f} %  {100 * r['p90_error']:5.1f} %"
         )
     for r in result.get("by_seed", []):
@@ -216,14 +255,371 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+# ---- against the real processes ---------------------------------------------------------------
+#
+# A testbench run's bus log holds what the ground would have heard: every power-up and cut, each
+# task's acceptance, its PROGRESS reports and its COMPLETED report. The forecast is made again
+# from it at each task's uplink and at every power-up after it (when the payload sends its
+# WINDOW_HISTORY), and compared with the task's real completion. The payload's profile is the
+# one a payload of the same configuration kept in another run (its `state/profile.json`, as its
+# PAYLOAD_PROFILE says it), never the run's own: in flight a payload has served tasks before.
+# The window history is the trace's windows before the run started (the campaign's payload is
+# fresh; in flight it has lived through them) and then the run's own power-ups and cuts as the
+# bus logged them. Everything is in trace seconds: the payload measured wall seconds while
+# powered, where a trace second lasts `time_scale` wall seconds (between windows the bus skips
+# idle time, so the payload's own clock is not the trace's there).
+
+#: History windows the payload keeps and sends (flight/runtime/profile.py KEEP_STARTS).
+KEEP_WINDOWS = 256
+#: The payload's past before a run: the same kind's realisation of seed (run's seed + PAST_SEED).
+PAST_SEED = 1000
+KINDS = TRAINING + HELD_OUT
+
+
+def _flight_option(args: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _run_start(run_dir: Path):
+    from hil.bus import buslog as bl
+
+    recorded = bl.runs(bl.read_log(run_dir / "bus" / bl.LOG_FILE))
+    if not recorded:
+        raise ValueError(f"{run_dir}: the bus log records no run")
+    entries = next(iter(recorded.values()))
+    start = next((e for e in entries if e.kind == bl.RUN_START), None)
+    if start is None:
+        raise ValueError(f"{run_dir}: the bus log has no run_start entry")
+    return entries, start
+
+
+def kept_profile(run_dir: str | Path) -> dict | None:
+    """The profile the run's payload kept (`bus/payload/state/profile.json`), as its
+    PAYLOAD_PROFILE says it (ground/forecast.py forecast_profile's form), in trace seconds;
+    None where it kept none or measured no phase."""
+    run = Path(run_dir)
+    try:
+        kept = json.loads((run / "bus" / "payload" / "state" / "profile.json").read_text("utf-8"))
+    except (OSError, ValueError):
+        return None
+    _, start = _run_start(run)
+    scale = float(start.get("time_scale") or 1.0)
+    args = list(start.get("flight_args") or [])
+    unit_s = {k: float(v) / scale for k, v in (kept.get("unit_s") or {}).items()}
+    if not unit_s:
+        return None
+    overheads, setup = kept.get("overheads") or [], kept.get("setup") or []
+    return {
+        "model": Path(str(start.get("model") or "model")).name,
+        "policy": _flight_option(args, "--policy") or "orbitweaver",
+        "cadence": _flight_option(args, "--cadence") or "fixed",
+        "unit_s": unit_s,
+        "task_units": {k: int(v) for k, v in (kept.get("task_units") or {}).items()},
+        "durable_every": {
+            "vision": int(_flight_option(args, "--vision-every") or 1),
+            "prefill": 1,
+            "decode": int(_flight_option(args, "--decode-every") or 1),
+        },
+        "decode_tokens": int(kept.get("decode_tokens") or 0),
+        "overhead_s": statistics.median(overheads) / scale if overheads else 0.0,
+        "setup_s": statistics.median(setup) / scale if setup else 0.0,
+    }
+
+
+def _run_trace(start) -> Any:
+    """The trace a run flew: its file, else the seed trace generated again from the file's name
+    (a campaign's `<kind>-seed<N>.jsonl`), else the shipped trace of the run's trace name."""
+    import traces
+
+    path = Path(str(start.get("trace_path") or ""))
+    if path.is_file():
+        return traces.load(path)
+    kind, sep, seed = path.name.removesuffix(".jsonl").rpartition("-seed")
+    if sep and seed.isdigit():
+        return generate(kind, int(seed))
+    return traces.load(traces.resolve(str(start.get("trace"))))
+
+
+def run_kind_seed(run_dir: str | Path) -> tuple[str, int]:
+    """(trace kind, seed) of a run: the campaign's seed trace name, else seed 0 (shipped)."""
+    _, start = _run_start(Path(run_dir))
+    name = Path(str(start.get("trace_path") or start.get("trace"))).name.removesuffix(".jsonl")
+    kind, sep, seed = name.rpartition("-seed")
+    return (kind, int(seed)) if sep and seed.isdigit() else (str(start.get("trace")), 0)
+
+
+def replay_run(
+    run_dir: str | Path, profile: dict, *, draws: int = 200, seed: int = 0, plan_known: bool = False
+) -> list[dict]:
+    """Forecasts made again from one testbench run's bus log, each against the task's real
+    completion (see above). One row per (task, moment): after (power-ups since its uplink),
+    error (|expected - completed| / the task's real end-to-end time), inside (the 10-90 band
+    holds the completion). Tasks the run did not complete are not forecast against."""
+    from hil.bus import buslog as bl
+
+    run = Path(run_dir)
+    entries, start = _run_start(run)
+    boot = float(start.get("boot_trace_s") or 0.0)  # the payload process starts after it
+    start_at = float(start.get("start_at_s") or 0.0)
+    trace = _run_trace(start)
+    kind_, trace_seed = run_kind_seed(run)
+    # The payload's past: another realisation of the same trace kind (seed + PAST_SEED), played
+    # just before the trace, then the trace's own windows before the run started.
+    past = generate(kind_, trace_seed + PAST_SEED) if kind_ in KINDS else None
+    windows, warns = trace_windows(trace)
+    lived: list[tuple[float, float, bool]] = []
+    if past is not None:
+        past_windows, past_warns = trace_windows(past)
+        lived += [
+            (a - past.duration_s, min(b, past.duration_s) - past.duration_s, b in past_warns) for a, b in past_windows
+        ]
+    lived += [(a, b, b in warns) for a, b in windows if b <= start_at]
+    # (process start, cut or None while powered, the cut announced)
+    history: list[tuple[float, float | None, bool]] = [(a + boot, b, w) for a, b, w in lived if b > a + boot]
+    on: float | None = None
+    warned = False
+    for e in entries:
+        if e.kind == bl.POWER_ON and e.trace_s is not None:
+            on, warned = e.trace_s, False
+        elif e.kind == bl.WARNING:
+            warned = True
+        elif e.kind == bl.POWER_OFF and e.trace_s is not None and on is not None:
+            if e.trace_s > on + boot:  # a window the payload process lived in (it logs those)
+                history.append((on + boot, e.trace_s, warned))
+            on = None
+    if on is not None:
+        history.append((on + boot, None, False))  # still powered when the log ends
+    uplinks, _ = bl.recorded_uplinks(entries)
+    accepted: dict[str, float] = {}
+    completed: dict[str, float] = {}
+    progress: list[tuple[float, str, str, int, int]] = []
+    for e in entries:
+        if e.kind != bl.PAYLOAD_REPORT or e.trace_s is None or not e.get("task_id"):
+            continue
+        if (e.get("request") or {}).get("type") not in ("UPLINK_TASK", None):
+            continue
+        kind = e.get("type")
+        if kind == "ACCEPTED":
+            accepted.setdefault(e["task_id"], e.trace_s)
+        elif kind == "COMPLETED":
+            completed[e["task_id"]] = e.trace_s
+        elif kind == "PROGRESS":
+            progress.append((e.trace_s, e["task_id"], str(e.get("phase")), int(e.get("done")), int(e.get("total"))))
+    order = sorted(accepted, key=lambda t: accepted[t])
+    off = known_off(kind_, trace_seed or SHIPPED_SEEDS[kind_]) if plan_known and kind_ in KINDS else []
+    label = {
+        "trace": kind_ + (PLAN_SUFFIX if plan_known else ""),
+        "seed": trace_seed,
+        "workload": "paper" if len(order) <= 2 else "back-to-back",
+        "cadence": _flight_option(list(start.get("flight_args") or []), "--cadence") or "fixed",
+        "run": run.name,
+    }
+    moments = sorted(set(accepted.values()) | {s for s, _, _ in history if s >= start_at})
+    rows = []
+    for now in moments:
+        queue = [t for t in order if accepted[t] <= now and completed.get(t, math.inf) > now]
+        if not queue:
+            continue
+        ws = [w for w in history if w[0] <= now][-KEEP_WINDOWS:]
+        if not ws:
+            continue
+        starts = [s for s, _, _ in ws]
+        ended = [(s, e, w) for s, e, w in ws if e is not None and e <= now]
+        basis: dict[str, Any] = {
+            "profile": profile,
+            "windows": {"starts": starts, "lengths": [e - s for s, e, _ in ended]},
+            # the cuts the ground heard, and how many the bus announced
+            "cuts": {"heard": len(ended), "warned": sum(w for _, _, w in ended)},
+        }
+        heard = [p for p in progress if p[0] <= now and p[1] in queue]
+        if heard:
+            _, task_id, phase, done, total = heard[-1]
+            basis["progress"] = {"task_id": task_id, "phase": phase, "done": done, "total": total, "heard_at": now}
+        tasks = [
+            {
+                "task_id": t,
+                "state": "accepted",
+                "created": f"{accepted[t]:015.6f}",
+                "max_new_tokens": getattr(uplinks.get(t), "max_new_tokens", None),
+            }
+            for t in queue
+        ]
+        fc = forecast_tasks(tasks, basis, known_off=off, now_wall=now, draws=draws, seed=seed)
+        # the same forecast given the windows that really came (a plan): what is left is the
+        # error of the unit model (rates, overheads, lost units), not of the windows' model
+        to_come = [(s, math.inf if e is None else e, w) for s, e, w in history if e is None or e > now]
+        known = forecast_tasks(tasks, basis, plan=to_come, now_wall=now) if to_come else {}
+        for t in queue:
+            f = (fc.get("tasks") or {}).get(t)
+            if t not in completed:
+                continue
+            actual = completed[t]
+            after = sum(1 for s, _, _ in history if accepted[t] < s <= now)
+            if after == 0 and now != accepted[t]:
+                continue  # at uplink means at its own uplink, not at a later task's
+            row = {**label, "task": t, "after": after}
+            if f is None or "unavailable" in f:
+                rows.append({**row, "unavailable": (f or fc).get("unavailable", "no forecast")})
+                continue
+            rows.append(
+                {
+                    **row,
+                    "inside": f["p10"] <= actual <= f["p90"],
+                    "error": abs(f["expected"] - actual) / max(1e-9, actual - accepted[t]),
+                    "signed": (f["expected"] - actual) / max(1e-9, actual - accepted[t]),
+                    "unit_model_signed": _signed((known.get("tasks") or {}).get(t), actual, accepted[t]),
+                }
+            )
+    return rows
+
+
+def _signed(f: dict | None, actual: float, uplink: float) -> float | None:
+    if not f or "expected" not in f:
+        return None
+    return (f["expected"] - actual) / max(1e-9, actual - uplink)
+
+
+def campaign_runs(paths: Sequence[str]) -> list[Path]:
+    """Run directories: each path a run directory (its `bus/bus-log.jsonl`) or a campaign's
+    directory (its `runs/*`), OrbitWeaver's runs only (the profile the forecast is given is the
+    payload's own, of its policy)."""
+    out = []
+    for p in map(Path, paths):
+        candidates = [p] if (p / "bus" / "bus-log.jsonl").is_file() else sorted((p / "runs").glob("*"))
+        for run in candidates:
+            if not (run / "bus" / "bus-log.jsonl").is_file():
+                continue
+            _, start = _run_start(run)
+            if (_flight_option(list(start.get("flight_args") or []), "--policy") or "orbitweaver") == "orbitweaver":
+                out.append(run)
+    return out
+
+
+def real(paths: Sequence[str], draws: int = 200) -> dict:
+    """Forecasts replayed from real testbench runs (`campaign_runs(paths)`), each run given the
+    profile another run kept: one of the same trace kind and cadence where there is one (the
+    payload's earlier tasks on the same spacecraft), else of the same cadence, else any. The
+    rows, the summary per trace, seed and cadence, and which profile each run was given."""
+    runs = campaign_runs(paths)
+    profiles = {run: kept_profile(run) for run in runs}
+    # a profile that has not measured every phase (a run stopped early) gives no forecast
+    profiles = {
+        run: p if p and all(k in p["unit_s"] for k in ("vision", "prefill", "decode")) else None
+        for run, p in profiles.items()
+    }
+    rows, given = [], {}
+    for run in runs:
+        kind, _ = run_kind_seed(run)
+        cadence = _flight_option(list(_run_start(run)[1].get("flight_args") or []), "--cadence") or "fixed"
+        others = [r for r in runs if r != run and profiles[r] is not None]
+
+        def rank(r: Path, kind: str = kind, cadence: Any = cadence) -> int:
+            same_kind = run_kind_seed(r)[0] == kind
+            same_cadence = profiles[r]["cadence"] == cadence  # type: ignore[index]
+            return {(True, True): 0, (False, True): 1, (True, False): 2, (False, False): 3}[(same_kind, same_cadence)]
+
+        pick = min(others, key=rank, default=None)
+        if pick is None:
+            continue  # no other run kept a profile: nothing honest to forecast with
+        given[run.name] = pick.name
+        rows += replay_run(run, profiles[pick], draws=draws)  # type: ignore[arg-type]
+        kind_seed = run_kind_seed(run)
+        if kind_seed[0] in KINDS and known_off(kind_seed[0], kind_seed[1] or SHIPPED_SEEDS[kind_seed[0]]):
+            rows += replay_run(run, profiles[pick], draws=draws, plan_known=True)  # type: ignore[arg-type]
+    return {"rows": rows, "summary": real_summary(rows), "profile_from": given, "runs": len(runs)}
+
+
+def _stats(sel: list[dict]) -> dict:
+    errs = sorted(r["error"] for r in sel)
+    units = [r["unit_model_signed"] for r in sel if r.get("unit_model_signed") is not None]
+    return {
+        "n": len(sel),
+        "inside": sum(r["inside"] for r in sel) / len(sel),
+        "median_error": statistics.median(errs),
+        "p90_error": errs[min(len(errs) - 1, int(0.9 * len(errs)))],
+        "median_signed": statistics.median(r["signed"] for r in sel),
+        # given the windows that really came: the unit model's own error
+        "unit_model_median_error": statistics.median(abs(u) for u in units) if units else None,
+        "unit_model_median_signed": statistics.median(units) if units else None,
+    }
+
+
+def real_summary(rows: list[dict]) -> list[dict]:
+    """Per trace, seed and cadence: at uplink, and along the run (every forecast after it)."""
+    out = []
+    keys = sorted({(r["trace"], r["seed"], r["cadence"]) for r in rows})
+    for trace, seed, cadence in keys:
+        mine = [r for r in rows if (r["trace"], r["seed"], r["cadence"]) == (trace, seed, cadence)]
+        made = [r for r in mine if "error" in r]
+        for when, sel in (
+            ("at uplink", [r for r in made if r["after"] == 0]),
+            ("along the run", [r for r in made if r["after"] > 0]),
+        ):
+            if sel:
+                out.append({"trace": trace, "seed": seed, "cadence": cadence, "when": when, **_stats(sel)})
+        missing = [r for r in mine if "error" not in r]
+        if missing:
+            out.append(
+                {
+                    "trace": trace,
+                    "seed": seed,
+                    "cadence": cadence,
+                    "when": "unavailable",
+                    "n": len(missing),
+                    "reasons": sorted({r["unavailable"] for r in missing}),
+                }
+            )
+    return out
+
+
+def format_real(result: dict) -> str:
+    """The table of `real`: per trace, seed and cadence, at uplink and along the run."""
+
+    def pc(x: float | None, signed: bool = False) -> str:
+        return "-" if x is None else (f"{100 * x:+.1f} %" if signed else f"{100 * x:.1f} %")
+
+    lines = [
+        f"against real testbench runs ({result['runs']} runs; error = |expected - completed| / real end-to-end)",
+        "trace          seed cadence  made           n    in 10-90  median err  p90 err   median signed  "
+        "unit model alone (median, signed)",
+    ]
+    for r in result["summary"]:
+        head = f"{r['trace']:<14} {r['seed']:>4} {r['cadence']:<8} {r['when']:<14} {r['n']:<4}"
+        if "reasons" in r:
+            lines.append(f"{head} no forecast: {'; '.join(r['reasons'])}")
+            continue
+        lines.append(
+            f"{head} {100 * r['inside']:6.0f} %  {pc(r['median_error']):>9}  {pc(r['p90_error']):>8}  "
+            f"{pc(r['median_signed'], True):>12}   {pc(r['unit_model_median_error'])}, "
+            f"{pc(r['unit_model_median_signed'], True)}"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[101, 102], help="trace seeds (not the shipped ones)")
     p.add_argument("--draws", type=int, default=200, help="Monte Carlo draws per forecast")
     p.add_argument("--json", metavar="OUT", help="also write the result as JSON")
+    p.add_argument(
+        "--runs",
+        nargs="+",
+        metavar="DIR",
+        help="judge against real testbench runs instead: run directories or campaign directories "
+        "(OrbitWeaver's runs; each is given the profile another run kept)",
+    )
     args = p.parse_args(argv)
-    result = run(tuple(args.seeds), args.draws)
-    print(format_table(result))
+    if args.runs:
+        result = real(args.runs, args.draws)
+        print(format_real(result))
+    else:
+        result = run(tuple(args.seeds), args.draws)
+        print(format_table(result))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)

@@ -166,7 +166,7 @@ def main(argv=None) -> int:
         return 0
 
     # lazy: torch/transformers (seconds): the parent only spawns and times the children
-    from flight.calibration import calibrate
+    from bench.calibration import calibrate
     from flight.model.loader import load_model
 
     model_dir = ensure_model("small")

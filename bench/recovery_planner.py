@@ -30,8 +30,8 @@ import sys
 import time
 from typing import Any
 
+from bench.calibration import calibrate
 from bench.engine_overhead import ensure_model
-from flight.calibration import calibrate
 from flight.recovery import subset_dp
 from flight.recovery.cost import (
     MODELS,

@@ -8,7 +8,8 @@ that benchmarks can emulate a target device's storage bandwidth (see docs/benchm
 Two process-wide services sit under every DurableFS of a process:
 
 - `write_watch` times every durable write and fsync, so that a payload can report a stalled disk
-  (the longest write, and one still running) without ever waiting on it itself;
+  (the longest write, and one still running) without ever waiting on it itself, and counts the
+  bytes written (the storage's wear since the process started);
 - storage fault injection (tests and red-team campaigns only; docs/flight.md "Storage"): when the
   environment variable OW_STORAGE_FAULTS names a control file, every DurableFS in the process
   reads it (again whenever it changes) and behaves as a full, read-only, failing or stalling disk
@@ -85,6 +86,17 @@ class WriteWatch:
         self._running: dict[int, float] = {}
         self._ids = itertools.count()
         self._longest = 0.0
+        self._written = 0
+
+    def wrote(self, nbytes: int) -> None:
+        with self._lock:
+            self._written += nbytes
+
+    def written(self) -> int:
+        """Bytes written through every DurableFS of this process since it started (its data
+        storage's share of wear; HOUSEKEEPING `written_bytes`)."""
+        with self._lock:
+            return self._written
 
     @contextlib.contextmanager
     def timing(self):
@@ -225,14 +237,17 @@ storage_faults: StorageFaults | None = _faults_from_env()
 
 def _write_all(fd: int, chunks, path: str = "") -> int:
     total = 0
-    for chunk in chunks:
-        view = memoryview(chunk).cast("B")
-        if storage_faults is not None:
-            storage_faults.before_write(path, view.nbytes)
-        while view:
-            n = os.write(fd, view)
-            total += n
-            view = view[n:]
+    try:
+        for chunk in chunks:
+            view = memoryview(chunk).cast("B")
+            if storage_faults is not None:
+                storage_faults.before_write(path, view.nbytes)
+            while view:
+                n = os.write(fd, view)
+                total += n
+                view = view[n:]
+    finally:
+        write_watch.wrote(total)  # what reached the disk counts as wear even if the write then failed
     return total
 
 

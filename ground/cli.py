@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import secrets
 import sys
@@ -16,8 +17,7 @@ import time
 from pathlib import Path
 
 from common import log
-from common.cli import CliError
-from common.errors import check_number
+from common.errors import CliError, check_number
 from common.wire import WireError
 from common.wire.ids import is_admin_source
 from common.wire.link import (
@@ -257,7 +257,8 @@ def register(subparsers) -> None:
         "status",
         "payload housekeeping now, and when each open task should be done",
         "Send STATUS and print the payload's housekeeping: queue depth, current task and its progress, checkpoint "
-        "bytes, free disk, boot count, uptime, command and error counters. Then the completion forecast of every "
+        "bytes, free disk, bytes written to data storage since this boot (wear), resident memory, boot count, uptime, "
+        "command and error counters. Then the completion forecast of every "
         "task of this station still queued or running: expected time, 10-90 % band and the power windows still to "
         "come before it is done, from the payload's measured rates and the windows it has lived through "
         '(docs/ground.md), or why there is none. --json adds it under "forecast".',
@@ -402,7 +403,13 @@ def _register_console(leaf) -> None:
         cmd_console,
     )
     p.add_argument("--host", default="127.0.0.1", metavar="ADDR", help="address to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8765, metavar="N", help="port (default: 8765; 0 picks a free one)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=8765,
+        metavar="N",
+        help="port (default: 8765; 0 picks a free one, and the address announced names it)",
+    )
     p.add_argument("--token", default=None, metavar="TEXT", help="token that actions need (header X-Console-Token)")
     p.add_argument("--token-file", default=None, metavar="FILE", help="read the token from FILE (first line)")
     p.add_argument("--tls-cert", default=None, metavar="PEM", help="TLS certificate (with --tls-key)")
@@ -727,6 +734,15 @@ def _forecast_options(p: argparse.ArgumentParser) -> None:
         metavar="X",
         help="with --plan: wall seconds per plan second (default 1); the plan's second 0 is now",
     )
+    p.add_argument(
+        "--off",
+        action="append",
+        default=[],
+        metavar="FROM,TO",
+        help="a period the payload is known to be off, in seconds from now (negative: in the past): a "
+        "contact plan's pass, a higher-priority payload's scheduled window; repeatable. The resampled windows "
+        "are cut around it, and the history's gaps it explains are not drawn again as random ones",
+    )
 
 
 def _forecast(args) -> dict:
@@ -749,8 +765,19 @@ def _forecast(args) -> dict:
             raise LocalInputError("--plan-scale must be above 0")
         # plan second 0 is now: shift into Unix seconds after the scale
         plan = [(now / args.plan_scale + a, now / args.plan_scale + b) for a, b in windows]
+    off = []
+    for text in getattr(args, "off", None) or []:
+        try:
+            a, b = (float(x) for x in text.split(","))
+        except ValueError:
+            raise LocalInputError(f"--off {text}: give FROM,TO in seconds from now (e.g. --off 600,900)") from None
+        if not (math.isfinite(a) and math.isfinite(b)) or b <= a:
+            raise LocalInputError(f"--off {text}: TO must be a number after FROM")
+        off.append((now + a, now + b))
     tasks = state.tasks() if state.tasks_path.exists() else []
-    return forecast_tasks(tasks, state.forecast_basis(), plan=plan, plan_scale=args.plan_scale, now_wall=now)
+    return forecast_tasks(
+        tasks, state.forecast_basis(), plan=plan, plan_scale=args.plan_scale, known_off=off, now_wall=now
+    )
 
 
 def cmd_status(args) -> int:

@@ -95,10 +95,12 @@ def _history(basis: dict) -> tuple[list[tuple[float, float]], float, float | Non
 
 def _unit_list(
     profile: dict, phase: str | None, done: int, total: int | None, max_new_tokens: int | None
-) -> list[float]:
+) -> list[tuple[float, int]]:
+    """The task's work still to do as durable units: (seconds, PROGRESS steps in it), the first
+    its setup (steps 0)."""
     rates = profile.get("unit_s") or {}
     units_of = profile.get("task_units") or {}
-    out: list[float] = []
+    out: list[tuple[float, int]] = []
     started = phase is None
     for name in PHASES:
         rate = rates.get(name)
@@ -121,10 +123,41 @@ def _unit_list(
         left = max(0, n - first)
         while left > 0:
             k = min(every, left)
-            out.append(k * float(rate))
+            out.append((k * float(rate), k))
             left -= k
-    out.insert(0, float(profile.get("setup_s", 0.0)))
+    # The payload measures a task's setup from its start to the end of its first unit
+    # (flight/runtime/profile.py), so that unit is in the setup already; a task under way has
+    # had its setup (a restart's is in the power-up overhead).
+    setup = 0.0
+    if phase is None:
+        first_rate = next((float(rates[p]) for p in PHASES if (units_of.get(p) or 0) > 0 and rates.get(p)), 0.0)
+        setup = max(0.0, float(profile.get("setup_s", 0.0)) - first_rate)
+    out.insert(0, (setup, 0))
     return out
+
+
+def _typical_unit(profile: dict) -> float:
+    """Seconds of a typical unit: the median over a task's units (each phase's rate, weighted
+    by its units)."""
+    rates = profile.get("unit_s") or {}
+    units_of = profile.get("task_units") or {}
+    weighted = sorted((float(rates[p]), int(units_of.get(p) or 0)) for p in PHASES if rates.get(p))
+    total = sum(n for _, n in weighted)
+    if not weighted or total <= 0:
+        return 0.0
+    seen = 0
+    for rate, n in weighted:
+        seen += n
+        if seen >= total / 2:
+            return rate
+    return weighted[-1][0]
+
+
+def power_up_overhead(profile: dict) -> float:
+    """A power-up's cost before the walk's next unit: the payload measures its overhead from
+    the process start to the end of the first unit of work (boot work, restore and that unit),
+    so a typical unit comes off it."""
+    return max(0.0, float(profile.get("overhead_s", 0.0)) - _typical_unit(profile))
 
 
 def _windows(
@@ -133,14 +166,14 @@ def _windows(
     t_heard: float,
     current_start: float,
     current_len: float | None,
-    plan: Sequence[tuple[float, float]] | None,
+    plan: Sequence[tuple[float, ...]] | None,
     plan_scale: float,
 ) -> Iterator[tuple[float, float]]:
     if plan is not None:
-        for start, end in plan:
-            start, end = start * plan_scale, end * plan_scale
+        for window in plan:  # (start, end) or (start, end, the cut announced)
+            start, end = window[0] * plan_scale, window[1] * plan_scale
             if end > t_heard:
-                yield max(start, t_heard), end
+                yield (max(start, t_heard), end, *window[2:])  # type: ignore[misc]
         return
     n = len(pairs)
     lengths = [a for a, _ in pairs]
@@ -174,6 +207,56 @@ def _windows(
             yield start, end
 
 
+def _outside(
+    windows: Iterator[tuple[float, float]], off: Sequence[tuple[float, float]]
+) -> Iterator[tuple[float, float]]:
+    """The drawn windows with the periods the payload is known to be off taken out (a window
+    that meets one ends at its start; what is left after it is a new power-up)."""
+    off = sorted(off)
+    for start, end in windows:
+        for a, b in off:
+            if b <= start or a >= end:
+                continue
+            if a > start:
+                yield start, a
+            start = b
+            if start >= end:
+                break
+        if start < end:
+            yield start, end
+
+
+def _unexplained(
+    pairs: list[tuple[float, float]], starts: Sequence[float], off: Sequence[tuple[float, float]]
+) -> list[tuple[float, float]]:
+    """The history with each gap that a known off period explains replaced by the median of the
+    others: those come again where the plan says, not as random gaps."""
+    explained = []
+    for i, (on, gap) in enumerate(pairs):
+        a, b = starts[i] + on, starts[i] + on + gap
+        explained.append(any(x < b and y > a for x, y in off))
+    free = [gap for (_, gap), e in zip(pairs, explained, strict=True) if not e]
+    if not free or not any(explained):
+        return pairs
+    typical = statistics.median(free)
+    return [(on, typical if e else gap) for (on, gap), e in zip(pairs, explained, strict=True)]
+
+
+def _warned_share(basis: dict) -> float:
+    """The share of the cuts heard that the bus announced (SHUTDOWN_WARNING before the cut)."""
+    cuts = basis.get("cuts") or {}
+    heard = int(cuts.get("heard") or 0)
+    return min(1.0, int(cuts.get("warned") or 0) / heard) if heard > 0 else 0.0
+
+
+def _announced(
+    rng: random.Random, windows: Iterator[tuple[float, float]], share: float
+) -> Iterator[tuple[float, float, bool]]:
+    """Each drawn window's cut announced with the chance the history shows."""
+    for start, end in windows:
+        yield start, end, rng.random() < share
+
+
 def _order(tasks: Sequence[dict], current: str | None) -> list[dict]:
     """Open tasks in the order the payload serves them: the running one, then by priority
     (higher first), ties by arrival."""
@@ -186,8 +269,9 @@ def forecast_tasks(
     tasks: Sequence[dict],
     basis: dict,
     *,
-    plan: Sequence[tuple[float, float]] | None = None,
+    plan: Sequence[tuple[float, ...]] | None = None,
     plan_scale: float = 1.0,
+    known_off: Sequence[tuple[float, float]] = (),
     now_wall: float | None = None,
     draws: int = 400,
     seed: int = 0,
@@ -210,6 +294,8 @@ def forecast_tasks(
             pairs, current_start, current_len = _history(basis)
             if not pairs:
                 raise ForecastUnavailable("the window history holds no ended window yet")
+            if known_off:
+                pairs = _unexplained(pairs, [float(x) for x in basis["windows"]["starts"]], known_off)
         else:
             pairs, current_start, current_len = [], now, None
         progress = basis.get("progress") or {}
@@ -229,7 +315,7 @@ def forecast_tasks(
             queue = [t for t in queue if t["task_id"] not in assumed_done]
         if not queue:
             return {"made_at": now, "tasks": {}, "assumed_done": assumed_done}
-        units: list[float] = []
+        units: list[tuple[float, int]] = []
         marks: list[int] = []
         for task in queue:
             if task.get("task_id") == current and "units_done" in progress:
@@ -250,16 +336,29 @@ def forecast_tasks(
     except ForecastUnavailable as exc:
         return {"made_at": now, "unavailable": str(exc)}
     t_heard = float(progress.get("heard_at", now)) if plan is None else now
-    overhead = float(profile.get("overhead_s", 0.0))
-    if plan is not None or current_len is not None:
-        first_overhead = overhead  # the walk starts at a power-up
+    overhead = power_up_overhead(profile)
+    if plan is not None:
+        # a plan window that began before now: the payload has been up since its start
+        up_since = next((w[0] * plan_scale for w in plan if w[0] * plan_scale <= now < w[1] * plan_scale), None)
+        first_overhead = overhead if up_since is None else max(0.0, overhead - (now - up_since))
+    elif current_len is not None:
+        first_overhead = overhead  # the walk starts at the next power-up
     else:  # heard inside a window: what is left of its power-up overhead
         first_overhead = max(0.0, overhead - (t_heard - current_start))
+    seconds = [u for u, _ in units]
+    steps = [max(1, k) for _, k in units]
+    warned = _warned_share(basis) if plan is None else 0.0
     rng = random.Random(seed)
     results: list[list[tuple[float, int] | None]] = []
     for _ in range(draws if plan is None else 1):
-        wins = _windows(rng, pairs, t_heard, current_start, current_len, plan, plan_scale)
-        results.append(finish_times(units, marks, wins, overhead_s=overhead, first_overhead_s=first_overhead))
+        wins: Iterator[Any] = _windows(rng, pairs, t_heard, current_start, current_len, plan, plan_scale)
+        if known_off and plan is None:
+            wins = _outside(wins, known_off)
+        if warned > 0:
+            wins = _announced(rng, wins, warned)
+        results.append(
+            finish_times(seconds, marks, wins, overhead_s=overhead, first_overhead_s=first_overhead, parts=steps)
+        )
     out: dict[str, Any] = {}
     for k, task in enumerate(queue):
         got = [hit for hit in (r[k] for r in results) if hit is not None]

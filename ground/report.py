@@ -122,7 +122,7 @@ def describe(message: m.Message) -> str:
             f"queue {message.queue_depth}, task {task}{phase}, checkpoints {human_bytes(message.checkpoint_bytes)}, "
             f"disk free {human_bytes(message.disk_free_bytes)}, boot {message.boot_count}, commands "
             f"{message.command_count}, "
-            f"errors {message.error_count}, up {message.uptime_s:.1f} s"
+            f"errors {message.error_count}, up {message.uptime_s:.1f} s{_memory_and_wear(message)}"
         )
     if isinstance(message, m.Heartbeat):
         task = f", task {message.current_task} {message.phase or ''}".rstrip() if message.current_task else ""
@@ -295,6 +295,17 @@ def _storage_line(hk: m.Housekeeping) -> str:
     return f"{meaning} ({', '.join(extra)})"
 
 
+def _memory_and_wear(hk: m.Housekeeping) -> str:
+    """ ", memory X, written Y this boot" with what the payload reported (an older payload
+    reports neither: wire-protocol.md §3.3)."""
+    parts = []
+    if hk.memory_rss_bytes is not None:
+        parts.append(f"memory {human_bytes(hk.memory_rss_bytes)}")
+    if hk.written_bytes is not None:
+        parts.append(f"written {human_bytes(hk.written_bytes)} this boot")
+    return "".join(", " + p for p in parts)
+
+
 def housekeeping_text(hk: m.Housekeeping) -> str:
     if hk.current_task:
         phase = f" ({hk.phase} {hk.progress_done}/{hk.progress_total})" if hk.phase else ""
@@ -307,6 +318,18 @@ def housekeeping_text(hk: m.Housekeeping) -> str:
         ("checkpoints", human_bytes(hk.checkpoint_bytes)),
         ("disk free", human_bytes(hk.disk_free_bytes)),
         ("storage", _storage_line(hk)),
+        (
+            "written",
+            "not reported (older payload)"
+            if hk.written_bytes is None
+            else f"{human_bytes(hk.written_bytes)} to data storage since this boot",
+        ),
+        (
+            "memory",
+            "not reported (older payload)"
+            if hk.memory_rss_bytes is None
+            else f"{human_bytes(hk.memory_rss_bytes)} resident",
+        ),
         ("boot count", str(hk.boot_count)),
         ("uptime", f"{hk.uptime_s:.1f} s"),
         ("commands", f"{hk.command_count} accepted, {hk.error_count} rejected or failed (since first boot)"),

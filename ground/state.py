@@ -213,7 +213,7 @@ class GroundState:
         return self.dir / "forecast-basis.json"
 
     def forecast_basis(self) -> dict:
-        """{"profile", "windows", "progress"} as last downlinked ({} before any); a damaged file
+        """{"profile", "windows", "progress", "cuts"} as last downlinked or heard ({} before any); a damaged file
         reads as empty (the payload sends both again at its next power-on)."""
         try:
             data = json.loads(self.forecast_basis_path.read_text("utf-8"))
@@ -222,7 +222,7 @@ class GroundState:
         return data if isinstance(data, dict) else {}
 
     def note_forecast_basis(self, **parts: dict) -> None:
-        """Replace the named parts ("profile", "windows", "progress") of the forecast basis."""
+        """Replace the named parts ("profile", "windows", "progress", "cuts") of the forecast basis."""
         with self._locked():
             basis = self.forecast_basis()
             basis.update(parts)

@@ -53,7 +53,7 @@ from common.wire.link import DEFAULT_CLIENTS, Endpoints, init_keys
 from ground.client.session import RESYNC_CODES
 from ground.errors import CommandRejected, GroundError
 from ground.link import GroundLink
-from hil import buslog as bl
+from hil.bus import buslog as bl
 from hil.redteam import CampaignReport, KillCampaign
 
 #: Injected by this campaign (the cuts and bus kills are KillCampaign's).

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hil.bus_cli import register_bus
+from hil.bus.cli import register_bus
 from traces.cli import register_trace_commands
 
 

@@ -23,8 +23,8 @@ import traces
 from common.wire.link import Endpoints, init_keys
 from ground.client import GroundClient
 from ground.errors import GroundError
-from hil import buslog as bl
 from hil.bus import BusConfig, BusProcess
+from hil.bus import buslog as bl
 from hil.testbench import BenchConfig, default_workload, measure_boot_seconds, reference_run
 from traces.model import CutCause, PowerWindow
 

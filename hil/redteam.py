@@ -50,8 +50,8 @@ from flight.checkpoint.policies import Geometry
 from flight.runtime.app import FlightApp
 from ground.client import GroundClient
 from ground.errors import CommandRejected, GroundError
-from hil import buslog as bl
 from hil.bus import BusConfig, BusThread
+from hil.bus import buslog as bl
 from traces.model import CutCause, PowerWindow
 
 # --- frames -------------------------------------------------------------------------------------

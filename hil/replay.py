@@ -54,8 +54,8 @@ from common.wire.link import (
     send_packet,
     station_source_id,
 )
-from hil import buslog as bl
 from hil.bus import BusConfig, BusThread, default_payload_command
+from hil.bus import buslog as bl
 
 #: The recording's limits (run_start `limits`) a replay runs with.
 _REPLAYED_LIMITS = (

@@ -37,8 +37,8 @@ from flight.options import resolve_cadence
 from flight.recovery.cost import MODELS, ORIN_AGX_NVME, REFERENCE_CHUNK, CostModel
 from ground.client import GroundClient
 from ground.errors import GroundError
-from hil import buslog as bl
 from hil.bus import BusConfig, BusProcess
+from hil.bus import buslog as bl
 
 SAMPLES = Path(__file__).resolve().parent / "samples"
 PROMPTS = [

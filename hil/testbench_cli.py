@@ -18,8 +18,7 @@ from pathlib import Path
 
 import traces
 from common import log as owlog
-from common.cli import CliError
-from common.errors import check_number
+from common.errors import CliError, check_number
 from common.wire.ids import MAX_NEW_TOKENS
 from flight.checkpoint.policies import POLICIES
 from flight.cli_options import check_directory_option

@@ -2,14 +2,18 @@
 
 Every module of the product is parsed with `ast`; every `import` and `from ... import` counts,
 at module level or inside a function or class (an import inside a function is still a
-dependency, only a hidden one), relative imports resolved against the importing package. A
-failure names each offending import as `file:line`.
+dependency, only a hidden one; one under `if TYPE_CHECKING:` is a dependency of the types),
+relative imports resolved against the importing package. A module that loads modules by name
+(`importlib.import_module`, `__import__`, `runpy.run_module`) imports every module its string
+constants name (`pkg.mod` or `pkg.mod:function`): a name in a string is still a dependency, only
+one `import` statements do not show. A failure names each offending import as `file:line`.
 """
 
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,9 +29,11 @@ class Import:
     target: str  # dotted name of the module (or package) imported
     path: str  # file, relative to the repository root
     line: int
+    by_name: bool = False  # loaded through importlib (or runpy) from a string, not an import statement
 
     def __str__(self) -> str:
-        return f"{self.path}:{self.line}: {self.importer} imports {self.target}"
+        how = " (by name)" if self.by_name else ""
+        return f"{self.path}:{self.line}: {self.importer} imports {self.target}{how}"
 
 
 def _module_name(path: Path) -> str:
@@ -68,9 +74,32 @@ def _known(name: str) -> str | None:
     return None
 
 
+#: Calls that load a module named by a string (a dotted attribute path's last two parts).
+LOADERS = {("importlib", "import_module"), ("", "import_module"), ("", "__import__"), ("runpy", "run_module")}
+MODULE_STRING = re.compile(r"[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)+(:[A-Za-z_][A-Za-z0-9_]*)?")
+
+
+def _loads_by_name(tree: ast.AST) -> bool:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+                if (func.value.id, func.attr) in LOADERS:
+                    return True
+            elif isinstance(func, ast.Name) and ("", func.id) in LOADERS:
+                return True
+    return False
+
+
 def _imports_of(module: str, path: Path) -> Iterator[Import]:
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     rel = str(path.relative_to(ROOT))
+    if _loads_by_name(tree):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and MODULE_STRING.fullmatch(node.value):
+                name = node.value.partition(":")[0]
+                if name in MODULES:
+                    yield Import(module, name, rel, node.lineno, by_name=True)
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -92,7 +121,10 @@ def _within(name: str, package: str) -> bool:
 
 
 def _violations(
-    importers: str | tuple[str, ...], forbidden: tuple[str, ...], exempt: tuple[str, ...] = ()
+    importers: str | tuple[str, ...],
+    forbidden: tuple[str, ...],
+    exempt: tuple[str, ...] = (),
+    allowed: Callable[[Import], bool] | None = None,
 ) -> list[str]:
     importers = (importers,) if isinstance(importers, str) else importers
     return [
@@ -101,7 +133,20 @@ def _violations(
         if any(_within(imp.importer, p) for p in importers)
         and not any(_within(imp.importer, p) for p in exempt)
         and any(_within(imp.target, f) for f in forbidden)
+        and not (allowed and allowed(imp))
     ]
+
+
+def _dispatcher_loads_a_cli(imp: Import) -> bool:
+    """The `ow` dispatcher (common/cli.py) loads each component's command-line module by name, and
+    nothing else of a component: `ow --help` stays fast and `common` holds no import of one."""
+    leaf = imp.target.rpartition(".")[2]
+    return imp.importer == "common.cli" and imp.by_name and (leaf == "cli" or leaf.endswith("_cli"))
+
+
+#: Top-level names a module of tests/ can be imported as: `tests.x`, or `x` where pytest puts a
+#: test folder on sys.path (testkit, bus_testkit, ...). Product code imports none of them.
+TEST_NAMES = ("tests", *sorted({p.stem for p in (ROOT / "tests").rglob("*.py")} - {"__init__", *PACKAGES}))
 
 
 def test_the_parser_sees_the_code():
@@ -113,45 +158,78 @@ def test_the_parser_sees_the_code():
     # the simulator's shared pieces are used by the ground and by the testbench's simulator
     assert any(imp.importer == "ground.forecast" and imp.target == "common.sim.windows" for imp in IMPORTS)
     assert any(imp.importer == "hil.sim.lifecycle" and imp.target == "common.sim.windows" for imp in IMPORTS)
+    # modules loaded by name: the dispatcher's components, the zygote's preload
+    assert any(imp.importer == "common.cli" and imp.target == "flight.cli" and imp.by_name for imp in IMPORTS)
+    assert any(imp.importer == "hil.bus.zygote" and imp.target == "flight.runtime.preload" for imp in IMPORTS)
+    assert {"testkit", "bus_testkit", "tests"} <= set(TEST_NAMES)
 
 
 @pytest.mark.parametrize(
-    ("rule", "importers", "forbidden", "exempt"),
+    ("rule", "importers", "forbidden", "exempt", "allowed"),
     [
-        ("common imports no flight, hil or ground", "common", ("flight", "hil", "ground"), ()),
-        ("ground reaches the payload only over the wire", "ground", ("flight", "hil"), ()),
-        ("flight never imports hil or ground", "flight", ("hil", "ground"), ()),
-        ("traces imports no flight, hil or ground", "traces", ("flight", "hil", "ground"), ()),
+        (
+            "common imports no flight, hil or ground (the dispatcher loads their CLI modules by name, nothing else)",
+            "common",
+            ("flight", "hil", "ground"),
+            (),
+            _dispatcher_loads_a_cli,
+        ),
+        ("ground reaches the payload only over the wire", "ground", ("flight", "hil"), (), None),
+        ("flight never imports hil or ground", "flight", ("hil", "ground"), (), None),
+        ("traces imports no flight, hil or ground", "traces", ("flight", "hil", "ground"), (), None),
         (
             "the shared simulator pieces (common/sim) are pure: ground, hil and bench all import them",
             "common.sim",
             ("flight", "hil", "ground", "traces", "bench"),
             (),
+            None,
         ),
         (
             "the VLA scheduler is independent of the flight stack",
             "common.vla",
             ("flight", "hil", "ground", "traces"),
             (),
+            None,
         ),
         (
             "the flight stack does not use the VLA scheduler",
             ("flight", "hil", "ground", "traces"),
             ("common.vla",),
             (),
+            None,
         ),
+        (
+            "the bus (hil/bus) is one room: it uses nothing of the testbench around it",
+            "hil.bus",
+            ("hil",),
+            (),
+            lambda imp: _within(imp.target, "hil.bus"),
+        ),
+        ("the product, benchmarks included, imports no test code", PACKAGES, TEST_NAMES, (), None),
     ],
 )
-def test_import_rule(rule, importers, forbidden, exempt):
-    bad = _violations(importers, forbidden, exempt)
+def test_import_rule(rule, importers, forbidden, exempt, allowed):
+    bad = _violations(importers, forbidden, exempt, allowed)
     if bad:
         pytest.fail(f"{rule}; broken by:\n  " + "\n  ".join(bad), pytrace=False)
 
 
+def test_flight_holds_no_module_only_the_benchmarks_use():
+    """A module of flight/ that only bench/ imports is a benchmark's tool: it lives in bench/."""
+    users: dict[str, set[str]] = {}
+    for imp in IMPORTS:
+        target = _known(imp.target)
+        if target and _within(target, "flight") and target != imp.importer:
+            users.setdefault(target, set()).add(imp.importer.partition(".")[0])
+    bench_only = sorted(module for module, by in users.items() if by == {"bench"})
+    if bench_only:
+        pytest.fail("modules of flight/ imported only by bench/: " + ", ".join(bench_only), pytrace=False)
+
+
 def _cycle_scope(module: str) -> bool:
-    """Modules that must form no import cycle: flight/, traces/ and every command-line module."""
+    """Modules that must form no import cycle: common/, flight/, traces/ and every command-line module."""
     leaf = module.rpartition(".")[2]
-    return _within(module, "flight") or _within(module, "traces") or leaf == "cli" or leaf.endswith("_cli")
+    return any(_within(module, p) for p in ("common", "flight", "traces")) or leaf == "cli" or leaf.endswith("_cli")
 
 
 def _strongly_connected(nodes: list[str], edges: dict[str, set[str]]) -> list[list[str]]:
@@ -222,8 +300,25 @@ def import_cycles() -> list[list[Import]]:
     return cycles
 
 
-def test_no_import_cycles_in_flight_traces_and_the_clis():
+def test_no_import_cycles_in_common_flight_traces_and_the_clis():
     cycles = import_cycles()
     report = "\n".join("cycle:\n  " + "\n  ".join(str(imp) for imp in cycle) for cycle in cycles)
     if cycles:
         pytest.fail(f"import cycles (each listed with the imports that close it):\n{report}", pytrace=False)
+
+
+DOC_PATH = re.compile(r"(?<![\w/.-])(?:common|flight|hil|ground|traces|bench|tests|docs)/[\w./-]*")
+
+
+def test_the_architecture_page_names_only_paths_that_exist():
+    """docs/architecture.md places things in rooms; a moved module must take the page with it."""
+    page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    missing = sorted(
+        {
+            name
+            for name in (m.group(0).rstrip(".") for m in DOC_PATH.finditer(page))
+            if not any((ROOT / candidate).exists() for candidate in (name, name + ".py"))
+        }
+    )
+    if missing:
+        pytest.fail("docs/architecture.md names paths that do not exist: " + ", ".join(missing), pytrace=False)

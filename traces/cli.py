@@ -17,8 +17,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from common.cli import CliError
-from common.errors import check_number
+from common.errors import CliError, check_number
 from traces.catalog import DATA_DIR, GENERATED_NAMES, SHIPPED_NAMES, SUFFIX, resolve, resolve_quiet
 from traces.format import TraceError, dump, dumps, load, validate
 from traces.importers.bupt1 import Bupt1DataError, Bupt1Import, import_bupt1, import_bupt1_reported

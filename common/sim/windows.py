@@ -40,11 +40,12 @@ def on_off_pairs(windows: Sequence[tuple[float, float]]) -> list[tuple[float, fl
 def finish_times(
     units: Sequence[float],
     marks: Sequence[int],
-    windows: Iterable[tuple[float, float]],
+    windows: Iterable[tuple[float, float] | tuple[float, float, bool]],
     *,
     overhead_s: float,
     first_overhead_s: float = 0.0,
     max_windows: int = MAX_WINDOWS,
+    parts: Sequence[int] | None = None,
 ) -> list[tuple[float, int] | None]:
     """For each mark m (a count of units, ascending), when the first m of `units` (seconds each,
     in order) are durable and in how many windows after the first; None where that does not
@@ -53,7 +54,10 @@ def finish_times(
     The first window is the one the walk starts in: `first_overhead_s` is charged before its
     first unit (0 where the process is up and the work next); every later window pays
     `overhead_s` (boot, restore) first. A unit that does not end before its window's cut is lost
-    and runs again from its start in the next window."""
+    and runs again from its start in the next window -- unless the window is (start, end, True):
+    its cut was announced, and the payload persists at the next step boundary on a warning
+    (Engine.checkpoint_soon), so of a unit made of `parts[i]` equal steps between records (a
+    fixed cadence's decode record every D steps), the steps that ended before the cut are kept."""
     ends = list(itertools.accumulate(units))
     out: list[tuple[float, int] | None] = [None] * len(marks)
     pending = 0  # next mark to place
@@ -61,19 +65,27 @@ def finish_times(
         out[pending] = None
         pending += 1
     done = 0.0  # work made durable so far (seconds of units)
-    for n, (start, end) in enumerate(itertools.islice(windows, max_windows)):
+    for n, window in enumerate(itertools.islice(windows, max_windows)):
         if pending >= len(marks):
             break
+        start, end = window[0], window[1]
         t = start + (first_overhead_s if n == 0 else overhead_s)
         if t >= end:
             continue
         # units that end by the cut: the largest k with ends[k-1] - done <= end - t
-        k = bisect.bisect_right(ends, done + (end - t))
+        reach = done + (end - t)
+        k = bisect.bisect_right(ends, reach)
         while pending < len(marks) and marks[pending] <= k:
             out[pending] = (t + ends[marks[pending] - 1] - done, n)
             pending += 1
         if k > 0:
             done = max(done, ends[k - 1])
+        if len(window) > 2 and window[2] and parts is not None and k < len(units) and parts[k] > 1:
+            # announced cut: the unit in flight keeps its steps that ended (`done` may then lie
+            # inside a unit; the next window goes on from there)
+            step = units[k] / parts[k]
+            begun = ends[k - 1] if k > 0 else 0.0
+            done = max(done, begun + math.floor((reach - begun) / step + 1e-9) * step)
     return out
 
 

@@ -15,7 +15,7 @@ import sys
 import threading
 
 from common import log
-from common.cli import CliError
+from common.errors import CliError
 from common.vla.config import ARCHS, MODELS
 from common.vla.profiles import load_profile, shipped_profiles
 

@@ -19,10 +19,6 @@ import json
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from common.vla.scheduler import LockstepPlan
 
 PROFILE_FORMAT = "orbitweaver.vla.profile/1"
 PROFILE_DIR = Path(__file__).with_name("profiles")
@@ -117,23 +113,6 @@ class ProfileTable:
         if share is None:
             return self._best[key]
         return min(self._pairs[key], key=lambda e: abs(e.vlm_share - share))
-
-    def plan_ms(self, plan: LockstepPlan) -> float:
-        """Predicted duration of a plan (the simulator's clock advances by this)."""
-        if plan.sequential:
-            assert plan.vlm is not None and plan.adit is not None  # sequential: both stages, same requests
-            return self.vlm_alone(plan.vlm.arch, plan.vlm.padded_size) + self.adit_alone(
-                plan.adit.arch, plan.adit.padded_size
-            )
-        v, a = plan.vlm, plan.adit
-        share = None if (v is None or a is None) else plan.vlm_share
-        return self.lockstep(
-            v.arch if v else None,
-            v.padded_size if v else 0,
-            a.arch if a else None,
-            a.padded_size if a else 0,
-            share=share,
-        ).lockstep_ms
 
     def with_slo(self, slo_ms: dict[str, float]) -> ProfileTable:
         """A copy with some architectures' SLOs replaced (experiments that vary deadlines)."""

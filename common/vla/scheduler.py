@@ -29,10 +29,9 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from common.vla.profiles import ProfileTable
+from common.vla.profiles import ProfileTable
 
 
 class Stage(enum.StrEnum):
@@ -84,6 +83,25 @@ class LockstepPlan:
     vlm_share: float  # fraction of SMs (GPU) or intra-op threads (CPU) given to the VLM stage
     sequential: bool = False  # Monolithic: VLM then ADiT on the whole device, same requests
     predicted_ms: float | None = None  # from the profile, when one is loaded
+
+
+def plan_ms(profile: ProfileTable, plan: LockstepPlan) -> float:
+    """Predicted duration of a plan on `profile`'s device (the simulator's clock advances by
+    this). Here, not on the profile: a profile is a table the scheduler reads and knows no plan."""
+    if plan.sequential:
+        assert plan.vlm is not None and plan.adit is not None  # sequential: both stages, same requests
+        return profile.vlm_alone(plan.vlm.arch, plan.vlm.padded_size) + profile.adit_alone(
+            plan.adit.arch, plan.adit.padded_size
+        )
+    v, a = plan.vlm, plan.adit
+    share = None if (v is None or a is None) else plan.vlm_share
+    return profile.lockstep(
+        v.arch if v else None,
+        v.padded_size if v else 0,
+        a.arch if a else None,
+        a.padded_size if a else 0,
+        share=share,
+    ).lockstep_ms
 
 
 @dataclass(frozen=True)

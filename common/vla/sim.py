@@ -23,7 +23,7 @@ import numpy as np
 
 from common.vla.config import ARCHS, model_spec
 from common.vla.profiles import ProfileTable
-from common.vla.scheduler import LockstepScheduler, SequentialScheduler, VlaRequest, make_scheduler
+from common.vla.scheduler import LockstepScheduler, SequentialScheduler, VlaRequest, make_scheduler, plan_ms
 
 
 @dataclass(frozen=True)
@@ -230,7 +230,7 @@ class LockstepGpu:
             return
         self.busy = True
         self.locksteps += 1
-        self.loop.at(self.loop.now + self.profile.plan_ms(plan) / 1e3, self._finish, plan, self.loop.now)
+        self.loop.at(self.loop.now + plan_ms(self.profile, plan) / 1e3, self._finish, plan, self.loop.now)
 
     def _finish(self, plan, started: float) -> None:
         done = self.scheduler.complete(plan, self.loop.now)

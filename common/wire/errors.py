@@ -2,25 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
+from common.wire.header import PacketHeader, RequestRef
 from common.wire.ids import MAX_REASON_BYTES, ResponseCode
 from common.wire.text import clip_utf8
 
-if TYPE_CHECKING:
-    from common.wire.packet import PacketHeader
-
-
-@dataclass(frozen=True)
-class RequestRef:
-    """Identifies a telecommand in its verification reports (PUS request id, extended with the
-    source id and the 30-bit sequence number)."""
-
-    apid: int
-    source_id: int
-    seq: int
-    message_type: int
+# RequestRef is named here too: every WireError carries one, and its users import both from here.
+__all__ = ["ReplayError", "RequestRef", "WireError", "clip_reason"]
 
 
 def clip_reason(text: str) -> str:

@@ -405,6 +405,8 @@ class TlmChannel(enum.IntEnum):
     STORAGE_STATE = 0x010C, "state"
     LONGEST_WRITE = 0x010D, "s"
     RESERVE_BYTES = 0x010E, "B"
+    MEMORY_RSS = 0x010F, "B"
+    STORAGE_WRITTEN = 0x0110, "B"
 
     BUS_VOLTAGE = 0x0401, "V"
     PAYLOAD_POWER = 0x0402, "W"

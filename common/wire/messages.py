@@ -405,6 +405,11 @@ class Housekeeping(Message):
     longest_write_s: float = wire(f.Float(0.0), channel=TlmChannel.LONGEST_WRITE, default=0.0)
     #: space the payload holds back for its own state, queue and health records
     reserve_bytes: int = wire(f.UInt(U64), channel=TlmChannel.RESERVE_BYTES, default=0)
+    #: the payload process's resident memory; None: not measured (or an older payload)
+    memory_rss_bytes: int | None = wire(f.Optional(f.UInt(U64)), channel=TlmChannel.MEMORY_RSS, default=None)
+    #: bytes written through the payload's durable file layer since this boot (not over its
+    #: life: a persisted counter would add the wear it measures; the ground sums over boots)
+    written_bytes: int | None = wire(f.Optional(f.UInt(U64)), channel=TlmChannel.STORAGE_WRITTEN, default=None)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import struct
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import crcmod.predefined
@@ -24,7 +23,8 @@ from spacepackets.ccsds.spacepacket import (
     SpacePacketHeader,
 )
 
-from common.wire.errors import RequestRef, WireError
+from common.wire.errors import WireError
+from common.wire.header import PacketHeader, RequestRef
 from common.wire.ids import (
     CRC_BYTES,
     MAX_BODY_BYTES,
@@ -58,38 +58,6 @@ crc16 = crcmod.predefined.mkCrcFun("crc-ccitt-false")
 _SECONDARY = struct.Struct(">BBHHHQ")
 assert _SECONDARY.size == SECONDARY_HEADER_BYTES
 _SEQ_COUNT_MASK = (1 << SEQ_COUNT_BITS) - 1
-
-
-@dataclass(frozen=True)
-class PacketHeader:
-    """Primary and secondary header fields of one decoded packet."""
-
-    packet_type: PacketType
-    apid: int
-    #: 30-bit sequence number: epoch << 14 | CCSDS sequence count.
-    seq: int
-    message_type: int
-    source_id: int
-    time_us: int
-    ack_flags: AckFlags
-    length: int
-
-    @property
-    def seq_count(self) -> int:
-        """The 14-bit CCSDS sequence count as carried in the primary header."""
-        return self.seq & _SEQ_COUNT_MASK
-
-    @property
-    def epoch(self) -> int:
-        return self.seq >> SEQ_COUNT_BITS
-
-    @property
-    def request(self) -> RequestRef:
-        return RequestRef(apid=self.apid, source_id=self.source_id, seq=self.seq, message_type=self.message_type)
-
-    def wants(self, flag: AckFlags) -> bool:
-        """Whether the sender asked for this successful verification report."""
-        return bool(self.ack_flags & flag)
 
 
 def now_us() -> int:

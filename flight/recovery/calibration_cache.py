@@ -1,6 +1,6 @@
 """This machine's measured cost models on disk, and the cost model recovery plans with.
 
-flight/calibration.py measures a CostModel (it runs the engine, so it sits above it) and stores
+bench/calibration.py measures a CostModel (it runs the engine, so it sits above it) and stores
 it here; the engine reads it at plan time (it sits below the engine, so the engine never imports
 the calibration harness). The cache is one JSON file, $OW_CACHE_DIR/recovery-costs.json (default
 ~/.cache/orbitweaver), keyed by the model's content hash, the machine (processor, cores, torch
@@ -93,7 +93,7 @@ def cost_model_for(
     cached calibration of this model on this machine (or `native`, a calibration in hand) if
     there is one, else the model's byte counts at the target device's rates. With `emulate`, the
     target-emulated version (reads throttled to the target's read-to-compute ratio). Never
-    measures: calibrate first (flight.calibration.calibrate) to plan with this machine's rates."""
+    measures: calibrate first (bench.calibration.calibrate) to plan with this machine's rates."""
     scratch_dir = scratch_dir or tempfile.gettempdir()
     key = model_key(model, scratch_dir)
     if native is None:

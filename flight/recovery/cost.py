@@ -10,7 +10,7 @@ Three layers, from concrete to abstract:
                  any layer grouping and token chunking into BlockCosts.
 
 This module is arithmetic on dimensions and rates and imports no engine. Measuring a CostModel
-on this machine (it runs the engine) is flight/calibration.py, above the engine; the measured
+on this machine (it runs the engine) is bench/calibration.py, above the engine; the measured
 models are kept by flight/recovery/calibration_cache.py, which the engine reads at plan time
 (docs/recovery.md §6).
 

@@ -136,6 +136,19 @@ class PayloadStopping(Exception):
     (SIGABRT), which its crash record would then count against the task as an abnormal exit."""
 
 
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def resident_memory_bytes() -> int | None:
+    """This process's resident memory now (HOUSEKEEPING `memory_rss_bytes`): the second field of
+    /proc/self/statm, in pages. One small read from procfs, never the disk. None off Linux."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * _PAGE_BYTES
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 @dataclass
 class Counters:
     boot_count: int = 0
@@ -377,7 +390,8 @@ class FlightApp(CommandHandlers):
 
     def housekeeping(self) -> m.Housekeeping:
         """From memory: the main thread sends it and never waits on the disk (the checkpoint
-        bytes are counted by the command thread; the free space is one statvfs)."""
+        bytes are counted by the command thread; the free space is one statvfs; the resident
+        memory one procfs read; the bytes written a counter of the durable file layer)."""
         c = self.state.counters
         storage = self.storage
         return m.Housekeeping(
@@ -395,6 +409,8 @@ class FlightApp(CommandHandlers):
             storage_state=storage.state,
             longest_write_s=round(write_watch.longest_since_reset(reset=True), 3),
             reserve_bytes=storage.reserve_held,
+            memory_rss_bytes=resident_memory_bytes(),
+            written_bytes=write_watch.written(),
         )
 
     def _checkpoint_bytes(self) -> int:

@@ -2,7 +2,7 @@
 
 Two users:
 
-* the testbench's zygote (hil/zygote.py) imports this once and forks each payload from it, so
+* the testbench's zygote (hil/bus/zygote.py) imports this once and forks each payload from it, so
   that the target's boot is emulated by a documented wait instead of this machine's imports;
 * the flight process itself imports it on a background thread while the main thread already
   answers the bus (`engine_stack()`), so the link is up within a fraction of a second of exec.

@@ -36,6 +36,8 @@ DEFAULT_WINDOW = 8
 DEFAULT_MAX_NEW_TOKENS = 64
 #: Reports remembered per client (a long campaign must not grow memory without bound).
 REPORT_MEMORY = 65536
+#: Cuts whose announcement the completion forecast keeps (the payload keeps as many windows).
+CUTS_KEPT = 256
 #: Rejections that mean "our sequence counter is off", fixed by resynchronising and resending.
 RESYNC_CODES = (ResponseCode.REPLAYED_SEQUENCE, ResponseCode.SEQUENCE_TOO_FAR_AHEAD)
 
@@ -111,6 +113,7 @@ class CommandSession:
         self._pongs: dict[int, tuple[int, float]] = {}
         self._housekeeping: tuple[int, m.Housekeeping] | None = None
         self._forecast_progress: dict | None = None  # the last progress kept for the forecast
+        self._warned_since_on = False  # a SHUTDOWN_WARNING heard since the payload's power-up
         self._results: dict[str, tuple[int, m.TaskResult]] = {}
         self._quarantine: tuple[int, m.QuarantineList] | None = None
         self._lost: tuple[int, m.LostTasks] | None = None
@@ -158,6 +161,8 @@ class CommandSession:
         msg = packet.message
         if isinstance(msg, (m.PayloadProfile, m.WindowHistory, m.Housekeeping, m.Progress)):
             self._note_forecast_basis(packet)
+        elif isinstance(msg, (m.ShutdownWarning, m.PowerStateChange)):
+            self._note_cut(msg)
         if isinstance(msg, m.Verification):
             if msg.tc_source == self.source_id and msg.tc_apid in (Apid.PAYLOAD, Apid.BUS):
                 self._reports.setdefault(msg.request, []).append((n, msg))
@@ -192,6 +197,22 @@ class CommandSession:
                 self.power_cause = str(msg.cause)
         for observer in self.observers:
             observer(packet)
+
+    def _note_cut(self, msg: m.ShutdownWarning | m.PowerStateChange) -> None:
+        """Count, for the completion forecast, the cuts heard and how many the bus announced
+        (a SHUTDOWN_WARNING since the power-up): the payload keeps the steps it finished before an
+        announced cut (ground/forecast.py). The most recent CUTS_KEPT are kept."""
+        if isinstance(msg, m.ShutdownWarning):
+            self._warned_since_on = True
+            return
+        if msg.payload_on:
+            self._warned_since_on = False
+            return
+        cuts = self.state.forecast_basis().get("cuts") or {}
+        recent = [bool(x) for x in cuts.get("recent", [])] + [self._warned_since_on]
+        recent = recent[-CUTS_KEPT:]
+        self._warned_since_on = False
+        self.state.note_forecast_basis(cuts={"recent": recent, "heard": len(recent), "warned": sum(recent)})
 
     def _note_forecast_basis(self, packet: Telemetry) -> None:
         """Keep the completion forecast's inputs (ground/forecast.py) in the ground state: the

@@ -25,7 +25,13 @@ SERIES: dict[tuple[str, str], str] = {
     ("HOUSEKEEPING", "disk_free_bytes"): "disk_free_bytes",
     ("HOUSEKEEPING", "queue_depth"): "queue_depth",
     ("HOUSEKEEPING", "progress_done"): "progress_done",
+    ("HOUSEKEEPING", "memory_rss_bytes"): "payload_memory_bytes",
 }
+#: derived, not a field: the bytes the payload wrote to its data storage over every boot the
+#: console has seen (HOUSEKEEPING `written_bytes` counts from each boot: History._written)
+WRITTEN_SERIES = "storage_written_bytes"
+#: every series the console plots and exports
+SERIES_NAMES: tuple[str, ...] = (*dict.fromkeys(SERIES.values()), WRITTEN_SERIES)
 #: reports that are samples of the series, not events an operator reads one by one
 SAMPLE_TYPES = {"POWER", "THERMAL", "HEARTBEAT"}
 
@@ -76,7 +82,7 @@ class History:
     def __init__(self, max_events: int = 100_000, max_samples: int = 200_000):
         self.lock = threading.Lock()
         self.events: deque[dict] = deque(maxlen=max_events)
-        self.series = {name: Series(max_samples) for name in SERIES.values()}
+        self.series = {name: Series(max_samples) for name in SERIES_NAMES}
         self.cuts: deque[dict] = deque(maxlen=max_events)
         self.boots: deque[float] = deque(maxlen=max_events)
         self.windows: deque[list[Any]] = deque(maxlen=max_events)  # [on, off or None while on]
@@ -84,6 +90,12 @@ class History:
         self._warning: dict | None = None
         self._doing: dict = {}
         self.latest: dict[str, Any] = {}
+        # storage written: the boots before the present one, the present boot's number and the
+        # most it has reported (the count restarts at each boot; a late packet of an earlier
+        # boot is not counted twice)
+        self._written_before = 0
+        self._written_boot = -1
+        self._written_now = 0
 
     def add(self, record: dict) -> dict | None:
         """Take one packet record (ground.report.packet_record); returns what to push to pages
@@ -100,6 +112,7 @@ class History:
         self.latest[kind] = {"t": t, "body": body}
         if kind == "HOUSEKEEPING":
             self._doing = {"task": body.get("current_task"), "phase": body.get("phase")}
+            self._written(t, body)
         elif kind == "SHUTDOWN_WARNING":
             self._warning = {"t": t, "cause": body.get("cause"), "lead_s": body.get("lead_time_s")}
         elif kind == "POWER_STATE":
@@ -130,6 +143,20 @@ class History:
         record = dict(record, n=self.number)
         self.events.append(record)
         return record
+
+    def _written(self, t: float, body: dict) -> None:
+        """The lifetime figure that flash wear depends on, from a count that restarts at each
+        boot (wire-protocol.md §3.3 `written_bytes`): per boot its largest count, summed. A
+        lower bound (what a boot wrote after its last report is not in it), over the boots this
+        console saw."""
+        written, boot = body.get("written_bytes"), body.get("boot_count")
+        if not isinstance(written, int) or not isinstance(boot, int) or boot < self._written_boot:
+            return  # an older payload's report, or a late one from a boot already summed
+        if boot > self._written_boot:
+            self._written_before += self._written_now
+            self._written_boot, self._written_now = boot, 0
+        self._written_now = max(self._written_now, written)
+        self.series[WRITTEN_SERIES].add(t, float(self._written_before + self._written_now))
 
     def events_page(self, after: int = 0, limit: int = 500, kinds: set[str] | None = None) -> list[dict]:
         """Events numbered above `after`, oldest first, at most `limit` (the page pages back)."""

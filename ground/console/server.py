@@ -5,7 +5,7 @@
     GET  /api/info              read-only?, station, series names, time span
     GET  /api/stream            server-sent events: every packet and command as it comes
     GET  /api/events            events, paged (?after=N&limit=L&kind=A,B)
-    GET  /api/timeline          windows, cuts, boots in ?t0&t1 (thinned past 2,000 marks)
+    GET  /api/timeline          windows, cuts, boots in ?t0&t1 (thinned past 2,000 marks), the span
     GET  /api/telemetry         series in ?t0&t1 decimated to ?buckets (min and max per bucket)
     GET  /api/telemetry.csv     the same range, every sample (?series=a,b)
     GET  /api/tasks             the station's tasks, their results, and the completion forecast
@@ -24,6 +24,7 @@ import contextlib
 import csv
 import io
 import json
+import signal
 import tempfile
 import threading
 import time
@@ -35,7 +36,7 @@ from typing import Any
 
 from aiohttp import BodyPartReader, web
 
-from ground.console.history import SERIES, History
+from ground.console.history import SERIES_NAMES, History
 from ground.console.security import TOKEN_HEADER, ConsoleSecurity
 from ground.errors import GroundError, LocalInputError
 from ground.forecast import forecast_tasks
@@ -180,7 +181,7 @@ class Console:
                 "read_only": self.config.security.read_only,
                 "token_required": bool(self.config.security.token),
                 "station": self.config.station,
-                "series": sorted(set(SERIES.values())),
+                "series": sorted(SERIES_NAMES),
                 "span": [t0, t1],
                 "events": self.history.number,
             }
@@ -222,7 +223,8 @@ class Console:
 
     async def timeline(self, request: web.Request) -> web.Response:
         t0, t1 = self._range(request)
-        return web.json_response(dict(self.history.timeline(t0, t1), t0=t0, t1=t1), dumps=_dumps)
+        span = list(self.history.span())  # the whole history: how far the page may pan
+        return web.json_response(dict(self.history.timeline(t0, t1), t0=t0, t1=t1, span=span), dumps=_dumps)
 
     async def telemetry(self, request: web.Request) -> web.Response:
         t0, t1 = self._range(request)
@@ -234,8 +236,8 @@ class Console:
 
     async def telemetry_csv(self, request: web.Request) -> web.Response:
         t0, t1 = self._range(request)
-        names = [n for n in request.query.get("series", "").split(",") if n] or sorted(set(SERIES.values()))
-        unknown = [n for n in names if n not in set(SERIES.values())]
+        names = [n for n in request.query.get("series", "").split(",") if n] or sorted(SERIES_NAMES)
+        unknown = [n for n in names if n not in SERIES_NAMES]
         if unknown:
             return _error(400, f"unknown series: {', '.join(unknown)}")
         out = io.StringIO()
@@ -454,25 +456,35 @@ def make_app(config: ConsoleConfig) -> web.Application:
 def run(
     config: ConsoleConfig, port: int, *, announce: Callable[[str], None] = print, token_in_url: bool = False
 ) -> None:
-    """Serve until Ctrl-C; refuses first what security.check_startup refuses. `token_in_url`: the
-    token was made for this run, so the address announced carries it (`#token=`, read by the page
-    and never sent to the server) for the operator to open."""
+    """Serve until Ctrl-C (or SIGTERM); refuses first what security.check_startup refuses.
+    Announces the address once it is bound, with the port the system gave (`port` 0: any free
+    one). `token_in_url`: the token was made for this run, so the address announced carries it
+    (`#token=`, read by the page and never sent to the server) for the operator to open."""
     security = config.security
     security.check_startup()
     scheme = "https" if security.tls_cert else "http"
     fragment = f"#token={security.token}" if token_in_url and security.token else ""
-    announce(
-        f"console on {scheme}://{security.host}:{port}/{fragment}" + (" (read-only)" if security.read_only else "")
-    )
+
+    async def serve() -> None:
+        runner = web.AppRunner(make_app(config), access_log=None)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, security.host, port, ssl_context=security.ssl_context())
+            await site.start()
+            bound = runner.addresses[0][1]  # what the system gave for port 0
+            announce(
+                f"console on {scheme}://{security.host}:{bound}/{fragment}"
+                + (" (read-only)" if security.read_only else "")
+            )
+            stop = asyncio.Event()
+            with contextlib.suppress(NotImplementedError):  # (no signal handlers off the main thread)
+                asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+
     with contextlib.suppress(KeyboardInterrupt):
-        web.run_app(
-            make_app(config),
-            host=security.host,
-            port=port,
-            ssl_context=security.ssl_context(),
-            print=None,
-            access_log=None,
-        )
+        asyncio.run(serve())
 
 
 class ConsoleThread(threading.Thread):

@@ -4,7 +4,7 @@ It owns the payload's power switch and replays an interruption trace against it:
 payload up at each `power_on`, warns it before announced cuts, cuts it (SIGKILL) at each `cut`;
 it publishes power / thermal / FDIR telemetry; it relays ground telecommands to the payload and
 the payload's reports back, storing commands durably while the payload is off; and it power-
-cycles a payload whose heartbeat stops (FDIR). Every run appends a run log (hil.buslog).
+cycles a payload whose heartbeat stops (FDIR). Every run appends a run log (hil.bus.buslog).
 
     from hil.bus import Bus, BusConfig
     bus = Bus(BusConfig(trace="trace-a", data_dir=..., keys_dir=..., time_scale=0.01, model=...))
@@ -27,6 +27,11 @@ Where things are (one concern per module; `Bus` is built up from them in this or
     relay.py        ground -> store -> payload, fair forwarding, payload packets in (RelayPart)
     lifecycle.py    Bus: start, main loop, shutdown; machine_fingerprint
     runners.py      BusThread, BusProcess, config_to_argv
+    power.py        the power-switch drivers (local, command, ssh)
+    zygote.py       the local switch's pre-loaded fork server
+    busstore.py     CommandStore: ground commands kept while the payload is off
+    buslog.py       the run log (written here, read by replay, campaigns and tests)
+    cli.py          `ow bus run` (not imported here: `ow --help` loads it alone)
 """
 
 from hil.bus.base import BusBase, Pacer, request_fields

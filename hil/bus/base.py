@@ -24,12 +24,12 @@ from common.wire.errors import RequestRef
 from common.wire.ids import MAX_EVENT_TEXT_BYTES
 from common.wire.link import Endpoints, KeyLayout, LinkError, send_packet
 from common.wire.text import clip_utf8
-from hil import buslog as bl
+from hil.bus import buslog as bl
+from hil.bus.busstore import CommandStore
 from hil.bus.clock import TraceClock
 from hil.bus.config import BusConfig, BusConfigError
+from hil.bus.power import PowerSwitch
 from hil.bus.storage import StorageWatch, TolerantSequenceCounter
-from hil.busstore import CommandStore
-from hil.power import PowerSwitch
 
 _log = log.get("hil.bus")
 

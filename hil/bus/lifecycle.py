@@ -26,13 +26,13 @@ from common.wire.link import (
     server_socket,
     start_authenticator,
 )
-from hil import buslog as bl
+from hil.bus import buslog as bl
 from hil.bus.base import Pacer
+from hil.bus.busstore import CommandStore
 from hil.bus.config import BusConfig, BusConfigError
+from hil.bus.power import PowerSwitch, PowerSwitchError
 from hil.bus.relay import RelayPart
 from hil.bus.storage import TolerantSequenceCounter
-from hil.busstore import CommandStore
-from hil.power import PowerSwitch, PowerSwitchError
 
 _log = log.get("hil.bus")
 

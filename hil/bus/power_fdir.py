@@ -16,11 +16,10 @@ from common.wire import EventId, FdirMode, PowerCause
 from common.wire import messages as m
 from common.wire.ids import MAX_EVENT_TEXT_BYTES
 from common.wire.text import clip_utf8
-from hil import buslog as bl
+from hil.bus import buslog as bl
 from hil.bus.base import Pacer
 from hil.bus.config import REMOTE_PAYLOAD_COMMAND, BusConfig, default_payload_command, expand_command
-from hil.bus.telemetry import TelemetryPart
-from hil.power import (
+from hil.bus.power import (
     CommandSwitch,
     LocalProcessSwitch,
     PowerSwitch,
@@ -28,7 +27,8 @@ from hil.power import (
     SshSwitch,
     process_write_bytes,
 )
-from hil.zygote import FLIGHT_PRELOAD, Zygote
+from hil.bus.telemetry import TelemetryPart
+from hil.bus.zygote import FLIGHT_PRELOAD, Zygote
 
 _log = log.get("hil.bus")
 

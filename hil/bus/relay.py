@@ -1,5 +1,5 @@
 """The relay between ground and payload: telecommands from the commands link are checked (key,
-source binding, rate, quota, bounds), stored durably (hil.busstore) and forwarded to the current
+source binding, rate, quota, bounds), stored durably (hil.bus.busstore) and forwarded to the current
 payload connection -- round-robin between the stations' queues, each station's in order, at most
 `max_in_flight` unconfirmed in all; what the payload sends is published, keeps its link alive and
 is routed back (hil/bus/routing.py). docs/bus.md §5."""
@@ -27,11 +27,11 @@ from common.wire import messages as m
 from common.wire.errors import RequestRef
 from common.wire.ids import GROUND_SOURCE_IDS, is_admin_source
 from common.wire.link import LinkError, Received, send_packet
-from hil import buslog as bl
+from hil.bus import buslog as bl
 from hil.bus.base import request_fields
+from hil.bus.busstore import StoredCommand, StoreUnavailable, request_key
 from hil.bus.stations import StationsPart
 from hil.bus.storage import STORAGE_RETRY_S, condition_of
-from hil.busstore import StoredCommand, StoreUnavailable, request_key
 
 _log = log.get("hil.bus")
 

@@ -13,12 +13,12 @@ from common.wire import MessageType, ResponseCode
 from common.wire import messages as m
 from common.wire.errors import RequestRef
 from common.wire.link import LinkError, send_packet
-from hil import buslog as bl
+from hil.bus import buslog as bl
 from hil.bus.base import Pacer, request_fields
+from hil.bus.busstore import StoredCommand, request_key
 from hil.bus.config import BusConfig
+from hil.bus.power import PowerSwitch
 from hil.bus.timeline import TimelinePart
-from hil.busstore import StoredCommand, request_key
-from hil.power import PowerSwitch
 
 #: Replies that answer one telecommand, and the field that ties reply to command.
 REPLY_TO = {

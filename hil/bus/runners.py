@@ -16,11 +16,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from common.wire.link import Endpoints
-from hil import buslog as bl
+from hil.bus import buslog as bl
 from hil.bus.base import Pacer
 from hil.bus.config import BusConfig
 from hil.bus.lifecycle import Bus
-from hil.power import PowerSwitch
+from hil.bus.power import PowerSwitch
 
 
 class BusThread:
@@ -213,7 +213,7 @@ class BusProcess:
         self.config = replace(config, ready_file=ready_file)
         self.ready_file = Path(ready_file)
         self.log_path = Path(log_path) if log_path else Path(config.data_dir) / "bus-stderr.log"
-        self.argv = [python or sys.executable, "-m", "hil.bus_cli", "run", *config_to_argv(self.config)]
+        self.argv = [python or sys.executable, "-m", "hil.bus.cli", "run", *config_to_argv(self.config)]
         self.env = env
         self.proc: subprocess.Popen | None = None
         self.info: dict = {}

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from common import log
 from common.wire import EventId
 from common.wire.link import AuthorizedKeys, CurveAuthenticator, Received
-from hil import buslog as bl
+from hil.bus import buslog as bl
 from hil.bus.base import Pacer
 from hil.bus.config import BusConfig
+from hil.bus.power import PowerSwitch
 from hil.bus.routing import RoutingPart
-from hil.power import PowerSwitch
 
 _log = log.get("hil.bus")
 

@@ -10,7 +10,7 @@ from common.wire import FdirMode
 from common.wire import messages as m
 from hil.bus.base import BusBase, Pacer
 from hil.bus.config import BusConfig
-from hil.power import PowerSwitch
+from hil.bus.power import PowerSwitch
 
 
 class TelemetryPart(BusBase):

@@ -9,12 +9,12 @@ from collections import deque
 from common import log
 from common.wire import PowerCause
 from common.wire import messages as m
-from hil import buslog as bl
+from hil.bus import buslog as bl
 from hil.bus.base import Pacer
 from hil.bus.clock import TRACE_CAUSE, trace_actions
 from hil.bus.config import BusConfig
+from hil.bus.power import PowerSwitch
 from hil.bus.power_fdir import PowerPart
-from hil.power import PowerSwitch
 from traces import CutCause
 
 _log = log.get("hil.bus")

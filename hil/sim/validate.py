@@ -39,7 +39,7 @@ from flight.checkpoint.policies import Geometry
 from flight.cli_options import GEOMETRY_FLAGS
 from flight.model.inputs import build_inputs, decode_image
 from flight.options import DEFAULT_PLANNER
-from hil import buslog as bl
+from hil.bus import buslog as bl
 from hil.campaign import SEED_TRACE_DIR, seed_trace_from_filename
 from hil.testbench import NOT_FINISHED, STOPPED_BY_LIMIT
 

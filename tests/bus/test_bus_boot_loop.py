@@ -19,8 +19,8 @@ from bus_testkit import LOOPBACK, ground_station, wait_for, window, write_trace
 from common.wire import Apid, FdirMode, NodeId, ResponseCode, encode
 from common.wire import messages as m
 from common.wire.ids import EventId
-from hil import buslog as bl
 from hil.bus import BusConfig, BusThread
+from hil.bus import buslog as bl
 
 # What the guard writes to the run log (docs/bus.md §7): a line per failed boot, and its two events
 # as `bus_event` lines; spelled out so that a bus without the guard fails these tests by what it

@@ -1,4 +1,4 @@
-"""`ow bus run` as the lead wires it (register_bus) and as `python -m hil.bus_cli`: help text,
+"""`ow bus run` as the lead wires it (register_bus) and as `python -m hil.bus.cli`: help text,
 configuration errors, and BusConfig <-> argv for BusProcess."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from bus_testkit import LOOPBACK, window, write_trace
 
 from common.wire.link import Endpoints
 from hil.bus import Bus, BusConfig, BusConfigError, config_to_argv
-from hil.bus_cli import config_from_args, register_bus
+from hil.bus.cli import config_from_args, register_bus
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -27,14 +27,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def test_cli_help_and_configuration_errors(tmp_path, keys):
     help_text = subprocess.run(
-        [sys.executable, "-m", "hil.bus_cli", "run", "--help"], capture_output=True, text=True, cwd=REPO, check=True
+        [sys.executable, "-m", "hil.bus.cli", "run", "--help"], capture_output=True, text=True, cwd=REPO, check=True
     ).stdout
     assert "--time-scale X" in help_text and "one trace second lasts X wall seconds" in help_text
     result = subprocess.run(
         [
             sys.executable,
             "-m",
-            "hil.bus_cli",
+            "hil.bus.cli",
             "run",
             "--trace",
             str(tmp_path / "missing.jsonl"),
@@ -52,7 +52,7 @@ def test_cli_help_and_configuration_errors(tmp_path, keys):
         [
             sys.executable,
             "-m",
-            "hil.bus_cli",
+            "hil.bus.cli",
             "run",
             "--trace",
             "trace-a",

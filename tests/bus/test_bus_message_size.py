@@ -12,7 +12,7 @@ from bus_testkit import bus_config, ground_station, wait_for, window, write_trac
 
 from common.wire import Apid, SequenceCounter
 from common.wire import messages as m
-from hil import buslog as bl
+from hil.bus import buslog as bl
 
 pytestmark = pytest.mark.slow
 

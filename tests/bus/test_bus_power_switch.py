@@ -15,7 +15,7 @@ import psutil
 import pytest
 from bus_testkit import wait_for
 
-from hil.power import CommandSwitch, LocalProcessSwitch, PowerSwitchError, SshSwitch
+from hil.bus.power import CommandSwitch, LocalProcessSwitch, PowerSwitchError, SshSwitch
 
 # A payload stand-in that starts a grandchild in its own process group (as a flight process
 # with worker processes would) and writes both pids, then sleeps.
@@ -97,7 +97,7 @@ def test_payload_dies_with_a_killed_bus(tmp_path):
     pids = tmp_path / "pids"
     stand_in_bus = textwrap.dedent(f"""
         import sys, time
-        from hil.power import LocalProcessSwitch
+        from hil.bus.power import LocalProcessSwitch
         switch = LocalProcessSwitch([sys.executable, "-c", {FAMILY!r}, {str(pids)!r}])
         switch.on()
         print(switch.pid, flush=True)

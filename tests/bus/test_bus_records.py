@@ -9,8 +9,8 @@ import pytest
 
 from common.wire import Apid, NodeId, encode
 from common.wire import messages as m
-from hil import buslog as bl
-from hil.busstore import STORE_FILE, CommandStore
+from hil.bus import buslog as bl
+from hil.bus.busstore import STORE_FILE, CommandStore
 
 
 def ping(seq: int, key: int = 0) -> bytes:

@@ -25,8 +25,8 @@ from common.wire import AckFlags, Apid, NodeId, ResponseCode, decode, encode
 from common.wire import messages as m
 from common.wire.link import LinkAuthError, LinkTimeout, client_socket, init_keys, recv_packet, send_packet
 from common.wire.packet import PacketType, frame
-from hil import buslog as bl
 from hil.bus import BusThread
+from hil.bus import buslog as bl
 
 NOTHING_WAIT_S = 1.5
 

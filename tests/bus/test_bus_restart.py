@@ -20,7 +20,7 @@ from bus_testkit import (
 )
 
 from common.wire import messages as m
-from hil import buslog as bl
+from hil.bus import buslog as bl
 from traces import CutCause
 
 #: How long a wait may last before the test calls it a hang: waits end on events, and a loaded

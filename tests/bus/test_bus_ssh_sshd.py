@@ -31,9 +31,9 @@ from sshd_testkit import SSHD_CONFIG, SshServer, find_sshd, install_openssh_serv
 
 from common.wire import messages as m
 from common.wire.link import Endpoints, init_keys
-from hil import buslog as bl
 from hil.bus import BusConfig, BusThread
-from hil.power import START_MARKER, PowerSwitchError, SshSwitch
+from hil.bus import buslog as bl
+from hil.bus.power import START_MARKER, PowerSwitchError, SshSwitch
 
 pytestmark = pytest.mark.xdist_group("sshd")  # one sshd per module, so one worker runs them all
 

@@ -11,8 +11,8 @@ from bus_testkit import bus_config, ground_station, read_record, wait_for, windo
 from common.wire import Apid, EventId, NodeId, ResponseCode, SequenceCounter, decode
 from common.wire import messages as m
 from common.wire.link import LinkTimeout, client_socket, init_keys, recv_packet
-from hil import buslog as bl
 from hil.bus import BusThread
+from hil.bus import buslog as bl
 
 NOTHING_WAIT_S = 1.5
 

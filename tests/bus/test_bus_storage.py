@@ -18,10 +18,10 @@ from common import durable
 from common.wire import Apid, EventId, ResponseCode, decode
 from common.wire import messages as m
 from common.wire.link import recv_packet
-from hil import buslog as bl
 from hil.bus import BusThread
+from hil.bus import buslog as bl
+from hil.bus.busstore import CommandStore
 from hil.bus.storage import StorageWatch, TolerantSequenceCounter
-from hil.busstore import CommandStore
 
 
 def set_faults(control, **spec) -> None:

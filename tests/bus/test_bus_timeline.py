@@ -20,8 +20,8 @@ from bus_testkit import (
 
 from common.wire import FdirMode, PowerCause
 from common.wire import messages as m
-from hil import buslog as bl
 from hil.bus import BusThread, TraceClock, trace_actions
+from hil.bus import buslog as bl
 from traces import CutCause
 
 # Wall-clock tolerances, generous: two cores shared with other tests.

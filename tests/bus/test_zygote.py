@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from bus_testkit import wait_for
 
-from hil.power import LocalProcessSwitch, PowerSwitchError
-from hil.zygote import Zygote
+from hil.bus.power import LocalProcessSwitch, PowerSwitchError
+from hil.bus.zygote import Zygote
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -31,7 +31,7 @@ def _records(path: Path) -> list[dict]:
 
 def test_forked_payload_waits_out_the_boot_and_keeps_nothing_across_a_cut(tmp_path):
     record = tmp_path / "probe.jsonl"
-    zygote = Zygote(["hil.power"], log_path=tmp_path / "zygote.log", env=_env(), cwd=str(ROOT)).start()
+    zygote = Zygote(["hil.bus.power"], log_path=tmp_path / "zygote.log", env=_env(), cwd=str(ROOT)).start()
     boot_s = 0.4
     switch = LocalProcessSwitch(
         [sys.executable, "-m", "zygote_probe", str(record)],
@@ -113,7 +113,7 @@ def test_a_cut_right_after_power_on_kills_the_fork(tmp_path):
     so a cut in the first instant after power-on (a one-second window at a compressed scale)
     still kills it, and the zygote reaps it."""
     record = tmp_path / "probe.jsonl"
-    zygote = Zygote(["hil.power"], env=_env(), cwd=str(ROOT)).start()
+    zygote = Zygote(["hil.bus.power"], env=_env(), cwd=str(ROOT)).start()
     switch = LocalProcessSwitch([sys.executable, "-m", "zygote_probe", str(record)], zygote=zygote, boot_s=0.0)
     try:
         switch.prepare(120)

@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-import hil.power  # preloaded by the zygote in the tests
+import hil.bus.power  # preloaded by the zygote in the tests
 
 record = sys.argv[1]
 seen = {
@@ -19,12 +19,12 @@ seen = {
     "sid": os.getsid(0),
     "ppid": os.getppid(),
     "started_monotonic": time.monotonic(),
-    "marker": getattr(hil.power, "_zygote_probe_marker", None),
+    "marker": getattr(hil.bus.power, "_zygote_probe_marker", None),
     "extra_module_loaded": "zygote_probe_extra" in sys.modules,
-    "preloaded": "hil.power" in sys.modules,
+    "preloaded": "hil.bus.power" in sys.modules,
     "argv": sys.argv[1:],
 }
-hil.power._zygote_probe_marker = os.getpid()  # type: ignore[attr-defined]  # an earlier payload's state, if it survived
+hil.bus.power._zygote_probe_marker = os.getpid()  # type: ignore[attr-defined]  # an earlier payload's state, if it survived
 import zygote_probe_extra  # noqa: E402,F401
 
 with open(record, "a") as f:

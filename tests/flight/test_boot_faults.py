@@ -16,8 +16,8 @@ import pytest
 import traces
 from common.wire import ResponseCode
 from common.wire.link import Endpoints, init_keys
-from hil import buslog as bl
 from hil.bus import BusConfig, BusThread
+from hil.bus import buslog as bl
 from hil.bus.config import default_payload_command
 from traces.model import PowerWindow
 

@@ -11,12 +11,13 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
-from buspeer import BusPeer, spawn_flight
 from testkit import make_images
 
 from common.wire import messages as m
+from hil.scripted_bus import BusPeer, spawn_flight
 
 # What only the inference worker may import: the engine, its recovery planner and what they bring.
 ENGINE_MODULES = ("torch", "transformers", "numpy", "flight.engine", "flight.recovery")
@@ -55,7 +56,7 @@ def test_the_thread_that_answers_the_bus_imports_no_engine_and_no_planner(bus, t
         tmp_path / "keys",
         bus.endpoint,
         log_path=tmp_path / "flight.log",
-        import_record=record,
+        launcher=(str(Path(__file__).with_name("import_probe.py")), str(record)),
     )
     try:
         bus.wait_connected()

@@ -89,7 +89,7 @@ def _reset_peak(pid: int) -> None:
 def test_eight_maximal_uploads_stay_within_one_decode_budget(tmp_path, model_dirs):
     """Eight pictures at the payload's decode budget (RGB, 41.6 megapixels each, ~100 KB files)
     in one task: the payload's peak RSS grows by at most one decode budget plus headroom."""
-    from buspeer import BusPeer, spawn_flight
+    from hil.scripted_bus import BusPeer, spawn_flight
 
     bus = BusPeer(str(tmp_path / "keys"))
     proc = spawn_flight(

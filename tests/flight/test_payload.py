@@ -5,11 +5,11 @@ import os
 import signal
 
 import pytest
-from buspeer import BusPeer, spawn_flight
 from testkit import make_images
 
 from common.wire import Apid, NodeId, ResponseCode, encode
 from common.wire import messages as m
+from hil.scripted_bus import BusPeer, spawn_flight
 
 
 def _png(im) -> bytes:
@@ -51,7 +51,7 @@ def _upload(bus, name, content):
 
 
 def test_task_round_trip_and_bad_input(bus, flight, tmp_path, model_dirs):
-    flight()
+    process = flight()
     imgs = [_png(im) for im in make_images()]
     _upload(bus, "first.png", imgs[0])
     _upload(bus, "second.png", imgs[1])
@@ -80,6 +80,15 @@ def test_task_round_trip_and_bad_input(bus, flight, tmp_path, model_dirs):
     bus.wait_for(lambda h, msg: isinstance(msg, m.Completed) and msg.task_id == "t1" and msg.tc_seq == seq, 120)
     result = bus.wait_for(lambda h, msg: isinstance(msg, m.TaskResult) and msg.task_id == "t1")[1]
     assert len(result.token_ids) == 5
+    # HOUSEKEEPING's memory and wear (wire-protocol.md §3.3): the process's own resident memory,
+    # as the kernel counts it; at least the two images and the task's records written this boot
+    mark = len(bus.received)
+    bus.command(m.Status())
+    hk = bus.wait_for(lambda h, x: isinstance(x, m.Housekeeping), 30, start=mark)[1]
+    with open(f"/proc/{process.pid}/statm") as statm:
+        rss_now = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    assert hk.memory_rss_bytes is not None and 0.5 * rss_now <= hk.memory_rss_bytes <= 2 * rss_now
+    assert hk.written_bytes is not None and hk.written_bytes > len(imgs[0]) + len(imgs[1])
     # bad inputs, each with its own code, and the payload keeps serving
     cases = {
         ResponseCode.UNKNOWN_TASK: m.DownlinkResult(task_id="nope"),

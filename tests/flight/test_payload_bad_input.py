@@ -10,11 +10,11 @@ import sys
 
 import msgpack
 import pytest
-from buspeer import BusPeer, spawn_flight
 
 from common.wire import Apid, MessageType, NodeId, ResponseCode, encode
 from common.wire import messages as m
 from common.wire.packet import PacketType, frame
+from hil.scripted_bus import BusPeer, spawn_flight
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from buspeer import BusPeer, spawn_flight
 from PIL import Image
 
 from common.record import Kind, encode
@@ -23,6 +22,7 @@ from common.wire import Apid, NodeId, ResponseCode
 from common.wire import encode as encode_packet
 from common.wire import messages as m
 from common.wire.ids import MAX_REASON_BYTES, MAX_RESULT_TEXT_BYTES, SEQ_MODULUS
+from hil.scripted_bus import BusPeer, spawn_flight
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +61,7 @@ def _events(bus: BusPeer, name: str) -> list[m.Event]:
 
 
 class Payload:
-    """The payload process under a scripted bus (tests/flight/buspeer.py)."""
+    """The payload process under a scripted bus (hil/scripted_bus.py)."""
 
     def __init__(self, tmp_path: Path, model: str, data_dir: Path, *extra: str):
         self.bus = BusPeer(str(tmp_path / "keys"))
@@ -313,8 +313,8 @@ def test_a_task_that_kills_every_boot_is_quarantined(tmp_path, model_dirs, monke
     import traces
     from common.wire.link import Endpoints, init_keys
     from ground.client import GroundClient
-    from hil import buslog as bl
     from hil.bus import BusConfig, BusThread
+    from hil.bus import buslog as bl
     from traces.model import PowerWindow
 
     keys = str(tmp_path / "keys")

@@ -1,5 +1,5 @@
 """Storage as an environment condition (issue: reliability, second round, findings 1, 2 and 4),
-against the real payload process under the scripted bus (tests/flight/buspeer.py).
+against the real payload process under the scripted bus (hil/scripted_bus.py).
 
 A full, read-only, failing or stalled data disk is never charged to a task, never quarantines it
 and never stops the payload: PING, STATUS and heartbeats never wait on the disk, commands that
@@ -20,11 +20,11 @@ import time
 from pathlib import Path
 
 import pytest
-from buspeer import BusPeer, spawn_flight
 from testkit import make_images
 
 from common.wire import EventId, ResponseCode, StorageState
 from common.wire import messages as m
+from hil.scripted_bus import BusPeer, spawn_flight
 
 pytestmark = pytest.mark.slow
 

@@ -269,6 +269,8 @@ class ScriptedBusPayloadPeer:
             command_count=len(self.commands),
             error_count=len(self.replays),
             uptime_s=time.monotonic() - self.booted_at,
+            memory_rss_bytes=300 * 1024**2,
+            written_bytes=5 * 1024**2,
         )
 
     def _on_status(self, request, msg, rid) -> None:

@@ -164,6 +164,36 @@ def test_csv_holds_what_the_plot_shows():
     serve(ConsoleSecurity(), history)(body)
 
 
+def test_memory_and_storage_written_over_boots_are_plotted_and_exported():
+    """HOUSEKEEPING `written_bytes` restarts at each boot (wire-protocol.md §3.3): the console sums
+    each boot's largest count; a late report of an earlier boot, and an older payload's report
+    without the fields, add nothing. Memory is plotted as reported."""
+    history = History()
+    reports = [  # (t, boot, written, memory)
+        (1.0, 1, 100, 50_000_000),
+        (2.0, 1, 300, 60_000_000),
+        (3.0, 2, 40, 55_000_000),  # a cut and a boot: the count restarted
+        (3.5, 1, 310, None),  # late, from boot 1: already summed
+        (4.0, 2, 90, 70_000_000),
+    ]
+    for t, boot, written, memory in reports:
+        body = {"boot_count": boot, "written_bytes": written, "memory_rss_bytes": memory}
+        history.add({"t": t, "type": "HOUSEKEEPING", "body": body})
+    history.add({"t": 5.0, "type": "HOUSEKEEPING", "body": {"boot_count": 2}})  # an older payload
+    raw = history.raw(0.0, 10.0, ["storage_written_bytes", "payload_memory_bytes"])
+    assert raw["storage_written_bytes"] == ([1.0, 2.0, 3.0, 4.0], [100.0, 300.0, 340.0, 390.0])
+    assert raw["payload_memory_bytes"] == ([1.0, 2.0, 3.0, 4.0], [5e7, 6e7, 5.5e7, 7e7])
+
+    async def body(session, base):
+        async with session.get(base + "/api/info") as r:
+            assert {"storage_written_bytes", "payload_memory_bytes"} <= set((await r.json())["series"])
+        async with session.get(base + "/api/telemetry.csv?t0=0&t1=10&series=storage_written_bytes") as r:
+            rows = list(csv.DictReader(io.StringIO(await r.text())))
+        assert [float(row["value"]) for row in rows] == [100.0, 300.0, 340.0, 390.0]
+
+    serve(ConsoleSecurity(), history)(body)
+
+
 def test_timeline_records_cut_cause_warning_lead_and_running_task():
     history = History()
     history.add({"t": 10.0, "type": "POWER_STATE", "body": {"payload_on": True, "cause": "TRACE"}})
@@ -178,13 +208,12 @@ def test_timeline_records_cut_cause_warning_lead_and_running_task():
 
 def test_on_loopback_a_token_is_made_for_the_run_and_actions_need_it(tmp_path):
     """`ow ground console` with no token (loopback) makes one for the run and announces the
-    address with it (#token=, for the page): a POST without it is refused, as beyond loopback."""
+    address with it (#token=, for the page): a POST without it is refused, as beyond loopback.
+    With --port 0 the address announced has the port the system picked."""
     import os
     import re
-    import socket
     import subprocess
     import sys
-    import time
     import urllib.error
     import urllib.request
 
@@ -197,19 +226,19 @@ def test_on_loopback_a_token_is_made_for_the_run_and_actions_need_it(tmp_path):
         env=env,
         timeout=120,
     )
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     cmd = [sys.executable, "-m", "common.cli", "ground", "console", "--keys", str(tmp_path / "keys")]
-    proc = subprocess.Popen(cmd + ["--port", str(port)], stderr=subprocess.PIPE, text=True, env=env)
+    # --port 0: the system picks a free port, and the announcement names the one it picked
+    proc = subprocess.Popen(cmd + ["--port", "0"], stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stderr is not None
         line = ""
-        for line in proc.stderr:  # the announcement, before it serves
+        for line in proc.stderr:  # the announcement, once it is bound
             if "console on" in line:
                 break
-        found = re.search(r"#token=([A-Za-z0-9_\-]+)", line)
-        assert found, f"no token in the announcement: {line!r}"
+        found = re.search(r"console on http://127\.0\.0\.1:(\d+)/#token=([A-Za-z0-9_\-]+)", line)
+        assert found, f"no port and token in the announcement: {line!r}"
+        port = int(found.group(1))
+        assert port != 0
         url = f"http://127.0.0.1:{port}/api/tasks/t-1/cancel"
 
         def post(token: str | None) -> int:
@@ -217,19 +246,15 @@ def test_on_loopback_a_token_is_made_for_the_run_and_actions_need_it(tmp_path):
             if token is not None:
                 headers["X-Console-Token"] = token
             request = urllib.request.Request(url, data=b"", headers=headers, method="POST")
-            for _ in range(100):  # the server binds a moment after it announces
-                try:
-                    with urllib.request.urlopen(request, timeout=30) as response:
-                        return response.status
-                except urllib.error.HTTPError as exc:
-                    return exc.code
-                except urllib.error.URLError:
-                    time.sleep(0.1)
-            raise AssertionError("the console never answered")
+            try:  # it announces once it is bound: no retry needed
+                with urllib.request.urlopen(request, timeout=30) as response:
+                    return response.status
+            except urllib.error.HTTPError as exc:
+                return exc.code
 
         assert post(None) == 401
         assert post("wrong") == 401
-        assert post(found.group(1)) != 401
+        assert post(found.group(2)) != 401
     finally:
         proc.terminate()
         proc.wait(30)

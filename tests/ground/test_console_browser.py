@@ -1,7 +1,8 @@
 """The console in a real browser (headless Chromium) against a real bus and payload (tiny model)
 on the demo trace: the page loads; the bus's first power cut shows in the timeline; an uplink
 through the form completes, says each image was verified on board, and the task's result shows;
-the telemetry CSV export holds what the plot shows; a bad image is refused with the CLI's message.
+the telemetry CSV export holds what the plot shows, the payload's memory and storage written
+among it; a bad image is refused with the CLI's message.
 Every wait is on the page, with a deadline and what it waits for. Screenshots go to the test's
 temporary directory, or to docs/img/ (the ones docs/ground.md shows) with
 OW_CONSOLE_SCREENSHOTS=docs/img."""
@@ -42,7 +43,9 @@ def browser():
 
 def test_console_in_chromium_against_bus_and_payload(browser, model_dirs, tmp_path):
     from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+    from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import WebDriverWait
 
     from common.wire.link import Endpoints, KeyLayout, init_keys
@@ -133,14 +136,56 @@ def test_console_in_chromium_against_bus_and_payload(browser, model_dirs, tmp_pa
         browser.find_element(By.CSS_SELECTOR, "nav button[data-view=timeline]").click()
         wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#cuts tbody tr.cut")) >= 4, "all four cuts")
         browser.save_screenshot(str(shots / "console-timeline.png"))
+
+        # pan: the same width, later then back, kept inside the history; shift+drag pans too
+        def view() -> list[float]:
+            return browser.execute_script("const t = consoleState.timeline; return [t.t0, t.t1, ...t.span]")
+
+        browser.execute_async_script(
+            "const done = arguments[arguments.length - 1]; const [s0, s1] = consoleState.timeline.span;"
+            " timelineZoom = [s0, s0 + (s1 - s0) / 4]; loadTimeline().then(done);"
+        )
+        t0, t1, s0, _ = view()
+        width = t1 - t0
+        browser.find_element(By.ID, "pan-later").click()
+        wait.until(lambda d: view()[0] > t0, "the timeline to pan later")
+        later0, later1, _, _ = view()
+        assert later0 == pytest.approx(t0 + width / 2) and later1 - later0 == pytest.approx(width)
+        for _ in range(2):  # the second would pass the start of the history: held there
+            before = view()[0]
+            browser.find_element(By.ID, "pan-earlier").click()
+            wait.until(lambda d, before=before: view()[0] < before or view()[0] == s0, "the timeline to pan earlier")
+        assert view()[:2] == pytest.approx([s0, s0 + width])
+        over = browser.find_element(By.CSS_SELECTOR, "#timeline-plot .u-over")
+        chain = ActionChains(browser).key_down(Keys.SHIFT).move_to_element(over).click_and_hold()
+        chain.move_by_offset(-200, 0).release().key_up(Keys.SHIFT).perform()
+        wait.until(lambda d: view()[0] > s0, "shift+drag to pan the timeline later")
+        dragged0, dragged1, _, _ = view()
+        assert dragged1 - dragged0 == pytest.approx(width), "a pan, not a zoom"
         browser.find_element(By.CSS_SELECTOR, "nav button[data-view=events]").click()
         browser.save_screenshot(str(shots / "console-events.png"))
 
         # the CSV export holds what the plot shows
         browser.find_element(By.CSS_SELECTOR, "nav button[data-view=telemetry]").click()
-        wait.until(lambda d: d.execute_script("return consoleState.plots.length") == 4, "the telemetry plots")
+        wait.until(lambda d: d.execute_script("return consoleState.plots.length") == 5, "the telemetry plots")
+        # the payload's memory and storage written (its HOUSEKEEPING, every 5 s): plotted from
+        # the real payload's reports; the view re-reads the server until they are in
+        wanted = ("payload_memory_bytes", "storage_written_bytes")
+        reload_then = (
+            "const done = arguments[arguments.length - 1];"
+            " loadTelemetry().then(() => done(consoleState.telemetry.series));"
+        )
+        wait.until(
+            lambda d: all((d.execute_async_script(reload_then) or {}).get(n) for n in wanted),
+            "the payload's memory and storage written in the telemetry plots",
+        )
+        legend = browser.find_element(By.ID, "plots").text
+        assert all(n in legend for n in wanted), legend
         browser.save_screenshot(str(shots / "console-telemetry.png"))
         plotted = browser.execute_script("return consoleState.telemetry.series")
+        memory = [v for _, v in plotted["payload_memory_bytes"]]
+        assert all(10 * 2**20 < v < 64 * 2**30 for v in memory), memory  # a live Python process (model loaded or not)
+        assert plotted["storage_written_bytes"][-1][1] > 0, plotted["storage_written_bytes"]
         for name, shown in plotted.items():
             if not shown:
                 continue  # a series this trace does not carry

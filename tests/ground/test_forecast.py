@@ -7,8 +7,9 @@ import time
 
 from ground_testkit import link_args
 
-from common.sim.windows import finish_time
+from common.sim.windows import finish_time, finish_times
 from common.wire import messages as m
+from common.wire.ids import PowerCause
 from ground.forecast import forecast_lines, forecast_tasks
 from ground.state import GroundState
 
@@ -94,6 +95,11 @@ def test_status_shows_the_forecast_from_the_payloads_telemetry(ow, keys, peer, p
             **{k: PROFILE[k] for k in ("unit_s", "task_units", "durable_every", "overhead_s", "setup_s")},
         ),
         m.WindowHistory(boot_count=3, starts=[now - 300, now - 200, now - 100], lengths=[60.0, 70.0]),
+        # one cut announced, one not: the forecast keeps the share of announced cuts it heard
+        m.ShutdownWarning(trace_time_s=1.0, lead_time_s=10.0, cause=PowerCause.THERMAL),
+        m.PowerStateChange(trace_time_s=2.0, payload_on=False, cause=PowerCause.THERMAL),
+        m.PowerStateChange(trace_time_s=3.0, payload_on=True, cause=PowerCause.RESTORED),
+        m.PowerStateChange(trace_time_s=4.0, payload_on=False, cause=PowerCause.FDIR),
     ]
     text = ow("ground", "status", *link_args(keys, peer))
     assert text.code == 0, text.err
@@ -103,6 +109,7 @@ def test_status_shows_the_forecast_from_the_payloads_telemetry(ow, keys, peer, p
     assert mine["p10"] <= mine["expected"] <= mine["p90"]
     basis = GroundState(keys.state_dir).forecast_basis()
     assert basis["windows"]["lengths"] == [60.0, 70.0] and basis["progress"]["task_id"] == task_id
+    assert basis["cuts"]["heard"] >= 2 and basis["cuts"]["recent"][:2] == [True, False]
 
 
 def test_a_plan_replaces_the_history():
@@ -123,3 +130,54 @@ def test_tasks_beyond_the_payloads_queue_are_said_to_be_done():
     out = forecast_tasks(tasks, basis, now_wall=now, draws=50)
     assert out["assumed_done"] == ["t0", "t1"] and list(out["tasks"]) == ["t2"]
     assert any("taken as done on board" in line and "t0, t1" in line for line in forecast_lines(out, now_wall=now))
+
+
+def test_setup_and_power_up_overhead_already_hold_the_first_unit():
+    # The payload measures a task's setup and a power-up's overhead to the END of the first unit
+    # (flight/runtime/profile.py): that unit must not be charged twice. Units: vision 4 x 2 s,
+    # prefill 20 x 3 s, decode 32 x 1 s = 100 s; setup 1 s < the first (vision) unit: nothing more.
+    now = 5_000.0
+    up_since = forecast_tasks(TASKS, {"profile": PROFILE}, plan=[(now - 100.0, now + 1e6)], now_wall=now)
+    assert up_since["tasks"]["t1"]["expected"] == now + 100.0
+    # a window that starts now: the power-up overhead (5 s) less a typical unit (decode's 1 s)
+    fresh = forecast_tasks(TASKS, {"profile": PROFILE}, plan=[(now, now + 1e6)], now_wall=now)
+    assert fresh["tasks"]["t1"]["expected"] == now + 104.0
+
+
+def test_a_known_off_period_is_waited_out_and_its_gap_not_drawn_again():
+    now = 10_000.0
+    steady = _basis([(400.0, 20.0)] * 20, now)
+    free = forecast_tasks(TASKS, steady, now_wall=now, draws=100)["tasks"]["t1"]
+    off = [(now + 30.0, now + 900.0)]
+    planned = forecast_tasks(TASKS, steady, known_off=off, now_wall=now, draws=100)["tasks"]["t1"]
+    assert free["expected"] < now + 200.0 < now + 900.0 < planned["p10"] <= planned["expected"]
+    # a history whose long gaps a known (past) off period explains: with the plan they are not
+    # drawn as random gaps again, so the band is narrower
+    pairs = [(60.0, 20.0), (60.0, 20.0), (60.0, 1500.0)] * 6
+    basis = _basis(pairs, now)
+    starts, lengths = basis["windows"]["starts"], basis["windows"]["lengths"]
+    past = [
+        (s + on + 1.0, s + on + 1499.0)
+        for s, on, (_, gap) in zip(starts[:-1], lengths, pairs, strict=True)
+        if gap > 1000
+    ]
+    blind = forecast_tasks(TASKS, basis, now_wall=now, draws=200)["tasks"]["t1"]
+    told = forecast_tasks(TASKS, basis, known_off=past, now_wall=now, draws=200)["tasks"]["t1"]
+    assert told["p90"] - told["p10"] < blind["p90"] - blind["p10"]
+    assert told["expected"] <= blind["expected"]
+
+
+def test_an_announced_cut_keeps_the_steps_that_ended():
+    # one unit of 4 steps (a decode record every 4 steps, 2 s each) and a window ending at 7 s:
+    # unannounced, the unit is lost and runs whole in the next window (10 + 1 + 8); announced,
+    # its 3 finished steps are kept and only the 4th runs again (10 + 1 + 2)
+    windows = [(0.0, 7.0), (10.0, 100.0)]
+    assert finish_time([8.0], windows, overhead_s=1.0, max_windows=5) == (19.0, 1)
+    announced = [(0.0, 7.0, True), (10.0, 100.0, False)]
+    assert finish_times([8.0], [1], announced, overhead_s=1.0, parts=[4]) == [(13.0, 1)]
+    # the forecast draws announced cuts with the share the ground heard: earlier, never later
+    now = 10_000.0
+    basis = _basis([(45.0, 30.0)] * 20, now)
+    quiet = forecast_tasks(TASKS, basis, now_wall=now, draws=100)["tasks"]["t1"]
+    warned = forecast_tasks(TASKS, {**basis, "cuts": {"heard": 20, "warned": 20}}, now_wall=now, draws=100)
+    assert warned["tasks"]["t1"]["expected"] < quiet["expected"]

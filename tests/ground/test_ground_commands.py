@@ -32,10 +32,37 @@ def test_status_prints_housekeeping(ow, keys, peer, pictures):
     assert f"current task  {task_id} (prefill 1/4)" in text.out
     assert "disk free     9.0 GiB" in text.out and "boot count    1" in text.out
     assert "storage       ok (reserve " in text.out
+    assert "written       5.0 MiB to data storage since this boot" in text.out
+    assert "memory        300.0 MiB resident" in text.out
     as_json = ow("ground", "status", *link_args(keys, peer), "--json")
     hk = json.loads(as_json.out)
     assert hk["queue_depth"] == 1 and hk["current_task"] == task_id and hk["phase"] == "prefill"
     assert hk["checkpoint_bytes"] == 123456
+    assert (hk["memory_rss_bytes"], hk["written_bytes"]) == (300 * 1024**2, 5 * 1024**2)
+
+
+def test_status_of_a_payload_that_reports_no_memory_or_wear():
+    """An older payload's HOUSEKEEPING has neither field (wire-protocol.md §3.3): said so, not 0."""
+    from common.wire import messages as m
+    from ground.report import describe, housekeeping_text
+
+    hk = m.Housekeeping(
+        queue_depth=0,
+        current_task=None,
+        phase=None,
+        progress_done=0,
+        progress_total=0,
+        checkpoint_bytes=0,
+        disk_free_bytes=1,
+        boot_count=1,
+        command_count=0,
+        error_count=0,
+        uptime_s=1.0,
+    )
+    text = housekeeping_text(hk)
+    assert "written       not reported (older payload)" in text
+    assert "memory        not reported (older payload)" in text
+    assert "memory" not in describe(hk) and "written" not in describe(hk)
 
 
 def test_ping_reports_round_trip_time(ow, keys, peer):

@@ -1,5 +1,5 @@
 """A short campaign (2 traces x 2 policies) end to end with real processes, and its report. The
-payloads are forked from the bus's zygote with an emulated boot (hil/zygote.py): every output is
+payloads are forked from the bus's zygote with an emulated boot (hil/bus/zygote.py): every output is
 still checked bit for bit against its uninterrupted reference."""
 
 import itertools
@@ -123,7 +123,7 @@ def test_short_campaign_end_to_end(model_dirs, tmp_path):
 
     # A run a stopped campaign cut short (its record not yet written) runs again from nothing:
     # not on top of the payload's queue and checkpoints it left, nor appending to its bus log.
-    from hil import buslog as bl
+    from hil.bus import buslog as bl
     from hil.campaign import RUN_RECORD
 
     cut_short = next(c for c in cells if c.trace == short and c.policy == ours)

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from hil import buslog as bl
+from hil.bus import buslog as bl
 from hil.chaos import (
     FAULT_KINDS,
     INJECTED_KINDS,

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from flight import calibration
+from bench import calibration
 from flight.recovery.cost import MODELS, ModelDims
 
 MIB = 1 << 20

@@ -5,7 +5,7 @@ import warnings
 import numpy as np
 import pytest
 
-from flight import calibration
+from bench import calibration
 from flight.recovery import calibration_cache, cost
 from flight.recovery.calibration_cache import cost_model_for
 from flight.recovery.cost import (

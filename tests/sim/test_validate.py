@@ -15,7 +15,7 @@ from common.wire import Apid, NodeId, encode
 from common.wire import messages as m
 from flight.checkpoint.policies import Geometry
 from ground.images import prepare_images
-from hil import buslog as bl
+from hil.bus import buslog as bl
 from hil.sim.validate import run_facts, simulate_run, validate
 from hil.testbench import BenchReport, RequestReport
 

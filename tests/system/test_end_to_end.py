@@ -22,8 +22,8 @@ import traces
 from common.record import Kind, decode
 from common.wire.link import Endpoints, init_keys
 from ground.client import DEFAULT_WINDOW, GroundClient
-from hil import buslog as bl
 from hil.bus import BusConfig, BusProcess
+from hil.bus import buslog as bl
 from hil.testbench import BenchConfig, RequestSpec, reference_run
 from traces.model import CutCause, PowerWindow
 

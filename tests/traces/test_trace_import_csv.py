@@ -323,8 +323,8 @@ def test_unix_time_two_payloads_side_by_side_and_multiplexed_temperatures(tmp_pa
 
 def test_the_bus_plays_an_imported_trace(tmp_path):
     from common.wire.link import Endpoints, init_keys
-    from hil import buslog as bl
     from hil.bus import BusConfig, BusThread
+    from hil.bus import buslog as bl
 
     log = _side_by_side(tmp_path / "atlasAB_surtemp.csv")
     trace = tmp_path / "b.jsonl"

@@ -13,6 +13,7 @@ from common.wire import Apid, MessageType, NodeId, ResponseCode, WireError, deco
 from common.wire import messages as m
 from common.wire.errors import RequestRef
 from common.wire.ids import AckFlags, EventId, Severity, TlmChannel
+from common.wire.packet import PacketType, frame
 
 
 def test_every_message_type_has_a_sample(all_samples):
@@ -101,7 +102,23 @@ def test_housekeeping_channels(all_samples):
     assert channels[TlmChannel.QUEUE_DEPTH] == hk.queue_depth
     assert channels[TlmChannel.DISK_FREE_BYTES] == hk.disk_free_bytes
     assert channels[TlmChannel.STORAGE_STATE] == hk.storage_state
-    assert len(channels) == 14
+    assert channels[TlmChannel.MEMORY_RSS] == hk.memory_rss_bytes
+    assert channels[TlmChannel.STORAGE_WRITTEN] == hk.written_bytes
+    assert len(channels) == 16
+
+
+def test_housekeeping_without_the_later_fields_still_decodes(all_samples):
+    """An older payload's HOUSEKEEPING (or one kept in an older log) has no memory_rss_bytes or
+    written_bytes: it decodes, and both read as None ("not reported"), never as a zero."""
+    hk = next(s for s in all_samples if isinstance(s, m.Housekeeping))
+    assert hk.memory_rss_bytes is not None and hk.written_bytes is not None
+    old_body = {k: v for k, v in hk.pack().items() if k not in ("memory_rss_bytes", "written_bytes")}
+    packet = frame(PacketType.TM, Apid.PAYLOAD, 5, MessageType.HOUSEKEEPING, msgpack.packb(old_body), source_id=0x0200)
+    _, decoded = decode(packet)
+    assert decoded.memory_rss_bytes is None and decoded.written_bytes is None
+    assert decoded.queue_depth == hk.queue_depth and decoded.reserve_bytes == hk.reserve_bytes
+    # and the new ones travel bit for bit
+    assert decode(encode(hk, Apid.PAYLOAD, 6))[1] == hk
 
 
 def test_rejected_from_error_names_the_command():

@@ -35,6 +35,8 @@ def sample_messages() -> list[m.Message]:
             command_count=17,
             error_count=1,
             uptime_s=12.5,
+            memory_rss_bytes=734_003_200,
+            written_bytes=2**33 + 5,
         ),
         m.Event(
             event_id=EventId.TASK_RESUMED, text="resumed after power cut at prefill block (2, 3)", task_id="task-001"

@@ -32,18 +32,27 @@ async function loadTimeline() {
   const q = timelineZoom ? `?t0=${timelineZoom[0]}&t1=${timelineZoom[1]}` : "";
   const tl = await getJSON("/api/timeline" + q);
   state.timeline = tl;
-  const xs = [], on = [], cut = [], boot = [];
   const marks = [];
   for (const w of tl.windows) { marks.push([w[0], 1, "on"]); if (w[1] !== null) marks.push([w[1], 0, "off"]); }
   for (const c of tl.cuts) marks.push([c.t, 0, "cut"]);
   for (const b of tl.boots) marks.push([b, 1, "boot"]);
   marks.sort((a, b) => a[0] - b[0]);
-  let level = 0;
+  // Exactly [t0, t1] on the x axis (the range asked for, what panning moves): a window that
+  // opened before t0 only sets the level the view starts at.
+  const xs = [], on = [], cut = [], boot = [];
+  const point = (t, level, c, b) => { xs.push(t); on.push(level); cut.push(c); boot.push(b); };
+  let level = 0, started = false;
   for (const [t, v, what] of marks) {
-    if (what === "on" || what === "off") level = v;
-    xs.push(t); on.push(level); cut.push(what === "cut" ? 0.5 : null); boot.push(what === "boot" ? 1.05 : null);
+    const power = what === "on" || what === "off";
+    if (t < tl.t0) { if (power) level = v; continue; }
+    if (t > tl.t1) break;
+    if (!started && t > tl.t0) point(tl.t0, level, null, null);
+    started = true;
+    if (power) level = v;
+    point(t, level, what === "cut" ? 0.5 : null, what === "boot" ? 1.05 : null);
   }
-  if (tl.t1 > (xs[xs.length - 1] || 0)) { xs.push(tl.t1); on.push(tl.payload_on ? 1 : 0); cut.push(null); boot.push(null); }
+  if (!xs.length) point(tl.t0, level, null, null);
+  if (tl.t1 > xs[xs.length - 1]) point(tl.t1, level, null, null);
   const data = [xs, on, cut, boot];
   const opts = { width: plotWidth(), height: 180, title: "payload power windows, cuts and boots",
     scales: { x: { time: true }, y: { range: [-0.1, 1.2] } },
@@ -68,7 +77,49 @@ async function loadTimeline() {
     $("#cuts tbody").appendChild(tr);
   }
 }
-const timelineSoon = later(loadTimeline, 250);
+const timelineSoon = later(() => { if (!panning) loadTimeline(); }, 250);  // (mouseup reloads)
+
+// Pan: the same width, earlier or later, kept inside the history. The buttons and arrow keys move
+// half a view; shift+drag moves the drawn view with the mouse (no request while dragging: the
+// plot only shifts its scale, so it stays smooth on a 72-hour history) and fetches the new range,
+// thinned by the server, once, on release.
+function panTo(t0, width) {
+  const [s0, s1] = state.timeline.span;
+  t0 = Math.min(Math.max(t0, s0), s1 - width);
+  timelineZoom = [t0, t0 + width];
+  return loadTimeline();
+}
+function panTimeline(fraction) {
+  const tl = state.timeline;
+  if (!tl) return Promise.resolve();
+  const width = tl.t1 - tl.t0;
+  if (!(width > 0) || width >= tl.span[1] - tl.span[0]) return Promise.resolve();  // all of it is shown
+  return panTo(tl.t0 + fraction * width, width);
+}
+$("#pan-earlier").addEventListener("click", () => panTimeline(-0.5));
+$("#pan-later").addEventListener("click", () => panTimeline(0.5));
+document.addEventListener("keydown", (e) => {
+  if (!$("#view-timeline").classList.contains("active") || e.target.matches("input, textarea, select")) return;
+  if (e.key === "ArrowLeft") panTimeline(-0.5); else if (e.key === "ArrowRight") panTimeline(0.5);
+});
+let panning = null;
+function panShift(e) { return ((e.clientX - panning.x) / timelinePlot.over.clientWidth) * (panning.max - panning.min); }
+$("#timeline-plot").addEventListener("mousedown", (e) => {
+  if (!e.shiftKey || !timelinePlot || !state.timeline) return;
+  e.stopPropagation(); e.preventDefault();  // before uPlot sees it: a pan, not a zoom selection
+  panning = { x: e.clientX, min: timelinePlot.scales.x.min, max: timelinePlot.scales.x.max };
+}, true);
+window.addEventListener("mousemove", (e) => {
+  if (!panning) return;
+  const dt = panShift(e);
+  timelinePlot.setScale("x", { min: panning.min - dt, max: panning.max - dt });
+});
+window.addEventListener("mouseup", (e) => {
+  if (!panning) return;
+  const dt = panShift(e), width = panning.max - panning.min, from = panning.min;
+  panning = null;
+  if (dt !== 0 && width < state.timeline.span[1] - state.timeline.span[0]) panTo(from - dt, width); else loadTimeline();
+});
 
 // --- tasks ---------------------------------------------------------------------------------
 // The completion forecast as `ow ground status` says it: per task the expected time, the 10-90 %
@@ -152,6 +203,7 @@ function showCommand(c) {
 const GROUPS = [["battery (state of charge), power (W), bus voltage (V)", ["battery_soc", "payload_power_w", "bus_voltage_v"]],
   ["temperature (°C)", ["payload_temp_c", "bus_temp_c"]],
   ["storage: checkpoint bytes held, disk free", ["storage_used_bytes", "disk_free_bytes"]],
+  ["wear and memory: bytes written to storage over the boots seen, payload resident memory", ["storage_written_bytes", "payload_memory_bytes"]],
   ["queue and progress", ["queue_depth", "progress_done"]]];
 let telemetryZoom = null;
 async function loadTelemetry() {

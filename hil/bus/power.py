@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from common import log
-from hil.zygote import ZygoteError, die_with_parent
+from hil.bus.zygote import ZygoteError, die_with_parent
 
-_log = log.get("hil.power")
+_log = log.get("hil.bus.power")
 
 #: How long a driver's shell command (ssh kill, relay command) may take before it counts as failed.
 COMMAND_TIMEOUT_S = 30.0
@@ -192,7 +192,7 @@ class _ChildSession:
 
 
 class _ForkedSession:
-    """A payload forked by a zygote (hil/zygote.py) in its own session and process group, with
+    """A payload forked by a zygote (hil/bus/zygote.py) in its own session and process group, with
     the same interface as _ChildSession. The zygote is its parent, so the zygote reaps it; a cut
     is still this process's immediate killpg(SIGKILL)."""
 
@@ -281,7 +281,7 @@ class LocalProcessSwitch(PowerSwitch):
     `pidfile` (optional) remembers the running group so that a bus restarted after being killed
     can make sure the previous payload is gone (`reset`).
 
-    `zygote` (optional, hil/zygote.py): instead of exec'ing `argv` at each power-on, fork it from
+    `zygote` (optional, hil/bus/zygote.py): instead of exec'ing `argv` at each power-on, fork it from
     a process that has already imported the payload's libraries, and let the fork wait `boot_s`
     wall seconds (the target's boot, scaled like the compute) before it runs. A cut is the same
     killpg(SIGKILL); the fork keeps nothing from an earlier payload."""

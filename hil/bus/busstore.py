@@ -49,7 +49,7 @@ STORE_FILE = "commands.log"
 COMPACT_BYTES = 8 << 20
 COMPACT_RATIO = 2
 
-_log = log.get("hil.busstore")
+_log = log.get("hil.bus.busstore")
 
 
 def request_key(request: RequestRef) -> tuple[int, int, int, int]:

@@ -55,6 +55,10 @@ from typing import Any
 #: What the flight payload's boot image holds: the modules `ow flight run` imports before its
 #: first unit of inference work (flight/runtime/preload.py lists them).
 FLIGHT_PRELOAD = ("flight.runtime.preload:boot_image",)
+
+#: How the bus starts a zygote. Not `python -m hil.bus.zygote`: the package `hil.bus` imports this
+#: module (through its power switch), so runpy would execute a second copy of it as `__main__`.
+SERVER_MAIN = "import sys; from hil.bus.zygote import main; sys.exit(main(sys.argv[1:]))"
 _MAX_MESSAGE = 1 << 20
 _PR_SET_PDEATHSIG = 1
 
@@ -258,7 +262,7 @@ def serve(fd: int, preload: Sequence[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m hil.zygote", description="Fork server for the local power switch (started by the bus)."
+        prog="hil.bus.zygote", description="Fork server for the local power switch (started by the bus)."
     )
     parser.add_argument("--fd", type=int, required=True, help="the control socket's file descriptor")
     parser.add_argument("preload", nargs="*", help="modules to import before serving (MODULE or MODULE:FUNCTION)")
@@ -310,7 +314,7 @@ class Zygote:
             out = open(self.log_path, "ab")
         try:
             self.proc = subprocess.Popen(
-                [self.python, "-m", "hil.zygote", "--fd", str(theirs.fileno()), *self.preload],
+                [self.python, "-c", SERVER_MAIN, "--fd", str(theirs.fileno()), *self.preload],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,

@@ -1,6 +1,7 @@
-"""A minimal scripted bus for testing the payload process alone: a CURVE ROUTER on the payload
+"""A minimal scripted bus for running the payload process alone: a CURVE ROUTER on the payload
 link that sends telecommands as a ground station would and collects every packet the payload
-sends. (The real bus is `ow bus run`; end-to-end tests use it.)"""
+sends. (The real bus is `ow bus run`; end-to-end tests use it.) The payload tests drive
+`ow flight run` with it, and so does bench/cold_start.py, which times the process's start."""
 
 from __future__ import annotations
 
@@ -75,12 +76,9 @@ class BusPeer:
         return [msg for h, msg in self.received if isinstance(msg, m.Verification) and msg.tc_seq == seq]
 
 
-def spawn_flight(data_dir, model_dir, keys_dir, endpoint, *extra, log_path=None, import_record=None):
-    """`ow flight run` on the scripted bus; with `import_record`, under import_probe.py, which
-    records the process's imports there (see that module)."""
-    launcher = ["-m", "common.cli"]
-    if import_record is not None:
-        launcher = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "import_probe.py"), str(import_record)]
+def spawn_flight(data_dir, model_dir, keys_dir, endpoint, *extra, log_path=None, launcher=("-m", "common.cli")):
+    """`ow flight run` on the scripted bus. `launcher`: the interpreter's arguments before `flight
+    run` (a test passes a script that records the process's imports and then runs `ow`)."""
     cmd = [
         sys.executable,
         *launcher,

@@ -1,6 +1,6 @@
 """`ow bus run`: the mock spacecraft bus from the command line (docs/bus.md).
 
-`register_bus(subparsers)` adds the `bus` group to `ow`; `python -m hil.bus_cli run ...` runs
+`register_bus(subparsers)` adds the `bus` group to `ow`; `python -m hil.bus.cli run ...` runs
 the same command without the rest of `ow`.
 """
 

@@ -1,0 +1,92 @@
+"""bench/forecast_bench.py's judgement against real runs: forecasts made again from a run's bus
+log and compared with the completion it recorded (docs/ground.md, "Measured accuracy")."""
+
+from __future__ import annotations
+
+import json
+
+from bench.forecast_bench import kept_profile, real_summary, replay_run
+
+START = 3000.0  # trace second the run starts at (trace-a has lived windows before it)
+PROFILE = {
+    "model": "qwen3-vl-tiny",
+    "policy": "orbitweaver",
+    "cadence": "fixed",
+    "unit_s": {"vision": 1.0, "prefill": 2.0, "decode": 1.0},
+    "task_units": {"vision": 4, "prefill": 8, "decode": 23},
+    "durable_every": {"vision": 1, "prefill": 1, "decode": 4},
+    "decode_tokens": 24,
+    "overhead_s": 1.0,  # the first unit's second: nothing more per power-up
+    "setup_s": 1.0,  # the first vision unit: nothing more per task
+}
+
+
+def _line(n: int, kind: str, trace_s: float, **data) -> str:
+    entry = {"run": "r", "n": n, "kind": kind, "utc": 0.0, "wall_s": 0.0, "trace_s": trace_s, "clock_s": trace_s}
+    return json.dumps({**entry, **data})
+
+
+def _run_dir(tmp_path, profile_json: dict | None = None):
+    run = tmp_path / "trace-a-back-to-back-s7-orbitweaver-fixed"
+    (run / "bus" / "payload" / "state").mkdir(parents=True)
+    request = {"apid": 32, "source": 1, "seq": 1, "type": "UPLINK_TASK"}
+    args = ["--policy", "orbitweaver", "--cadence", "fixed", "--vision-every", "1", "--decode-every", "4"]
+    lines = [
+        _line(
+            1,
+            "run_start",
+            START,
+            trace="trace-a",
+            trace_path="/gone/trace-a-seed7.jsonl",
+            time_scale=0.5,
+            start_at_s=START,
+            boot_trace_s=0.0,
+            flight_args=args,
+        ),
+        _line(2, "power_on", START, cause="restored"),
+        _line(3, "payload_report", START + 1.0, type="ACCEPTED", request=request, task_id="r00"),
+        _line(
+            4,
+            "payload_report",
+            START + 20.0,
+            type="PROGRESS",
+            request=request,
+            task_id="r00",
+            phase="prefill",
+            done=6,
+            total=8,
+        ),
+        # the work takes 4 x 1 + 8 x 2 + 23 x 1 = 43 s from the uplink
+        _line(5, "payload_report", START + 44.0, type="COMPLETED", request=request, task_id="r00"),
+        _line(6, "power_off", START + 150.0, cause="trace"),
+    ]
+    (run / "bus" / "bus-log.jsonl").write_text("\n".join(lines) + "\n")
+    if profile_json is not None:
+        (run / "bus" / "payload" / "state" / "profile.json").write_text(json.dumps(profile_json))
+    return run
+
+
+def test_a_runs_forecast_is_judged_against_its_real_completion(tmp_path):
+    rows = replay_run(_run_dir(tmp_path), PROFILE, draws=50)
+    (uplink,) = [r for r in rows if r["after"] == 0]
+    assert uplink["trace"] == "trace-a" and uplink["seed"] == 7 and uplink["task"] == "r00"
+    assert uplink["error"] >= 0 and isinstance(uplink["inside"], bool)
+    # given the windows that really came, the unit model meets the run exactly
+    assert abs(uplink["unit_model_signed"]) < 1e-9
+    summary = real_summary(rows)
+    assert summary[0]["when"] == "at uplink" and summary[0]["n"] == 1
+
+
+def test_the_kept_profile_is_read_in_trace_seconds(tmp_path):
+    kept = {
+        "unit_s": {"vision": 0.5, "prefill": 1.0, "decode": 0.5},
+        "task_units": {"decode": 23},
+        "overheads": [2.0, 4.0, 3.0],
+        "setup": [1.0],
+        "decode_tokens": 24,
+    }
+    profile = kept_profile(_run_dir(tmp_path, kept))
+    assert profile is not None
+    assert profile["unit_s"] == {"vision": 1.0, "prefill": 2.0, "decode": 1.0}  # time scale 0.5
+    assert profile["overhead_s"] == 6.0 and profile["setup_s"] == 2.0
+    assert profile["durable_every"] == {"vision": 1, "prefill": 1, "decode": 4} and profile["cadence"] == "fixed"
