@@ -80,10 +80,10 @@ class RecordSink:
 
     def skips_vision_state(self, block: int, since: int, blocks_left: int, nbytes: int) -> bool:
         """Whether the adaptive cadence skips the vision state the fixed cadence schedules after
-        `block` (Cadence.skip_vision_state, weighed against the writer's backlog), announced as
-        a `vision_state_skipped` event."""
-        if not (self.adaptive and self.enabled):
-            return False
+        `block` (Cadence.skip_vision_state, weighed against the background writer's backlog),
+        announced as a `vision_state_skipped` event. Never with a synchronous writer."""
+        if not (self.adaptive and self.enabled and self.writer.async_writes):
+            return False  # a synchronous writer writes on the compute path: nothing queues behind it
         skip = self.cadence.skip_vision_state(since, blocks_left, nbytes, *self.writer.backlog())
         if skip:
             self.events("vision_state_skipped", block=block, since=since)

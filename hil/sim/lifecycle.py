@@ -747,7 +747,7 @@ class RequestModel:
             scheduled = pol.vision_state_due(done, self.V, g)
             nbytes = self.sizes.vision_state(done)
             skipped = False
-            if scheduled and not u and adaptive and done < self.V:
+            if scheduled and not u and adaptive and not w.sync and done < self.V:
                 assert cadence is not None  # as VisionPhase.run: the adaptive rule may skip it
                 skipped = cadence.skip_vision_state(done - last_state, self.V - done, nbytes, *w.backlog(t))
                 scheduled = not skipped
