@@ -21,6 +21,7 @@ so a run's log reads as before.
     EARLY_RECORD                 phase, since       the adaptive cadence asked for a record early
     CHECKPOINT_COMMITTED         record, bytes
     CHECKPOINT_DEFERRED          record, reason     an optional record dropped: the writer was busy
+    VISION_STATE_SKIPPED         block, since       the adaptive cadence skipped a scheduled vision state
     CHECKPOINT_WRITE_FAILED      record, errno, reason
     BLOCK_SHAPE_ESTIMATE_FAILED  reason
     REQUEST_COMPLETED            tokens, finish_reason
@@ -48,6 +49,7 @@ class EngineEvent(enum.StrEnum):
     EARLY_RECORD = "early_record"
     CHECKPOINT_COMMITTED = "checkpoint_committed"
     CHECKPOINT_DEFERRED = "checkpoint_deferred"
+    VISION_STATE_SKIPPED = "vision_state_skipped"
     CHECKPOINT_WRITE_FAILED = "checkpoint_write_failed"
     BLOCK_SHAPE_ESTIMATE_FAILED = "block_shape_estimate_failed"
     REQUEST_COMPLETED = "request_completed"

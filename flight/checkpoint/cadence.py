@@ -18,12 +18,15 @@ least `P_MIN`, the work it saves in expectation (p x the work since the last rec
 the time a record of that kind takes to write (measured, and kept across boots in
 `state/write-costs`: `WriteCosts`), and that write ends before the next scheduled record is due
 (so it never holds that one back in the writer's queue). The fixed cadence stays an upper
-bound on the spacing of records: adaptive only ever adds records. Records written early hold
-exactly what the fixed ones hold (decode records cover every step since the last durable one),
-so the answer is bitwise the same. It also picks a new task's prefill block shape: the layers
-per block (G) such that one block is short against the windows lived through (`prefill_group`),
-chosen once per task and kept in its MANIFEST. `Cadence("fixed")` is the paper's cadence
-(docs/engine.md).
+bound on the spacing of decode records: adaptive only adds those. Of the vision states it
+schedules, adaptive skips one whose write, behind the writer's backlog, would outlast both the
+vision phase and the work the state saves, unless a cut is likely before vision.out is durable
+(`skip_vision_state`). Records written early hold exactly what the fixed ones hold (decode
+records cover every step since the last durable one), and a skipped state only removes one
+that a later record supersedes, so the answer is bitwise the same. It also picks a new task's
+prefill block shape: the layers per block (G) such that one block is short against the windows
+lived through (`prefill_group`), chosen once per task and kept in its MANIFEST.
+`Cadence("fixed")` is the paper's cadence (docs/engine.md).
 
 All times are the payload's own seconds (a warning's lead and the bus clock in telemetry run at
 the payload's wall speed, docs/bus.md §1), so nothing here knows about compressed time.
@@ -337,7 +340,11 @@ class Cadence:
         self.battery = _Trend()
         self.unit_s: dict[str, float] = {}
         self.write_s: dict[str, float] = dict(write_s or {})  # measured since launch (WriteCosts)
+        # seconds per byte of a record of each phase, measured by this process (not kept across
+        # boots: records of one phase differ in size, vision states by a factor of 2-3)
+        self.write_rate: dict[str, float] = {}
         self.early_records = 0
+        self.vision_states_skipped = 0
         self._lock = threading.Lock()
 
     # ---- what the payload learns -----------------------------------------------------------------
@@ -361,8 +368,12 @@ class Cadence:
     def observe_unit(self, phase: str, seconds: float) -> None:
         self._observe(self.unit_s, phase, seconds)
 
-    def observe_write(self, phase: str, seconds: float) -> None:
+    def observe_write(self, phase: str, seconds: float, nbytes: int | None = None) -> None:
+        """A record of `phase` took `seconds` to write; `nbytes`, its size, where known, also
+        gives the storage's seconds per byte for records of that phase."""
         self._observe(self.write_s, phase, seconds)
+        if nbytes:
+            self._observe(self.write_rate, phase, seconds / nbytes)
 
     def learn_writes(self, write_s: dict[str, float]) -> None:
         """Start from write times measured before this process (WriteCosts); its own override."""
@@ -425,6 +436,51 @@ class Cadence:
         self.early_records += 1
         return True
 
+    def skip_vision_state(
+        self,
+        since: int,
+        blocks_left: int,
+        nbytes: int,
+        backlog_bytes: int = 0,
+        writing_s: float = 0.0,
+        writing_bytes: int = 0,
+    ) -> bool:
+        """Skip the vision state the fixed cadence schedules now (docs/engine.md, "Cadence")?
+
+        `since`: vision blocks since the newest state handed to the writer (or restored);
+        `blocks_left`: blocks of the phase still to run; `nbytes`: the state's size; the writer's
+        backlog: `backlog_bytes` of ordered records queued or being written, of which the one
+        being written (`writing_bytes`) has been under way `writing_s`.
+
+        The state's write is estimated at r seconds per byte, r the larger of this process's
+        measured vision-state rate and the rate the record being written has not yet beaten
+        (`writing_s` / `writing_bytes`: it is not done). Started once the writer has written its
+        backlog, the write ends `end` from now. The state is skipped when, with p the chance of a
+        cut within `end` plus one more such write (about when vision.out, as large as the state,
+        could be durable after it), all hold: the adaptive cadence; the block time and r are
+        measured; `end` is after the phase's last block (the prefill's records would queue
+        behind it); `end` is after the blocks it adds over the newest state could be computed
+        again (`since` x block time: writing it takes longer than redoing what it saves); and
+        p < P_MIN (neither a warning, the telemetry nor the windows lived through say the cut
+        is likely before vision.out is durable)."""
+        if self.mode != "adaptive" or since <= 0 or blocks_left <= 0 or nbytes <= 0:
+            return False
+        with self._lock:
+            unit, rate = self.unit_s.get("vision"), self.write_rate.get("vision")
+        if writing_bytes > 0 and writing_s > 0:
+            rate = max(rate or 0.0, writing_s / writing_bytes)
+        if unit is None or not rate:
+            return False  # nothing measured yet: the fixed cadence's state
+        write = nbytes * rate
+        end = max(0.0, backlog_bytes * rate - writing_s) + write
+        if end <= blocks_left * unit or end <= since * unit:
+            return False
+        if self.cut_probability(end + write) >= P_MIN:
+            return False
+        with self._lock:
+            self.vision_states_skipped += 1
+        return True
+
     def shapes_blocks(self, configured: int) -> bool:
         """Whether `prefill_group` can choose anything but `configured` now: the adaptive cadence,
         more than one layer configured, and enough windows lived through. The engine asks first,
@@ -454,4 +510,5 @@ class Cadence:
                 "median_window_s": _median(self.windows) if self.windows else None,
                 "warned": self.cut_at is not None,
                 "early_records": self.early_records,
+                "vision_states_skipped": self.vision_states_skipped,
             }

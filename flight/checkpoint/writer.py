@@ -55,6 +55,10 @@ class CheckpointWriter:
         # the state checkpointing keeps alive beyond what the computation itself holds.
         self.held_bytes = 0
         self.held_bytes_peak = 0
+        # ordered records queued or being written (tensor bytes), and when and with how many
+        # bytes the one being written started: what the cadence weighs a vision state against
+        self._backlog_bytes = 0
+        self._writing: tuple[float, int] | None = None
         self._error: BaseException | None = None
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
@@ -91,8 +95,20 @@ class CheckpointWriter:
             finally:
                 self._hold(-held)
         else:
+            with self._counters:
+                self._backlog_bytes += held
             self._queue.put((what, fn, args, {}, held))
         return True
+
+    def backlog(self) -> tuple[int, float, int]:
+        """(tensor bytes of the ordered records queued or being written, seconds the one being
+        written has been under way, its bytes); zeros when idle, and always for a synchronous
+        writer, which writes on the caller's thread."""
+        with self._counters:
+            if self._writing is None:
+                return self._backlog_bytes, 0.0, 0
+            started, nbytes = self._writing
+            return self._backlog_bytes, time.perf_counter() - started, nbytes
 
     def take_peak(self) -> int:
         """The high-water mark of held bytes so far; the next one starts from what is held now."""
@@ -194,6 +210,8 @@ class CheckpointWriter:
                 jobs.task_done()
                 return
             what, fn, args, kwargs, held = item
+            with self._counters:
+                self._writing = (time.perf_counter(), held)
             try:
                 if self._error is None:
                     self._execute(what, fn, args, kwargs)
@@ -202,5 +220,8 @@ class CheckpointWriter:
             finally:
                 del args, kwargs, item  # the state goes before the record counts as written
                 self._hold(-held)
+                with self._counters:
+                    self._backlog_bytes -= held
+                    self._writing = None
                 self._slots.release()
                 jobs.task_done()

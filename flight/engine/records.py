@@ -64,7 +64,7 @@ class RecordSink:
         def timed_write(*args: Any) -> int:
             start = time.perf_counter()
             nbytes = write(*args)
-            cadence.observe_write(phase, time.perf_counter() - start)
+            cadence.observe_write(phase, time.perf_counter() - start, nbytes)
             return nbytes
 
         return timed_write
@@ -76,6 +76,17 @@ class RecordSink:
         if asked:
             self.events(EngineEvent.EARLY_RECORD, phase=phase, since=since)
         return asked
+
+    def skips_vision_state(self, block: int, since: int, blocks_left: int, nbytes: int) -> bool:
+        """Whether the adaptive cadence skips the vision state the fixed cadence schedules after
+        `block` (Cadence.skip_vision_state, weighed against the background writer's backlog),
+        announced as a `vision_state_skipped` event. Never with a synchronous writer."""
+        if not (self.adaptive and self.enabled and self.writer.async_writes):
+            return False  # a synchronous writer writes on the compute path: nothing queues behind it
+        skip = self.cadence.skip_vision_state(since, blocks_left, nbytes, *self.writer.backlog())
+        if skip:
+            self.events(EngineEvent.VISION_STATE_SKIPPED, block=block, since=since)
+        return skip
 
     def note_held_peak(self, phase: str) -> None:
         self.held_peaks[phase] = max(self.held_peaks.get(phase, 0), self.writer.take_peak())

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from flight.checkpoint.store import Frontier
+from flight.checkpoint.writer import state_bytes
 from flight.events import EngineEvent
 from flight.recovery.phases import ReadAhead
 
@@ -138,8 +139,18 @@ class VisionPhase:
             request.events(EngineEvent.VISION_BLOCK_DONE, block=done, of=num_blocks)
             urgent = done < num_blocks and request.checkpoint_requested()
             scheduled = policy.vision_state_due(done, num_blocks, geometry)
+            # The adaptive cadence skips a scheduled state whose write would outlast both the
+            # phase and the work it saves (Cadence.skip_vision_state); never one the bus asked for.
+            skipped = (
+                scheduled
+                and not urgent
+                and done < num_blocks
+                and records.skips_vision_state(done, done - last_state, num_blocks - done, state_bytes((hidden, side)))
+            )
+            scheduled = scheduled and not skipped
             early = (
                 not scheduled
+                and not skipped
                 and done < num_blocks
                 and records.early("vision", done - last_state, geometry.vision_every)
             )
@@ -149,8 +160,8 @@ class VisionPhase:
                 # written (the next one supersedes it); one the bus asked for is not, and
                 # neither is one after a dropped one: progress never waits on an idle writer
                 # forever, and a window that can only write every other state still keeps one.
-                # Nor is a scheduled one dropped for an early one still being written: adaptive
-                # only adds records, the fixed cadence stays the bound on their spacing.
+                # Nor is a scheduled one dropped for an early one still being written: early
+                # records only add to the fixed cadence (skips are the rule's, above).
                 kept = records.submit(
                     f"vision.state[{done}]",
                     request.store.put_vision_state,

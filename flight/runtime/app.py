@@ -1050,6 +1050,8 @@ class FlightApp(CommandHandlers):
                 )
             elif name == EngineEvent.EARLY_RECORD:  # in the payload's log: the simulator's count is checked against it
                 self.log.info(EngineEvent.EARLY_RECORD, task_id=task.task_id, phase=fields.get("phase"))
+            elif name == EngineEvent.VISION_STATE_SKIPPED:  # the adaptive cadence's skip rule, in the payload's log
+                self.log.info(name, task_id=task.task_id, **fields)
             elif name in (EngineEvent.RECOVERY_PLAN, EngineEvent.PREFILL_RESTORED):  # a restart's plan and its cost
                 self.log.info(name, task_id=task.task_id, **fields)
             elif name == EngineEvent.CHECKPOINT_WRITE_FAILED:

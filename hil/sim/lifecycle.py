@@ -23,7 +23,8 @@ per power window) serves the tasks one after the other and is shared by them: it
 throttle (token buckets, empty when the process starts) and its checkpoint cadence (the real
 `flight.checkpoint.cadence.Cadence`, fed with the windows the payload has lived through, the
 bus's warnings and telemetry, and the modelled unit and record-write times, and asked what the
-engine asks it: early vision states and decode records, and each new task's prefill block shape).
+engine asks it: early vision states and decode records, which scheduled vision states to skip, and
+each new task's prefill block shape).
 """
 
 from __future__ import annotations
@@ -124,11 +125,11 @@ class PayloadProcess:
         self.ends = math.inf  # the cut that ends this process (Payload.process)
         self._feed = feed  # (cadence, since, until): delivers the bus's warnings and telemetry
         self._fed_until = started
-        self._writes: list[tuple[float, str, float]] = []  # (end, phase, seconds): timed record writes
+        self._writes: list[tuple[float, str, float, int]] = []  # (end, phase, seconds, bytes): timed record writes
         # those the cadence has been told, in order, with the write times it started from: a
         # session is modelled past its cut (and truncated after), so what the process had
         # measured by its cut is rebuilt from these (`writes_measured_by`)
-        self._observed: list[tuple[float, str, float]] = []
+        self._observed: list[tuple[float, str, float, int]] = []
         self._initial_writes = cadence.learned_writes() if cadence is not None else {}
         # the runtime's own writes at known times (uplinked image chunks), charged to the write
         # bucket in time order with the modelled ones
@@ -148,10 +149,10 @@ class PayloadProcess:
         if self._writes:
             done = sorted(w for w in self._writes if w[0] <= t)
             self._writes = [w for w in self._writes if w[0] > t]
-            for end, phase, seconds in done:
+            for end, phase, seconds, nbytes in done:
                 self.now = max(self.now, end)
-                self.cadence.observe_write(phase, seconds)
-                self._observed.append((end, phase, seconds))
+                self.cadence.observe_write(phase, seconds, nbytes)
+                self._observed.append((end, phase, seconds, nbytes))
         self.now = max(self.now, t)
         return self.cadence
 
@@ -160,16 +161,16 @@ class PayloadProcess:
         says after a cut at `t`): the ones it started from, smoothed with each write that ended
         by then, as `Cadence.observe_write` smooths them."""
         replay = Cadence("adaptive", write_s=self._initial_writes)
-        for end, phase, seconds in sorted(self._observed + self._writes):
+        for end, phase, seconds, nbytes in sorted(self._observed + self._writes):
             if end <= t:
-                replay.observe_write(phase, seconds)
+                replay.observe_write(phase, seconds, nbytes)
         return replay.learned_writes()
 
-    def timed_write(self, start: float, end: float, phase: str) -> None:
+    def timed_write(self, start: float, end: float, phase: str, nbytes: int = 0) -> None:
         """A record write the engine times for the cadence (RecordSink._timed): it learns the
-        write's duration when the write ends."""
+        write's duration (and, from its size, the storage's seconds per byte) when it ends."""
         if self.cadence is not None:
-            self._writes.append((end, phase, end - start))
+            self._writes.append((end, phase, end - start, nbytes))
 
     def write_wait(self, t: float, nbytes: float) -> float:
         """The write bucket's wait for `nbytes` written at `t`, after the runtime's writes before it."""
@@ -310,6 +311,7 @@ class Writer:
         self.process = process
         self.bucket = process.write_bucket
         self.alive: list[float] = []  # end times of ordered records submitted, in order
+        self.ordered: list[tuple[float, float, int]] = []  # (start, end, bytes) of those records
         self.channel_free = process.started
         self.commits: list[Commit] = []
         self.background: Commit | None = None  # vision.out, written in the gaps between ordered records
@@ -326,6 +328,17 @@ class Writer:
 
     def outstanding(self, t: float) -> bool:
         return any(end > t for end in self.alive)
+
+    def backlog(self, t: float) -> tuple[int, float, int]:
+        """CheckpointWriter.backlog at `t`: bytes of the ordered records queued or being written,
+        how long the one being written has been under way, its bytes (what the engine can know:
+        not when they will end). A synchronous writer has none."""
+        if self.sync:
+            return 0, 0.0, 0
+        pending = [(start, nbytes) for start, end, nbytes in self.ordered if end > t]
+        writing = [(t - start, nbytes) for start, nbytes in pending if start <= t]
+        under_way, nbytes = writing[0] if writing else (0.0, 0)
+        return sum(n for _, n in pending), under_way, nbytes
 
     def submit(self, t: float, commit: Commit, optional: bool = False, phase: str | None = None) -> float:
         """Submit at `t`; returns when the compute thread goes on. `phase`: the write is timed
@@ -352,10 +365,11 @@ class Writer:
         commit.t, commit.started = end, start
         self.channel_free = end
         self.alive.append(end)
+        self.ordered.append((start, end, commit.nbytes))
         self.commits.append(commit)
         self.bytes += commit.nbytes
         if phase is not None:
-            self.process.timed_write(start, end, phase)
+            self.process.timed_write(start, end, phase, commit.nbytes)
 
     def submit_background(self, t: float, commit: Commit) -> float:
         if self.sync:
@@ -415,6 +429,7 @@ class SessionResult:
     phase_s: dict = field(default_factory=dict)
     reported_started_at: float | None = None  # the task's STARTED report (after its inputs' read)
     early_at: list = field(default_factory=list)  # when the adaptive cadence asked for an early record
+    skipped_at: list = field(default_factory=list)  # when it skipped a scheduled vision state
     prefill_end_at: float = math.inf  # when this session's prefill ended
 
     def durable_at(self, before: Durable, cut: float) -> Durable:
@@ -730,8 +745,16 @@ class RequestModel:
                 cadence.observe_unit("vision", p.vision_block_s)
             u = done < self.V and warned(t)
             scheduled = pol.vision_state_due(done, self.V, g)
+            nbytes = self.sizes.vision_state(done)
+            skipped = False
+            if scheduled and not u and adaptive and not w.sync and done < self.V:
+                assert cadence is not None  # as VisionPhase.run: the adaptive rule may skip it
+                skipped = cadence.skip_vision_state(done - last_state, self.V - done, nbytes, *w.backlog(t))
+                scheduled = not skipped
+                if skipped:
+                    res.skipped_at.append(t)
             early = False
-            if not scheduled and adaptive and done < self.V:
+            if not scheduled and not skipped and adaptive and done < self.V:
                 assert cadence is not None
                 early = cadence.early_record("vision", done - last_state, g.vision_every)
                 if early:
@@ -740,7 +763,7 @@ class RequestModel:
                 soon[0] = False
                 t = w.submit(
                     t,
-                    Commit(0, "vision", value=done, nbytes=self.sizes.vision_state(done)),
+                    Commit(0, "vision", value=done, nbytes=nbytes),
                     # as the engine: a scheduled state is not dropped for an early one in flight
                     optional=not u and deferred == 0 and not (scheduled and last_early),
                     phase="vision",
@@ -808,7 +831,7 @@ class RequestModel:
         queue); by default its own, with the fixed cadence."""
         payload = payload if payload is not None else Payload(self.platform, windows, warnings)
         d = Durable()
-        sessions, bytes_written, cuts, early = 0, 0, 0, 0
+        sessions, bytes_written, cuts, early, skipped = 0, 0, 0, 0, 0
         p = self.platform
         first = True
         for start, end in windows:
@@ -827,6 +850,7 @@ class RequestModel:
             res = self.session(d, t_ready, payload.process(start, end), (warnings or {}).get(end))
             sessions += 1
             early += sum(1 for at in res.early_at if at <= end)
+            skipped += sum(1 for at in res.skipped_at if at <= end)
             if res.finished_at <= end:
                 bytes_written += sum(c.nbytes for c in res.commits)
                 return Outcome(
@@ -838,11 +862,12 @@ class RequestModel:
                     bytes_written + RecordSizes.MANIFEST_BYTES,
                     self.g.group,
                     early,
+                    skipped,
                 )
             cuts += 1
             bytes_written += res.bytes_started_before(end)
             d = res.durable_at(d, end) if self.writes else Durable(inputs_stored=res.durable_at(d, end).inputs_stored)
-        return Outcome(False, None, None, sessions, cuts, bytes_written, self.g.group, early)
+        return Outcome(False, None, None, sessions, cuts, bytes_written, self.g.group, early, skipped)
 
     def uninterrupted(self) -> SessionResult:
         return self.session(Durable(), 0.0, 0.0)
@@ -858,6 +883,7 @@ class Outcome:
     bytes_written: int
     group: int | None = None  # the prefill block's layers the task ran with
     early_records: int = 0  # early records the adaptive cadence asked for before the cuts
+    vision_states_skipped: int = 0  # scheduled vision states it skipped before the cuts
 
 
 def trace_telemetry(trace):

@@ -318,8 +318,11 @@ def run_facts(run_dir: str) -> dict:
         t["cuts"] = row.get("cuts")
     boots = _boots(entries, tasks)
     early = _early_records(run / "bus" / bl.PAYLOAD_LOG_FILE)
+    skipped = _early_records(run / "bus" / bl.PAYLOAD_LOG_FILE, EngineEvent.VISION_STATE_SKIPPED)
     for t in tasks:
         t["early_records"] = early.get(t["task_id"], 0) if early is not None else None
+        # a payload from before the skip rule logs none: 0, as it skipped none
+        t["vision_states_skipped"] = skipped.get(t["task_id"], 0) if skipped is not None else None
     return {
         "run_dir": str(run),
         "trace": report["trace"],
@@ -369,11 +372,11 @@ def _stopped_before_trace_end(entries) -> float | None:
     return None
 
 
-def _early_records(path: Path) -> dict[str, int] | None:
+def _early_records(path: Path, event: str = EngineEvent.EARLY_RECORD) -> dict[str, int] | None:
     """Per task, the early records the payload's adaptive cadence asked for (its `early_record`
-    log lines, every boot's). None where that is unknown: the run kept no payload log, or its
-    payload predates the count (its `flight_booted` line names no cadence). A line a cut tore is
-    no JSON and is skipped."""
+    log lines, every boot's; with `event="vision_state_skipped"`, the vision states it skipped).
+    None where that is unknown: the run kept no payload log, or its payload predates the count
+    (its `flight_booted` line names no cadence). A line a cut tore is no JSON and is skipped."""
     try:
         text = path.read_text(errors="replace")
     except FileNotFoundError:
@@ -381,7 +384,7 @@ def _early_records(path: Path) -> dict[str, int] | None:
     counts: dict[str, int] = {}
     counted = False
     for line in text.splitlines():
-        if '"early_record"' not in line and '"flight_booted"' not in line:
+        if f'"{event}"' not in line and '"flight_booted"' not in line:
             continue
         try:
             entry = json.loads(line)
@@ -391,7 +394,7 @@ def _early_records(path: Path) -> dict[str, int] | None:
             continue
         if entry.get("event") == "flight_booted":
             counted = counted or "cadence" in entry
-        elif entry.get("event") == EngineEvent.EARLY_RECORD and entry.get("task_id"):
+        elif entry.get("event") == event and entry.get("task_id"):
             counts[entry["task_id"]] = counts.get(entry["task_id"], 0) + 1
     return counts if counted else None
 
@@ -590,6 +593,7 @@ def simulate_request(
         "predicted_cuts": outcome.cuts,
         "predicted_group": outcome.group,
         "predicted_early_records": outcome.early_records,
+        "predicted_vision_states_skipped": outcome.vision_states_skipped,
         "boot_trace_s": boot,
         "setup_trace_s": setup,
         "first_setup_trace_s": platform.first_setup_s,
@@ -811,6 +815,7 @@ def validate(
                     "cuts": task["cuts"],
                     "run_stopped_trace_s": facts.get("stopped_trace_s"),
                     "early_records": task["early_records"],
+                    "vision_states_skipped": task.get("vision_states_skipped"),
                     "e2e_trace_s": measured,
                     "report_e2e_trace_s": task["report_e2e_trace_s"],
                     **pred,

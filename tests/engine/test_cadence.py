@@ -91,6 +91,39 @@ def test_an_early_record_must_end_before_the_next_scheduled_one():
     assert not fresh.early_record("vision", 5, 8)  # no vision state timed since launch: cost unknown
 
 
+def test_a_vision_state_whose_write_outlasts_the_phase_and_the_work_it_saves_is_skipped():
+    """Cadence.skip_vision_state (docs/engine.md, "Cadence"): the campaign's numbers in
+    miniature, one block a second and a state of 3 MB at 6 us per byte (18 s to write)."""
+    clock = Clock()
+    assert not Cadence("fixed", clock=clock).skip_vision_state(4, 2, 3_000_000, 1_500_000, 4.0, 1_500_000)
+    cadence = Cadence("adaptive", clock=clock)
+    cadence.observe_unit("vision", 1.0)
+    assert not cadence.skip_vision_state(4, 2, 3_000_000)  # no write measured: the fixed cadence's state
+    cadence.observe_write("vision", 9.0, 1_500_000)  # 6 us per byte
+    assert cadence.skip_vision_state(4, 2, 3_000_000)  # 18 s: past the phase (2 s) and the work (4 s)
+    assert cadence.vision_states_skipped == 1
+    assert not cadence.skip_vision_state(4, 20, 3_000_000)  # written before the phase ends
+    assert not cadence.skip_vision_state(20, 2, 3_000_000)  # written before its 20 blocks could be redone
+    # a backlog: 1 MB still to write before it (1.5 MB under way for 3 s) ends it past 20 blocks
+    assert cadence.skip_vision_state(4, 20, 2_000_000, 2_500_000, 3.0, 1_500_000)
+    assert not cadence.skip_vision_state(4, 20, 2_000_000)
+
+    # unmeasured, but the record being written has taken 4 s for 1.5 MB so far: at least that slow
+    slow = Cadence("adaptive", clock=clock)
+    slow.observe_unit("vision", 1.0)
+    assert slow.skip_vision_state(4, 2, 3_000_000, 1_500_000, 4.0, 1_500_000)  # >= 8 s
+    assert not slow.skip_vision_state(4, 2, 3_000_000, 1_500_000, 0.5, 1_500_000)  # >= 1 s: fits
+
+    # a cut likely before vision.out is durable keeps it: the windows lived through, or a warning
+    for likely in (Cadence("adaptive", [20.0] * 5, clock=clock), Cadence("adaptive", [1000.0] * 5, clock=clock)):
+        likely.observe_unit("vision", 1.0)
+        likely.observe_write("vision", 9.0, 1_500_000)
+        if likely.windows[0] > 100:
+            assert likely.skip_vision_state(4, 2, 3_000_000)  # long windows: the cut is far
+            likely.warning(30.0)
+        assert not likely.skip_vision_state(4, 2, 3_000_000)
+
+
 def test_write_costs_survive_the_process_and_a_damaged_file_is_ignored(tmp_path):
     state = tmp_path / "state"
     costs = WriteCosts(str(state))
@@ -198,7 +231,7 @@ class UnitClock(Cadence):
         self.now.t += 1.0
         super().observe_unit(phase, 1.0)
 
-    def observe_write(self, phase, seconds):
+    def observe_write(self, phase, seconds, nbytes=None):
         pass
 
 
@@ -299,6 +332,58 @@ def test_an_early_record_in_flight_never_displaces_a_scheduled_one(model_dirs, t
     result = eng.run(inputs, str(tmp_path / "task"), MAX_NEW)
     assert written[:2] == ["vision.state[1]", "vision.state[2]"], written
     assert result.token_ids == ref.token_ids and torch.equal(result.logits, ref.logits)
+
+
+class SlowVisionWrites(UnitClock):
+    """No window history (no cut expected) and vision states that write, as measured, at a
+    second per kilobyte: every scheduled one outlasts the phase and the work it saves."""
+
+    def __init__(self):
+        super().__init__([])
+        self.write_rate["vision"] = 1e-3
+
+    def observe_write(self, phase, seconds, nbytes=None):
+        pass
+
+
+def test_skipped_vision_states_stay_bitwise_under_stops(model_dirs, tmp_path):
+    """The skip rule drops vision.state[2]; a stop after every vision block, and after every
+    record written up to the first prefill block, resumes bitwise."""
+    model_dir = model_dirs["qwen3-vl"]
+    model = load_model(model_dir, device="cpu")
+    inputs = inputs_for(model)
+    # the background writer: a synchronous one writes on the compute path and is never skipped for
+    options = EngineOptions(geometry=GEOMETRY, async_writes=True, cadence="adaptive")
+    skipped, written, blocks = [], [], CutAfter(10**9, names=("vision_block_done",))
+
+    def events(name, **fields):
+        blocks.event(name, **fields)
+        if name == "vision_state_skipped":
+            skipped.append(fields["block"])
+
+    def commit(what, nbytes):
+        written.append(what)
+
+    ref = Engine(model, options, events=events, after_commit=commit, cadence=SlowVisionWrites()).run(
+        inputs, str(tmp_path / "ref"), MAX_NEW
+    )
+    assert skipped == [2] and not any(w.startswith("vision.state") for w in written), (skipped, written)
+    first_prefill = next(i for i, w in enumerate(written) if w.startswith("prefill"))
+    stops = [("event", n) for n in range(1, blocks.seen + 2)] + [("commit", n) for n in range(1, first_prefill + 2)]
+    for hook, n in stops:
+        cut = CutAfter(n)
+        hooks = {"events": cut.event} if hook == "event" else {"after_commit": cut.commit}
+        ckpt = tmp_path / f"{hook}-{n}"
+        with pytest.raises(SimulatedCut):
+            Engine(load_model(model_dir, device="cpu"), options, cadence=SlowVisionWrites(), **hooks).run(
+                inputs, str(ckpt), MAX_NEW
+            )
+        resumed = Engine(load_model(model_dir, device="cpu"), options, cadence=SlowVisionWrites()).run(
+            inputs, str(ckpt), MAX_NEW
+        )
+        assert resumed.token_ids == ref.token_ids, (hook, n, cut.last)
+        assert torch.equal(resumed.logits, ref.logits), (hook, n, cut.last)
+        shutil.rmtree(ckpt)
 
 
 def test_adaptive_prefill_block_fits_the_windows_lived_through():
