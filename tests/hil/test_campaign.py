@@ -7,30 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
+from testkit import short_trace
 
 from hil.campaign import run_campaign
 from hil.testbench import BenchConfig, default_workload
-
-
-def _short_trace(path):
-    """One early FDIR cut, then a long window. The cut lands before the request can end: the
-    emulated boot (1 s) plus the request's paced units (over 40 x 80 ms) take longer than 3 s."""
-    import traces
-    from traces.model import CutCause, PowerWindow
-
-    traces.dump(
-        traces.Trace.from_windows(
-            "short",
-            60,
-            [PowerWindow(0, 3.0, CutCause.FDIR, 0.0), PowerWindow(4.5, 60, None, 0.0)],
-            reference_request_s=10,
-            description="test trace",
-            source={"kind": "manual"},
-            assumptions=["for the campaign test"],
-        ),
-        path,
-    )
-    return str(path)
 
 
 @pytest.mark.slow
@@ -45,7 +25,7 @@ def test_short_campaign_end_to_end(model_dirs, tmp_path):
         pace_ms=80,
         boot_trace_s=1.0,
     )
-    short = _short_trace(tmp_path / "short.jsonl")
+    short = short_trace(tmp_path / "short.jsonl")
     first: list[str] = []
     cells = run_campaign(base, [short, "demo"], ["orbitweaver", "none"], [0], say=first.append, jobs=2)
     assert len(cells) == 4

@@ -15,17 +15,15 @@ that says what it waits for.
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import pytest
-from testkit import free_ports
+from raykit import await_node, kill_tree, wait_listening
+from testkit import free_ports, short_trace
 
 pytest.importorskip("ray", reason="Ray is in the test extra; `make venv` installs it")
 
@@ -47,28 +45,6 @@ RAY_ENV = {
 }
 #: what the clock decides in a run on a loaded machine (where the cut lands in the work too)
 TIMED = {"e2e_trace_s", "recovery_s", "lost_units", "mib_written", "energy_j", "wall_s", "start_residual_s"}
-
-
-def _short_trace(path):
-    """One early FDIR cut, then a long window: the cut lands before the request can end (the
-    emulated boot, 1 s, plus over 40 paced units of 80 ms take longer than 3 s), so every run has
-    exactly one cut however slow the machine, and finishes in the second window."""
-    import traces
-    from traces.model import CutCause, PowerWindow
-
-    traces.dump(
-        traces.Trace.from_windows(
-            "short",
-            60,
-            [PowerWindow(0, 3.0, CutCause.FDIR, 0.0), PowerWindow(4.5, 60, None, 0.0)],
-            reference_request_s=10,
-            description="test trace",
-            source={"kind": "manual"},
-            assumptions=["for the bench farm test"],
-        ),
-        path,
-    )
-    return str(path)
 
 
 def _ray_node(tmp, short, name, ip, resources, *, head_port=None, gcs=None, env=None):
@@ -110,48 +86,6 @@ def _ray_node(tmp, short, name, ip, resources, *, head_port=None, gcs=None, env=
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-
-
-def _await_node(tmp, name, proc, relaunch):
-    """Wait until a node runs. `ray start` gives a raylet 30 s (fixed) to register with the GCS; on
-    a loaded machine that can pass, so a node that gave up is started again (3 tries in all)."""
-    log = tmp / f"{name}.log"
-    text = ""
-    for _attempt in range(3):
-        deadline = time.time() + 300
-        while time.time() < deadline and proc.poll() is None:
-            if "Ray runtime started" in log.read_text():
-                return proc
-            time.sleep(0.3)
-        text = log.read_text()
-        _kill_tree(proc)
-        if "timed out during startup" not in text:
-            raise AssertionError(f"{name} node did not start (hang guard 300 s):\n{text[-3000:]}")
-        proc = relaunch()
-    raise AssertionError(f"{name} node timed out during startup three times:\n{text[-3000:]}")
-
-
-def _wait_listening(ip, port, proc, limit_s=240):
-    deadline = time.time() + limit_s
-    while time.time() < deadline and proc.poll() is None:
-        with socket.socket() as s:
-            if s.connect_ex((ip, port)) == 0:
-                return
-        time.sleep(0.3)
-
-
-def _kill_tree(proc):
-    """SIGKILL a node: the `ray start` process and every process it started (a real crash)."""
-    try:
-        family = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        family = []
-    for p in family:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait(timeout=60)
 
 
 def _comparable(out: Path) -> tuple[list[dict], list[str]]:
@@ -200,7 +134,7 @@ def test_campaign_on_two_ray_nodes_survives_losing_one(model_dirs, tmp_path):
     def phase(name):
         print(f"[{time.time() - t0:6.1f} s] {name}", flush=True)
 
-    trace = _short_trace(tmp_path / "short.jsonl")
+    trace = short_trace(tmp_path / "short.jsonl")
     model = model_dirs["qwen3-vl"]
     short = tempfile.mkdtemp(prefix="owfarm-", dir="/tmp")
     worker_scratch = Path(short) / "worker-benches"
@@ -232,10 +166,10 @@ def test_campaign_on_two_ray_nodes_survives_losing_one(model_dirs, tmp_path):
             )
 
         head = start_head()
-        _wait_listening(HEAD_IP, gcs_port, head)  # the worker starts as soon as the head's GCS listens
+        wait_listening(HEAD_IP, gcs_port, head)  # the worker starts as soon as the head's GCS listens
         worker = start_worker()
-        head = _await_node(tmp_path, "head", head, start_head)
-        worker = _await_node(tmp_path, "worker", worker, start_worker)
+        head = await_node(tmp_path, "head", head, start_head)
+        worker = await_node(tmp_path, "worker", worker, start_worker)
         phase("two nodes up")
 
         matrix = ["--traces", trace, "--policies", "orbitweaver,none", "--cadences", "fixed", "--seeds", "0,1"]
@@ -268,7 +202,7 @@ def test_campaign_on_two_ray_nodes_survives_losing_one(model_dirs, tmp_path):
             time.sleep(0.2)
         else:
             raise AssertionError(f"no second run under way on the worker (hang guard 400 s):\n{log_path.read_text()}")
-        _kill_tree(worker)
+        kill_tree(worker)
         worker = None
         phase("worker node killed mid-run")
         assert campaign.wait(timeout=400) == 0, log_path.read_text()  # hang guard
@@ -326,7 +260,7 @@ def test_campaign_on_two_ray_nodes_survives_losing_one(model_dirs, tmp_path):
             campaign.wait(timeout=60)
         for proc in (worker, head):
             if proc is not None:
-                _kill_tree(proc)
+                kill_tree(proc)
         import shutil
 
         shutil.rmtree(short, ignore_errors=True)

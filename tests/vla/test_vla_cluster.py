@@ -12,8 +12,6 @@ is refused. No timed asserts: every wait is a hang guard with a generous limit.
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +21,7 @@ import numpy as np
 import psutil
 import pytest
 from openpi_venv import REPO, openpi_python
+from raykit import await_node, kill_tree, wait_listening
 from testkit import free_ports
 
 pytest.importorskip("ray.serve", reason="Ray Serve is in the test extra; `make venv` installs it")
@@ -122,47 +121,6 @@ def _ray_node(tmp, short, name, ip, resources, *, head_port=None, gcs=None):
     )
 
 
-def _await_node(tmp, name, proc, relaunch):
-    """Wait until a node runs. `ray start` gives a raylet 30 s (fixed) to register with the GCS; on
-    a loaded machine that can pass, so a node that gave up is started again (3 tries in all)."""
-    log = tmp / f"{name}.log"
-    for _attempt in range(3):
-        deadline = time.time() + 300
-        while time.time() < deadline and proc.poll() is None:
-            if "Ray runtime started" in log.read_text():
-                return proc
-            time.sleep(0.5)
-        text = log.read_text()
-        _kill_tree(proc)
-        if "timed out during startup" not in text:
-            raise AssertionError(f"{name} node did not start (hang guard 300 s):\n{text[-3000:]}")
-        proc = relaunch()
-    raise AssertionError(f"{name} node timed out during startup three times:\n{text[-3000:]}")
-
-
-def _wait_listening(ip, port, proc, limit_s=240):
-    deadline = time.time() + limit_s
-    while time.time() < deadline and proc.poll() is None:
-        with socket.socket() as s:
-            if s.connect_ex((ip, port)) == 0:
-                return
-        time.sleep(0.3)
-
-
-def _kill_tree(proc):
-    """SIGKILL a node: the `ray start` process and every process it started (a real crash)."""
-    try:
-        family = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        family = []
-    for p in family:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait(timeout=60)
-
-
 def _wait_for(path, text, proc, limit_s):
     deadline = time.time() + limit_s
     while time.time() < deadline:
@@ -227,10 +185,10 @@ def test_plan_served_by_two_ray_nodes_survives_losing_one(tmp_path):
             return _ray_node(tmp_path, short, "worker", WORKER_IP, {"vla_gpu": 2}, gcs=f"{HEAD_IP}:{gcs_port}")
 
         head = start_head()
-        _wait_listening(HEAD_IP, gcs_port, head)  # the worker starts as soon as the head's GCS listens
+        wait_listening(HEAD_IP, gcs_port, head)  # the worker starts as soon as the head's GCS listens
         worker = start_worker()
-        head = _await_node(tmp_path, "head", head, start_head)
-        worker = _await_node(tmp_path, "worker", worker, start_worker)
+        head = await_node(tmp_path, "head", head, start_head)
+        worker = await_node(tmp_path, "worker", worker, start_worker)
         phase("two nodes up")
         plan = {
             "format": "orbitweaver.vla.plan/1",
@@ -294,7 +252,7 @@ def test_plan_served_by_two_ray_nodes_survives_losing_one(tmp_path):
         assert len(on_worker) == 1, (on_worker, (tmp_path / "cluster.log").read_text()[-2000:])
         head_node = next(node for m, node in nodes.items() if m not in on_worker)
 
-        _kill_tree(worker)
+        kill_tree(worker)
         worker = None
         after = _ask(py, serve_port, tmp_path, "after", 2)  # retries while the lost GPU comes back
         phase("answered again after the worker node was killed")
@@ -306,7 +264,7 @@ def test_plan_served_by_two_ray_nodes_survives_losing_one(tmp_path):
             cluster.wait(timeout=60)
         for proc in (worker, head):
             if proc is not None:
-                _kill_tree(proc)
+                kill_tree(proc)
         shutil.rmtree(short, ignore_errors=True)
 
 
