@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from bench.farm_bench import short_trace  # noqa: F401  (the campaign and bench farm tests fly it)
 from flight.checkpoint.policies import Geometry
 from flight.engine import Engine, EngineOptions, SimulatedCut
 from flight.model.inputs import build_inputs
@@ -115,24 +116,3 @@ def free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
-
-
-def short_trace(path):
-    """One early FDIR cut, then a long window. The cut lands before the request can end: the
-    emulated boot (1 s) plus the request's paced units (over 40 x 80 ms) take longer than 3 s."""
-    import traces
-    from traces.model import CutCause, PowerWindow
-
-    traces.dump(
-        traces.Trace.from_windows(
-            "short",
-            60,
-            [PowerWindow(0, 3.0, CutCause.FDIR, 0.0), PowerWindow(4.5, 60, None, 0.0)],
-            reference_request_s=10,
-            description="test trace",
-            source={"kind": "manual"},
-            assumptions=["for the campaign and bench farm tests"],
-        ),
-        path,
-    )
-    return str(path)
