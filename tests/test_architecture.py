@@ -322,3 +322,40 @@ def test_the_architecture_page_names_only_paths_that_exist():
     )
     if missing:
         pytest.fail("docs/architecture.md names paths that do not exist: " + ", ".join(missing), pytrace=False)
+
+
+#: Functions still written as long runs of `add_argument` calls; each leaves this list when its
+#: component's command line is declared as data (common/cliargs.py). The list may only shrink.
+ADD_ARGUMENT_LIMIT = 25
+LONG_REGISTRATIONS = {
+    "common/vla/cli.py:register",
+    "hil/bus/cli.py:add_run_arguments",
+    "ground/cli.py:register",
+}
+
+
+def _add_argument_calls() -> dict[str, int]:
+    counts = {}
+    for path in MODULES.values():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                calls = sum(
+                    isinstance(inner, ast.Call)
+                    and isinstance(inner.func, ast.Attribute)
+                    and inner.func.attr == "add_argument"
+                    for inner in ast.walk(node)
+                )
+                counts[f"{path.relative_to(ROOT).as_posix()}:{node.name}"] = calls
+    return counts
+
+
+def test_command_lines_are_declared_not_written_as_long_functions():
+    """A command line is a table of `Command`/`arg` declarations, not a function of hundreds of
+    `add_argument` lines (docs/architecture.md "Habits")."""
+    counts = _add_argument_calls()
+    long = {name for name, calls in counts.items() if calls > ADD_ARGUMENT_LIMIT}
+    new = sorted(long - LONG_REGISTRATIONS)
+    assert not new, f"functions with more than {ADD_ARGUMENT_LIMIT} add_argument calls (declare them): {new}"
+    gone = sorted(LONG_REGISTRATIONS - long)
+    assert not gone, f"declared now: take them off LONG_REGISTRATIONS: {gone}"
