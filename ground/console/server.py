@@ -25,7 +25,6 @@ import contextlib
 import csv
 import io
 import json
-import os
 import signal
 import tempfile
 import threading
@@ -38,12 +37,12 @@ from typing import Any
 
 from aiohttp import BodyPartReader, web
 
+from ground.console.command_log import CommandLogReader
 from ground.console.history import SERIES_NAMES, History
 from ground.console.security import TOKEN_HEADER, ConsoleSecurity
 from ground.errors import GroundError, LocalInputError
 from ground.forecast import forecast_tasks
 from ground.report import ROUTINE_TYPES, RoutineFilter
-from ground.state import parse_command_line
 
 STATIC = Path(__file__).parent / "static"
 #: a page that stops reading is dropped (it reconnects and re-reads the history) rather than
@@ -77,6 +76,14 @@ class Hub:
                 queue.put_nowait(record)
             except asyncio.QueueFull:
                 self.queues.discard(queue)
+
+    def close(self) -> None:
+        """End every page's stream now (the server is shutting down): without this a stream
+        holds the shutdown until its next keep-alive, up to 15 s."""
+        for queue in list(self.queues):
+            self.queues.discard(queue)
+            with contextlib.suppress(asyncio.QueueFull):
+                queue.put_nowait(None)
 
 
 def _record(packet: Any) -> dict:
@@ -153,6 +160,9 @@ class Console:
         if self.config.state is not None:
             threading.Thread(target=self._follow_commands, name="console-commands", daemon=True).start()
 
+    async def on_shutdown(self, app: web.Application) -> None:
+        self.hub.close()
+
     async def on_cleanup(self, app: web.Application) -> None:
         self.stop.set()
 
@@ -207,6 +217,8 @@ class Console:
                 except TimeoutError:
                     await response.write(b": keep-alive\n\n")  # proxies close silent streams
                     continue
+                if record is None:
+                    break  # the console is shutting down (Hub.close)
                 record = dict(record, pushed=time.time())
                 await response.write(f"data: {json.dumps(record, default=str)}\n\n".encode())
         except (ConnectionResetError, asyncio.CancelledError):
@@ -340,49 +352,18 @@ class Console:
         `ow ground` process of this station writes, this console's own client included: what it
         holds at start (the rotated file first) is remembered, each line appended later is also
         pushed to the pages. New lines are looked for twice a second; a rotation is followed to
-        the new file once the old one is read to its end."""
+        the new file once the old one is read to its end (command_log.CommandLogReader)."""
         state = self.config.state
         assert state is not None and self.loop is not None
-        path, loop = state.command_log_path, self.loop
-        current = None
-        partial = b""
-        started = True  # what is there at start is history, not news
-        if path.with_suffix(".jsonl.1").exists():
-            with open(path.with_suffix(".jsonl.1"), "rb") as rotated:
-                old = [e for e in map(parse_command_line, rotated) if e is not None]
-            loop.call_soon_threadsafe(self._remember_commands, old[-COMMAND_HISTORY:])
+        loop = self.loop
+        reader = CommandLogReader(state.command_log_path)
         try:
-            while not self.stop.is_set():
-                if current is None:
-                    try:
-                        current = open(path, "rb")  # noqa: SIM115 - held open across the loop
-                    except FileNotFoundError:
-                        started = False
-                        self.stop.wait(0.5)
-                        continue
-                data = current.read()
-                if data:
-                    lines = (partial + data).split(b"\n")
-                    partial = lines.pop()  # a line still being written
-                    entries = [e for e in map(parse_command_line, lines) if e is not None]
-                    if started:
-                        loop.call_soon_threadsafe(self._remember_commands, entries[-COMMAND_HISTORY:])
-                    else:
-                        for entry in entries:
-                            loop.call_soon_threadsafe(self._log, entry)
-                started = False
-                try:
-                    moved = os.stat(path).st_ino != os.fstat(current.fileno()).st_ino
-                except FileNotFoundError:
-                    moved = True
-                if moved:  # rotated: the old file is read to its end (above), on to the new one
-                    current.close()
-                    current, partial = None, b""
-                    continue
-                self.stop.wait(0.5)
+            loop.call_soon_threadsafe(self._remember_commands, reader.backlog()[-COMMAND_HISTORY:])
+            while not self.stop.wait(0.5):
+                for entry in reader.new():
+                    loop.call_soon_threadsafe(self._log, entry)
         finally:
-            if current is not None:
-                current.close()
+            reader.close()
 
     def _remember_commands(self, entries: list[dict]) -> None:
         self.commands.extend(dict(entry, type="COMMAND") for entry in entries)
@@ -506,6 +487,7 @@ def make_app(config: ConsoleConfig) -> web.Application:
     app = web.Application(middlewares=[console.guard], client_max_size=64 * 1024 * 1024)
     app[CONSOLE_KEY] = console
     app.on_startup.append(console.on_startup)
+    app.on_shutdown.append(console.on_shutdown)
     app.on_cleanup.append(console.on_cleanup)
     app.router.add_get("/", console.index)
     app.router.add_static("/static/", STATIC)
