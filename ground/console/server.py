@@ -38,7 +38,7 @@ from typing import Any
 from aiohttp import BodyPartReader, web
 
 from ground.console.command_log import CommandLogReader
-from ground.console.history import SERIES_NAMES, History
+from ground.console.history import SERIES_NAMES, History, WrittenStore
 from ground.console.security import TOKEN_HEADER, ConsoleSecurity
 from ground.errors import GroundError, LocalInputError
 from ground.forecast import forecast_tasks
@@ -50,6 +50,8 @@ STATIC = Path(__file__).parent / "static"
 SUBSCRIBER_BACKLOG = 5000
 #: commands the console remembers and a page loads at start (the log on disk keeps them all)
 COMMAND_HISTORY = 500
+#: the lifetime total of storage written, in the station's state (docs/ground.md "Lifetime storage written")
+WRITTEN_FILE = "console-written.json"
 
 
 @dataclass
@@ -108,6 +110,8 @@ class Console:
         self.fetched: set[str] = set()
         self.background: set[asyncio.Future] = set()
         self.routine = RoutineFilter()
+        if config.state is not None:  # the lifetime storage written, across console restarts
+            self.history.restore_written(WrittenStore(Path(config.state.dir) / WRITTEN_FILE))
 
     # --- the telemetry link, in a thread (ZeroMQ receive blocks) -----------------------------
     def ingest(self, record: dict) -> None:
@@ -120,9 +124,16 @@ class Console:
             record["routine"] = not self.routine.show(str(record["type"]), record.get("body") or {}, float(sent))
         pushed = self.history.add(record)
         self.hub.publish(pushed or record)
+        self._say_notes()
         body = record.get("body") or {}
         if record.get("type") == "EVENT" and body.get("event_id") == "TASK_COMPLETED" and body.get("task_id"):
             self._fetch_result(str(body["task_id"]))
+
+    def _say_notes(self) -> None:
+        """What the history has to tell the operator (a damaged or unwritable saved total), as a
+        CONSOLE event on the events view."""
+        while self.history.notes:
+            self.ingest({"t": time.time(), "type": "CONSOLE", "text": self.history.notes.pop(0)})
 
     def _fetch_result(self, task: str) -> None:
         """A task of this station completed: downlink its result, as `ow ground results TASK`
@@ -155,6 +166,7 @@ class Console:
 
     async def on_startup(self, app: web.Application) -> None:
         self.loop = asyncio.get_running_loop()
+        self._say_notes()
         if self.config.listen:
             threading.Thread(target=self._listen, name="console-telemetry", daemon=True).start()
         if self.config.state is not None:
