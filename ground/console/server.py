@@ -10,7 +10,10 @@
     GET  /api/telemetry         series in ?t0&t1 decimated to ?buckets (min and max per bucket)
     GET  /api/telemetry.csv     the same range, every sample (?series=a,b)
     GET  /api/tasks             the station's tasks, their results, and the completion forecast
-    POST /api/uplink            multipart: prompt, max_new_tokens, priority, image (1..n)
+    POST /api/uploads           JSON {name, size, sha256}: make a resumable upload, or say its offset
+    PUT  /api/uploads/<sha256>  one chunk at Upload-Offset, with its Chunk-SHA256 (uploads.py)
+    POST /api/uplink            JSON naming completed uploads, or multipart: prompt,
+                                max_new_tokens, priority, image (1..n)
     POST /api/tasks/{id}/cancel | priority | resend,  POST /api/quarantine/{item}/release
 
 POSTs need the token and a same-origin `Origin` (security.py), and are refused on a
@@ -35,11 +38,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aiohttp import BodyPartReader, web
+from aiohttp import BodyPartReader, ClientPayloadError, web
 
 from ground.console.command_log import CommandLogReader
 from ground.console.history import SERIES_NAMES, History, WrittenStore
 from ground.console.security import TOKEN_HEADER, ConsoleSecurity
+from ground.console.uploads import MAX_CHUNK_BYTES, UploadError, UploadStore
 from ground.errors import GroundError, LocalInputError
 from ground.forecast import forecast_tasks
 from ground.report import ROUTINE_TYPES, RoutineFilter
@@ -52,6 +56,8 @@ SUBSCRIBER_BACKLOG = 5000
 COMMAND_HISTORY = 500
 #: the lifetime total of storage written, in the station's state (docs/ground.md "Lifetime storage written")
 WRITTEN_FILE = "console-written.json"
+#: the browser's resumable uploads, in the station's state (docs/ground.md "Upload to the console")
+UPLOADS_DIR = "console-uploads"
 
 
 @dataclass
@@ -110,8 +116,11 @@ class Console:
         self.fetched: set[str] = set()
         self.background: set[asyncio.Future] = set()
         self.routine = RoutineFilter()
+        self.upload_store: UploadStore | None = None
         if config.state is not None:  # the lifetime storage written, across console restarts
             self.history.restore_written(WrittenStore(Path(config.state.dir) / WRITTEN_FILE))
+            # the browser's uploads, resumable across reloads and restarts (docs/ground.md)
+            self.upload_store = UploadStore(Path(config.state.dir) / UPLOADS_DIR)
 
     # --- the telemetry link, in a thread (ZeroMQ receive blocks) -----------------------------
     def ingest(self, record: dict) -> None:
@@ -167,6 +176,11 @@ class Console:
     async def on_startup(self, app: web.Application) -> None:
         self.loop = asyncio.get_running_loop()
         self._say_notes()
+        if self.upload_store is not None:
+            removed = await asyncio.to_thread(self.upload_store.sweep)
+            if removed:
+                text = f"removed {len(removed)} unfinished upload(s) untouched for 7 days from {self.upload_store.root}"
+                self.ingest({"t": time.time(), "type": "CONSOLE", "text": text})
         if self.config.listen:
             threading.Thread(target=self._listen, name="console-telemetry", daemon=True).start()
         if self.config.state is not None:
@@ -405,9 +419,112 @@ class Console:
         item = request.match_info["item"]
         return await self._act(lambda c: c.release(item))
 
+    # --- uploads from the browser: resumable, in chunks (uploads.py) ---------------------------
+    def _uploads(self) -> UploadStore:
+        if self.upload_store is None:
+            raise web.HTTPServiceUnavailable(text="this console has no station state to keep uploads in")
+        return self.upload_store
+
+    async def upload_create(self, request: web.Request) -> web.Response:
+        """POST /api/uploads {"name", "size", "sha256"}: make the upload or say where it stands."""
+        store = self._uploads()
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "not a JSON upload request")
+        if not isinstance(body, dict):
+            return _error(400, "not a JSON upload request")
+        try:
+            answer = await asyncio.to_thread(store.create, body.get("name"), body.get("size"), body.get("sha256"))
+        except UploadError as exc:
+            return _upload_error(exc)
+        except OSError as exc:
+            return _error(507, f"the console cannot store the upload: {exc.strerror or exc}")
+        return web.json_response(answer)
+
+    async def upload_chunk(self, request: web.Request) -> web.Response:
+        """PUT /api/uploads/<sha256> with Upload-Offset and Chunk-SHA256: one chunk, kept only
+        whole and with the hash announced, durable before it is answered."""
+        store = self._uploads()
+        upload = request.match_info["upload"]
+        try:
+            offset = int(request.headers.get("Upload-Offset", ""))
+        except ValueError:
+            return _error(400, "Upload-Offset must be a whole number of bytes")
+        chunk_sha256 = request.headers.get("Chunk-SHA256", "").strip().lower()
+        if not chunk_sha256:
+            return _error(400, "Chunk-SHA256 (the chunk's SHA-256, hex) is missing")
+        if request.content_length is not None and request.content_length > MAX_CHUNK_BYTES:
+            return _error(413, f"a chunk of {request.content_length} bytes: at most {MAX_CHUNK_BYTES}")
+        try:
+            data = await request.read()
+        except (ConnectionError, asyncio.IncompleteReadError, ClientPayloadError, web.HTTPException):
+            return _error(400, "the chunk was cut off before its end: nothing kept")
+        if request.content_length is not None and len(data) != request.content_length:
+            return _error(400, "the chunk was cut off before its end: nothing kept")
+        try:
+            answer = await asyncio.to_thread(store.write, upload, offset, data, chunk_sha256)
+        except UploadError as exc:
+            return _upload_error(exc)
+        except OSError as exc:
+            return _error(507, f"the console cannot store the chunk: {exc.strerror or exc}")
+        return web.json_response(answer)
+
+    # --- the uplink ---------------------------------------------------------------------------
     async def uplink(self, request: web.Request) -> web.Response:
-        """The same checks, in the same order and with the same messages, as `ow ground uplink`."""
-        from ground.images import check_max_new_tokens, check_priority, check_prompt, prepare_images
+        """The same checks, in the same order and with the same messages, as `ow ground uplink`:
+        the prompt, max new tokens, priority, then the images. JSON names uploads the page sent
+        in chunks; the multipart form carries the images whole."""
+        if request.content_type == "application/json":
+            return await self._uplink_uploaded(request)
+        return await self._uplink_form(request)
+
+    @staticmethod
+    def _check_fields(fields: dict) -> tuple[str, int, dict]:
+        """(prompt, priority, uplink options); LocalInputError or ValueError as the CLI's checks."""
+        from ground.images import check_max_new_tokens, check_priority, check_prompt
+
+        prompt = fields.get("prompt", "")
+        if not isinstance(prompt, str):
+            raise LocalInputError("prompt must be text")
+        prompt = check_prompt(prompt)
+        max_new_tokens = int(fields.get("max_new_tokens") or 0) or None
+        priority = int(fields.get("priority") or 0)
+        if max_new_tokens is not None:
+            check_max_new_tokens(max_new_tokens)
+        check_priority(priority)
+        return prompt, priority, ({} if max_new_tokens is None else {"max_new_tokens": max_new_tokens})
+
+    async def _uplink_uploaded(self, request: web.Request) -> web.Response:
+        from ground.images import prepare_images
+
+        store = self._uploads()
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "not a JSON uplink request")
+        images = body.get("images") if isinstance(body, dict) else None
+        if not isinstance(images, list) or not all(isinstance(i, dict) for i in images):
+            return _error(400, 'not an uplink request: "images" must be a list of {"upload", "name"}')
+        names: dict[str, str] = {}
+        try:
+            prompt, priority, options = self._check_fields(body)
+            paths = []
+            for image in images:
+                path = await asyncio.to_thread(store.path, image.get("upload"), image.get("name"))
+                names[path] = str(image.get("name"))
+                paths.append(path)
+            await asyncio.to_thread(prepare_images, paths)
+        except LocalInputError as exc:
+            return _error(400, _as_operator_sees(str(exc), names))
+        except UploadError as exc:
+            return _upload_error(exc)
+        except (ValueError, TypeError):
+            return _error(400, "max new tokens and priority must be whole numbers")
+        return await self._send_uplink(paths, names, prompt, priority, options)
+
+    async def _uplink_form(self, request: web.Request) -> web.Response:
+        from ground.images import prepare_images
 
         reader = await request.multipart()
         fields: dict[str, str] = {}
@@ -427,34 +544,45 @@ class Console:
                     paths.append(str(path))
                 elif part.name:
                     fields[part.name] = (await part.text())[:100_000]
-            shown = {repr(p): repr(Path(p).name) for p in paths}
-
-            def as_operator_sees(text: str) -> str:
-                for temp, name in shown.items():
-                    text = text.replace(temp, name)
-                return text
-
+            names = {p: Path(p).name for p in paths}
             try:
-                prompt = check_prompt(fields.get("prompt", ""))
-                max_new_tokens = int(fields.get("max_new_tokens") or 0) or None
-                priority = int(fields.get("priority") or 0)
-                if max_new_tokens is not None:
-                    check_max_new_tokens(max_new_tokens)
-                check_priority(priority)
+                prompt, priority, options = self._check_fields(fields)
                 await asyncio.to_thread(prepare_images, paths)
             except LocalInputError as exc:
-                return _error(400, as_operator_sees(str(exc)))
+                return _error(400, _as_operator_sees(str(exc), names))
             except ValueError:
                 return _error(400, "max new tokens and priority must be whole numbers")
-            options = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
-            response = await self._act(
-                lambda c: c.uplink(paths, prompt, priority=priority, **options).to_dict(),
-                upload_progress=self._upload_progress(),
-            )
+            if self.upload_store is not None:  # kept where `resend` finds them later
+                stored = [await asyncio.to_thread(self.upload_store.adopt, p, names[p]) for p in paths]
+                names.update({s: names[p] for s, p in zip(stored, paths, strict=True)})
+                paths = stored
+            return await self._send_uplink(paths, names, prompt, priority, options)
+
+    async def _send_uplink(
+        self, paths: list[str], names: dict[str, str], prompt: str, priority: int, options: dict
+    ) -> web.Response:
+        response = await self._act(
+            lambda c: c.uplink(paths, prompt, priority=priority, **options).to_dict(),
+            upload_progress=self._upload_progress(),
+        )
         if response.status != 200:
             assert isinstance(response.text, str)
-            response.text = as_operator_sees(response.text)
+            response.text = _as_operator_sees(response.text, names)
         return response
+
+
+def _as_operator_sees(text: str, names: dict[str, str]) -> str:
+    """A message about a file in the console's store, naming it as the operator named it."""
+    for path, name in names.items():
+        text = text.replace(repr(path), repr(name))
+    return text
+
+
+def _upload_error(exc: UploadError) -> web.Response:
+    body: dict[str, Any] = {"ok": False, "error": exc.message}
+    if exc.offset is not None:
+        body["offset"] = exc.offset
+    return web.json_response(body, status=exc.status)
 
 
 def _dumps(data: Any) -> str:
@@ -510,6 +638,8 @@ def make_app(config: ConsoleConfig) -> web.Application:
     app.router.add_get("/api/telemetry", console.telemetry)
     app.router.add_get("/api/telemetry.csv", console.telemetry_csv)
     app.router.add_get("/api/tasks", console.tasks)
+    app.router.add_post("/api/uploads", console.upload_create)
+    app.router.add_put("/api/uploads/{upload}", console.upload_chunk)
     app.router.add_post("/api/uplink", console.uplink)
     app.router.add_post("/api/tasks/{task}/cancel", console.cancel)
     app.router.add_post("/api/tasks/{task}/priority", console.priority)
