@@ -488,8 +488,8 @@ class Console:
         if not isinstance(prompt, str):
             raise LocalInputError("prompt must be text")
         prompt = check_prompt(prompt)
-        max_new_tokens = int(fields.get("max_new_tokens") or 0) or None
-        priority = int(fields.get("priority") or 0)
+        max_new_tokens = _whole(fields.get("max_new_tokens") or 0) or None
+        priority = _whole(fields.get("priority") or 0)
         if max_new_tokens is not None:
             check_max_new_tokens(max_new_tokens)
         check_priority(priority)
@@ -576,6 +576,15 @@ def _as_operator_sees(text: str, names: dict[str, str]) -> str:
     for path, name in names.items():
         text = text.replace(repr(path), repr(name))
     return text
+
+
+def _whole(value: object) -> int:
+    """A whole number from the form (text) or from JSON (a number): 8 or "8", never 8.5 or true."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        return int(value)
+    raise ValueError(f"not a whole number: {value!r}")
 
 
 def _upload_error(exc: UploadError) -> web.Response:

@@ -168,6 +168,12 @@ def test_uploads_refuse_what_the_cli_refuses(tmp_path):
             assert (await r.json())["error"] == "image 'bad.png': not a decodable picture (UnidentifiedImageError)"
         async with session.post(base + "/api/uplink", json=dict(uplink, prompt=" \u200b"), headers=headers) as r:
             assert r.status == 400 and "EMPTY_PROMPT" in (await r.json())["error"]  # the prompt is checked first
+        for tokens in (8.5, True, "8 tokens"):
+            request = dict(uplink, max_new_tokens=tokens)
+            async with session.post(base + "/api/uplink", json=request, headers=headers) as r:
+                assert r.status == 400 and "whole numbers" in (await r.json())["error"]
+        async with session.post(base + "/api/uplink", json=dict(uplink, max_new_tokens=2000), headers=headers) as r:
+            assert r.status == 400 and (await r.json())["error"] == "max new tokens 2000 outside 1..1024"
         # a file that is not the one announced is dropped whole
         liar = (await create(session, base, headers, "liar.png", b"abcd"))["upload"]
         status, answer = await put(session, base, headers, liar, 0, b"abce")
@@ -191,3 +197,23 @@ def test_a_read_only_console_refuses_uploads(tmp_path, method):
         assert status == 403 and "read-only" in answer["error"]
 
     run_console(state, ConsoleSecurity(read_only=True), _no_link, body)
+
+
+def test_unfinished_uploads_untouched_for_a_week_are_swept_and_finished_ones_kept(tmp_path):
+    import os
+
+    from ground.console.uploads import STALE_AFTER_S, UploadStore
+
+    store = UploadStore(tmp_path / UPLOADS_DIR)
+    done, stale, fresh = b"done", b"stale file", b"fresh file"
+    for content in (done, stale, fresh):
+        store.create("a.png", len(content), hashlib.sha256(content).hexdigest())
+    done_id = hashlib.sha256(done).hexdigest()
+    store.write(done_id, 0, done, done_id)
+    week_ago = 1_000_000.0 - STALE_AFTER_S - 1
+    for content in (done, stale):
+        os.utime(store.root / hashlib.sha256(content).hexdigest() / "upload.json", (week_ago, week_ago))
+    fresh_id = hashlib.sha256(fresh).hexdigest()
+    os.utime(store.root / fresh_id / "upload.json", (1_000_000.0, 1_000_000.0))
+    assert store.sweep(now=1_000_000.0) == [hashlib.sha256(stale).hexdigest()]
+    assert sorted(p.name for p in store.root.iterdir()) == sorted([done_id, fresh_id])
