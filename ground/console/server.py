@@ -16,7 +16,7 @@
                                 max_new_tokens, priority, image (1..n)
     POST /api/tasks/{id}/cancel | priority | resend,  POST /api/quarantine/{item}/release
 
-POSTs need the token and a same-origin `Origin` (security.py), and are refused on a
+POSTs and PUTs need the token and a same-origin `Origin` (security.py), and are refused on a
 `--read-only` console. Each action opens its own GroundClient, exactly as the CLI command does,
 so the same checks run and the same messages come back (HTTP 400 with the CLI's text).
 """
