@@ -153,6 +153,8 @@ def test_console_in_chromium_against_bus_and_payload(browser, model_dirs, tmp_pa
             lambda d: "logits SHA-256" in d.find_element(By.CSS_SELECTOR, f"#tasks tr[data-task='{task}']").text,
             "the task's result in the task view",
         )
+        row = browser.find_element(By.CSS_SELECTOR, f"#tasks tr[data-task='{task}']").text
+        assert " survived" in row, row  # the payload's own count of the cuts the task lived through
         browser.save_screenshot(str(shots / "console-tasks.png"))
 
         browser.find_element(By.CSS_SELECTOR, "nav button[data-view=timeline]").click()

@@ -144,7 +144,10 @@ async function loadTasks() {
     const timings = t.result && t.result.timings ? Object.entries(t.result.timings).map(([k, v]) => `${k} ${(+v).toFixed(2)} s`).join(", ") : "";
     const result = t.result ? `${t.result.text} — logits SHA-256 ${String(t.result.logits_sha256).slice(0, 16)}… (${timings})` : "";
     const live = t.live ? `${t.live.phase || "-"} ${t.live.done}/${t.live.total}, checkpoints ${t.live.checkpoint_bytes} B` : "";
-    for (const v of [t.task_id, t.state || "", live, String(t.cuts_seen ?? 0), t.prompt || "", String(t.priority ?? ""), (t.images || []).map((i) => i.name || i).join(", "), result]) {
+    // cuts: the payload's own count once the result is down (every cut the task lived through),
+    // before that the cuts this console saw while the task ran
+    const cuts = t.result && typeof t.result.interruptions === "number" ? `${t.result.interruptions} survived` : `${t.cuts_seen ?? 0} seen`;
+    for (const v of [t.task_id, t.state || "", live, cuts, t.prompt || "", String(t.priority ?? ""), (t.images || []).map((i) => i.name || i).join(", "), result]) {
       const td = document.createElement("td"); td.textContent = v; tr.appendChild(td);
     }
     const td = document.createElement("td");
