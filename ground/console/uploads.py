@@ -141,6 +141,7 @@ class UploadStore:
             meta = self._meta(folder)
             if meta is None:
                 raise UploadError(404, f"no upload {upload}: create it first (POST /api/uploads)")
+            stands_at = meta["offset"]
             if offset != meta["offset"]:
                 stands = meta["offset"]
                 raise UploadError(409, f"upload {upload} is at byte {stands}, not {offset}: go on from there", stands)
@@ -148,6 +149,8 @@ class UploadStore:
                 raise UploadError(409, f"upload {upload} is complete", meta["offset"])
             if not data:
                 raise UploadError(400, "an empty chunk")
+            if len(data) > MAX_CHUNK_BYTES:  # (a body without Content-Length is measured only here)
+                raise UploadError(413, f"a chunk of {len(data)} bytes: at most {MAX_CHUNK_BYTES}", stands_at)
             if offset + len(data) > meta["size"]:
                 raise UploadError(400, f"the chunk ends at byte {offset + len(data)}, past the file's {meta['size']}")
             if hashlib.sha256(data).hexdigest() != chunk_sha256:

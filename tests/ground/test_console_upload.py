@@ -174,6 +174,19 @@ def test_uploads_refuse_what_the_cli_refuses(tmp_path):
                 assert r.status == 400 and "whole numbers" in (await r.json())["error"]
         async with session.post(base + "/api/uplink", json=dict(uplink, max_new_tokens=2000), headers=headers) as r:
             assert r.status == 400 and (await r.json())["error"] == "max new tokens 2000 outside 1..1024"
+        # a chunk over the limit is refused, announced (Content-Length) or not (chunked transfer)
+        large = bytes(5 * 1024 * 1024)
+        big = (await create(session, base, headers, "large.png", large))["upload"]
+        over = large[: 4 * 1024 * 1024 + 1]
+        status, answer = await put(session, base, headers, big, 0, over)
+        assert status == 413
+
+        async def streamed():
+            yield over
+
+        sent = {**headers, "Upload-Offset": "0", "Chunk-SHA256": hashlib.sha256(over).hexdigest()}
+        async with session.put(f"{base}/api/uploads/{big}", data=streamed(), headers=sent) as r:
+            assert r.status == 413 and (await r.json())["offset"] == 0
         # a file that is not the one announced is dropped whole
         liar = (await create(session, base, headers, "liar.png", b"abcd"))["upload"]
         status, answer = await put(session, base, headers, liar, 0, b"abce")
