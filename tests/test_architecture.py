@@ -359,3 +359,22 @@ def test_command_lines_are_declared_not_written_as_long_functions():
     assert not new, f"functions with more than {ADD_ARGUMENT_LIMIT} add_argument calls (declare them): {new}"
     gone = sorted(LONG_REGISTRATIONS - long)
     assert not gone, f"declared now: take them off LONG_REGISTRATIONS: {gone}"
+
+
+def _classes_with_bases(folder: str) -> dict[str, list[str]]:
+    """Class name -> names of its bases, for every class defined in `folder`."""
+    found = {}
+    for path in sorted((ROOT / folder).glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                found[node.name] = [ast.unparse(base).rsplit(".", 1)[-1] for base in node.bases]
+    return found
+
+
+def test_the_ground_client_is_composed_not_stacked():
+    """GroundClient's parts are given the parts they use; none inherits from another
+    (docs/ground.md "Where things are")."""
+    classes = _classes_with_bases("ground/client")
+    stacked = sorted(f"{name}({', '.join(bases)})" for name, bases in classes.items() if set(bases) & set(classes))
+    assert not stacked, f"ground/client classes that inherit from one another: {stacked}"
+    assert {"CommandSession", "ImageUploader", "TaskTracker", "ResultStore", "GroundClient"} <= set(classes)
