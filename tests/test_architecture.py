@@ -360,25 +360,6 @@ def test_command_lines_are_declared_not_written_as_long_functions():
     assert not gone, f"declared now: take them off LONG_REGISTRATIONS: {gone}"
 
 
-def _classes_with_bases(folder: str) -> dict[str, list[str]]:
-    """Class name -> names of its bases, for every class defined in `folder`."""
-    found = {}
-    for path in sorted((ROOT / folder).glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ClassDef):
-                found[node.name] = [ast.unparse(base).rsplit(".", 1)[-1] for base in node.bases]
-    return found
-
-
-def test_the_ground_client_is_composed_not_stacked():
-    """GroundClient's parts are given the parts they use; none inherits from another
-    (docs/ground.md "Where things are")."""
-    classes = _classes_with_bases("ground/client")
-    stacked = sorted(f"{name}({', '.join(bases)})" for name, bases in classes.items() if set(bases) & set(classes))
-    assert not stacked, f"ground/client classes that inherit from one another: {stacked}"
-    assert {"CommandSession", "ImageUploader", "TaskTracker", "ResultStore", "GroundClient"} <= set(classes)
-
-
 #: The bus's parts and what they share (docs/bus.md "Where things are"): `Bus` (lifecycle.py) owns
 #: one object per part and hands each what it uses; no part is built on another.
 BUS_PARTS = (
@@ -470,3 +451,22 @@ def test_the_composition_check_sees_a_stack(tmp_path, monkeypatch):
     assert "declares its host under TYPE_CHECKING" in problems
     assert "getattr(self, 'buslog', None)" in problems
     assert "self.routing._confirm_stored reaches into" in problems
+
+
+#: The ground client's parts (docs/ground.md "Where things are"): `GroundClient` makes them and
+#: hands each the parts it uses.
+GROUND_CLIENT_PARTS = (
+    "ground.client.session",
+    "ground.client.upload",
+    "ground.client.tasks",
+    "ground.client.results",
+    "ground.client.ground_client",
+)
+
+
+def test_the_ground_client_is_composed_not_stacked():
+    problems = composition_problems(GROUND_CLIENT_PARTS)
+    if problems:
+        pytest.fail(
+            "the ground client's parts are to be composed, not stacked:\n  " + "\n  ".join(problems), pytrace=False
+        )
