@@ -503,6 +503,16 @@ class Console:
             body = await request.json()
         except ValueError:
             return _error(400, "not a JSON uplink request")
+        if isinstance(body, dict) and body.get("check_only") is True:
+            # the page asks this before it sends any image: a bad prompt or number is refused
+            # first, as the CLI refuses it before it reads the files
+            try:
+                self._check_fields(body)
+            except LocalInputError as exc:
+                return _error(400, str(exc))
+            except (ValueError, TypeError):
+                return _error(400, "max new tokens and priority must be whole numbers")
+            return web.json_response({"ok": True, "checked": True})
         images = body.get("images") if isinstance(body, dict) else None
         if not isinstance(images, list) or not all(isinstance(i, dict) for i in images):
             return _error(400, 'not an uplink request: "images" must be a list of {"upload", "name"}')

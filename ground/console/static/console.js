@@ -404,12 +404,16 @@ $("#uplink-form").addEventListener("submit", async (e) => {
     status.textContent = `sending to the ground station… ${kib(done)} of ${kib(total)} held by the console`;
   };
   let data, cutShort = false;
+  const fields = { prompt: $("#prompt").value, max_new_tokens: $("#max-new-tokens").value, priority: $("#priority").value };
   try {
+    // the prompt and the numbers first, as the CLI checks them before it reads a file
+    const checked = (await call("POST", "/api/uplink", JSON.stringify({ ...fields, check_only: true }), { "Content-Type": "application/json" })).data;
+    if (!checked.ok) throw new Refused(checked.error || "refused");
     const images = [];
     for (let i = 0; i < files.length; i++) images.push(await uploadToConsole(files[i], shown(i)));
     $("#upload-progress").value = 100;
     status.textContent = "uploading to the payload (resumable; chunks the payload already holds are not sent again)…";
-    const body = { prompt: $("#prompt").value, max_new_tokens: $("#max-new-tokens").value, priority: $("#priority").value, images };
+    const body = { ...fields, images };
     data = (await call("POST", "/api/uplink", JSON.stringify(body), { "Content-Type": "application/json" })).data;
   } catch (err) {
     data = { ok: false, error: err instanceof Refused ? err.message : `the console did not answer (${err.message})` };
