@@ -73,7 +73,7 @@ async function loadTimeline() {
     tr.className = "cut";
     for (const v of [fmtTime(c.t), c.cause + (c.after_fault ? " (after fault)" : ""),
       c.warning_lead_s === null ? "no warning" : c.warning_lead_s.toFixed(1),
-      c.task ? `${c.task} ${c.phase || ""}` : "idle"]) { const td = document.createElement("td"); td.textContent = v; tr.appendChild(td); }
+      c.task ? `${c.task} ${c.phase || ""}${c.total ? ` ${c.done}/${c.total}` : ""}` : "idle"]) { const td = document.createElement("td"); td.textContent = v; tr.appendChild(td); }
     $("#cuts tbody").appendChild(tr);
   }
 }
@@ -143,7 +143,7 @@ async function loadTasks() {
     const tr = document.createElement("tr"); tr.dataset.task = t.task_id;
     const timings = t.result && t.result.timings ? Object.entries(t.result.timings).map(([k, v]) => `${k} ${(+v).toFixed(2)} s`).join(", ") : "";
     const result = t.result ? `${t.result.text} — logits SHA-256 ${String(t.result.logits_sha256).slice(0, 16)}… (${timings})` : "";
-    const live = t.live ? `${t.live.phase || "-"} ${t.live.done}/${t.live.total}, checkpoints ${t.live.checkpoint_bytes} B` : "";
+    const live = t.live ? `${t.live.phase || "-"} ${t.live.done}/${t.live.total}` + (t.live.checkpoint_bytes === undefined ? "" : `, checkpoints ${formatValue("bytes", t.live.checkpoint_bytes)}`) : "";
     // cuts: the payload's own count once the result is down (every cut the task lived through),
     // before that the cuts this console saw while the task ran
     const cuts = t.result && typeof t.result.interruptions === "number" ? `${t.result.interruptions} survived` : `${t.cuts_seen ?? 0} seen`;
