@@ -96,8 +96,8 @@ def model_options(model: str, kind: str) -> dict:
     seconds, where the model is given it)."""
     from traces.presets import PRESETS
 
-    if model == "history":
-        return {"window_model": "history"}
+    if model == "history":  # as before orbital phase and the unit model's spread were inputs
+        return {"window_model": "history", "unit_sigma": 0.0}
     if model == "phase":
         return {"window_model": "phase"}
     if model == "phase-given":
@@ -562,7 +562,14 @@ def replay_run(
         known = forecast_tasks(tasks, basis, plan=to_come, now_wall=now) if to_come else {}
         started = {p[1] for p in progress if p[0] <= now}
         for model in models:
-            options = model_options(model, kind_) if kind_ in KINDS else {"window_model": model.removesuffix("-given")}
+            options = (
+                model_options(model, kind_)
+                if kind_ in KINDS
+                else {
+                    "window_model": model.removesuffix("-given"),
+                    **({"unit_sigma": 0.0} if model == "history" else {}),
+                }
+            )
             fc = forecast_tasks(tasks, basis, known_off=off, now_wall=now, draws=draws, seed=seed, **options)
             for t in queue:
                 f = (fc.get("tasks") or {}).get(t)

@@ -58,6 +58,12 @@ LONG_GAP_FACTOR_RANGE = (1.0, 6.0)
 #: put at least 80 % of completions inside it on the training kinds (trace-a, sat2-like) with
 #: seeds 1 and 2 (82 %; 1.3: 78 %), none of them the benchmark's seeds.
 BAND_WIDEN = 1.5
+#: The profile's pace (seconds per unit, power-up overhead) is itself uncertain: each draw scales
+#: it by a log-normal factor of this sigma (p10-p90 +-6 %). About the spread of the unit model's
+#: own error on real runs as measured before orbital phase was an input (median 0.3-2.5 %, up to
+#: 12-15 % where the adaptive cadence's group differed from the profile's run): with the phase
+#: model the windows' spread alone can be smaller than that, and the band held nothing else.
+UNIT_SIGMA = 0.05
 #: Orbital phase (`orbit_period`). Periods looked for in the window history (LEO: 88-127 min, with
 #: a margin); a period is taken only where the history's duty cycle correlates with itself one
 #: period later at least this much (an orbit's eclipse or warming structure repeats; FDIR does not).
@@ -491,6 +497,7 @@ def forecast_tasks(
     seed: int = 0,
     window_model: str = "phase",
     orbit_period_s: float | None = None,
+    unit_sigma: float = UNIT_SIGMA,
 ) -> dict[str, Any]:
     """{"made_at", "tasks": {task_id: forecast}} or {"unavailable": reason}.
 
@@ -502,7 +509,9 @@ def forecast_tasks(
     `window_model`: "phase" resamples the history at the orbital phase of each drawn moment, the
     period `orbit_period_s` where given (an orbit determination), else found in the history
     (`orbit_period`); where neither gives one it resamples without phase and says why under
-    "window_model". "history": without phase (the model before orbital phase was an input)."""
+    "window_model". "history": without phase (the model before orbital phase was an input).
+    `unit_sigma`: the log-normal spread of the profile's pace (units and power-up overhead), drawn
+    once per draw (not with a plan); 0 gives the forecast before that spread was an input."""
     if window_model not in WINDOW_MODELS:
         raise ValueError(f"window_model must be one of {', '.join(WINDOW_MODELS)}, not {window_model!r}")
     if orbit_period_s is not None and not (math.isfinite(orbit_period_s) and orbit_period_s > 0):
@@ -580,6 +589,9 @@ def forecast_tasks(
         starts = [float(x) for x in basis["windows"]["starts"]][: len(pairs)]
         choices = _phase_choices(pairs, starts, period, t_heard, current_start)
     rng = random.Random(seed)
+    # the unit model's own spread, drawn apart so the windows drawn do not depend on it
+    unit_rng = random.Random(seed + 1)
+    spread = unit_sigma if plan is None else 0.0
     results: list[list[tuple[float, int] | None]] = []
     for _ in range(draws if plan is None else 1):
         wins: Iterator[Any]
@@ -591,8 +603,16 @@ def forecast_tasks(
             wins = _outside(wins, known_off)
         if warned > 0:
             wins = _announced(rng, wins, warned)
+        pace = math.exp(unit_rng.gauss(0.0, spread)) if spread > 0 else 1.0
         results.append(
-            finish_times(seconds, marks, wins, overhead_s=overhead, first_overhead_s=first_overhead, parts=steps)
+            finish_times(
+                [u * pace for u in seconds] if pace != 1.0 else seconds,
+                marks,
+                wins,
+                overhead_s=overhead * pace,
+                first_overhead_s=first_overhead * pace,
+                parts=steps,
+            )
         )
     out: dict[str, Any] = {}
     for k, task in enumerate(queue):
