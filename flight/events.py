@@ -26,12 +26,25 @@ so a run's log reads as before.
     BLOCK_SHAPE_ESTIMATE_FAILED  reason
     REQUEST_COMPLETED            tokens, finish_reason
 
+How a run ends is declared here too. A run that is asked to end early (the payload's CANCEL_TASK
+or its own stop) is asked through a `StopToken`, set from any thread; the engine looks at it at
+every unit boundary -- right after the unit's UNIT_DONE event, before what the policy keeps of
+that unit is handed to the writer -- and returns a `RunStatus` instead of a result:
+
+    FINISHED   the request produced its answer (RESULT committed)
+    PAUSED     it stopped at a unit boundary; its records stay as they were at the previous
+               boundary and a later run resumes from them, as after a cut
+    CANCELLED  as PAUSED on disk; the caller drops the request (the engine removes nothing)
+
+A power cut is not a stop: nothing after it runs (tests simulate one by raising from a callback).
+
 Pure: the standard library only (the onboard process's command thread imports it without torch).
 """
 
 from __future__ import annotations
 
 import enum
+import threading
 from typing import Any, Protocol
 
 
@@ -70,4 +83,39 @@ def no_events(event: EngineEvent, **fields: Any) -> None:
     """The callback of an engine nobody listens to."""
 
 
-__all__ = ["UNIT_DONE", "EngineEvent", "Events", "no_events"]
+class RunStatus(enum.StrEnum):
+    """How one run of a request ended (the engine's `RunOutcome.status`)."""
+
+    FINISHED = "finished"
+    PAUSED = "paused"
+    CANCELLED = "cancelled"
+
+
+class StopToken:
+    """Asks a running request to end at its next unit boundary. Set from any thread (`pause`,
+    `cancel`), read by the engine between units (`requested`); a cancel outranks a pause.
+
+    `paused_by`: an event whose setting pauses the run too (the payload's process-wide stop),
+    so that whoever stops the process need not know which request runs; the token only reads it."""
+
+    def __init__(self, paused_by: threading.Event | None = None) -> None:
+        self._paused = threading.Event()
+        self._paused_by = paused_by
+        self._cancelled = threading.Event()
+
+    def pause(self) -> None:
+        self._paused.set()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    def requested(self) -> RunStatus | None:
+        """CANCELLED or PAUSED once asked (a cancel first), else None: run on."""
+        if self._cancelled.is_set():
+            return RunStatus.CANCELLED
+        if self._paused.is_set() or (self._paused_by is not None and self._paused_by.is_set()):
+            return RunStatus.PAUSED
+        return None
+
+
+__all__ = ["UNIT_DONE", "EngineEvent", "Events", "RunStatus", "StopToken", "no_events"]

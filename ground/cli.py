@@ -389,7 +389,32 @@ def register(subparsers) -> None:
     )
     p.add_argument("task", metavar="TASK")
     p.add_argument("priority", type=int, metavar="P", help="0..255, higher runs first")
+    _register_commands(leaf)
     _register_console(leaf)
+
+
+def _register_commands(leaf) -> None:
+    p = leaf(
+        "commands",
+        "print the station's command log: every command sent, its answer and round trip",
+        'Print the station\'s command log (<state>/commands.jsonl, docs/ground.md "Command log"): every command '
+        "any `ow ground` process of this station sent (the console included), oldest first, one line each: when "
+        "it was first sent (UTC), the command and what it named, the round trip, who sent it, and the answer "
+        "(OK, or the code, who answered and the reason; NO_ANSWER). Reads the local log only: no link is opened.",
+        cmd_commands,
+    )
+    p.add_argument(
+        "--since",
+        dest="since_when",
+        metavar="WHEN",
+        default=None,
+        help="only commands sent at or after WHEN: a UTC time (2026-12-05, 2026-12-05T11:30, 2026-12-05T11:30:00Z) "
+        "or an age before now (90s, 15m, 2h, 1d)",
+    )
+    p.add_argument("--last", type=int, default=None, metavar="N", help="only the newest N of them")
+    p.add_argument(
+        "--follow", action="store_true", help="then print each command as it is logged, until Ctrl-C (exit 0)"
+    )
 
 
 def _register_console(leaf) -> None:
@@ -1011,6 +1036,59 @@ def cmd_resend(args) -> int:
     else:
         sent = sum(i.chunks_sent for i in result.images)
         print(f"task {result.task_id}: images on board ({sent} chunk(s) sent again), task re-sent", flush=True)
+    return 0
+
+
+def cmd_commands(args) -> int:
+    # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
+    from ground.console.command_log import CommandLogReader, command_line, parse_since
+    from ground.state import GroundState
+
+    since = None
+    if args.since_when is not None:
+        try:
+            since = parse_since(args.since_when)
+        except ValueError as exc:
+            raise LocalInputError(f"--since: {exc}") from None
+    if args.last is not None and args.last < 1:
+        raise LocalInputError(f"--last must be >= 1, not {args.last}")
+    state = GroundState(args.state_dir or KeyLayout(Path(_keys_dir(args))).state_dir)
+    reader = CommandLogReader(state.command_log_path)
+
+    def show(entries: list[dict]) -> None:
+        for entry in entries:
+            if args.json:
+                _print_json(entry)
+            else:
+                print(command_line(entry), flush=True)
+
+    def wanted(entries: list[dict]) -> list[dict]:
+        if since is None:
+            return entries
+        return [e for e in entries if isinstance(e.get("t"), int | float) and e["t"] >= since]
+
+    damaged = 0
+
+    def count_damaged() -> None:
+        nonlocal damaged
+        if reader.damaged > damaged:
+            _notify(f"skipped {reader.damaged - damaged} damaged line(s) of the command log")
+            damaged = reader.damaged
+
+    try:
+        if not state.command_log_path.exists() and not reader.rotated.exists():
+            _notify(f"no command logged yet ({state.command_log_path} does not exist)")
+        backlog = wanted(reader.backlog())
+        show(backlog[-args.last :] if args.last else backlog)
+        count_damaged()
+        while args.follow:
+            time.sleep(0.5)  # a few lines a second at most: a log, not a stream
+            show(wanted(reader.new()))
+            count_damaged()
+    except KeyboardInterrupt:
+        return 0  # Ctrl-C is how --follow ends
+    finally:
+        reader.close()
     return 0
 
 

@@ -322,3 +322,151 @@ def test_the_architecture_page_names_only_paths_that_exist():
     )
     if missing:
         pytest.fail("docs/architecture.md names paths that do not exist: " + ", ".join(missing), pytrace=False)
+
+
+#: Functions still written as long runs of `add_argument` calls; each leaves this list when its
+#: component's command line is declared as data (common/cliargs.py). The list may only shrink.
+ADD_ARGUMENT_LIMIT = 25
+LONG_REGISTRATIONS = {
+    "common/vla/cli.py:register",
+    "ground/cli.py:register",
+}
+
+
+def _add_argument_calls() -> dict[str, int]:
+    counts = {}
+    for path in MODULES.values():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                calls = sum(
+                    isinstance(inner, ast.Call)
+                    and isinstance(inner.func, ast.Attribute)
+                    and inner.func.attr == "add_argument"
+                    for inner in ast.walk(node)
+                )
+                counts[f"{path.relative_to(ROOT).as_posix()}:{node.name}"] = calls
+    return counts
+
+
+def test_command_lines_are_declared_not_written_as_long_functions():
+    """A command line is a table of `Command`/`arg` declarations, not a function of hundreds of
+    `add_argument` lines (docs/architecture.md "Habits")."""
+    counts = _add_argument_calls()
+    long = {name for name, calls in counts.items() if calls > ADD_ARGUMENT_LIMIT}
+    new = sorted(long - LONG_REGISTRATIONS)
+    assert not new, f"functions with more than {ADD_ARGUMENT_LIMIT} add_argument calls (declare them): {new}"
+    gone = sorted(LONG_REGISTRATIONS - long)
+    assert not gone, f"declared now: take them off LONG_REGISTRATIONS: {gone}"
+
+
+#: The bus's parts and what they share (docs/bus.md "Where things are"): `Bus` (lifecycle.py) owns
+#: one object per part and hands each what it uses; no part is built on another.
+BUS_PARTS = (
+    "hil.bus.base",
+    "hil.bus.telemetry",
+    "hil.bus.power_fdir",
+    "hil.bus.timeline",
+    "hil.bus.routing",
+    "hil.bus.stations",
+    "hil.bus.relay",
+    "hil.bus.lifecycle",
+)
+
+
+def _base_name(node: ast.expr) -> str:
+    return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+
+
+def composition_problems(modules: tuple[str, ...]) -> list[str]:
+    """Where `modules` build one object by stacking classes instead of composing them: a class
+    derived from a class of these modules; state read with `getattr(self, ...)` (an attribute
+    that may not be there yet: every attribute is set in `__init__`); a host's interface declared
+    for the type checker (`if TYPE_CHECKING:` in a class: a mixin); a private method or attribute
+    of another object reached through `self` (`self.part._name`)."""
+    trees = {module: ast.parse(MODULES[module].read_text(encoding="utf-8")) for module in modules}
+    classes = {node.name for tree in trees.values() for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+    found = []
+    for module, tree in trees.items():
+        path = MODULES[module]
+        rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                for base in node.bases:
+                    if _base_name(base) in classes:
+                        found.append(f"{rel}:{node.lineno}: class {node.name} is built on {_base_name(base)}")
+                for statement in node.body:
+                    if isinstance(statement, ast.If) and "TYPE_CHECKING" in ast.unparse(statement.test):
+                        found.append(
+                            f"{rel}:{statement.lineno}: class {node.name} declares its host under TYPE_CHECKING"
+                        )
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr")
+                and node.args
+                and isinstance(node.args[0], ast.Name)
+                and node.args[0].id == "self"
+            ):
+                found.append(f"{rel}:{node.lineno}: {ast.unparse(node)} (set every attribute in __init__)")
+            elif (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Attribute)
+                and isinstance(node.value.value, ast.Name)
+                and node.value.value.id == "self"
+            ):
+                found.append(f"{rel}:{node.lineno}: {ast.unparse(node)} reaches into another object's private part")
+    return found
+
+
+def test_the_bus_is_composed_of_parts_not_stacked():
+    problems = composition_problems(BUS_PARTS)
+    if problems:
+        pytest.fail(
+            "the bus's parts are to be composed by Bus, not stacked:\n  " + "\n  ".join(problems), pytrace=False
+        )
+
+
+def test_the_composition_check_sees_a_stack(tmp_path, monkeypatch):
+    """The check above is not vacuous: the old shape of the bus (a part built on another, state
+    read with getattr, a mixin's TYPE_CHECKING block, a private method of another part) fails it."""
+    stacked = tmp_path / "stacked.py"
+    stacked.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "class Routing:\n"
+        "    def _confirm_stored(self): ...\n"
+        "class Relay(Routing):\n"
+        "    if TYPE_CHECKING:\n"
+        "        store: object\n"
+        "    def close(self):\n"
+        "        log = getattr(self, 'buslog', None)\n"
+        "        self.routing._confirm_stored()\n",
+        encoding="utf-8",
+    )
+    monkeypatch.setitem(MODULES, "hil.bus.stacked", stacked)
+    problems = "\n".join(composition_problems(("hil.bus.stacked",)))
+    assert "class Relay is built on Routing" in problems
+    assert "declares its host under TYPE_CHECKING" in problems
+    assert "getattr(self, 'buslog', None)" in problems
+    assert "self.routing._confirm_stored reaches into" in problems
+
+
+#: The ground client's parts (docs/ground.md "Where things are"): `GroundClient` makes them and
+#: hands each the parts it uses.
+GROUND_CLIENT_PARTS = (
+    "ground.client.session",
+    "ground.client.upload",
+    "ground.client.tasks",
+    "ground.client.results",
+    "ground.client.ground_client",
+)
+
+
+def test_the_ground_client_is_composed_not_stacked():
+    problems = composition_problems(GROUND_CLIENT_PARTS)
+    if problems:
+        pytest.fail(
+            "the ground client's parts are to be composed, not stacked:\n  " + "\n  ".join(problems), pytrace=False
+        )

@@ -17,6 +17,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from common.cliargs import Command, add_commands, arg
 from common.errors import CliError, check_number
 from traces.catalog import DATA_DIR, GENERATED_NAMES, SHIPPED_NAMES, SUFFIX, resolve, resolve_quiet
 from traces.format import TraceError, dump, dumps, load, validate
@@ -287,65 +288,71 @@ def _cmd_regenerate(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------ registration
 
 
-def register_trace_commands(subparsers: Any) -> None:
-    """Add the trace leaf commands to an argparse `add_subparsers()` object."""
+_SHIPPED = ", ".join(SHIPPED_NAMES)
 
-    shipped = ", ".join(SHIPPED_NAMES)
-    p = subparsers.add_parser(
+
+#: The trace commands, declared (common/cliargs.py); `register_trace_commands` adds them.
+TRACE_COMMANDS: tuple[Command, ...] = (
+    Command(
         "trace-info",
+        handler=_cmd_info,
         help="list the shipped traces, or print one trace's statistics",
         description="Without TRACE: list the shipped traces (name, duration, windows, cuts, duty cycle, what "
         "each is). With TRACE: print its statistics: duration, windows, cuts by cause, window lengths, "
         "warning leads, duty cycle.",
-    )
-    p.add_argument(
-        "trace",
-        metavar="TRACE",
-        nargs="?",
-        default=None,
-        help=f"a trace file, or a shipped trace name ({shipped}); omitted: list the shipped traces",
-    )
-    p.add_argument("--json", action="store_true", help="print the statistics as JSON")
-    p.set_defaults(func=_cmd_info)
-
-    p = subparsers.add_parser(
+        args=(
+            arg(
+                "trace",
+                metavar="TRACE",
+                nargs="?",
+                default=None,
+                help=f"a trace file, or a shipped trace name ({_SHIPPED}); omitted: list the shipped traces",
+            ),
+            arg("--json", action="store_true", help="print the statistics as JSON"),
+        ),
+    ),
+    Command(
         "trace-validate",
+        handler=_cmd_validate,
         help="check trace files against docs/trace-format.md",
         description="Check trace files. Prints each problem as FILE:LINE: message; exit status 1 if "
         "any trace is invalid.",
-    )
-    p.add_argument("traces", metavar="TRACE", nargs="+", help=f"trace files or shipped names ({shipped})")
-    p.add_argument("-q", "--quiet", action="store_true", help="print nothing for valid traces")
-    p.set_defaults(func=_cmd_validate)
-
-    p = subparsers.add_parser(
+        args=(
+            arg("traces", metavar="TRACE", nargs="+", help=f"trace files or shipped names ({_SHIPPED})"),
+            arg("-q", "--quiet", action="store_true", help="print nothing for valid traces"),
+        ),
+    ),
+    Command(
         "trace-generate",
+        handler=_cmd_generate,
         help="generate a trace with the physical model",
         description="Generate a trace of one of the shipped kinds with the physical model "
         "(orbit, solar array and battery, thermal, FDIR, contention). With the shipped seed and "
         "default duration it reproduces the shipped file.",
-    )
-    p.add_argument("--kind", required=True, choices=list(PRESETS), help="satellite kind")
-    p.add_argument(
-        "--seed",
-        type=int,
-        default=None,
-        help="random seed (default: the shipped one: " + ", ".join(f"{k} {v}" for k, v in SHIPPED_SEEDS.items()) + ")",
-    )
-    p.add_argument(
-        "--duration",
-        type=int,
-        default=None,
-        metavar="SECONDS",
-        help="trace length in seconds (default: the shipped length)",
-    )
-    p.add_argument("--out", required=True, metavar="FILE", help="output file, or - for standard output")
-    p.set_defaults(func=_cmd_generate)
-
-    p = subparsers.add_parser(
+        args=(
+            arg("--kind", required=True, choices=list(PRESETS), help="satellite kind"),
+            arg(
+                "--seed",
+                type=int,
+                default=None,
+                help="random seed (default: the shipped one: "
+                + ", ".join(f"{k} {v}" for k, v in SHIPPED_SEEDS.items())
+                + ")",
+            ),
+            arg(
+                "--duration",
+                type=int,
+                default=None,
+                metavar="SECONDS",
+                help="trace length in seconds (default: the shipped length)",
+            ),
+            arg("--out", required=True, metavar="FILE", help="output file, or - for standard output"),
+        ),
+    ),
+    Command(
         "trace-import-csv",
+        handler=_cmd_import_csv,
         help="turn a telemetry CSV file into a trace",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Turn telemetry CSV files (bus housekeeping, a published data set) into a trace, with the "
         "column mapping given here. The payload is on while its current is above --on-above; a cut is "
         "thermal when the temperature at the switch-off is at or above --thermal-at, --other-cause "
@@ -363,141 +370,151 @@ def register_trace_commands(subparsers: Any) -> None:
         "      --time Time --time-unit datetime --spread-repeats --current I_Atlas200DK-B --on-above 100 \\\n"
         "      --voltage Total_U --voltage-unit mV --battery Battery_U --battery-unit mV \\\n"
         "      --no-reading Battery_U=0 --payload-volts 12 --out energy.jsonl",
-    )
-    p.add_argument("files", metavar="FILE", nargs="+", help="CSV file(s) with a header line")
-    p.add_argument("--time", required=True, metavar="COLUMN", help="time column (in every file)")
-    p.add_argument(
-        "--time-unit",
-        choices=TIME_UNITS,
-        default="s",
-        help="s, min or ms from the log's own zero; unix: seconds since 1970; datetime: "
-        "YYYY-MM-DD HH:MM[:SS] or YYYY/M/D H:MM, UTC unless it has an offset (default s)",
-    )
-    p.add_argument(
-        "--spread-repeats",
-        action="store_true",
-        help="rows sharing a time stamp are evenly spaced samples within the stamp's resolution "
-        "(60 rows under an HH:MM stamp: one per second); without it a repeated stamp is a warning",
-    )
-    p.add_argument("--current", required=True, metavar="COLUMN", help="the payload's supply current")
-    p.add_argument("--current-unit", choices=CURRENT_UNITS, default="mA", help="(default mA)")
-    p.add_argument(
-        "--on-above",
-        required=True,
-        type=float,
-        metavar="MILLIAMPS",
-        help="the payload is on while its current is above this",
-    )
-    p.add_argument("--temperature", default=None, metavar="COLUMN", help="payload temperature (C)")
-    p.add_argument(
-        "--thermal-at",
-        type=float,
-        default=None,
-        metavar="CELSIUS",
-        help="a cut with the temperature at or above this is thermal",
-    )
-    p.add_argument(
-        "--other-cause",
-        choices=["power", "fdir", "contention"],
-        default="power",
-        help="cause of the other cuts, which the log does not explain (default power)",
-    )
-    p.add_argument("--voltage", default=None, metavar="COLUMN", help="bus voltage")
-    p.add_argument("--voltage-unit", choices=VOLTAGE_UNITS, default="V", help="(default V)")
-    p.add_argument(
-        "--battery",
-        default=None,
-        metavar="COLUMN",
-        help="battery state of charge, or a battery voltage turned into one (--battery-unit)",
-    )
-    p.add_argument(
-        "--battery-unit",
-        choices=BATTERY_UNITS,
-        default="soc",
-        help="soc: 0..1; percent; V or mV: through BUPT-1's Li-ion pack curve (default soc)",
-    )
-    p.add_argument(
-        "--battery-cells",
-        type=int,
-        default=4,
-        metavar="N",
-        help="cells in series of a pack given in volts (the curve's pack has 4; default 4)",
-    )
-    p.add_argument(
-        "--payload-volts",
-        type=float,
-        default=None,
-        metavar="VOLTS",
-        help="payload power = current x this supply voltage (default: payload power not in telemetry)",
-    )
-    p.add_argument(
-        "--no-reading",
-        action="append",
-        default=[],
-        metavar="COLUMN=VALUE",
-        help="this value in this column means no reading in the row (multiplexed channels; repeatable)",
-    )
-    p.add_argument(
-        "--from",
-        dest="from_s",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="start of the excerpt on the log's time axis (for unix and datetime: seconds after the "
-        "first time stamp); default the first current reading",
-    )
-    p.add_argument(
-        "--to",
-        dest="to_s",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="end of the excerpt on the same axis (default: where the first mapped file ends)",
-    )
-    p.add_argument(
-        "--max-gap",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="a longer time step is reported as a gap (default twice the file's median step)",
-    )
-    p.add_argument("--name", default=None, help="trace name (default from the first file's name)")
-    p.add_argument("--out", required=True, metavar="TRACE", help="output file, or - for standard output")
-    p.set_defaults(func=_cmd_import_csv)
-
-    p = subparsers.add_parser(
+        raw=True,
+        args=(
+            arg("files", metavar="FILE", nargs="+", help="CSV file(s) with a header line"),
+            arg("--time", required=True, metavar="COLUMN", help="time column (in every file)"),
+            arg(
+                "--time-unit",
+                choices=TIME_UNITS,
+                default="s",
+                help="s, min or ms from the log's own zero; unix: seconds since 1970; datetime: "
+                "YYYY-MM-DD HH:MM[:SS] or YYYY/M/D H:MM, UTC unless it has an offset (default s)",
+            ),
+            arg(
+                "--spread-repeats",
+                action="store_true",
+                help="rows sharing a time stamp are evenly spaced samples within the stamp's resolution "
+                "(60 rows under an HH:MM stamp: one per second); without it a repeated stamp is a warning",
+            ),
+            arg("--current", required=True, metavar="COLUMN", help="the payload's supply current"),
+            arg("--current-unit", choices=CURRENT_UNITS, default="mA", help="(default mA)"),
+            arg(
+                "--on-above",
+                required=True,
+                type=float,
+                metavar="MILLIAMPS",
+                help="the payload is on while its current is above this",
+            ),
+            arg("--temperature", default=None, metavar="COLUMN", help="payload temperature (C)"),
+            arg(
+                "--thermal-at",
+                type=float,
+                default=None,
+                metavar="CELSIUS",
+                help="a cut with the temperature at or above this is thermal",
+            ),
+            arg(
+                "--other-cause",
+                choices=["power", "fdir", "contention"],
+                default="power",
+                help="cause of the other cuts, which the log does not explain (default power)",
+            ),
+            arg("--voltage", default=None, metavar="COLUMN", help="bus voltage"),
+            arg("--voltage-unit", choices=VOLTAGE_UNITS, default="V", help="(default V)"),
+            arg(
+                "--battery",
+                default=None,
+                metavar="COLUMN",
+                help="battery state of charge, or a battery voltage turned into one (--battery-unit)",
+            ),
+            arg(
+                "--battery-unit",
+                choices=BATTERY_UNITS,
+                default="soc",
+                help="soc: 0..1; percent; V or mV: through BUPT-1's Li-ion pack curve (default soc)",
+            ),
+            arg(
+                "--battery-cells",
+                type=int,
+                default=4,
+                metavar="N",
+                help="cells in series of a pack given in volts (the curve's pack has 4; default 4)",
+            ),
+            arg(
+                "--payload-volts",
+                type=float,
+                default=None,
+                metavar="VOLTS",
+                help="payload power = current x this supply voltage (default: payload power not in telemetry)",
+            ),
+            arg(
+                "--no-reading",
+                action="append",
+                default=[],
+                metavar="COLUMN=VALUE",
+                help="this value in this column means no reading in the row (multiplexed channels; repeatable)",
+            ),
+            arg(
+                "--from",
+                dest="from_s",
+                type=float,
+                default=None,
+                metavar="SECONDS",
+                help="start of the excerpt on the log's time axis (for unix and datetime: seconds after the "
+                "first time stamp); default the first current reading",
+            ),
+            arg(
+                "--to",
+                dest="to_s",
+                type=float,
+                default=None,
+                metavar="SECONDS",
+                help="end of the excerpt on the same axis (default: where the first mapped file ends)",
+            ),
+            arg(
+                "--max-gap",
+                type=float,
+                default=None,
+                metavar="SECONDS",
+                help="a longer time step is reported as a gap (default twice the file's median step)",
+            ),
+            arg("--name", default=None, help="trace name (default from the first file's name)"),
+            arg("--out", required=True, metavar="TRACE", help="output file, or - for standard output"),
+        ),
+    ),
+    Command(
         "trace-import-bupt1",
+        handler=_cmd_import_bupt1,
         help="turn BUPT-1 in-orbit telemetry into a trace",
         description="Import the BUPT-1 CubeSat telemetry CSV files (see traces/importers/bupt1.py): a preset "
         "of trace-import-csv for the four files, two segments joined.",
-    )
-    p.add_argument(
-        "--data",
-        default=None,
-        metavar="DIR",
-        help="folder with the four BUPT-1 CSV files (default: $OW_BUPT1_DATA or "
-        "../shared/data/bupt1 next to the repository)",
-    )
-    p.add_argument("--out", required=True, metavar="FILE", help="output file, or - for standard output")
-    p.add_argument(
-        "--overheat-from-min",
-        type=float,
-        default=420.0,
-        metavar="MIN",
-        help="start of the overheating-test excerpt in test minutes (default 420)",
-    )
-    p.set_defaults(func=_cmd_import_bupt1)
-
-    p = subparsers.add_parser(
+        args=(
+            arg(
+                "--data",
+                default=None,
+                metavar="DIR",
+                help="folder with the four BUPT-1 CSV files (default: $OW_BUPT1_DATA or "
+                "../shared/data/bupt1 next to the repository)",
+            ),
+            arg("--out", required=True, metavar="FILE", help="output file, or - for standard output"),
+            arg(
+                "--overheat-from-min",
+                type=float,
+                default=420.0,
+                metavar="MIN",
+                help="start of the overheating-test excerpt in test minutes (default 420)",
+            ),
+        ),
+    ),
+    Command(
         "trace-regenerate",
+        handler=_cmd_regenerate,
         help="rebuild the shipped traces (or check them)",
         description="Rebuild every shipped trace from its generator seed or from the BUPT-1 data. "
         "With --check, compare instead of writing; exit status 1 if any differs.",
-    )
-    p.add_argument("--check", action="store_true", help="compare with the files instead of writing")
-    p.add_argument("--out-dir", default=None, metavar="DIR", help="where to write (default traces/data)")
-    p.add_argument("--data", default=None, metavar="DIR", help="BUPT-1 data folder (as trace-import-bupt1)")
-    p.set_defaults(func=_cmd_regenerate)
+        args=(
+            arg("--check", action="store_true", help="compare with the files instead of writing"),
+            arg("--out-dir", default=None, metavar="DIR", help="where to write (default traces/data)"),
+            arg("--data", default=None, metavar="DIR", help="BUPT-1 data folder (as trace-import-bupt1)"),
+        ),
+    ),
+)
+
+
+def register_trace_commands(subparsers: Any) -> None:
+    """Add the trace leaf commands to an argparse `add_subparsers()` object."""
+    add_commands(subparsers, TRACE_COMMANDS)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,8 @@ uninterrupted run (tests/engine/).
 
 Where things are (docs/engine.md):
 
-    request.py   Engine (names resolved here: policy, cost model), Result, one request's run
+    request.py   Engine (names resolved here: policy, cost model), Result, RunOutcome (how a run
+                 ended: finished, or stopped by a StopToken at a unit boundary), one request's run
     context.py   what the phases share (RequestContext, rotary positions) and the KV state
     vision.py    the vision phase, its read-ahead after a reboot, vision.out
     restore.py   the prefill phase as a recovery plan: plan, execute, replan on a bad record
@@ -27,7 +28,16 @@ Where things are (docs/engine.md):
 from flight.checkpoint.policies import Geometry
 from flight.options import EngineOptions  # defined apart so `ow flight run` parses options without torch
 
-from .request import Engine, RequestRun, Result, SimulatedCut
+from .request import Engine, RequestRun, Result, RunOutcome, SimulatedCut
 from .restore import MAX_REPLANS
 
-__all__ = ["MAX_REPLANS", "Engine", "EngineOptions", "Geometry", "RequestRun", "Result", "SimulatedCut"]
+__all__ = [
+    "MAX_REPLANS",
+    "Engine",
+    "EngineOptions",
+    "Geometry",
+    "RequestRun",
+    "Result",
+    "RunOutcome",
+    "SimulatedCut",
+]

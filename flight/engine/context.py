@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 from transformers.cache_utils import DynamicCache
@@ -13,7 +13,7 @@ from transformers.cache_utils import DynamicCache
 from flight.checkpoint.cadence import Cadence
 from flight.checkpoint.policies import Geometry, Policy
 from flight.checkpoint.store import CheckpointStore
-from flight.events import Events
+from flight.events import EngineEvent, Events, RunStatus, StopToken
 from flight.model.adapters import Adapter
 from flight.model.inputs import RequestInputs
 from flight.model.loader import LoadedModel
@@ -75,6 +75,7 @@ class RequestContext:
         checkpoint_soon: threading.Event,
         phase_seconds: dict[str, float],
         phase_plans: dict[str, dict],
+        stop: StopToken | None = None,
     ):
         self.spec = spec
         model, inputs, geometry = spec.model, spec.inputs, spec.geometry
@@ -99,10 +100,26 @@ class RequestContext:
         self.phase_seconds = phase_seconds
         self.phase_plans = phase_plans
         self.positions = RopePositions(model, inputs)
+        self.stop = stop  # looked at once per unit boundary (`unit_done`)
+        # How the run ends early, once decided at a unit boundary, and the unit it ended after:
+        # every phase returns at once when this is set (nothing after that boundary runs).
+        self.stopped: RunStatus | None = None
+        self.stopped_after: dict[str, Any] | None = None
 
     @property
     def num_blocks(self) -> int:
         return len(self.layer_groups) * len(self.token_chunks)
+
+    def unit_done(self, event: EngineEvent, **fields: Any) -> bool:
+        """A unit of work ended (`event` one of flight.events.UNIT_DONE): report it, then look at
+        the stop token. True when the run ends at this boundary -- before what the policy keeps
+        of this unit goes to the writer, so the records stay as the previous boundary left them."""
+        self.events(event, **fields)
+        if self.stopped is None and self.stop is not None:
+            self.stopped = self.stop.requested()
+            if self.stopped is not None:
+                self.stopped_after = {"event": event, **fields}
+        return self.stopped is not None
 
     def checkpoint_requested(self) -> bool:
         """The bus asked for a checkpoint soon (a shutdown warning) and this policy writes some."""

@@ -110,7 +110,9 @@ class DecodePhase:
             restart.hidden = hidden
 
     # ---- the loop ---------------------------------------------------------------------------------
-    def run(self, frontier: Frontier) -> tuple[list[int], torch.Tensor, str]:
+    def run(self, frontier: Frontier) -> tuple[list[int], torch.Tensor, str] | None:
+        """Decode to the end: (tokens, the last step's logits, finish reason); None when the run
+        stops at a step boundary."""
         request, adapter, state, records = self.request, self.request.adapter, self.state, self.request.records
         started = time.perf_counter()
         max_new_tokens, geometry = request.max_new_tokens, request.geometry
@@ -154,7 +156,8 @@ class DecodePhase:
             tokens.append(int(logits.argmax(-1)))
             step += 1
             request.cadence.observe_unit("decode", time.perf_counter() - unit_start)
-            request.events(EngineEvent.DECODE_STEP_DONE, step=step, of=max_new_tokens - 1)
+            if request.unit_done(EngineEvent.DECODE_STEP_DONE, step=step, of=max_new_tokens - 1):
+                return None  # the run ends at this boundary: no record of this step
             finished = len(tokens) >= max_new_tokens or tokens[-1] in self.eos
             if finished:
                 continue  # the final step is covered by RESULT, which also holds its logits

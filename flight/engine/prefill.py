@@ -54,8 +54,9 @@ class PrefillBlocks:
         return info.hidden_bytes
 
     # ---- compute ----------------------------------------------------------------------------------
-    def embed_chunk(self, chunk: int) -> torch.Tensor:
-        """Token embeddings of a chunk, with the merged visual tokens at visual positions."""
+    def embed_chunk(self, chunk: int) -> torch.Tensor | None:
+        """Token embeddings of a chunk, with the merged visual tokens at visual positions; None
+        when the run stopped inside the vision phase this chunk needed."""
         request, positions = self.request, self.request.positions
         start, end = request.token_chunks[chunk]
         request.model.weights.ensure(*request.adapter.embed_modules())
@@ -63,11 +64,14 @@ class PrefillBlocks:
         visual = positions.visual_mask[:, start:end]
         if bool(visual.any()):
             rows = positions.visual_rows[start:end][visual[0]]
-            embeds = self.vision.out()["embeds"][rows].to(hidden.dtype)
+            vision = self.vision.out()
+            if vision is None:
+                return None
+            embeds = vision["embeds"][rows].to(hidden.dtype)
             hidden = hidden.masked_scatter(visual[..., None].expand_as(hidden), embeds)
         return hidden
 
-    def _block_input(self, group: int, chunk: int) -> torch.Tensor:
+    def _block_input(self, group: int, chunk: int) -> torch.Tensor | None:
         return self.embed_chunk(chunk) if group == 0 else self.state.hidden.pop((group - 1, chunk))
 
     def reproject(self, op: ComputeOp) -> None:
@@ -80,6 +84,8 @@ class PrefillBlocks:
         request.pacer.begin()
         request.model.weights.ensure(*adapter.layer_modules(first))
         hidden = self._block_input(group, chunk)
+        if hidden is None:
+            return  # the run stopped inside the vision phase this block needed
         rope = adapter.rotary(hidden, request.positions.mrope(start, stop))
         self.state.read_kv[(first, chunk)] = adapter.reproject_kv(
             first, hidden, request.positions.text(start, stop), rope
@@ -98,6 +104,8 @@ class PrefillBlocks:
         for layer in range(first, end):
             state.extend_kv(layer, chunk)
         hidden = self._block_input(group, chunk)
+        if hidden is None:
+            return  # the run stopped inside the vision phase this block needed
         text_positions = positions.text(start, stop)
         attention_mask = torch.ones(1, stop, dtype=torch.long, device=request.device)
         mask = adapter.mask(hidden, attention_mask, state.cache, text_positions, layer_idx=first)
@@ -110,7 +118,12 @@ class PrefillBlocks:
                 layer_inputs[layer] = hidden
             hidden = adapter.layer(layer, hidden, mask, text_positions, state.cache, rope)
             if layer < adapter.deepstack_layers:
-                deepstack = self.vision.out()[f"deepstack.{layer}"][rows] if bool(visual.any()) else None
+                deepstack = None
+                if bool(visual.any()):
+                    vision = self.vision.out()
+                    if vision is None:
+                        return  # the run stopped inside the vision phase this block needed
+                    deepstack = vision[f"deepstack.{layer}"][rows]
                 hidden = adapter.after_layer(layer, hidden, visual, deepstack)
         state.kv_chunks[first:end] = [chunk + 1] * (end - first)
         last_block = (len(request.layer_groups) - 1, len(request.token_chunks) - 1)
@@ -118,9 +131,10 @@ class PrefillBlocks:
             state.hidden[(group, chunk)] = hidden
         request.pacer.end(units=end - first)
         self.blocks_done += 1
-        request.events(
+        if request.unit_done(
             EngineEvent.PREFILL_BLOCK_DONE, group=group, chunk=chunk, done=self.blocks_done, of=request.num_blocks
-        )
+        ):
+            return  # the run ends at this boundary: nothing of this block is kept
         self._persist(group, chunk, hidden, layer_inputs)
 
     def _persist(self, group: int, chunk: int, hidden: torch.Tensor, layer_inputs: dict[int, torch.Tensor]) -> None:

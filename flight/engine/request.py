@@ -1,4 +1,10 @@
-"""The engine's front: `Engine` (the boundary), `Result`, and one request's run from open to RESULT.
+"""The engine's front: `Engine` (the boundary), `Result`, `RunOutcome`, and one request's run from
+open to RESULT.
+
+A caller that may have to end a run early hands `Engine.run_or_stop` a `StopToken`
+(flight/events.py): the run ends at the next unit boundary and returns a `RunOutcome` whose
+status says how it ended (FINISHED with its `Result`, PAUSED or CANCELLED); nothing is raised
+through the engine for it. `Engine.run` is the run to the end.
 
 `Engine` is where names become objects: the policy named in `EngineOptions` (unless the caller
 hands one) and the cost model the optimal planner uses (unless the caller hands one: by default
@@ -13,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 import transformers
@@ -22,7 +29,7 @@ from flight.checkpoint.cadence import Cadence
 from flight.checkpoint.policies import Geometry, Policy, get_policy
 from flight.checkpoint.store import CheckpointStore, Frontier, OpenOutcome
 from flight.checkpoint.writer import CheckpointWriter
-from flight.events import EngineEvent, Events, no_events
+from flight.events import EngineEvent, Events, RunStatus, StopToken, no_events
 from flight.model.inputs import RequestInputs
 from flight.model.loader import LoadedModel
 from flight.options import EngineOptions, resolve_cadence
@@ -66,6 +73,17 @@ class Result:
 
     def logits_sha256(self) -> str:
         return hashlib.sha256(self.logits.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """How one run of a request ended: FINISHED with its `result`; PAUSED or CANCELLED at a unit
+    boundary (`stopped_after`: that unit's UNIT_DONE event and fields), its records as the
+    boundary before left them (a later run resumes from them)."""
+
+    status: RunStatus
+    result: Result | None = None
+    stopped_after: dict[str, Any] | None = None
 
 
 class Engine:
@@ -153,9 +171,19 @@ class Engine:
         return self.cost_model if self.cost_model is not None else cost_model_for(self.model)
 
     def run(self, inputs: RequestInputs, ckpt_dir: str, max_new_tokens: int) -> Result:
+        """Run the request to its end (nothing can stop it but a cut): its Result."""
+        outcome = self.run_or_stop(inputs, ckpt_dir, max_new_tokens, stop=None)
+        assert outcome.result is not None, "a run without a stop token always finishes"
+        return outcome.result
+
+    def run_or_stop(
+        self, inputs: RequestInputs, ckpt_dir: str, max_new_tokens: int, stop: StopToken | None
+    ) -> RunOutcome:
+        """Run the request until it finishes or `stop` asks it to end, which it does at the next
+        unit boundary (flight/events.py, "How a run ends")."""
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
-        run = RequestRun(self, inputs, ckpt_dir, max_new_tokens)
+        run = RequestRun(self, inputs, ckpt_dir, max_new_tokens, stop)
         with torch.inference_mode():
             return run.execute()
 
@@ -164,8 +192,11 @@ class RequestRun:
     """One request inside one process lifetime: open its directory, find the frontier, run the
     phases from there, commit RESULT."""
 
-    def __init__(self, engine: Engine, inputs: RequestInputs, ckpt_dir: str, max_new_tokens: int):
+    def __init__(
+        self, engine: Engine, inputs: RequestInputs, ckpt_dir: str, max_new_tokens: int, stop: StopToken | None = None
+    ):
         self.engine = engine
+        self.stop = stop
         self.inputs = inputs
         self.max_new_tokens = max_new_tokens
         self.events = engine.events
@@ -178,7 +209,7 @@ class RequestRun:
         # False when the policy writes none or not even the MANIFEST fits on the disk.
         self.checkpoints_enabled = engine.policy.writes_checkpoints()
 
-    def execute(self) -> Result:
+    def execute(self) -> RunOutcome:
         engine = self.engine
         manifest = engine.manifest(self.inputs, self.max_new_tokens, self.geometry)
         try:
@@ -216,7 +247,7 @@ class RequestRun:
             groups=self.num_groups,
         )
         if frontier.result is not None:
-            return self._result_from_record(frontier.result, resumed_from)
+            return RunOutcome(RunStatus.FINISHED, self._result_from_record(frontier.result, resumed_from))
         # A policy that commits on the compute path (an intermittent-computing task runtime)
         # gets a synchronous writer: each record is durable before the next unit of work.
         asynchronous = engine.options.async_writes and not engine.policy.synchronous_commits()
@@ -230,33 +261,44 @@ class RequestRun:
             adaptive=engine.adaptive,
         )
         try:
-            tokens, logits, finish, plan_summary = self._run_phases(frontier, records)
+            ran = self._run_phases(frontier, records)
+            if isinstance(ran, RunOutcome):
+                # Stopped at a unit boundary: what was handed to the writer before it is
+                # written (close, below); nothing of the unit it stopped after, no RESULT.
+                return ran
+            tokens, logits, finish, plan_summary = ran
             writer.drain()
             text = engine.model.decode(tokens)
             records.commit_result(tokens, logits, text, finish)
         finally:
             writer.close()
-        return Result(
-            tokens,
-            text,
-            logits,
-            finish,
-            resumed=phase != "start",
-            resumed_from=resumed_from,
-            bytes_written=self.store.bytes_written,
-            phase_seconds={name: round(seconds, 6) for name, seconds in self.phase_seconds.items()},
-            records_written=writer.records_committed,
-            records_skipped=writer.records_skipped,
-            records_deferred=writer.records_deferred,
-            held_state_peak_bytes=records.held_peaks,
-            write_seconds=writer.busy_seconds,
-            restarted_reason=restarted,
-            plan=plan_summary,
-            phase_plans=self.phase_plans,
+        return RunOutcome(
+            RunStatus.FINISHED,
+            Result(
+                tokens,
+                text,
+                logits,
+                finish,
+                resumed=phase != "start",
+                resumed_from=resumed_from,
+                bytes_written=self.store.bytes_written,
+                phase_seconds={name: round(seconds, 6) for name, seconds in self.phase_seconds.items()},
+                records_written=writer.records_committed,
+                records_skipped=writer.records_skipped,
+                records_deferred=writer.records_deferred,
+                held_state_peak_bytes=records.held_peaks,
+                write_seconds=writer.busy_seconds,
+                restarted_reason=restarted,
+                plan=plan_summary,
+                phase_plans=self.phase_plans,
+            ),
         )
 
-    def _run_phases(self, frontier: Frontier, records: RecordSink) -> tuple[list[int], torch.Tensor, str, dict | None]:
-        """Vision (when it is the next work), prefill as a recovery plan, decode."""
+    def _run_phases(
+        self, frontier: Frontier, records: RecordSink
+    ) -> tuple[list[int], torch.Tensor, str, dict | None] | RunOutcome:
+        """Vision (when it is the next work), prefill as a recovery plan, decode; the outcome
+        instead when the stop token ended the run at a unit boundary."""
         engine = self.engine
         spec = RequestSpec(
             engine.model,
@@ -276,6 +318,7 @@ class RequestRun:
             checkpoint_soon=engine.checkpoint_soon,
             phase_seconds=self.phase_seconds,
             phase_plans=self.phase_plans,
+            stop=self.stop,
         )
         vision = VisionPhase(request, frontier)
         vision_next = not frontier.vision_done and not frontier.blocks and not frontier.decode_records
@@ -283,8 +326,8 @@ class RequestRun:
         if vision_next and self.inputs.image_grid_thw.shape[0] > 0:
             vision.start_reads()
         try:
-            if vision_next:
-                vision.out()  # the vision phase is the next work: run it now
+            if vision_next and vision.out() is None:  # the vision phase is the next work: run it now
+                return self._stopped(request)
             state = LanguageState(request.adapter)
             # From here on the plan's reader is the only weight stream (the vision reads overlapped
             # the vision phase): the plan orders weight reads with checkpoint reads on one channel.
@@ -293,14 +336,25 @@ class RequestRun:
             blocks = PrefillBlocks(request, state, vision)
             decode = DecodePhase(request, state)
             restore = PrefillRestore(request, state, vision, blocks, decode)
-            frontier = restore.run(frontier)
+            restored = restore.run(frontier)
+            if restored is None:
+                return self._stopped(request)
+            frontier = restored
             for layer in range(request.adapter.num_layers):
                 state.extend_kv(layer, len(request.token_chunks))
             state.read_kv.clear()
-            tokens, logits, finish = decode.run(frontier)
+            decoded = decode.run(frontier)
+            if decoded is None:
+                return self._stopped(request)
+            tokens, logits, finish = decoded
             return tokens, logits, finish, restore.plan_summary
         finally:
             vision.stop_reads()
+
+    @staticmethod
+    def _stopped(request: RequestContext) -> RunOutcome:
+        assert request.stopped is not None, "a phase returned early without a stop"
+        return RunOutcome(request.stopped, stopped_after=request.stopped_after)
 
     def _describe(self, frontier: Frontier, phase: str) -> dict:
         if phase == "done":

@@ -55,9 +55,10 @@ class PrefillRestore:
         )
         self.vision_groups = vision_groups(request.layer_groups, request.adapter.deepstack_layers)
 
-    def run(self, frontier: Frontier) -> Frontier:
+    def run(self, frontier: Frontier) -> Frontier | None:
         """Restore or compute every prefill block (and a decode restart's first step); the
-        frontier the plan that succeeded was made from."""
+        frontier the plan that succeeded was made from, or None when the run stopped at a unit
+        boundary inside the plan."""
         request, options = self.request, self.request.options
         have_decode = bool(frontier.decode_records)
         for _attempt in range(MAX_REPLANS):
@@ -128,6 +129,7 @@ class PrefillRestore:
                 visual_chunks=self.visual_chunks,
                 vision_groups=self.vision_groups,
                 num_chunks=len(request.token_chunks),
+                halted=lambda: request.stopped is not None,
             )
             try:
                 stats = executor.run()
@@ -139,6 +141,8 @@ class PrefillRestore:
                 have_decode = bool(frontier.decode_records)
                 self.state.reset()
                 continue
+            if stats.halted:
+                return None
             request.phase_seconds["prefill"] += time.perf_counter() - started
             if have_decode:
                 request.phase_plans["decode"].update(

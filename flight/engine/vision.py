@@ -72,12 +72,14 @@ class VisionPhase:
         self.request.model.weights.stop_prefetch()
 
     # ---- the output prefill needs -----------------------------------------------------------------
-    def out(self) -> dict[str, torch.Tensor]:
-        """Merged visual tokens and DeepStack features: computed, or read from vision.out, once.
+    def out(self) -> dict[str, torch.Tensor] | None:
+        """Merged visual tokens and DeepStack features: computed, or read from vision.out, once;
+        None when the run stops at a boundary of the vision blocks this computes (the caller
+        returns at once: RequestContext.stopped is set).
 
         Needed by prefill blocks of the first layers; after a reboot in prefill or decode it is
         only read if some such block has to be recomputed."""
-        if self.output is None:
+        if self.output is None and self.request.stopped is None:
             request = self.request
             if request.inputs.image_grid_thw.shape[0] == 0:
                 self.output = {
@@ -103,7 +105,9 @@ class VisionPhase:
         return tensor_bytes(record)
 
     # ---- the blocks -------------------------------------------------------------------------------
-    def run(self) -> dict[str, torch.Tensor]:
+    def run(self) -> dict[str, torch.Tensor] | None:
+        """The vision blocks from the newest vision state (or the start), then the merger; None
+        when the run stops at a block boundary."""
         request, adapter = self.request, self.request.adapter
         records, geometry, policy = request.records, request.geometry, request.policy
         started = time.perf_counter()
@@ -136,7 +140,8 @@ class VisionPhase:
             request.pacer.end()
             request.cadence.observe_unit("vision", time.perf_counter() - unit_start)
             done = block + 1
-            request.events(EngineEvent.VISION_BLOCK_DONE, block=done, of=num_blocks)
+            if request.unit_done(EngineEvent.VISION_BLOCK_DONE, block=done, of=num_blocks):
+                return None
             urgent = done < num_blocks and request.checkpoint_requested()
             scheduled = policy.vision_state_due(done, num_blocks, geometry)
             # The adaptive cadence skips a scheduled state whose write would outlast both the

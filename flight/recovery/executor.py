@@ -3,13 +3,16 @@ thread, each compute started as soon as its inputs are present.
 
 Reads and computes really overlap: file reads and torch kernels release the GIL. A read that
 fails verification stops the plan with `RecordRejected`; the engine quarantines that record,
-rescans and re-plans (the only state lost is what this attempt computed).
+rescans and re-plans (the only state lost is what this attempt computed). A run asked to stop
+ends the plan after the compute where it was asked (`halted`, looked at after each compute):
+the reader stops after its current read and `run` returns with `stats.halted` set.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from common.record import RecordError
@@ -32,16 +35,26 @@ class ExecutionStats:
     bytes_read: int = 0
     wall_seconds: float = 0.0
     timeline: list = field(default_factory=list)  # (op, start, end) for plots
+    halted: bool = False  # the plan ended early: its run was asked to stop
 
 
 class PlanExecutor:
-    """`do_read(op) -> bytes read` and `do_compute(op)` perform the work; this class orders it."""
+    """`do_read(op) -> bytes read` and `do_compute(op)` perform the work; this class orders it.
+    `halted()`, when given, says after each compute whether the plan ends there."""
 
-    def __init__(self, plan: RecoveryPlan, do_read, do_compute, overlap: bool = True):
+    def __init__(
+        self,
+        plan: RecoveryPlan,
+        do_read,
+        do_compute,
+        overlap: bool = True,
+        halted: Callable[[], bool] | None = None,
+    ):
         self.plan = plan
         self.do_read = do_read
         self.do_compute = do_compute
         self.overlap = overlap
+        self.halted = halted
         self.stats = ExecutionStats()
         self._done_reads: set[ReadOp] = set()
         self._computed: set[tuple[int, int]] = set()
@@ -61,7 +74,7 @@ class PlanExecutor:
                 with self._cond:
                     self._done_reads.add(op)
                     self._cond.notify_all()
-                if self._error is not None:
+                if self._error is not None or self.stats.halted:
                     return
         except RecordError as exc:
             self._fail(RecordRejected(op, exc))
@@ -125,12 +138,16 @@ class PlanExecutor:
                 self.stats.compute_seconds += end - start
                 self.stats.timeline.append((str(op), start - t0, end - t0))
                 self._computed.add((op.group, op.chunk))
+                if self.halted is not None and self.halted():
+                    with self._cond:
+                        self.stats.halted = True  # the reader ends after its current read
+                    break
         except BaseException as exc:
             self._fail(exc)
             reader.join()
             raise
         reader.join()
-        if self._error is not None:
+        if self._error is not None and not self.stats.halted:  # a stopped run replans nothing
             raise self._error
         self.stats.wall_seconds = time.perf_counter() - t0
         return self.stats

@@ -142,8 +142,9 @@ class PhaseExecutor(PlanExecutor):
         visual_chunks: frozenset = frozenset(),
         num_chunks: int = 0,
         vision_groups: frozenset = frozenset({0}),
+        halted=None,
     ):
-        super().__init__(plan, do_read, do_compute, overlap)
+        super().__init__(plan, do_read, do_compute, overlap, halted)
         self.visual_chunks = visual_chunks
         self.vision_groups = vision_groups
         self.num_chunks = num_chunks

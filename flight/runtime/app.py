@@ -59,7 +59,7 @@ from common.wire.link import KeyLayout, LinkError, client_socket, recv_packet, s
 from common.wire.seq import AheadSequenceCounter
 from common.wire.text import clip_utf8
 from flight.checkpoint.cadence import Cadence, WindowLog, WriteCosts
-from flight.events import UNIT_DONE, EngineEvent
+from flight.events import UNIT_DONE, EngineEvent, RunStatus, StopToken
 from flight.model.config import processors_hash
 from flight.options import EngineOptions, resolve_cadence
 
@@ -118,8 +118,8 @@ STORAGE_CODES = {
 #: How often a missing or unreadable model directory is looked for again.
 MODEL_RECHECK_S = 2.0
 #: On a stop (SIGTERM, SIGINT), how long the process waits for the worker to reach the end of its
-#: unit of work. A unit takes well under this on the target; a weight load may not (then see
-#: `worker_busy`).
+#: unit of work (where the engine looks at the task's StopToken, which `self.stop` pauses). A unit
+#: takes well under this on the target; a weight load may not (then see `worker_busy`).
 STOP_WAIT_S = 30.0
 #: The wire's phase of each unit of work (flight/events.py UNIT_DONE).
 UNIT_EVENTS = {
@@ -128,17 +128,6 @@ UNIT_EVENTS = {
     EngineEvent.DECODE_STEP_DONE: TaskPhase.DECODE,
 }
 assert set(UNIT_EVENTS) == UNIT_DONE
-
-
-class TaskCancelled(Exception):
-    pass
-
-
-class PayloadStopping(Exception):
-    """The process is stopping (SIGTERM, SIGINT): the task ends at the end of a unit of work and
-    stays RUNNING on disk; the next boot resumes it as after a cut. Raised so that the worker is out
-    of torch before the interpreter exits: exiting with a thread inside torch aborts the process
-    (SIGABRT), which its crash record would then count against the task as an abnormal exit."""
 
 
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -240,7 +229,6 @@ class FlightApp(CommandHandlers):
         self.current = CurrentWork()  # the worker writes it; the main and command threads read it
         self.stop = threading.Event()
         self.work_available = threading.Event()
-        self.cancel_requested: set[str] = set()
         self._worker_thread: threading.Thread | None = None
         self.corrupt_images: dict[str, str] = {}  # task id -> image found damaged, waiting to be sent again
         self.engine = None
@@ -874,7 +862,13 @@ class FlightApp(CommandHandlers):
             resumed = task.state == RUNNING
             self.queue.start(task.task_id)
             request = task.request
-            self.current.start(task.task_id, TaskPhase.RECOVERING if resumed else TaskPhase.VISION)
+            # Ends the run at a unit boundary: a CANCEL_TASK (through `current`), or the process's
+            # stop (SIGTERM, SIGINT: `self.stop` pauses it). The task then stays RUNNING on disk and
+            # the next boot resumes it as after a cut; the worker is out of torch before the
+            # interpreter exits (exiting with a thread inside torch aborts the process, SIGABRT,
+            # which its crash record would count against the task as an abnormal exit).
+            stop = StopToken(paused_by=self.stop)
+            self.current.start(task.task_id, TaskPhase.RECOVERING if resumed else TaskPhase.VISION, stop)
             self.send(m.Started.about(request, task_id=task.task_id))
             self.profile.task_started(time.monotonic())
             self.event(
@@ -892,21 +886,16 @@ class FlightApp(CommandHandlers):
                     model,
                     self.options,
                     fs=self.checkpoint_fs,
-                    events=self._engine_events(task, request),
+                    events=self._engine_events(task, request, stop),
                     cadence=self.cadence,
                 )
                 self.engine = engine
                 t0 = time.monotonic()
-                result = engine.run(inputs, os.path.join(self._task_dir(task.task_id), "ckpt"), task.max_new_tokens)
-            except TaskCancelled:
-                self.cancel_requested.discard(task.task_id)
-                self._until_stored(lambda: self._finish_cancel(task), f"cancelling task {task.task_id}")
-                return
+                run = engine.run_or_stop(
+                    inputs, os.path.join(self._task_dir(task.task_id), "ckpt"), task.max_new_tokens, stop
+                )
             except ImagesAwaited:
                 return  # an image was found damaged and removed: the task runs again once it is resent
-            except PayloadStopping:
-                self.log.info("task_paused_for_stop", task_id=task.task_id)
-                return
             except InputError as exc:
                 self._fail(task, request, exc.code, str(exc))
                 return
@@ -918,6 +907,15 @@ class FlightApp(CommandHandlers):
                 return
             finally:
                 self.engine = None
+            if run.status == RunStatus.CANCELLED:
+                self.current.cancel_done(task.task_id)
+                self._until_stored(lambda: self._finish_cancel(task), f"cancelling task {task.task_id}")
+                return
+            if run.status == RunStatus.PAUSED:
+                self.log.info("task_paused_for_stop", task_id=task.task_id)
+                return
+            result = run.result
+            assert result is not None  # FINISHED
             timings = dict(result.phase_seconds)
             timings["total_this_boot"] = time.monotonic() - t0
             self.profile.task_ended(task.max_new_tokens)
@@ -1022,7 +1020,7 @@ class FlightApp(CommandHandlers):
         self.send_final_report(self.queue.get(task.task_id))
         self.event(EventId.TASK_FAILED, f"task {task.task_id} failed: {ResponseCode(code).name}", task.task_id)
 
-    def _engine_events(self, task, request):
+    def _engine_events(self, task, request, stop: StopToken):
         last_sent = {"t": 0.0}
         item = task_item(task.task_id)
 
@@ -1072,10 +1070,8 @@ class FlightApp(CommandHandlers):
             if phase is None:
                 return
             self.health.progress(item)  # a unit done: whatever killed this task before is behind it
-            if task.task_id in self.cancel_requested:
-                raise TaskCancelled(task.task_id)
-            if self.stop.is_set():
-                raise PayloadStopping(task.task_id)
+            if stop.requested() is not None:
+                return  # the engine ends the task at this boundary: its record is not kept, nor reported
             if phase == TaskPhase.VISION:
                 done, total = fields["block"], fields["of"]
             elif phase == TaskPhase.PREFILL:
@@ -1143,7 +1139,7 @@ class FlightApp(CommandHandlers):
         finally:
             self.stop.set()
             sock.close(linger=200)
-            worker.join(STOP_WAIT_S)  # to the end of its unit of work (PayloadStopping)
+            worker.join(STOP_WAIT_S)  # to the end of its unit of work (the task's StopToken, paused by self.stop)
             if worker.is_alive():
                 self.log.warning("worker_busy_at_stop", waited_s=STOP_WAIT_S, task=self.current.snapshot().task)
             commands.join(STOP_WAIT_S)  # a write in progress ends (or the disk is stalled)

@@ -4,6 +4,12 @@ The worker writes it (a task starts, a unit of work ends, the queue runs dry); t
 reads it for HEARTBEAT and HOUSEKEEPING, the command thread for CANCEL_TASK. Each change
 replaces one frozen `Progress` under a lock, so a reader always gets a consistent snapshot --
 never one task's id with another's phase or counts -- and never waits on more than the swap.
+
+The running task's `StopToken` (flight/events.py) is kept with it under the same lock: a
+CANCEL_TASK for the task the worker is on cancels its token (`cancel`), and the engine ends it at
+its next unit boundary. The cancel is remembered by task id until the worker has carried it out
+(`cancel_done`): a task that left the engine for another reason (an image to be sent again) is
+cancelled at its next start.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import threading
 from dataclasses import dataclass, replace
 
 from common.wire import TaskPhase
+from flight.events import StopToken
 
 
 @dataclass(frozen=True)
@@ -31,18 +38,42 @@ class CurrentWork:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._progress = IDLE
+        self._stop: StopToken | None = None  # the running task's, None when idle
+        self._cancelled: set[str] = set()  # cancels asked while the task was current, not yet carried out
 
     def snapshot(self) -> Progress:
         with self._lock:
             return self._progress
 
-    def start(self, task: str, phase: TaskPhase) -> None:
-        """The worker takes `task` (worker thread)."""
-        self._swap(Progress(task, phase, 0, 0))
+    def start(self, task: str, phase: TaskPhase, stop: StopToken | None = None) -> None:
+        """The worker takes `task`, which `stop` can end early (worker thread)."""
+        with self._lock:
+            self._progress = Progress(task, phase, 0, 0)
+            self._stop = stop
+            if stop is not None and task in self._cancelled:
+                stop.cancel()
 
     def idle(self) -> None:
         """The worker has no task (worker thread)."""
-        self._swap(IDLE)
+        with self._lock:
+            self._progress = IDLE
+            self._stop = None
+
+    def cancel(self, task: str) -> bool:
+        """Ask the running task to end at its next unit boundary, if `task` is the one the worker
+        is on (command thread); False if it is not."""
+        with self._lock:
+            if self._progress.task != task:
+                return False
+            self._cancelled.add(task)
+            if self._stop is not None:
+                self._stop.cancel()
+            return True
+
+    def cancel_done(self, task: str) -> None:
+        """The worker ended `task` for its cancel (worker thread)."""
+        with self._lock:
+            self._cancelled.discard(task)
 
     def advance(self, phase: TaskPhase, done: int, total: int) -> Progress:
         """A unit of work of the current task ended (worker thread); the snapshot before it."""
@@ -55,10 +86,6 @@ class CurrentWork:
         """The current task's phase changes with no unit of work (it completed; worker thread)."""
         with self._lock:
             self._progress = replace(self._progress, phase=phase)
-
-    def _swap(self, progress: Progress) -> None:
-        with self._lock:
-            self._progress = progress
 
 
 __all__ = ["IDLE", "CurrentWork", "Progress"]

@@ -46,7 +46,6 @@ class CommandHandlers:
         log: Any
         current: CurrentWork
         corrupt_images: dict[str, str]
-        cancel_requested: set[str]
         work_available: threading.Event
 
         def send(self, message: m.Message, on_sent=None) -> None: ...
@@ -166,9 +165,7 @@ class CommandHandlers:
         _refuse_foreign(request, _owner_of(self.queue, msg.task_id), msg.task_id)
         task = self._unfinished_task(msg.task_id)
         self._accept(request, task_id=msg.task_id)
-        if self.current.snapshot().task == msg.task_id:
-            self.cancel_requested.add(msg.task_id)  # the worker stops at the next unit of work
-        else:
+        if not self.current.cancel(msg.task_id):  # the running one ends at its next unit boundary
             self._finish_cancel(task)
         self.send(m.Completed.about(request, task_id=msg.task_id))
 

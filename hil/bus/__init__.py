@@ -13,19 +13,23 @@ cycles a payload whose heartbeat stops (FDIR). Every run appends a run log (hil.
 
 `BusThread` runs one in a background thread, `BusProcess` as a child process (`ow bus run`).
 
-Where things are (one concern per module; `Bus` is built up from them in this order):
+Where things are (one concern per module). `Bus` is composed, not stacked: it owns the shared
+state (base.py) and one object per part, each handed only what it uses; no part inherits from
+another or calls another's private methods (tests/test_architecture.py checks it):
 
     config.py       BusConfig, its checks, the payload's command line
     clock.py        TraceClock, the trace's actions (trace_actions)
-    base.py         shared state, run-log stamp, packet primitives (BusBase)
-    telemetry.py    power / thermal / FDIR reports (TelemetryPart)
-    power_fdir.py   the power switch and FDIR (PowerPart)
-    timeline.py     trace actions falling due, warnings, skip-idle (TimelinePart)
-    routing.py      reports back to the ground connection that asked (RoutingPart)
-    stations.py     keys and revocation, source binding, rates, quotas, refusal logging (StationsPart)
+    base.py         what the parts share: PayloadLink, FdirChannels, StopRequest, and BusIO (what
+                    start() opens: store, numbering, sockets, run log, switch; the run-log stamp
+                    and the packet primitives)
+    telemetry.py    power / thermal / FDIR reports (Telemetry)
+    power_fdir.py   the power switch, FDIR, the boot-loop guard (PowerFdir)
+    timeline.py     trace actions falling due, warnings, skip-idle (Timeline)
+    routing.py      reports back to the ground connection that asked (Routing)
+    stations.py     keys and revocation, source binding, rates, quotas, refusal logging (Stations)
     storage.py      the bus's own disk: failing writers, events, telemetry numbers (StorageWatch)
-    relay.py        ground -> store -> payload, fair forwarding, payload packets in (RelayPart)
-    lifecycle.py    Bus: start, main loop, shutdown; machine_fingerprint
+    relay.py        ground -> store -> payload, fair forwarding, payload packets in (Relay)
+    lifecycle.py    Bus: the parts composed; start, main loop, shutdown; machine_fingerprint
     runners.py      BusThread, BusProcess, config_to_argv
     power.py        the power-switch drivers (local, command, ssh)
     zygote.py       the local switch's pre-loaded fork server
@@ -34,7 +38,7 @@ Where things are (one concern per module; `Bus` is built up from them in this or
     cli.py          `ow bus run` (not imported here: `ow --help` loads it alone)
 """
 
-from hil.bus.base import BusBase, Pacer, request_fields
+from hil.bus.base import BusIO, FdirChannels, NotStarted, Pacer, PayloadLink, StopRequest, request_fields
 from hil.bus.clock import TRACE_CAUSE, TraceAction, TraceClock, trace_actions
 from hil.bus.config import (
     FLIGHT_RUN_ARGS,
@@ -47,14 +51,14 @@ from hil.bus.config import (
     expand_command,
 )
 from hil.bus.lifecycle import Bus, machine_fingerprint
-from hil.bus.power_fdir import SWITCH_RETRY_S, PowerPart
-from hil.bus.relay import GROUND_SOURCE_IDS, RelayPart
-from hil.bus.routing import REPLY_EXPECTATION_S, REPLY_TO, ROUTES_KEPT, ReplyExpectation, RoutingPart
+from hil.bus.power_fdir import SWITCH_RETRY_S, PowerFdir
+from hil.bus.relay import GROUND_SOURCE_IDS, Relay
+from hil.bus.routing import REPLY_EXPECTATION_S, REPLY_TO, ROUTES_KEPT, ReplyExpectation, Routing
 from hil.bus.runners import BusProcess, BusThread, config_to_argv
-from hil.bus.stations import StationsPart
+from hil.bus.stations import Stations
 from hil.bus.storage import StorageWatch, TolerantSequenceCounter
-from hil.bus.telemetry import TelemetryPart
-from hil.bus.timeline import IDLE_CONFIRM_S, POLL_MAX_S, SKIP_MIN_S, TimelinePart
+from hil.bus.telemetry import Telemetry
+from hil.bus.timeline import IDLE_CONFIRM_S, POLL_MAX_S, SKIP_MIN_S, Timeline
 
 __all__ = [
     "FLIGHT_RUN_ARGS",
@@ -71,20 +75,24 @@ __all__ = [
     "SWITCH_RETRY_S",
     "TRACE_CAUSE",
     "Bus",
-    "BusBase",
     "BusConfig",
     "BusConfigError",
+    "BusIO",
     "BusProcess",
     "BusThread",
+    "FdirChannels",
+    "NotStarted",
     "Pacer",
-    "PowerPart",
-    "RelayPart",
+    "PayloadLink",
+    "PowerFdir",
+    "Relay",
     "ReplyExpectation",
-    "RoutingPart",
-    "StationsPart",
+    "Routing",
+    "Stations",
+    "StopRequest",
     "StorageWatch",
-    "TelemetryPart",
-    "TimelinePart",
+    "Telemetry",
+    "Timeline",
     "TolerantSequenceCounter",
     "TraceAction",
     "TraceClock",

@@ -1,42 +1,61 @@
-"""What every part of the bus shares: its configuration, trace and clock, the resources `start()`
-opens, the state of the payload link, and the primitives all parts use (a run-log stamp, a packet
-from the bus, a telemetry publish, a packet to the payload).
+"""What the parts of the bus share, each as one object that `Bus` (hil/bus/lifecycle.py) owns and
+hands to the parts that use it (docs/bus.md "Where things are"):
 
-The bus is built up in layers, one concern each (docs/bus.md "Where things are"):
-`BusBase` -> `TelemetryPart` -> `PowerPart` -> `TimelinePart` -> `RoutingPart` -> `RelayPart` -> `Bus`.
-Each part sets its own state in its `__init__` and may call the parts below it.
+    PayloadLink    the payload link: which connection is the payload's, when it was last heard,
+                   what it last said about its work (the relay writes it; power, the timeline
+                   and the packet primitives read it)
+    FdirChannels   FDIR's telemetry channels: mode, fault count, last fault (power and FDIR set
+                   them, the relay clears a degraded link, telemetry reports them)
+    StopRequest    the bus's stop: asked from any thread, read by the main loop and the power part
+    BusIO          what `Bus.start()` opens -- the command store, the telemetry numbering, the
+                   three sockets and their authenticator, the run log, the power switch -- and the
+                   primitives every part writes through: run-log stamp, bus packet, publish, send
+                   to the payload, bus event
+
+Every attribute exists from `__init__` on. What `start()` opens is None in `BusIO` until then, and
+read through properties that say so (`NotStarted`) instead of failing on a missing attribute.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 import zmq
 
-import traces
 from common import log
-from common.wire import Apid, EventId, MessageType, NodeId, encode
+from common.wire import Apid, EventId, FdirMode, MessageType, NodeId, encode
 from common.wire import messages as m
 from common.wire.errors import RequestRef
 from common.wire.ids import MAX_EVENT_TEXT_BYTES
-from common.wire.link import Endpoints, KeyLayout, LinkError, send_packet
+from common.wire.link import (
+    AuthorizedKeys,
+    CurveAuthenticator,
+    Endpoints,
+    KeyLayout,
+    LinkError,
+    bound_endpoint,
+    send_packet,
+    server_socket,
+    start_authenticator,
+)
 from common.wire.text import clip_utf8
 from hil.bus import buslog as bl
 from hil.bus.busstore import CommandStore
 from hil.bus.clock import TraceClock
-from hil.bus.config import BusConfig, BusConfigError
 from hil.bus.power import PowerSwitch
-from hil.bus.storage import StorageWatch, TolerantSequenceCounter
+from hil.bus.storage import TolerantSequenceCounter
 
 _log = log.get("hil.bus")
+
+_Opened = TypeVar("_Opened")
 
 
 class Pacer(Protocol):
     """Replays only (hil/replay.py, hil/redteam.py): `step` runs every loop and may hold the
-    clock; `payload_message` sees every packet from the payload."""
+    clock; `payload_message` sees every packet from the payload. `bus` is the `Bus`."""
 
     def step(self, bus: Any, now: float) -> None: ...
 
@@ -52,110 +71,191 @@ def request_fields(request: RequestRef) -> dict:
     return {"apid": request.apid, "source": request.source_id, "seq": request.seq, "type": type_name}
 
 
-class BusBase:
-    """Configuration, trace, clock and payload-link state; the packet primitives."""
+@dataclass
+class PayloadLink:
+    """The payload link: the payload's connection (a new one after each boot, counted by
+    `link_id`), when it was last heard, and what it last said about its work (for skip-idle)."""
 
-    # Opened by Bus.start(), once the data directory is locked (hil/bus/lifecycle.py).
-    store: CommandStore
-    tm_counter: TolerantSequenceCounter
-    buslog: bl.BusLog
-    switch: PowerSwitch
-    commands_sock: zmq.Socket
-    payload_sock: zmq.Socket
-    telemetry_sock: zmq.Socket
+    link_id: int = 0
+    payload_rid: bytes | None = None
+    last_seen: float | None = None
+    gap_reported: bool = False
+    payload_idle_since: float | None = None
+    payload_queue_depth: int | None = None
 
-    def __init__(self, config: BusConfig, switch: PowerSwitch | None = None, pacer: Pacer | None = None):
-        config.validate()
-        if config.hold_for_connect and pacer is not None:
-            raise BusConfigError("hold_for_connect and a pacer would both hold the trace clock; use one")
-        self.config = config
-        self.pacer = pacer
-        self.data_dir = Path(config.data_dir)
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.layout = KeyLayout(Path(config.keys_dir))
-        if not self.layout.server_secret.exists():
-            raise BusConfigError(f"no bus key pair in {self.layout.server_dir} (run `ow ground keys init`)")
-        try:
-            self.trace = traces.load(config.trace)
-        except (ValueError, OSError) as exc:  # TraceError is a ValueError
-            raise BusConfigError(f"trace {config.trace}: {exc}") from None
-        if config.start_at_s > self.trace.duration_s:
-            raise BusConfigError(f"--start-at {config.start_at_s} is after the trace's end ({self.trace.duration_s} s)")
-        self._switch_override = switch
-        self.endpoints: Endpoints | None = None
-        self.payload_connect_endpoint: str | None = None
-        self._stop = threading.Event()
-        self.stop_reason = "requested"
-        #: trace time; its t0 is set when the run log opens, and again when the run starts
-        self.clock = TraceClock(config.time_scale, config.start_at_s)
-        #: the trace has run out (the timeline sets it; telemetry then repeats the last sample)
-        self.trace_ended = False
-        # The payload link: which connection is the payload's (a new one after each boot), when it
-        # was last heard, and what it last said about its work (for skip-idle).
-        self.link_id = 0
-        self.payload_rid: bytes | None = None
-        self.last_seen: float | None = None
-        self.gap_reported = False
-        self.payload_idle_since: float | None = None
-        self.payload_queue_depth: int | None = None
-        #: the bus's own disk: which writers fail (docs/bus.md "The bus's own disk")
-        self.storage = StorageWatch(self._storage_changed)
-        #: bus events raised before the telemetry socket was bound (published once it is)
+
+@dataclass
+class FdirChannels:
+    """FDIR's telemetry channels (FDIR_REPORT)."""
+
+    mode: FdirMode = FdirMode.NOMINAL
+    fault_count: int = 0
+    last_fault: str | None = None
+
+
+class StopRequest:
+    """The bus's stop: `request` from any thread; the loop ends at its next round."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.reason = "requested"
+
+    def request(self, reason: str = "requested") -> None:
+        self.reason = reason
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+
+class NotStarted(RuntimeError):
+    """Something only a started bus has (its sockets, store, run log or switch) was used before
+    `Bus.start()` opened it."""
+
+
+def _opened(value: _Opened | None, what: str) -> _Opened:
+    if value is None:
+        raise NotStarted(f"the bus has no {what} before Bus.start()")
+    return value
+
+
+class BusIO:
+    """The bus's resources, opened by `Bus.start()` in order (store and numbering, sockets, run
+    log, switch), closed by `close()`; and the primitives every part writes through."""
+
+    def __init__(self, clock: TraceClock, link: PayloadLink):
+        self.clock = clock
+        self.link = link
+        self._store: CommandStore | None = None
+        self._tm_counter: TolerantSequenceCounter | None = None
+        self._ctx: zmq.Context | None = None
+        self._auth: CurveAuthenticator | None = None
+        self._commands_sock: zmq.Socket | None = None
+        self._payload_sock: zmq.Socket | None = None
+        self._telemetry_sock: zmq.Socket | None = None
+        self._buslog: bl.BusLog | None = None
+        self._switch: PowerSwitch | None = None
+        #: bus events raised before the telemetry socket and the run log were open (published
+        #: once they are: `publish_early_events`)
         self._early_events: list[tuple[EventId, str, dict]] = []
 
-    def request_stop(self, reason: str = "requested") -> None:
-        self.stop_reason = reason
-        self._stop.set()
+    # ---- opening and closing --------------------------------------------------------------------
+    def open_store(self, store: CommandStore, tm_counter: TolerantSequenceCounter) -> None:
+        self._store, self._tm_counter = store, tm_counter
 
-    def _stamp(self, now: float | None = None) -> dict[str, float]:
+    def bind(self, layout: KeyLayout, endpoints: Endpoints) -> Endpoints:
+        """The three CURVE server sockets and their authenticator; the endpoints they bound."""
+        self._ctx = zmq.Context()
+        self._auth = start_authenticator(self._ctx, layout)
+        self._commands_sock = server_socket(self._ctx, zmq.ROUTER, layout, endpoints.commands)
+        self._payload_sock = server_socket(self._ctx, zmq.ROUTER, layout, endpoints.payload)
+        # XPUB, not PUB: its subscription messages name each subscriber's key and connection,
+        # so that a revoked key's telemetry subscription can be closed too.
+        self._telemetry_sock = server_socket(self._ctx, zmq.XPUB, layout, endpoints.telemetry)
+        self._telemetry_sock.setsockopt(zmq.XPUB_VERBOSE, 1)
+        return Endpoints(
+            commands=bound_endpoint(self._commands_sock),
+            payload=bound_endpoint(self._payload_sock),
+            telemetry=bound_endpoint(self._telemetry_sock),
+        )
+
+    def open_log(self, buslog: bl.BusLog) -> None:
+        self._buslog = buslog
+
+    def attach_switch(self, switch: PowerSwitch) -> None:
+        self._switch = switch
+
+    def close(self) -> None:
+        """The run log (if open), the sockets, the authenticator and the context."""
+        if self._buslog is not None:
+            self._buslog.close()
+        for sock in (self._commands_sock, self._payload_sock, self._telemetry_sock):
+            if sock is not None:
+                sock.close(linger=200)
+        self._commands_sock = self._payload_sock = self._telemetry_sock = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    # ---- what start() opened ----------------------------------------------------------------------
+    @property
+    def store(self) -> CommandStore:
+        return _opened(self._store, "command store")
+
+    @property
+    def buslog(self) -> bl.BusLog:
+        return _opened(self._buslog, "run log")
+
+    @property
+    def switch(self) -> PowerSwitch:
+        return _opened(self._switch, "power switch")
+
+    @property
+    def commands_sock(self) -> zmq.Socket:
+        return _opened(self._commands_sock, "commands socket")
+
+    @property
+    def payload_sock(self) -> zmq.Socket:
+        return _opened(self._payload_sock, "payload socket")
+
+    @property
+    def telemetry_sock(self) -> zmq.Socket:
+        return _opened(self._telemetry_sock, "telemetry socket")
+
+    @property
+    def keys(self) -> AuthorizedKeys:
+        """The authorized keys, as the authenticator reads them."""
+        return _opened(self._auth, "authenticator").keys
+
+    @property
+    def log_open(self) -> bool:
+        return self._buslog is not None
+
+    # ---- the primitives ---------------------------------------------------------------------------
+    def stamp(self, now: float | None = None) -> dict[str, float]:
         """The times every run-log record carries."""
         now = time.monotonic() if now is None else now
         return {"trace_s": self.clock.trace_s(now), "clock_s": self.clock.clock_s(now), "wall_s": now - self.clock.t0}
 
-    def _bus_packet(self, message: m.Message) -> bytes:
-        return encode(message, Apid.BUS, self.tm_counter.next(Apid.BUS), source_id=NodeId.BUS)
+    def bus_packet(self, message: m.Message) -> bytes:
+        """`message` from the bus itself (APID BUS, source BUS), numbered."""
+        counter = _opened(self._tm_counter, "telemetry numbering")
+        return encode(message, Apid.BUS, counter.next(Apid.BUS), source_id=NodeId.BUS)
 
-    def _bus_event(self, event_id: EventId, text: str, **fields: Any) -> None:
-        """An event from the bus itself (APID BUS, source BUS): published on the telemetry link
-        (`ow ground events` shows it) and written to the run log."""
-        text = clip_utf8(text, MAX_EVENT_TEXT_BYTES)
-        if getattr(self, "telemetry_sock", None) is None or getattr(self, "buslog", None) is None:
-            self._early_events.append((event_id, text, fields))
-            return
-        self._publish(self._bus_packet(m.Event(event_id=event_id, text=text)))
-        self.buslog.write(bl.BUS_EVENT, **self._stamp(), event=event_id.name, text=text, **fields)
-        _log.warning("bus_event", bus_event=event_id.name, text=text, **fields)
-
-    def _publish_early_events(self) -> None:
-        early, self._early_events = self._early_events, []
-        for event_id, text, fields in early:
-            self._bus_event(event_id, text, **fields)
-
-    def _storage_changed(self, failing: bool, detail: str) -> None:
-        if failing:
-            condition = self.storage.condition or "error"
-            self._bus_event(
-                EventId.BUS_STORAGE_FULL,
-                f"bus storage {condition} ({detail}): what the bus cannot store is refused (BUS_STORAGE_FULL) "
-                "or held in memory until the disk takes writes again; stored commands are still relayed",
-                condition=condition,
-            )
-        else:
-            self._bus_event(EventId.BUS_STORAGE_RESTORED, f"bus storage writable again {detail}")
-
-    def _publish(self, packet: bytes) -> None:
+    def publish(self, packet: bytes) -> None:
         try:
             send_packet(self.telemetry_sock, packet, timeout_s=0.05)
         except LinkError as exc:  # a PUB socket drops rather than blocks; this is not expected
             _log.warning("bus_publish_failed", error=str(exc))
 
-    def _to_payload(self, packet: bytes) -> bool:
-        if self.payload_rid is None:
+    def to_payload(self, packet: bytes) -> bool:
+        """Send to the payload's current connection; False (and the link forgotten) if none."""
+        link = self.link
+        if link.payload_rid is None:
             return False
         try:
-            send_packet(self.payload_sock, packet, routing_id=self.payload_rid, timeout_s=0.2)
+            send_packet(self.payload_sock, packet, routing_id=link.payload_rid, timeout_s=0.2)
             return True
         except LinkError as exc:
             _log.info("bus_payload_link_lost", error=str(exc))
-            self.payload_rid = None
+            link.payload_rid = None
             return False
+
+    def bus_event(self, event_id: EventId, text: str, **fields: Any) -> None:
+        """An event from the bus itself (APID BUS, source BUS): published on the telemetry link
+        (`ow ground events` shows it) and written to the run log; held until both are open."""
+        text = clip_utf8(text, MAX_EVENT_TEXT_BYTES)
+        if self._telemetry_sock is None or self._buslog is None:
+            self._early_events.append((event_id, text, fields))
+            return
+        self.publish(self.bus_packet(m.Event(event_id=event_id, text=text)))
+        self._buslog.write(bl.BUS_EVENT, **self.stamp(), event=event_id.name, text=text, **fields)
+        _log.warning("bus_event", bus_event=event_id.name, text=text, **fields)
+
+    def publish_early_events(self) -> None:
+        early, self._early_events = self._early_events, []
+        for event_id, text, fields in early:
+            self.bus_event(event_id, text, **fields)

@@ -1,4 +1,4 @@
-"""`Bus`: the parts put together, and its life: `start()` locks the data directory, binds the three
+"""`Bus`: the parts composed, and its life: `start()` locks the data directory, binds the three
 sockets and opens the command store and the run log; `run()` is the main loop; shutdown cuts the
 payload and closes everything (docs/bus.md §7, §8)."""
 
@@ -11,28 +11,30 @@ import math
 import os
 import threading
 import time
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 
 import zmq
 
 import traces
 from common import log, machine
-from common.wire import PowerCause, decode
-from common.wire.link import (
-    CurveAuthenticator,
-    Endpoints,
-    bound_endpoint,
-    recv_packet,
-    server_socket,
-    start_authenticator,
-)
+from common.wire import EventId, PowerCause, decode
+from common.wire import messages as m
+from common.wire.link import Endpoints, KeyLayout, recv_packet
 from hil.bus import buslog as bl
-from hil.bus.base import Pacer
+from hil.bus.base import BusIO, FdirChannels, Pacer, PayloadLink, StopRequest
 from hil.bus.busstore import CommandStore
+from hil.bus.clock import TraceClock
 from hil.bus.config import BusConfig, BusConfigError
 from hil.bus.power import PowerSwitch, PowerSwitchError
-from hil.bus.relay import RelayPart
-from hil.bus.storage import TolerantSequenceCounter
+from hil.bus.power_fdir import PowerFdir
+from hil.bus.relay import Relay
+from hil.bus.routing import Routing
+from hil.bus.stations import Stations
+from hil.bus.storage import StorageWatch, TolerantSequenceCounter
+from hil.bus.telemetry import Telemetry
+from hil.bus.timeline import Timeline
 
 _log = log.get("hil.bus")
 
@@ -43,19 +45,133 @@ def machine_fingerprint() -> dict:
     return {"cpu": machine.cpu_model(), "cpus": machine.cpu_count(), **machine.library_versions()}
 
 
-class Bus(RelayPart):
+class Bus:
     """The mock spacecraft bus. Not thread-safe: one thread calls start() and run(); any thread
-    may call request_stop()."""
+    may call request_stop().
+
+    A small object that owns what the parts share (configuration, trace, clock, the payload
+    link, FDIR's channels, the stop, the bus's disk watch and its I/O: hil/bus/base.py) and the
+    parts, each handed only what it uses: telemetry, power and FDIR, the timeline, routing, the
+    stations, the relay (docs/bus.md "Where things are"). The main loop (`_step`) calls each part
+    in turn through its public methods."""
 
     def __init__(self, config: BusConfig, switch: PowerSwitch | None = None, pacer: Pacer | None = None):
-        super().__init__(config, switch, pacer)
+        config.validate()
+        if config.hold_for_connect and pacer is not None:
+            raise BusConfigError("hold_for_connect and a pacer would both hold the trace clock; use one")
+        self.config = config
+        self.pacer = pacer
+        self.data_dir = Path(config.data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.layout = KeyLayout(Path(config.keys_dir))
+        if not self.layout.server_secret.exists():
+            raise BusConfigError(f"no bus key pair in {self.layout.server_dir} (run `ow ground keys init`)")
+        try:
+            self.trace = traces.load(config.trace)
+        except (ValueError, OSError) as exc:  # TraceError is a ValueError
+            raise BusConfigError(f"trace {config.trace}: {exc}") from None
+        if config.start_at_s > self.trace.duration_s:
+            raise BusConfigError(f"--start-at {config.start_at_s} is after the trace's end ({self.trace.duration_s} s)")
+        self._switch_override = switch
+        self.endpoints: Endpoints | None = None
+        self.payload_connect_endpoint: str | None = None
+        self._stop = StopRequest()
+        #: trace time; its t0 is set when the run log opens, and again when the run starts
+        self.clock = TraceClock(config.time_scale, config.start_at_s)
+        self.link = PayloadLink()
+        self.fdir = FdirChannels()
+        self.io = BusIO(self.clock, self.link)
+        #: the bus's own disk: which writers fail (docs/bus.md "The bus's own disk")
+        self.storage = StorageWatch(self._storage_changed)
+        # the parts, each with what it uses
+        self.telemetry = Telemetry(config, self.trace, self.clock, self.io, self.fdir)
+        self.power = PowerFdir(
+            config, self.trace, self.clock, self.io, self.link, self.fdir, self.telemetry, self._stop
+        )
+        self.timeline = Timeline(
+            config, self.trace, self.clock, self.io, self.link, self.power, self.telemetry, self._stop
+        )
+        self.routing = Routing(self.io)
+        self.stations = Stations(config, self.io, self.routing)
+        self.relay = Relay(
+            config,
+            self.clock,
+            self.io,
+            self.link,
+            self.fdir,
+            self.storage,
+            self.power,
+            self.timeline,
+            self.routing,
+            self.stations,
+            on_payload_message=self._pace_message if pacer is not None else None,
+        )
         if switch is None:
-            self.payload_argv(payload_endpoint="tcp://127.0.0.1:0")  # placeholders check out before binding
+            self.power.payload_argv(payload_endpoint="tcp://127.0.0.1:0")  # placeholders check out before binding
         self._started = False
-        self._ctx: zmq.Context | None = None
-        self._auth: CurveAuthenticator | None = None
         self._lock_fd: int | None = None
         self.ready = threading.Event()
+
+    # ------------------------------------------------------------------ what callers read
+    # (replays' pacers, the testbench, tests): the shared state and the parts' public state
+    @property
+    def stop_reason(self) -> str:
+        return self._stop.reason
+
+    @property
+    def switch(self) -> PowerSwitch:
+        return self.io.switch
+
+    @property
+    def store(self) -> CommandStore:
+        return self.io.store
+
+    @property
+    def buslog(self) -> bl.BusLog:
+        return self.io.buslog
+
+    @property
+    def payload_rid(self) -> bytes | None:
+        return self.link.payload_rid
+
+    @property
+    def power_count(self) -> int:
+        return self.power.power_count
+
+    @property
+    def connections(self) -> dict[str, OrderedDict]:
+        return self.stations.connections
+
+    @property
+    def refusals(self) -> Counter:
+        return self.stations.refusals
+
+    def payload_argv(self, template: Sequence[str] | None = None, payload_endpoint: str | None = None) -> list[str]:
+        """The flight process's command line (for the ssh driver: the remote one)."""
+        return self.power.payload_argv(template, payload_endpoint)
+
+    def retry_payload(self, origin: str, **fields) -> bool:
+        """End the boot-loop guard's hold (docs/bus.md §6); False if nothing was held."""
+        return self.power.retry_payload(origin, **fields)
+
+    def request_stop(self, reason: str = "requested") -> None:
+        self._stop.request(reason)
+
+    def _storage_changed(self, failing: bool, detail: str) -> None:
+        if failing:
+            condition = self.storage.condition or "error"
+            self.io.bus_event(
+                EventId.BUS_STORAGE_FULL,
+                f"bus storage {condition} ({detail}): what the bus cannot store is refused (BUS_STORAGE_FULL) "
+                "or held in memory until the disk takes writes again; stored commands are still relayed",
+                condition=condition,
+            )
+        else:
+            self.io.bus_event(EventId.BUS_STORAGE_RESTORED, f"bus storage writable again {detail}")
+
+    def _pace_message(self, message: m.Message, now: float) -> None:
+        assert self.pacer is not None  # only handed to the relay with a pacer
+        self.pacer.payload_message(self, message, now)
 
     # ------------------------------------------------------------------ set-up
     def start(self) -> Endpoints:
@@ -63,50 +179,41 @@ class Bus(RelayPart):
         cfg = self.config
         self._lock_data_dir()
         try:
-            self.store = CommandStore(self.data_dir / "bus-store")
-            if self.store.open_error is not None:
-                self.storage.failed("command store", self.store.open_error)
-            self.tm_counter = TolerantSequenceCounter(
-                self.data_dir / "state" / "bus-tm-sequence.bin", self.storage, reserve=1024
+            store = CommandStore(self.data_dir / "bus-store")
+            if store.open_error is not None:
+                self.storage.failed("command store", store.open_error)
+            self.io.open_store(
+                store,
+                TolerantSequenceCounter(self.data_dir / "state" / "bus-tm-sequence.bin", self.storage, reserve=1024),
             )
-            self._ctx = zmq.Context()
-            self._auth = start_authenticator(self._ctx, self.layout)
-            self.commands_sock = server_socket(self._ctx, zmq.ROUTER, self.layout, cfg.endpoints.commands)
-            self.payload_sock = server_socket(self._ctx, zmq.ROUTER, self.layout, cfg.endpoints.payload)
-            # XPUB, not PUB: its subscription messages name each subscriber's key and connection,
-            # so that a revoked key's telemetry subscription can be closed too.
-            self.telemetry_sock = server_socket(self._ctx, zmq.XPUB, self.layout, cfg.endpoints.telemetry)
-            self.telemetry_sock.setsockopt(zmq.XPUB_VERBOSE, 1)
-            endpoints = Endpoints(
-                commands=bound_endpoint(self.commands_sock),
-                payload=bound_endpoint(self.payload_sock),
-                telemetry=bound_endpoint(self.telemetry_sock),
-            )
+            endpoints = self.io.bind(self.layout, cfg.endpoints)
             self.endpoints = endpoints
             self.payload_connect_endpoint = cfg.payload_connect_endpoint or endpoints.payload
             self._open(cfg, endpoints)
         except BaseException:
-            if getattr(self, "buslog", None) is not None:
-                self.buslog.close()
-            self._close_sockets()
+            self._close()
             raise
         self._started = True
         self.ready.set()
         return endpoints
 
     def _open(self, cfg: BusConfig, endpoints: Endpoints) -> None:
-        self.switch = self._switch_override or self._build_switch()
-        self.buslog = bl.BusLog(
+        assert self.payload_connect_endpoint is not None  # set by start() from the bound endpoints
+        switch = self._switch_override or self.power.build_switch(self.payload_connect_endpoint)
+        self.io.attach_switch(switch)
+        buslog = bl.BusLog(
             self.data_dir / bl.LOG_FILE,
             segment_bytes=cfg.log_segment_bytes,
             segments=cfg.log_segments,
             listener=self.storage,
         )
-        self.clock.t0 = self.buslog.started_monotonic
+        self.io.open_log(buslog)
+        self.clock.t0 = buslog.started_monotonic
+        store = self.io.store
         # Commands stored by an earlier run: their answers go to the station's new connection.
-        for entry in self.store.pending():
-            self._expect_replies(entry.request, decode(entry.packet)[1])
-        self.buslog.write(
+        for entry in store.pending():
+            self.routing.expect_replies(entry.request, decode(entry.packet)[1])
+        buslog.write(
             bl.RUN_START,
             trace_s=self.clock.start_at_s,
             clock_s=self.clock.clock_s(self.clock.t0),
@@ -126,14 +233,14 @@ class Bus(RelayPart):
                 "telemetry": endpoints.telemetry,
                 "payload_connect": self.payload_connect_endpoint,
             },
-            switch=self.switch.describe(),
+            switch=switch.describe(),
             heartbeat_timeout_s=cfg.heartbeat_timeout_s,
             boot_timeout_s=cfg.boot_timeout_s,
             fdir_off_s=cfg.fdir_off_s,
             boot_loop_limit=cfg.boot_loop_limit,
             boot_loop_backoff_s=cfg.boot_loop_backoff_s,
             boot_settle_s=cfg.boot_settle_s,
-            stored_commands=len(self.store),
+            stored_commands=len(store),
             bus_pid=os.getpid(),
             model=cfg.model,
             flight_args=list(cfg.flight_args),
@@ -143,8 +250,8 @@ class Bus(RelayPart):
             hold_for_connect=cfg.hold_for_connect,
             limits=self._limits(),
         )
-        self._publish_early_events()
-        self._check_keys(time.monotonic())  # what authorized/ holds now (and drops a revoked key's commands)
+        self.io.publish_early_events()
+        self.stations.check_keys(time.monotonic())  # what authorized/ holds now (and drops a revoked key's commands)
         _log.info(
             "bus_started",
             trace=self.trace.name,
@@ -153,13 +260,13 @@ class Bus(RelayPart):
             commands=endpoints.commands,
             payload=endpoints.payload,
             telemetry=endpoints.telemetry,
-            stored_commands=len(self.store),
-            driver=self.switch.driver,
+            stored_commands=len(store),
+            driver=switch.driver,
         )
         try:
-            self.switch.reset()
+            switch.reset()
         except PowerSwitchError as exc:
-            self._switch_failed("reset", exc)
+            self.power.switch_failed("reset", exc)
 
     def _lock_data_dir(self) -> None:
         """One bus per data directory: two would share a queue and power two payloads."""
@@ -196,8 +303,8 @@ class Bus(RelayPart):
             "telemetry": endpoints.telemetry,
             "payload_connect": self.payload_connect_endpoint,
             "pid": os.getpid(),
-            "log": str(self.buslog.path),
-            "run": self.buslog.run,
+            "log": str(self.io.buslog.path),
+            "run": self.io.buslog.run,
         }
         tmp = path.with_name(path.name + ".tmp")
         try:
@@ -213,9 +320,9 @@ class Bus(RelayPart):
         if not self._started:
             self.start()
         try:
-            self.switch.prepare()  # a zygote imports the payload's libraries before time starts
+            self.io.switch.prepare()  # a zygote imports the payload's libraries before time starts
         except PowerSwitchError as exc:
-            self._switch_failed("prepare", exc)
+            self.power.switch_failed("prepare", exc)
             self._shutdown()
             raise
         # The ready file says "commands can come": only once the switch can power the payload, so
@@ -223,12 +330,12 @@ class Bus(RelayPart):
         if self.config.ready_file:
             self._write_ready(Path(self.config.ready_file))
         # Trace time starts now, not when the sockets were bound.
-        self.clock.t0 = self.buslog.restart_clock()
+        self.clock.t0 = self.io.buslog.restart_clock()
         try:
             while not self._stop.is_set():
                 self._step()
         except BaseException as exc:
-            self.stop_reason = f"error: {type(exc).__name__}: {exc}"
+            self._stop.reason = f"error: {type(exc).__name__}: {exc}"
             _log.exception("bus_failed")
             raise
         finally:
@@ -243,17 +350,17 @@ class Bus(RelayPart):
         if self.pacer is not None:
             self.pacer.step(self, now)
         if self.config.skip_idle:
-            self._skip_idle(now)
+            self.timeline.skip_idle(now)
             now = time.monotonic()
-        self._run_due_actions(now)
-        self._telemetry_tick(now)
-        self._watch_payload(now)
-        self._reconcile_power(now)
-        self._forward()
-        self._flush_store(now)
-        self._retry_storage(now)
-        self._housekeep_stations(now)
-        timeout = self._next_due(time.monotonic())
+        self.timeline.run_due(now)
+        self.telemetry.tick(now)
+        self.power.watch(now)
+        self.power.reconcile(now)
+        self.relay.forward()
+        self.relay.flush_store(now)
+        self.relay.retry_storage(now)
+        self.stations.housekeep(now)
+        timeout = self.timeline.next_due(time.monotonic())
         self._receive(timeout)
 
     def _limits(self) -> dict:
@@ -272,78 +379,74 @@ class Bus(RelayPart):
         }
 
     def _receive(self, timeout_s: float) -> None:
+        io = self.io
+        commands_sock, payload_sock, telemetry_sock = io.commands_sock, io.payload_sock, io.telemetry_sock
         poller = zmq.Poller()
-        poller.register(self.commands_sock, zmq.POLLIN)
-        poller.register(self.payload_sock, zmq.POLLIN)
-        poller.register(self.telemetry_sock, zmq.POLLIN)
+        poller.register(commands_sock, zmq.POLLIN)
+        poller.register(payload_sock, zmq.POLLIN)
+        poller.register(telemetry_sock, zmq.POLLIN)
         ready = dict(poller.poll(int(math.ceil(timeout_s * 1000))))
         # Telemetry subscriptions (XPUB): who listens, on which connection.
         for _ in range(64):
-            if not (ready.get(self.telemetry_sock) or self.telemetry_sock.poll(0, zmq.POLLIN)):
+            if not (ready.get(telemetry_sock) or telemetry_sock.poll(0, zmq.POLLIN)):
                 break
-            ready.pop(self.telemetry_sock, None)
-            subscription = recv_packet(self.telemetry_sock, timeout_s=0)
+            ready.pop(telemetry_sock, None)
+            subscription = recv_packet(telemetry_sock, timeout_s=0)
             if subscription is None:
                 break
-            self._on_subscription(subscription)
+            self.stations.on_subscription(subscription)
         # Bounded batches keep cuts on time while a ground floods the link.
         for _ in range(64):
             got = False
-            if ready.get(self.payload_sock) or self.payload_sock.poll(0, zmq.POLLIN):
-                received = recv_packet(self.payload_sock, timeout_s=0)
+            if ready.get(payload_sock) or payload_sock.poll(0, zmq.POLLIN):
+                received = recv_packet(payload_sock, timeout_s=0)
                 if received is not None:
                     got = True
-                    self._on_payload_packet(received)
-            if ready.get(self.commands_sock) or self.commands_sock.poll(0, zmq.POLLIN):
-                received = recv_packet(self.commands_sock, timeout_s=0)
+                    self.relay.on_payload_packet(received)
+            if ready.get(commands_sock) or commands_sock.poll(0, zmq.POLLIN):
+                received = recv_packet(commands_sock, timeout_s=0)
                 if received is not None:
                     got = True
-                    self._on_ground_packet(received)
+                    self.relay.on_ground_packet(received)
             ready = {}
             if not got:
                 break
-            if self.actions and time.monotonic() >= self.clock.at(self.actions[0].trace_s):
+            actions = self.timeline.actions
+            if actions and time.monotonic() >= self.clock.at(actions[0].trace_s):
                 break
 
     # ------------------------------------------------------------------ shutdown
     def _shutdown(self) -> None:
         if not self._started:
-            self._close_sockets()
+            self._close()
             return
+        switch = self.io.switch
         try:
-            if self.switch.is_on():
+            if switch.is_on():
                 origin = "end" if self.stop_reason == "trace_end" else "shutdown"
                 cause = PowerCause.TRACE if origin == "end" else PowerCause.COMMANDED
-                self._power_off(cause, origin)
-                if self.switch.is_on():  # the switch refused: one more try, then give up
-                    self._power_off(cause, origin)
+                self.power.power_off(cause, origin)
+                if switch.is_on():  # the switch refused: one more try, then give up
+                    self.power.power_off(cause, origin)
         finally:
             try:
-                self.switch.close()  # drivers with helpers (a zygote) release them
+                switch.close()  # drivers with helpers (a zygote) release them
             except PowerSwitchError as exc:
                 _log.error("bus_power_switch_close_failed", error=str(exc))
             try:
-                self._flush_store(time.monotonic(), force=True)
-                self._housekeep_stations(time.monotonic(), final=True)
+                self.relay.flush_store(time.monotonic(), force=True)
+                self.stations.housekeep(time.monotonic(), final=True)
             finally:
-                self.buslog.write(
-                    bl.RUN_STOP, **self._stamp(), reason=self.stop_reason, stored_commands=len(self.store)
+                store = self.io.store
+                self.io.buslog.write(
+                    bl.RUN_STOP, **self.io.stamp(), reason=self.stop_reason, stored_commands=len(store)
                 )
-                self.buslog.close()
-                _log.info("bus_stopped", reason=self.stop_reason, stored_commands=len(self.store))
-                self._close_sockets()
+                _log.info("bus_stopped", reason=self.stop_reason, stored_commands=len(store))
+                self._close()
 
-    def _close_sockets(self) -> None:
-        for name in ("commands_sock", "payload_sock", "telemetry_sock"):
-            sock = getattr(self, name, None)
-            if sock is not None:
-                sock.close(linger=200)
-        if self._auth is not None:
-            self._auth.stop()
-            self._auth = None
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
+    def _close(self) -> None:
+        """The run log, the sockets (BusIO.close), then the data directory's lock."""
+        self.io.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the lock
             self._lock_fd = None

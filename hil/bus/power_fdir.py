@@ -10,14 +10,17 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
+import traces
 from common import bootrecord, log
 from common.wire import EventId, FdirMode, PowerCause
 from common.wire import messages as m
 from common.wire.ids import MAX_EVENT_TEXT_BYTES
 from common.wire.text import clip_utf8
 from hil.bus import buslog as bl
-from hil.bus.base import Pacer
+from hil.bus.base import BusIO, FdirChannels, PayloadLink, StopRequest
+from hil.bus.clock import TraceClock
 from hil.bus.config import REMOTE_PAYLOAD_COMMAND, BusConfig, default_payload_command, expand_command
 from hil.bus.power import (
     CommandSwitch,
@@ -27,7 +30,7 @@ from hil.bus.power import (
     SshSwitch,
     process_write_bytes,
 )
-from hil.bus.telemetry import TelemetryPart
+from hil.bus.telemetry import Telemetry
 from hil.bus.zygote import FLIGHT_PRELOAD, Zygote
 
 _log = log.get("hil.bus")
@@ -51,11 +54,32 @@ def describe_exit(status: int, driver: str) -> str:
     return f"exited with status {status}"
 
 
-class PowerPart(TelemetryPart):
-    """The power switch, the trace's wish for it, and FDIR's hold on it."""
+class PowerFdir:
+    """The power switch, the trace's wish for it, and FDIR's hold on it; the boot-loop guard."""
 
-    def __init__(self, config: BusConfig, switch: PowerSwitch | None = None, pacer: Pacer | None = None):
-        super().__init__(config, switch, pacer)
+    def __init__(
+        self,
+        config: BusConfig,
+        trace: traces.Trace,
+        clock: TraceClock,
+        io: BusIO,
+        link: PayloadLink,
+        fdir: FdirChannels,
+        telemetry: Telemetry,
+        stop: StopRequest,
+    ):
+        self.config = config
+        self.data_dir = Path(config.data_dir)
+        self.trace = trace
+        self.clock = clock
+        self.io = io
+        self.link = link
+        self.fdir = fdir
+        self.telemetry = telemetry
+        self.stop = stop
+        #: where the payload connects to the bus (the bound payload endpoint, or the configured
+        #: one), known once the bus has bound its sockets (`build_switch`)
+        self.payload_connect_endpoint: str | None = None
         #: what the trace wants now (the timeline sets it) and why the payload is off
         self.trace_on = self.trace.is_on_at(config.start_at_s)
         self.off_cause = PowerCause.TRACE
@@ -97,7 +121,10 @@ class PowerPart(TelemetryPart):
             )
         return expand_command(template, values, cfg.flight_args)
 
-    def _build_switch(self) -> PowerSwitch:
+    def build_switch(self, payload_endpoint: str) -> PowerSwitch:
+        """The power switch of the configured driver, for a payload that connects to
+        `payload_endpoint`."""
+        self.payload_connect_endpoint = payload_endpoint
         cfg = self.config
         if cfg.power_driver == "local":
             zygote, boot_s = None, 0.0
@@ -135,42 +162,60 @@ class PowerPart(TelemetryPart):
         return CommandSwitch(on_command, off_command, timeout_s=cfg.switch_timeout_s)
 
     def _desired_on(self, now: float) -> bool:
-        return self.trace_on and now >= self.fdir_hold_until and not self.held_off and not self._stop.is_set()
+        return self.trace_on and now >= self.fdir_hold_until and not self.held_off and not self.stop.is_set()
 
-    def _reconcile_power(self, now: float, force: bool = False) -> None:
+    def reconcile(self, now: float, force: bool = False) -> None:
         if self.held_off and self.held_until is not None and now >= self.held_until:
             self.retry_payload("backoff")
         desired = self._desired_on(now)
-        if desired == self.switch.is_on():
+        if desired == self.io.switch.is_on():
             return
         if not force and now < self.next_switch_attempt:
             return
         if desired:
             self._power_on()
-        elif self._stop.is_set() and self.trace_on:
+        elif self.stop.is_set() and self.trace_on:
             # The bus is stopping: the payload goes off with the bus, as _shutdown says, not with
             # the cause of the trace's last cut (left in off_cause): a testbench run counted such
             # a power-off, after its last request, as a cut when the loop got here first.
-            origin = "end" if self.stop_reason == "trace_end" else "shutdown"
-            self._power_off(PowerCause.TRACE if origin == "end" else PowerCause.COMMANDED, origin)
+            origin = "end" if self.stop.reason == "trace_end" else "shutdown"
+            self.power_off(PowerCause.TRACE if origin == "end" else PowerCause.COMMANDED, origin)
         else:
-            self._power_off(self.off_cause, self.off_origin)
+            self.power_off(self.off_cause, self.off_origin)
 
-    def _switch_failed(self, action: str, exc: Exception) -> None:
+    # ---- the trace's wish for the switch (the timeline tells it) -------------------------------
+    def trace_power_on(self, now: float) -> None:
+        self.trace_on = True
+        self.reconcile(now, force=True)
+
+    def trace_cut(self, cause: PowerCause, now: float) -> None:
+        self.trace_on = False
+        self.off_cause, self.off_origin = cause, "trace"
+        self.reconcile(now, force=True)
+
+    def trace_end(self, stop_at_end: bool) -> None:
+        """The trace ran out: the payload goes off with the bus that stops now, or stays on from
+        now on (queued work can finish)."""
+        if stop_at_end:
+            self.off_cause, self.off_origin = PowerCause.TRACE, "end"
+        else:
+            self.trace_on = True
+
+    def switch_failed(self, action: str, exc: Exception) -> None:
         self.next_switch_attempt = time.monotonic() + SWITCH_RETRY_S
-        self.fault_count += 1
-        self.last_fault = clip_utf8(f"power switch {action} failed: {exc}", MAX_EVENT_TEXT_BYTES)
-        self.buslog.write(bl.SWITCH_ERROR, **self._stamp(), action=action, error=str(exc)[:500])
+        self.fdir.fault_count += 1
+        self.fdir.last_fault = clip_utf8(f"power switch {action} failed: {exc}", MAX_EVENT_TEXT_BYTES)
+        self.io.buslog.write(bl.SWITCH_ERROR, **self.io.stamp(), action=action, error=str(exc)[:500])
         _log.error("bus_power_switch_failed", action=action, error=str(exc))
-        self._publish_fdir()
+        self.telemetry.publish_fdir()
 
     def _power_on(self) -> None:
         now = time.monotonic()  # the moment power is applied; spawning takes a few ms more
         output_offset = self._payload_output_size()
         try:
-            self.switch.on()
+            self.io.switch.on()
         except PowerSwitchError as exc:
-            self._switch_failed("on", exc)
+            self.switch_failed("on", exc)
             return
         self.power_count += 1
         self.powered_at = now
@@ -178,47 +223,47 @@ class PowerPart(TelemetryPart):
         self.boot_output_offset = output_offset
         if self.config.hold_for_connect:
             self.clock.hold(now)  # released when the payload connects or is cut
-        self.payload_rid = None
-        self.last_seen = None
-        self.gap_reported = False
-        if self.fdir_mode is FdirMode.SAFE:
-            self.fdir_mode = FdirMode.NOMINAL
-        self.buslog.write(
+        self.link.payload_rid = None
+        self.link.last_seen = None
+        self.link.gap_reported = False
+        if self.fdir.mode is FdirMode.SAFE:
+            self.fdir.mode = FdirMode.NOMINAL
+        self.io.buslog.write(
             bl.POWER_ON,
-            **self._stamp(now),
+            **self.io.stamp(now),
             cause=PowerCause.RESTORED.value,
             power_cycle=self.power_count,
-            pid=self.switch.pid,
+            pid=self.io.switch.pid,
         )
         _log.info(
-            "bus_power_on", trace_s=round(self.clock.trace_s(now), 3), pid=self.switch.pid, cycle=self.power_count
+            "bus_power_on", trace_s=round(self.clock.trace_s(now), 3), pid=self.io.switch.pid, cycle=self.power_count
         )
-        self._publish(
-            self._bus_packet(
+        self.io.publish(
+            self.io.bus_packet(
                 m.PowerStateChange(trace_time_s=self.clock.clock_s(now), payload_on=True, cause=PowerCause.RESTORED)
             )
         )
-        self._publish_power_report(now)
+        self.telemetry.publish_power_report(now)
 
-    def _power_off(self, cause: PowerCause, origin: str) -> None:
-        pid = self.switch.pid
-        was_on = self.switch.is_on()
+    def power_off(self, cause: PowerCause, origin: str) -> None:
+        pid = self.io.switch.pid
+        was_on = self.io.switch.is_on()
         write_bytes = process_write_bytes(pid) if self.config.power_driver == "local" else None
         now = time.monotonic()  # the moment of the cut: SIGKILL goes out right after this
         try:
-            self.switch.off(cause.value)
+            self.io.switch.off(cause.value)
         except PowerSwitchError as exc:
-            self._switch_failed("off", exc)
+            self.switch_failed("off", exc)
             return
-        self.payload_rid = None
+        self.link.payload_rid = None
         self.powered_at = None
         self.connected_at = None
         self.last_off_fault = origin == "fdir"
         if self.config.hold_for_connect:
             self.clock.release(now)
-        self.buslog.write(
+        self.io.buslog.write(
             bl.POWER_OFF,
-            **self._stamp(now),
+            **self.io.stamp(now),
             cause=cause.value,
             origin=origin,
             pid=pid,
@@ -227,38 +272,38 @@ class PowerPart(TelemetryPart):
             payload_write_bytes=write_bytes,
         )
         _log.info("bus_power_off", trace_s=round(self.clock.trace_s(now), 3), cause=cause.value, origin=origin, pid=pid)
-        self._publish(
-            self._bus_packet(m.PowerStateChange(trace_time_s=self.clock.clock_s(now), payload_on=False, cause=cause))
+        self.io.publish(
+            self.io.bus_packet(m.PowerStateChange(trace_time_s=self.clock.clock_s(now), payload_on=False, cause=cause))
         )
-        self._publish_power_report(now)
+        self.telemetry.publish_power_report(now)
 
     def _fdir(self, reason: str, now: float) -> None:
         """Power-cycle the payload: cut it now, power it again after fdir_off_s (if the trace
         still has it on then)."""
-        self.fault_count += 1
-        self.last_fault = clip_utf8(reason, MAX_EVENT_TEXT_BYTES)
-        self.fdir_mode = FdirMode.SAFE
-        self.buslog.write(
+        self.fdir.fault_count += 1
+        self.fdir.last_fault = clip_utf8(reason, MAX_EVENT_TEXT_BYTES)
+        self.fdir.mode = FdirMode.SAFE
+        self.io.buslog.write(
             bl.FDIR_ACTION,
-            **self._stamp(now),
+            **self.io.stamp(now),
             action="power_cycle",
             reason=reason,
             off_s=self.config.fdir_off_s,
-            fault_count=self.fault_count,
+            fault_count=self.fdir.fault_count,
         )
-        _log.warning("bus_fdir_power_cycle", reason=reason, fault_count=self.fault_count)
+        _log.warning("bus_fdir_power_cycle", reason=reason, fault_count=self.fdir.fault_count)
         self.fdir_hold_until = now + self.config.fdir_off_s
-        self._power_off(PowerCause.FDIR, "fdir")
-        self._publish_fdir()
+        self.power_off(PowerCause.FDIR, "fdir")
+        self.telemetry.publish_fdir()
 
-    def _watch_payload(self, now: float) -> None:
-        if not self.switch.is_on():
+    def watch(self, now: float) -> None:
+        if not self.io.switch.is_on():
             return
         if not self.boot_up and self.connected_at is not None and now - self.connected_at >= self.config.boot_settle_s:
-            self._boot_came_up()
-        status = self.switch.poll()
+            self.boot_came_up()
+        status = self.io.switch.poll()
         if status is not None:
-            self.buslog.write(bl.PAYLOAD_EXITED, **self._stamp(now), status=status, power_cycle=self.power_count)
+            self.io.buslog.write(bl.PAYLOAD_EXITED, **self.io.stamp(now), status=status, power_cycle=self.power_count)
             _log.warning("bus_payload_exited", status=status)
             # Judged before the cut forgets the boot; its output is read only for a boot not yet up.
             failed = None if self.boot_up else self._boot_failure(now, self._exit_reason(status))
@@ -267,11 +312,11 @@ class PowerPart(TelemetryPart):
                 self._count_failed_boot(failed, now, status=status)
             return
         cfg = self.config
-        if self.payload_rid is None:
+        if self.link.payload_rid is None:
             if cfg.boot_timeout_s and self.powered_at is not None and now - self.powered_at > cfg.boot_timeout_s:
-                self.buslog.write(
+                self.io.buslog.write(
                     bl.HEARTBEAT_GAP,
-                    **self._stamp(now),
+                    **self.io.stamp(now),
                     gap_s=round(now - self.powered_at, 3),
                     action="power_cycle",
                     phase="boot",
@@ -285,29 +330,29 @@ class PowerPart(TelemetryPart):
                 if failed is not None:
                     self._count_failed_boot(failed, now)
             return
-        assert self.last_seen is not None  # set whenever payload_rid is
-        silent = now - self.last_seen
+        assert self.link.last_seen is not None  # set whenever payload_rid is
+        silent = now - self.link.last_seen
         if cfg.heartbeat_timeout_s and silent > cfg.heartbeat_timeout_s:
-            self.buslog.write(
-                bl.HEARTBEAT_GAP, **self._stamp(now), gap_s=round(silent, 3), action="power_cycle", phase="running"
+            self.io.buslog.write(
+                bl.HEARTBEAT_GAP, **self.io.stamp(now), gap_s=round(silent, 3), action="power_cycle", phase="running"
             )
             failed = self._boot_failure(now, f"silent for {silent:.1f} s")
             self._fdir(f"no heartbeat for {silent:.1f} s", now)
             if failed is not None:
                 self._count_failed_boot(failed, now)
-        elif silent > cfg.heartbeat_gap_log_s and not self.gap_reported:
-            self.gap_reported = True
-            self.fdir_mode = FdirMode.DEGRADED
-            self._publish_fdir()
+        elif silent > cfg.heartbeat_gap_log_s and not self.link.gap_reported:
+            self.link.gap_reported = True
+            self.fdir.mode = FdirMode.DEGRADED
+            self.telemetry.publish_fdir()
 
     # ---- the boot-loop guard (docs/bus.md §6) ---------------------------------------------------------
-    def _boot_connected(self, now: float) -> None:
+    def boot_connected(self, now: float) -> None:
         """A new payload connection (the relay calls this): the boot's first packet, unless it
         connected before in this boot."""
         if self.connected_at is None and self.powered_at is not None:
             self.connected_at = now
 
-    def _boot_came_up(self) -> None:
+    def boot_came_up(self) -> None:
         """This boot has been connected boot_settle_s, or reported a unit of a task's work: it came
         up, and the count starts afresh."""
         self.boot_up = True
@@ -353,9 +398,9 @@ class PowerPart(TelemetryPart):
         """One more boot that failed to come up; at boot_loop_limit in a row, hold the payload off."""
         cfg = self.config
         self.failed_boots += 1
-        self.buslog.write(
+        self.io.buslog.write(
             bl.PAYLOAD_BOOT_FAILED,
-            **self._stamp(now),
+            **self.io.stamp(now),
             failed_boots=self.failed_boots,
             reason=reason,
             status=status,
@@ -380,8 +425,8 @@ class PowerPart(TelemetryPart):
             f"boot loop: payload held off after {self.failed_boots} failed boots in a row; last: {reason}; {until}",
             MAX_EVENT_TEXT_BYTES,
         )
-        self.fdir_mode, self.last_fault = FdirMode.SAFE, text
-        self._bus_event(
+        self.fdir.mode, self.fdir.last_fault = FdirMode.SAFE, text
+        self.io.bus_event(
             EventId.PAYLOAD_BOOT_LOOP,
             text,
             failed_boots=self.failed_boots,
@@ -389,7 +434,7 @@ class PowerPart(TelemetryPart):
             reason=reason,
             backoff_s=backoff,
         )
-        self._publish_fdir()
+        self.telemetry.publish_fdir()
 
     def retry_payload(self, origin: str, **fields) -> bool:
         """End the boot-loop hold (`origin`: "ground" for PAYLOAD_RETRY, "backoff"): the payload
@@ -401,7 +446,7 @@ class PowerPart(TelemetryPart):
         held_s = now - self.held_since
         self.held_off, self.held_until = False, None
         why = "the back-off expired" if origin == "backoff" else "the ground commanded PAYLOAD_RETRY"
-        self._bus_event(
+        self.io.bus_event(
             EventId.PAYLOAD_RETRY,
             f"payload held off {held_s:.1f} s after a boot loop; {why}: powering it again",
             origin=origin,

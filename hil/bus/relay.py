@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from common import log
@@ -28,26 +29,58 @@ from common.wire.errors import RequestRef
 from common.wire.ids import GROUND_SOURCE_IDS, is_admin_source
 from common.wire.link import LinkError, Received, send_packet
 from hil.bus import buslog as bl
-from hil.bus.base import request_fields
+from hil.bus.base import BusIO, FdirChannels, PayloadLink, request_fields
 from hil.bus.busstore import StoredCommand, StoreUnavailable, request_key
-from hil.bus.stations import StationsPart
-from hil.bus.storage import STORAGE_RETRY_S, condition_of
+from hil.bus.clock import TraceClock
+from hil.bus.config import BusConfig
+from hil.bus.power_fdir import PowerFdir
+from hil.bus.routing import Routing
+from hil.bus.stations import Stations
+from hil.bus.storage import STORAGE_RETRY_S, StorageWatch, condition_of
+from hil.bus.timeline import Timeline
 
 _log = log.get("hil.bus")
 
-__all__ = ["GROUND_SOURCE_IDS", "RelayPart"]
+__all__ = ["GROUND_SOURCE_IDS", "Relay"]
 
 _STORE_WRITER = "command store"
 _CONDITION_WORDS = {"full": "full", "read_only": "read-only", "error": "failing (I/O errors)"}
 
 
-class RelayPart(StationsPart):
+class Relay:
     """Ground packets in, stored commands out to the payload, payload packets in."""
 
-    _store_retry_at = 0.0
-    _log_retry_at = 0.0
-    #: the station served last by the round-robin forwarder
-    _served_last: str | None = None
+    def __init__(
+        self,
+        config: BusConfig,
+        clock: TraceClock,
+        io: BusIO,
+        link: PayloadLink,
+        fdir: FdirChannels,
+        storage: StorageWatch,
+        power: PowerFdir,
+        timeline: Timeline,
+        routing: Routing,
+        stations: Stations,
+        on_payload_message: Callable[[m.Message, float], None] | None = None,
+    ):
+        self.config = config
+        self.clock = clock
+        self.io = io
+        self.link = link
+        self.fdir = fdir
+        self.storage = storage
+        self.power = power
+        self.timeline = timeline
+        self.routing = routing
+        self.stations = stations
+        #: sees every packet from the payload (a replay's pacer)
+        self.on_payload_message = on_payload_message
+        # when the failing command store and run log are tried again (monotonic)
+        self._store_retry_at = 0.0
+        self._log_retry_at = 0.0
+        #: the station served last by the round-robin forwarder
+        self._served_last: str | None = None
 
     def _ground_allowed(self, user: str | None) -> bool:
         if user is None or user == self.config.payload_client:
@@ -66,27 +99,27 @@ class RelayPart(StationsPart):
         link_refused: bool = False,
     ) -> None:
         report = m.Rejected.from_error(error, request, task_id)
-        packet = self._bus_packet(report)
+        packet = self.io.bus_packet(report)
         sender = received.user_id or "unknown"
         # Past REJECT_LOG_BURST in a window, a station's refusals are answered to it alone and
         # counted: a flood of bad packets must not become a flood of log lines and telemetry.
-        in_full = self._log_rejection(sender, error.code.name, time.monotonic())
+        in_full = self.stations.log_rejection(sender, error.code.name, time.monotonic())
         if in_full:
-            self._publish(packet)
+            self.io.publish(packet)
             if link_refused:
-                self.buslog.write(bl.LINK_REFUSED, **self._stamp(), link="commands", client=received.user_id)
+                self.io.buslog.write(bl.LINK_REFUSED, **self.io.stamp(), link="commands", client=received.user_id)
         try:
             send_packet(
-                self.commands_sock, packet, routing_id=received.routing_id, timeout_s=0.0 if not in_full else 0.1
+                self.io.commands_sock, packet, routing_id=received.routing_id, timeout_s=0.0 if not in_full else 0.1
             )
         except LinkError:
             pass
         if not in_full:
             return
         req = report.request
-        self.buslog.write(
+        self.io.buslog.write(
             bl.COMMAND_REJECTED,
-            **self._stamp(),
+            **self.io.stamp(),
             request=request_fields(req),
             type=type_name,
             task_id=task_id,
@@ -96,7 +129,7 @@ class RelayPart(StationsPart):
         )
         _log.warning("bus_command_rejected", code=error.code.name, reason=error.reason, sender=received.user_id)
 
-    def _on_ground_packet(self, received: Received) -> None:
+    def on_ground_packet(self, received: Received) -> None:
         packet = received.packet
         now = time.monotonic()
         user = received.user_id
@@ -109,7 +142,7 @@ class RelayPart(StationsPart):
             )
             return
         assert user is not None  # _ground_allowed refused a client without a name
-        if not self._key_current(user, received.key):
+        if not self.stations.key_current(user, received.key):
             self._reject_ground(
                 received,
                 WireError(
@@ -118,10 +151,10 @@ class RelayPart(StationsPart):
                 ),
                 self._header_request(packet),
             )
-            self._close_revoked("commands", received.routing_id, received)
+            self.stations.close_revoked("commands", received.routing_id, received)
             return
-        self._note_connection("commands", received.routing_id, received)
-        if not self._rate_ok(user, now):
+        self.stations.note_connection("commands", received.routing_id, received)
+        if not self.stations.rate_ok(user, now):
             rate = self.config.station_rate
             self._reject_ground(
                 received,
@@ -132,7 +165,7 @@ class RelayPart(StationsPart):
                 ),
                 self._header_request(packet),
             )
-            self._throttled(user, None, f"RATE_LIMITED, more than {rate:g} commands/s", now)
+            self.stations.throttled(user, None, f"RATE_LIMITED, more than {rate:g} commands/s", now)
             return
         try:
             header, message = decode(packet)
@@ -159,7 +192,7 @@ class RelayPart(StationsPart):
         if header.source_id not in GROUND_SOURCE_IDS:
             refuse(ResponseCode.NOT_AUTHORIZED, f"source id {header.source_id:#06x} is not a ground station's")
             return
-        bound = self._keys().binding(user)
+        bound = self.stations.binding(user)
         if bound is None:
             refuse(
                 ResponseCode.SOURCE_NOT_BOUND,
@@ -176,31 +209,31 @@ class RelayPart(StationsPart):
         if header.apid == Apid.BUS or message.TYPE == MessageType.PAYLOAD_RETRY:
             self._on_bus_command(received, header, message)  # the bus's own telecommand, never stored
             return
-        if self.store.find(request_key(request)) is not None:
+        if self.io.store.find(request_key(request)) is not None:
             refuse(
                 ResponseCode.REPLAYED_SEQUENCE, f"seq {request.seq} from source {request.source_id} is already queued"
             )
             return
         cfg = self.config
-        if self.store.count_for(user) >= cfg.station_quota:
+        if self.io.store.count_for(user) >= cfg.station_quota:
             refuse(
                 ResponseCode.STATION_QUOTA,
                 f"station {user} already has {cfg.station_quota} commands stored on the bus (its quota); "
                 "send again once the payload has taken some",
             )
-            self._throttled(user, header.source_id, f"STATION_QUOTA, {cfg.station_quota} commands stored", now)
+            self.stations.throttled(user, header.source_id, f"STATION_QUOTA, {cfg.station_quota} commands stored", now)
             return
-        if len(self.store) >= cfg.store_max_commands or self.store.live_bytes + len(packet) > cfg.store_max_bytes:
+        if len(self.io.store) >= cfg.store_max_commands or self.io.store.live_bytes + len(packet) > cfg.store_max_bytes:
             refuse(
                 ResponseCode.BUS_STORAGE_FULL,
-                f"the bus's command store is at its cap ({len(self.store)} commands, "
-                f"{self.store.live_bytes / 2**20:.1f} MiB of {cfg.store_max_commands} / "
+                f"the bus's command store is at its cap ({len(self.io.store)} commands, "
+                f"{self.io.store.live_bytes / 2**20:.1f} MiB of {cfg.store_max_commands} / "
                 f"{cfg.store_max_bytes / 2**20:.1f} MiB); not relayed, send it again later",
             )
             return
         try:
             # Durable before anything else happens to it (or is logged about it).
-            entry = self.store.enqueue(packet, user, time.time())
+            entry = self.io.store.enqueue(packet, user, time.time())
         except StoreUnavailable as exc:
             self.storage.failed(_STORE_WRITER, exc.error)
             condition = _CONDITION_WORDS.get(condition_of(exc.error), "failing")
@@ -212,20 +245,20 @@ class RelayPart(StationsPart):
             return
         self.storage.succeeded(_STORE_WRITER)  # marks that waited went out with it
         assert received.routing_id is not None  # a ROUTER socket names every sender
-        self._remember_route(request, received.routing_id)
-        self._expect_replies(request, message)
+        self.routing.remember_route(request, received.routing_id)
+        self.routing.expect_replies(request, message)
         extra: dict[str, Any] = {"packet": base64.b64encode(packet).decode("ascii")} if self.config.log_packets else {}
-        self.buslog.write(
+        self.io.buslog.write(
             bl.COMMAND_RECEIVED,
-            **self._stamp(),
+            **self.io.stamp(),
             request=request_fields(request),
             type=name,
             task_id=task_id,
             sender=user,
             store_id=entry.store_id,
-            payload_on=self.switch.is_on(),
-            payload_connected=self.payload_rid is not None,
-            queued=len(self.store),
+            payload_on=self.io.switch.is_on(),
+            payload_connected=self.link.payload_rid is not None,
+            queued=len(self.io.store),
             **extra,
         )
         _log.info(
@@ -235,7 +268,7 @@ class RelayPart(StationsPart):
             source=request.source_id,
             task_id=task_id,
             store_id=entry.store_id,
-            queued=len(self.store),
+            queued=len(self.io.store),
         )
 
     @staticmethod
@@ -246,33 +279,33 @@ class RelayPart(StationsPart):
             return exc.request
 
     # ---- the store on the bus's own disk ----------------------------------------------------------
-    def _flush_store(self, now: float, force: bool = False) -> None:
+    def flush_store(self, now: float, force: bool = False) -> None:
         """Write the forwarding marks and confirmations waiting in memory. When the disk refuses,
         they stay in memory (and relaying goes on) and are tried again every STORAGE_RETRY_S."""
-        if not self.store.has_pending:
+        if not self.io.store.has_pending:
             return
         if not force and _STORE_WRITER in self.storage.failing and now < self._store_retry_at:
             return
         try:
-            self.store.flush()
+            self.io.store.flush()
         except OSError as exc:
             self._store_retry_at = now + STORAGE_RETRY_S
             self.storage.failed(_STORE_WRITER, exc)
         else:
             self.storage.succeeded(_STORE_WRITER)
 
-    def _retry_storage(self, now: float) -> None:
+    def retry_storage(self, now: float) -> None:
         """While some writer fails: the run log's held lines, and a store that has nothing to
         write (its failure was a refused command) is declared writable again by a probe. (The
         telemetry numbering tries its reservation again by itself, at its next packet.)"""
         if self.storage.ok or now < self._log_retry_at:
             return
         self._log_retry_at = now + STORAGE_RETRY_S
-        if self.buslog.failing is not None:
-            self.buslog.retry()
-        if _STORE_WRITER in self.storage.failing and not self.store.has_pending:
+        if self.io.buslog.failing is not None:
+            self.io.buslog.retry()
+        if _STORE_WRITER in self.storage.failing and not self.io.store.has_pending:
             try:
-                self.store.probe()
+                self.io.store.probe()
             except OSError:
                 pass
             else:
@@ -302,35 +335,35 @@ class RelayPart(StationsPart):
                 f"source id {header.source_id:#06x} is not an admin station's (0x0001-0x000f): "
                 "only the operations centre powers the payload again",
             )
-        elif not self.held_off:
+        elif not self.power.held_off:
             refusal = WireError(ResponseCode.NOT_HELD, "the payload is not held off by the boot-loop guard")
         if refusal is not None:
             self._reject_ground(received, refusal, request, None, name)
             return
         self._answer_ground(received, m.Accepted.about(request))
-        self.retry_payload("ground", sender=received.user_id, request=request_fields(request))
+        self.power.retry_payload("ground", sender=received.user_id, request=request_fields(request))
         self._answer_ground(received, m.Completed.about(request))
 
     def _answer_ground(self, received: Received, report: m.Message) -> None:
         """A report from the bus itself: to the station that sent the command, and on the PUB."""
-        packet = self._bus_packet(report)
-        self._publish(packet)
+        packet = self.io.bus_packet(report)
+        self.io.publish(packet)
         try:
-            send_packet(self.commands_sock, packet, routing_id=received.routing_id, timeout_s=0.1)
+            send_packet(self.io.commands_sock, packet, routing_id=received.routing_id, timeout_s=0.1)
         except LinkError:
             pass  # the PUB carries it too
 
-    def _forward(self) -> None:
+    def forward(self) -> None:
         """Send live commands to the current payload connection: round-robin between the
         stations' queues (each station's in arrival order), at most max_in_flight unconfirmed
         in all, and no station more than its share of them while another waits; each is marked
         (durably, when the disk lets it) before it is sent."""
-        if self.payload_rid is None or not self.switch.is_on() or not len(self.store):
+        if self.link.payload_rid is None or not self.io.switch.is_on() or not len(self.io.store):
             return
         queues: dict[str, list[StoredCommand]] = {}
         in_flight: Counter = Counter()
-        for entry in self.store.pending():
-            if entry.sent_link == self.link_id:
+        for entry in self.io.store.pending():
+            if entry.sent_link == self.link.link_id:
                 in_flight[entry.sender] += 1
             else:
                 queues.setdefault(entry.sender, []).append(entry)
@@ -367,40 +400,39 @@ class RelayPart(StationsPart):
                     progress = True
         if not batch:
             return
-        self.payload_queue_depth = None  # a command may add work: wait for the next housekeeping report
+        self.link.payload_queue_depth = None  # a command may add work: wait for the next housekeeping report
         for entry in batch:
-            self.store.mark_forwarded(entry, self.link_id)
+            self.io.store.mark_forwarded(entry, self.link.link_id)
         # Durable marks tell a restarted bus that a resend is a redelivery. A disk that refuses
         # them does not stop the relay: they wait in memory (docs/bus.md "The bus's own disk").
-        self._flush_store(time.monotonic())
+        self.flush_store(time.monotonic())
         for entry in batch:
-            if not self._to_payload(entry.packet):
+            if not self.io.to_payload(entry.packet):
                 return
-            entry.sent_link, entry.sent_at = self.link_id, time.monotonic()
-            for expectation in self.expectations:
-                if expectation.key == entry.key:
-                    expectation.armed = True
-            self.buslog.write(
+            entry.sent_link, entry.sent_at = self.link.link_id, time.monotonic()
+            self.routing.arm(entry.key)
+            self.io.buslog.write(
                 bl.COMMAND_FORWARDED,
-                **self._stamp(),
+                **self.io.stamp(),
                 store_id=entry.store_id,
                 type=entry.type_name,
                 request=request_fields(entry.request),
                 task_id=entry.task_id,
-                link=self.link_id,
+                link=self.link.link_id,
                 redelivery=entry.forwards > 1,
             )
 
-    def _on_payload_packet(self, received: Received) -> None:
+    def on_payload_packet(self, received: Received) -> None:
         now = time.monotonic()
-        if received.user_id == self.config.payload_client and not self._key_current(received.user_id, received.key):
-            self._log_rejection(received.user_id, "NOT_AUTHORIZED", now)
-            self._close_revoked("payload", received.routing_id, received)
-            if received.routing_id == self.payload_rid:
-                self.payload_rid = None
+        stations = self.stations
+        if received.user_id == self.config.payload_client and not stations.key_current(received.user_id, received.key):
+            self.stations.log_rejection(received.user_id, "NOT_AUTHORIZED", now)
+            self.stations.close_revoked("payload", received.routing_id, received)
+            if received.routing_id == self.link.payload_rid:
+                self.link.payload_rid = None
             return
         if received.user_id != self.config.payload_client:
-            self.buslog.write(bl.LINK_REFUSED, **self._stamp(now), link="payload", client=received.user_id)
+            self.io.buslog.write(bl.LINK_REFUSED, **self.io.stamp(now), link="payload", client=received.user_id)
             _log.warning("bus_payload_link_refused", client=received.user_id)
             refused: RequestRef | None
             try:
@@ -411,7 +443,8 @@ class RelayPart(StationsPart):
                 WireError(ResponseCode.NOT_AUTHORIZED, f"client {received.user_id!r} is not the payload"), refused
             )
             try:
-                send_packet(self.payload_sock, self._bus_packet(report), routing_id=received.routing_id, timeout_s=0.1)
+                packet = self.io.bus_packet(report)
+                send_packet(self.io.payload_sock, packet, routing_id=received.routing_id, timeout_s=0.1)
             except LinkError:
                 pass
             return
@@ -423,80 +456,80 @@ class RelayPart(StationsPart):
         if message.is_command():
             _log.warning("bus_payload_sent_command", type=message.TYPE.name)
             return
-        self._note_connection("payload", received.routing_id, received)
-        if self.switch.is_on() and received.routing_id != self.payload_rid:
+        self.stations.note_connection("payload", received.routing_id, received)
+        if self.io.switch.is_on() and received.routing_id != self.link.payload_rid:
             self._payload_connected(received.routing_id, message, now)
-        if self.pacer is not None:
-            self.pacer.payload_message(self, message, now)
-        if received.routing_id == self.payload_rid:
-            if self.last_seen is not None and now - self.last_seen > self.config.heartbeat_gap_log_s:
-                self.buslog.write(
+        if self.on_payload_message is not None:
+            self.on_payload_message(message, now)
+        if received.routing_id == self.link.payload_rid:
+            if self.link.last_seen is not None and now - self.link.last_seen > self.config.heartbeat_gap_log_s:
+                self.io.buslog.write(
                     bl.HEARTBEAT_GAP,
-                    **self._stamp(now),
-                    gap_s=round(now - self.last_seen, 3),
+                    **self.io.stamp(now),
+                    gap_s=round(now - self.link.last_seen, 3),
                     action="none",
                     phase="running",
                 )
-                if self.fdir_mode is FdirMode.DEGRADED:
-                    self.fdir_mode = FdirMode.NOMINAL
-            self.last_seen = now
-            self.gap_reported = False
+                if self.fdir.mode is FdirMode.DEGRADED:
+                    self.fdir.mode = FdirMode.NOMINAL
+            self.link.last_seen = now
+            self.link.gap_reported = False
             if isinstance(message, m.Housekeeping):
-                self.payload_queue_depth = message.queue_depth
-            if isinstance(message, m.Progress) and not self.boot_up:
-                self._boot_came_up()  # it did a unit of work: this boot came up, however soon it ends
+                self.link.payload_queue_depth = message.queue_depth
+            if isinstance(message, m.Progress) and not self.power.boot_up:
+                self.power.boot_came_up()  # it did a unit of work: this boot came up, however soon it ends
             if isinstance(message, m.Heartbeat):
                 self._confirm_by_time(now)
                 if message.current_task is None:
-                    self.payload_idle_since = self.payload_idle_since or now
+                    self.link.payload_idle_since = self.link.payload_idle_since or now
                 else:
-                    self.payload_idle_since = None
+                    self.link.payload_idle_since = None
         # A redelivery's REJECTED REPLAYED_SEQUENCE (the payload ran the command before a cut took
         # its reports) is the bus's own business: not routed, and not published either, or a
         # ground listening on the telemetry link takes it for a refusal of its command.
-        if not self._route_payload_report(message, received.packet, now):
-            self._publish(received.packet)
+        if not self.routing.route_payload_report(message, received.packet, now):
+            self.io.publish(received.packet)
 
     def _payload_connected(self, rid: bytes | None, message: m.Message, now: float) -> None:
         if self.config.hold_for_connect:
             self.clock.release(now)  # the window's trace time starts now
-        self._boot_connected(now)
-        self.link_id += 1
-        self.payload_rid = rid
-        self.last_seen = now
-        self.payload_idle_since = None
-        self.payload_queue_depth = None  # unknown until its next housekeeping report
+        self.power.boot_connected(now)
+        self.link.link_id += 1
+        self.link.payload_rid = rid
+        self.link.last_seen = now
+        self.link.payload_idle_since = None
+        self.link.payload_queue_depth = None  # unknown until its next housekeeping report
         boot_count = message.boot_count if isinstance(message, m.Heartbeat) else None
-        self.buslog.write(
+        self.io.buslog.write(
             bl.PAYLOAD_CONNECTED,
-            **self._stamp(now),
-            link=self.link_id,
+            **self.io.stamp(now),
+            link=self.link.link_id,
             boot_count=boot_count,
-            after_power_on_s=round(now - self.powered_at, 3) if self.powered_at else None,
-            queued=len(self.store),
+            after_power_on_s=round(now - self.power.powered_at, 3) if self.power.powered_at else None,
+            queued=len(self.io.store),
         )
-        _log.info("bus_payload_connected", link=self.link_id, boot_count=boot_count, queued=len(self.store))
-        self._to_payload(
-            self._bus_packet(
+        _log.info("bus_payload_connected", link=self.link.link_id, boot_count=boot_count, queued=len(self.io.store))
+        self.io.to_payload(
+            self.io.bus_packet(
                 m.PowerStateChange(
                     trace_time_s=self.clock.clock_s(now),
                     payload_on=True,
                     cause=PowerCause.RESTORED,
-                    after_fault=self.last_off_fault,
+                    after_fault=self.power.last_off_fault,
                 )
             )
         )
-        if self.pending_warning is not None:
-            self._warn(redelivered=True)
+        if self.timeline.pending_warning is not None:
+            self.timeline.warn(redelivered=True)
 
     def _confirm_by_time(self, now: float) -> None:
         """Telecommands that asked for no acceptance report cannot be confirmed by one: once the
         payload has lived `confirm_after_s` after receiving one, it counts as delivered."""
-        for entry in self.store.pending():
+        for entry in self.io.store.pending():
             if (
-                entry.sent_link == self.link_id
+                entry.sent_link == self.link.link_id
                 and entry.sent_at is not None
                 and now - entry.sent_at >= self.config.confirm_after_s
                 and not entry.wants_acceptance
             ):
-                self._confirm_stored(entry, "assumed", now)
+                self.routing.confirm_stored(entry, "assumed", now)

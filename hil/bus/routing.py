@@ -14,11 +14,8 @@ from common.wire import messages as m
 from common.wire.errors import RequestRef
 from common.wire.link import LinkError, send_packet
 from hil.bus import buslog as bl
-from hil.bus.base import Pacer, request_fields
+from hil.bus.base import BusIO, request_fields
 from hil.bus.busstore import StoredCommand, request_key
-from hil.bus.config import BusConfig
-from hil.bus.power import PowerSwitch
-from hil.bus.timeline import TimelinePart
 
 #: Replies that answer one telecommand, and the field that ties reply to command.
 REPLY_TO = {
@@ -47,31 +44,31 @@ class ReplyExpectation:
     armed: bool = False
 
 
-class RoutingPart(TimelinePart):
+class Routing:
     """Where each ground connection is, which task is whose, and the replies still owed."""
 
-    def __init__(self, config: BusConfig, switch: PowerSwitch | None = None, pacer: Pacer | None = None):
-        super().__init__(config, switch, pacer)
+    def __init__(self, io: BusIO):
+        self.io = io
         # routing of reports back to the ground connection that sent the telecommand
         self.route_by_request: dict[tuple, bytes] = {}
         self.route_by_source: dict[int, bytes] = {}
         self.task_owner: dict[str, tuple] = {}
         self.expectations: list[ReplyExpectation] = []
 
-    def _confirm_stored(self, entry: StoredCommand, how: str, now: float | None = None) -> None:
+    def confirm_stored(self, entry: StoredCommand, how: str, now: float | None = None) -> None:
         """A stored command is done with (answered, assumed delivered, dropped): out of the store,
         and a `command_confirmed` line saying how."""
-        self.store.confirm(entry, how)
-        self.buslog.write(
+        self.io.store.confirm(entry, how)
+        self.io.buslog.write(
             bl.COMMAND_CONFIRMED,
-            **self._stamp(now),
+            **self.io.stamp(now),
             store_id=entry.store_id,
             type=entry.type_name,
             request=request_fields(entry.request),
             how=how,
         )
 
-    def _expect_replies(self, request: RequestRef, message: m.Message) -> None:
+    def expect_replies(self, request: RequestRef, message: m.Message) -> None:
         """Note what the payload will answer this telecommand with, to route the answer back."""
         if isinstance(message, m.UplinkTask):
             self.task_owner[message.task_id] = request_key(request)
@@ -89,13 +86,19 @@ class RoutingPart(TimelinePart):
                 )
             )
 
-    def _remember_route(self, request: RequestRef, routing_id: bytes) -> None:
+    def remember_route(self, request: RequestRef, routing_id: bytes) -> None:
         routes = self.route_by_request
         routes[request_key(request)] = routing_id
         if len(routes) > ROUTES_KEPT:
             for key in list(routes)[: len(routes) - ROUTES_KEPT]:
                 del routes[key]
         self.route_by_source[request.source_id] = routing_id
+
+    def arm(self, key: tuple) -> None:
+        """The command `key` went to the payload: an answer to it can come from now on."""
+        for expectation in self.expectations:
+            if expectation.key == key:
+                expectation.armed = True
 
     def _to_ground(self, packet: bytes, key: tuple | None, source_id: int | None) -> bool:
         """Send to the connection that sent the telecommand, else to that station's latest."""
@@ -106,13 +109,13 @@ class RoutingPart(TimelinePart):
             candidates.append(self.route_by_source[source_id])
         for rid in dict.fromkeys(candidates):
             try:
-                send_packet(self.commands_sock, packet, routing_id=rid, timeout_s=0.1)
+                send_packet(self.io.commands_sock, packet, routing_id=rid, timeout_s=0.1)
                 return True
             except LinkError:
                 continue
         return False
 
-    def _route_payload_report(self, message: m.Message, packet: bytes, now: float) -> bool:
+    def route_payload_report(self, message: m.Message, packet: bytes, now: float) -> bool:
         """Route one report of the payload; True when it is a redelivery duplicate, which goes
         nowhere beyond the run log."""
         if isinstance(message, m.Verification):
@@ -120,14 +123,14 @@ class RoutingPart(TimelinePart):
             key = request_key(request)
             code = getattr(message, "code", None)
             suppressed = False
-            entry = self.store.find(key)
+            entry = self.io.store.find(key)
             if entry is not None:
                 how = message.TYPE.name.lower()
                 if code == ResponseCode.REPLAYED_SEQUENCE and entry.forwards > 1:
                     # A redelivery the payload had already accepted before it lost power: the
                     # command ran once; the ground gets the payload's other reports about it.
                     how, suppressed = "redelivery_duplicate", True
-                self._confirm_stored(entry, how, now)
+                self.confirm_stored(entry, how, now)
             if message.TYPE in (MessageType.REJECTED, MessageType.FAILED, MessageType.COMPLETED):
                 self.expectations = [e for e in self.expectations if e.key != key]
             routed = False if suppressed else self._to_ground(packet, key, request.source_id)
@@ -136,9 +139,9 @@ class RoutingPart(TimelinePart):
                 if isinstance(message, m.Progress)
                 else {}
             )
-            self.buslog.write(
+            self.io.buslog.write(
                 bl.PAYLOAD_REPORT,
-                **self._stamp(now),
+                **self.io.stamp(now),
                 type=message.TYPE.name,
                 request=request_fields(request),
                 task_id=message.task_id,
@@ -155,9 +158,9 @@ class RoutingPart(TimelinePart):
         ):
             self._route_reply(message, packet, now)
         elif isinstance(message, m.Event):
-            self.buslog.write(
+            self.io.buslog.write(
                 bl.PAYLOAD_REPORT,
-                **self._stamp(now),
+                **self.io.stamp(now),
                 type="EVENT",
                 event=message.event_id.name,
                 task_id=message.task_id,
@@ -193,9 +196,9 @@ class RoutingPart(TimelinePart):
         )
         if key is None:
             if isinstance(message, m.TaskResult):
-                self.buslog.write(
+                self.io.buslog.write(
                     bl.PAYLOAD_REPORT,
-                    **self._stamp(now),
+                    **self.io.stamp(now),
                     type=message.TYPE.name,
                     request=None,
                     task_id=message.task_id,
@@ -205,9 +208,9 @@ class RoutingPart(TimelinePart):
                 )
             return  # periodic housekeeping: telemetry only
         routed = self._to_ground(packet, key, source)
-        self.buslog.write(
+        self.io.buslog.write(
             bl.PAYLOAD_REPORT,
-            **self._stamp(now),
+            **self.io.stamp(now),
             type=message.TYPE.name,
             request=request_fields(RequestRef(*key)),
             task_id=getattr(message, "task_id", None),

@@ -20,12 +20,11 @@ from dataclasses import dataclass, field
 
 from common import log
 from common.wire import EventId
-from common.wire.link import AuthorizedKeys, CurveAuthenticator, Received
+from common.wire.link import Received
 from hil.bus import buslog as bl
-from hil.bus.base import Pacer
+from hil.bus.base import BusIO
 from hil.bus.config import BusConfig
-from hil.bus.power import PowerSwitch
-from hil.bus.routing import RoutingPart
+from hil.bus.routing import Routing
 
 _log = log.get("hil.bus")
 
@@ -115,13 +114,13 @@ def shut_down(conn: Connection) -> bool:
         return False
 
 
-class StationsPart(RoutingPart):
+class Stations:
     """Keys, bindings, rate limits, quotas and refusal logging for the ground stations."""
 
-    _auth: CurveAuthenticator | None
-
-    def __init__(self, config: BusConfig, switch: PowerSwitch | None = None, pacer: Pacer | None = None):
-        super().__init__(config, switch, pacer)
+    def __init__(self, config: BusConfig, io: BusIO, routing: Routing):
+        self.config = config
+        self.io = io
+        self.routing = routing
         #: link -> connection key (routing id, or fd on the telemetry link) -> Connection
         self.connections: dict[str, OrderedDict] = {
             "commands": OrderedDict(),
@@ -141,11 +140,11 @@ class StationsPart(RoutingPart):
         self.refusals: Counter = Counter()
 
     # ---- keys ----------------------------------------------------------------------------------
-    def _keys(self) -> AuthorizedKeys:
-        assert self._auth is not None  # Bus.start() opened it before any packet can come
-        return self._auth.keys
+    def binding(self, name: str) -> int | None:
+        """The source id key `name` is bound to (authorized/NAME.station), or None."""
+        return self.io.keys.binding(name)
 
-    def _key_current(self, name: str | None, key: str | None) -> bool:
+    def key_current(self, name: str | None, key: str | None) -> bool:
         """Whether this (name, key) is authorized now (as of the last look at authorized/)."""
         if name is None:
             return False
@@ -157,14 +156,14 @@ class StationsPart(RoutingPart):
         if now - self._keys_forced >= KEYS_FORCED_CHECK_S:
             # Perhaps authorized since the last look (its handshake just passed): look again.
             self._keys_forced = now
-            self._check_keys(now)
+            self.check_keys(now)
             return self.key_snapshot.get(name) == key.encode("ascii")
         return False
 
-    def _check_keys(self, now: float) -> None:
+    def check_keys(self, now: float) -> None:
         """Read authorized/ again; close the connections of every key that is gone or replaced."""
         self._keys_checked = now
-        keys = self._keys()
+        keys = self.io.keys
         keys.refresh()
         before, after = self.key_snapshot, keys.snapshot()
         self.key_snapshot = after
@@ -172,10 +171,10 @@ class StationsPart(RoutingPart):
             # The first look (at start): commands stored by a key revoked while the bus was
             # down do not go out either.
             self._keys_known = True
-            for name in sorted({e.sender for e in self.store.pending()} - set(after)):
+            for name in sorted({e.sender for e in self.io.store.pending()} - set(after)):
                 dropped = self._drop_stored_of(name)
                 if dropped:
-                    self._bus_event(
+                    self.io.bus_event(
                         EventId.KEY_REVOKED,
                         f"key {name} no longer in authorized/: {dropped} stored command(s) dropped",
                         key_name=name,
@@ -189,7 +188,7 @@ class StationsPart(RoutingPart):
             removed = name not in after
             dropped = self._drop_stored_of(name) if removed else 0
             how = "removed from authorized/" if removed else "replaced in authorized/"
-            self._bus_event(
+            self.io.bus_event(
                 EventId.KEY_REVOKED,
                 f"key {name} {how}: {closed} open connection(s) closed"
                 + (f", {dropped} stored command(s) dropped" if dropped else ""),
@@ -201,13 +200,13 @@ class StationsPart(RoutingPart):
     def _drop_stored_of(self, name: str) -> int:
         """Commands a revoked key stored that have not gone to the payload do not go out now."""
         dropped = 0
-        for entry in self.store.pending():
+        for entry in self.io.store.pending():
             if entry.sender == name and entry.sent_link is None and entry.forwards == 0:
-                self._confirm_stored(entry, "revoked")
+                self.routing.confirm_stored(entry, "revoked")
                 dropped += 1
         return dropped
 
-    def _note_connection(self, link: str, conn_id: bytes | int | None, received: Received) -> None:
+    def note_connection(self, link: str, conn_id: bytes | int | None, received: Received) -> None:
         if conn_id is None or received.fd is None or received.user_id is None:
             return
         conns = self.connections[link]
@@ -230,16 +229,16 @@ class StationsPart(RoutingPart):
                 del conns[conn_id]
                 if shut_down(conn):
                     closed += 1
-                    self.buslog.write(
-                        bl.LINK_CLOSED, **self._stamp(), link=link, client=conn.name, reason="key revoked"
+                    self.io.buslog.write(
+                        bl.LINK_CLOSED, **self.io.stamp(), link=link, client=conn.name, reason="key revoked"
                     )
                     _log.warning("bus_connection_closed", link=link, client=conn.name, reason="key revoked")
         return closed
 
-    def _close_revoked(self, link: str, conn_id: bytes | int | None, received: Received) -> None:
+    def close_revoked(self, link: str, conn_id: bytes | int | None, received: Received) -> None:
         """A packet from a key that is no longer authorized: close the connection it came on, a
         moment later, so that the REJECTED just sent on it leaves libzmq's queue first."""
-        self._note_connection(link, conn_id, received)
+        self.note_connection(link, conn_id, received)
         conn = self.connections[link].pop(conn_id, None) if conn_id is not None else None
         if conn is not None:
             self._closing.append((time.monotonic() + CLOSE_DELAY_S, link, conn))
@@ -251,36 +250,38 @@ class StationsPart(RoutingPart):
         self._closing = [c for c in self._closing if c not in due]
         for _, link, conn in due:
             if shut_down(conn):
-                self.buslog.write(bl.LINK_CLOSED, **self._stamp(), link=link, client=conn.name, reason="key revoked")
+                self.io.buslog.write(
+                    bl.LINK_CLOSED, **self.io.stamp(), link=link, client=conn.name, reason="key revoked"
+                )
                 _log.warning("bus_connection_closed", link=link, client=conn.name, reason="key revoked")
 
-    def _on_subscription(self, received: Received) -> None:
+    def on_subscription(self, received: Received) -> None:
         """A telemetry subscription (XPUB): remember its connection; refuse a revoked key's."""
         if received.fd is None:
             return
-        if not self._key_current(received.user_id, received.key):
-            self._close_revoked("telemetry", received.fd, received)
+        if not self.key_current(received.user_id, received.key):
+            self.close_revoked("telemetry", received.fd, received)
             return
-        self._note_connection("telemetry", received.fd, received)
+        self.note_connection("telemetry", received.fd, received)
 
     # ---- rates, quotas, refusal logging ----------------------------------------------------------
-    def _rate_ok(self, name: str, now: float) -> bool:
+    def rate_ok(self, name: str, now: float) -> bool:
         bucket = self.buckets.get(name)
         if bucket is None:
             cfg = self.config
             bucket = self.buckets[name] = TokenBucket(cfg.station_rate, float(cfg.station_burst), stamp=now)
         return bucket.take(now)
 
-    def _throttled(self, name: str, source_id: int | None, why: str, now: float) -> None:
+    def throttled(self, name: str, source_id: int | None, why: str, now: float) -> None:
         """STATION_THROTTLED, at most once per station per `throttle_event_s`."""
         last = self.throttled_at.get(name)
         if last is not None and now - last < self.config.throttle_event_s:
             return
         self.throttled_at[name] = now
         source = f" (source {source_id:#06x})" if source_id is not None else ""
-        self._bus_event(EventId.STATION_THROTTLED, f"station {name}{source} throttled: {why}", station=name)
+        self.io.bus_event(EventId.STATION_THROTTLED, f"station {name}{source} throttled: {why}", station=name)
 
-    def _log_rejection(self, sender: str, code_name: str, now: float) -> bool:
+    def log_rejection(self, sender: str, code_name: str, now: float) -> bool:
         """Whether this rejection is logged in full (True) or only counted (False)."""
         self.refusals[(sender, code_name)] += 1
         window = self.reject_windows.get(sender)
@@ -300,9 +301,9 @@ class StationsPart(RoutingPart):
         count = sum(window.suppressed.values())
         if not count:
             return
-        self.buslog.write(
+        self.io.buslog.write(
             bl.REJECTIONS_SUPPRESSED,
-            **self._stamp(now),
+            **self.io.stamp(now),
             sender=sender,
             count=count,
             codes=dict(window.suppressed),
@@ -310,9 +311,11 @@ class StationsPart(RoutingPart):
         )
         _log.warning("bus_rejections_suppressed", sender=sender, count=count, codes=dict(window.suppressed))
 
-    def _housekeep_stations(self, now: float, final: bool = False) -> None:
+    def housekeep(self, now: float, final: bool = False) -> None:
+        """Authorized keys looked at again, revoked connections closed when due, refusal windows
+        that ended logged (all of them, and every pending close, when `final`)."""
         if now - self._keys_checked >= KEYS_CHECK_S and not final:
-            self._check_keys(now)
+            self.check_keys(now)
         self._close_due(now, final)
         for sender, window in list(self.reject_windows.items()):
             if final or now - window.start >= REJECT_LOG_WINDOW_S:

@@ -6,22 +6,25 @@ from __future__ import annotations
 
 import math
 
-from common.wire import FdirMode
+import traces
 from common.wire import messages as m
-from hil.bus.base import BusBase, Pacer
+from hil.bus.base import BusIO, FdirChannels
+from hil.bus.clock import TraceClock
 from hil.bus.config import BusConfig
-from hil.bus.power import PowerSwitch
 
 
-class TelemetryPart(BusBase):
-    """The telemetry rounds and the FDIR channels they report."""
+class Telemetry:
+    """The telemetry rounds, and the FDIR channels they report (set by power and FDIR)."""
 
-    def __init__(self, config: BusConfig, switch: PowerSwitch | None = None, pacer: Pacer | None = None):
-        super().__init__(config, switch, pacer)
-        # FDIR telemetry channels (set by the power and FDIR part)
-        self.fdir_mode = FdirMode.NOMINAL
-        self.fault_count = 0
-        self.last_fault: str | None = None
+    def __init__(self, config: BusConfig, trace: traces.Trace, clock: TraceClock, io: BusIO, fdir: FdirChannels):
+        self.config = config
+        self.trace = trace
+        self.clock = clock
+        self.io = io
+        self.fdir = fdir
+        #: the trace has run out (the timeline says so: `trace_end`); telemetry then repeats the
+        #: last sample once per wall second
+        self.trace_ended = False
         # telemetry decimation: one report per `tm_step` trace seconds
         period = self.trace.telemetry_period_s or 1.0
         min_wall = 1.0 / config.telemetry_max_hz
@@ -30,7 +33,10 @@ class TelemetryPart(BusBase):
         self.next_tm_after_end = 0.0
         self.last_sample = self.trace.telemetry_at(config.start_at_s)
 
-    def _publish_power_report(self, now: float, to_payload: bool = False) -> None:
+    def trace_end(self) -> None:
+        self.trace_ended = True
+
+    def publish_power_report(self, now: float, to_payload: bool = False) -> None:
         sample = self.last_sample
         if (
             sample is None
@@ -39,32 +45,34 @@ class TelemetryPart(BusBase):
             or sample.payload_power_w is None
         ):
             return  # the trace did not measure these channels: nothing honest to report
-        packet = self._bus_packet(
+        packet = self.io.bus_packet(
             m.PowerReport(
                 trace_time_s=self.clock.clock_s(now),
-                payload_on=self.switch.is_on(),
+                payload_on=self.io.switch.is_on(),
                 bus_voltage_v=sample.bus_voltage_v,
                 payload_power_w=sample.payload_power_w,
                 battery_soc=sample.battery_soc,
             )
         )
-        self._publish(packet)
+        self.io.publish(packet)
         if to_payload:
-            self._to_payload(packet)
+            self.io.to_payload(packet)
 
-    def _publish_fdir(self) -> None:
-        self._publish(
-            self._bus_packet(
+    def publish_fdir(self) -> None:
+        fdir = self.fdir
+        self.io.publish(
+            self.io.bus_packet(
                 m.FdirReport(
                     trace_time_s=self.clock.clock_s(),
-                    mode=self.fdir_mode,
-                    fault_count=self.fault_count,
-                    last_fault=self.last_fault,
+                    mode=fdir.mode,
+                    fault_count=fdir.fault_count,
+                    last_fault=fdir.last_fault,
                 )
             )
         )
 
-    def _telemetry_tick(self, now: float) -> None:
+    def tick(self, now: float) -> None:
+        """A telemetry round if one is due: power and thermal (also to the payload), FDIR."""
         if self.trace_ended:
             # After the trace: the last sample, once per wall second.
             if now < self.next_tm_after_end:
@@ -82,16 +90,16 @@ class TelemetryPart(BusBase):
                 self.last_sample = sample
         # Power and thermal rounds also go to a connected payload: the trends towards the limits
         # that end its windows are what its checkpoint cadence plans with (docs/engine.md).
-        self._publish_power_report(now, to_payload=True)
+        self.publish_power_report(now, to_payload=True)
         sample = self.last_sample
         if sample is not None and sample.payload_temp_c is not None:
-            packet = self._bus_packet(
+            packet = self.io.bus_packet(
                 m.ThermalReport(
                     trace_time_s=self.clock.clock_s(now),
                     payload_temp_c=sample.payload_temp_c,
                     bus_temp_c=self.config.bus_temp_c,
                 )
             )
-            self._publish(packet)
-            self._to_payload(packet)
-        self._publish_fdir()
+            self.io.publish(packet)
+            self.io.to_payload(packet)
+        self.publish_fdir()

@@ -6,15 +6,15 @@ from __future__ import annotations
 import time
 from collections import deque
 
+import traces
 from common import log
-from common.wire import PowerCause
 from common.wire import messages as m
 from hil.bus import buslog as bl
-from hil.bus.base import Pacer
-from hil.bus.clock import TRACE_CAUSE, trace_actions
+from hil.bus.base import BusIO, PayloadLink, StopRequest
+from hil.bus.clock import TRACE_CAUSE, TraceClock, trace_actions
 from hil.bus.config import BusConfig
-from hil.bus.power import PowerSwitch
-from hil.bus.power_fdir import PowerPart
+from hil.bus.power_fdir import PowerFdir
+from hil.bus.telemetry import Telemetry
 from traces import CutCause
 
 _log = log.get("hil.bus")
@@ -27,34 +27,48 @@ IDLE_CONFIRM_S = 0.5
 SKIP_MIN_S = 0.05
 
 
-class TimelinePart(PowerPart):
+class Timeline:
     """The trace's actions still to come, and the warning in force."""
 
-    def __init__(self, config: BusConfig, switch: PowerSwitch | None = None, pacer: Pacer | None = None):
-        super().__init__(config, switch, pacer)
-        _, pending_warning, actions = trace_actions(self.trace, config.start_at_s)
+    def __init__(
+        self,
+        config: BusConfig,
+        trace: traces.Trace,
+        clock: TraceClock,
+        io: BusIO,
+        link: PayloadLink,
+        power: PowerFdir,
+        telemetry: Telemetry,
+        stop: StopRequest,
+    ):
+        self.config = config
+        self.clock = clock
+        self.io = io
+        self.link = link
+        self.power = power
+        self.telemetry = telemetry
+        self.stop = stop
+        _, pending_warning, actions = trace_actions(trace, config.start_at_s)
         #: (cut time, cause, lead) of the announced cut to come, told to each new payload connection
         self.pending_warning: tuple[float, CutCause | None, float] | None = pending_warning
         self.actions = deque(actions)
 
-    def _run_due_actions(self, now: float) -> None:
+    def run_due(self, now: float) -> None:
+        """The trace's actions that have fallen due, in order."""
         while self.actions and now >= self.clock.at(self.actions[0].trace_s):
             action = self.actions.popleft()
             if action.kind == "power_on":
-                self.trace_on = True
-                self._reconcile_power(time.monotonic(), force=True)
+                self.power.trace_power_on(time.monotonic())
             elif action.kind == "cut":
-                self.trace_on = False
                 self.pending_warning = None
-                self.off_cause, self.off_origin = TRACE_CAUSE[action.cause], "trace"
-                self._reconcile_power(time.monotonic(), force=True)
+                self.power.trace_cut(TRACE_CAUSE[action.cause], time.monotonic())
             elif action.kind == "warning":
                 self.pending_warning = (action.trace_s + action.lead_s, action.cause, action.lead_s)
-                self._warn(redelivered=False)
+                self.warn(redelivered=False)
             elif action.kind == "end":
                 self._trace_end()
 
-    def _warn(self, *, redelivered: bool) -> None:
+    def warn(self, *, redelivered: bool) -> None:
         """Publish the pending warning, and send it to the payload if it is connected."""
         if self.pending_warning is None:
             return
@@ -67,12 +81,12 @@ class TimelinePart(PowerPart):
             lead_time_s=remaining_trace * self.clock.scale,
             cause=TRACE_CAUSE[cause],
         )
-        packet = self._bus_packet(message)
-        self._publish(packet)
-        delivered = self._to_payload(packet)
-        self.buslog.write(
+        packet = self.io.bus_packet(message)
+        self.io.publish(packet)
+        delivered = self.io.to_payload(packet)
+        self.io.buslog.write(
             bl.WARNING,
-            **self._stamp(now),
+            **self.io.stamp(now),
             cause=TRACE_CAUSE[cause].value,
             trace_cause=cause.value,
             lead_trace_s=round(lead, 6),
@@ -91,17 +105,15 @@ class TimelinePart(PowerPart):
         )
 
     def _trace_end(self) -> None:
-        self.trace_ended = True
-        self.buslog.write(bl.TRACE_END, **self._stamp(), action="stop" if self.config.stop_at_end else "keep_on")
+        self.telemetry.trace_end()
+        self.io.buslog.write(bl.TRACE_END, **self.io.stamp(), action="stop" if self.config.stop_at_end else "keep_on")
         _log.info("bus_trace_end", stop=self.config.stop_at_end)
+        # Off with the bus that stops now, or kept powered from now on so that queued work can finish.
+        self.power.trace_end(self.config.stop_at_end)
         if self.config.stop_at_end:
-            self.off_cause, self.off_origin = PowerCause.TRACE, "end"
-            self.request_stop("trace_end")
-        else:
-            # Keep the payload powered from now on, so that queued work can finish.
-            self.trace_on = True
+            self.stop.request("trace_end")
 
-    def _skip_idle(self, now: float) -> None:
+    def skip_idle(self, now: float) -> None:
         """Jump the trace clock to the next trace action when nothing can happen before it."""
         if not self.actions:
             return
@@ -112,14 +124,15 @@ class TimelinePart(PowerPart):
             target = min(target, min(holds))
         if target <= trace_now:
             return
-        off_waiting = not self.switch.is_on() and not self.trace_on and self.actions[0].kind == "power_on"
+        switch, link = self.io.switch, self.link
+        off_waiting = not switch.is_on() and not self.power.trace_on and self.actions[0].kind == "power_on"
         idle = (
-            self.switch.is_on()
-            and self.payload_rid is not None
-            and self.payload_idle_since is not None
-            and now - self.payload_idle_since > IDLE_CONFIRM_S
-            and not len(self.store.pending())
-            and self.payload_queue_depth == 0
+            switch.is_on()
+            and link.payload_rid is not None
+            and link.payload_idle_since is not None
+            and now - link.payload_idle_since > IDLE_CONFIRM_S
+            and not len(self.io.store.pending())
+            and link.payload_queue_depth == 0
         )
         if not (off_waiting or idle):
             return
@@ -127,15 +140,16 @@ class TimelinePart(PowerPart):
         if delta < SKIP_MIN_S:
             return
         self.clock.t0 -= delta
-        self.buslog.write(
+        self.io.buslog.write(
             bl.CLOCK_SKIP,
-            **self._stamp(),
+            **self.io.stamp(),
             from_trace_s=round(trace_now, 3),
             to_trace_s=round(target, 3),
             reason="payload off" if off_waiting else "payload idle",
         )
 
-    def _next_due(self, now: float) -> float:
+    def next_due(self, now: float) -> float:
+        """Wall seconds until the next trace action (at most POLL_MAX_S)."""
         due = now + POLL_MAX_S
         if self.actions:
             due = min(due, self.clock.at(self.actions[0].trace_s))

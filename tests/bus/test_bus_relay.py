@@ -88,7 +88,7 @@ def test_commands_sent_while_the_payload_is_off_arrive_in_order_after_power_up(t
     first_forward = next(e for e in log if e.kind == bl.COMMAND_FORWARDED)
     power_on = next(e for e in log if e.kind == bl.POWER_ON)
     assert first_forward.wall_s > power_on.wall_s
-    assert abs(power_on.wall_s - 3 * scale) < 0.15
+    assert power_on.clock_s is not None and power_on.clock_s >= 3 * scale - 1e-3, "never powered early"
     assert {e["how"] for e in log if e.kind == bl.COMMAND_CONFIRMED} == {"accepted"}
 
 

@@ -408,3 +408,48 @@ def test_beyond_loopback_over_tls_with_a_self_signed_certificate(tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_lifetime_storage_written_survives_a_console_restart(tmp_path):
+    """The running lifetime total is kept in the station's state (docs/ground.md "Lifetime
+    storage written"): a restarted console shows the same total and goes on from it without
+    counting the present boot twice; a payload whose boot count restarted adds to it; a damaged
+    file is set aside and said."""
+    from ground.console.server import WRITTEN_FILE, Console
+    from ground.state import GroundState
+
+    state = GroundState(tmp_path / "state")
+
+    def console() -> Console:
+        return Console(ConsoleConfig(client_factory=_no_link, security=ConsoleSecurity(), listen=False, state=state))
+
+    def report(target: Console, t: float, boot: int, written: int) -> None:
+        body = {"boot_count": boot, "written_bytes": written}
+        target.ingest({"t": t, "type": "HOUSEKEEPING", "body": body})
+
+    def total(target: Console) -> float:
+        return target.history.raw(0.0, 1e12, ["storage_written_bytes"])["storage_written_bytes"][1][-1]
+
+    first = console()
+    for t, boot, written in [(1.0, 1, 100), (2.0, 1, 300), (3.0, 2, 40)]:
+        report(first, t, boot, written)
+    assert total(first) == 340.0
+    second = console()  # a restart: a fresh history, the same state
+    assert total(second) == 340.0
+    report(second, 4.0, 2, 90)  # the same boot goes on: 300 + 90, not 340 + 90
+    assert total(second) == 390.0
+    report(second, 5.0, 3, 10)
+    third = console()
+    assert total(third) == 400.0
+    report(third, 6.0, 1, 5)  # below the saved boot, before any report of it: the count restarted
+    assert total(third) == 405.0
+    report(third, 7.0, 0, 999)  # now a lower boot is a late packet
+    assert total(third) == 405.0
+    (state.dir / WRITTEN_FILE).write_text("{not json")
+    fourth = console()
+    assert not fourth.history.raw(0.0, 1e12, ["storage_written_bytes"])["storage_written_bytes"][0]
+    assert (state.dir / (WRITTEN_FILE + ".damaged")).exists()
+    report(fourth, 8.0, 1, 7)
+    assert total(fourth) == 7.0
+    said = [e["text"] for e in fourth.history.events if e["type"] == "CONSOLE"]
+    assert any("set aside" in text and "starts from zero" in text for text in said), said
