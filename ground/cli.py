@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import os
+import re
 import secrets
 import sys
 import time
@@ -747,6 +748,24 @@ def _check_task_id(task_id: str) -> None:
     check_operator_name(task_id, "task id")
 
 
+#: What argparse takes for a value though it starts with "-": a negative number (its own rule), or a
+#: FROM,TO pair with a negative FROM (checked by _off_period).
+_NEGATIVE_NUMBER_OR_PAIR = re.compile(r"^-\d+$|^-\d*\.\d+$|^-\.?\d[^,]*,")
+
+
+def _off_period(text: str) -> tuple[float, float]:
+    """--off FROM,TO: seconds from now, TO after FROM."""
+    try:
+        a, b = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give FROM,TO in seconds from now (e.g. --off 600,900; before now: --off -3000,-2600)"
+        ) from None
+    if not (math.isfinite(a) and math.isfinite(b)) or b <= a:
+        raise argparse.ArgumentTypeError(f"{text!r}: TO must be a number after FROM")
+    return a, b
+
+
 def _forecast_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--plan",
@@ -765,11 +784,17 @@ def _forecast_options(p: argparse.ArgumentParser) -> None:
         "--off",
         action="append",
         default=[],
+        type=_off_period,
         metavar="FROM,TO",
-        help="a period the payload is known to be off, in seconds from now (negative: in the past): a "
-        "contact plan's pass, a higher-priority payload's scheduled window; repeatable. The resampled windows "
-        "are cut around it, and the history's gaps it explains are not drawn again as random ones",
+        help="a period the payload is known to be off, in seconds from now (negative: in the past, e.g. "
+        "--off -3000,-2600): a contact plan's pass, a higher-priority payload's scheduled window; repeatable. "
+        "The resampled windows are cut around it, and the history's gaps it explains are not drawn again as "
+        "random ones",
     )
+    # argparse takes a value starting with "-" for an option unless it looks like one negative
+    # number; FROM,TO pairs with a negative FROM are values too (this parser has no option that
+    # looks like a number)
+    p._negative_number_matcher = _NEGATIVE_NUMBER_OR_PAIR
 
 
 def _forecast(args) -> dict:
@@ -792,15 +817,7 @@ def _forecast(args) -> dict:
             raise LocalInputError("--plan-scale must be above 0")
         # plan second 0 is now: shift into Unix seconds after the scale
         plan = [(now / args.plan_scale + a, now / args.plan_scale + b) for a, b in windows]
-    off = []
-    for text in getattr(args, "off", None) or []:
-        try:
-            a, b = (float(x) for x in text.split(","))
-        except ValueError:
-            raise LocalInputError(f"--off {text}: give FROM,TO in seconds from now (e.g. --off 600,900)") from None
-        if not (math.isfinite(a) and math.isfinite(b)) or b <= a:
-            raise LocalInputError(f"--off {text}: TO must be a number after FROM")
-        off.append((now + a, now + b))
+    off = [(now + a, now + b) for a, b in getattr(args, "off", None) or []]
     tasks = state.tasks() if state.tasks_path.exists() else []
     return forecast_tasks(
         tasks, state.forecast_basis(), plan=plan, plan_scale=args.plan_scale, known_off=off, now_wall=now
