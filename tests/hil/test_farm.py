@@ -299,6 +299,85 @@ def test_farm_campaign_survives_losing_a_node_then_its_driver(model_dirs, tmp_pa
         shutil.rmtree(short, ignore_errors=True)
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("ray-cluster")
+def test_a_farm_bench_behind_an_ssh_switch_runs_a_campaign_run(model_dirs, tmp_path):
+    """A bench node whose bench is a board behind an SSH switch (a real sshd on this machine, as
+    tests/bus/test_bus_ssh_sshd.py builds it): a one-node farm runs one campaign run there, the
+    payload started and cut over SSH, with the real boot (`--boot-trace-s real`)."""
+    from tests.bus.sshd_testkit import SshServer, find_sshd, install_openssh_server
+
+    reason = install_openssh_server()
+    if reason is not None:
+        pytest.skip(f"no OpenSSH server for the SSH bench: {reason}")
+    short = tempfile.mkdtemp(prefix="owfssh-", dir="/tmp")
+    sshd = SshServer(Path(short) / "sshd", find_sshd()).start()
+    # the board's environment is its login's: the payload's command says what it needs
+    payload = ["env", f"PYTHONPATH={REPO}", "OMP_NUM_THREADS=1", "HF_HUB_OFFLINE=1", "TOKENIZERS_PARALLELISM=false"]
+    if os.environ.get("OW_CACHE_DIR"):
+        payload.append(f"OW_CACHE_DIR={os.environ['OW_CACHE_DIR']}")
+    payload += ["{python}", "-m", "common.cli", "flight", "run", "--data-dir", "{payload_data_dir}", "--model",
+                "{model}", "--keys", "{keys}", "--payload-endpoint", "{payload_endpoint}"]  # fmt: skip
+    switch = {
+        "power_driver": "ssh",
+        "ssh_host": "127.0.0.1",
+        "ssh_port": sshd.port,
+        "ssh_user": sshd.user,
+        "ssh_identity": str(sshd.client_key),
+        "ssh_options": sshd.client_options(),
+        "ssh_pidfile": f"{short}/board/payload.pid",
+        "payload_command": payload,
+        "switch_timeout_s": GUARD_S,
+    }
+    Path(short, "board").mkdir()
+    benches = _bench_file(tmp_path, [{"name": "jetson-ssh", "switch": switch}], scratch=f"{short}/benches")
+    import traces
+    from traces.model import PowerWindow
+
+    # One window, no cut: with the real boot, a cut that lands while the payload boots for the
+    # first time can leave the bus finding it idle just before the ground's re-sent uplink
+    # arrives; the bus then skips to the trace's end (a race of the bus's idle skip).
+    trace = str(tmp_path / "on.jsonl")
+    traces.dump(
+        traces.Trace.from_windows("on", 60, [PowerWindow(0, 60, None, 0.0)], reference_request_s=10,
+                                  description="always on", source={"kind": "manual"}, assumptions=["SSH bench"]),
+        trace,
+    )  # fmt: skip
+    (gcs_port,) = free_ports(1)
+    head = None
+    try:
+
+        def start_head():
+            return _ray_node(tmp_path, short, "head", HEAD_IP, {"bench": 1}, head_port=gcs_port,
+                             env={"OW_BENCHES": str(benches)})  # fmt: skip
+
+        head = await_node(tmp_path, "head", start_head(), start_head)
+        out = tmp_path / "farm"
+        cmd = [sys.executable, "-m", "common.cli", "hil", "campaign", "--traces", trace, "--policies", "orbitweaver"]
+        cmd += ["--cadences", "fixed", "--seeds", "0", "--workloads", "paper", "--requests", "1"]
+        cmd += ["--max-new-tokens", "12"]
+        cmd += ["--time-scale", "1", "--pace-ms", "80", "--boot-trace-s", "real", "--model", model_dirs["qwen3-vl"]]
+        cmd += ["--log-level", "warning", "--out", str(out), "--cluster", f"{HEAD_IP}:{gcs_port}"]
+        cmd += ["--node-ip-address", HEAD_IP]
+        done = subprocess.run(cmd, cwd=REPO, env={**os.environ, **RAY_ENV}, capture_output=True, text=True,
+                              timeout=GUARD_S)  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        (row,) = json.loads((out / "campaign.json").read_text())["rows"]
+        assert row["bench"] == f"bench jetson-ssh on node {HEAD_IP}", row
+        assert row["correct"] and row["completed"] == "2/2", row
+        run_dir = next(out.glob("runs/*/bus"))
+        start = json.loads((run_dir / "bus-log.jsonl").read_text().splitlines()[0])
+        assert start["switch"]["driver"] == "ssh" and start["switch"]["host"] == "127.0.0.1", start["switch"]
+        # the payload ran in an SSH session of the board: it printed the switch's start marker there
+        assert "==== payload boot 1 via ssh" in (run_dir / "payload.log").read_text()
+        assert "Accepted publickey" in sshd.log.read_text(), sshd.log_tail()
+    finally:
+        if head is not None:
+            kill_tree(head)
+        sshd.stop()
+        shutil.rmtree(short, ignore_errors=True)
+
+
 def _bench_file(tmp_path, benches, **extra):
     path = tmp_path / "benches.json"
     path.write_text(json.dumps({"format": "orbitweaver.benches/1", "scratch": str(tmp_path / "s"), **extra,
