@@ -50,6 +50,7 @@ class Kind(enum.IntEnum):
     DECODE_STEPS = 5
     RESULT = 6
     HIDDEN_LAYER = 7
+    RECOVERY = 8  # one entry per restart of a request, in its checkpoint directory
     QUEUE_ENTRY = 16
     GUARD_STATE = 17
     FINISHED_TASK = 18

@@ -219,6 +219,8 @@ def cmd_infer(args) -> int:
                     "resumed_from": result.resumed_from,
                     "restarted_reason": result.restarted_reason,
                     "bytes_written": result.bytes_written,
+                    "lifetime_bytes_written": result.lifetime_bytes_written,
+                    "recoveries": result.recoveries,
                     "records_written": result.records_written,
                     "records_skipped": result.records_skipped,
                     "records_deferred": result.records_deferred,

@@ -9,6 +9,11 @@ Layout (docs/record-format.md §3):
     prefill/l<L>.c<C>.hid   per-layer input hidden states (HCache-style policies)
     decode.log          append-only decode records
     RESULT              the finished answer; its presence makes everything else garbage
+    recoveries.log      append-only: one RECOVERY record per restart (kept with RESULT)
+
+Every record but the MANIFEST carries `written`: the bytes of checkpoint records the request
+had written (over all its boots) before it, so the request's lifetime count survives a cut with
+the records themselves and costs no write of its own (docs/record-format.md §3, "written").
 
 The store validates what it reads and never trusts a record that fails its checks: `scan()`
 checks headers and commit footers cheaply, full CRCs are checked when the data is read, and a
@@ -118,6 +123,9 @@ class Frontier:
     decode_records: list[Record] = field(default_factory=list)
     decode_log_end: int = 0  # byte offset just after the last good decode record
     result: Record | None = None
+    # Lifetime bytes of checkpoint records up to the newest one found (the largest
+    # `written` + record length): where a resumed request's count goes on from.
+    written: int = 0
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (file, reason)
 
     @property
@@ -149,7 +157,10 @@ class CheckpointStore:
         self.fs = fs or DurableFS()
         self.prefill_dir = os.path.join(self.root, "prefill")
         self.salt = 0
-        self.bytes_written = 0
+        self.bytes_written = 0  # this process lifetime's
+        # Bytes of checkpoint records over the request's whole life, as far as handed out to
+        # records being encoded (each record's `written` is this before its own bytes).
+        self.lifetime_written = 0
         self._count_lock = threading.Lock()  # the background writer counts too
         self.events: Events = events or (lambda event, **kw: owlog.get().info(event, **kw))
         self._next_vision_slot = "A"
@@ -161,6 +172,10 @@ class CheckpointStore:
     @property
     def decode_log(self) -> str:
         return self.path("decode.log")
+
+    @property
+    def recovery_log(self) -> str:
+        return self.path("recoveries.log")
 
     # ---- opening ----------------------------------------------------------------------------
     def stored_manifest(self) -> dict | None:
@@ -192,6 +207,7 @@ class CheckpointStore:
                 differences.update({k: (v, None) for k, v in old.items() if k not in manifest and k != "salt"})
                 if not differences:
                     self.salt = int(old["salt"])
+                    self.lifetime_written = self.fs.size(self.path("MANIFEST"))  # the rest: scan()
                     return OpenOutcome(self.salt, "resume", {})
                 status = "mismatch"
             except (RecordError, KeyError, TypeError) as exc:
@@ -199,6 +215,7 @@ class CheckpointStore:
         self.wipe()
         self.salt = secrets.randbits(63) or 1
         enc = encode(Kind.MANIFEST, {"manifest": {**manifest, "salt": self.salt}})
+        self.lifetime_written = enc.nbytes
         self._count(self.fs.write_atomic(self.path("MANIFEST"), enc.chunks))
         return OpenOutcome(self.salt, status, differences)
 
@@ -214,8 +231,17 @@ class CheckpointStore:
         self.fs.fsync_dir(self.root)
 
     # ---- writing ----------------------------------------------------------------------------
+    def _encode(self, kind: Kind, meta: dict, tensors: dict):
+        """Encode a record with its `written` (the lifetime count before it) and count it in.
+        Under the lock, so two writer threads never hand out one count twice: whichever record
+        is newest on disk then carries every byte started before it."""
+        with self._count_lock:
+            enc = encode(kind, {**meta, "written": self.lifetime_written}, tensors, salt=self.salt)
+            self.lifetime_written += enc.nbytes
+        return enc
+
     def _write(self, path: str, kind: Kind, meta: dict, tensors: dict, between_slices=None) -> int:
-        enc = encode(kind, meta, tensors, salt=self.salt)
+        enc = self._encode(kind, meta, tensors)
         chunks = enc.chunks if between_slices is None else _sliced(enc.chunks, between_slices)
         n = self.fs.write_atomic(path, chunks)
         self._count(n)
@@ -260,10 +286,39 @@ class CheckpointStore:
             self.fs.truncate(self.decode_log, end)
 
     def append_decode(self, meta: dict, kv: dict[int, tuple[torch.Tensor, torch.Tensor]], tokens: torch.Tensor) -> int:
-        enc = encode(Kind.DECODE_STEPS, meta, decode_record_tensors(kv, tokens), salt=self.salt)
+        enc = self._encode(Kind.DECODE_STEPS, meta, decode_record_tensors(kv, tokens))
         n = self.fs.append(self.decode_log, enc.chunks)
         self._count(n)
         return n
+
+    def recoveries(self) -> tuple[list[dict], int]:
+        """The restarts recorded so far (each RECOVERY record's metadata, in order) and the byte
+        offset just after the last good one: a torn or stale tail is not one of them."""
+        if not self.fs.exists(self.recovery_log):
+            return [], 0
+        buf = self.fs.read(self.recovery_log)
+        entries, pos = [], 0
+        while pos < len(buf):
+            try:
+                rec, length = decode(buf, pos, expect_kind=Kind.RECOVERY)
+            except RecordError as exc:
+                self.events(EngineEvent.RECORD_REJECTED, file="recoveries.log", offset=pos, reason=exc.reason)
+                break
+            if rec.salt != self.salt:
+                self.events(EngineEvent.RECORD_REJECTED, file="recoveries.log", offset=pos, reason="stale_salt")
+                break
+            entries.append({k: v for k, v in rec.meta.items() if k not in ("tensors", "salt")})
+            pos += length
+        return entries, pos
+
+    def append_recovery(self, entry: dict) -> list[dict]:
+        """Make one restart's entry durable (after cutting a torn tail off the log): every
+        restart recorded once, whatever cut comes next. The entries with it, in order."""
+        entries, end = self.recoveries()
+        if self.fs.exists(self.recovery_log) and self.fs.size(self.recovery_log) != end:
+            self.fs.truncate(self.recovery_log, end)
+        self.fs.append(self.recovery_log, encode(Kind.RECOVERY, entry, salt=self.salt).chunks)
+        return [*entries, entry]
 
     def put_result(self, token_ids: list[int], logits: torch.Tensor, text: str, finish_reason: str) -> int:
         return self._write(
@@ -327,10 +382,24 @@ class CheckpointStore:
         return rec
 
     def scan(self) -> Frontier:
+        """The frontier the durable records make; also where the lifetime count goes on from."""
+        fr = self._scan()
+        with self._count_lock:
+            self.lifetime_written = max(self.lifetime_written, fr.written)
+        return fr
+
+    def _scan(self) -> Frontier:
         fr = Frontier()
+
+        def saw(meta: dict, length: int) -> None:
+            written = meta.get("written")
+            if isinstance(written, int) and not isinstance(written, bool):
+                fr.written = max(fr.written, written + length)
+
         if self.fs.exists(self.path("RESULT")):
             try:
                 fr.result = self.read_full(self.path("RESULT"), Kind.RESULT)
+                saw(fr.result.meta, self.fs.size(self.path("RESULT")))
                 return fr
             except RecordError as exc:
                 self.quarantine(self.path("RESULT"), exc.reason)
@@ -338,17 +407,22 @@ class CheckpointStore:
         for slot in ("A", "B"):
             p = self.path(f"vision.{slot}")
             if self.fs.exists(p) and (hdr := self._envelope_ok(p, Kind.VISION_STATE)) is not None:
+                saw(hdr.meta, hdr.record_len)
                 if best is None or hdr.meta["block"] > best[0]:
                     best = (int(hdr.meta["block"]), p, slot)
         if best:
             fr.vision_block, fr.vision_state_path, slot = best
             self._next_vision_slot = "B" if slot == "A" else "A"
-        if self.fs.exists(self.path("vision.out")) and self._envelope_ok(self.path("vision.out"), Kind.VISION_OUT):
+        if self.fs.exists(self.path("vision.out")) and (
+            hdr := self._envelope_ok(self.path("vision.out"), Kind.VISION_OUT)
+        ):
+            saw(hdr.meta, hdr.record_len)
             fr.vision_done = True
         for name in self.fs.listdir(self.prefill_dir):
             p = os.path.join(self.prefill_dir, name)
             if name.endswith(BLOCK_SUFFIX) and (hdr := self._envelope_ok(p, Kind.PREFILL_BLOCK)):
                 m, table = hdr.meta, hdr.meta["tensors"]
+                saw(m, hdr.record_len)
                 fr.blocks[(int(m["group"]), int(m["chunk"]))] = BlockInfo(
                     int(m["group"]),
                     int(m["chunk"]),
@@ -360,6 +434,7 @@ class CheckpointStore:
                 )
             elif name.endswith(HIDDEN_SUFFIX) and (hdr := self._envelope_ok(p, Kind.HIDDEN_LAYER)):
                 m = hdr.meta
+                saw(m, hdr.record_len)
                 fr.layer_hidden[(int(m["layer"]), int(m["chunk"]))] = LayerHiddenInfo(
                     int(m["layer"]), int(m["chunk"]), hdr.record_len, p
                 )
@@ -386,6 +461,9 @@ class CheckpointStore:
                 )
                 break
             fr.decode_records.append(rec)
+            written = rec.meta.get("written")
+            if isinstance(written, int) and not isinstance(written, bool):
+                fr.written = max(fr.written, written + length)
             expect_step = int(rec.meta["step_end"])
             pos += length
         fr.decode_log_end = pos

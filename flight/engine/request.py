@@ -40,7 +40,7 @@ from .context import LanguageState, RequestContext, RequestSpec
 from .decode import DecodePhase
 from .prefill import PrefillBlocks
 from .records import RecordSink
-from .restore import PrefillRestore
+from .restore import PrefillRestore, restart_planner
 from .vision import VisionPhase
 
 
@@ -70,6 +70,13 @@ class Result:
     plan: dict | None = None
     # What each restarted phase read ahead of its compute ("vision", "decode"; prefill's is `plan`).
     phase_plans: dict = field(default_factory=dict)
+    # One entry per restart of the request, over all its boots, from its durable recovery log
+    # (docs/record-format.md, RECOVERY): `restart`, `phase`, `position`, `restore_s`, `planner`,
+    # `written` (lifetime bytes before that boot).
+    recoveries: list = field(default_factory=list)
+    # Bytes of checkpoint records the request wrote over its whole life, every boot included
+    # (`bytes_written` is this boot's); None where the records could not say (no MANIFEST).
+    lifetime_bytes_written: int | None = None
 
     def logits_sha256(self) -> str:
         return hashlib.sha256(self.logits.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
@@ -204,6 +211,7 @@ class RequestRun:
         self.geometry = engine.task_geometry(self.store, inputs)
         self.phase_seconds = {"restore": 0.0, "vision": 0.0, "prefill": 0.0, "decode": 0.0}
         self.phase_plans: dict[str, dict] = {}
+        self.recoveries: list[dict] = []  # every restart's entry, this one's last
         self.num_groups = len(self.geometry.layer_groups(engine.model.adapter.num_layers))
         self.num_chunks = len(self.geometry.token_chunks(inputs.num_tokens))
         # False when the policy writes none or not even the MANIFEST fits on the disk.
@@ -235,9 +243,12 @@ class RequestRun:
             )
         scan_started = time.perf_counter()
         frontier = self.store.scan() if self.checkpoints_enabled or outcome.status == "resume" else Frontier()
-        self.phase_seconds["restore"] += time.perf_counter() - scan_started
+        restore_s = time.perf_counter() - scan_started
+        self.phase_seconds["restore"] += restore_s
         phase = frontier.phase()
         resumed_from = self._describe(frontier, phase)
+        if outcome.status == "resume" and frontier.result is None:
+            self.recoveries = self._record_restart(frontier, resumed_from, restore_s)
         self.events(
             EngineEvent.REQUEST_OPENED,
             status=outcome.status,
@@ -291,6 +302,8 @@ class RequestRun:
                 restarted_reason=restarted,
                 plan=plan_summary,
                 phase_plans=self.phase_plans,
+                recoveries=self.recoveries,
+                lifetime_bytes_written=self.store.lifetime_written if self.store.salt else None,
             ),
         )
 
@@ -356,6 +369,30 @@ class RequestRun:
         assert request.stopped is not None, "a phase returned early without a stop"
         return RunOutcome(request.stopped, stopped_after=request.stopped_after)
 
+    def _record_restart(self, frontier: Frontier, resumed_from: dict, restore_s: float) -> list[dict]:
+        """Append this restart to the request's recovery log, durably, before any work of this
+        boot: a cut from here on leaves it recorded once. Every entry so far, this one last.
+        A disk that refuses the entry costs the entry (an event says so), never the request."""
+        entry = {
+            "restart": len(self.store.recoveries()[0]) + 1,
+            "phase": resumed_from["phase"],
+            "position": resumed_from["position"],
+            "restore_s": round(restore_s, 6),
+            "planner": restart_planner(
+                self.engine.policy, self.engine.options, frontier, self.num_groups * self.num_chunks
+            ),
+            "written": self.store.lifetime_written,
+        }
+        try:
+            return self.store.append_recovery(entry)
+        except OSError as exc:
+            if not is_storage_fault(exc):
+                raise
+            self.events(
+                EngineEvent.CHECKPOINT_WRITE_FAILED, record="RECOVERY", errno=exc.errno, reason=str(exc.strerror)
+            )
+            return [*self.store.recoveries()[0], entry]
+
     def _describe(self, frontier: Frontier, phase: str) -> dict:
         if phase == "done":
             return {"phase": "done", "position": None}
@@ -381,4 +418,6 @@ class RequestRun:
             resumed_from=resumed_from,
             bytes_written=0,
             phase_seconds={name: 0.0 for name in self.phase_seconds},
+            recoveries=self.store.recoveries()[0],
+            lifetime_bytes_written=self.store.lifetime_written,
         )

@@ -17,8 +17,10 @@ from dataclasses import replace
 from typing import cast
 
 from common.durable import read_rate_of
+from flight.checkpoint.policies import Policy
 from flight.checkpoint.store import BlockInfo, Frontier
 from flight.events import EngineEvent
+from flight.options import EngineOptions
 from flight.recovery.executor import RecordRejected
 from flight.recovery.phases import VISION_OUT, PhaseExecutor, StepOp, needs_vision_out, vision_groups
 from flight.recovery.plan import ComputeOp, ReadOp, RecoveryProblem, make_plan
@@ -30,6 +32,18 @@ from .prefill import PrefillBlocks
 from .vision import VisionPhase
 
 MAX_REPLANS = 8
+
+
+def restart_planner(policy: Policy, options: EngineOptions, frontier: Frontier, num_blocks: int) -> str:
+    """The planner a restart from `frontier` plans its prefill with, as `PrefillRestore.run`
+    first chooses it: the policy's, except that a decode restart with every block's KV stored
+    reads them layer-first (its first step needs the groups in order)."""
+    planner, overlap = policy.recovery(options.planner, options.overlap_recovery)
+    operator_planner = (planner, overlap) == (options.planner, options.overlap_recovery)
+    complete = len(frontier.blocks) == num_blocks and all(info.kv_bytes for info in frontier.blocks.values())
+    if operator_planner and frontier.decode_records and complete:
+        return "layer-first"
+    return planner
 
 
 class PrefillRestore:

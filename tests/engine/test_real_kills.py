@@ -115,12 +115,14 @@ def test_sigkill_at_random_instants_across_all_phases(
         assert request <= 6, (kills, phases)
         cmd = _command(model_dirs["qwen3-vl"], image_files, str(tmp_path / f"req{request}"), pace_ms, policy)
         after_commit = False
+        request_kills = 0
         for _ in range(40):
             phase, outcome = _run_and_kill(cmd, rng, pace_ms, after_commit)
             if phase is None:
                 result = outcome
                 break
             kills += 1
+            request_kills += 1
             phases[phase] += 1
             after_commit = not outcome  # nothing durable this time: the next kill waits for a commit
         else:
@@ -128,5 +130,8 @@ def test_sigkill_at_random_instants_across_all_phases(
         assert result["token_ids"] == reference["token_ids"]
         assert result["logits_sha256"] == reference["logits_sha256"]
         assert result["resumed"] is True
+        # each kill came after the MANIFEST was durable: every boot after it was a restart, kept once
+        assert [entry["restart"] for entry in result["recoveries"]] == list(range(1, request_kills + 1))
+        assert result["lifetime_bytes_written"] >= reference["lifetime_bytes_written"]
     assert kills >= min_kills
     assert all(n >= min_per_phase for n in phases.values()), phases

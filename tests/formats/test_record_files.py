@@ -132,6 +132,8 @@ def _kind_of(path: Path, directory: Path) -> str:
         return "HIDDEN_LAYER"
     if rel == "decode.log":
         return "DECODE_STEPS"
+    if rel == "recoveries.log":
+        return "RECOVERY"
     raise AssertionError(f"{rel}: a file §3 does not name")
 
 
@@ -192,7 +194,7 @@ def test_every_real_record_reads_as_documented(written):
                 where = f"{label}/{phase}/{path.relative_to(directory)}"
                 kind = _kind_of(path, directory)
                 buf = path.read_bytes()
-                if kind == "DECODE_STEPS":
+                if kind in ("DECODE_STEPS", "RECOVERY"):
                     records, rejected = read_log(buf)
                     assert rejected is None and records, where
                 else:
@@ -207,6 +209,8 @@ def test_every_real_record_reads_as_documented(written):
                     assert record.payload_len == end, where
                     if kind != "MANIFEST":
                         assert record.meta["salt"] == salt, where
+                    if kind not in ("MANIFEST", "RECOVERY"):  # §1 "written": the lifetime count before it
+                        assert isinstance(record.meta["written"], int) and record.meta["written"] > 0, where
                     checked[kind] += 1
                     meta, tensors = record.meta, record.tensors
                     if kind == "VISION_STATE":
@@ -245,13 +249,19 @@ def test_every_real_record_reads_as_documented(written):
                         token_ids = tensors["tokens"]
                         assert token_ids.dtype == "int64" and token_ids.shape == (steps,), where
                         assert list(tensors)[-1] == "tokens", where
+                    elif kind == "RECOVERY":
+                        assert not tensors, where
+                        assert meta["phase"] in ("start", "vision", "prefill", "decode"), where
+                        assert isinstance(meta["restart"], int) and meta["restart"] >= 1, where
+                        assert meta["restore_s"] >= 0 and isinstance(meta["planner"], str), where
+                        assert isinstance(meta["written"], int), where
                     elif kind == "RESULT":
                         ids = tensors["token_ids"]
                         assert ids.dtype == "int64" and ids.shape == (MAX_NEW,), where
                         assert tensors["logits"].shape == (1, dims["vocab"]), where
                         assert isinstance(meta["text"], str) and isinstance(meta["finish_reason"], str)
     # every request kind the engine writes was seen (HIDDEN_LAYER: no shipped policy writes it)
-    for kind in ("MANIFEST", "VISION_STATE", "VISION_OUT", "PREFILL_BLOCK", "DECODE_STEPS", "RESULT"):
+    for kind in ("MANIFEST", "VISION_STATE", "VISION_OUT", "PREFILL_BLOCK", "DECODE_STEPS", "RECOVERY", "RESULT"):
         assert checked[kind], f"no real {kind} record was checked"
 
 
@@ -346,7 +356,7 @@ def test_flipped_bits_are_rejected_with_the_documented_reason(written):
         for phase, directory in snapshots:
             for path in _files(directory):
                 buf = path.read_bytes()
-                if path.name == "decode.log":
+                if path.name in ("decode.log", "recoveries.log"):
                     records, _ = read_log(buf)
                     record = records[-1] if phase == "decode" else records[0]
                 else:
