@@ -271,8 +271,10 @@ def register(subparsers) -> None:
     p = leaf(
         "results",
         "fetch a task's result, or list this station's tasks",
-        "With TASK: send DOWNLINK_RESULT and print the generated text, token count, timings and the power cuts the "
-        "task survived (saved under <state>/results/). --wait waits for the task to finish (progress on stderr). "
+        "With TASK: send DOWNLINK_RESULT and print the generated text, token count, timings, the power cuts the "
+        "task survived, each restart (its time to resume, the phase it resumed in, its recovery plan) and the "
+        "checkpoint bytes the task wrote over every boot (saved under <state>/results/). "
+        "--wait waits for the task to finish (progress on stderr). "
         "Without TASK: list the tasks uplinked from this station and their last known state.",
         cmd_results,
     )
@@ -842,7 +844,7 @@ def cmd_status(args) -> int:
 
 def cmd_results(args) -> int:
     # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
-    from ground.report import result_text, tasks_table, to_jsonable
+    from ground.report import result_json, result_text, tasks_table
 
     if args.task is None:
         from ground.state import GroundState  # lazy: numpy; `ow --help` imports this module
@@ -866,7 +868,7 @@ def cmd_results(args) -> int:
     with _client(args) as client:
         result = client.result(args.task, wait=args.wait, max_wait_s=args.max_wait, poll_s=args.poll)
     if args.json:
-        _print_json(to_jsonable(result) if forecast is None else dict(to_jsonable(result), forecast=forecast))
+        _print_json(result_json(result) if forecast is None else dict(result_json(result), forecast=forecast))
     else:
         print(result_text(result), flush=True)
     return 0

@@ -21,6 +21,7 @@ from typing import Any
 
 from common.wire import MessageType, Severity
 from common.wire import messages as m
+from common.wire.ids import MAX_RECOVERIES
 from common.wire.text import display_text, is_hidden
 from ground.link import Telemetry
 
@@ -346,11 +347,46 @@ def result_text(result: m.TaskResult) -> str:
     if result.timings:
         timing = ", ".join(f"{k} {v:.3f} s" for k, v in result.timings.items())
         lines.append(f"timings       {display_text(timing)}")
+    lines.extend(recovery_lines(result))
     lines.append(f"logits sha256 {bytes(result.logits_sha256).hex()}")
     lines.append("text:")
     # The answer is a block: its line feeds and tabs stay, every other hidden character shows.
     lines.append(display_text(result.text, keep_newlines=True))
     return "\n".join(lines)
+
+
+def recovery_lines(result: m.TaskResult) -> list[str]:
+    """Each restart (time to find where to resume, the phase it resumed in, its recovery plan)
+    and the checkpoint bytes written over every boot; "not reported" for an older payload."""
+    recoveries = result.recoveries
+    if recoveries is None:
+        lines = ["recoveries    not reported (older payload)"]
+    elif not recoveries:
+        lines = ["recoveries    none (never restarted)"]
+    else:
+        latest = " (the latest; the payload sends at most that many)" if len(recoveries) >= MAX_RECOVERIES else ""
+        lines = [f"recoveries    {len(recoveries)} restart(s){latest}: time to resume, phase resumed in, plan"]
+        for index, (seconds, phase, planner) in enumerate(recoveries, start=1):
+            lines.append(display_text(f"  #{index:<11}{seconds:.3f} s  {phase:<8} {planner}"))
+    written = result.written_bytes
+    lines.append(
+        "written       not reported (older payload)"
+        if written is None
+        else f"written       {human_bytes(written)} of checkpoint records over every boot ({written} B)"
+    )
+    return lines
+
+
+def result_json(result: m.TaskResult) -> dict:
+    """The result as JSON data, with its restarts also as one object each."""
+    data = to_jsonable(result)
+    recoveries = result.recoveries
+    data["recoveries"] = (
+        None
+        if recoveries is None
+        else [{"restore_s": seconds, "phase": phase, "planner": planner} for seconds, phase, planner in recoveries]
+    )
+    return data
 
 
 def tasks_table(tasks: list[dict]) -> str:

@@ -58,6 +58,8 @@ MAX_RESULT_TEXT_BYTES: Final[int] = 32 * 1024
 MAX_EVENT_TEXT_BYTES: Final[int] = 512
 MAX_REASON_BYTES: Final[int] = 256
 MAX_TIMINGS: Final[int] = 32
+#: Restarts a TASK_RESULT lists (the latest ones; `interruptions` counts every cut).
+MAX_RECOVERIES: Final[int] = 256
 
 # --- health and safety, journal integrity, image and sequence limits (one block) ----------------
 

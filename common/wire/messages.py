@@ -37,6 +37,7 @@ from common.wire.ids import (
     MAX_PROFILE_TEXT_BYTES,
     MAX_PROMPT_BYTES,
     MAX_REASON_BYTES,
+    MAX_RECOVERIES,
     MAX_RESULT_TEXT_BYTES,
     MAX_TIMINGS,
     SEQ_MAX,
@@ -447,6 +448,33 @@ class TaskResult(Message):
     timings: Mapping[str, float] = wire(f.MapOf(f.Name(), f.Float(0.0), MAX_TIMINGS))
     #: Power cuts the task survived.
     interruptions: int = wire(f.UInt(U32), default=0)
+    # Later fields, nil by default so an older report still decodes (docs/wire-protocol.md §3.3):
+    #: Per restart of the task's request, oldest first: seconds it took to find where to resume,
+    #: the phase it resumed in, the recovery planner its plan used (three arrays of one length).
+    recovery_s: Sequence[float] | None = wire(f.Optional(f.ListOf(f.Float(0.0), MAX_RECOVERIES)), default=None)
+    recovery_phases: Sequence[str] | None = wire(f.Optional(f.ListOf(f.Name(), MAX_RECOVERIES)), default=None)
+    recovery_planners: Sequence[str] | None = wire(f.Optional(f.ListOf(f.Name(), MAX_RECOVERIES)), default=None)
+    #: Bytes of checkpoint records the request wrote over its whole life, every boot included.
+    written_bytes: int | None = wire(f.Optional(f.UInt(U64)), default=None)
+
+    def _validate(self) -> None:
+        lists = {"recovery_s": self.recovery_s, "recovery_phases": self.recovery_phases}
+        lists["recovery_planners"] = self.recovery_planners
+        given = {name: len(value) for name, value in lists.items() if value is not None}
+        if given and (len(given) != len(lists) or len(set(given.values())) != 1):
+            raise WireError(
+                ResponseCode.BAD_FIELD_VALUE,
+                "recovery_s, recovery_phases and recovery_planners come together, of one length: "
+                + ", ".join(f"{name} {given.get(name, 'nil')}" for name in lists),
+                field=next(name for name in lists if given.get(name) != max(given.values(), default=0)),
+            )
+
+    @property
+    def recoveries(self) -> list[tuple[float, str, str]] | None:
+        """(seconds, phase, planner) per restart, oldest first; None when not reported."""
+        if self.recovery_s is None or self.recovery_phases is None or self.recovery_planners is None:
+            return None
+        return list(zip(self.recovery_s, self.recovery_phases, self.recovery_planners, strict=True))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

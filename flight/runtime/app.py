@@ -69,6 +69,7 @@ from .health import COMMANDS, ENGINE_ITEM, MAIN, WORKER, Health, command_item, i
 from .images import ImageCorrupt, ImageStore
 from .profile import WorkProfile, append_start
 from .queue import CANCELLED, COMPLETED, RUNNING, TaskQueue
+from .results import recovery_fields
 from .storage import DEFAULT_RESERVE_BYTES, GatedFS, Storage
 
 HEARTBEAT_S = 1.0
@@ -351,6 +352,7 @@ class FlightApp(CommandHandlers):
             logits_sha256=bytes.fromhex(r["logits_sha256"]),
             timings=timings,
             interruptions=task.interruptions,
+            **recovery_fields(r),
         )
 
     def event(self, event_id: EventId, text: str, task_id: str | None = None) -> None:
@@ -926,6 +928,10 @@ class FlightApp(CommandHandlers):
                 "logits_sha256": result.logits_sha256(),
                 "timings": timings,
                 "bytes_written": result.bytes_written,
+                # each restart (seconds to find where to resume, phase, planner) and the bytes of
+                # checkpoint records over every boot: the engine keeps both in the task's records
+                "recoveries": [[e["restore_s"], e["phase"], e["planner"]] for e in result.recoveries],
+                "lifetime_bytes_written": result.lifetime_bytes_written,
             }
             # The answer exists only in memory until this write: held there, not recomputed,
             # while the disk refuses it (a cut meanwhile resumes from the checkpoints).

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 from common.durable import DurableFS, best_effort
 from common.record import Kind, RecordError, decode, encode
+from common.wire.ids import MAX_RECOVERIES
 
 SUFFIX = ".rec"
 DEFAULT_BUDGET_BYTES = 256 << 20
@@ -165,3 +166,17 @@ class ResultStore:
 
     def bytes_held(self) -> int:
         return sum(e.nbytes for e in self.index.values() if e.gone is None)
+
+
+def recovery_fields(result: dict) -> dict:
+    """TASK_RESULT's restart and bytes-written fields (docs/wire-protocol.md §3.3) from a stored
+    result: each restart's seconds, phase and planner (the latest MAX_RECOVERIES), and the bytes
+    of checkpoint records over every boot; nil, not zero, for a result stored without them."""
+    recoveries = result.get("recoveries")
+    fields: dict = {"written_bytes": result.get("lifetime_bytes_written")}
+    if isinstance(recoveries, list):
+        latest = recoveries[-MAX_RECOVERIES:]
+        fields["recovery_s"] = [float(seconds) for seconds, _, _ in latest]
+        fields["recovery_phases"] = [str(phase) for _, phase, _ in latest]
+        fields["recovery_planners"] = [str(planner) for _, _, planner in latest]
+    return fields

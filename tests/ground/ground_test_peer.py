@@ -352,6 +352,10 @@ class ScriptedBusPayloadPeer:
             logits_sha256=bytes(32),
             timings={"prefill": 0.25, "total": 0.5},
             interruptions=1,
+            recovery_s=[0.125],
+            recovery_phases=["prefill"],
+            recovery_planners=["optimal"],
+            written_bytes=3 * 1024 * 1024,
         )
         self.publish(m.Completed.about(request, task_id=task_id))
 

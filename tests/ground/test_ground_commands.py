@@ -65,6 +65,32 @@ def test_status_of_a_payload_that_reports_no_memory_or_wear():
     assert "memory" not in describe(hk) and "written" not in describe(hk)
 
 
+def test_result_of_a_payload_that_reports_no_recoveries():
+    """An older payload's TASK_RESULT has no recovery_* or written_bytes (wire-protocol.md
+    §3.3): said so, never "no restart" or 0 B; a task never restarted says so."""
+    from ground.report import result_json, result_text
+
+    old = m.TaskResult(task_id="t1", token_ids=[5], text="x", logits_sha256=bytes(32), timings={}, interruptions=2)
+    text = result_text(old)
+    assert "recoveries    not reported (older payload)" in text
+    assert "written       not reported (older payload)" in text
+    assert result_json(old)["recoveries"] is None and result_json(old)["written_bytes"] is None
+    fresh = m.TaskResult(
+        task_id="t2",
+        token_ids=[5],
+        text="x",
+        logits_sha256=bytes(32),
+        timings={},
+        recovery_s=[],
+        recovery_phases=[],
+        recovery_planners=[],
+        written_bytes=2048,
+    )
+    assert "recoveries    none (never restarted)" in result_text(fresh)
+    assert "written       2.0 KiB of checkpoint records over every boot (2048 B)" in result_text(fresh)
+    assert result_json(fresh)["recoveries"] == []
+
+
 def test_ping_reports_round_trip_time(ow, keys, peer):
     text = ow("ground", "ping", *link_args(keys, peer))
     assert text.code == 0 and text.out.startswith("PONG from payload: ") and text.out.strip().endswith(" ms")
@@ -79,6 +105,12 @@ def test_results_wait_follows_the_task_and_downlinks_its_result(ow, keys, peer, 
     assert result.code == 0, result.err
     assert RESULT_TEXT in result.out and "tokens        3" in result.out and "interruptions 1" in result.out
     assert f"task {task_id}: prefill 4/4" in result.err  # progress followed on the telemetry link
+    # each restart: time to resume, phase, plan; and the checkpoint bytes over every boot
+    assert "recoveries    1 restart(s)" in result.out and "#1          0.125 s  prefill  optimal" in result.out
+    assert "written       3.0 MiB of checkpoint records over every boot (3145728 B)" in result.out
+    data = json.loads(ow("ground", "results", task_id, "--json", *link_args(keys, peer)).out)
+    assert data["recoveries"] == [{"restore_s": 0.125, "phase": "prefill", "planner": "optimal"}]
+    assert data["written_bytes"] == 3 * 1024 * 1024
     saved = json.loads((keys.state_dir / "results" / f"{task_id}.json").read_text())
     assert saved["text"] == RESULT_TEXT and saved["token_ids"] == [5, 6, 7]
     listing = ow("ground", "results", "--keys", keys.root)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import msgpack
@@ -119,6 +120,39 @@ def test_housekeeping_without_the_later_fields_still_decodes(all_samples):
     assert decoded.queue_depth == hk.queue_depth and decoded.reserve_bytes == hk.reserve_bytes
     # and the new ones travel bit for bit
     assert decode(encode(hk, Apid.PAYLOAD, 6))[1] == hk
+
+
+def test_task_result_without_the_later_fields_still_decodes(all_samples):
+    """An older payload's TASK_RESULT has no recovery_* or written_bytes: it decodes, and they
+    read as None ("not reported"), never as "no restart" or zero bytes; the new ones travel."""
+    result = next(s for s in all_samples if isinstance(s, m.TaskResult))
+    later = ("recovery_s", "recovery_phases", "recovery_planners", "written_bytes")
+    assert all(getattr(result, name) is not None for name in later)
+    assert result.recoveries == [(0.0125, "prefill", "optimal"), (0.5, "decode", "layer-first")]
+    old_body = {k: v for k, v in result.pack().items() if k not in later}
+    packet = frame(PacketType.TM, Apid.PAYLOAD, 5, MessageType.TASK_RESULT, msgpack.packb(old_body), source_id=0x0200)
+    _, decoded = decode(packet)
+    assert all(getattr(decoded, name) is None for name in later) and decoded.recoveries is None
+    assert decoded.token_ids == result.token_ids and decoded.interruptions == result.interruptions
+    assert decode(encode(result, Apid.PAYLOAD, 6))[1] == result
+    # a task never restarted: three empty arrays, not nil
+    fresh = m.TaskResult(**{**_fields(result), "recovery_s": [], "recovery_phases": [], "recovery_planners": []})
+    assert decode(encode(fresh, Apid.PAYLOAD, 7))[1].recoveries == []
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"recovery_phases": None}, {"recovery_planners": ["optimal"]}, {"recovery_s": [0.1, 0.2, 0.3]}],
+)
+def test_task_result_recovery_arrays_come_together(all_samples, change):
+    result = next(s for s in all_samples if isinstance(s, m.TaskResult))
+    with pytest.raises(WireError) as info:
+        m.TaskResult(**{**_fields(result), **change})
+    assert info.value.code == ResponseCode.BAD_FIELD_VALUE and "of one length" in str(info.value)
+
+
+def _fields(message) -> dict:
+    return {field.name: getattr(message, field.name) for field in dataclasses.fields(message)}
 
 
 def test_rejected_from_error_names_the_command():

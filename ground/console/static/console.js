@@ -142,7 +142,13 @@ async function loadTasks() {
   for (const t of data.tasks.slice().reverse()) {
     const tr = document.createElement("tr"); tr.dataset.task = t.task_id;
     const timings = t.result && t.result.timings ? Object.entries(t.result.timings).map(([k, v]) => `${k} ${(+v).toFixed(2)} s`).join(", ") : "";
-    const result = t.result ? `${t.result.text} — logits SHA-256 ${String(t.result.logits_sha256).slice(0, 16)}… (${timings})` : "";
+    // each restart's time to resume (phase, plan) and the checkpoint bytes over every boot, once
+    // the result is down; an older payload's result has neither (wire-protocol.md §3.3)
+    const r = t.result || {};
+    const restarts = Array.isArray(r.recovery_s) ? "; recoveries: " + (r.recovery_s.map((s, i) =>
+      `#${i + 1} ${(+s).toFixed(3)} s (${(r.recovery_phases || [])[i]}, ${(r.recovery_planners || [])[i]})`).join(", ") || "none") : "";
+    const written = typeof r.written_bytes === "number" ? `; checkpoints written ${formatValue("bytes", r.written_bytes)}` : "";
+    const result = t.result ? `${t.result.text} — logits SHA-256 ${String(t.result.logits_sha256).slice(0, 16)}… (${timings}${restarts}${written})` : "";
     const live = t.live ? `${t.live.phase || "-"} ${t.live.done}/${t.live.total}` + (t.live.checkpoint_bytes === undefined ? "" : `, checkpoints ${formatValue("bytes", t.live.checkpoint_bytes)}`) : "";
     // cuts: the payload's own count once the result is down (every cut the task lived through),
     // before that the cuts this console saw while the task ran
