@@ -329,7 +329,6 @@ def test_the_architecture_page_names_only_paths_that_exist():
 ADD_ARGUMENT_LIMIT = 25
 LONG_REGISTRATIONS = {
     "common/vla/cli.py:register",
-    "ground/cli.py:register",
 }
 
 
