@@ -36,6 +36,10 @@ HELD_OUT = ("trace-b", "sat1-like", "dellingr-like")
 AFTER = (0, 1, 3, 10)
 #: A kind's rows forecast with its contact plan (`known_off`) as well as the history.
 PLAN_SUFFIX = " + contact plan"
+#: History windows the payload keeps and sends (flight/runtime/profile.py KEEP_STARTS).
+KEEP_WINDOWS = 256
+#: The payload's past before a trace or run: the same kind's realisation of seed + PAST_SEED.
+PAST_SEED = 1000
 
 # Seconds per durable unit in trace seconds: a 2B-class request at the testbench's pace.
 BASE = {
@@ -79,51 +83,97 @@ def known_off(kind: str, seed: int) -> list[tuple[float, float]]:
     return [(a - lead, float(b)) for a, b in scheduled]
 
 
-def evaluate(kind: str, seed: int, workload: str, cadence: str, draws: int, plan_known: bool = False) -> list[dict]:
+#: The window models compared side by side: the history resampled without orbital phase (the
+#: model before orbital phase was an input), at the same phase with the period found in the
+#: history, and at the same phase with the orbit's period given (as an orbit determination gives it).
+MODELS = ("history", "phase", "phase-given")
+#: Arrivals per trace, at window starts spread over it.
+ARRIVALS = 12
+
+
+def model_options(model: str, kind: str) -> dict:
+    """forecast_tasks's options for one of MODELS on a trace kind (its orbit's period, in trace
+    seconds, where the model is given it)."""
+    from traces.presets import PRESETS
+
+    if model == "history":  # as before orbital phase and the unit model's spread were inputs
+        return {"window_model": "history", "unit_sigma": 0.0}
+    if model == "phase":
+        return {"window_model": "phase"}
+    if model == "phase-given":
+        return {"window_model": "phase", "orbit_period_s": PRESETS[kind].orbit.period_s}
+    raise ValueError(f"unknown window model {model!r} (models: {', '.join(MODELS)})")
+
+
+def orbit_phase(kind: str, t: float) -> float:
+    """The orbital phase of trace second t (0 at the trace's sunrise), for the record."""
+    from traces.presets import PRESETS
+
+    period = PRESETS[kind].orbit.period_s if kind in PRESETS else None
+    return (t % period) / period if period else math.nan
+
+
+def lived_windows(kind: str, seed: int) -> tuple[list[tuple[float, float, bool]], int, Any]:
+    """(windows (start, end, cut announced) the payload lives through, the index of the trace's
+    first one, the trace): another realisation of the kind (seed + PAST_SEED) played just before
+    the trace (every trace lasts whole orbits from sunrise, so the phase runs on), then the trace."""
     trace = generate(kind, seed)
-    off = known_off(kind, seed) if plan_known else []
-    windows, warns = trace_windows(trace)
-    # each window's cut as the bus makes it: announced (SHUTDOWN_WARNING) or not
-    announced = [e in warns for _, e in windows]
-    windows = [(s, min(e, trace.duration_s)) for s, e in windows]
-    flagged = [(s, e, w) for (s, e), w in zip(windows, announced, strict=True)]
+    past = generate(kind, seed + PAST_SEED)
+    out: list[tuple[float, float, bool]] = []
+    for t, shift in ((past, -past.duration_s), (trace, 0.0)):
+        windows, warns = trace_windows(t)
+        out += [(a + shift, min(b, t.duration_s) + shift, b in warns) for a, b in windows]
+    first = next(i for i, w in enumerate(out) if w[0] >= 0.0)
+    return out, first, trace
+
+
+def plan_off(kind: str, seed: int) -> list[tuple[float, float]]:
+    """The contact plan over the past realisation and the trace (`known_off` of each, the past's
+    moved before the trace)."""
+    duration = generate(kind, seed).duration_s
+    past = [(a - duration, b - duration) for a, b in known_off(kind, seed + PAST_SEED) if a < duration]
+    return [w for w in past if w[0] < 0] + [w for w in known_off(kind, seed) if w[1] > 0]
+
+
+def evaluate(
+    kind: str,
+    seed: int,
+    workload: str,
+    cadence: str,
+    draws: int,
+    plan_known: bool = False,
+    models: Sequence[str] = MODELS,
+) -> list[dict]:
+    """Rows of forecasts against the completions on the trace's real windows; the payload has
+    lived through another realisation of the kind before the trace (`lived_windows`), so the
+    history holds earlier orbits and arrivals can come at any phase, the trace's first window
+    included."""
+    lived, first, trace = lived_windows(kind, seed)
+    off = plan_off(kind, seed) if plan_known else []
+    windows = [(s, e) for s, e, _ in lived]
+    announced = [w for _, _, w in lived]
+    flagged = lived
     profile = _profile(cadence)
     one = _units(profile)
     ntasks = WORKLOADS[workload]
     units = [u for u, _ in one] * ntasks
     parts = [max(1, k) for _, k in one] * ntasks
     marks = [len(one) * (k + 1) for k in range(ntasks)]
+    overhead = power_up_overhead(profile)
     rows = []
-    # arrivals: at the start of windows with at least 3 ended before, 6 spread over the trace
-    candidates = list(range(3, len(windows) - 1))
-    picks = candidates[:: max(1, len(candidates) // 6)][:6]
+    # arrivals: at the start of ARRIVALS windows spread over the trace
+    candidates = list(range(first, len(windows) - 1))
+    picks = candidates[:: max(1, math.ceil(len(candidates) / ARRIVALS))][:ARRIVALS]
     for a in picks:
         uplink = windows[a][0]
-        truth = finish_times(
-            units,
-            marks,
-            iter(flagged[a:]),
-            overhead_s=power_up_overhead(profile),
-            first_overhead_s=power_up_overhead(profile),
-            parts=parts,
-        )
-        if any(x is None for x in truth):
+        if uplink >= trace.duration_s:
+            continue
+        walk = dict(overhead_s=overhead, first_overhead_s=overhead, parts=parts)
+        truth = finish_times(units, marks, iter(flagged[a:]), **walk)  # type: ignore[arg-type]
+        if any(x is None or x[0] > trace.duration_s for x in truth):
             continue  # does not complete before the trace ends
-        done_at = [
-            t
-            for t, _ in (
-                x
-                for x in finish_times(
-                    units,
-                    list(range(1, len(units) + 1)),
-                    iter(flagged[a:]),
-                    overhead_s=power_up_overhead(profile),
-                    first_overhead_s=power_up_overhead(profile),
-                    parts=parts,
-                )
-                if x is not None
-            )
-        ]
+        every = finish_times(units, list(range(1, len(units) + 1)), iter(flagged[a:]), **walk)  # type: ignore[arg-type]
+        done_at = [x[0] for x in every if x is not None]
         final = truth[-1]
         assert final is not None
         last = final[0]
@@ -141,117 +191,169 @@ def evaluate(kind: str, seed: int, workload: str, cadence: str, draws: int, plan
             # progress of the running task, in the forecast's terms: units of it done
             first_open = int(tasks[0]["task_id"][1:])
             within = made - (marks[first_open - 1] if first_open else 0)
-            basis = _basis(profile, windows, w, now, {})
-            basis["cuts"] = {"heard": w, "warned": sum(announced[:w])}  # as the ground heard them
+            lo = max(0, w - KEEP_WINDOWS + 1)  # the payload keeps and sends its last KEEP_WINDOWS
+            basis = _basis(profile, windows[lo:], w - lo, now, {})
+            basis["cuts"] = {"heard": w - lo, "warned": sum(announced[lo:w])}  # as the ground heard them
             if within > 0:
                 basis["progress"] = {"task_id": tasks[0]["task_id"], "units_done": within, "heard_at": now}
-            fc = forecast_tasks(tasks, basis, known_off=off, now_wall=now, draws=draws, seed=seed)
-            if "unavailable" in fc:
-                continue
-            for task in tasks:
-                k = int(task["task_id"][1:])
-                f = fc["tasks"][task["task_id"]]
-                if "unavailable" in f:
-                    continue
-                hit = truth[k]
-                assert hit is not None
-                actual = hit[0]
-                e2e = actual - uplink
-                rows.append(
-                    {
-                        "trace": kind + (PLAN_SUFFIX if plan_known else ""),
-                        "seed": seed,
-                        "workload": workload,
-                        "cadence": cadence,
-                        "after": after,
-                        "inside": f["p10"] <= actual <= f["p90"],
-                        "error": abs(f["expected"] - actual) / max(1e-9, e2e),
-                        "signed": (f["expected"] - actual) / max(1e-9, e2e),
-                        "history": w,
-                    }
+            for model in models:
+                fc = forecast_tasks(
+                    tasks, basis, known_off=off, now_wall=now, draws=draws, seed=seed, **model_options(model, kind)
                 )
+                if "unavailable" in fc:
+                    continue
+                for task in tasks:
+                    k = int(task["task_id"][1:])
+                    f = fc["tasks"][task["task_id"]]
+                    if "unavailable" in f:
+                        continue
+                    hit = truth[k]
+                    assert hit is not None
+                    actual = hit[0]
+                    e2e = actual - uplink
+                    rows.append(
+                        {
+                            "trace": kind + (PLAN_SUFFIX if plan_known else ""),
+                            "seed": seed,
+                            "workload": workload,
+                            "cadence": cadence,
+                            "model": model,
+                            "phase_model": fc["window_model"]["kind"] == "phase",
+                            "after": after,
+                            "orbit_phase": orbit_phase(kind, uplink),
+                            "inside": f["p10"] <= actual <= f["p90"],
+                            "error": abs(f["expected"] - actual) / max(1e-9, e2e),
+                            "signed": (f["expected"] - actual) / max(1e-9, e2e),
+                            "history": w - lo,
+                        }
+                    )
     return rows
+
+
+def _err_stats(sel: list[dict]) -> dict:
+    errs = sorted(r["error"] for r in sel)
+    return {
+        "n": len(sel),
+        "inside": sum(r["inside"] for r in sel) / len(sel),
+        "median_error": statistics.median(errs),
+        "p90_error": errs[min(len(errs) - 1, int(0.9 * len(errs)))],
+        "median_signed": statistics.median(r["signed"] for r in sel),
+        # the share of forecasts the phase model made at the orbit's phase (not fallen back)
+        "phase_share": sum(bool(r.get("phase_model")) for r in sel) / len(sel),
+    }
 
 
 def table(rows: list[dict]) -> list[dict]:
     out = []
     for kind in [k + suffix for k in TRAINING + HELD_OUT for suffix in ("", PLAN_SUFFIX)]:
         for after in AFTER:
-            sel = [r for r in rows if r["trace"] == kind and r["after"] == after]
-            if not sel:
-                continue
-            errs = sorted(r["error"] for r in sel)
-            out.append(
-                {
-                    "trace": kind,
-                    "held_out": kind.removesuffix(PLAN_SUFFIX) in HELD_OUT,
-                    "after": after,
-                    "n": len(sel),
-                    "inside": sum(r["inside"] for r in sel) / len(sel),
-                    "median_error": statistics.median(errs),
-                    "p90_error": errs[min(len(errs) - 1, int(0.9 * len(errs)))],
-                }
-            )
+            for model in MODELS:
+                sel = [
+                    r for r in rows if r["trace"] == kind and r["after"] == after and r.get("model", MODELS[0]) == model
+                ]
+                if not sel:
+                    continue
+                out.append(
+                    {
+                        "trace": kind,
+                        "held_out": kind.removesuffix(PLAN_SUFFIX) in HELD_OUT,
+                        "after": after,
+                        "model": model,
+                        **_err_stats(sel),
+                    }
+                )
     return out
 
 
-def timing(draws: int = 400) -> dict:
-    """Seconds for a forecast of a 10-task queue (trace-a's history)."""
-    trace = generate("trace-a", 101)
-    windows, _ = trace_windows(trace)
+def timing(draws: int = 400, repeats: int = 3) -> list[dict]:
+    """Seconds for a forecast of a 10-task queue over a full history (trace-a seed 101 after its
+    past orbit: KEEP_WINDOWS windows, the densest kind), each window model; the median of
+    `repeats`. (The phase model finds no period in trace-a's history and falls back, having paid
+    for the search; given the period it resamples at phase over the densest history.)"""
+    lived, first, _ = lived_windows("trace-a", 101)
+    windows = [(s, e) for s, e, _ in lived]
     profile = _profile("fixed")
     tasks = [{"task_id": f"r{k}", "state": "accepted", "created": f"{k:04d}"} for k in range(10)]
-    basis = _basis(profile, windows, 40, windows[40][0], {})
-    t0 = time.perf_counter()
-    forecast_tasks(tasks, basis, now_wall=windows[40][0], draws=draws)
-    return {"tasks": 10, "draws": draws, "seconds": time.perf_counter() - t0}
+    w = first + 40
+    lo = max(0, w - KEEP_WINDOWS + 1)
+    basis = _basis(profile, windows[lo:], w - lo, windows[w][0], {})
+    out = []
+    for model in MODELS:
+        took = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            forecast_tasks(tasks, basis, now_wall=windows[w][0], draws=draws, **model_options(model, "trace-a"))
+            took.append(time.perf_counter() - t0)
+        out.append(
+            {"tasks": 10, "draws": draws, "model": model, "history_windows": w - lo, "seconds": statistics.median(took)}
+        )
+    return out
 
 
-def run(seeds=(101, 102), draws: int = 200) -> dict:
+def run(seeds=(101, 102), draws: int = 200, models: Sequence[str] = MODELS) -> dict:
     rows = []
     for kind in TRAINING + HELD_OUT:
         for seed in seeds:
             for workload in WORKLOADS:
                 for cadence in ("fixed", "adaptive"):
-                    rows += evaluate(kind, seed, workload, cadence, draws)
+                    rows += evaluate(kind, seed, workload, cadence, draws, models=models)
                     if known_off(kind, seed):  # the same again, given the contact plan
-                        rows += evaluate(kind, seed, workload, cadence, draws, plan_known=True)
+                        rows += evaluate(kind, seed, workload, cadence, draws, plan_known=True, models=models)
     by_seed = []
     for seed in seeds:
         for held in (False, True):
-            sel = [
-                r
-                for r in rows
-                if r["seed"] == seed and (r["trace"] in HELD_OUT) == held and not r["trace"].endswith(PLAN_SUFFIX)
-            ]
-            up = [r["error"] for r in sel if r["after"] == 0]
-            if sel and up:
-                by_seed.append(
-                    {
-                        "seed": seed,
-                        "held_out": held,
-                        "n": len(sel),
-                        "inside": sum(r["inside"] for r in sel) / len(sel),
-                        "median_error_at_uplink": statistics.median(up),
-                    }
-                )
-    return {"table": table(rows), "by_seed": by_seed, "timing": timing(), "seeds": list(seeds), "draws": draws}
+            for model in models:
+                sel = [
+                    r
+                    for r in rows
+                    if r["seed"] == seed
+                    and r["model"] == model
+                    and (r["trace"] in HELD_OUT) == held
+                    and not r["trace"].endswith(PLAN_SUFFIX)
+                ]
+                up = [r["error"] for r in sel if r["after"] == 0]
+                if sel and up:
+                    by_seed.append(
+                        {
+                            "seed": seed,
+                            "held_out": held,
+                            "model": model,
+                            "n": len(sel),
+                            "inside": sum(r["inside"] for r in sel) / len(sel),
+                            "median_error_at_uplink": statistics.median(up),
+                        }
+                    )
+    return {
+        "table": table(rows),
+        "by_seed": by_seed,
+        "timing": timing(),
+        "seeds": list(seeds),
+        "draws": draws,
+        "models": list(models),
+    }
 
 
 def format_table(result: dict) -> str:
-    lines = ["trace                        held-out  after  n    in 10-90  median err  p90 err"]
+    lines = [
+        "trace                        held-out  after  model                n    in 10-90  median err  p90 err  "
+        "median signed  at phase"
+    ]
     for r in result["table"]:
         lines.append(
-            f"{r['trace']:<28} {'yes' if r['held_out'] else 'no':<9} {r['after']:>5}  {r['n']:<4} "
-            f"{100 * r['inside']:6.0f} %  {100 * r['median_error']:8.1f} %  {100 * r['p90_error']:5.1f} %"
+            f"{r['trace']:<28} {'yes' if r['held_out'] else 'no':<9} {r['after']:>5}  {r.get('model', '-'):<20} "
+            f"{r['n']:<4} {100 * r['inside']:6.0f} %  {100 * r['median_error']:8.1f} %  {100 * r['p90_error']:5.1f} %  "
+            f"{100 * r.get('median_signed', math.nan):+11.1f} %  {100 * r.get('phase_share', math.nan):5.0f} %"
         )
     for r in result.get("by_seed", []):
         lines.append(
-            f"seed {r['seed']} {'held-out' if r['held_out'] else 'training'}: {100 * r['inside']:.0f} % in band "
-            f"over all forecasts (n={r['n']}), median error at uplink {100 * r['median_error_at_uplink']:.1f} %"
+            f"seed {r['seed']} {'held-out' if r['held_out'] else 'training'} {r.get('model', '')}: "
+            f"{100 * r['inside']:.0f} % in band over all forecasts (n={r['n']}), median error at uplink "
+            f"{100 * r['median_error_at_uplink']:.1f} %"
         )
-    t = result["timing"]
-    lines.append(f"10-task forecast, {t['draws']} draws: {1000 * t['seconds']:.0f} ms")
+    for t in result["timing"] if isinstance(result["timing"], list) else [result["timing"]]:
+        lines.append(
+            f"10-task forecast, {t['draws']} draws, {t.get('model', 'history')} model: {1000 * t['seconds']:.0f} ms"
+        )
     return "\n".join(lines)
 
 
@@ -269,10 +371,6 @@ def format_table(result: dict) -> str:
 # powered, where a trace second lasts `time_scale` wall seconds (between windows the bus skips
 # idle time, so the payload's own clock is not the trace's there).
 
-#: History windows the payload keeps and sends (flight/runtime/profile.py KEEP_STARTS).
-KEEP_WINDOWS = 256
-#: The payload's past before a run: the same kind's realisation of seed (run's seed + PAST_SEED).
-PAST_SEED = 1000
 KINDS = TRAINING + HELD_OUT
 
 
@@ -354,12 +452,21 @@ def run_kind_seed(run_dir: str | Path) -> tuple[str, int]:
 
 
 def replay_run(
-    run_dir: str | Path, profile: dict, *, draws: int = 200, seed: int = 0, plan_known: bool = False
+    run_dir: str | Path,
+    profile: dict,
+    *,
+    draws: int = 200,
+    seed: int = 0,
+    plan_known: bool = False,
+    models: Sequence[str] = ("phase",),
 ) -> list[dict]:
     """Forecasts made again from one testbench run's bus log, each against the task's real
-    completion (see above). One row per (task, moment): after (power-ups since its uplink),
-    error (|expected - completed| / the task's real end-to-end time), inside (the 10-90 band
-    holds the completion). Tasks the run did not complete are not forecast against."""
+    completion (see above). One row per (task, moment, window model): after (power-ups since its
+    uplink), error (|expected - completed| / the task's real end-to-end time), inside (the 10-90
+    band holds the completion), unstarted (nothing of it heard done yet: at that moment the
+    forecast is the one an uplink then would get, judged by remaining_error, |expected -
+    completed| / (completed - the moment)), orbit_phase of the moment. Tasks the run did not
+    complete are not forecast against."""
     from hil.bus import buslog as bl
 
     run = Path(run_dir)
@@ -411,7 +518,7 @@ def replay_run(
         elif kind == "PROGRESS":
             progress.append((e.trace_s, e["task_id"], str(e.get("phase")), int(e.get("done")), int(e.get("total"))))
     order = sorted(accepted, key=lambda t: accepted[t])
-    off = known_off(kind_, trace_seed or SHIPPED_SEEDS[kind_]) if plan_known and kind_ in KINDS else []
+    off = plan_off(kind_, trace_seed or SHIPPED_SEEDS[kind_]) if plan_known and kind_ in KINDS else []
     label = {
         "trace": kind_ + (PLAN_SUFFIX if plan_known else ""),
         "seed": trace_seed,
@@ -449,32 +556,52 @@ def replay_run(
             }
             for t in queue
         ]
-        fc = forecast_tasks(tasks, basis, known_off=off, now_wall=now, draws=draws, seed=seed)
         # the same forecast given the windows that really came (a plan): what is left is the
         # error of the unit model (rates, overheads, lost units), not of the windows' model
         to_come = [(s, math.inf if e is None else e, w) for s, e, w in history if e is None or e > now]
         known = forecast_tasks(tasks, basis, plan=to_come, now_wall=now) if to_come else {}
-        for t in queue:
-            f = (fc.get("tasks") or {}).get(t)
-            if t not in completed:
-                continue
-            actual = completed[t]
-            after = sum(1 for s, _, _ in history if accepted[t] < s <= now)
-            if after == 0 and now != accepted[t]:
-                continue  # at uplink means at its own uplink, not at a later task's
-            row = {**label, "task": t, "after": after}
-            if f is None or "unavailable" in f:
-                rows.append({**row, "unavailable": (f or fc).get("unavailable", "no forecast")})
-                continue
-            rows.append(
-                {
-                    **row,
-                    "inside": f["p10"] <= actual <= f["p90"],
-                    "error": abs(f["expected"] - actual) / max(1e-9, actual - accepted[t]),
-                    "signed": (f["expected"] - actual) / max(1e-9, actual - accepted[t]),
-                    "unit_model_signed": _signed((known.get("tasks") or {}).get(t), actual, accepted[t]),
+        started = {p[1] for p in progress if p[0] <= now}
+        for model in models:
+            options = (
+                model_options(model, kind_)
+                if kind_ in KINDS
+                else {
+                    "window_model": model.removesuffix("-given"),
+                    **({"unit_sigma": 0.0} if model == "history" else {}),
                 }
             )
+            fc = forecast_tasks(tasks, basis, known_off=off, now_wall=now, draws=draws, seed=seed, **options)
+            for t in queue:
+                f = (fc.get("tasks") or {}).get(t)
+                if t not in completed:
+                    continue
+                actual = completed[t]
+                after = sum(1 for s, _, _ in history if accepted[t] < s <= now)
+                if after == 0 and now != accepted[t]:
+                    continue  # at uplink means at its own uplink, not at a later task's
+                row = {
+                    **label,
+                    "task": t,
+                    "after": after,
+                    "model": model,
+                    "unstarted": t not in started,
+                    "orbit_phase": orbit_phase(kind_, now),
+                }
+                if f is None or "unavailable" in f:
+                    rows.append({**row, "unavailable": (f or fc).get("unavailable", "no forecast")})
+                    continue
+                rows.append(
+                    {
+                        **row,
+                        "phase_model": (fc.get("window_model") or {}).get("kind") == "phase",
+                        "inside": f["p10"] <= actual <= f["p90"],
+                        "error": abs(f["expected"] - actual) / max(1e-9, actual - accepted[t]),
+                        "signed": (f["expected"] - actual) / max(1e-9, actual - accepted[t]),
+                        "remaining_error": abs(f["expected"] - actual) / max(1e-9, actual - now),
+                        "remaining_signed": (f["expected"] - actual) / max(1e-9, actual - now),
+                        "unit_model_signed": _signed((known.get("tasks") or {}).get(t), actual, accepted[t]),
+                    }
+                )
     return rows
 
 
@@ -500,7 +627,7 @@ def campaign_runs(paths: Sequence[str]) -> list[Path]:
     return out
 
 
-def real(paths: Sequence[str], draws: int = 200) -> dict:
+def real(paths: Sequence[str], draws: int = 200, models: Sequence[str] = MODELS) -> dict:
     """Forecasts replayed from real testbench runs (`campaign_runs(paths)`), each run given the
     profile another run kept: one of the same trace kind and cadence where there is one (the
     payload's earlier tasks on the same spacecraft), else of the same cadence, else any. The
@@ -527,48 +654,68 @@ def real(paths: Sequence[str], draws: int = 200) -> dict:
         if pick is None:
             continue  # no other run kept a profile: nothing honest to forecast with
         given[run.name] = pick.name
-        rows += replay_run(run, profiles[pick], draws=draws)  # type: ignore[arg-type]
+        rows += replay_run(run, profiles[pick], draws=draws, models=models)  # type: ignore[arg-type]
         kind_seed = run_kind_seed(run)
         if kind_seed[0] in KINDS and known_off(kind_seed[0], kind_seed[1] or SHIPPED_SEEDS[kind_seed[0]]):
-            rows += replay_run(run, profiles[pick], draws=draws, plan_known=True)  # type: ignore[arg-type]
-    return {"rows": rows, "summary": real_summary(rows), "profile_from": given, "runs": len(runs)}
+            rows += replay_run(run, profiles[pick], draws=draws, plan_known=True, models=models)  # type: ignore[arg-type]
+    return {
+        "rows": rows,
+        "summary": real_summary(rows),
+        "by_trace": real_by_trace(rows),
+        "profile_from": given,
+        "runs": len(runs),
+    }
 
 
-def _stats(sel: list[dict]) -> dict:
-    errs = sorted(r["error"] for r in sel)
+def _stats(sel: list[dict], remaining: bool = False) -> dict:
+    """Calibration and error of forecasts; `remaining`: errors relative to the time left from
+    the moment (a forecast as an uplink at that moment would get it)."""
+    key = "remaining_error" if remaining else "error"
+    errs = sorted(r[key] for r in sel)
     units = [r["unit_model_signed"] for r in sel if r.get("unit_model_signed") is not None]
+    phases = [r["orbit_phase"] for r in sel if not math.isnan(r.get("orbit_phase", math.nan))]
     return {
         "n": len(sel),
         "inside": sum(r["inside"] for r in sel) / len(sel),
         "median_error": statistics.median(errs),
         "p90_error": errs[min(len(errs) - 1, int(0.9 * len(errs)))],
-        "median_signed": statistics.median(r["signed"] for r in sel),
+        "median_signed": statistics.median(r["remaining_signed" if remaining else "signed"] for r in sel),
         # given the windows that really came: the unit model's own error
         "unit_model_median_error": statistics.median(abs(u) for u in units) if units else None,
         "unit_model_median_signed": statistics.median(units) if units else None,
+        "phase_share": sum(bool(r.get("phase_model")) for r in sel) / len(sel),
+        "orbit_phases": (min(phases), max(phases)) if phases else None,
     }
 
 
-def real_summary(rows: list[dict]) -> list[dict]:
-    """Per trace, seed and cadence: at uplink, and along the run (every forecast after it)."""
+#: The moments the real-run summary reports: (label, rows selected, errors from the moment).
+MOMENTS: tuple[tuple[str, Any, bool], ...] = (
+    ("at uplink", lambda r: r["after"] == 0, False),
+    # queued, nothing of it done yet: what an uplink at that moment (another orbital phase) gets
+    ("uplink or unstarted", lambda r: r["after"] == 0 or r.get("unstarted"), True),
+    ("after 1", lambda r: r["after"] == 1, False),
+    ("after 3", lambda r: r["after"] == 3, False),
+    ("after 10", lambda r: r["after"] == 10, False),
+    ("along the run", lambda r: r["after"] > 0, False),
+)
+
+
+def _summaries(rows: list[dict], keys: Sequence[str]) -> list[dict]:
     out = []
-    keys = sorted({(r["trace"], r["seed"], r["cadence"]) for r in rows})
-    for trace, seed, cadence in keys:
-        mine = [r for r in rows if (r["trace"], r["seed"], r["cadence"]) == (trace, seed, cadence)]
+    groups = sorted({tuple(str(r.get(k)) for k in keys) for r in rows})
+    for group in groups:
+        mine = [r for r in rows if tuple(str(r.get(k)) for k in keys) == group]
+        head = dict(zip(keys, group, strict=True))
         made = [r for r in mine if "error" in r]
-        for when, sel in (
-            ("at uplink", [r for r in made if r["after"] == 0]),
-            ("along the run", [r for r in made if r["after"] > 0]),
-        ):
+        for when, pick, remaining in MOMENTS:
+            sel = [r for r in made if pick(r)]
             if sel:
-                out.append({"trace": trace, "seed": seed, "cadence": cadence, "when": when, **_stats(sel)})
+                out.append({**head, "when": when, **_stats(sel, remaining)})
         missing = [r for r in mine if "error" not in r]
         if missing:
             out.append(
                 {
-                    "trace": trace,
-                    "seed": seed,
-                    "cadence": cadence,
+                    **head,
                     "when": "unavailable",
                     "n": len(missing),
                     "reasons": sorted({r["unavailable"] for r in missing}),
@@ -577,27 +724,48 @@ def real_summary(rows: list[dict]) -> list[dict]:
     return out
 
 
+def real_summary(rows: list[dict]) -> list[dict]:
+    """Per trace, seed, cadence and window model: at uplink, at uplink or while queued unstarted,
+    after 1, 3, 10 power-ups, and along the run (every forecast after the uplink)."""
+    return _summaries(rows, ("trace", "seed", "cadence", "model"))
+
+
+def real_by_trace(rows: list[dict]) -> list[dict]:
+    """The same per trace and window model, seeds, cadences and workloads pooled."""
+    return _summaries(rows, ("trace", "model"))
+
+
 def format_real(result: dict) -> str:
-    """The table of `real`: per trace, seed and cadence, at uplink and along the run."""
+    """The tables of `real`: per trace and window model, then per trace, seed, cadence and model."""
 
     def pc(x: float | None, signed: bool = False) -> str:
         return "-" if x is None else (f"{100 * x:+.1f} %" if signed else f"{100 * x:.1f} %")
 
     lines = [
-        f"against real testbench runs ({result['runs']} runs; error = |expected - completed| / real end-to-end)",
-        "trace          seed cadence  made           n    in 10-90  median err  p90 err   median signed  "
-        "unit model alone (median, signed)",
+        f"against real testbench runs ({result['runs']} runs; error = |expected - completed| / real end-to-end; "
+        "'uplink or unstarted': / time left from the moment)",
     ]
-    for r in result["summary"]:
-        head = f"{r['trace']:<14} {r['seed']:>4} {r['cadence']:<8} {r['when']:<14} {r['n']:<4}"
-        if "reasons" in r:
-            lines.append(f"{head} no forecast: {'; '.join(r['reasons'])}")
-            continue
-        lines.append(
-            f"{head} {100 * r['inside']:6.0f} %  {pc(r['median_error']):>9}  {pc(r['p90_error']):>8}  "
-            f"{pc(r['median_signed'], True):>12}   {pc(r['unit_model_median_error'])}, "
-            f"{pc(r['unit_model_median_signed'], True)}"
-        )
+    head = (
+        "trace                  seed cadence  model                made                 n    in 10-90  median err  "
+        "p90 err   median signed  at phase  moments' orbital phase  unit model alone (median, signed)"
+    )
+    for title, part in (("per trace", result.get("by_trace") or []), ("per run kind", result["summary"])):
+        lines += [title, head]
+        for r in part:
+            start = (
+                f"{r['trace']:<22} {str(r.get('seed', '')):>4} {str(r.get('cadence', '')):<8} "
+                f"{str(r.get('model', '')):<20} {r['when']:<20} {r['n']:<4}"
+            )
+            if "reasons" in r:
+                lines.append(f"{start} no forecast: {'; '.join(r['reasons'])}")
+                continue
+            phases = r.get("orbit_phases")
+            lines.append(
+                f"{start} {100 * r['inside']:6.0f} %  {pc(r['median_error']):>9}  {pc(r['p90_error']):>8}  "
+                f"{pc(r['median_signed'], True):>12}   {100 * r.get('phase_share', 0):5.0f} %  "
+                f"{'-' if not phases else f'{phases[0]:.2f}-{phases[1]:.2f}':>22}  "
+                f"{pc(r['unit_model_median_error'])}, {pc(r['unit_model_median_signed'], True)}"
+            )
     return "\n".join(lines)
 
 
@@ -613,12 +781,23 @@ def main(argv=None) -> int:
         help="judge against real testbench runs instead: run directories or campaign directories "
         "(OrbitWeaver's runs; each is given the profile another run kept)",
     )
+    p.add_argument(
+        "--models",
+        default=",".join(MODELS),
+        help="window models compared, comma-separated (default: all): history (resampled without orbital "
+        "phase), phase (at the orbit's phase, its period found in the history), phase-given (the orbit's "
+        "period given)",
+    )
     args = p.parse_args(argv)
+    joined = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in joined if m not in MODELS]
+    if unknown:
+        p.error(f"--models: unknown {', '.join(unknown)} (models: {', '.join(MODELS)})")
     if args.runs:
-        result = real(args.runs, args.draws)
+        result = real(args.runs, args.draws, joined)
         print(format_real(result))
     else:
-        result = run(tuple(args.seeds), args.draws)
+        result = run(tuple(args.seeds), args.draws, joined)
         print(format_table(result))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import os
+import re
 import secrets
 import sys
 import time
@@ -388,7 +389,32 @@ def register(subparsers) -> None:
     )
     p.add_argument("task", metavar="TASK")
     p.add_argument("priority", type=int, metavar="P", help="0..255, higher runs first")
+    _register_commands(leaf)
     _register_console(leaf)
+
+
+def _register_commands(leaf) -> None:
+    p = leaf(
+        "commands",
+        "print the station's command log: every command sent, its answer and round trip",
+        'Print the station\'s command log (<state>/commands.jsonl, docs/ground.md "Command log"): every command '
+        "any `ow ground` process of this station sent (the console included), oldest first, one line each: when "
+        "it was first sent (UTC), the command and what it named, the round trip, who sent it, and the answer "
+        "(OK, or the code, who answered and the reason; NO_ANSWER). Reads the local log only: no link is opened.",
+        cmd_commands,
+    )
+    p.add_argument(
+        "--since",
+        dest="since_when",
+        metavar="WHEN",
+        default=None,
+        help="only commands sent at or after WHEN: a UTC time (2026-12-05, 2026-12-05T11:30, 2026-12-05T11:30:00Z) "
+        "or an age before now (90s, 15m, 2h, 1d)",
+    )
+    p.add_argument("--last", type=int, default=None, metavar="N", help="only the newest N of them")
+    p.add_argument(
+        "--follow", action="store_true", help="then print each command as it is logged, until Ctrl-C (exit 0)"
+    )
 
 
 def _register_console(leaf) -> None:
@@ -722,6 +748,24 @@ def _check_task_id(task_id: str) -> None:
     check_operator_name(task_id, "task id")
 
 
+#: What argparse takes for a value though it starts with "-": a negative number (its own rule), or a
+#: FROM,TO pair with a negative FROM (checked by _off_period).
+_NEGATIVE_NUMBER_OR_PAIR = re.compile(r"^-\d+$|^-\d*\.\d+$|^-\.?\d[^,]*,")
+
+
+def _off_period(text: str) -> tuple[float, float]:
+    """--off FROM,TO: seconds from now, TO after FROM."""
+    try:
+        a, b = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give FROM,TO in seconds from now (e.g. --off 600,900; before now: --off -3000,-2600)"
+        ) from None
+    if not (math.isfinite(a) and math.isfinite(b)) or b <= a:
+        raise argparse.ArgumentTypeError(f"{text!r}: TO must be a number after FROM")
+    return a, b
+
+
 def _forecast_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--plan",
@@ -740,11 +784,17 @@ def _forecast_options(p: argparse.ArgumentParser) -> None:
         "--off",
         action="append",
         default=[],
+        type=_off_period,
         metavar="FROM,TO",
-        help="a period the payload is known to be off, in seconds from now (negative: in the past): a "
-        "contact plan's pass, a higher-priority payload's scheduled window; repeatable. The resampled windows "
-        "are cut around it, and the history's gaps it explains are not drawn again as random ones",
+        help="a period the payload is known to be off, in seconds from now (negative: in the past, e.g. "
+        "--off -3000,-2600): a contact plan's pass, a higher-priority payload's scheduled window; repeatable. "
+        "The resampled windows are cut around it, and the history's gaps it explains are not drawn again as "
+        "random ones",
     )
+    # argparse takes a value starting with "-" for an option unless it looks like one negative
+    # number; FROM,TO pairs with a negative FROM are values too (this parser has no option that
+    # looks like a number)
+    p._negative_number_matcher = _NEGATIVE_NUMBER_OR_PAIR
 
 
 def _forecast(args) -> dict:
@@ -767,15 +817,7 @@ def _forecast(args) -> dict:
             raise LocalInputError("--plan-scale must be above 0")
         # plan second 0 is now: shift into Unix seconds after the scale
         plan = [(now / args.plan_scale + a, now / args.plan_scale + b) for a, b in windows]
-    off = []
-    for text in getattr(args, "off", None) or []:
-        try:
-            a, b = (float(x) for x in text.split(","))
-        except ValueError:
-            raise LocalInputError(f"--off {text}: give FROM,TO in seconds from now (e.g. --off 600,900)") from None
-        if not (math.isfinite(a) and math.isfinite(b)) or b <= a:
-            raise LocalInputError(f"--off {text}: TO must be a number after FROM")
-        off.append((now + a, now + b))
+    off = [(now + a, now + b) for a, b in getattr(args, "off", None) or []]
     tasks = state.tasks() if state.tasks_path.exists() else []
     return forecast_tasks(
         tasks, state.forecast_basis(), plan=plan, plan_scale=args.plan_scale, known_off=off, now_wall=now
@@ -994,6 +1036,59 @@ def cmd_resend(args) -> int:
     else:
         sent = sum(i.chunks_sent for i in result.images)
         print(f"task {result.task_id}: images on board ({sent} chunk(s) sent again), task re-sent", flush=True)
+    return 0
+
+
+def cmd_commands(args) -> int:
+    # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
+    from ground.console.command_log import CommandLogReader, command_line, parse_since
+    from ground.state import GroundState
+
+    since = None
+    if args.since_when is not None:
+        try:
+            since = parse_since(args.since_when)
+        except ValueError as exc:
+            raise LocalInputError(f"--since: {exc}") from None
+    if args.last is not None and args.last < 1:
+        raise LocalInputError(f"--last must be >= 1, not {args.last}")
+    state = GroundState(args.state_dir or KeyLayout(Path(_keys_dir(args))).state_dir)
+    reader = CommandLogReader(state.command_log_path)
+
+    def show(entries: list[dict]) -> None:
+        for entry in entries:
+            if args.json:
+                _print_json(entry)
+            else:
+                print(command_line(entry), flush=True)
+
+    def wanted(entries: list[dict]) -> list[dict]:
+        if since is None:
+            return entries
+        return [e for e in entries if isinstance(e.get("t"), int | float) and e["t"] >= since]
+
+    damaged = 0
+
+    def count_damaged() -> None:
+        nonlocal damaged
+        if reader.damaged > damaged:
+            _notify(f"skipped {reader.damaged - damaged} damaged line(s) of the command log")
+            damaged = reader.damaged
+
+    try:
+        if not state.command_log_path.exists() and not reader.rotated.exists():
+            _notify(f"no command logged yet ({state.command_log_path} does not exist)")
+        backlog = wanted(reader.backlog())
+        show(backlog[-args.last :] if args.last else backlog)
+        count_damaged()
+        while args.follow:
+            time.sleep(0.5)  # a few lines a second at most: a log, not a stream
+            show(wanted(reader.new()))
+            count_damaged()
+    except KeyboardInterrupt:
+        return 0  # Ctrl-C is how --follow ends
+    finally:
+        reader.close()
     return 0
 
 

@@ -329,7 +329,6 @@ def test_the_architecture_page_names_only_paths_that_exist():
 ADD_ARGUMENT_LIMIT = 25
 LONG_REGISTRATIONS = {
     "common/vla/cli.py:register",
-    "hil/bus/cli.py:add_run_arguments",
     "ground/cli.py:register",
 }
 
@@ -464,3 +463,22 @@ def test_the_payload_composes_its_handlers_instead_of_mixing_them_in():
     if problems:
         report = "\n  ".join(problems)
         pytest.fail(f"the payload's handlers are to be composed by FlightApp, not mixed in:\n  {report}", pytrace=False)
+
+
+#: The ground client's parts (docs/ground.md "Where things are"): `GroundClient` makes them and
+#: hands each the parts it uses.
+GROUND_CLIENT_PARTS = (
+    "ground.client.session",
+    "ground.client.upload",
+    "ground.client.tasks",
+    "ground.client.results",
+    "ground.client.ground_client",
+)
+
+
+def test_the_ground_client_is_composed_not_stacked():
+    problems = composition_problems(GROUND_CLIENT_PARTS)
+    if problems:
+        pytest.fail(
+            "the ground client's parts are to be composed, not stacked:\n  " + "\n  ".join(problems), pytrace=False
+        )

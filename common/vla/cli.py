@@ -362,6 +362,7 @@ def cmd_load(args) -> int:
 def cmd_bench(args) -> int:
     # lazy: torch (seconds); `ow --help` imports this module, the subcommand loads its own
     from common.vla.bench import EXPERIMENTS, BenchSettings, run_bench
+    from common.vla.controller import ACCEPTANCE_RULES
 
     profile = _load_profile(args.profile)
     experiments = _csv(args.experiments) if args.experiments else list(EXPERIMENTS)
@@ -383,8 +384,22 @@ def cmd_bench(args) -> int:
     }
     if args.seed is not None and args.seeds is None:
         changes["seeds"] = (args.seed,) + tuple(s for s in settings.seeds if s != args.seed)[: len(settings.seeds) - 1]
+    controller = settings.controller
     if args.ilp_time_limit is not None:
-        changes["controller"] = dataclasses.replace(settings.controller, time_limit_s=args.ilp_time_limit)
+        controller = dataclasses.replace(controller, time_limit_s=args.ilp_time_limit)
+    if args.acceptance:
+        rules = _csv(args.acceptance)
+        try:
+            controller = dataclasses.replace(controller, acceptance=rules[0])
+        except ValueError as exc:
+            raise _cli_error(str(exc)) from None
+        bad = [r for r in rules if r not in ACCEPTANCE_RULES]
+        if bad:
+            raise _cli_error(f"unknown acceptance rule(s) {', '.join(bad)}; choose from {', '.join(ACCEPTANCE_RULES)}")
+        changes["compare_acceptance"] = tuple(rules)
+    if args.calibrated_factors is not None:
+        changes["calibrated_factors"] = tuple(args.calibrated_factors)
+    changes["controller"] = controller
     settings = dataclasses.replace(settings, **changes)
     report = run_bench(profile, settings, experiments, emit=lambda line: print(line, flush=True))
     if args.json:
@@ -823,6 +838,18 @@ def register(subparsers) -> None:
         "(the SLO factor fitted to the paper's 18-robot anchor for each unpinned setting, then 8 x 4 at each), "
         "early-release (actions released when their ADiT ends, not at the lockstep barrier); "
         "default: all",
+    )
+    p.add_argument(
+        "--acceptance",
+        help="the controller's plan acceptance: bootstrap (default), prediction or worst-draw (docs/vla.md); "
+        "several, comma-separated, are compared side by side in the calibration experiment (the first "
+        "is used elsewhere)",
+    )
+    p.add_argument(
+        "--calibrated-factors",
+        type=_floats,
+        help="calibration: use these fitted SLO factors (one per unpinned setting, in the order the "
+        "report lists them, e.g. from an earlier run) instead of fitting them again",
     )
     p.add_argument("--json", help="also write the measured numbers to this JSON file")
     p.set_defaults(func=cmd_bench)

@@ -4,28 +4,32 @@ Placement says which GPUs host which models: co-locate ("mix": every model on ev
 replicate one model over GPUs, or partition the GPUs into disjoint groups each serving a subset
 (e.g. the fine-tuned variants of one architecture).
 
-The traffic controller assigns each model's robots to the GPUs hosting it. With L_m(k) the robot
-limit of model m on one GPU shared by k models (the most robots of m's architecture one GPU serves
-at the target SLO attainment for every model when k variants share it — found by simulating the
-lockstep engine with the profile; co-located models batch separately and wait behind each other's
-locksteps, so L(k) falls fast with k), GPU g's load is sum_m x[m,g] / L_m(k_g), with k_g the
-number of models on g, and must stay <= 1. Among assignments within that bound, the integer
-program maximises per-model batching by splitting each model over as few GPUs as possible, then
-(our addition) keeps as many GPUs in use as possible — for a fixed number of splits that is the
-fewest models sharing a GPU — then minimises the most loaded GPU's load, then evens out the
-GPUs below the peak:
+The traffic controller assigns each model's robots to the GPUs hosting it. With L_m(c) the robot
+limit of model m on one GPU whose models form the composition c (how many models of each
+architecture share it: pi0 + SmolVLA is another composition than two pi0 variants — found by
+simulating the lockstep engine with the profile; co-located models batch separately and wait
+behind each other's locksteps, so L falls fast as models join), GPU g's load is
+sum_m x[m,g] / L_m(c_g) and must stay <= 1. Limits may also be keyed by the number of models
+only (L_m(k), one table per model) or be one number per model (co-location-blind). Among
+assignments within that bound, the integer program maximises per-model batching by splitting
+each model over as few GPUs as possible, then (our addition) keeps as many GPUs in use as
+possible — for a fixed number of splits that is the fewest models sharing a GPU — then
+minimises the most loaded GPU's load, then evens out the GPUs below the peak:
 
     minimise   (overload,  sum y,  -sum_g u[g],  z,  sum_g pen(l[g]))   (lexicographically)
     subject to sum_g x[m,g] = R_m                                 (every robot placed)
-               x[m,g] <= R_m * y[m,g]                             (y: model m uses GPU g)
-               sum_k k w[g,k] = sum_m y[m,g],  sum_k w[g,k] <= 1  (w: g hosts exactly k models)
-               sum_m x[m,g] / L_m(k) <= z, 1 + overload, l[g]     (rows active where w[g,k] = 1)
+               y[m,g] <= x[m,g] <= R_m * y[m,g]                   (y: model m uses GPU g)
+               sum_c n_a(c) w[g,c] = sum_{m of a} y[m,g] for each architecture a,
+               sum_c w[g,c] <= 1                                  (w: g hosts exactly composition c)
+               sum_m x[m,g] / L_m(c) <= z, 1 + overload, l[g]     (rows active where w[g,c] = 1)
                u[g] <= sum_m y[m,g]                               (u: GPU g in use)
                pen(l) >= tangents of l^2                          (convex: spreads the load)
 
 solved as up to five MILPs in sequence with scipy.optimize.milp (HiGHS) within one time budget;
 when the budget runs out, the best assignment found so far is returned and flagged. With one
 limit per model (co-location-blind, as in the paper's description) the w rows collapse to one.
+With limits keyed by the number of models only, the compositions collapse to model counts k
+(one "architecture"); compositions no limit covers share one row at UNMEASURED_LOAD_PER_ROBOT.
 A brute-force enumeration over the same lexicographic objective checks it on small instances.
 `TrafficController` (controller.py) adds the co-location limits and checks every plan in the
 simulator before it emits it.
@@ -145,33 +149,81 @@ DEFAULT_ILP_TIME_LIMIT_S = 2.0  # all stages together; an expired budget returns
 # this many GPUs per robot: never chosen while anything else fits, and flagged when it is.
 UNMEASURED_LOAD_PER_ROBOT = 4.0
 
-# Robot limits: one number per model (co-location-blind: the same limit whatever shares the GPU)
-# or a sequence per model whose k-th entry (k = 1, 2, ...) is the most robots of this model's
-# architecture one GPU serves when k models share it (see `colocation_limits`).
-Limits = Mapping[str, "float | Sequence[float]"]
+# A GPU's composition: how many of its models belong to each architecture, as sorted
+# (architecture, count) pairs. Fine-tuned variants share their architecture's profile (paper
+# §4.1.3), so the composition, not the models' names, decides what a GPU serves.
+Composition = tuple[tuple[str, int], ...]
+
+# Robot limits, per model, in one of three forms:
+#  * one number (co-location-blind: the same limit whatever shares the GPU);
+#  * a sequence whose k-th entry (k = 1, 2, ...) is the limit when k models share the GPU;
+#  * a mapping from Composition to the limit on a GPU of that composition (`colocation_limits`).
+Limits = Mapping[str, "float | Sequence[float] | Mapping[Composition, float]"]
 
 
-def limit_for(limits: Limits, model: str, k: int) -> float:
-    """Robot limit of `model` on a GPU shared by k models; 0 when unknown (more models than measured)."""
+def composition(models: Iterable[str]) -> Composition:
+    """The composition of a GPU hosting `models`: (architecture, number of its models), sorted."""
+    counts: dict[str, int] = {}
+    for m in models:
+        arch = model_spec(m).arch
+        counts[arch] = counts.get(arch, 0) + 1
+    return tuple(sorted(counts.items()))
+
+
+def format_composition(comp: Composition) -> str:
+    return " + ".join(f"{n} {arch}" for arch, n in comp)
+
+
+def limit_at(limits: Limits, model: str, comp: Composition) -> float:
+    """Robot limit of `model` on a GPU of composition `comp` (with limits keyed by the number of
+    models, only the composition's model count matters); 0 when the limits do not cover it."""
     lim = limits[model]
     if isinstance(lim, (int, float)):
         return float(lim)
-    return float(lim[k - 1]) if k <= len(lim) else 0.0
+    if isinstance(lim, Mapping):
+        return float(lim.get(comp, 0.0))
+    k = sum(n for _, n in comp)
+    return float(lim[k - 1]) if 1 <= k <= len(lim) else 0.0
 
 
-def _per_robot(limits: Limits, model: str, k: int) -> float:
-    lim = limit_for(limits, model, k)
+def _cost_at(limits: Limits, model: str, comp: Composition | None) -> float:
+    """Load of one robot of `model` on a GPU of composition `comp` (None: one no limit covers)."""
+    lim = limit_at(limits, model, comp) if comp is not None else 0.0
+    return 1.0 / lim if lim > 0 else UNMEASURED_LOAD_PER_ROBOT
+
+
+def limit_in(limits: Limits, model: str, on: Sequence[str]) -> float:
+    """Robot limit of `model` on a GPU hosting the models `on` (itself among them); 0 when the
+    limits say nothing about that GPU (more models than measured, or a composition not measured)."""
+    if isinstance(limits[model], Mapping):
+        return limit_at(limits, model, composition(on))
+    return limit_at(limits, model, (("", len(on)),))
+
+
+def limit_for(limits: Limits, model: str, k: int) -> float:
+    """Robot limit of `model` on a GPU shared by k models (composition-keyed limits: k = 1 only,
+    the model alone); 0 when unknown."""
+    lim = limits[model]
+    if isinstance(lim, Mapping):
+        if k != 1:
+            raise ValueError(f"limits of {model} are keyed by composition, not by the number of models")
+        return limit_in(limits, model, [model])
+    return limit_in(limits, model, [model] * k)
+
+
+def _per_robot(limits: Limits, model: str, on: Sequence[str]) -> float:
+    lim = limit_in(limits, model, on)
     return 1.0 / lim if lim > 0 else UNMEASURED_LOAD_PER_ROBOT
 
 
 def colocation_aware(limits: Limits) -> bool:
-    return any(not isinstance(v, (int, float)) and len(set(v)) > 1 for v in limits.values())
+    return any(isinstance(v, Mapping) or (not isinstance(v, (int, float)) and len(set(v)) > 1) for v in limits.values())
 
 
 def gpu_load(robots_on_gpu: Mapping[str, int], limits: Limits) -> float:
-    """Load of one GPU: sum over its models of robots / limit at its number of co-located models."""
+    """Load of one GPU: sum over its models of robots / limit at the GPU's composition."""
     on = {m: n for m, n in robots_on_gpu.items() if n > 0}
-    return sum(n * _per_robot(limits, m, len(on)) for m, n in on.items())
+    return sum(n * _per_robot(limits, m, list(on)) for m, n in on.items())
 
 
 def _check(robots: Mapping[str, int], limits: Limits, placement: Placement) -> None:
@@ -225,7 +277,7 @@ def assign_greedy(placement: Placement, robots: Mapping[str, int], limits: Limit
     robots = {m: int(n) for m, n in robots.items() if n > 0}
     _check(robots, limits, placement)
     on: dict[int, dict[str, int]] = {g: {} for g in range(placement.n_gpus)}
-    for m in sorted(robots, key=lambda m: -robots[m] * _per_robot(limits, m, 1)):
+    for m in sorted(robots, key=lambda m: -robots[m] * _per_robot(limits, m, [m])):
 
         def cost(g, m=m):
             after = {**on[g], m: robots[m]}
@@ -270,12 +322,36 @@ def assign_ilp(
     pairs = [(m, g) for (m, g) in placement.pairs() if m in robots]
     n, n_gpus = len(pairs), placement.n_gpus
     on_gpu = {g: [i for i, (_, gg) in enumerate(pairs) if gg == g] for g in range(n_gpus)}
-    # Per-k rows when limits vary with k, or when a GPU could hold more models than a table covers.
-    tables = [t for t in (limits[m] for m in robots) if not isinstance(t, (int, float))]
+    # Per-composition rows when limits vary with what shares a GPU, or when a GPU could hold more
+    # models than a table covers.
+    tables = [t for t in (limits[m] for m in robots) if not isinstance(t, (int, float, Mapping))]
     most = max((len(v) for v in on_gpu.values()), default=0)
     aware = colocation_aware({m: limits[m] for m in robots}) or any(len(t) < most for t in tables)
-    # GPU g's possible model counts k, each with its own load row (one row when limits ignore k).
-    ks = {g: (list(range(1, len(on_gpu[g]) + 1)) if aware else [0]) for g in range(n_gpus)}
+    keyed = any(isinstance(limits[m], Mapping) for m in robots)
+    # A model's group: its architecture where limits are keyed by composition, one group ("")
+    # where they are keyed by the number of models (a composition is then a model count).
+    group = {m: (model_spec(m).arch if keyed else "") for m in robots}
+    # GPU g's possible compositions, each with its own load row (one row when limits ignore them);
+    # those no limit covers share one catch-all row (None), every robot on it costing
+    # UNMEASURED_LOAD_PER_ROBOT, so that the ILP does not grow with compositions it cannot use.
+    comps: dict[int, list[Composition | None]] = {}
+    for g in range(n_gpus):
+        hosted = [pairs[i][0] for i in on_gpu[g]]
+        if not aware or not hosted:
+            comps[g] = [] if not hosted else [()]
+            continue
+        caps = {a: sum(1 for m in hosted if group[m] == a) for a in sorted({group[m] for m in hosted})}
+        measured: list[Composition | None] = []
+        catch_all = False
+        for counts in itertools.product(*(range(c + 1) for c in caps.values())):
+            comp = tuple((a, k) for a, k in zip(caps, counts, strict=True) if k)
+            if not comp:
+                continue
+            if any(limit_at(limits, m, comp) > 0 for m in hosted if dict(comp).get(group[m])):
+                measured.append(comp)
+            else:
+                catch_all = True
+        comps[g] = measured + ([None] if catch_all else [])
     names: list[str] = []
 
     def var(name):
@@ -288,7 +364,7 @@ def assign_ilp(
     iu = [var(f"u{g}") for g in range(n_gpus)]
     il = [var(f"l{g}") for g in range(n_gpus)]  # >= GPU g's load (tight once the balance stage runs)
     it = [var(f"t{g}") for g in range(n_gpus)]  # balance penalty of GPU g
-    iw = {(g, k): var(f"w{g},{k}") for g in range(n_gpus) for k in ks[g] if aware}
+    iw = {(g, c): var(f"w{g},{c}") for g in range(n_gpus) for c in comps[g] if aware}
     nv = len(names)
     rows, lo, hi = [], [], []
     balance = []  # rows only the balance stage needs (they slow the earlier stages down)
@@ -303,19 +379,31 @@ def assign_ilp(
 
     for m, r in robots.items():  # every robot placed
         add({ix[i]: 1.0 for i, (mm, _) in enumerate(pairs) if mm == m}, r, r)
-    for i, (m, _) in enumerate(pairs):  # x <= R y
+    for i, (m, _) in enumerate(pairs):  # y <= x <= R y: y says whether robots are placed
         add({ix[i]: 1.0, iy[i]: -robots[m]}, -np.inf, 0.0)
+        if aware:  # a model counted on a GPU without robots there would pick a wrong composition
+            add({ix[i]: 1.0, iy[i]: -1.0}, 0.0, np.inf)
     for g in range(n_gpus):
         add({iu[g]: 1.0, **{iy[i]: -1.0 for i in on_gpu[g]}}, -np.inf, 0.0)  # u_g <= models on g
         if not on_gpu[g]:
             continue
-        if aware:  # exactly one k is active on a used GPU, and it counts the models there
-            add({iw[g, k]: float(k) for k in ks[g]} | {iy[i]: -1.0 for i in on_gpu[g]}, 0.0, 0.0)
-            add({iw[g, k]: 1.0 for k in ks[g]}, 0.0, 1.0)
-        for k in ks[g]:
-            load = {ix[i]: _per_robot(limits, pairs[i][0], max(k, 1)) for i in on_gpu[g]}
-            big = sum(robots[pairs[i][0]] * c for i, c in zip(on_gpu[g], load.values(), strict=True)) if aware else 0.0
-            off = {iw[g, k]: big} if aware else {}  # the row binds only where w[g,k] = 1
+        if aware:  # exactly one composition is active on a used GPU, and it counts the models there
+            for a in sorted({group[pairs[i][0]] for i in on_gpu[g]}):
+                counted = {iw[g, cc]: float(dict(cc).get(a, 0)) for cc in comps[g] if cc is not None}
+                counted |= {iy[i]: -1.0 for i in on_gpu[g] if group[pairs[i][0]] == a}
+                if None in comps[g]:  # the counts may differ only where the catch-all is active
+                    add(counted, -np.inf, 0.0)
+                    add(counted | {iw[g, None]: float(len(on_gpu[g]))}, 0.0, np.inf)
+                else:
+                    add(counted, 0.0, 0.0)
+            add({iw[g, cc]: 1.0 for cc in comps[g]}, 0.0, 1.0)
+        for klass in comps[g]:
+            if aware:
+                load = {ix[i]: _cost_at(limits, pairs[i][0], klass) for i in on_gpu[g]}
+            else:
+                load = {ix[i]: _per_robot(limits, pairs[i][0], [pairs[i][0]]) for i in on_gpu[g]}
+            big = sum(robots[pairs[i][0]] * v for i, v in zip(on_gpu[g], load.values(), strict=True)) if aware else 0.0
+            off = {iw[g, klass]: big} if aware else {}  # the row binds only where w[g,klass] = 1
             add(load | off | {io: -1.0}, -np.inf, 1.0 + big)  # load <= 1 + o
             add(load | off | {iz: -1.0}, -np.inf, big)  # load <= z
             balance.append((load | off | {il[g]: -1.0}, -np.inf, big))  # load <= l_g
@@ -330,8 +418,8 @@ def assign_ilp(
             else:
                 add(
                     {
-                        **{ix[i]: _per_robot(limits, pairs[i][0], 1) for i in on_gpu[g]},
-                        **{ix[i]: -_per_robot(limits, pairs[i][0], 1) for i in on_gpu[g + 1]},
+                        **{ix[i]: _per_robot(limits, pairs[i][0], [pairs[i][0]]) for i in on_gpu[g]},
+                        **{ix[i]: -_per_robot(limits, pairs[i][0], [pairs[i][0]]) for i in on_gpu[g + 1]},
                     },
                     0.0,
                     np.inf,

@@ -12,20 +12,20 @@ durable progress at all. The payload knows more than the cadence uses:
   distribution of window lengths, hence the chance that this window ends within the next
   seconds given how long it has lasted.
 
-`Cadence("adaptive")` turns these into p, the probability that power goes before the next
-record the fixed cadence would write, and writes a record at this unit boundary when p is at
-least `P_MIN`, the work it saves in expectation (p x the work since the last record) is worth
-the time a record of that kind takes to write (measured, and kept across boots in
-`state/write-costs`: `WriteCosts`), and that write ends before the next scheduled record is due
-(so it never holds that one back in the writer's queue). The fixed cadence stays an upper
-bound on the spacing of decode records: adaptive only adds those. Of the vision states it
-schedules, adaptive skips one whose write, behind the writer's backlog, would outlast both the
-vision phase and the work the state saves, unless a cut is likely before vision.out is durable
-(`skip_vision_state`). Records written early hold exactly what the fixed ones hold (decode
-records cover every step since the last durable one), and a skipped state only removes one
-that a later record supersedes, so the answer is bitwise the same. It also picks a new task's
-prefill block shape: the layers per block (G) such that one block is short against the windows
-lived through (`prefill_group`), chosen once per task and kept in its MANIFEST.
+`Cadence("adaptive")` turns these into p, the probability that power goes before the next record
+the fixed cadence would write, and writes a record at this unit boundary when p is at least
+`P_MIN`, the work it saves in expectation (p x the work since the last record) is worth the time
+a record of that kind takes to write (measured, and kept across boots in `state/write-costs`:
+`WriteCosts`, with the vision states' write rate), and that write ends before the next scheduled
+record is due (so it never holds that one back in the writer's queue). The fixed cadence stays
+an upper bound on the spacing of decode records: adaptive only adds those. Of the vision states
+it schedules, adaptive skips one whose write, behind the writer's backlog, would outlast both
+the vision phase and the work the state saves, unless a cut is likely before vision.out is
+durable (`skip_vision_state`). Records written early hold exactly what the fixed ones hold
+(decode records cover every step since the last durable one), and a skipped state only removes
+one that a later record supersedes, so the answer is bitwise the same. It also picks a new
+task's prefill block shape: the layers per block (G) such that one block is short against the
+windows lived through (`prefill_group`), chosen once per task and kept in its MANIFEST.
 `Cadence("fixed")` is the paper's cadence (docs/engine.md).
 
 All times are the payload's own seconds (a warning's lead and the bus clock in telemetry run at
@@ -37,6 +37,7 @@ from __future__ import annotations
 import bisect
 import math
 import os
+import statistics
 import struct
 import threading
 import time
@@ -66,7 +67,20 @@ DEFAULT_SOC_CUTOFF = 0.40
 _ENTRY = struct.Struct("<IdI")  # boot count, seconds, crc32c of the first 12 bytes
 #: the phases whose record writes are timed for early records, in `state/write-costs` order
 COST_PHASES = ("vision", "decode")
-_COSTS = struct.Struct("<ddI")  # seconds per vision state, per decode record, crc32c of the first 16 bytes
+#: the key of the vision states' write rate (seconds per MiB) among the costs kept in
+#: `state/write-costs` (`Cadence.learned_writes`, `WriteCosts`), after the phases' times
+VISION_RATE_KEY = "vision_per_mib"
+_MIB = float(1 << 20)
+#: the layout before the rate was kept: seconds per vision state, per decode record, crc32c of the first 16 bytes
+_COSTS_V1 = struct.Struct("<ddI")
+#: seconds per vision state, per decode record, seconds per MiB of a vision state, crc32c of the first 24 bytes
+_COSTS = struct.Struct("<dddI")
+#: vision-state writes whose seconds per byte the rate is the median of (docs/engine.md, "Cadence"):
+#: up to two burst-assisted or stalled writes among five leave the median on the sustained rate
+RATE_WINDOW = 5
+#: how many of RATE_WINDOW the rate kept from earlier boots counts as at a boot: one write of the
+#: new process cannot move the median, three that agree outvote it
+PRIOR_WRITES = 2
 
 
 def _seal(head: bytes) -> bytes:
@@ -214,10 +228,11 @@ class WindowLog:
 
 
 class WriteCosts:
-    """What a record of each phase took to write, on disk (docs/engine.md, "Cadence"):
-    `state/write-costs`, so that a payload that boots into a short window knows its storage
-    before it has timed a write in this window. One 20-byte entry rewritten in place (a torn
-    write fails its CRC and is ignored: the next measurement rewrites it)."""
+    """What a record of each phase took to write, and the vision states' write rate, on disk
+    (docs/engine.md, "Cadence"): `state/write-costs`, so that a payload that boots into a short
+    window knows its storage before it has timed a write in this window. One 28-byte entry
+    rewritten in place (a torn write fails its CRC and is ignored: the next measurement rewrites
+    it); the 20-byte entry written before the rate was kept still reads, without a rate."""
 
     def __init__(self, state_dir: str):
         os.makedirs(state_dir, exist_ok=True)
@@ -229,7 +244,7 @@ class WriteCosts:
     def load(self) -> dict[str, float]:
         try:
             with open(self.path, "rb") as f:
-                raw = f.read(_COSTS.size + 1)
+                raw = f.read(_COSTS.size + 1)  # one byte more: a longer file is damaged
         except FileNotFoundError:
             return {}
         costs = self._unpack(raw)
@@ -241,27 +256,30 @@ class WriteCosts:
 
     @staticmethod
     def _unpack(raw: bytes) -> dict[str, float] | None:
-        values = _unseal(raw, _COSTS)
+        if len(raw) == _COSTS_V1.size:  # written before the rate was kept
+            values = _unseal(raw, _COSTS_V1)
+        else:
+            values = _unseal(raw, _COSTS)
         if values is None:
             return None
         costs = {}
-        for phase, seconds in zip(COST_PHASES, values, strict=True):
-            if math.isnan(seconds):
+        for key, value in zip(_COST_KEYS, values, strict=False):
+            if math.isnan(value):
                 continue
-            if not math.isfinite(seconds) or seconds < 0:
+            if not math.isfinite(value) or value < 0:
                 return None
-            costs[phase] = seconds
+            costs[key] = value
         return costs
 
     def save(self, costs: dict[str, float]) -> None:
         """Make `costs` durable if they differ from what is on disk."""
-        known = {phase: costs[phase] for phase in COST_PHASES if phase in costs}
+        known = {key: costs[key] for key in _COST_KEYS if key in costs}
         if known == self._saved:
             return
-        head = struct.pack("<dd", *(known.get(phase, math.nan) for phase in COST_PHASES))
+        head = struct.pack("<ddd", *(known.get(key, math.nan) for key in _COST_KEYS))
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            os.ftruncate(self._fd, _COSTS.size)  # a damaged file may have been longer
+            os.ftruncate(self._fd, _COSTS.size)  # a damaged file may have been longer, an older one shorter
         os.pwrite(self._fd, _seal(head), 0)
         os.fdatasync(self._fd)
         self._saved = known
@@ -270,6 +288,10 @@ class WriteCosts:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+#: what `state/write-costs` holds, in its order
+_COST_KEYS = (*COST_PHASES, VISION_RATE_KEY)
 
 
 def _median(values: list[float]) -> float:
@@ -339,13 +361,14 @@ class Cadence:
         self.temperature = _Trend()
         self.battery = _Trend()
         self.unit_s: dict[str, float] = {}
-        self.write_s: dict[str, float] = dict(write_s or {})  # measured since launch (WriteCosts)
-        # seconds per byte of a record of each phase, measured by this process (not kept across
-        # boots: records of one phase differ in size, vision states by a factor of 2-3)
-        self.write_rate: dict[str, float] = {}
+        self.write_s: dict[str, float] = {}  # measured since launch (WriteCosts)
+        # seconds per byte of the last RATE_WINDOW records of each phase (their median is the
+        # rate: `write_rate`); the vision states' is kept across boots (WriteCosts)
+        self.rate_window: dict[str, deque[float]] = {}
         self.early_records = 0
         self.vision_states_skipped = 0
         self._lock = threading.Lock()
+        self.learn_writes(dict(write_s or {}))
 
     # ---- what the payload learns -----------------------------------------------------------------
     def warning(self, lead_s: float) -> None:
@@ -370,19 +393,42 @@ class Cadence:
 
     def observe_write(self, phase: str, seconds: float, nbytes: int | None = None) -> None:
         """A record of `phase` took `seconds` to write; `nbytes`, its size, where known, also
-        gives the storage's seconds per byte for records of that phase."""
+        gives the storage's seconds per byte for records of that phase (the median of the last
+        RATE_WINDOW: `write_rate`)."""
         self._observe(self.write_s, phase, seconds)
         if nbytes:
-            self._observe(self.write_rate, phase, seconds / nbytes)
+            with self._lock:
+                window = self.rate_window.setdefault(phase, deque(maxlen=RATE_WINDOW))
+                window.append(seconds / nbytes)
+
+    @property
+    def write_rate(self) -> dict[str, float]:
+        """Seconds per byte of a record of each phase: the median of its last RATE_WINDOW writes
+        (with, at a boot, the rate kept from earlier ones as PRIOR_WRITES of them). A median,
+        not a decayed mean: a write after an idle spell goes at the storage's burst speed (a
+        refilled token bucket, an SSD's cache), one after a stall slower; neither is the rate
+        the next large record will see, and up to two of them in five leave the median alone."""
+        with self._lock:
+            return {phase: statistics.median(window) for phase, window in self.rate_window.items() if window}
 
     def learn_writes(self, write_s: dict[str, float]) -> None:
-        """Start from write times measured before this process (WriteCosts); its own override."""
+        """Start from write times and the vision states' write rate measured before this process
+        (WriteCosts); its own measurements override them."""
         with self._lock:
-            self.write_s = {**write_s, **self.write_s}
+            self.write_s = {**{k: v for k, v in write_s.items() if k in COST_PHASES}, **self.write_s}
+            per_mib = write_s.get(VISION_RATE_KEY)
+            if per_mib is not None and per_mib > 0 and not self.rate_window.get("vision"):
+                self.rate_window["vision"] = deque([per_mib / _MIB] * PRIOR_WRITES, maxlen=RATE_WINDOW)
 
     def learned_writes(self) -> dict[str, float]:
+        """What `state/write-costs` keeps: the write time of each phase's records and the
+        vision states' seconds per MiB (VISION_RATE_KEY)."""
+        rate = self.write_rate.get("vision")
         with self._lock:
-            return dict(self.write_s)
+            learned = dict(self.write_s)
+        if rate is not None:
+            learned[VISION_RATE_KEY] = rate * _MIB
+        return learned
 
     def _observe(self, table: dict, key: str, seconds: float) -> None:
         with self._lock:
@@ -452,8 +498,9 @@ class Cadence:
         backlog: `backlog_bytes` of ordered records queued or being written, of which the one
         being written (`writing_bytes`) has been under way `writing_s`.
 
-        The state's write is estimated at r seconds per byte, r the larger of this process's
-        measured vision-state rate and the rate the record being written has not yet beaten
+        The state's write is estimated at r seconds per byte, r the larger of the measured
+        vision-state rate (`write_rate`: the median of the latest writes, kept across boots)
+        and the rate the record being written has not yet beaten
         (`writing_s` / `writing_bytes`: it is not done). Started once the writer has written its
         backlog, the write ends `end` from now. The state is skipped when, with p the chance of a
         cut within `end` plus one more such write (about when vision.out, as large as the state,
@@ -465,8 +512,9 @@ class Cadence:
         is likely before vision.out is durable)."""
         if self.mode != "adaptive" or since <= 0 or blocks_left <= 0 or nbytes <= 0:
             return False
+        rate = self.write_rate.get("vision")
         with self._lock:
-            unit, rate = self.unit_s.get("vision"), self.write_rate.get("vision")
+            unit = self.unit_s.get("vision")
         if writing_bytes > 0 and writing_s > 0:
             rate = max(rate or 0.0, writing_s / writing_bytes)
         if unit is None or not rate:

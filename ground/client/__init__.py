@@ -12,13 +12,16 @@ comes back: every wait has a timeout, and an uplink that stops hearing back re-a
 what it holds (IMAGE_QUERY) and sends only what is missing, so it resumes after link loss, a bus
 restart or a payload power cut without sending a held chunk again or queueing a task twice.
 
-Where things are (`GroundClient` is built up from them in this order):
+Where things are (`GroundClient` composes them; each part is given the parts it uses):
 
-    session.py        link, arrivals, command/reply matching (CommandSession)
-    upload.py         resumable image upload (ImageUploader, ImageUpload)
-    tasks.py          uplink, task list, resend/cancel/priority (TaskTracker, UplinkResult)
-    results.py        DOWNLINK_RESULT, waiting, local storage (ResultStore)
-    ground_client.py  GroundClient: ping, status, quarantine, lost tasks, telemetry
+    session.py        link, arrivals, command/reply matching (CommandSession, Arrivals)
+    upload.py         resumable image upload (ImageUploader on the session; ImageUpload)
+    tasks.py          uplink, task list, resend/cancel/priority (TaskTracker on the session and
+                      the uploader; UplinkResult)
+    results.py        DOWNLINK_RESULT, waiting, local storage (ResultStore on the session and the
+                      tracker)
+    ground_client.py  GroundClient: the parts put together; ping, status, quarantine, lost tasks,
+                      telemetry
 """
 
 from ground.client.ground_client import GroundClient
@@ -30,6 +33,7 @@ from ground.client.session import (
     DEFAULT_WINDOW,
     REPORT_MEMORY,
     RESYNC_CODES,
+    Arrivals,
     CommandSession,
     request_dict,
     request_from_dict,
@@ -39,6 +43,7 @@ from ground.client.upload import ImageUpload, ImageUploader
 from ground.errors import GroundError
 
 __all__ = [
+    "Arrivals",
     "DEFAULT_MAX_NEW_TOKENS",
     "DEFAULT_RETRIES",
     "DEFAULT_TIMEOUT_S",

@@ -13,6 +13,7 @@ import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
@@ -55,8 +56,39 @@ def request_from_dict(d: dict) -> RequestRef:
     return RequestRef(apid=d["apid"], source_id=d["source_id"], seq=d["seq"], message_type=d["message_type"])
 
 
+@dataclass
+class Arrivals:
+    """What has arrived on a session's links, each as (arrival number, message) where the number
+    says whether it came after a command was sent (`after`). Written only by `CommandSession.note`,
+    on the thread that pumps the links."""
+
+    #: packets noted so far (the arrival number of the latest)
+    count: int = 0
+    #: verification reports about this station's commands, by request id (the latest REPORT_MEMORY)
+    reports: OrderedDict[RequestRef, list[tuple[int, m.Verification]]] = field(default_factory=OrderedDict)
+    image_status: dict[str, tuple[int, m.ImageStatus]] = field(default_factory=dict)
+    #: PONGs by key: (arrival number, time received)
+    pongs: dict[int, tuple[int, float]] = field(default_factory=dict)
+    housekeeping: tuple[int, m.Housekeeping] | None = None
+    results: dict[str, tuple[int, m.TaskResult]] = field(default_factory=dict)
+    quarantine: tuple[int, m.QuarantineList] | None = None
+    lost: tuple[int, m.LostTasks] | None = None
+    #: a task's COMPLETED or FAILED
+    task_final: dict[str, tuple[int, m.Verification]] = field(default_factory=dict)
+    #: which task an UPLINK_TASK's request id queued (its later reports name the request)
+    task_requests: dict[RequestRef, str] = field(default_factory=dict)
+    #: requests the bus itself refused (not the payload)
+    refused_by_bus: set[RequestRef] = field(default_factory=set)
+    #: tasks whose progress is told to the operator, with what was told last
+    watched: dict[str, tuple] = field(default_factory=dict)
+    #: when something about a task last arrived (a report or an event naming it): a task still
+    #: heard from is not asked about again while it runs (ResultStore.result)
+    task_heard: dict[str, float] = field(default_factory=dict)
+
+
 class CommandSession:
-    """The link, what has arrived, and sending with outcome matching (arguments: GroundClient)."""
+    """The link, what has arrived, and sending with outcome matching; the part every other part of
+    the client holds (arguments: GroundClient)."""
 
     def __init__(
         self,
@@ -114,24 +146,10 @@ class CommandSession:
             commands=commands,
             context=context,
         )
-        # --- what has arrived (filled by _note) ---
-        self._arrivals = 0
-        self._reports: OrderedDict[RequestRef, list[tuple[int, m.Verification]]] = OrderedDict()
-        self._image_status: dict[str, tuple[int, m.ImageStatus]] = {}
-        self._pongs: dict[int, tuple[int, float]] = {}
-        self._housekeeping: tuple[int, m.Housekeeping] | None = None
+        #: what has arrived, sorted by what it answers (filled by `note`)
+        self.arrivals = Arrivals()
         self._forecast_progress: dict | None = None  # the last progress kept for the forecast
         self._warned_since_on = False  # a SHUTDOWN_WARNING heard since the payload's power-up
-        self._results: dict[str, tuple[int, m.TaskResult]] = {}
-        self._quarantine: tuple[int, m.QuarantineList] | None = None
-        self._lost: tuple[int, m.LostTasks] | None = None
-        self._task_final: dict[str, tuple[int, m.Verification]] = {}
-        self._task_requests: dict[RequestRef, str] = {}
-        self._refused_by_bus: set[RequestRef] = set()
-        self._watched: dict[str, tuple] = {}
-        #: when something about a task last arrived (a report or an event naming it): a task
-        #: still heard from is not asked about again while it runs (ResultStore.result)
-        self._task_heard: dict[str, float] = {}
         self.payload_on: bool | None = None
         self.power_cause: str | None = None
         self.observers: list[Callable[[Telemetry], None]] = []
@@ -152,20 +170,20 @@ class CommandSession:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _notify(self, text: str) -> None:
+    def notify(self, text: str) -> None:
         if self._notify_fn is not None:
             self._notify_fn(text)
         else:
             _log.warning("ground_notice", text=text)
 
     # --- receiving ----------------------------------------------------------------------------
-    def _pump(self, timeout_s: float) -> None:
+    def pump(self, timeout_s: float) -> None:
         for packet in self.link.receive(timeout_s):
-            self._note(packet)
+            self.note(packet)
 
-    def _note(self, packet: Telemetry) -> None:
-        self._arrivals += 1
-        n = self._arrivals
+    def note(self, packet: Telemetry) -> None:
+        self.arrivals.count += 1
+        n = self.arrivals.count
         msg = packet.message
         if isinstance(msg, (m.PayloadProfile, m.WindowHistory, m.Housekeeping, m.Progress)):
             self._note_forecast_basis(packet)
@@ -173,32 +191,32 @@ class CommandSession:
             self._note_cut(msg)
         if isinstance(msg, m.Verification):
             if msg.tc_source == self.source_id and msg.tc_apid in (Apid.PAYLOAD, Apid.BUS):
-                self._reports.setdefault(msg.request, []).append((n, msg))
+                self.arrivals.reports.setdefault(msg.request, []).append((n, msg))
                 if isinstance(msg, m.Rejected) and packet.header.apid == Apid.BUS:
-                    self._refused_by_bus.add(msg.request)
-                if len(self._reports) > REPORT_MEMORY:
-                    self._reports.popitem(last=False)
+                    self.arrivals.refused_by_bus.add(msg.request)
+                if len(self.arrivals.reports) > REPORT_MEMORY:
+                    self.arrivals.reports.popitem(last=False)
             if msg.tc_type == MessageType.UPLINK_TASK:
-                task_id = msg.task_id or self._task_requests.get(msg.request)
+                task_id = msg.task_id or self.arrivals.task_requests.get(msg.request)
                 if task_id is not None:
                     self._note_task_report(n, task_id, msg)
         elif isinstance(msg, m.Event):
             if msg.task_id is not None:
-                self._task_heard[msg.task_id] = time.monotonic()
-                if msg.task_id in self._watched:
+                self.arrivals.task_heard[msg.task_id] = time.monotonic()
+                if msg.task_id in self.arrivals.watched:
                     self._note_task_event(msg.task_id, msg)
         elif isinstance(msg, m.ImageStatus):
-            self._image_status[msg.image] = (n, msg)
+            self.arrivals.image_status[msg.image] = (n, msg)
         elif isinstance(msg, m.Pong):
-            self._pongs[msg.key] = (n, packet.received_at)
+            self.arrivals.pongs[msg.key] = (n, packet.received_at)
         elif isinstance(msg, m.Housekeeping):
-            self._housekeeping = (n, msg)
+            self.arrivals.housekeeping = (n, msg)
         elif isinstance(msg, m.TaskResult):
-            self._results[msg.task_id] = (n, msg)
+            self.arrivals.results[msg.task_id] = (n, msg)
         elif isinstance(msg, m.QuarantineList):
-            self._quarantine = (n, msg)
+            self.arrivals.quarantine = (n, msg)
         elif isinstance(msg, m.LostTasks):
-            self._lost = (n, msg)
+            self.arrivals.lost = (n, msg)
         elif isinstance(msg, (m.PowerReport, m.PowerStateChange)):
             self.payload_on = msg.payload_on
             if isinstance(msg, m.PowerStateChange):
@@ -265,32 +283,32 @@ class CommandSession:
             text = f"task {task_id}: resumed after cut {cuts.group(1)}" if cuts else f"task {task_id}: resumed"
         else:
             return
-        self._watched[task_id] = ("run", event.event_id, event.text)  # the phases print again after it
-        self._notify(text)
+        self.arrivals.watched[task_id] = ("run", event.event_id, event.text)  # the phases print again after it
+        self.notify(text)
 
     def _note_task_report(self, n: int, task_id: str, msg: m.Verification) -> None:
         """Reports about a task's execution: they refer to its UPLINK_TASK's request id."""
-        self._task_heard[task_id] = time.monotonic()
+        self.arrivals.task_heard[task_id] = time.monotonic()
         if isinstance(msg, (m.Completed, m.Failed)):
-            self._task_final[task_id] = (n, msg)
+            self.arrivals.task_final[task_id] = (n, msg)
             if self.state.task(task_id) is not None:  # one of ours: keep the task list current
                 if isinstance(msg, m.Completed):
                     self.state.update_task(task_id, state="completed")
                 else:
                     state = "cancelled" if msg.code == ResponseCode.CANCELLED else "failed"
                     self.state.update_task(task_id, state=state, code=msg.code.name, reason=msg.reason)
-        if task_id in self._watched:
+        if task_id in self.arrivals.watched:
             key: tuple
             if isinstance(msg, m.Progress):
                 key = (str(msg.phase), msg.done == msg.total)
                 text = f"task {task_id}: {msg.phase} {msg.done}/{msg.total}"
             else:
                 return
-            if self._watched[task_id] != key:
-                self._watched[task_id] = key
-                self._notify(text)
+            if self.arrivals.watched[task_id] != key:
+                self.arrivals.watched[task_id] = key
+                self.notify(text)
 
-    def _wait(self, condition: Callable[[], Any], timeout_s: float) -> Any:
+    def wait(self, condition: Callable[[], Any], timeout_s: float) -> Any:
         """Pump packets until `condition()` is not None (returned) or `timeout_s` passes (None)."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -300,16 +318,16 @@ class CommandSession:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
-            self._pump(min(remaining, 0.5))
+            self.pump(min(remaining, 0.5))
 
     # --- sending ------------------------------------------------------------------------------
-    def _send(self, message: m.Message, apid: Apid = Apid.PAYLOAD) -> RequestRef:
+    def send(self, message: m.Message, apid: Apid = Apid.PAYLOAD) -> RequestRef:
         seq = self.state.counter.next(apid)
         self.link.send(message, seq, source_id=self.source_id, timeout_s=self.timeout_s, apid=apid)
         _log.debug("ground_sent", type=message.TYPE.name, seq=seq, apid=int(apid))
         return RequestRef(apid=int(apid), source_id=self.source_id, seq=seq, message_type=int(message.TYPE))
 
-    def _resync(self, report: m.Rejected) -> None:
+    def resync(self, report: m.Rejected) -> None:
         """REPLAYED_SEQUENCE: our counter is behind what the payload has seen from this source
         (lost state, or another ground process using the same source id). Move past it (§6.4).
         SEQUENCE_TOO_FAR_AHEAD: it ran beyond the payload's forward window; continue just after
@@ -318,22 +336,22 @@ class CommandSession:
         assert highest is not None  # callers resynchronise only on reports that carry it
         if report.code == ResponseCode.SEQUENCE_TOO_FAR_AHEAD:
             self.state.counter.rebase(Apid.PAYLOAD, highest)
-            self._notify(
+            self.notify(
                 f"payload reports sequence {report.tc_seq} as too far ahead of its highest accepted "
                 f"{report.highest_seq}; sequence counter rebased, sending again"
             )
             return
         self.state.counter.advance_past(Apid.PAYLOAD, highest)
-        self._notify(
+        self.notify(
             f"payload reports sequence {report.tc_seq} as already used (highest accepted {report.highest_seq}); "
             "sequence counter moved past it, sending again"
         )
 
-    def _rejection(self, what: str, report: m.Rejected | m.Failed) -> CommandRejected:
-        by = "bus" if report.request in self._refused_by_bus else "payload"
+    def rejection(self, what: str, report: m.Rejected | m.Failed) -> CommandRejected:
+        by = "bus" if report.request in self.arrivals.refused_by_bus else "payload"
         return CommandRejected(what, report.code, report.reason, failed=isinstance(report, m.Failed), by=by)
 
-    def _silence(self, what: str, waited_s: float) -> str:
+    def silence(self, what: str, waited_s: float) -> str:
         if self.payload_on is False:
             cause = f" ({self.power_cause})" if self.power_cause else ""
             return (
@@ -342,11 +360,11 @@ class CommandSession:
             )
         return f"{what}: no answer within {waited_s:g} s: payload not answering; commands are queued at the bus"
 
-    def _verdict(self, refs: list[RequestRef], want: type) -> m.Verification | None:
+    def verdict(self, refs: list[RequestRef], want: type) -> m.Verification | None:
         """A Rejected/Failed about any of `refs`, else a report of class `want`, else None."""
         found = None
         for ref in refs:
-            for _, report in self._reports.get(ref, ()):
+            for _, report in self.arrivals.reports.get(ref, ()):
                 if isinstance(report, (m.Rejected, m.Failed)):
                     return report
                 if found is None and isinstance(report, want):
@@ -381,9 +399,9 @@ class CommandSession:
         except (OSError, LocalInputError) as exc:
             if not self._log_failed:
                 self._log_failed = True
-                self._notify(f"command log {self.state.command_log_path} not written: {exc}")
+                self.notify(f"command log {self.state.command_log_path} not written: {exc}")
 
-    def _transact(
+    def transact(
         self,
         message: m.Message,
         what: str,
@@ -436,16 +454,16 @@ class CommandSession:
         apid: Apid,
     ) -> tuple[RequestRef, Any]:
         refs: list[RequestRef] = []
-        mark = self._arrivals
+        mark = self.arrivals.count
         stalls = resyncs = 0
         want = m.Completed if completion else m.Accepted
         while True:
-            ref = self._send(message, apid)
+            ref = self.send(message, apid)
             refs.append(ref)
             on_send(ref)
 
             def outcome():
-                verdict = self._verdict(refs, want)
+                verdict = self.verdict(refs, want)
                 if isinstance(verdict, (m.Rejected, m.Failed)):
                     return verdict
                 if reply is not None:
@@ -453,25 +471,25 @@ class CommandSession:
                     return None if value is None else (refs[-1], value)
                 return None if verdict is None else (verdict.request, verdict)
 
-            result = self._wait(outcome, self.timeout_s)
+            result = self.wait(outcome, self.timeout_s)
             if result is None:
                 stalls += 1
                 if stalls > retries:
-                    raise NoAnswer(self._silence(what, self.timeout_s))
-                self._notify(f"{self._silence(what, self.timeout_s)}; sending again ({stalls}/{retries})")
+                    raise NoAnswer(self.silence(what, self.timeout_s))
+                self.notify(f"{self.silence(what, self.timeout_s)}; sending again ({stalls}/{retries})")
                 continue
             if isinstance(result, m.Rejected):
                 if result.code in RESYNC_CODES and result.highest_seq is not None and resyncs < 3:
                     resyncs += 1
                     refs.remove(result.request)
-                    self._resync(result)
+                    self.resync(result)
                     continue
-                raise self._rejection(what, result)
+                raise self.rejection(what, result)
             if isinstance(result, m.Failed):
                 raise CommandRejected(what, result.code, result.reason, failed=True)
             return result
 
-    @staticmethod
-    def _after(entry: tuple | None, mark: int) -> Any:
-        """The value of an (arrival number, value) entry that arrived after `mark`, else None."""
-        return entry[1] if entry is not None and entry[0] > mark else None
+
+def after(entry: tuple | None, mark: int) -> Any:
+    """The value of an (arrival number, value) entry that arrived after `mark`, else None."""
+    return entry[1] if entry is not None and entry[0] > mark else None

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 from common.wire import RequestRef
 from common.wire import messages as m
-from ground.client.session import DEFAULT_MAX_NEW_TOKENS, request_dict, request_from_dict
+from ground.client.session import DEFAULT_MAX_NEW_TOKENS, CommandSession, request_dict, request_from_dict
 from ground.client.upload import ImageUpload, ImageUploader
 from ground.errors import CommandRejected, LocalInputError, NoAnswer
 from ground.images import (
@@ -39,8 +39,13 @@ class UplinkResult:
         return asdict(self)
 
 
-class TaskTracker(ImageUploader):
-    """Queue tasks, keep the task list, re-send, cancel, re-prioritise."""
+class TaskTracker:
+    """Queue tasks, keep the task list, re-send, cancel, re-prioritise: over a session's link,
+    uploading a task's images with an uploader."""
+
+    def __init__(self, session: CommandSession, uploader: ImageUploader):
+        self.session = session
+        self.uploader = uploader
 
     def uplink(
         self,
@@ -61,7 +66,7 @@ class TaskTracker(ImageUploader):
         if task_id is not None:
             task_id = check_operator_name(task_id, "task id")
         images = prepare_images(list(image_paths))
-        check_chunk_bytes(self.chunk_bytes, max(i.size for i in images))
+        check_chunk_bytes(self.session.chunk_bytes, max(i.size for i in images))
         content = {
             "prompt": prompt,
             "images": [i.name for i in images],
@@ -70,20 +75,20 @@ class TaskTracker(ImageUploader):
         }
         reused = False
         if task_id is None and not new_task:
-            same = self.state.find_same_task(content)
+            same = self.session.state.find_same_task(content)
             if same is not None:
                 task_id, reused = same["task_id"], True
-                self._notify(
+                self.session.notify(
                     f"same task as {task_id} (state {same.get('state')}); re-sending it is harmless. "
                     "For a second run of it pass --new-task"
                 )
         if task_id is None:
-            known = {t["task_id"] for t in self.state.tasks()}
+            known = {t["task_id"] for t in self.session.state.tasks()}
             task_id = new_task_id()
             while task_id in known:
                 task_id = new_task_id()
         else:
-            earlier = self.state.task(task_id)
+            earlier = self.session.state.task(task_id)
             if (
                 earlier is not None
                 and earlier.get("state") != "rejected"
@@ -93,15 +98,15 @@ class TaskTracker(ImageUploader):
                     f"task id {task_id} was already uplinked with other content (see `ow ground results`); "
                     "choose another id"
                 )
-        self.state.update_task(
+        self.session.state.update_task(
             task_id,
             **content,
             image_files=[os.path.abspath(i.path) for i in images],
-            station=self.station,
-            chunk_bytes=self.chunk_bytes,
-            state=(self.state.task(task_id) or {}).get("state", "uploading") if reused else "uploading",
+            station=self.session.station,
+            chunk_bytes=self.session.chunk_bytes,
+            state=(self.session.state.task(task_id) or {}).get("state", "uploading") if reused else "uploading",
         )
-        uploads = [self.upload_image(image) for image in images]
+        uploads = [self.uploader.upload_image(image) for image in images]
         request = self.queue_task(task_id, prompt, [i.name for i in images], max_new_tokens, priority)
         return UplinkResult(task_id=task_id, request=request_dict(request), reused_task_id=reused, images=uploads)
 
@@ -115,29 +120,29 @@ class TaskTracker(ImageUploader):
         )
 
         def remember(ref: RequestRef) -> None:
-            self._task_requests[ref] = task_id
-            self.state.update_task(task_id, add_request=request_dict(ref))
+            self.session.arrivals.task_requests[ref] = task_id
+            self.session.state.update_task(task_id, add_request=request_dict(ref))
 
         try:
-            ref, _ = self._transact(message, f"task {task_id}", retries=self.retries, on_send=remember)
+            ref, _ = self.session.transact(message, f"task {task_id}", retries=self.session.retries, on_send=remember)
         except CommandRejected as exc:
-            self.state.update_task(task_id, state="rejected", code=exc.code.name, reason=exc.reason)
+            self.session.state.update_task(task_id, state="rejected", code=exc.code.name, reason=exc.reason)
             raise
         except NoAnswer:
-            self.state.update_task(task_id, state="unconfirmed")
+            self.session.state.update_task(task_id, state="unconfirmed")
             raise
-        task = self.state.task(task_id) or {}
+        task = self.session.state.task(task_id) or {}
         if task.get("state") not in FINAL_TASK_STATES:
-            self.state.update_task(task_id, state="accepted", request=request_dict(ref))
+            self.session.state.update_task(task_id, state="accepted", request=request_dict(ref))
         else:
-            self.state.update_task(task_id, request=request_dict(ref))
+            self.session.state.update_task(task_id, request=request_dict(ref))
         return ref
 
-    def _track_task(self, task_id: str) -> None:
-        task = self.state.task(task_id)
+    def track_task(self, task_id: str) -> None:
+        task = self.session.state.task(task_id)
         for d in (task or {}).get("requests", []):
             try:
-                self._task_requests[request_from_dict(d)] = task_id
+                self.session.arrivals.task_requests[request_from_dict(d)] = task_id
             except (KeyError, TypeError):
                 continue
 
@@ -145,7 +150,7 @@ class TaskTracker(ImageUploader):
         """Upload a known task's images again where the payload lacks them (one found damaged on
         board, IMAGE_CORRUPT) and send its UPLINK_TASK again (idempotent on the payload)."""
         task_id = check_operator_name(task_id, "task id")
-        known = self.state.task(task_id)
+        known = self.session.state.task(task_id)
         if known is None or not known.get("image_files"):
             raise LocalInputError(f"task {task_id} was not uplinked from this station (no image files recorded)")
         return self.uplink(
@@ -159,17 +164,19 @@ class TaskTracker(ImageUploader):
     def cancel(self, task_id: str) -> None:
         """CANCEL_TASK -> ACCEPTED + COMPLETED (the task itself then ends FAILED(CANCELLED))."""
         task_id = check_operator_name(task_id, "task id")
-        self._transact(m.CancelTask(task_id=task_id), f"CANCEL_TASK {task_id}", completion=True)
-        if self.state.task(task_id) is not None:
-            self.state.update_task(task_id, cancel_requested=True)
+        self.session.transact(m.CancelTask(task_id=task_id), f"CANCEL_TASK {task_id}", completion=True)
+        if self.session.state.task(task_id) is not None:
+            self.session.state.update_task(task_id, cancel_requested=True)
 
     def set_priority(self, task_id: str, priority: int) -> None:
         task_id = check_operator_name(task_id, "task id")
         priority = check_priority(priority)
-        self._transact(m.SetPriority(task_id=task_id, priority=priority), f"SET_PRIORITY {task_id}", completion=True)
-        if self.state.task(task_id) is not None:
-            self.state.update_task(task_id, priority=priority)
+        self.session.transact(
+            m.SetPriority(task_id=task_id, priority=priority), f"SET_PRIORITY {task_id}", completion=True
+        )
+        if self.session.state.task(task_id) is not None:
+            self.session.state.update_task(task_id, priority=priority)
 
     def tasks(self) -> list[dict]:
         """Tasks this station uplinked (local state), oldest first."""
-        return self.state.tasks()
+        return self.session.state.tasks()

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from common.wire import RequestRef, ResponseCode
 from common.wire import messages as m
 from common.wire.ids import MAX_CHUNK_DATA_BYTES
-from ground.client.session import RESYNC_CODES, CommandSession
+from ground.client.session import RESYNC_CODES, CommandSession, after
 from ground.errors import CommandRejected, NoAnswer
 from ground.images import PreparedImage
 
@@ -66,25 +66,28 @@ class _Progress:
         self.bar.close()
 
 
-class ImageUploader(CommandSession):
-    """IMAGE_QUERY and IMAGE_CHUNK, resumed across silences."""
+class ImageUploader:
+    """IMAGE_QUERY and IMAGE_CHUNK, resumed across silences, over a session's link."""
+
+    def __init__(self, session: CommandSession):
+        self.session = session
 
     def query_image(self, name: str) -> m.ImageStatus:
-        _, status = self._transact(
+        _, status = self.session.transact(
             m.ImageQuery(image=name),
             f"IMAGE_QUERY {name}",
-            reply=lambda mark: self._after(self._image_status.get(name), mark),
+            reply=lambda mark: after(self.session.arrivals.image_status.get(name), mark),
         )
         return status
 
     def upload_image(self, image: PreparedImage) -> ImageUpload:
         """Send the chunks of `image` the payload does not hold, until it reports the file
         verified. Resumes by re-querying whenever answers stop for `timeout_s`."""
-        chunks = image.chunks(self.chunk_bytes)
+        chunks = image.chunks(self.session.chunk_bytes)
         stats = ImageUpload(
             path=image.path, name=image.name, size=image.size, sha256=image.sha256.hex(), chunks=len(chunks)
         )
-        bar = _Progress(self._progress_bar(image), image, self.upload_progress)
+        bar = _Progress(self._progress_bar(image), image, self.session.upload_progress)
         stalls = 0
         first_answer = True
         try:
@@ -96,7 +99,7 @@ class ImageUploader(CommandSession):
                     stalls += 1
                     stats.resumes += 1
                     self._give_up_after(stalls, exc, image)
-                    self._notify(f"{exc}; asking again ({stalls}/{self.retries})")
+                    self.session.notify(f"{exc}; asking again ({stalls}/{self.session.retries})")
                     continue
                 if status.verified:
                     if status.image_size != image.size:
@@ -121,7 +124,7 @@ class ImageUploader(CommandSession):
                     stats.held_before = len(held)
                     first_answer = False
                     if held:
-                        self._notify(
+                        self.session.notify(
                             f"image {image.name}: payload already holds {len(held)}/{len(chunks)} chunks; "
                             f"sending {len(missing)}"
                         )
@@ -134,7 +137,7 @@ class ImageUploader(CommandSession):
                         NoAnswer(f"image {image.name}: payload holds every chunk but does not report it verified"),
                         image,
                     )
-                    self._pump(min(self.timeout_s, 1.0))
+                    self.session.pump(min(self.session.timeout_s, 1.0))
                     continue
                 try:
                     acked, finished = self._send_chunks(image, chunks, missing, bar, stats)
@@ -146,15 +149,15 @@ class ImageUploader(CommandSession):
                 # Acknowledgements stopped: ask what the payload holds now and send only that.
                 stalls = 0 if acked else stalls + 1
                 stats.resumes += 1
-                silence = NoAnswer(self._silence(f"image {image.name}", self.timeout_s))
+                silence = NoAnswer(self.session.silence(f"image {image.name}", self.session.timeout_s))
                 self._give_up_after(stalls, silence, image)
-                count = f" ({stalls}/{self.retries} unanswered rounds)" if stalls else ""
-                self._notify(f"{silence}; re-querying to resume{count}")
+                count = f" ({stalls}/{self.session.retries} unanswered rounds)" if stalls else ""
+                self.session.notify(f"{silence}; re-querying to resume{count}")
         finally:
             bar.close()
 
     def _give_up_after(self, stalls: int, exc: NoAnswer, image: PreparedImage) -> None:
-        if stalls > self.retries:
+        if stalls > self.session.retries:
             raise NoAnswer(
                 f"{exc}; gave up after {stalls} unanswered rounds. Chunks already delivered stay on board: "
                 "run the same uplink again to resume"
@@ -172,7 +175,7 @@ class ImageUploader(CommandSession):
         def fits(size: int) -> bool:
             return 1 <= size <= MAX_CHUNK_DATA_BYTES and math.ceil(image.size / size) == status.total
 
-        recorded = [t.get("chunk_bytes") for t in self.state.tasks() if image.name in t.get("images", [])]
+        recorded = [t.get("chunk_bytes") for t in self.session.state.tasks() if image.name in t.get("images", [])]
         candidates = [c for c in recorded if isinstance(c, int) and fits(c)]
         if not candidates:
             candidates = [c for c in [1 << k for k in range(9, 16)] + [MAX_CHUNK_DATA_BYTES] if fits(c)]
@@ -184,7 +187,7 @@ class ImageUploader(CommandSession):
                 "another chunk size; run the uplink with the --chunk-bytes used then",
             )
         size = candidates[0]
-        self._notify(
+        self.session.notify(
             f"image {image.name}: payload holds it in {status.total} chunks; using {size}-byte chunks to match"
         )
         return image.chunks(size)
@@ -210,7 +213,9 @@ class ImageUploader(CommandSession):
         finally:
             # one line per round in the command log, not one per chunk (thousands for one image)
             what = f"image {image.name}"
-            self.log_command("IMAGE_CHUNK", what, started, None, outcome, text, chunks=stats.chunks_sent - sent_before)
+            self.session.log_command(
+                "IMAGE_CHUNK", what, started, None, outcome, text, chunks=stats.chunks_sent - sent_before
+            )
 
     def _send_chunk_round(
         self, image: PreparedImage, chunks: list[m.ImageChunk], missing: list[int], bar: _Progress, stats: ImageUpload
@@ -220,13 +225,13 @@ class ImageUploader(CommandSession):
         acked = resyncs = 0
         last_progress = time.monotonic()
         while queue or inflight:
-            while queue and len(inflight) < self.window:
+            while queue and len(inflight) < self.session.window:
                 chunk = chunks[queue.popleft()]
-                inflight[self._send(chunk)] = chunk
+                inflight[self.session.send(chunk)] = chunk
                 stats.chunks_sent += 1
-            self._pump(0.2)
+            self.session.pump(0.2)
             for ref, chunk in list(inflight.items()):
-                verdict = self._verdict([ref], m.Accepted)
+                verdict = self.session.verdict([ref], m.Accepted)
                 if verdict is None:
                     continue
                 del inflight[ref]
@@ -241,11 +246,11 @@ class ImageUploader(CommandSession):
                     and resyncs < 3
                 ):
                     resyncs += 1
-                    self._resync(verdict)
+                    self.session.resync(verdict)
                     queue.appendleft(chunk.index)
                 else:
-                    raise self._rejection(f"image {image.name} ({image.path}) chunk {chunk.index}", verdict)
-            if inflight and time.monotonic() - last_progress > self.timeout_s:
+                    raise self.session.rejection(f"image {image.name} ({image.path}) chunk {chunk.index}", verdict)
+            if inflight and time.monotonic() - last_progress > self.session.timeout_s:
                 return acked, False
         return acked, True
 
@@ -257,7 +262,7 @@ class ImageUploader(CommandSession):
             unit_divisor=1024,
             desc=image.name,
             file=sys.stderr,
-            disable=None if self.progress is None else not self.progress,
+            disable=None if self.session.progress is None else not self.session.progress,
             leave=True,
             dynamic_ncols=True,
         )

@@ -2,6 +2,7 @@
 
     server.py    the aiohttp application: pages, JSON views, the server-sent event stream, actions
     history.py   bounded, decimated history of what the telemetry link delivered
+    command_log.py  reading the station's command log (the history view, `ow ground commands`)
     security.py  bind rules, token, same-origin check, TLS (given or self-signed)
     static/      the page, its script and style, and the vendored uPlot (MIT)
 

@@ -10,9 +10,15 @@ costs the page the same as a minute of it, and the server's memory stays bounded
 from __future__ import annotations
 
 import bisect
+import json
+import math
+import os
 import threading
 from collections import deque
+from pathlib import Path
 from typing import Any
+
+from common.durable import DurableFS
 
 #: the telemetry series the console plots: (packet type, body field) -> series name
 SERIES: dict[tuple[str, str], str] = {
@@ -32,8 +38,57 @@ SERIES: dict[tuple[str, str], str] = {
 WRITTEN_SERIES = "storage_written_bytes"
 #: every series the console plots and exports
 SERIES_NAMES: tuple[str, ...] = (*dict.fromkeys(SERIES.values()), WRITTEN_SERIES)
+#: the phases (TaskPhase values) in which the payload is working on a task: what a cut interrupts
+RUNNING_PHASES = {"recovering", "vision", "prefill", "decode"}
+#: tasks whose latest progress the console keeps (the task view shows each one's)
+PROGRESS_TASKS = 1000
 #: reports that are samples of the series, not events an operator reads one by one
 SAMPLE_TYPES = {"POWER", "THERMAL", "HEARTBEAT"}
+
+
+class WrittenStore:
+    """The lifetime total of storage written, kept across console restarts in the station's
+    state (`<state>/console-written.json`, docs/ground.md "Lifetime storage written"):
+    `{"format": 1, "boot", "before_bytes", "boot_bytes", "t"}`, rewritten atomically."""
+
+    FORMAT = 1
+
+    def __init__(self, path: str | os.PathLike, fs: DurableFS | None = None):
+        self.path = Path(path)
+        self.fs = fs or DurableFS()
+
+    def load(self) -> tuple[dict | None, str | None]:
+        """(the saved total or None, a note for the operator when the file was damaged)."""
+        try:
+            data = json.loads(self.path.read_bytes())
+        except FileNotFoundError:
+            return None, None
+        except (OSError, ValueError) as exc:
+            return None, self._set_aside(f"unreadable ({type(exc).__name__})")
+        fields = ("boot", "before_bytes", "boot_bytes")
+        if (
+            not isinstance(data, dict)
+            or data.get("format") != self.FORMAT
+            or not all(isinstance(data.get(k), int) and not isinstance(data.get(k), bool) for k in fields)
+            or min(data[k] for k in fields) < 0
+            or not isinstance(data.get("t"), int | float)
+            or not math.isfinite(data["t"])
+        ):
+            return None, self._set_aside("not a storage-written record")
+        return data, None
+
+    def _set_aside(self, why: str) -> str:
+        damaged = self.path.with_name(self.path.name + ".damaged")
+        try:
+            os.replace(self.path, damaged)
+        except OSError as exc:
+            return f"{self.path} {why}, and could not be set aside ({exc.strerror}); storage written starts from zero"
+        return f"{self.path} {why}: set aside as {damaged.name}; storage written starts from zero"
+
+    def save(self, boot: int, before: int, now: int, t: float) -> None:
+        record = {"format": self.FORMAT, "boot": boot, "before_bytes": before, "boot_bytes": now, "t": t}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fs.write_atomic(str(self.path), [json.dumps(record, sort_keys=True).encode()])
 
 
 class Series:
@@ -89,6 +144,9 @@ class History:
         self.number = 0
         self._warning: dict | None = None
         self._doing: dict = {}
+        #: each task's latest progress (phase, done, total, t), from its PROGRESS reports and the
+        #: payload's HOUSEKEEPING; the most recent PROGRESS_TASKS tasks
+        self.progress: dict[str, dict] = {}
         self.latest: dict[str, Any] = {}
         # storage written: the boots before the present one, the present boot's number and the
         # most it has reported (the count restarts at each boot; a late packet of an earlier
@@ -96,12 +154,41 @@ class History:
         self._written_before = 0
         self._written_boot = -1
         self._written_now = 0
+        #: the present boot is known only from the saved total, not yet from a report: a lower
+        #: boot count then means the payload's count restarted, not a late packet
+        self._written_from_file = False
+        self._written_store: WrittenStore | None = None
+        self._written_changed: tuple[int, int, int, float] | None = None
+        #: what the operator should know (a damaged or unwritable total): taken by the console
+        self.notes: list[str] = []
 
     def add(self, record: dict) -> dict | None:
         """Take one packet record (ground.report.packet_record); returns what to push to pages
         (None for samples, which the pages fetch decimated)."""
         with self.lock:
-            return self._add(record)
+            pushed = self._add(record)
+            changed, self._written_changed = self._written_changed, None
+        if changed is not None and self._written_store is not None:
+            try:
+                self._written_store.save(*changed)
+            except OSError as exc:
+                self.notes.append(f"storage written not saved to {self._written_store.path}: {exc.strerror or exc}")
+        return pushed
+
+    def restore_written(self, store: WrittenStore) -> None:
+        """Go on from the lifetime total a console of this station saved (docs/ground.md
+        "Lifetime storage written"), and save it there as it grows. The total is plotted from
+        where it was (one sample at its time)."""
+        saved, note = store.load()
+        with self.lock:
+            self._written_store = store
+            if note:
+                self.notes.append(note)
+            if saved is None or self._written_boot >= 0:
+                return  # nothing saved, or this history already counts (it was filled before)
+            self._written_boot, self._written_before = saved["boot"], saved["before_bytes"]
+            self._written_now, self._written_from_file = saved["boot_bytes"], True
+            self.series[WRITTEN_SERIES].add(float(saved["t"]), float(self._written_before + self._written_now))
 
     def _add(self, record: dict) -> dict | None:
         t = float(record["t"])
@@ -111,8 +198,14 @@ class History:
                 self.series[name].add(t, float(body[field]))
         self.latest[kind] = {"t": t, "body": body}
         if kind == "HOUSEKEEPING":
-            self._doing = {"task": body.get("current_task"), "phase": body.get("phase")}
+            task = body.get("current_task")
+            self._doing = {"task": task, "phase": body.get("phase")} if body.get("phase") in RUNNING_PHASES else {}
+            if isinstance(task, str) and isinstance(body.get("progress_total"), int):
+                self._progressed(task, t, body.get("phase"), body.get("progress_done"), body.get("progress_total"))
             self._written(t, body)
+        elif kind == "PROGRESS" and isinstance(body.get("task_id"), str):
+            # more often than HOUSEKEEPING: what a cut interrupts is known to the unit
+            self._progressed(body["task_id"], t, body.get("phase"), body.get("done"), body.get("total"))
         elif kind == "SHUTDOWN_WARNING":
             self._warning = {"t": t, "cause": body.get("cause"), "lead_s": body.get("lead_time_s")}
         elif kind == "POWER_STATE":
@@ -132,6 +225,8 @@ class History:
                         "warned_lead_s": warning["lead_s"] if warning else None,
                         "task": self._doing.get("task"),
                         "phase": self._doing.get("phase"),
+                        "done": self._doing.get("done"),
+                        "total": self._doing.get("total"),
                     }
                 )
                 self._warning = None
@@ -144,19 +239,34 @@ class History:
         self.events.append(record)
         return record
 
+    def _progressed(self, task: str, t: float, phase: Any, done: Any, total: Any) -> None:
+        entry = {"phase": phase, "done": done, "total": total, "t": t}
+        self.progress.pop(task, None)  # newest last: the oldest go first past the bound
+        self.progress[task] = entry
+        while len(self.progress) > PROGRESS_TASKS:
+            del self.progress[next(iter(self.progress))]
+        running = phase in RUNNING_PHASES  # a finished task's last report leaves the payload idle
+        self._doing = {"task": task, "phase": phase, "done": done, "total": total} if running else {}
+
     def _written(self, t: float, body: dict) -> None:
         """The lifetime figure that flash wear depends on, from a count that restarts at each
         boot (wire-protocol.md §3.3 `written_bytes`): per boot its largest count, summed. A
         lower bound (what a boot wrote after its last report is not in it), over the boots this
         console saw."""
         written, boot = body.get("written_bytes"), body.get("boot_count")
-        if not isinstance(written, int) or not isinstance(boot, int) or boot < self._written_boot:
-            return  # an older payload's report, or a late one from a boot already summed
-        if boot > self._written_boot:
+        if not isinstance(written, int) or not isinstance(boot, int) or written < 0:
+            return  # an older payload's report
+        if boot < self._written_boot and not self._written_from_file:
+            return  # a late report from a boot already summed
+        before = (self._written_boot, self._written_before, self._written_now)
+        if boot != self._written_boot:  # a new boot, or (below the saved one) a payload whose count restarted
             self._written_before += self._written_now
             self._written_boot, self._written_now = boot, 0
+        self._written_from_file = False
         self._written_now = max(self._written_now, written)
         self.series[WRITTEN_SERIES].add(t, float(self._written_before + self._written_now))
+        if (self._written_boot, self._written_before, self._written_now) != before:
+            self._written_changed = (self._written_boot, self._written_before, self._written_now, t)
 
     def events_page(self, after: int = 0, limit: int = 500, kinds: set[str] | None = None) -> list[dict]:
         """Events numbered above `after`, oldest first, at most `limit` (the page pages back)."""

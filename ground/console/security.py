@@ -3,9 +3,10 @@
 On loopback the console needs nothing more (the operator's own machine). Bound beyond loopback
 it refuses to start without a token and TLS: a console that can uplink and cancel tasks must not
 be open to anyone on the network, nor its token readable on the wire. Every request that changes
-anything (POST) needs the token in the `X-Console-Token` header and an `Origin` equal to the
-console's own, so a page from another site cannot drive an operator's browser into commanding
-the payload (the browser sends `Origin` on every cross-site POST and scripts cannot forge it).
+anything (every method but GET and HEAD: the actions' POST, the upload chunks' PUT) needs the
+token in the `X-Console-Token` header and an `Origin` equal to the console's own, so a page from
+another site cannot drive an operator's browser into commanding the payload (the browser sends
+`Origin` on every cross-site POST and PUT, and scripts cannot forge it).
 """
 
 from __future__ import annotations

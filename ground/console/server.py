@@ -10,10 +10,13 @@
     GET  /api/telemetry         series in ?t0&t1 decimated to ?buckets (min and max per bucket)
     GET  /api/telemetry.csv     the same range, every sample (?series=a,b)
     GET  /api/tasks             the station's tasks, their results, and the completion forecast
-    POST /api/uplink            multipart: prompt, max_new_tokens, priority, image (1..n)
+    POST /api/uploads           JSON {name, size, sha256}: make a resumable upload, or say its offset
+    PUT  /api/uploads/<sha256>  one chunk at Upload-Offset, with its Chunk-SHA256 (uploads.py)
+    POST /api/uplink            JSON naming completed uploads, or multipart: prompt,
+                                max_new_tokens, priority, image (1..n)
     POST /api/tasks/{id}/cancel | priority | resend,  POST /api/quarantine/{item}/release
 
-POSTs need the token and a same-origin `Origin` (security.py), and are refused on a
+POSTs and PUTs need the token and a same-origin `Origin` (security.py), and are refused on a
 `--read-only` console. Each action opens its own GroundClient, exactly as the CLI command does,
 so the same checks run and the same messages come back (HTTP 400 with the CLI's text).
 """
@@ -25,7 +28,6 @@ import contextlib
 import csv
 import io
 import json
-import os
 import signal
 import tempfile
 import threading
@@ -36,14 +38,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aiohttp import BodyPartReader, web
+from aiohttp import BodyPartReader, ClientPayloadError, web
 
-from ground.console.history import SERIES_NAMES, History
+from ground.console.command_log import CommandLogReader
+from ground.console.history import SERIES_NAMES, History, WrittenStore
 from ground.console.security import TOKEN_HEADER, ConsoleSecurity
+from ground.console.uploads import MAX_CHUNK_BYTES, UploadError, UploadStore
 from ground.errors import GroundError, LocalInputError
 from ground.forecast import forecast_tasks
 from ground.report import ROUTINE_TYPES, RoutineFilter
-from ground.state import parse_command_line
 
 STATIC = Path(__file__).parent / "static"
 #: a page that stops reading is dropped (it reconnects and re-reads the history) rather than
@@ -51,6 +54,10 @@ STATIC = Path(__file__).parent / "static"
 SUBSCRIBER_BACKLOG = 5000
 #: commands the console remembers and a page loads at start (the log on disk keeps them all)
 COMMAND_HISTORY = 500
+#: the lifetime total of storage written, in the station's state (docs/ground.md "Lifetime storage written")
+WRITTEN_FILE = "console-written.json"
+#: the browser's resumable uploads, in the station's state (docs/ground.md "Upload to the console")
+UPLOADS_DIR = "console-uploads"
 
 
 @dataclass
@@ -78,6 +85,14 @@ class Hub:
             except asyncio.QueueFull:
                 self.queues.discard(queue)
 
+    def close(self) -> None:
+        """End every page's stream now (the server is shutting down): without this a stream
+        holds the shutdown until its next keep-alive, up to 15 s."""
+        for queue in list(self.queues):
+            self.queues.discard(queue)
+            with contextlib.suppress(asyncio.QueueFull):
+                queue.put_nowait(None)
+
 
 def _record(packet: Any) -> dict:
     from ground.report import describe, packet_record
@@ -101,6 +116,11 @@ class Console:
         self.fetched: set[str] = set()
         self.background: set[asyncio.Future] = set()
         self.routine = RoutineFilter()
+        self.upload_store: UploadStore | None = None
+        if config.state is not None:  # the lifetime storage written, across console restarts
+            self.history.restore_written(WrittenStore(Path(config.state.dir) / WRITTEN_FILE))
+            # the browser's uploads, resumable across reloads and restarts (docs/ground.md)
+            self.upload_store = UploadStore(Path(config.state.dir) / UPLOADS_DIR)
 
     # --- the telemetry link, in a thread (ZeroMQ receive blocks) -----------------------------
     def ingest(self, record: dict) -> None:
@@ -113,9 +133,16 @@ class Console:
             record["routine"] = not self.routine.show(str(record["type"]), record.get("body") or {}, float(sent))
         pushed = self.history.add(record)
         self.hub.publish(pushed or record)
+        self._say_notes()
         body = record.get("body") or {}
         if record.get("type") == "EVENT" and body.get("event_id") == "TASK_COMPLETED" and body.get("task_id"):
             self._fetch_result(str(body["task_id"]))
+
+    def _say_notes(self) -> None:
+        """What the history has to tell the operator (a damaged or unwritable saved total), as a
+        CONSOLE event on the events view."""
+        while self.history.notes:
+            self.ingest({"t": time.time(), "type": "CONSOLE", "text": self.history.notes.pop(0)})
 
     def _fetch_result(self, task: str) -> None:
         """A task of this station completed: downlink its result, as `ow ground results TASK`
@@ -148,10 +175,19 @@ class Console:
 
     async def on_startup(self, app: web.Application) -> None:
         self.loop = asyncio.get_running_loop()
+        self._say_notes()
+        if self.upload_store is not None:
+            removed = await asyncio.to_thread(self.upload_store.sweep)
+            if removed:
+                text = f"removed {len(removed)} unfinished upload(s) untouched for 7 days from {self.upload_store.root}"
+                self.ingest({"t": time.time(), "type": "CONSOLE", "text": text})
         if self.config.listen:
             threading.Thread(target=self._listen, name="console-telemetry", daemon=True).start()
         if self.config.state is not None:
             threading.Thread(target=self._follow_commands, name="console-commands", daemon=True).start()
+
+    async def on_shutdown(self, app: web.Application) -> None:
+        self.hub.close()
 
     async def on_cleanup(self, app: web.Application) -> None:
         self.stop.set()
@@ -207,6 +243,8 @@ class Console:
                 except TimeoutError:
                     await response.write(b": keep-alive\n\n")  # proxies close silent streams
                     continue
+                if record is None:
+                    break  # the console is shutting down (Hub.close)
                 record = dict(record, pushed=time.time())
                 await response.write(f"data: {json.dumps(record, default=str)}\n\n".encode())
         except (ConnectionResetError, asyncio.CancelledError):
@@ -265,19 +303,20 @@ class Console:
         with self.history.lock:
             cuts = list(self.history.cuts)
             hk = (self.history.latest.get("HOUSEKEEPING") or {}).get("body") or {}
+            progress = {task: dict(entry) for task, entry in self.history.progress.items()}
         for task in tasks:
             result = state.load_result(task["task_id"])
             if result is not None:
                 task["result"] = result
             # what the console saw of it: the cuts it was running through, its progress now
             task["cuts_seen"] = sum(1 for cut in cuts if cut.get("task") == task["task_id"])
-            if hk.get("current_task") == task["task_id"]:
-                task["live"] = {
-                    "phase": hk.get("phase"),
-                    "done": hk.get("progress_done"),
-                    "total": hk.get("progress_total"),
-                    "checkpoint_bytes": hk.get("checkpoint_bytes"),
-                }
+            # its latest progress (its PROGRESS reports, the payload's HOUSEKEEPING), the
+            # checkpoint bytes while it is the payload's current task
+            latest = progress.get(task["task_id"])
+            if latest is not None:
+                task["live"] = {k: latest[k] for k in ("phase", "done", "total")}
+                if hk.get("current_task") == task["task_id"]:
+                    task["live"]["checkpoint_bytes"] = hk.get("checkpoint_bytes")
         return web.json_response({"tasks": tasks, "forecast": self._forecast(tasks)}, dumps=_dumps)
 
     def _forecast(self, tasks: list[dict]) -> Any:
@@ -340,49 +379,18 @@ class Console:
         `ow ground` process of this station writes, this console's own client included: what it
         holds at start (the rotated file first) is remembered, each line appended later is also
         pushed to the pages. New lines are looked for twice a second; a rotation is followed to
-        the new file once the old one is read to its end."""
+        the new file once the old one is read to its end (command_log.CommandLogReader)."""
         state = self.config.state
         assert state is not None and self.loop is not None
-        path, loop = state.command_log_path, self.loop
-        current = None
-        partial = b""
-        started = True  # what is there at start is history, not news
-        if path.with_suffix(".jsonl.1").exists():
-            with open(path.with_suffix(".jsonl.1"), "rb") as rotated:
-                old = [e for e in map(parse_command_line, rotated) if e is not None]
-            loop.call_soon_threadsafe(self._remember_commands, old[-COMMAND_HISTORY:])
+        loop = self.loop
+        reader = CommandLogReader(state.command_log_path)
         try:
-            while not self.stop.is_set():
-                if current is None:
-                    try:
-                        current = open(path, "rb")  # noqa: SIM115 - held open across the loop
-                    except FileNotFoundError:
-                        started = False
-                        self.stop.wait(0.5)
-                        continue
-                data = current.read()
-                if data:
-                    lines = (partial + data).split(b"\n")
-                    partial = lines.pop()  # a line still being written
-                    entries = [e for e in map(parse_command_line, lines) if e is not None]
-                    if started:
-                        loop.call_soon_threadsafe(self._remember_commands, entries[-COMMAND_HISTORY:])
-                    else:
-                        for entry in entries:
-                            loop.call_soon_threadsafe(self._log, entry)
-                started = False
-                try:
-                    moved = os.stat(path).st_ino != os.fstat(current.fileno()).st_ino
-                except FileNotFoundError:
-                    moved = True
-                if moved:  # rotated: the old file is read to its end (above), on to the new one
-                    current.close()
-                    current, partial = None, b""
-                    continue
-                self.stop.wait(0.5)
+            loop.call_soon_threadsafe(self._remember_commands, reader.backlog()[-COMMAND_HISTORY:])
+            while not self.stop.wait(0.5):
+                for entry in reader.new():
+                    loop.call_soon_threadsafe(self._log, entry)
         finally:
-            if current is not None:
-                current.close()
+            reader.close()
 
     def _remember_commands(self, entries: list[dict]) -> None:
         self.commands.extend(dict(entry, type="COMMAND") for entry in entries)
@@ -412,9 +420,122 @@ class Console:
         item = request.match_info["item"]
         return await self._act(lambda c: c.release(item))
 
+    # --- uploads from the browser: resumable, in chunks (uploads.py) ---------------------------
+    def _uploads(self) -> UploadStore:
+        if self.upload_store is None:
+            raise web.HTTPServiceUnavailable(text="this console has no station state to keep uploads in")
+        return self.upload_store
+
+    async def upload_create(self, request: web.Request) -> web.Response:
+        """POST /api/uploads {"name", "size", "sha256"}: make the upload or say where it stands."""
+        store = self._uploads()
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "not a JSON upload request")
+        if not isinstance(body, dict):
+            return _error(400, "not a JSON upload request")
+        try:
+            answer = await asyncio.to_thread(store.create, body.get("name"), body.get("size"), body.get("sha256"))
+        except UploadError as exc:
+            return _upload_error(exc)
+        except OSError as exc:
+            return _error(507, f"the console cannot store the upload: {exc.strerror or exc}")
+        return web.json_response(answer)
+
+    async def upload_chunk(self, request: web.Request) -> web.Response:
+        """PUT /api/uploads/<sha256> with Upload-Offset and Chunk-SHA256: one chunk, kept only
+        whole and with the hash announced, durable before it is answered."""
+        store = self._uploads()
+        upload = request.match_info["upload"]
+        try:
+            offset = int(request.headers.get("Upload-Offset", ""))
+        except ValueError:
+            return _error(400, "Upload-Offset must be a whole number of bytes")
+        chunk_sha256 = request.headers.get("Chunk-SHA256", "").strip().lower()
+        if not chunk_sha256:
+            return _error(400, "Chunk-SHA256 (the chunk's SHA-256, hex) is missing")
+        if request.content_length is not None and request.content_length > MAX_CHUNK_BYTES:
+            return _error(413, f"a chunk of {request.content_length} bytes: at most {MAX_CHUNK_BYTES}")
+        try:
+            data = await request.read()
+        except (ConnectionError, asyncio.IncompleteReadError, ClientPayloadError, web.HTTPException):
+            return _error(400, "the chunk was cut off before its end: nothing kept")
+        if request.content_length is not None and len(data) != request.content_length:
+            return _error(400, "the chunk was cut off before its end: nothing kept")
+        try:
+            answer = await asyncio.to_thread(store.write, upload, offset, data, chunk_sha256)
+        except UploadError as exc:
+            return _upload_error(exc)
+        except OSError as exc:
+            return _error(507, f"the console cannot store the chunk: {exc.strerror or exc}")
+        return web.json_response(answer)
+
+    # --- the uplink ---------------------------------------------------------------------------
     async def uplink(self, request: web.Request) -> web.Response:
-        """The same checks, in the same order and with the same messages, as `ow ground uplink`."""
-        from ground.images import check_max_new_tokens, check_priority, check_prompt, prepare_images
+        """The same checks, in the same order and with the same messages, as `ow ground uplink`:
+        the prompt, max new tokens, priority, then the images. JSON names uploads the page sent
+        in chunks; the multipart form carries the images whole."""
+        if request.content_type == "application/json":
+            return await self._uplink_uploaded(request)
+        return await self._uplink_form(request)
+
+    @staticmethod
+    def _check_fields(fields: dict) -> tuple[str, int, dict]:
+        """(prompt, priority, uplink options); LocalInputError or ValueError as the CLI's checks."""
+        from ground.images import check_max_new_tokens, check_priority, check_prompt
+
+        prompt = fields.get("prompt", "")
+        if not isinstance(prompt, str):
+            raise LocalInputError("prompt must be text")
+        prompt = check_prompt(prompt)
+        max_new_tokens = _whole(fields.get("max_new_tokens") or 0) or None
+        priority = _whole(fields.get("priority") or 0)
+        if max_new_tokens is not None:
+            check_max_new_tokens(max_new_tokens)
+        check_priority(priority)
+        return prompt, priority, ({} if max_new_tokens is None else {"max_new_tokens": max_new_tokens})
+
+    async def _uplink_uploaded(self, request: web.Request) -> web.Response:
+        from ground.images import prepare_images
+
+        store = self._uploads()
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "not a JSON uplink request")
+        if isinstance(body, dict) and body.get("check_only") is True:
+            # the page asks this before it sends any image: a bad prompt or number is refused
+            # first, as the CLI refuses it before it reads the files
+            try:
+                self._check_fields(body)
+            except LocalInputError as exc:
+                return _error(400, str(exc))
+            except (ValueError, TypeError):
+                return _error(400, "max new tokens and priority must be whole numbers")
+            return web.json_response({"ok": True, "checked": True})
+        images = body.get("images") if isinstance(body, dict) else None
+        if not isinstance(images, list) or not all(isinstance(i, dict) for i in images):
+            return _error(400, 'not an uplink request: "images" must be a list of {"upload", "name"}')
+        names: dict[str, str] = {}
+        try:
+            prompt, priority, options = self._check_fields(body)
+            paths = []
+            for image in images:
+                path = await asyncio.to_thread(store.path, image.get("upload"), image.get("name"))
+                names[path] = str(image.get("name"))
+                paths.append(path)
+            await asyncio.to_thread(prepare_images, paths)
+        except LocalInputError as exc:
+            return _error(400, _as_operator_sees(str(exc), names))
+        except UploadError as exc:
+            return _upload_error(exc)
+        except (ValueError, TypeError):
+            return _error(400, "max new tokens and priority must be whole numbers")
+        return await self._send_uplink(paths, names, prompt, priority, options)
+
+    async def _uplink_form(self, request: web.Request) -> web.Response:
+        from ground.images import prepare_images
 
         reader = await request.multipart()
         fields: dict[str, str] = {}
@@ -434,34 +555,54 @@ class Console:
                     paths.append(str(path))
                 elif part.name:
                     fields[part.name] = (await part.text())[:100_000]
-            shown = {repr(p): repr(Path(p).name) for p in paths}
-
-            def as_operator_sees(text: str) -> str:
-                for temp, name in shown.items():
-                    text = text.replace(temp, name)
-                return text
-
+            names = {p: Path(p).name for p in paths}
             try:
-                prompt = check_prompt(fields.get("prompt", ""))
-                max_new_tokens = int(fields.get("max_new_tokens") or 0) or None
-                priority = int(fields.get("priority") or 0)
-                if max_new_tokens is not None:
-                    check_max_new_tokens(max_new_tokens)
-                check_priority(priority)
+                prompt, priority, options = self._check_fields(fields)
                 await asyncio.to_thread(prepare_images, paths)
             except LocalInputError as exc:
-                return _error(400, as_operator_sees(str(exc)))
+                return _error(400, _as_operator_sees(str(exc), names))
             except ValueError:
                 return _error(400, "max new tokens and priority must be whole numbers")
-            options = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
-            response = await self._act(
-                lambda c: c.uplink(paths, prompt, priority=priority, **options).to_dict(),
-                upload_progress=self._upload_progress(),
-            )
+            if self.upload_store is not None:  # kept where `resend` finds them later
+                stored = [await asyncio.to_thread(self.upload_store.adopt, p, names[p]) for p in paths]
+                names.update({s: names[p] for s, p in zip(stored, paths, strict=True)})
+                paths = stored
+            return await self._send_uplink(paths, names, prompt, priority, options)
+
+    async def _send_uplink(
+        self, paths: list[str], names: dict[str, str], prompt: str, priority: int, options: dict
+    ) -> web.Response:
+        response = await self._act(
+            lambda c: c.uplink(paths, prompt, priority=priority, **options).to_dict(),
+            upload_progress=self._upload_progress(),
+        )
         if response.status != 200:
             assert isinstance(response.text, str)
-            response.text = as_operator_sees(response.text)
+            response.text = _as_operator_sees(response.text, names)
         return response
+
+
+def _as_operator_sees(text: str, names: dict[str, str]) -> str:
+    """A message about a file in the console's store, naming it as the operator named it."""
+    for path, name in names.items():
+        text = text.replace(repr(path), repr(name))
+    return text
+
+
+def _whole(value: object) -> int:
+    """A whole number from the form (text) or from JSON (a number): 8 or "8", never 8.5 or true."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        return int(value)
+    raise ValueError(f"not a whole number: {value!r}")
+
+
+def _upload_error(exc: UploadError) -> web.Response:
+    body: dict[str, Any] = {"ok": False, "error": exc.message}
+    if exc.offset is not None:
+        body["offset"] = exc.offset
+    return web.json_response(body, status=exc.status)
 
 
 def _dumps(data: Any) -> str:
@@ -506,6 +647,7 @@ def make_app(config: ConsoleConfig) -> web.Application:
     app = web.Application(middlewares=[console.guard], client_max_size=64 * 1024 * 1024)
     app[CONSOLE_KEY] = console
     app.on_startup.append(console.on_startup)
+    app.on_shutdown.append(console.on_shutdown)
     app.on_cleanup.append(console.on_cleanup)
     app.router.add_get("/", console.index)
     app.router.add_static("/static/", STATIC)
@@ -516,6 +658,8 @@ def make_app(config: ConsoleConfig) -> web.Application:
     app.router.add_get("/api/telemetry", console.telemetry)
     app.router.add_get("/api/telemetry.csv", console.telemetry_csv)
     app.router.add_get("/api/tasks", console.tasks)
+    app.router.add_post("/api/uploads", console.upload_create)
+    app.router.add_put("/api/uploads/{upload}", console.upload_chunk)
     app.router.add_post("/api/uplink", console.uplink)
     app.router.add_post("/api/tasks/{task}/cancel", console.cancel)
     app.router.add_post("/api/tasks/{task}/priority", console.priority)

@@ -13,6 +13,7 @@ import signal
 import sys
 
 from common import log
+from common.cliargs import Group, add_args, arg
 from common.errors import CliError
 from common.wire.link import Endpoints
 
@@ -69,315 +70,379 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def add_run_arguments(run: argparse.ArgumentParser) -> None:
+#: `ow bus run`'s options, by group as `--help` shows them (common/cliargs.py).
+_TRACE_AND_CLOCK_ARGS = Group(
+    title="trace and clock",
+    args=(
+        arg("--trace", required=True, help="trace file or shipped trace name (docs/trace-format.md)"),
+        arg(
+            "--time-scale",
+            type=_positive,
+            default=1.0,
+            metavar="X",
+            help="wall seconds per trace second: 1 = real time, 0.01 = 100x faster (default 1)",
+        ),
+        arg("--start-at", type=_non_negative, default=0.0, metavar="S", help="start at trace second S (default 0)"),
+        arg(
+            "--stop-at-end",
+            action="store_true",
+            help="cut the payload and exit at the trace's end (default: keep the payload on)",
+        ),
+        arg(
+            "--skip-idle",
+            action="store_true",
+            help="compressed long runs: jump the trace clock over spans where nothing can happen (payload "
+            "off until its next power-on; payload on, connected and idle until the next trace event)",
+        ),
+        arg(
+            "--hold-at",
+            action="append",
+            type=float,
+            default=[],
+            metavar="TRACE_S",
+            help="with --skip-idle, never jump past this trace second (repeatable; e.g. when the ground "
+            "will uplink something)",
+        ),
+        arg(
+            "--hold-for-connect",
+            action="store_true",
+            help="trace time stands still from each power-on until the payload connects (or the boot "
+            "timeout cuts it): each window is the payload's working time however slow this machine is "
+            "to start it",
+        ),
+    ),
+)
+
+
+_PAYLOAD_PROCESS_ARGS = Group(
+    title="payload process",
+    args=(
+        arg(
+            "--payload-command",
+            default=None,
+            metavar="TEMPLATE",
+            help="command line of the flight process (shell words with placeholders; default "
+            "`ow flight run --data-dir {payload_data_dir} --model {model} --keys {keys} "
+            "--payload-endpoint {payload_endpoint}`)",
+        ),
+        arg("--model", default=None, help="model directory passed to the flight process"),
+        arg(
+            "--flight-arg",
+            action="append",
+            default=[],
+            metavar="ARG",
+            help="extra argument for the flight process (repeatable; use --flight-arg=--pace-ms)",
+        ),
+        arg(
+            "--payload-data-dir",
+            default=None,
+            help="payload data directory as the payload sees it (default DATA_DIR/payload)",
+        ),
+        arg("--payload-keys", default=None, help="keys directory as the payload sees it (default --keys)"),
+        arg(
+            "--boot-trace-s",
+            type=_non_negative,
+            default=None,
+            metavar="S",
+            help="emulate the target's boot (local driver): fork each payload from a process that has "
+            "imported its libraries and let it wait S trace seconds (S x --time-scale wall seconds) "
+            "after power-on; default: exec it, with this machine's real start-up (docs/hil.md)",
+        ),
+        arg(
+            "--zygote-preload",
+            action="append",
+            default=None,
+            metavar="MODULE[:FUNCTION]",
+            help="with --boot-trace-s: what the forking process imports (repeatable; default the flight "
+            "payload's boot image, flight.runtime.preload:boot_image)",
+        ),
+    ),
+)
+
+
+_POWER_SWITCH_ARGS = Group(
+    title="power switch",
+    args=(
+        arg(
+            "--power-driver",
+            choices=["local", "ssh", "command"],
+            default="local",
+            help="local: child process, SIGKILL of its group (default); ssh: flight process on a "
+            "board over SSH; command: operator commands for a relay / PDU",
+        ),
+        arg("--ssh-host", default=None, help="board's host name or address (ssh driver)"),
+        arg("--ssh-user", default=None),
+        arg("--ssh-port", type=int, default=None),
+        arg("--ssh-identity", default=None, help="private key file for ssh -i"),
+        arg("--ssh-option", action="append", default=[], metavar="OPT", help="extra ssh -o option (repeatable)"),
+        arg(
+            "--ssh-mode",
+            choices=["kill", "reboot"],
+            default="kill",
+            help="power-off on the board: SIGKILL of the flight process group (default) or a forced reboot",
+        ),
+        arg(
+            "--ssh-pidfile",
+            default="/tmp/orbitweaver-payload.pid",
+            help="where the flight process's group id is kept on the board",
+        ),
+        arg(
+            "--ssh-kill-command",
+            default=None,
+            help="remote script that kills the payload (each cut, and before each start); must exit 0 "
+            "once nothing of it is left, also when nothing ran",
+        ),
+        arg(
+            "--ssh-reboot-command",
+            default=None,
+            help="remote command for --ssh-mode reboot (default `sudo -n /sbin/reboot -f`)",
+        ),
+        arg(
+            "--ssh-transport",
+            default=None,
+            help="argv prefix that reaches the board instead of ssh (runs its last argument as a shell script)",
+        ),
+        arg("--power-on-command", default=None, help="shell command that powers the payload (command driver)"),
+        arg("--power-off-command", default=None, help="shell command that cuts the payload (command driver)"),
+        arg(
+            "--switch-timeout",
+            type=_positive,
+            default=30.0,
+            metavar="S",
+            help="a switch command taking longer fails (default 30)",
+        ),
+    ),
+)
+
+
+_HEALTH_AND_DELIVERY_ARGS = Group(
+    title="health and delivery (wall seconds)",
+    args=(
+        arg(
+            "--heartbeat-timeout",
+            type=_non_negative,
+            default=10.0,
+            metavar="S",
+            help="power-cycle a powered payload silent this long (FDIR; 0 = never; default 10)",
+        ),
+        arg(
+            "--boot-timeout",
+            type=_non_negative,
+            default=60.0,
+            metavar="S",
+            help="power-cycle a payload that has not connected this long after power-on (0 = never; default 60)",
+        ),
+        arg(
+            "--heartbeat-gap-log",
+            type=_non_negative,
+            default=3.0,
+            metavar="S",
+            help="log heartbeat gaps longer than this (default 3)",
+        ),
+        arg(
+            "--fdir-off",
+            type=_non_negative,
+            default=2.0,
+            metavar="S",
+            help="off time of an FDIR power cycle (default 2)",
+        ),
+        arg(
+            "--confirm-after",
+            type=_non_negative,
+            default=2.0,
+            metavar="S",
+            help="a command that asked for no acceptance report counts as delivered after the payload "
+            "lived this long past it (default 2)",
+        ),
+        arg(
+            "--max-in-flight",
+            type=_positive_int,
+            default=32,
+            help="unconfirmed commands sent at a time, shared fairly between stations (default 32)",
+        ),
+        arg(
+            "--boot-loop-limit",
+            type=int,
+            default=5,
+            metavar="N",
+            help="boot-loop guard: after N failed boots in a row (the payload ended by itself, or never "
+            "connected, before it had been up --boot-settle s) hold it off with a PAYLOAD_BOOT_LOOP event "
+            "naming the reason, until the ground's PAYLOAD_RETRY (`ow ground payload-retry`) or the "
+            "back-off (0 = never hold; default 5)",
+        ),
+        arg(
+            "--boot-loop-backoff",
+            type=_non_negative,
+            default=60.0,
+            metavar="S",
+            help="a hold ends by itself after S s, doubled at each hold in a row (at most 1 h, or S if "
+            "larger); 0 = only the ground's retry ends it (default 60)",
+        ),
+        arg(
+            "--boot-settle",
+            type=_non_negative,
+            default=10.0,
+            metavar="S",
+            help="a boot has come up once the payload has been connected S s; an exit or silence "
+            "before that is a failed boot (default 10)",
+        ),
+    ),
+)
+
+
+_STATIONS_AND_BOUNDS_ARGS = Group(
+    title="stations and bounds (docs/bus.md §5)",
+    args=(
+        arg(
+            "--station-quota",
+            type=_positive_int,
+            default=500,
+            metavar="N",
+            help="commands one station may have stored and unconfirmed; more are refused STATION_QUOTA (default 500)",
+        ),
+        arg(
+            "--station-rate",
+            type=_non_negative,
+            default=50.0,
+            metavar="R",
+            help="commands a second one station may send (token bucket); more are refused RATE_LIMITED "
+            "(0 = no limit; default 50)",
+        ),
+        arg(
+            "--station-burst",
+            type=_positive_int,
+            default=200,
+            metavar="B",
+            help="commands one station may send at once before --station-rate applies (default 200)",
+        ),
+        arg(
+            "--store-max-commands",
+            type=_positive_int,
+            default=10_000,
+            metavar="N",
+            help="commands the bus stores in all; more are refused BUS_STORAGE_FULL (default 10000)",
+        ),
+        arg(
+            "--store-max-mb",
+            type=_positive,
+            default=64.0,
+            metavar="MB",
+            help="MiB of command packets the bus stores in all; more are refused BUS_STORAGE_FULL (default 64)",
+        ),
+        arg(
+            "--throttle-event-s",
+            type=_non_negative,
+            default=10.0,
+            metavar="S",
+            help="STATION_THROTTLED at most once per station in S seconds (default 10)",
+        ),
+    ),
+)
+
+
+_TELEMETRY_AND_LOGS_ARGS = Group(
+    title="telemetry and logs",
+    args=(
+        arg(
+            "--telemetry-max-hz",
+            type=_positive,
+            default=10.0,
+            help="most telemetry rounds per wall second when time is compressed (default 10)",
+        ),
+        arg(
+            "--bus-temp-c",
+            type=float,
+            default=20.0,
+            help="bus structure temperature reported in THERMAL (not in traces; default 20)",
+        ),
+        arg(
+            "--no-log-packets",
+            dest="log_packets",
+            action="store_false",
+            help="do not keep telecommand bytes in the run log",
+        ),
+        arg(
+            "--log-segment-mb",
+            type=_positive,
+            default=32.0,
+            metavar="MB",
+            help="rotate the run log past this size: bus-log.jsonl -> .1 -> .2 ... (default 32)",
+        ),
+        arg(
+            "--log-segments",
+            type=_positive_int,
+            default=8,
+            metavar="N",
+            help="run log files kept, the current one included; the oldest beyond is removed (default 8)",
+        ),
+        arg("--log-level", default="info", choices=["debug", "info", "warning", "error"]),
+    ),
+)
+
+
+def _environment_groups() -> tuple[Group, ...]:
+    """The groups whose defaults come from the environment ($OW_KEYS_DIR, $OW_*_ENDPOINT), read
+    when the parser is built, not when this module is imported."""
     env = Endpoints.from_env()
-    g = run.add_argument_group("trace and clock")
-    g.add_argument("--trace", required=True, help="trace file or shipped trace name (docs/trace-format.md)")
-    g.add_argument(
-        "--time-scale",
-        type=_positive,
-        default=1.0,
-        metavar="X",
-        help="wall seconds per trace second: 1 = real time, 0.01 = 100x faster (default 1)",
-    )
-    g.add_argument(
-        "--start-at", type=_non_negative, default=0.0, metavar="S", help="start at trace second S (default 0)"
-    )
-    g.add_argument(
-        "--stop-at-end",
-        action="store_true",
-        help="cut the payload and exit at the trace's end (default: keep the payload on)",
-    )
-    g.add_argument(
-        "--skip-idle",
-        action="store_true",
-        help="compressed long runs: jump the trace clock over spans where nothing can happen (payload "
-        "off until its next power-on; payload on, connected and idle until the next trace event)",
-    )
-    g.add_argument(
-        "--hold-at",
-        action="append",
-        type=float,
-        default=[],
-        metavar="TRACE_S",
-        help="with --skip-idle, never jump past this trace second (repeatable; e.g. when the ground "
-        "will uplink something)",
-    )
-    g.add_argument(
-        "--hold-for-connect",
-        action="store_true",
-        help="trace time stands still from each power-on until the payload connects (or the boot "
-        "timeout cuts it): each window is the payload's working time however slow this machine is "
-        "to start it",
-    )
-
-    g = run.add_argument_group("storage and keys")
-    g.add_argument(
-        "--data-dir", required=True, help="bus state: run log, stored commands, payload output (created if absent)"
-    )
-    g.add_argument(
-        "--keys",
-        default=os.environ.get("OW_KEYS_DIR"),
-        required="OW_KEYS_DIR" not in os.environ,
-        help="keys directory with server/bus.key_secret and authorized/ (default $OW_KEYS_DIR)",
+    return (
+        Group(
+            title="storage and keys",
+            args=(
+                arg(
+                    "--data-dir",
+                    required=True,
+                    help="bus state: run log, stored commands, payload output (created if absent)",
+                ),
+                arg(
+                    "--keys",
+                    default=os.environ.get("OW_KEYS_DIR"),
+                    required="OW_KEYS_DIR" not in os.environ,
+                    help="keys directory with server/bus.key_secret and authorized/ (default $OW_KEYS_DIR)",
+                ),
+            ),
+        ),
+        Group(
+            title="links (ZeroMQ endpoints the bus binds)",
+            args=(
+                arg(
+                    "--commands-endpoint", default=env.commands, help=f"ground commands ROUTER (default {env.commands})"
+                ),
+                arg("--payload-endpoint", default=env.payload, help=f"payload ROUTER (default {env.payload})"),
+                arg("--telemetry-endpoint", default=env.telemetry, help=f"telemetry PUB (default {env.telemetry})"),
+                arg(
+                    "--payload-connect-endpoint",
+                    default=None,
+                    help="payload endpoint as the payload connects to it, if it differs from the bound one "
+                    "(bus bound to 0.0.0.0, payload on another host)",
+                ),
+                arg("--payload-client", default="payload", help="key name of the payload (default payload)"),
+                arg(
+                    "--ground-client",
+                    action="append",
+                    default=None,
+                    metavar="NAME",
+                    help="key name allowed on the commands link (repeatable; default: every authorized key "
+                    "but the payload's)",
+                ),
+                arg("--ready-file", default=None, help="write the bound endpoints here as JSON once listening"),
+            ),
+        ),
     )
 
-    g = run.add_argument_group("links (ZeroMQ endpoints the bus binds)")
-    g.add_argument("--commands-endpoint", default=env.commands, help=f"ground commands ROUTER (default {env.commands})")
-    g.add_argument("--payload-endpoint", default=env.payload, help=f"payload ROUTER (default {env.payload})")
-    g.add_argument("--telemetry-endpoint", default=env.telemetry, help=f"telemetry PUB (default {env.telemetry})")
-    g.add_argument(
-        "--payload-connect-endpoint",
-        default=None,
-        help="payload endpoint as the payload connects to it, if it differs from the bound one "
-        "(bus bound to 0.0.0.0, payload on another host)",
-    )
-    g.add_argument("--payload-client", default="payload", help="key name of the payload (default payload)")
-    g.add_argument(
-        "--ground-client",
-        action="append",
-        default=None,
-        metavar="NAME",
-        help="key name allowed on the commands link (repeatable; default: every authorized key but the payload's)",
-    )
-    g.add_argument("--ready-file", default=None, help="write the bound endpoints here as JSON once listening")
 
-    g = run.add_argument_group("payload process")
-    g.add_argument(
-        "--payload-command",
-        default=None,
-        metavar="TEMPLATE",
-        help="command line of the flight process (shell words with placeholders; default "
-        "`ow flight run --data-dir {payload_data_dir} --model {model} --keys {keys} "
-        "--payload-endpoint {payload_endpoint}`)",
+def add_run_arguments(run: argparse.ArgumentParser) -> None:
+    add_args(
+        run,
+        (
+            _TRACE_AND_CLOCK_ARGS,
+            *_environment_groups(),
+            _PAYLOAD_PROCESS_ARGS,
+            _POWER_SWITCH_ARGS,
+            _HEALTH_AND_DELIVERY_ARGS,
+            _STATIONS_AND_BOUNDS_ARGS,
+            _TELEMETRY_AND_LOGS_ARGS,
+        ),
     )
-    g.add_argument("--model", default=None, help="model directory passed to the flight process")
-    g.add_argument(
-        "--flight-arg",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="extra argument for the flight process (repeatable; use --flight-arg=--pace-ms)",
-    )
-    g.add_argument(
-        "--payload-data-dir",
-        default=None,
-        help="payload data directory as the payload sees it (default DATA_DIR/payload)",
-    )
-    g.add_argument("--payload-keys", default=None, help="keys directory as the payload sees it (default --keys)")
-    g.add_argument(
-        "--boot-trace-s",
-        type=_non_negative,
-        default=None,
-        metavar="S",
-        help="emulate the target's boot (local driver): fork each payload from a process that has "
-        "imported its libraries and let it wait S trace seconds (S x --time-scale wall seconds) "
-        "after power-on; default: exec it, with this machine's real start-up (docs/hil.md)",
-    )
-    g.add_argument(
-        "--zygote-preload",
-        action="append",
-        default=None,
-        metavar="MODULE[:FUNCTION]",
-        help="with --boot-trace-s: what the forking process imports (repeatable; default the flight "
-        "payload's boot image, flight.runtime.preload:boot_image)",
-    )
-
-    g = run.add_argument_group("power switch")
-    g.add_argument(
-        "--power-driver",
-        choices=["local", "ssh", "command"],
-        default="local",
-        help="local: child process, SIGKILL of its group (default); ssh: flight process on a "
-        "board over SSH; command: operator commands for a relay / PDU",
-    )
-    g.add_argument("--ssh-host", default=None, help="board's host name or address (ssh driver)")
-    g.add_argument("--ssh-user", default=None)
-    g.add_argument("--ssh-port", type=int, default=None)
-    g.add_argument("--ssh-identity", default=None, help="private key file for ssh -i")
-    g.add_argument("--ssh-option", action="append", default=[], metavar="OPT", help="extra ssh -o option (repeatable)")
-    g.add_argument(
-        "--ssh-mode",
-        choices=["kill", "reboot"],
-        default="kill",
-        help="power-off on the board: SIGKILL of the flight process group (default) or a forced reboot",
-    )
-    g.add_argument(
-        "--ssh-pidfile",
-        default="/tmp/orbitweaver-payload.pid",
-        help="where the flight process's group id is kept on the board",
-    )
-    g.add_argument(
-        "--ssh-kill-command",
-        default=None,
-        help="remote script that kills the payload (each cut, and before each start); must exit 0 "
-        "once nothing of it is left, also when nothing ran",
-    )
-    g.add_argument(
-        "--ssh-reboot-command",
-        default=None,
-        help="remote command for --ssh-mode reboot (default `sudo -n /sbin/reboot -f`)",
-    )
-    g.add_argument(
-        "--ssh-transport",
-        default=None,
-        help="argv prefix that reaches the board instead of ssh (runs its last argument as a shell script)",
-    )
-    g.add_argument("--power-on-command", default=None, help="shell command that powers the payload (command driver)")
-    g.add_argument("--power-off-command", default=None, help="shell command that cuts the payload (command driver)")
-    g.add_argument(
-        "--switch-timeout",
-        type=_positive,
-        default=30.0,
-        metavar="S",
-        help="a switch command taking longer fails (default 30)",
-    )
-
-    g = run.add_argument_group("health and delivery (wall seconds)")
-    g.add_argument(
-        "--heartbeat-timeout",
-        type=_non_negative,
-        default=10.0,
-        metavar="S",
-        help="power-cycle a powered payload silent this long (FDIR; 0 = never; default 10)",
-    )
-    g.add_argument(
-        "--boot-timeout",
-        type=_non_negative,
-        default=60.0,
-        metavar="S",
-        help="power-cycle a payload that has not connected this long after power-on (0 = never; default 60)",
-    )
-    g.add_argument(
-        "--heartbeat-gap-log",
-        type=_non_negative,
-        default=3.0,
-        metavar="S",
-        help="log heartbeat gaps longer than this (default 3)",
-    )
-    g.add_argument(
-        "--fdir-off", type=_non_negative, default=2.0, metavar="S", help="off time of an FDIR power cycle (default 2)"
-    )
-    g.add_argument(
-        "--confirm-after",
-        type=_non_negative,
-        default=2.0,
-        metavar="S",
-        help="a command that asked for no acceptance report counts as delivered after the payload "
-        "lived this long past it (default 2)",
-    )
-    g.add_argument(
-        "--max-in-flight",
-        type=_positive_int,
-        default=32,
-        help="unconfirmed commands sent at a time, shared fairly between stations (default 32)",
-    )
-    g.add_argument(
-        "--boot-loop-limit",
-        type=int,
-        default=5,
-        metavar="N",
-        help="boot-loop guard: after N failed boots in a row (the payload ended by itself, or never "
-        "connected, before it had been up --boot-settle s) hold it off with a PAYLOAD_BOOT_LOOP event "
-        "naming the reason, until the ground's PAYLOAD_RETRY (`ow ground payload-retry`) or the "
-        "back-off (0 = never hold; default 5)",
-    )
-    g.add_argument(
-        "--boot-loop-backoff",
-        type=_non_negative,
-        default=60.0,
-        metavar="S",
-        help="a hold ends by itself after S s, doubled at each hold in a row (at most 1 h, or S if "
-        "larger); 0 = only the ground's retry ends it (default 60)",
-    )
-    g.add_argument(
-        "--boot-settle",
-        type=_non_negative,
-        default=10.0,
-        metavar="S",
-        help="a boot has come up once the payload has been connected S s; an exit or silence "
-        "before that is a failed boot (default 10)",
-    )
-
-    g = run.add_argument_group("stations and bounds (docs/bus.md §5)")
-    g.add_argument(
-        "--station-quota",
-        type=_positive_int,
-        default=500,
-        metavar="N",
-        help="commands one station may have stored and unconfirmed; more are refused STATION_QUOTA (default 500)",
-    )
-    g.add_argument(
-        "--station-rate",
-        type=_non_negative,
-        default=50.0,
-        metavar="R",
-        help="commands a second one station may send (token bucket); more are refused RATE_LIMITED "
-        "(0 = no limit; default 50)",
-    )
-    g.add_argument(
-        "--station-burst",
-        type=_positive_int,
-        default=200,
-        metavar="B",
-        help="commands one station may send at once before --station-rate applies (default 200)",
-    )
-    g.add_argument(
-        "--store-max-commands",
-        type=_positive_int,
-        default=10_000,
-        metavar="N",
-        help="commands the bus stores in all; more are refused BUS_STORAGE_FULL (default 10000)",
-    )
-    g.add_argument(
-        "--store-max-mb",
-        type=_positive,
-        default=64.0,
-        metavar="MB",
-        help="MiB of command packets the bus stores in all; more are refused BUS_STORAGE_FULL (default 64)",
-    )
-    g.add_argument(
-        "--throttle-event-s",
-        type=_non_negative,
-        default=10.0,
-        metavar="S",
-        help="STATION_THROTTLED at most once per station in S seconds (default 10)",
-    )
-
-    g = run.add_argument_group("telemetry and logs")
-    g.add_argument(
-        "--telemetry-max-hz",
-        type=_positive,
-        default=10.0,
-        help="most telemetry rounds per wall second when time is compressed (default 10)",
-    )
-    g.add_argument(
-        "--bus-temp-c",
-        type=float,
-        default=20.0,
-        help="bus structure temperature reported in THERMAL (not in traces; default 20)",
-    )
-    g.add_argument(
-        "--no-log-packets",
-        dest="log_packets",
-        action="store_false",
-        help="do not keep telecommand bytes in the run log",
-    )
-    g.add_argument(
-        "--log-segment-mb",
-        type=_positive,
-        default=32.0,
-        metavar="MB",
-        help="rotate the run log past this size: bus-log.jsonl -> .1 -> .2 ... (default 32)",
-    )
-    g.add_argument(
-        "--log-segments",
-        type=_positive_int,
-        default=8,
-        metavar="N",
-        help="run log files kept, the current one included; the oldest beyond is removed (default 8)",
-    )
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def register_bus(subparsers) -> None:

@@ -15,7 +15,7 @@ import torch
 from testkit import MAX_NEW, CutAfter, engine, inputs_for
 
 from common.errors import CliError
-from flight.checkpoint.cadence import P_MIN, Cadence, WindowLog, WriteCosts
+from flight.checkpoint.cadence import P_MIN, VISION_RATE_KEY, Cadence, WindowLog, WriteCosts
 from flight.checkpoint.policies import POLICIES, Geometry
 from flight.cli_options import EXIT_USAGE, add_engine_arguments, cadence_for, engine_options
 from flight.engine import Engine, EngineOptions, SimulatedCut
@@ -132,20 +132,79 @@ def test_write_costs_survive_the_process_and_a_damaged_file_is_ignored(tmp_path)
     costs.save({"decode": 0.02, "vision": 1.5, "prefill": 9.0})  # only the phases with early records
     costs.close()
     raw = (state / "write-costs").read_bytes()
-    assert len(raw) == 20
+    assert len(raw) == 28
     again = WriteCosts(str(state))
     assert again.load() == {"vision": 1.5, "decode": 0.02} and not again.damaged
     cadence = Cadence("adaptive", [1.0] * 5)
     cadence.observe_write("decode", 0.04)  # this process's own measurement goes on from its own
     cadence.learn_writes(again.load())
     assert cadence.learned_writes() == {"vision": 1.5, "decode": 0.04}
-    for damaged in (raw[:19], raw + b"x", bytes([raw[0] ^ 1]) + raw[1:]):
+    for damaged in (raw[:27], raw[:20], raw + b"x", bytes([raw[0] ^ 1]) + raw[1:]):
         (state / "write-costs").write_bytes(damaged)
         broken = WriteCosts(str(state))
         assert broken.load() == {} and broken.damaged
         broken.save({"vision": 2.0})  # rewritten at the next measurement
         assert WriteCosts(str(state)).load() == {"vision": 2.0}
         broken.close()
+
+
+def test_a_record_written_before_the_rate_was_kept_still_reads(tmp_path):
+    """The 20-byte state/write-costs (two times and their CRC32C, docs/engine.md) reads without a
+    rate, and the next save writes the 28-byte layout over it."""
+    import struct
+
+    import crc32c
+
+    state = tmp_path / "state"
+    state.mkdir()
+    head = struct.pack("<dd", 1.5, float("nan"))
+    (state / "write-costs").write_bytes(head + struct.pack("<I", crc32c.crc32c(head)))
+    old = WriteCosts(str(state))
+    assert old.load() == {"vision": 1.5} and not old.damaged
+    old.save({"vision": 1.5, "decode": 0.02, VISION_RATE_KEY: 4.0})
+    old.close()
+    assert len((state / "write-costs").read_bytes()) == 28
+    assert WriteCosts(str(state)).load() == {"vision": 1.5, "decode": 0.02, VISION_RATE_KEY: 4.0}
+
+
+def test_the_vision_write_rate_survives_a_reboot_and_a_burst_does_not_flip_the_rule(tmp_path):
+    """The vision states' write rate is the median of the last RATE_WINDOW writes, kept in
+    state/write-costs; a boot starts from it as PRIOR_WRITES of them (docs/engine.md, "Cadence").
+    One vision block a second, a 3 MB state at 3 us per byte (9 s) with 4 blocks since the last
+    state and 8 to go: skipped (9 s > 8 s and > 4 s). A write after an idle spell that goes at
+    the storage's burst speed (a hundredth of the time) would have taken a decayed mean (0.7 old
+    + 0.3 new) to 2.1 us per byte, 6.3 s, and kept the state; the median keeps the rule's answer."""
+    state = tmp_path / "state"
+    first = Cadence("adaptive")
+    first.observe_unit("vision", 1.0)
+    for _ in range(3):
+        first.observe_write("vision", 4.5, 1_500_000)  # 3 us per byte, sustained
+    assert first.skip_vision_state(4, 8, 3_000_000)
+    costs = WriteCosts(str(state))
+    costs.save(first.learned_writes())
+    costs.close()
+
+    # the process is gone (a cut); the next boot reads state/write-costs before any write of its own
+    learned = WriteCosts(str(state)).load()
+    assert learned[VISION_RATE_KEY] == pytest.approx(3e-6 * 2**20)
+    rebooted = Cadence("adaptive", write_s=learned)
+    rebooted.observe_unit("vision", 1.0)
+    assert rebooted.write_rate["vision"] == pytest.approx(3e-6)
+    assert rebooted.skip_vision_state(4, 8, 3_000_000)  # the same answer before its first write
+    rebooted.observe_write("vision", 0.045, 1_500_000)  # a burst: 0.03 us per byte
+    assert rebooted.write_rate["vision"] == pytest.approx(3e-6)
+    assert rebooted.skip_vision_state(4, 8, 3_000_000)  # not flipped
+
+    # a lasting change of the storage does move it: three writes that agree outvote the kept rate
+    for _ in range(2):
+        rebooted.observe_write("vision", 0.045, 1_500_000)
+    assert rebooted.write_rate["vision"] == pytest.approx(3e-8)
+    assert not rebooted.skip_vision_state(4, 8, 3_000_000)
+    # without a kept rate, a fresh payload's first write is all it knows (docs/engine.md: known limit)
+    fresh = Cadence("adaptive")
+    fresh.observe_unit("vision", 1.0)
+    fresh.observe_write("vision", 0.045, 1_500_000)
+    assert not fresh.skip_vision_state(4, 8, 3_000_000)
 
 
 def test_warning_and_telemetry_trends_announce_the_cut():
@@ -340,7 +399,7 @@ class SlowVisionWrites(UnitClock):
 
     def __init__(self):
         super().__init__([])
-        self.write_rate["vision"] = 1e-3
+        Cadence.observe_write(self, "vision", 1.0, 1000)  # 1e-3 s per byte
 
     def observe_write(self, phase, seconds, nbytes=None):
         pass

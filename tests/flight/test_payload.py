@@ -124,12 +124,13 @@ def test_task_round_trip_and_bad_input(bus, flight, tmp_path, model_dirs):
 
 
 def test_write_costs_learned_in_one_boot_reach_the_next(bus, flight, tmp_path):
-    """The adaptive cadence times its vision and decode record writes; the window-log thread
-    keeps them in state/write-costs, and the next boot starts from them (engine.md "Cadence")."""
+    """The adaptive cadence times its vision and decode record writes (and the vision states'
+    write rate); the window-log thread keeps them in state/write-costs, and the next boot starts
+    from them (engine.md "Cadence")."""
     import json
     import time
 
-    from flight.checkpoint.cadence import WriteCosts
+    from flight.checkpoint.cadence import VISION_RATE_KEY, WriteCosts
 
     first = flight()
     imgs = [_png(im) for im in make_images()]
@@ -138,8 +139,8 @@ def test_write_costs_learned_in_one_boot_reach_the_next(bus, flight, tmp_path):
     bus.wait_for(lambda h, msg: isinstance(msg, m.Completed) and msg.task_id == "t1" and msg.tc_seq == seq, 120)
     costs = WriteCosts(str(tmp_path / "data" / "state"))
     deadline = time.monotonic() + 60  # kept every marking period (0.25 s here): a bound, not a timing
-    while set(costs.load()) != {"vision", "decode"}:
-        assert time.monotonic() < deadline, "state/write-costs never held both phases"
+    while set(costs.load()) != {"vision", "decode", VISION_RATE_KEY}:
+        assert time.monotonic() < deadline, "state/write-costs never held both phases and the vision write rate"
         time.sleep(0.1)
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
@@ -160,6 +161,7 @@ def test_write_costs_learned_in_one_boot_reach_the_next(bus, flight, tmp_path):
     entry = loaded()
     assert entry["vision_s"] == pytest.approx(learned["vision"], abs=1e-6)
     assert entry["decode_s"] == pytest.approx(learned["decode"], abs=1e-6)
+    assert entry[f"{VISION_RATE_KEY}_s"] == pytest.approx(learned[VISION_RATE_KEY], abs=1e-6)  # seconds per MiB
 
 
 def test_a_station_acts_on_its_own_tasks_only(bus, flight):

@@ -198,13 +198,25 @@ def test_memory_and_storage_written_over_boots_are_plotted_and_exported():
 def test_timeline_records_cut_cause_warning_lead_and_running_task():
     history = History()
     history.add({"t": 10.0, "type": "POWER_STATE", "body": {"payload_on": True, "cause": "TRACE"}})
-    history.add({"t": 11.0, "type": "HOUSEKEEPING", "body": {"current_task": "t-x", "phase": "DECODE"}})
+    history.add({"t": 11.0, "type": "HOUSEKEEPING", "body": {"current_task": "t-x", "phase": "decode"}})
     history.add({"t": 20.0, "type": "SHUTDOWN_WARNING", "body": {"cause": "POWER", "lead_time_s": 5.0}})
+    # PROGRESS reports (more often than HOUSEKEEPING) say what the cut interrupted, to the unit
+    progress = {"task_id": "t-x", "phase": "decode", "done": 31, "total": 39}
+    history.add({"t": 22.0, "type": "PROGRESS", "body": progress})
     history.add({"t": 24.5, "type": "POWER_STATE", "body": {"payload_on": False, "cause": "POWER"}})
     timeline = history.timeline(0.0, 100.0)
     (cut,) = timeline["cuts"]
     assert cut["cause"] == "POWER" and cut["warning_lead_s"] == 4.5 and cut["task"] == "t-x"
+    assert (cut["phase"], cut["done"], cut["total"]) == ("decode", 31, 39)
     assert timeline["windows"] == [[10.0, 24.5]] and timeline["payload_on"] is False
+    assert history.progress["t-x"] == {"phase": "decode", "done": 31, "total": 39, "t": 22.0}
+    # a finished task's last report leaves the payload idle: a cut then interrupts nothing
+    history.add({"t": 30.0, "type": "POWER_STATE", "body": {"payload_on": True, "cause": "TRACE"}})
+    done = {"task_id": "t-x", "phase": "completed", "done": 39, "total": 39}
+    history.add({"t": 31.0, "type": "PROGRESS", "body": done})
+    history.add({"t": 32.0, "type": "POWER_STATE", "body": {"payload_on": False, "cause": "THERMAL"}})
+    assert history.timeline(0.0, 100.0)["cuts"][-1]["task"] is None
+    assert history.timeline(0.0, 100.0)["doing"] == {}
 
 
 def test_on_loopback_a_token_is_made_for_the_run_and_actions_need_it(tmp_path):
@@ -408,3 +420,70 @@ def test_beyond_loopback_over_tls_with_a_self_signed_certificate(tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_lifetime_storage_written_survives_a_console_restart(tmp_path):
+    """The running lifetime total is kept in the station's state (docs/ground.md "Lifetime
+    storage written"): a restarted console shows the same total and goes on from it without
+    counting the present boot twice; a payload whose boot count restarted adds to it; a damaged
+    file is set aside and said."""
+    from ground.console.server import WRITTEN_FILE, Console
+    from ground.state import GroundState
+
+    state = GroundState(tmp_path / "state")
+
+    def console() -> Console:
+        return Console(ConsoleConfig(client_factory=_no_link, security=ConsoleSecurity(), listen=False, state=state))
+
+    def report(target: Console, t: float, boot: int, written: int) -> None:
+        body = {"boot_count": boot, "written_bytes": written}
+        target.ingest({"t": t, "type": "HOUSEKEEPING", "body": body})
+
+    def total(target: Console) -> float:
+        return target.history.raw(0.0, 1e12, ["storage_written_bytes"])["storage_written_bytes"][1][-1]
+
+    first = console()
+    for t, boot, written in [(1.0, 1, 100), (2.0, 1, 300), (3.0, 2, 40)]:
+        report(first, t, boot, written)
+    assert total(first) == 340.0
+    second = console()  # a restart: a fresh history, the same state
+    assert total(second) == 340.0
+    report(second, 4.0, 2, 90)  # the same boot goes on: 300 + 90, not 340 + 90
+    assert total(second) == 390.0
+    report(second, 5.0, 3, 10)
+    third = console()
+    assert total(third) == 400.0
+    report(third, 6.0, 1, 5)  # below the saved boot, before any report of it: the count restarted
+    assert total(third) == 405.0
+    report(third, 7.0, 0, 999)  # now a lower boot is a late packet
+    assert total(third) == 405.0
+    (state.dir / WRITTEN_FILE).write_text("{not json")
+    fourth = console()
+    assert not fourth.history.raw(0.0, 1e12, ["storage_written_bytes"])["storage_written_bytes"][0]
+    assert (state.dir / (WRITTEN_FILE + ".damaged")).exists()
+    report(fourth, 8.0, 1, 7)
+    assert total(fourth) == 7.0
+    said = [e["text"] for e in fourth.history.events if e["type"] == "CONSOLE"]
+    assert any("set aside" in text and "starts from zero" in text for text in said), said
+
+
+def test_task_view_shows_each_tasks_latest_progress(tmp_path):
+    """Every task's latest progress (its PROGRESS reports), not only the payload's current task's;
+    the checkpoint bytes of the current one."""
+    from ground.state import GroundState
+
+    state = GroundState(tmp_path / "state")
+    for task in ("t-a", "t-b"):
+        state.update_task(task, state="accepted", prompt="p")
+    history = History()
+    history.add({"t": 1.0, "type": "PROGRESS", "body": {"task_id": "t-a", "phase": "decode", "done": 4, "total": 4}})
+    hk = {"current_task": "t-b", "phase": "prefill", "progress_done": 2, "progress_total": 8, "checkpoint_bytes": 512}
+    history.add({"t": 2.0, "type": "HOUSEKEEPING", "body": hk})
+
+    async def body(session, base):
+        async with session.get(base + "/api/tasks") as r:
+            tasks = {t["task_id"]: t for t in (await r.json())["tasks"]}
+        assert tasks["t-a"]["live"] == {"phase": "decode", "done": 4, "total": 4}
+        assert tasks["t-b"]["live"] == {"phase": "prefill", "done": 2, "total": 8, "checkpoint_bytes": 512}
+
+    serve(ConsoleSecurity(), history, state=state)(body)

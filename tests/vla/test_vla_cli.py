@@ -106,6 +106,8 @@ def test_profile_derive_writes_the_shipped_format(capsys, tmp_path):
         (["serve", "--models", "gpt-5"], "unknown model"),
         (["plan", "--robots", "pi0=4", "--placement", "smolvla*:0"], "hosts no GPU"),
         (["bench", "--experiments", "everything"], "unknown experiment"),
+        (["bench", "--acceptance", "median"], "acceptance must be one of"),
+        (["bench", "--acceptance", "bootstrap,median"], "unknown acceptance"),
         (["simulate", "--robots", "pi0=2", "--profile", "nowhere.json"], "cannot load profile"),
         (["profile"], "--out FILE is required"),
     ],

@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from common.vla.config import EIGHT_MODELS
+from common.vla.config import EIGHT_MODELS, model_spec
+from common.vla.controller import compositions
 from common.vla.management import (
     Placement,
     assign_brute_force,
@@ -71,6 +72,62 @@ def test_colocation_aware_ilp_equals_brute_force(case):
     assert ilp.objective[3] == pytest.approx(brute.objective[3], abs=1e-6)
     for g, load in ilp.loads.items():  # the reported load is the co-location-aware one
         assert load == pytest.approx(gpu_load(ilp.robots_on(g), limits))
+
+
+def _composition_instances(n):
+    """Catalogue models (two architectures) with limits keyed by composition: a random limit per
+    architecture alone, and for each composition a random fraction of it per architecture."""
+    rng = random.Random(7)
+    for i in range(n):
+        models = rng.sample(["pi0", "pi0-ft1", "smolvla", "smolvla-ft1"], rng.randint(2, 3))
+        pl = (
+            Placement.colocate(models, 2)
+            if i % 2 == 0
+            else Placement.parse(f"{models[0]}:0;{','.join(models[1:])}:1", models, 2)
+        )
+        archs = {model_spec(m).arch for m in models}
+        alone = {a: rng.randint(4, 12) for a in archs}
+        table = {a: {} for a in archs}
+        for comp in compositions({a: sum(1 for m in models if model_spec(m).arch == a) for a in archs}, 3):
+            for a, _ in comp:
+                shared = sum(k for _, k in comp) > 1
+                table[a][comp] = max(1, round(alone[a] * rng.uniform(0.3, 1.0))) if shared else alone[a]
+        robots = {m: rng.randint(0, 6) for m in models}
+        yield pl, robots, {m: table[model_spec(m).arch] for m in models}
+
+
+@pytest.mark.parametrize("case", list(range(16)))
+def test_composition_keyed_ilp_equals_brute_force(case):
+    pl, robots, limits = list(_composition_instances(16))[case]
+    ilp = assign_ilp(pl, robots, limits, time_limit_s=30)
+    brute = assign_brute_force(pl, robots, limits)
+    assert ilp.optimal and ilp.objective[:3] == brute.objective[:3]
+    assert ilp.objective[3] == pytest.approx(brute.objective[3], abs=1e-6)
+    for g, load in ilp.loads.items():
+        assert load == pytest.approx(gpu_load(ilp.robots_on(g), limits))
+
+
+def test_the_ilp_pairs_models_by_what_their_composition_serves():
+    """Two pi0 and two SmolVLA variants on two GPUs, two per GPU. Keyed by model count alone the
+    pairings look alike; keyed by composition the ILP takes the pairing whose limits hold."""
+    models = ["pi0", "pi0-ft1", "smolvla", "smolvla-ft1"]
+    pl = Placement.parse("pi0,smolvla:0;pi0-ft1,smolvla-ft1:1", models, 2)  # fixed mixed pairs
+    same = Placement.parse("pi0,pi0-ft1:0;smolvla,smolvla-ft1:1", models, 2)
+    robots = {m: 6 for m in models}
+    pair, two_pi0, two_smol = (("pi0", 1), ("smolvla", 1)), (("pi0", 2),), (("smolvla", 2),)
+    limits = {
+        m: {(("pi0", 1),): 20.0, two_pi0: 14.0, pair: 7.0}
+        if m.startswith("pi0")
+        else {(("smolvla", 1),): 60, two_smol: 40.0, pair: 30.0}
+        for m in models
+    }
+    assert not assign_ilp(pl, robots, limits).feasible  # a pair: 6/7 + 6/30 = 1.06
+    assert assign_ilp(same, robots, limits).feasible  # 12/14 and 12/40
+    mix = assign_ilp(Placement.colocate(models, 2), robots, limits, time_limit_s=30)
+    assert mix.feasible and sorted(sorted(mix.robots_on(g)) for g in range(2)) == [
+        ["pi0", "pi0-ft1"],
+        ["smolvla", "smolvla-ft1"],
+    ]
 
 
 def _random_8x4(rng):

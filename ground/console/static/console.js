@@ -73,7 +73,7 @@ async function loadTimeline() {
     tr.className = "cut";
     for (const v of [fmtTime(c.t), c.cause + (c.after_fault ? " (after fault)" : ""),
       c.warning_lead_s === null ? "no warning" : c.warning_lead_s.toFixed(1),
-      c.task ? `${c.task} ${c.phase || ""}` : "idle"]) { const td = document.createElement("td"); td.textContent = v; tr.appendChild(td); }
+      c.task ? `${c.task} ${c.phase || ""}${c.total ? ` ${c.done}/${c.total}` : ""}` : "idle"]) { const td = document.createElement("td"); td.textContent = v; tr.appendChild(td); }
     $("#cuts tbody").appendChild(tr);
   }
 }
@@ -143,8 +143,11 @@ async function loadTasks() {
     const tr = document.createElement("tr"); tr.dataset.task = t.task_id;
     const timings = t.result && t.result.timings ? Object.entries(t.result.timings).map(([k, v]) => `${k} ${(+v).toFixed(2)} s`).join(", ") : "";
     const result = t.result ? `${t.result.text} — logits SHA-256 ${String(t.result.logits_sha256).slice(0, 16)}… (${timings})` : "";
-    const live = t.live ? `${t.live.phase || "-"} ${t.live.done}/${t.live.total}, checkpoints ${t.live.checkpoint_bytes} B` : "";
-    for (const v of [t.task_id, t.state || "", live, String(t.cuts_seen ?? 0), t.prompt || "", String(t.priority ?? ""), (t.images || []).map((i) => i.name || i).join(", "), result]) {
+    const live = t.live ? `${t.live.phase || "-"} ${t.live.done}/${t.live.total}` + (t.live.checkpoint_bytes === undefined ? "" : `, checkpoints ${formatValue("bytes", t.live.checkpoint_bytes)}`) : "";
+    // cuts: the payload's own count once the result is down (every cut the task lived through),
+    // before that the cuts this console saw while the task ran
+    const cuts = t.result && typeof t.result.interruptions === "number" ? `${t.result.interruptions} survived` : `${t.cuts_seen ?? 0} seen`;
+    for (const v of [t.task_id, t.state || "", live, cuts, t.prompt || "", String(t.priority ?? ""), (t.images || []).map((i) => i.name || i).join(", "), result]) {
       const td = document.createElement("td"); td.textContent = v; tr.appendChild(td);
     }
     const td = document.createElement("td");
@@ -211,6 +214,60 @@ const GROUPS = [["battery (state of charge), power (W), bus voltage (V)", ["batt
   ["storage: checkpoint bytes held, disk free", ["storage_used_bytes", "disk_free_bytes"]],
   ["wear and memory: bytes written to storage over the boots seen, payload resident memory", ["storage_written_bytes", "payload_memory_bytes"]],
   ["queue and progress", ["queue_depth", "progress_done"]]];
+// Axis labels in human units: bytes in B/KiB/MiB/GiB (one unit per axis, chosen by its largest
+// label, as many decimals as its step needs), the battery in %, °C, W, V; counts in whole numbers.
+const COLOURS = ["#c60", "#06c", "#393", "#939"];
+const UNITS = { battery_soc: "fraction", payload_power_w: "W", bus_voltage_v: "V", payload_temp_c: "°C", bus_temp_c: "°C",
+  storage_used_bytes: "bytes", disk_free_bytes: "bytes", storage_written_bytes: "bytes", payload_memory_bytes: "bytes",
+  queue_depth: "count", progress_done: "count" };
+const BYTE_UNITS = ["B", "KiB", "MiB", "GiB", "TiB"];
+// Ticks on round numbers of the unit the axis shows (0.1 GiB on a GiB axis, not 100 MiB), about
+// one per 30 px; counts in whole steps.
+function niceStep(raw) {
+  const decade = 10 ** Math.floor(Math.log10(raw));
+  return [1, 2, 5, 10].map((m) => m * decade).find((s) => s >= raw * (1 - 1e-9));
+}
+function roundTicks(unit) {
+  return (u, axisIdx, min, max) => {
+    if (!(max > min)) return [min];
+    const size = unit === "bytes" ? 1024 ** byteUnit(Math.max(Math.abs(min), Math.abs(max))) : 1;
+    const wanted = Math.max(2, Math.floor(u.bbox.height / uPlot.pxRatio / 30));
+    let step = niceStep((max - min) / size / wanted);
+    if (unit === "count" || (unit === "bytes" && size === 1)) step = Math.max(1, step);
+    const ticks = [];
+    for (let v = Math.ceil(min / size / step - 1e-9) * step; v <= max / size + step * 1e-9; v += step) ticks.push(+(v * size).toPrecision(12));
+    return ticks;
+  };
+}
+function byteUnit(v) { let k = 0; while (k < BYTE_UNITS.length - 1 && Math.abs(v) >= 1024 ** (k + 1)) k++; return k; }
+function decimalsFor(step) { return step > 0 ? Math.min(4, Math.max(0, Math.ceil(-Math.log10(step) - 1e-6))) : 0; }
+function formatTicks(unit, ticks, step) {
+  if (unit === "bytes") {
+    const k = byteUnit(Math.max(...ticks.map(Math.abs))), size = 1024 ** k, d = k ? decimalsFor(step / size) : 0;
+    return ticks.map((v) => `${(v / size).toFixed(d)} ${BYTE_UNITS[k]}`);
+  }
+  if (unit === "fraction") return ticks.map((v) => `${(100 * v).toFixed(decimalsFor(100 * step))} %`);
+  if (unit === "count") return ticks.map((v) => String(Math.round(v)));
+  return ticks.map((v) => `${v.toFixed(decimalsFor(step))}${unit ? " " + unit : ""}`);
+}
+function formatValue(unit, v) {
+  if (unit === "bytes") { const k = byteUnit(v); return k ? `${+(v / 1024 ** k).toPrecision(4)} ${BYTE_UNITS[k]}` : `${v} B`; }
+  if (unit === "fraction") return `${+(100 * v).toPrecision(4)} %`;
+  if (unit === "count") return String(v);
+  return `${+v.toPrecision(4)} ${unit}`;
+}
+// bytes and counts start at zero when they are small (uPlot would otherwise centre one value in 0..100)
+function countRange(u, min, max) {
+  if (min === null || max === null) return [0, 1];
+  const lo = min >= 0 && min <= (max - min) * 3 ? 0 : min, hi = max > lo ? max : lo + 1;
+  return uPlot.rangeNum(lo, hi, 0.1, true);
+}
+const measurer = document.createElement("canvas").getContext("2d");
+function axisSize(u, values, axisIdx) {
+  if (!values) return 50;
+  measurer.font = u.axes[axisIdx].font[0];  // the font uPlot draws the labels with
+  return Math.max(50, Math.ceil(Math.max(...values.map((v) => measurer.measureText(v).width)) / uPlot.pxRatio) + 22);  // + ticks and gap; at least room for the time axis's first date
+}
 let telemetryZoom = null;
 async function loadTelemetry() {
   const q = telemetryZoom ? `t0=${telemetryZoom[0]}&t1=${telemetryZoom[1]}&` : "";
@@ -225,11 +282,14 @@ async function loadTelemetry() {
     const times = [...new Set(names.flatMap((n) => (data.series[n] || []).map((p) => p[0])))].sort((a, b) => a - b);
     const cols = names.map((n) => { const m = new Map((data.series[n] || []).map((p) => [p[0], p[1]])); return times.map((t) => (m.has(t) ? m.get(t) : null)); });
     const empty = names.every((n) => !(data.series[n] || []).length);
-    const human = (u, vals) => vals.map((v) => (Math.abs(v) >= 1e6 ? (v / 1048576).toFixed(1) + " MiB" : String(+v.toPrecision(4))));
     const opts = { width: plotWidth(), height: empty ? 60 : 170, title: empty ? `${title}: no samples in this range (the trace does not carry them)` : title,
-      scales: { x: { time: true } },
-      series: [{}, ...names.map((n, i) => ({ label: n, stroke: ["#c60", "#06c", "#393", "#939"][i], spanGaps: true, scale: i ? "y" + i : "y" }))],
-      axes: [{}, ...names.map((n, i) => ({ scale: i ? "y" + i : "y", side: i % 2 ? 1 : 3, show: i < 2, values: human, size: 70 }))],
+      series: [{}, ...names.map((n, i) => ({ label: n, stroke: COLOURS[i], spanGaps: true, scale: n,
+        value: (u, v) => (v === null || v === undefined ? "--" : formatValue(UNITS[n] || "", v)) }))],
+      // one axis per series, in its colour and its unit, each as wide as its longest label
+      axes: [{}, ...names.map((n, i) => ({ scale: n, side: i % 2 ? 1 : 3, stroke: COLOURS[i], grid: { show: i === 0 },
+        ...(UNITS[n] === "bytes" || UNITS[n] === "count" ? { splits: roundTicks(UNITS[n]) } : {}),
+        values: (u, ticks, axis, space, step) => formatTicks(UNITS[n] || "", ticks, ticks.length > 1 ? ticks[1] - ticks[0] : step), size: axisSize }))],
+      scales: { x: { time: true }, ...Object.fromEntries(names.map((n) => [n, UNITS[n] === "bytes" || UNITS[n] === "count" ? { range: countRange } : {}])) },
       cursor: { drag: { x: true, setScale: false } },
       hooks: { setSelect: [(u) => { if (u.select.width > 2) {
         telemetryZoom = [u.posToVal(u.select.left, "x"), u.posToVal(u.select.left + u.select.width, "x")]; loadTelemetry(); } }] } };
@@ -256,27 +316,115 @@ function showUpload(r) {
   $("#payload-progress").value = (100 * r.done) / Math.max(1, r.size);
   $("#payload-progress-text").textContent = `${r.image}: ${r.done} of ${r.size} bytes on board`;
 }
-$("#uplink-form").addEventListener("submit", (e) => {
+// The images go to the console in resumable chunks (docs/ground.md "Upload to the console"): an
+// upload is named by the file's SHA-256, so after a dropped connection, a page reload or a console
+// restart the same file finds the offset the console kept and goes on from there.
+state.uploadChunkBytes = 256 * 1024;
+class Refused extends Error {}
+class Paused extends Refused {}  // no progress for a minute: the operator goes on later
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+async function sha256Hex(buffer) {
+  if (!window.crypto || !crypto.subtle) throw new Refused("this page is not a secure context (https, or loopback): the browser offers no SHA-256 to name the upload");
+  const digest = new Uint8Array(await crypto.subtle.digest("SHA-256", buffer));
+  return Array.from(digest, (b) => b.toString(16).padStart(2, "0")).join("");
+}
+async function call(method, url, body, headers) {
+  const r = await fetch(url, { method, body, headers: { "X-Console-Token": token(), ...headers } });  // a network failure throws
+  const data = await r.json().catch(() => ({ ok: false, error: `HTTP ${r.status}` }));
+  return { status: r.status, data };
+}
+function kib(n) { return n < 10240 ? `${n} B` : n < 10 * 1048576 ? `${(n / 1024).toFixed(1)} KiB` : `${(n / 1048576).toFixed(1)} MiB`; }
+async function uploadToConsole(file, shown) {
+  const sha = await sha256Hex(await file.arrayBuffer());
+  let lastProgress = Date.now(), pause = 1000, failures = 0;
+  for (;;) {
+    try {
+      let r = await call("POST", "/api/uploads", JSON.stringify({ name: file.name, size: file.size, sha256: sha }), { "Content-Type": "application/json" });
+      if (r.status !== 200) throw new Refused(r.data.error || `HTTP ${r.status}`);
+      let offset = r.data.offset;
+      shown(offset);
+      while (offset < file.size) {
+        const chunk = await file.slice(offset, offset + state.uploadChunkBytes).arrayBuffer();
+        r = await call("PUT", `/api/uploads/${sha}`, chunk, { "Upload-Offset": String(offset), "Chunk-SHA256": await sha256Hex(chunk), "Content-Type": "application/octet-stream" });
+        if (r.status === 409 && typeof r.data.offset === "number") { offset = r.data.offset; shown(offset); continue; }  // the console's offset wins
+        if (r.status === 400 || r.status === 422) {  // a chunk damaged on the way, a file dropped: ask again, a few times
+          if (++failures > 3) throw new Refused(r.data.error);
+          break;
+        }
+        if (r.status !== 200) throw new Refused(r.data.error || `HTTP ${r.status}`);
+        offset = r.data.offset; shown(offset); lastProgress = Date.now(); pause = 1000;
+      }
+      if (offset >= file.size) return { upload: sha, name: file.name };
+    } catch (e) {
+      if (e instanceof Refused) throw e;
+      state.uploadRetries = (state.uploadRetries || 0) + 1;
+      if (Date.now() - lastProgress > 60000) throw new Paused(`upload of ${file.name} to the console paused: no progress for a minute (${e.message}); press uplink again to continue where it stopped`);
+      $("#uplink-status").textContent = `connection to the console lost (${e.message}); trying ${file.name} again in ${pause / 1000} s from where the console stands`;
+      await sleep(pause); pause = Math.min(2 * pause, 8000);
+    }
+  }
+}
+// An uplink under way is kept in the browser (IndexedDB, which holds the chosen files themselves)
+// until the console has answered it: a page reloaded or closed midway finds it again, with its
+// files, and "uplink" goes on from where the console stands.
+function pendingStore(mode, work) {
+  return new Promise((resolve, reject) => {
+    const opened = indexedDB.open("ow-console", 1);
+    opened.onupgradeneeded = () => opened.result.createObjectStore("uplink");
+    opened.onerror = () => reject(opened.error);
+    opened.onsuccess = () => {
+      const tx = opened.result.transaction("uplink", mode), request = work(tx.objectStore("uplink"));
+      tx.oncomplete = () => { opened.result.close(); resolve(request.result); };
+      tx.onerror = () => reject(tx.error);
+    };
+  });
+}
+const pending = {
+  save: (value) => pendingStore("readwrite", (s) => s.put(value, "pending")).catch(() => null),
+  clear: () => pendingStore("readwrite", (s) => s.delete("pending")).catch(() => null),
+  load: () => pendingStore("readonly", (s) => s.get("pending")).catch(() => null),
+};
+async function offerPending() {
+  const p = await pending.load();
+  if (!p || !p.files || !p.files.length) return;
+  $("#prompt").value = p.prompt; $("#max-new-tokens").value = p.max_new_tokens; $("#priority").value = p.priority;
+  chosen = p.files; showChosen();
+  $("#uplink-status").className = "error";
+  $("#uplink-status").textContent = `an uplink was cut short before the console answered it (${p.files.map((f) => f.name).join(", ")}): press uplink to go on from where the console stands`;
+}
+$("#uplink-form").addEventListener("submit", async (e) => {
   e.preventDefault();
-  const form = new FormData();
-  form.append("prompt", $("#prompt").value); form.append("max_new_tokens", $("#max-new-tokens").value); form.append("priority", $("#priority").value);
-  for (const f of chosen) form.append("image", f, f.name);
   const status = $("#uplink-status"); status.className = ""; status.textContent = "sending to the ground station…";
-  const xhr = new XMLHttpRequest();  // fetch() cannot report upload progress
-  xhr.open("POST", "/api/uplink"); xhr.setRequestHeader("X-Console-Token", token());
-  $("#payload-progress").value = 0; $("#payload-progress-text").textContent = "";
-  xhr.upload.onprogress = (ev) => { if (ev.lengthComputable) $("#upload-progress").value = (100 * ev.loaded) / ev.total; };
-  xhr.upload.onload = () => { status.textContent = "uploading to the payload (resumable; chunks the payload already holds are not sent again)…"; };
-  xhr.onload = () => {
-    let data; try { data = JSON.parse(xhr.responseText); } catch { data = { ok: false, error: `HTTP ${xhr.status}` }; }
-    if (!data.ok) { status.className = "error"; status.textContent = data.error; return; }
-    const r = data.result;
-    const lines = r.images.map((i) => `image ${i.name}: ${i.chunks} chunk(s), ${i.held_before} already on board, ${i.chunks_sent} sent${i.resumes ? `, resumed ${i.resumes} time(s)` : ""}; verified on board`);
-    lines.push(r.reused_task_id ? `task ${r.task_id} accepted again by the payload (the same task; nothing new queued)` : `task ${r.task_id} accepted by the payload (queued)`);
-    status.className = "ok"; status.textContent = lines.join("\n"); status.dataset.task = r.task_id; loadTasks();
+  await pending.save({ prompt: $("#prompt").value, max_new_tokens: $("#max-new-tokens").value, priority: $("#priority").value, files: chosen.slice() });
+  $("#upload-progress").value = 0; $("#payload-progress").value = 0; $("#payload-progress-text").textContent = "";
+  const files = chosen.slice(), total = files.reduce((n, f) => n + f.size, 0), held = files.map(() => 0);
+  const shown = (i) => (offset) => {
+    held[i] = offset; const done = held.reduce((a, b) => a + b, 0);
+    $("#upload-progress").value = total ? (100 * done) / total : 100;
+    status.textContent = `sending to the ground station… ${kib(done)} of ${kib(total)} held by the console`;
   };
-  xhr.onerror = () => { status.className = "error"; status.textContent = "the console did not answer"; };
-  xhr.send(form);
+  let data, cutShort = false;
+  const fields = { prompt: $("#prompt").value, max_new_tokens: $("#max-new-tokens").value, priority: $("#priority").value };
+  try {
+    // the prompt and the numbers first, as the CLI checks them before it reads a file
+    const checked = (await call("POST", "/api/uplink", JSON.stringify({ ...fields, check_only: true }), { "Content-Type": "application/json" })).data;
+    if (!checked.ok) throw new Refused(checked.error || "refused");
+    const images = [];
+    for (let i = 0; i < files.length; i++) images.push(await uploadToConsole(files[i], shown(i)));
+    $("#upload-progress").value = 100;
+    status.textContent = "uploading to the payload (resumable; chunks the payload already holds are not sent again)…";
+    const body = { ...fields, images };
+    data = (await call("POST", "/api/uplink", JSON.stringify(body), { "Content-Type": "application/json" })).data;
+  } catch (err) {
+    data = { ok: false, error: err instanceof Refused ? err.message : `the console did not answer (${err.message})` };
+    cutShort = err instanceof Paused || !(err instanceof Refused);
+  }
+  if (!cutShort) pending.clear();  // the console answered it: nothing to go on with
+  if (!data.ok) { status.className = "error"; status.textContent = data.error; return; }
+  const r = data.result;
+  const lines = r.images.map((i) => `image ${i.name}: ${i.chunks} chunk(s), ${i.held_before} already on board, ${i.chunks_sent} sent${i.resumes ? `, resumed ${i.resumes} time(s)` : ""}; verified on board`);
+  lines.push(r.reused_task_id ? `task ${r.task_id} accepted again by the payload (the same task; nothing new queued)` : `task ${r.task_id} accepted by the payload (queued)`);
+  status.className = "ok"; status.textContent = lines.join("\n"); status.dataset.task = r.task_id; loadTasks();
 });
 
 // --- the stream ----------------------------------------------------------------------------
@@ -309,7 +457,7 @@ async function start() {
   connect();  // first: nothing that happens while the history loads is missed
   const page = await getJSON("/api/events?limit=2000");
   page.events.forEach(showEvent); page.commands.forEach(showCommand);
-  await Promise.all([loadTimeline(), loadTasks()]);
+  await Promise.all([loadTimeline(), loadTasks(), offerPending()]);
   state.loadMs = performance.now();  // since navigation start: what the operator waits
   document.body.dataset.loaded = "1";
 }
