@@ -2,6 +2,7 @@
 campaign's wall time on 1, 4, 8 and 16 benches (docs/hil.md "Bench farm").
 
     python -m bench.farm_bench [--rounds 2] [--out runs/bench/farm] [--from CAMPAIGN_DIR ...]
+    python -m bench.farm_bench --from CAMPAIGN_DIR ... --overhead-s 5.2   (part 2 only, no cluster)
 
 1. Overhead. Starts a Ray cluster of one node on this machine (one `bench`) and runs the same
    small matrix -- the tiny model, a 60 s trace with one early cut, orbitweaver and none, the
@@ -14,7 +15,8 @@ campaign's wall time on 1, 4, 8 and 16 benches (docs/hil.md "Bench farm").
    (its measured wall_s, plus the farm's measured overhead per run) handed in the campaign's
    order to the bench that frees first, as the farm's driver hands them out. From the runs
    measured in part 1, or from every run of the campaigns given with --from (their
-   campaign.json: make bench's `e2e` and `e2e_plus`, say).
+   campaign.json: make bench's `e2e` and `e2e_plus`, say). With --overhead-s, part 1 is not run:
+   the schedule adds that overhead per run (one measured earlier) to the --from campaigns' runs.
 """
 
 from __future__ import annotations
@@ -172,6 +174,29 @@ def schedule(run_walls: list[float], benches: int, overhead_s: float) -> float:
     return end
 
 
+def print_schedules(sources: dict[str, list[float]], overhead_s: float, summary: dict) -> None:
+    """The wall time on each of BENCHES for each source's runs (printed, and kept in `summary`)."""
+    for label, walls in sources.items():
+        print(
+            f"\nwall time on N benches, COMPUTED (not run): {label} ({len(walls)} runs, "
+            f"{sum(walls) / 3600:.2f} run-hours, longest {max(walls):.0f} s), each handed in the campaign's order "
+            f"to the bench that frees first, plus the farm's overhead ({overhead_s:.2f} s per run)"
+        )
+        rows = {n: schedule(walls, n, overhead_s) for n in BENCHES}
+        summary["schedule"][label] = rows
+        for n, wall in rows.items():
+            print(f"  {n:2d} bench(es): {wall:9.1f} s ({wall / 3600:.2f} h)")
+
+
+def from_campaigns(campaigns: list[str]) -> dict[str, list[float]]:
+    """Each campaign's runs, and, for several, all of them as one campaign in the order given (as
+    make bench runs its two end-to-end parts on one farm)."""
+    sources = {f"the runs of {c}": runs_of(c) for c in campaigns}
+    if len(campaigns) > 1:
+        sources[f"the runs of all {len(campaigns)} campaigns as one"] = [w for c in campaigns for w in runs_of(c)]
+    return sources
+
+
 def runs_of(campaign_dir: str) -> list[float]:
     rows = json.loads((Path(campaign_dir) / "campaign.json").read_text())["rows"]
     return [float(r["wall_s"]) for r in rows]
@@ -188,9 +213,28 @@ def main(argv=None) -> int:
         default=[],
         help="campaign directories whose runs' wall times the schedule also uses (their campaign.json)",
     )
+    p.add_argument(
+        "--overhead-s",
+        type=float,
+        default=None,
+        help="skip part 1 (no cluster, no runs): compute the schedule of the --from campaigns with this "
+        "overhead per run, in seconds (one part 1 measured earlier)",
+    )
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
+    if args.overhead_s is not None:
+        if args.overhead_s < 0:
+            p.error("--overhead-s must not be negative")
+        if not args.campaigns:
+            p.error("--overhead-s computes the schedule of the --from campaigns: name at least one")
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        summary: dict = {"overhead_per_run_s": {"farm": args.overhead_s, "given": True}, "schedule": {}}
+        print_schedules(from_campaigns(args.campaigns), args.overhead_s, summary)
+        (out / "farm-bench.json").write_text(json.dumps(summary, indent=2))
+        print(f"\n{out / 'farm-bench.json'}")
+        return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from common import log as owlog
     from hil.farm import BenchFarm
@@ -233,18 +277,8 @@ def main(argv=None) -> int:
         else f"\nscheduling overhead per run: local pool {local:.2f} s, bench farm {remote:.2f} s"
     )
     sources = {f"the {len(measured)} runs measured here": measured}
-    for campaign in args.campaigns:
-        sources[f"the runs of {campaign}"] = runs_of(campaign)
-    for label, walls in sources.items():
-        print(
-            f"\nwall time on N benches, COMPUTED (not run): {label} ({len(walls)} runs, "
-            f"{sum(walls) / 3600:.2f} run-hours, longest {max(walls):.0f} s), each handed in the campaign's order "
-            f"to the bench that frees first, plus the farm's overhead ({remote:.2f} s per run)"
-        )
-        rows = {n: schedule(walls, n, remote) for n in BENCHES}
-        summary["schedule"][label] = rows
-        for n, wall in rows.items():
-            print(f"  {n:2d} bench(es): {wall:9.1f} s ({wall / 3600:.2f} h)")
+    sources.update(from_campaigns(args.campaigns))
+    print_schedules(sources, remote, summary)
     (out / "farm-bench.json").write_text(json.dumps(summary, indent=2))
     print(f"\n{out / 'farm-bench.json'}")
     return 0

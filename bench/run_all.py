@@ -258,6 +258,9 @@ def e2e_campaign(
             "mib": c.report.bytes_written / 2**20,
             "energy_j": c.report.energy_j,
             "wall_s": c.report.wall_s,
+            # where a bench farm ran it ("bench B on node N"), and why earlier tries were lost
+            "bench": c.bench or None,
+            "run_again_because": list(c.lost),
             "pace_ms": pace_ms,
             "time_scale": time_scale,
         }
@@ -450,10 +453,17 @@ def main(argv=None) -> int:
     slots = RunSlots(args.jobs)
     farm = None
     if args.cluster is not None:
-        from hil.farm import BenchFarm  # lazy: Ray, only for a bench farm
+        from hil.farm import BenchFarm, FarmError  # lazy: Ray, only for a bench farm
 
         # one farm for both parts: together they never hand out more runs than there are benches
         farm = BenchFarm(args.cluster, node_ip_address=args.node_ip_address)
+        # Joined here, in the main thread, not by the first part's thread: Ray sets its signal
+        # handlers only from the main thread (and said so, with a warning, from a part's).
+        try:
+            farm.connect()
+        except FarmError as exc:
+            print(f"bench farm: {exc}", file=sys.stderr)
+            return 4
     campaign_parts = [
         (
             name,
@@ -809,6 +819,21 @@ def _completion_table(e2e: list) -> list[str]:
     return lines
 
 
+def _farm_lines(e2e: list) -> list:
+    """Where the runs ran, when a bench farm ran them (`--cluster`): none of it on this machine."""
+    farmed = [r for r in e2e if r.get("bench")]
+    if not farmed:
+        return []
+    nodes = sorted({r["bench"].rsplit(" ", 1)[-1] for r in farmed})
+    again = [r for r in farmed if r.get("run_again_because")]
+    return [
+        f'{len(farmed)} of these {len(e2e)} runs ran on a bench farm (`--cluster`, docs/hil.md "Bench farm"): '
+        f"{len({r['bench'] for r in farmed})} bench(es) on node(s) {', '.join(nodes)}; {len(again)} ran again after "
+        "losing a bench under them (each campaign's report.md says where each run ran, and why any ran again).",
+        "",
+    ]
+
+
 def _e2e_section(out: str, e2e: list) -> list:
     lines: list[str] = []
     if not e2e:
@@ -828,6 +853,7 @@ def _e2e_section(out: str, e2e: list) -> list:
         "strengthened ones (`+`), and OrbitWeaver with the adaptive cadence. e2e is the mean over the "
         "requests that completed; `completed` says how many did.",
         "",
+        *_farm_lines(e2e),
         "| trace | workload | seed | policy | completed | outputs | e2e (trace s) | cuts | MiB | energy (J) "
         "| wall (s) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",

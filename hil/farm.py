@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 import traces
-from hil.campaign import SEED_TRACE_DIR, Finished, PlannedRun, RunExecutor, RunOutcome, Started
+from hil.campaign import SEED_TRACE_DIR, Finished, PlannedRun, RunExecutor, RunOutcome, Started, _config_key
 from hil.testbench import BenchConfig, BenchReport, BenchSetup, Testbench
 
 #: the custom Ray resource a node offers once per bench it drives
@@ -88,6 +88,11 @@ SWITCH_FIELDS = (
 #: a run lost this many times under way (its node died, its worker crashed) stops the campaign:
 #: something other than one bad board is wrong
 MAX_LOST = 3
+#: how long a run waits for a bench of its node that a dead run still holds (`claim_bench`)
+CLAIM_WAIT_S = 60.0
+#: in a run's directory on the driver (OUT/runs/<run>/), while the run has not finished: why its
+#: tries so far were lost, so that a driver started again with --resume still reports them
+LOST_NOTE = "farm-lost.json"
 #: the packages whose sources make a build (`code_fingerprint`)
 CODE_PACKAGES = ("common", "flight", "ground", "hil", "traces")
 
@@ -171,22 +176,31 @@ def node_benches() -> NodeBenches:
 
 
 @contextmanager
-def claim_bench(node: NodeBenches) -> Iterator[Bench]:
+def claim_bench(node: NodeBenches, wait_s: float | None = None) -> Iterator[Bench]:
     """Hold one free bench of this node for a run (a lock file per bench: Ray never runs more
-    tasks needing a bench at once than the node offers, but it does not say which bench)."""
+    tasks needing a bench at once than the node offers, but it does not say which bench).
+
+    A bench whose lock is still held is waited for, up to `wait_s` (CLAIM_WAIT_S): a worker
+    whose driver died, or whose run was cancelled, holds its bench until Ray has killed it, a
+    moment after Ray counts the bench free again and hands it to the next run."""
     node.scratch.mkdir(parents=True, exist_ok=True)
-    for bench in node.benches:
-        handle = open(node.scratch / f"bench-{bench.name}.lock", "w")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.close()
-            continue
-        try:
-            yield bench
-        finally:
-            handle.close()  # closing the file ends its lock
-        return
+    deadline = time.monotonic() + (CLAIM_WAIT_S if wait_s is None else wait_s)
+    while True:
+        for bench in node.benches:
+            handle = open(node.scratch / f"bench-{bench.name}.lock", "w")
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.close()
+                continue
+            try:
+                yield bench
+            finally:
+                handle.close()  # closing the file ends its lock
+            return
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
     raise FarmError(
         f"every bench of this node is busy ({', '.join(b.name for b in node.benches)}): its `{BENCH_RESOURCE}` "
         "resource offers more benches than its bench file declares"
@@ -295,7 +309,11 @@ def bench_run(cfg: BenchConfig, shipped: dict[str, Shipped], fingerprint: str) -
             )
         yield {"started": where}
         files = materialize(shipped, node.scratch / "files")
-        run_dir = node.scratch / "runs" / f"{Path(cfg.out_dir).name}-{uuid.uuid4().hex[:8]}"
+        # What lies in the bench's own folder is a run whose worker was killed (its node's driver
+        # died, or it was cancelled): the bench is this run's now.
+        bench_dir = node.scratch / "runs" / bench.name
+        shutil.rmtree(bench_dir, ignore_errors=True)
+        run_dir = bench_dir / f"{Path(cfg.out_dir).name}-{uuid.uuid4().hex[:8]}"
         try:
             # the run's bus (and with it its payload) dies with this worker, should Ray kill it
             setup = BenchSetup(files, bench.switch, bench.payload_bind, bus_dies_with_run=True)
@@ -418,8 +436,9 @@ class BenchFarm(RunExecutor):
         task = ray.remote(num_cpus=0, resources={BENCH_RESOURCE: 1}, max_retries=0, num_returns="streaming")(bench_run)
         system_errors = _system_errors()
         queue = list(runs)  # rank order
-        lost: dict[int, list[str]] = {}
-        under_way: dict[int, int] = {}  # losses of a run after it started on a bench
+        # why earlier tries were lost, those of a driver before this one (stopped or dead) included
+        lost: dict[int, list[str]] = {run.index: reasons for run in runs if (reasons := _earlier_losses(run))}
+        under_way: dict[int, int] = {}  # losses of a run after it started on a bench, by this driver
         flights: dict[Any, _Flight] = {}
         waiting_since: float | None = None
         try:
@@ -447,6 +466,7 @@ class BenchFarm(RunExecutor):
                         self._landed(flights, gen)
                         reason = _lost_reason(flight, exc)
                         lost.setdefault(flight.run.index, []).append(reason)
+                        _note_losses(flight.run, lost[flight.run.index])
                         if flight.where:
                             under_way[flight.run.index] = under_way.get(flight.run.index, 0) + 1
                         if under_way.get(flight.run.index, 0) >= MAX_LOST:
@@ -488,6 +508,28 @@ class BenchFarm(RunExecutor):
         del flights[gen]
         with self._lock:
             self._out -= 1
+
+
+def _earlier_losses(run: PlannedRun) -> list[str]:
+    """Why the tries of this run by an earlier driver of the campaign were lost (its LOST_NOTE,
+    if that driver stopped or died before the run finished, with the same configuration)."""
+    try:
+        note = json.loads((Path(run.cfg.out_dir) / LOST_NOTE).read_text())
+        if note["config"] == _config_key(run.cfg):
+            return [str(reason) for reason in note["lost"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return []
+
+
+def _note_losses(run: PlannedRun, reasons: list[str]) -> None:
+    """Keep why this run's tries were lost in its directory on the driver until it finishes (its
+    finished directory replaces the note; its campaign-run.json keeps the reasons)."""
+    path = Path(run.cfg.out_dir) / LOST_NOTE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"config": _config_key(run.cfg), "lost": reasons}, indent=1))
+    tmp.replace(path)  # whole or absent
 
 
 def _lost_reason(flight: _Flight, exc: BaseException) -> str:

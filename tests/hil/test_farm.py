@@ -1,23 +1,32 @@
 """Acceptance: a campaign on a bench farm -- a real two-node Ray cluster on this machine, one bench
-per node -- with the worker node killed mid-campaign.
+per node -- that loses its worker node, then its driver, mid-campaign.
 
-The head node drives one local bench; the worker node drives one local bench declared in its bench
-file (OW_BENCHES). `ow hil campaign --cluster` runs a matrix of four short runs (the tiny model, the paper's two
-requests each, a trace with one early cut). Once a run has finished on the worker and the worker's next run has
-its bus up, the worker node is killed (SIGKILL to its whole process tree, the runs' buses and
-payloads with it). The campaign completes on the head's bench: every run counted once, the lost
-one run again and the report saying why, every output bitwise; the report and campaign.json
-equal a local campaign's of the same matrix apart from what the clock decides (times, and where a
-cut lands in the work: units lost, bytes written). No timed asserts: every wait is a hang guard
-that says what it waits for.
+The head node drives one local bench (no bench file: `local-1`); the worker node drives one local
+bench declared in its bench file (OW_BENCHES). `ow hil campaign --cluster` runs a matrix of four
+short runs (the tiny model, the paper's two requests each, a trace with one early cut).
+
+1. Once a run has finished on the worker and the worker's next run has its bus up, the worker
+   node is killed (SIGKILL to its whole process tree, the runs' buses and payloads with it): its
+   run goes out again to the head's bench.
+2. Once that run has its bus up on the head, the driver is killed (SIGKILL).
+3. The same command with --resume keeps every run the first driver finished (untouched) and runs
+   the rest, each once; the run the worker lost is still reported as run again, and why.
+
+Every run counted once, every output bitwise; the report and campaign.json equal those of a
+local campaign of the same matrix (run at the same time, beside the farm) apart from what the
+clock decides (times, and where a cut lands in the work: units lost, bytes written). No timed
+asserts: every wait is a hang guard that says what it waits for.
 """
 
 import json
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -45,11 +54,14 @@ RAY_ENV = {
 }
 #: what the clock decides in a run on a loaded machine (where the cut lands in the work too)
 TIMED = {"e2e_trace_s", "recovery_s", "lost_units", "mib_written", "energy_j", "wall_s", "start_residual_s"}
+#: a hang guard for each wait below (none of them is a timing under test)
+GUARD_S = 400
 
 
 def _ray_node(tmp, short, name, ip, resources, *, head_port=None, gcs=None, env=None):
     """A `ray start --block` node in its own session; its process tree is the node. Its temp dir
-    is under a short path: Ray's unix socket paths must stay under 108 bytes."""
+    is under a short path: Ray's unix socket paths must stay under 108 bytes. Lean: one CPU, a
+    small object store, no dashboard, no log monitor (the drivers do not print the workers' logs)."""
     nm, om, agent_grpc, agent_http, metrics, rt_env = free_ports(6)
     args = [
         os.path.join(os.path.dirname(sys.executable), "ray"),
@@ -58,6 +70,8 @@ def _ray_node(tmp, short, name, ip, resources, *, head_port=None, gcs=None, env=
         "--disable-usage-stats",
         f"--node-ip-address={ip}",
         "--num-cpus=1",
+        f"--object-store-memory={100 * 2**20}",
+        "--include-log-monitor=false",
         f"--resources={json.dumps(resources)}",
         f"--temp-dir={short}/{name}",
         f"--node-manager-port={nm}",
@@ -121,13 +135,30 @@ def _timed_column(name: str) -> bool:
     return any(word in name for word in ("e2e", "recovery", "units lost", "MiB", "start-up", "wall", "ratio"))
 
 
+def _finished_here(log: Path) -> set[str]:
+    """The runs a driver ran to their end (not those it kept from an earlier one)."""
+    return set(re.findall(r" done: (.*) \(finished", log.read_text()))
+
+
+def _await(what: str, ready, *, alive=(), log: Path | None = None) -> None:
+    """Wait until ready() (a hang guard of GUARD_S, saying what it waited for); each process of
+    `alive` must still run meanwhile."""
+    deadline = time.time() + GUARD_S
+    while not ready():
+        for proc in alive:
+            assert proc.poll() is None, f"ended while waiting for {what}:\n{log.read_text() if log else ''}"
+        if time.time() > deadline:
+            raise AssertionError(f"no {what} (hang guard {GUARD_S} s):\n{log.read_text() if log else ''}")
+        time.sleep(0.2)
+
+
 # One worker runs every test that starts a Ray cluster (make test runs --dist loadgroup): two
 # clusters at once would share this machine's cores and loopback.
 @pytest.mark.slow
 @pytest.mark.xdist_group("ray-cluster")
-def test_campaign_on_two_ray_nodes_survives_losing_one(model_dirs, tmp_path):
-    from hil.campaign import RUN_RECORD, run_campaign
-    from hil.testbench import BenchConfig, default_workload
+def test_farm_campaign_survives_losing_a_node_then_its_driver(model_dirs, tmp_path):
+    from hil.campaign import RUN_RECORD
+    from hil.farm import LOST_NOTE
 
     t0 = time.time()
 
@@ -147,12 +178,24 @@ def test_campaign_on_two_ray_nodes_survives_losing_one(model_dirs, tmp_path):
             }
         )
     )
+    matrix = ["--traces", trace, "--policies", "orbitweaver,none", "--cadences", "fixed", "--seeds", "0,1"]
+    matrix += ["--workloads", "paper", "--requests", "1", "--max-new-tokens", "12", "--time-scale", "1"]
+    matrix += ["--pace-ms", "80", "--boot-trace-s", "1", "--model", model, "--log-level", "warning"]
+    cli = [sys.executable, "-m", "common.cli", "hil", "campaign", *matrix]
+    farm_out, local_out = tmp_path / "farm", tmp_path / "local"
     (gcs_port,) = free_ports(1)
-    head = worker = campaign = None
+    farm_cmd = [*cli, "--out", str(farm_out), "--cluster", f"{HEAD_IP}:{gcs_port}", "--node-ip-address", HEAD_IP]
+    env = {**os.environ, **RAY_ENV}
+    head = worker = driver = local = None
     try:
+        # The same matrix on this machine, beside the farm (the runs are paced: they mostly sleep).
+        local_log = tmp_path / "local.log"
+        local = subprocess.Popen([*cli, "--out", str(local_out), "--jobs", "2"], cwd=REPO, env=env,
+                                 stdout=open(local_log, "w"), stderr=subprocess.STDOUT)  # fmt: skip
 
         def start_head():
-            return _ray_node(tmp_path, short, "head", HEAD_IP, {"bench": 1}, head_port=gcs_port)
+            # the head's default scratch (tempfile's) under the test's own temp dir
+            return _ray_node(tmp_path, short, "head", HEAD_IP, {"bench": 1}, head_port=gcs_port, env={"TMPDIR": short})
 
         def start_worker():
             return _ray_node(
@@ -172,50 +215,64 @@ def test_campaign_on_two_ray_nodes_survives_losing_one(model_dirs, tmp_path):
         worker = await_node(tmp_path, "worker", worker, start_worker)
         phase("two nodes up")
 
-        matrix = ["--traces", trace, "--policies", "orbitweaver,none", "--cadences", "fixed", "--seeds", "0,1"]
-        matrix += ["--workloads", "paper", "--requests", "1", "--max-new-tokens", "12", "--time-scale", "1"]
-        matrix += ["--pace-ms", "80", "--boot-trace-s", "1", "--model", model, "--log-level", "warning"]
-        farm_out = tmp_path / "farm"
-        log_path = tmp_path / "campaign.log"
-        campaign = subprocess.Popen(
-            [sys.executable, "-m", "common.cli", "hil", "campaign", *matrix, "--out", str(farm_out)]
-            + ["--cluster", f"{HEAD_IP}:{gcs_port}", "--node-ip-address", HEAD_IP],
-            cwd=REPO,
-            env={**os.environ, **RAY_ENV},
-            stdout=open(log_path, "w"),
-            stderr=subprocess.STDOUT,
-        )
+        log1 = tmp_path / "driver-1.log"
+        driver = subprocess.Popen(farm_cmd, cwd=REPO, env=env, stdout=open(log1, "w"), stderr=subprocess.STDOUT)
 
         def said() -> list[str]:
-            return log_path.read_text().splitlines()
+            return log1.read_text().splitlines()
 
-        # Kill the worker once one of its runs has finished and the next one has its bus up there.
-        deadline = time.time() + 400
+        # 1. Kill the worker once one of its runs has finished and the next one has its bus up there.
         on_worker = f"on node {WORKER_IP}"
-        while time.time() < deadline:
-            assert campaign.poll() is None, f"the campaign ended before the worker was killed:\n{log_path.read_text()}"
+
+        def second_run_under_way_on_worker() -> bool:
             finished_there = [i for i, line in enumerate(said()) if " done: " in line and on_worker in line]
             started_there = [i for i, line in enumerate(said()) if " starting" in line and on_worker in line]
-            if finished_there and started_there and started_there[-1] > finished_there[0]:
-                if list(worker_scratch.glob("runs/*/bus/bus-log.jsonl")):
-                    break
-            time.sleep(0.2)
-        else:
-            raise AssertionError(f"no second run under way on the worker (hang guard 400 s):\n{log_path.read_text()}")
+            return bool(
+                finished_there
+                and started_there
+                and started_there[-1] > finished_there[0]
+                and list(worker_scratch.glob("runs/*/*/bus/bus-log.jsonl"))
+            )
+
+        _await("second run under way on the worker", second_run_under_way_on_worker, alive=[driver], log=log1)
         kill_tree(worker)
         worker = None
         phase("worker node killed mid-run")
-        assert campaign.wait(timeout=400) == 0, log_path.read_text()  # hang guard
-        phase("campaign done on the bench farm")
-        text = log_path.read_text()
 
-        # every run counted once: four done, four records, one run lost and run again on the head
-        assert sum(" done: " in line for line in said()) == 4, text
-        assert len(list(farm_out.glob(f"runs/*/{RUN_RECORD}"))) == 4
-        data = json.loads((farm_out / "campaign.json").read_text())
-        rows = data["rows"]
+        # 2. Kill the driver once the worker's lost run runs again, its bus up, on the head.
+        def lost_run_under_way_on_head() -> bool:
+            return any("run starting again" in line for line in said()) and bool(
+                list(Path(short).glob("orbitweaver-farm-*/runs/*/*/bus/bus-log.jsonl"))
+            )
+
+        _await("lost run under way again on the head", lost_run_under_way_on_head, alive=[driver], log=log1)
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=60)
+        driver = None
+        phase("driver killed mid-run")
+        first = _finished_here(log1)
+        assert len(first) >= 2 and any(on_worker in line and " done: " in line for line in said()), log1.read_text()
+        kept_logs = {p: p.stat().st_mtime_ns for p in farm_out.glob("runs/*/bus/bus-log.jsonl")}
+        assert len(list(farm_out.glob(f"runs/*/{RUN_RECORD}"))) == len(first) == len(kept_logs)
+
+        # 3. The same command with --resume: the finished runs kept as they are, the rest run once.
+        resumed = subprocess.run([*farm_cmd, "--resume"], cwd=REPO, env=env, capture_output=True, text=True,
+                                 timeout=GUARD_S)  # fmt: skip
+        (tmp_path / "driver-2.log").write_text(resumed.stdout + resumed.stderr)
+        phase("campaign resumed and done on the bench farm")
+        text = resumed.stdout
+        assert resumed.returncode == 0, text + resumed.stderr
+        assert f"{len(first)} kept from an earlier campaign, {4 - len(first)} to run" in text, text
+        second = _finished_here(tmp_path / "driver-2.log")
+        assert len(second) == 4 - len(first) and not first & second, (first, second)  # each run once
+        assert len(re.findall(r"run \d+/\d+ starting: ", text)) == len(second) and "starting again" not in text
+        assert {p: p.stat().st_mtime_ns for p in kept_logs} == kept_logs, "a kept run was touched"
+
+        assert len(list(farm_out.glob(f"runs/*/{RUN_RECORD}"))) == 4 and not list(farm_out.glob(f"runs/*/{LOST_NOTE}"))
+        rows = json.loads((farm_out / "campaign.json").read_text())["rows"]
         assert len(rows) == 4 and len({(r["seed"], r["policy"]) for r in rows}) == 4
         assert {r["bench"].rsplit(" ", 1)[-1] for r in rows} == {HEAD_IP, WORKER_IP}, "runs finished on both nodes"
+        # the run the worker lost: run again on the head, and why -- though a second driver finished it
         again = [r for r in rows if r["run_again_because"]]
         assert len(again) == 1, rows
         assert again[0]["bench"] == f"bench local-1 on node {HEAD_IP}"
@@ -225,44 +282,99 @@ def test_campaign_on_two_ray_nodes_survives_losing_one(model_dirs, tmp_path):
         # every output bitwise, every run cut once and finished
         assert all(r["correct"] and r["completed"] == "2/2" and r["cuts"] == 1 for r in rows), rows
 
-        # a driver started again with --resume keeps every finished run, where it ran and why it
-        # ran again included, and runs none of them twice
-        logs = {p: p.stat().st_mtime_ns for p in farm_out.glob("runs/*/bus/bus-log.jsonl")}
-        again_cmd = [sys.executable, "-m", "common.cli", "hil", "campaign", *matrix, "--out", str(farm_out)]
-        again_cmd += ["--cluster", f"{HEAD_IP}:{gcs_port}", "--node-ip-address", HEAD_IP, "--resume"]
-        resumed = subprocess.run(again_cmd, cwd=REPO, env={**os.environ, **RAY_ENV}, capture_output=True, text=True,
-                                 timeout=300)  # fmt: skip
-        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-        assert "4 kept from an earlier campaign, 0 to run" in resumed.stdout and " starting" not in resumed.stdout
-        assert {p: p.stat().st_mtime_ns for p in logs} == logs
-        assert json.loads((farm_out / "campaign.json").read_text())["rows"] == rows
-        assert f"bench w1 on node {WORKER_IP} was lost" in (farm_out / "report.md").read_text()
-
-        # the same matrix on this machine
-        local_out = tmp_path / "local"
-        base = BenchConfig(
-            trace=trace,
-            model=model,
-            out_dir=str(local_out),
-            requests=1,
-            workload=default_workload(1, 12),
-            time_scale=1.0,
-            pace_ms=80,
-            boot_trace_s=1.0,
-        )
-        run_campaign(base, [trace], ["orbitweaver", "none"], [0, 1], say=lambda line: None, workloads=["paper"],
-                     cadences=["fixed"], jobs=2)  # fmt: skip
-        phase("the same campaign on this machine")
-        assert _comparable(farm_out) == _comparable(local_out)
+        assert local.wait(timeout=GUARD_S) == 0, local_log.read_text()  # hang guard
+        local = None
+        phase("the same campaign on this machine done")
+        (farm_rows, farm_report), (local_rows, local_report) = _comparable(farm_out), _comparable(local_out)
+        assert farm_rows == local_rows, f"campaign.json rows differ:\nfarm  {farm_rows}\nlocal {local_rows}"
+        assert farm_report == local_report
     finally:
-        if campaign is not None and campaign.poll() is None:
-            campaign.kill()
-            campaign.wait(timeout=60)
+        for proc in (driver, local):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=60)
         for proc in (worker, head):
             if proc is not None:
                 kill_tree(proc)
-        import shutil
+        shutil.rmtree(short, ignore_errors=True)
 
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("ray-cluster")
+def test_a_farm_bench_behind_an_ssh_switch_runs_a_campaign_run(model_dirs, tmp_path):
+    """A bench node whose bench is a board behind an SSH switch (a real sshd on this machine, as
+    tests/bus/test_bus_ssh_sshd.py builds it): a one-node farm runs one campaign run there, the
+    payload started and cut over SSH, with the real boot (`--boot-trace-s real`)."""
+    from tests.bus.sshd_testkit import SshServer, find_sshd, install_openssh_server
+
+    reason = install_openssh_server()
+    if reason is not None:
+        pytest.skip(f"no OpenSSH server for the SSH bench: {reason}")
+    short = tempfile.mkdtemp(prefix="owfssh-", dir="/tmp")
+    sshd = SshServer(Path(short) / "sshd", find_sshd()).start()
+    # the board's environment is its login's: the payload's command says what it needs
+    payload = ["env", f"PYTHONPATH={REPO}", "OMP_NUM_THREADS=1", "HF_HUB_OFFLINE=1", "TOKENIZERS_PARALLELISM=false"]
+    if os.environ.get("OW_CACHE_DIR"):
+        payload.append(f"OW_CACHE_DIR={os.environ['OW_CACHE_DIR']}")
+    payload += ["{python}", "-m", "common.cli", "flight", "run", "--data-dir", "{payload_data_dir}", "--model",
+                "{model}", "--keys", "{keys}", "--payload-endpoint", "{payload_endpoint}"]  # fmt: skip
+    switch = {
+        "power_driver": "ssh",
+        "ssh_host": "127.0.0.1",
+        "ssh_port": sshd.port,
+        "ssh_user": sshd.user,
+        "ssh_identity": str(sshd.client_key),
+        "ssh_options": sshd.client_options(),
+        "ssh_pidfile": f"{short}/board/payload.pid",
+        "payload_command": payload,
+        "switch_timeout_s": GUARD_S,
+    }
+    Path(short, "board").mkdir()
+    benches = _bench_file(tmp_path, [{"name": "jetson-ssh", "switch": switch}], scratch=f"{short}/benches")
+    import traces
+    from traces.model import PowerWindow
+
+    # One window, no cut: with the real boot, a cut that lands while the payload boots for the
+    # first time can leave the bus finding it idle just before the ground's re-sent uplink
+    # arrives; the bus then skips to the trace's end (a race of the bus's idle skip).
+    trace = str(tmp_path / "on.jsonl")
+    traces.dump(
+        traces.Trace.from_windows("on", 60, [PowerWindow(0, 60, None, 0.0)], reference_request_s=10,
+                                  description="always on", source={"kind": "manual"}, assumptions=["SSH bench"]),
+        trace,
+    )  # fmt: skip
+    (gcs_port,) = free_ports(1)
+    head = None
+    try:
+
+        def start_head():
+            return _ray_node(tmp_path, short, "head", HEAD_IP, {"bench": 1}, head_port=gcs_port,
+                             env={"OW_BENCHES": str(benches)})  # fmt: skip
+
+        head = await_node(tmp_path, "head", start_head(), start_head)
+        out = tmp_path / "farm"
+        cmd = [sys.executable, "-m", "common.cli", "hil", "campaign", "--traces", trace, "--policies", "orbitweaver"]
+        cmd += ["--cadences", "fixed", "--seeds", "0", "--workloads", "paper", "--requests", "1"]
+        cmd += ["--max-new-tokens", "12"]
+        cmd += ["--time-scale", "1", "--pace-ms", "80", "--boot-trace-s", "real", "--model", model_dirs["qwen3-vl"]]
+        cmd += ["--log-level", "warning", "--out", str(out), "--cluster", f"{HEAD_IP}:{gcs_port}"]
+        cmd += ["--node-ip-address", HEAD_IP]
+        done = subprocess.run(cmd, cwd=REPO, env={**os.environ, **RAY_ENV}, capture_output=True, text=True,
+                              timeout=GUARD_S)  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        (row,) = json.loads((out / "campaign.json").read_text())["rows"]
+        assert row["bench"] == f"bench jetson-ssh on node {HEAD_IP}", row
+        assert row["correct"] and row["completed"] == "2/2", row
+        run_dir = next(out.glob("runs/*/bus"))
+        start = json.loads((run_dir / "bus-log.jsonl").read_text().splitlines()[0])
+        assert start["switch"]["driver"] == "ssh" and start["switch"]["host"] == "127.0.0.1", start["switch"]
+        # the payload ran in an SSH session of the board: it printed the switch's start marker there
+        assert "==== payload boot 1 via ssh" in (run_dir / "payload.log").read_text()
+        assert "Accepted publickey" in sshd.log.read_text(), sshd.log_tail()
+    finally:
+        if head is not None:
+            kill_tree(head)
+        sshd.stop()
         shutil.rmtree(short, ignore_errors=True)
 
 
@@ -302,10 +414,31 @@ def test_each_bench_runs_one_run_at_a_time(tmp_path):
     with claim_bench(node) as first, claim_bench(node) as second:
         assert {first.name, second.name} == {"b1", "b2"}
         with pytest.raises(FarmError, match=r"every bench of this node is busy \(b1, b2\)"):
-            with claim_bench(node):
+            with claim_bench(node, wait_s=0.5):
                 pass
     with claim_bench(node) as again:  # freed when its run ended
         assert again.name == "b1"
+
+
+def test_a_bench_a_dead_run_still_holds_is_waited_for(tmp_path):
+    """A worker killed with its run (its driver died) holds its bench's lock until it is gone: the
+    next run Ray sends that bench waits for it rather than failing."""
+    from hil.farm import Bench, NodeBenches, claim_bench
+
+    node = NodeBenches([Bench("b1")], tmp_path)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'w'); "
+         "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(600)", str(tmp_path / "bench-b1.lock")],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "held\n"
+        threading.Timer(0.5, holder.kill).start()  # the dead run's worker, killed a moment later
+        with claim_bench(node, wait_s=GUARD_S) as bench:  # hang guard
+            assert bench.name == "b1"
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_campaign_cluster_options_are_checked(tmp_path, capsys):
