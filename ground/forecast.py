@@ -21,8 +21,13 @@ draw's windows by `common.sim.windows.finish_times` (boot and recovery per power
 flight at a cut lost unless the bus announced the cut: each drawn cut is announced with the share
 of announced cuts the ground heard). Periods the payload is known to be off (`known_off`: a
 contact plan) cut the drawn windows, and the history's gaps they explain are not drawn again.
-The 10th, 50th and 90th percentiles over draws are widened around the
-median by a factor calibrated on training traces only (bench/forecast_bench.py).
+Where the history shows an orbital pattern (`orbit_period`: its duty cycle correlates with itself
+one period later; or the period is given), the windows to come are drawn from the history at the
+same orbital phase (`_phase_windows`); where it does not, the history is resampled without phase
+and the forecast says why ("window_model"). Each draw also scales the profile's pace by a
+log-normal factor (UNIT_SIGMA: the unit model's own spread). The 10th, 50th and 90th percentiles
+over draws are widened around the median by a factor calibrated on training traces only
+(bench/forecast_bench.py).
 
 A forecast is refused, with the reason, where it cannot be made: no profile yet, no window
 history, a task whose model or phase sizes are unknown. It never guesses silently.

@@ -329,7 +329,6 @@ def test_the_architecture_page_names_only_paths_that_exist():
 ADD_ARGUMENT_LIMIT = 25
 LONG_REGISTRATIONS = {
     "common/vla/cli.py:register",
-    "ground/cli.py:register",
 }
 
 
@@ -451,6 +450,18 @@ def test_the_composition_check_sees_a_stack(tmp_path, monkeypatch):
     assert "declares its host under TYPE_CHECKING" in problems
     assert "getattr(self, 'buslog', None)" in problems
     assert "self.routing._confirm_stored reaches into" in problems
+
+
+#: The payload process (docs/flight.md): FlightApp builds its telecommand handlers as one object
+#: (CommandHandlers) and hands them what they use; no mixin.
+PAYLOAD_PARTS = ("flight.runtime.app", "flight.runtime.handlers", "flight.runtime.current", "flight.runtime.images")
+
+
+def test_the_payload_composes_its_handlers_instead_of_mixing_them_in():
+    problems = composition_problems(PAYLOAD_PARTS)
+    if problems:
+        report = "\n  ".join(problems)
+        pytest.fail(f"the payload's handlers are to be composed by FlightApp, not mixed in:\n  {report}", pytrace=False)
 
 
 #: The ground client's parts (docs/ground.md "Where things are"): `GroundClient` makes them and
