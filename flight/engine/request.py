@@ -247,7 +247,7 @@ class RequestRun:
         self.phase_seconds["restore"] += restore_s
         phase = frontier.phase()
         resumed_from = self._describe(frontier, phase)
-        if outcome.status == "resume" and frontier.result is None:
+        if outcome.status == "resume":  # a restart, also one that finds the RESULT (phase "done")
             self.recoveries = self._record_restart(frontier, resumed_from, restore_s)
         self.events(
             EngineEvent.REQUEST_OPENED,
@@ -418,6 +418,6 @@ class RequestRun:
             resumed_from=resumed_from,
             bytes_written=0,
             phase_seconds={name: 0.0 for name in self.phase_seconds},
-            recoveries=self.store.recoveries()[0],
+            recoveries=self.recoveries,
             lifetime_bytes_written=self.store.lifetime_written,
         )

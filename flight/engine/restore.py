@@ -37,7 +37,10 @@ MAX_REPLANS = 8
 def restart_planner(policy: Policy, options: EngineOptions, frontier: Frontier, num_blocks: int) -> str:
     """The planner a restart from `frontier` plans its prefill with, as `PrefillRestore.run`
     first chooses it: the policy's, except that a decode restart with every block's KV stored
-    reads them layer-first (its first step needs the groups in order)."""
+    reads them layer-first (its first step needs the groups in order); "none" when the RESULT is
+    there already (nothing to plan)."""
+    if frontier.result is not None:
+        return "none"
     planner, overlap = policy.recovery(options.planner, options.overlap_recovery)
     operator_planner = (planner, overlap) == (options.planner, options.overlap_recovery)
     complete = len(frontier.blocks) == num_blocks and all(info.kv_bytes for info in frontier.blocks.values())

@@ -507,6 +507,9 @@ def test_real_payload_over_ssh_resumes_bitwise_after_a_lost_connection_and_a_cut
     assert list(result.token_ids) == reference["token_ids"]
     assert bytes(result.logits_sha256).hex() == reference["logits_sha256"]
     assert result.interruptions == 1, "the task ran in two boots"
+    # the one restart, kept by the engine in the task's records: it resumed in prefill
+    assert result.recoveries is not None and [phase for _, phase, _ in result.recoveries] == ["prefill"]
+    assert result.written_bytes is not None and result.written_bytes > 0
     log = entries(data)
     assert kinds(log, bl.PAYLOAD_EXITED, status=255) and not kinds(log, bl.SWITCH_ERROR)
     events = [e.data.get("text", "") for e in kinds(log, bl.PAYLOAD_REPORT) if e.data.get("type") == "EVENT"]

@@ -50,7 +50,10 @@ def test_one_entry_per_restart_and_every_byte_counted_once(model_dirs, tmp_path)
     assert result.lifetime_bytes_written == records
     assert result.lifetime_bytes_written >= ref.lifetime_bytes_written
 
-    # A boot that finds the RESULT already there reports the same record (nothing recounted).
+    # A boot that finds the RESULT already there (cut after it was durable) is a restart too,
+    # with nothing to plan; it writes no checkpoint record (nothing recounted).
     again = engine(load_model(model_dir, device="cpu")).run(inputs, str(ckpt), MAX_NEW)
-    assert again.recoveries == recoveries
+    assert again.recoveries[:-1] == recoveries
+    assert again.recoveries[-1]["restart"] == cuts + 1
+    assert (again.recoveries[-1]["phase"], again.recoveries[-1]["planner"]) == ("done", "none")
     assert again.lifetime_bytes_written == result.lifetime_bytes_written

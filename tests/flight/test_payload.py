@@ -80,6 +80,8 @@ def test_task_round_trip_and_bad_input(bus, flight, tmp_path, model_dirs):
     bus.wait_for(lambda h, msg: isinstance(msg, m.Completed) and msg.task_id == "t1" and msg.tc_seq == seq, 120)
     result = bus.wait_for(lambda h, msg: isinstance(msg, m.TaskResult) and msg.task_id == "t1")[1]
     assert len(result.token_ids) == 5
+    # never restarted: an empty list of restarts (not nil), and the bytes of its checkpoint records
+    assert result.recoveries == [] and result.written_bytes is not None and result.written_bytes > 0
     # HOUSEKEEPING's memory and wear (wire-protocol.md §3.3): the process's own resident memory,
     # as the kernel counts it; at least the two images and the task's records written this boot
     mark = len(bus.received)

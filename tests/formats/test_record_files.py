@@ -251,7 +251,7 @@ def test_every_real_record_reads_as_documented(written):
                         assert list(tensors)[-1] == "tokens", where
                     elif kind == "RECOVERY":
                         assert not tensors, where
-                        assert meta["phase"] in ("start", "vision", "prefill", "decode"), where
+                        assert meta["phase"] in ("start", "vision", "prefill", "decode", "done"), where
                         assert isinstance(meta["restart"], int) and meta["restart"] >= 1, where
                         assert meta["restore_s"] >= 0 and isinstance(meta["planner"], str), where
                         assert isinstance(meta["written"], int), where

@@ -185,6 +185,8 @@ def test_console_in_chromium_against_bus_and_payload(browser, model_dirs, tmp_pa
         )
         row = browser.find_element(By.CSS_SELECTOR, f"#tasks tr[data-task='{task}']").text
         assert " survived" in row, row  # the payload's own count of the cuts the task lived through
+        # each restart's time to resume (or none) and the checkpoint bytes over every boot
+        assert "recoveries: " in row and "checkpoints written " in row, row
         browser.save_screenshot(str(shots / "console-tasks.png"))
 
         browser.find_element(By.CSS_SELECTOR, "nav button[data-view=timeline]").click()

@@ -48,6 +48,7 @@ def test_the_hand_run_runs_as_the_readme_says(tmp_path, monkeypatch):
     assert "REJECTED" not in events and " NOT_READY " in events
     assert result["err"].count(": started") <= 1  # a resume is named as one, never "started" again
     survived = int(result["out"].split("interruptions ")[1].split()[0])
+    assert "recoveries    " in result["out"] and " of checkpoint records over every boot" in result["out"]
     if survived:  # (a fast machine may finish the task before the first cut: nothing to resume)
         assert f"task {task_id}: resumed after cut 1" in result["err"]
     # the bus (after the trace too) and events ran until their Ctrl-C, which ends them cleanly
