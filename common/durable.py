@@ -370,6 +370,12 @@ class DurableFS:
     def charge_read(self, nbytes: int) -> None:
         """Account for bytes read through `open_read` (used by bandwidth emulation)."""
 
+    def emulated_read_rate(self) -> float | None:
+        """The bytes/s this layer holds reads to (target-device emulation), or None: the
+        machine's own speed. The restore planner prices checkpoint reads at it, so every layer
+        that wraps another must pass it through."""
+        return None
+
     def read(self, path: str) -> memoryview:
         """The whole file, in a 64-byte aligned buffer (see common.record.aligned_buffer)."""
         from common.record import aligned_buffer  # lazy: numpy; `ow --help` and the bus load this module
@@ -517,6 +523,9 @@ class ThrottledFS(DurableFS):
     def charge_read(self, nbytes: int) -> None:
         if self.read_bucket:
             self.read_bucket.take(nbytes * self.weight)
+
+    def emulated_read_rate(self) -> float | None:
+        return self.read_bucket.rate / self.weight if self.read_bucket else None
 
     def read(self, path):
         buf = super().read(path)

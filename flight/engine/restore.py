@@ -199,8 +199,8 @@ class PrefillRestore:
         costs favoured (docs/recovery.md, "Costs of a paced payload")."""
         request = self.request
         model = request.cost_model()
-        bucket = getattr(request.store.fs, "read_bucket", None)
-        checkpoints = replace(model, read_bytes_per_s=bucket.rate) if bucket is not None else model
+        read_rate = request.store.fs.emulated_read_rate()
+        checkpoints = replace(model, read_bytes_per_s=read_rate) if read_rate is not None else model
         costs = checkpoints.block_costs(request.layer_groups, request.token_chunks)
         weight_rate = read_rate_of(request.model.weights.read_hook)
         weights = replace(model, read_bytes_per_s=weight_rate) if weight_rate is not None else model

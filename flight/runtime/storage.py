@@ -281,6 +281,12 @@ class GatedFS(DurableFS):
     def charge_read(self, nbytes):
         return self.inner.charge_read(nbytes)
 
+    def emulated_read_rate(self):
+        # The restore planner prices checkpoint reads at the wrapped layer's emulated rate;
+        # without this the payload planned reads at the cost model's rate while the throttle
+        # below held them to the target's.
+        return self.inner.emulated_read_rate()
+
     def read(self, path):
         return self.inner.read(path)
 

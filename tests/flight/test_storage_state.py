@@ -11,7 +11,7 @@ import os
 import pytest
 
 from common import durable
-from common.durable import DurableFS, StorageFaults
+from common.durable import DurableFS, StorageFaults, ThrottledFS
 from common.wire import StorageState
 from common.wire.seq import AheadSequenceCounter
 from flight.runtime.storage import LOW_WATER_BYTES, RESTORE_CHECKS, GatedFS, Storage
@@ -62,6 +62,17 @@ def test_full_gives_back_the_reserve_and_returns_once_there_is_room(tmp_path, fa
     storage.check()
     assert storage.state == StorageState.OK and storage.reserve_held == 1 << 20
     assert changes[-1][0] == StorageState.OK
+
+
+def test_the_gate_passes_the_emulated_read_rate_through(tmp_path):
+    """The restore planner prices checkpoint reads at the store's emulated read rate: the gate the
+    payload puts over its checkpoint layer must show the throttle's rate below it, or the payload
+    plans reads at the cost model's rate while the throttle holds them to the target's."""
+    storage = Storage(str(tmp_path), DurableFS(), 0)
+    assert GatedFS(ThrottledFS(0.5e6, None), storage).emulated_read_rate() == 0.5e6
+    assert GatedFS(ThrottledFS(0.5e6, 2e6).weighted(0.25), storage).emulated_read_rate() == 2e6
+    assert GatedFS(DurableFS(), storage).emulated_read_rate() is None
+    assert GatedFS(ThrottledFS(None, 2e6), storage).emulated_read_rate() is None
 
 
 def test_a_flapping_disk_does_not_flap_the_state(tmp_path, faults):
