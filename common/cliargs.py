@@ -54,6 +54,8 @@ class Command:
     parents: Sequence[argparse.ArgumentParser] = field(default=())
     #: further defaults set on the parsed namespace besides `func`
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    #: called with the built parser, for what argparse has no keyword for
+    setup: Callable[[argparse.ArgumentParser], None] | None = None
 
 
 def add_args(parser: argparse.ArgumentParser | Any, items: Iterable[Arg | Group]) -> None:
@@ -76,20 +78,31 @@ def add_commands(
     subparsers: Any,
     commands: Iterable[Command],
     wrap: Callable[[Callable[[argparse.Namespace], int]], Callable[[argparse.Namespace], int]] | None = None,
+    *,
+    parents: Sequence[argparse.ArgumentParser] = (),
+    epilog: str | None = None,
 ) -> dict[str, argparse.ArgumentParser]:
     """Register each command with an argparse `add_subparsers()` object; `wrap`, when given, wraps
-    every handler (e.g. to turn a component's errors into exit codes). Returns the parsers by name."""
+    every handler (e.g. to turn a component's errors into exit codes); `parents` and `epilog` are
+    every command's (shared options built at run time, a common footer) unless it has its own
+    epilog. Returns the parsers by name."""
     made = {}
     for command in commands:
         extra: dict[str, Any] = {}
         if command.raw:
             extra["formatter_class"] = argparse.RawDescriptionHelpFormatter
-        if command.parents:
-            extra["parents"] = list(command.parents)
+        if command.parents or parents:
+            extra["parents"] = [*parents, *command.parents]
         parser = subparsers.add_parser(
-            command.name, help=command.help, description=command.description, epilog=command.epilog, **extra
+            command.name,
+            help=command.help,
+            description=command.description,
+            epilog=command.epilog if command.epilog is not None else epilog,
+            **extra,
         )
         add_args(parser, command.args)
+        if command.setup is not None:
+            command.setup(parser)
         if command.handler is not None:
             handler = wrap(command.handler) if wrap is not None else command.handler
             parser.set_defaults(func=handler, **command.defaults)

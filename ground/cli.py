@@ -11,12 +11,14 @@ import argparse
 import json
 import math
 import os
+import re
 import secrets
 import sys
 import time
 from pathlib import Path
 
 from common import log
+from common.cliargs import Command, Group, add_commands, arg
 from common.errors import CliError, check_number
 from common.wire import WireError
 from common.wire.ids import is_admin_source
@@ -105,350 +107,6 @@ def _common_options() -> argparse.ArgumentParser:
         help="structured log level on stderr (default: error)",
     )
     return common
-
-
-def register(subparsers) -> None:
-    common = _common_options()
-    ground = subparsers.add_parser(
-        "ground",
-        help="ground station: keys, uplink, status, results, telemetry",
-        description="Ground station tools: command the payload through the bus over CurveZMQ, upload images "
-        "in resumable chunks, queue tasks, fetch results, watch telemetry.",
-        epilog=_EPILOG,
-    )
-    sub = ground.add_subparsers(dest="ground_command", metavar="ACTION")
-    sub.required = True
-
-    def leaf(name: str, help_text: str, description: str, handler, *, parents=(common,)) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text, description=description, epilog=_EPILOG, parents=list(parents))
-        p.set_defaults(func=_guarded(handler))
-        return p
-
-    # keys -------------------------------------------------------------------------------------
-    keys = sub.add_parser(
-        "keys", help="create CurveZMQ keys", description="Manage the CurveZMQ keys of the ground link.", epilog=_EPILOG
-    )
-    keys_sub = keys.add_subparsers(dest="keys_command", metavar="ACTION")
-    keys_sub.required = True
-    p = keys_sub.add_parser(
-        "init",
-        parents=[common],
-        epilog=_EPILOG,
-        help="create the key layout (bus server pair, client pairs, authorized keys, state/)",
-        description="Create the keys directory: the bus's server key pair, one client key pair per station "
-        "(ground, payload, and any --client), the bus's list of authorized public keys, and state/. "
-        "Existing pairs are kept unless --force. Prints which file goes where.",
-    )
-    p.add_argument(
-        "--force", action="store_true", help="replace existing key pairs (every client then needs the new bus key)"
-    )
-    p.add_argument(
-        "--client",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="another station: a client key pair, authorized and bound to the next free station source id "
-        "(0x0010..0x00FF: it acts on its own tasks only)",
-    )
-    p.add_argument(
-        "--admin",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="another admin station: as --client, bound to the next free admin source id (0x0002..0x000F: "
-        "it may act on every station's tasks)",
-    )
-    p.set_defaults(func=_guarded(cmd_keys_init))
-    p = keys_sub.add_parser(
-        "authorize",
-        parents=[common],
-        epilog=_EPILOG,
-        help="admit a station's public key and bind it to a source id",
-        description="Admit station NAME: copy its public key (--public-key FILE, default clients/NAME.key) to "
-        "authorized/NAME.key and bind it to a source id in authorized/NAME.station (--source-id N, or the next "
-        "free station id, or with --admin the next free admin id). An existing binding of NAME is kept unless "
-        "another id is asked for. The bus reads both at once, without a restart. Also binds a key authorized "
-        "before bindings existed.",
-    )
-    p.add_argument("name", metavar="NAME", help="the station's key name")
-    p.add_argument("--public-key", metavar="FILE", default=None, help="the station's public key file (.key)")
-    p.add_argument(
-        "--admin", action="store_true", help="bind to an admin source id (0x0001..0x000F) instead of a station's"
-    )
-    p.set_defaults(func=_guarded(cmd_keys_authorize))
-    p = keys_sub.add_parser(
-        "revoke",
-        parents=[common],
-        epilog=_EPILOG,
-        help="stop admitting a station's key",
-        description="Remove authorized/NAME.key and its binding: the bus refuses the key's next packet "
-        "(NOT_AUTHORIZED), closes its open connections within a second and publishes KEY_REVOKED; new "
-        "connections with the key fail the handshake.",
-    )
-    p.add_argument("name", metavar="NAME", help="the station's key name")
-    p.set_defaults(func=_guarded(cmd_keys_revoke))
-    p = keys_sub.add_parser(
-        "list",
-        parents=[common],
-        epilog=_EPILOG,
-        help="the keys the bus admits and their source ids",
-        description="List authorized/: each key name, the source id it is bound to and its role (admin or "
-        "station), `payload` (the payload link's key), or `unbound` (the bus refuses its commands with "
-        "SOURCE_NOT_BOUND until `ow ground keys authorize NAME` binds it).",
-    )
-    p.set_defaults(func=_guarded(cmd_keys_list))
-
-    # uplink -----------------------------------------------------------------------------------
-    p = leaf(
-        "uplink",
-        "upload images and queue an inference task",
-        "Check the images and prompt locally, upload each image in chunks (only the chunks the payload does not "
-        "hold: IMAGE_QUERY first, CRC-32C per chunk, SHA-256 per file), then queue the task with UPLINK_TASK and "
-        "wait until the payload accepts it. If answers stop (link loss, bus restart, payload power cut) the upload "
-        "re-queries and resumes; running the same command again resumes too and reuses the task id, so no chunk "
-        "held on board is sent twice and no task is queued twice. Prints the task id.",
-        cmd_uplink,
-    )
-    p.add_argument(
-        "--image",
-        action="append",
-        required=True,
-        metavar="FILE",
-        help="picture file (PNG, JPEG, ...; <= 16 MiB); repeat for several (<= 8)",
-    )
-    p.add_argument(
-        "--prompt", required=True, metavar="TEXT", help="the question about the images (UTF-8, <= 8192 bytes)"
-    )
-    p.add_argument(
-        "--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate, 1..1024 (default: 64)"
-    )
-    p.add_argument("--priority", type=int, default=0, metavar="P", help="0..255, higher runs first (default: 0)")
-    p.add_argument(
-        "--task-id", metavar="ID", help="task id (default: generated, or the id of an identical earlier uplink)"
-    )
-    p.add_argument(
-        "--new-task", action="store_true", help="queue a new task even if an identical one was uplinked before"
-    )
-    p.add_argument(
-        "--chunk-bytes", type=int, default=32 * 1024, metavar="B", help="image bytes per chunk (default: 32768)"
-    )
-    p.add_argument(
-        "--window",
-        type=int,
-        default=8,
-        metavar="N",
-        help="chunks in flight before waiting for acknowledgements (default: 8)",
-    )
-    p.add_argument(
-        "--retries",
-        type=int,
-        default=12,
-        metavar="N",
-        help="unanswered rounds (of --timeout each) tolerated before giving up with exit 4 (default: 12)",
-    )
-    bar = p.add_mutually_exclusive_group()
-    bar.add_argument(
-        "--progress", dest="progress", action="store_true", default=None, help="always show the progress bar"
-    )
-    bar.add_argument("--no-progress", dest="progress", action="store_false", help="never show the progress bar")
-
-    # status -----------------------------------------------------------------------------------
-    p = leaf(
-        "status",
-        "payload housekeeping now, and when each open task should be done",
-        "Send STATUS and print the payload's housekeeping: queue depth, current task and its progress, checkpoint "
-        "bytes, free disk, bytes written to data storage since this boot (wear), resident memory, boot count, uptime, "
-        "command and error counters. Then the completion forecast of every "
-        "task of this station still queued or running: expected time, 10-90 % band and the power windows still to "
-        "come before it is done, from the payload's measured rates and the windows it has lived through "
-        '(docs/ground.md), or why there is none. --json adds it under "forecast".',
-        cmd_status,
-    )
-    _forecast_options(p)
-
-    # results ----------------------------------------------------------------------------------
-    p = leaf(
-        "results",
-        "fetch a task's result, or list this station's tasks",
-        "With TASK: send DOWNLINK_RESULT and print the generated text, token count, timings and the power cuts the "
-        "task survived (saved under <state>/results/). --wait waits for the task to finish (progress on stderr). "
-        "Without TASK: list the tasks uplinked from this station and their last known state.",
-        cmd_results,
-    )
-    p.add_argument("task", nargs="?", metavar="TASK", help="task id")
-    p.add_argument(
-        "--wait",
-        action="store_true",
-        help="wait until the task completes (or fails) instead of exit 3 RESULT_NOT_READY",
-    )
-    p.add_argument(
-        "--max-wait",
-        type=float,
-        default=None,
-        metavar="S",
-        help="with --wait: give up (exit 4) after S seconds (default: never)",
-    )
-    p.add_argument(
-        "--poll", type=float, default=30.0, metavar="S", help="with --wait: ask again every S seconds (default: 30)"
-    )
-    _forecast_options(p)
-
-    # events -----------------------------------------------------------------------------------
-    p = leaf(
-        "events",
-        "watch telemetry: events, reports, power, thermal, FDIR",
-        "Subscribe to the bus's telemetry and print one line per packet: events with severity, verification reports "
-        "(ACCEPTED, REJECTED with code, PROGRESS, ...), housekeeping, power, thermal, FDIR, shutdown warnings, power "
-        "state. Heartbeats only with --heartbeats; the bus's once-a-second FDIR, POWER and THERMAL reports only when "
-        "they change or once a minute (--all: every one). While it runs it archives every packet to "
-        "<state>/telemetry.jsonl with a number (#n) (one recorder at a time); --since N first replays archived "
-        "packets after #N.",
-        cmd_events,
-    )
-    p.add_argument("--follow", action="store_true", help="keep printing until Ctrl-C")
-    p.add_argument(
-        "--duration", type=float, default=10.0, metavar="S", help="without --follow: listen for S seconds (default: 10)"
-    )
-    p.add_argument("--since", type=int, default=None, metavar="N", help="first print archived packets numbered above N")
-    p.add_argument("--heartbeats", action="store_true", help="also print HEARTBEAT packets")
-    p.add_argument(
-        "--all",
-        action="store_true",
-        help="print every routine report too: without it an FDIR report is printed when its mode or faults "
-        "change, a POWER report when the payload's power state changes or once a minute, a THERMAL report "
-        "once a minute (the bus sends each every second; the archive keeps them all)",
-    )
-
-    # health and safety -------------------------------------------------------------------------
-    p = leaf(
-        "quarantine",
-        "list quarantined items, or release one",
-        "Without ITEM: send LIST_QUARANTINE and print the commands, tasks and reports the payload holds back "
-        "because boots ended abnormally (or their handler failed) while handling them, with the count and "
-        "the last reason. With --release ITEM: send RELEASE_QUARANTINE; a task is queued again, a report "
-        "sent again, a command handled the next time it arrives.",
-        cmd_quarantine,
-    )
-    p.add_argument(
-        "--release", metavar="ITEM", help="item id as listed (task:<id>, report:<id>, command:<TYPE>:<digest>)"
-    )
-    leaf(
-        "lost",
-        "list tasks the payload lost to storage damage",
-        "Send LIST_LOST_TASKS and print the tasks whose state the payload's journal or result store lost (a bit "
-        "flip, a damaged file), and how many damaged bytes its reader skipped. A lost task that never finished "
-        "can be sent again with `ow ground resend TASK`; a finished one answers TASK_LOST.",
-        cmd_lost,
-    )
-    p = leaf(
-        "resend",
-        "upload a task's images again and re-send the task",
-        "For a task uplinked from this station: upload its images where the payload no longer holds them (an "
-        "image found damaged on board: IMAGE_CORRUPT) and send the same UPLINK_TASK again (the payload takes "
-        "it once). Uses the image files recorded at uplink.",
-        cmd_resend,
-    )
-    p.add_argument("task", metavar="TASK")
-
-    leaf(
-        "payload-retry",
-        "power the payload again after the bus's boot-loop hold",
-        "Send PAYLOAD_RETRY to the bus itself (APID BUS; an admin station's command, source id 1..15). "
-        "The bus holds the payload off -- power off whatever the trace says -- after it failed to come up "
-        "--boot-loop-limit times in a row (it exited or was killed before it had been up --boot-settle s, "
-        "or never connected), and says so with a PAYLOAD_BOOT_LOOP event naming the reason the last boot "
-        "gave (`ow ground events`; the FDIR report shows mode safe meanwhile). Fix the cause (a model "
-        "directory, a key, a memory limit), then send this: the bus answers ACCEPTED and COMPLETED, sends "
-        "a PAYLOAD_RETRY event and powers the payload again as the trace allows; one more failed boot "
-        "holds it again. The hold also ends by itself after the bus's back-off. Exit 3 with NOT_HELD when "
-        "nothing is held.",
-        cmd_payload_retry,
-    )
-
-    # ping, cancel, priority -------------------------------------------------------------------
-    p = leaf(
-        "ping",
-        "PING the payload, print the round-trip time",
-        "Send PING and wait for the PONG with the same key.",
-        cmd_ping,
-    )
-    p.add_argument("--count", type=int, default=1, metavar="N", help="pings to send, one per second (default: 1)")
-    p = leaf(
-        "cancel",
-        "cancel a queued or running task",
-        "Send CANCEL_TASK and wait for ACCEPTED and COMPLETED; the task then ends with FAILED(CANCELLED).",
-        cmd_cancel,
-    )
-    p.add_argument("task", metavar="TASK")
-    p = leaf(
-        "priority",
-        "change a queued task's priority",
-        "Send SET_PRIORITY and wait for ACCEPTED and COMPLETED.",
-        cmd_priority,
-    )
-    p.add_argument("task", metavar="TASK")
-    p.add_argument("priority", type=int, metavar="P", help="0..255, higher runs first")
-    _register_commands(leaf)
-    _register_console(leaf)
-
-
-def _register_commands(leaf) -> None:
-    p = leaf(
-        "commands",
-        "print the station's command log: every command sent, its answer and round trip",
-        'Print the station\'s command log (<state>/commands.jsonl, docs/ground.md "Command log"): every command '
-        "any `ow ground` process of this station sent (the console included), oldest first, one line each: when "
-        "it was first sent (UTC), the command and what it named, the round trip, who sent it, and the answer "
-        "(OK, or the code, who answered and the reason; NO_ANSWER). Reads the local log only: no link is opened.",
-        cmd_commands,
-    )
-    p.add_argument(
-        "--since",
-        dest="since_when",
-        metavar="WHEN",
-        default=None,
-        help="only commands sent at or after WHEN: a UTC time (2026-12-05, 2026-12-05T11:30, 2026-12-05T11:30:00Z) "
-        "or an age before now (90s, 15m, 2h, 1d)",
-    )
-    p.add_argument("--last", type=int, default=None, metavar="N", help="only the newest N of them")
-    p.add_argument(
-        "--follow", action="store_true", help="then print each command as it is logged, until Ctrl-C (exit 0)"
-    )
-
-
-def _register_console(leaf) -> None:
-    p = leaf(
-        "console",
-        "serve the web console for operators (timeline, tasks, events, telemetry, uplink)",
-        'Serve a live web console (docs/ground.md "Console"): pass timeline, tasks with their actions, events '
-        "and command history, telemetry plots with CSV export, and uplink. It is a ground client like these "
-        "commands, with the station's keys. On loopback by default; bound beyond loopback it refuses to start "
-        "without --token/--token-file and TLS (--tls-cert/--tls-key, or --tls-self-signed DIR, whose SHA-256 "
-        "fingerprint it prints). Serves until Ctrl-C.",
-        cmd_console,
-    )
-    p.add_argument("--host", default="127.0.0.1", metavar="ADDR", help="address to listen on (default: 127.0.0.1)")
-    p.add_argument(
-        "--port",
-        type=int,
-        default=8765,
-        metavar="N",
-        help="port (default: 8765; 0 picks a free one, and the address announced names it)",
-    )
-    p.add_argument("--token", default=None, metavar="TEXT", help="token that actions need (header X-Console-Token)")
-    p.add_argument("--token-file", default=None, metavar="FILE", help="read the token from FILE (first line)")
-    p.add_argument("--tls-cert", default=None, metavar="PEM", help="TLS certificate (with --tls-key)")
-    p.add_argument("--tls-key", default=None, metavar="PEM", help="TLS private key (with --tls-cert)")
-    p.add_argument(
-        "--tls-self-signed",
-        default=None,
-        metavar="DIR",
-        help="make (or reuse) a self-signed certificate in DIR and print its SHA-256 fingerprint",
-    )
-    p.add_argument("--read-only", action="store_true", help="serve the views only: every action is refused")
-    p.add_argument(
-        "--max-events", type=int, default=100_000, metavar="N", help="events the console keeps (default: 100000)"
-    )
 
 
 # --- plumbing ---------------------------------------------------------------------------------
@@ -747,29 +405,58 @@ def _check_task_id(task_id: str) -> None:
     check_operator_name(task_id, "task id")
 
 
-def _forecast_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
+#: What argparse takes for a value though it starts with "-": a negative number (its own rule), or a
+#: FROM,TO pair with a negative FROM (checked by _off_period).
+_NEGATIVE_NUMBER_OR_PAIR = re.compile(r"^-\d+$|^-\d*\.\d+$|^-\.?\d[^,]*,")
+
+
+def _off_period(text: str) -> tuple[float, float]:
+    """--off FROM,TO: seconds from now, TO after FROM."""
+    try:
+        a, b = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give FROM,TO in seconds from now (e.g. --off 600,900; before now: --off -3000,-2600)"
+        ) from None
+    if not (math.isfinite(a) and math.isfinite(b)) or b <= a:
+        raise argparse.ArgumentTypeError(f"{text!r}: TO must be a number after FROM")
+    return a, b
+
+
+#: The completion forecast's options, shared by `status` and `results`.
+_FORECAST_ARGS = (
+    arg(
         "--plan",
         metavar="FILE",
         help="forecast on these power windows (a trace file, docs/trace-format.md: eclipse times, contact plan, "
         "expected duty cycle) instead of resampling the payload's window history",
-    )
-    p.add_argument(
+    ),
+    arg(
         "--plan-scale",
         type=float,
         default=1.0,
         metavar="X",
         help="with --plan: wall seconds per plan second (default 1); the plan's second 0 is now",
-    )
-    p.add_argument(
+    ),
+    arg(
         "--off",
         action="append",
         default=[],
+        type=_off_period,
         metavar="FROM,TO",
-        help="a period the payload is known to be off, in seconds from now (negative: in the past): a "
-        "contact plan's pass, a higher-priority payload's scheduled window; repeatable. The resampled windows "
-        "are cut around it, and the history's gaps it explains are not drawn again as random ones",
-    )
+        help="a period the payload is known to be off, in seconds from now (negative: in the past, e.g. "
+        "--off -3000,-2600): a contact plan's pass, a higher-priority payload's scheduled window; repeatable. "
+        "The resampled windows are cut around it, and the history's gaps it explains are not drawn again as "
+        "random ones",
+    ),
+)
+
+
+def _allow_negative_pairs(parser: argparse.ArgumentParser) -> None:
+    # argparse takes a value starting with "-" for an option unless it looks like one negative
+    # number; FROM,TO pairs with a negative FROM are values too (this parser has no option that
+    # looks like a number)
+    parser._negative_number_matcher = _NEGATIVE_NUMBER_OR_PAIR
 
 
 def _forecast(args) -> dict:
@@ -792,15 +479,7 @@ def _forecast(args) -> dict:
             raise LocalInputError("--plan-scale must be above 0")
         # plan second 0 is now: shift into Unix seconds after the scale
         plan = [(now / args.plan_scale + a, now / args.plan_scale + b) for a, b in windows]
-    off = []
-    for text in getattr(args, "off", None) or []:
-        try:
-            a, b = (float(x) for x in text.split(","))
-        except ValueError:
-            raise LocalInputError(f"--off {text}: give FROM,TO in seconds from now (e.g. --off 600,900)") from None
-        if not (math.isfinite(a) and math.isfinite(b)) or b <= a:
-            raise LocalInputError(f"--off {text}: TO must be a number after FROM")
-        off.append((now + a, now + b))
+    off = [(now + a, now + b) for a, b in getattr(args, "off", None) or []]
     tasks = state.tasks() if state.tasks_path.exists() else []
     return forecast_tasks(
         tasks, state.forecast_basis(), plan=plan, plan_scale=args.plan_scale, known_off=off, now_wall=now
@@ -1114,3 +793,375 @@ def cmd_console(args) -> int:
     )
     run(config, args.port, announce=_notify, token_in_url=made_token)
     return 0
+
+
+# --- the command line, declared -------------------------------------------------------------
+
+#: `ow ground keys ...` (common/cliargs.py).
+KEY_COMMANDS: tuple[Command, ...] = (
+    Command(
+        "init",
+        help="create the key layout (bus server pair, client pairs, authorized keys, state/)",
+        handler=cmd_keys_init,
+        description="Create the keys directory: the bus's server key pair, one client key pair per station "
+        "(ground, payload, and any --client), the bus's list of authorized public keys, and state/. "
+        "Existing pairs are kept unless --force. Prints which file goes where.",
+        args=(
+            arg(
+                "--force",
+                action="store_true",
+                help="replace existing key pairs (every client then needs the new bus key)",
+            ),
+            arg(
+                "--client",
+                action="append",
+                default=[],
+                metavar="NAME",
+                help="another station: a client key pair, authorized and bound to the next free station source id "
+                "(0x0010..0x00FF: it acts on its own tasks only)",
+            ),
+            arg(
+                "--admin",
+                action="append",
+                default=[],
+                metavar="NAME",
+                help="another admin station: as --client, bound to the next free admin source id (0x0002..0x000F: "
+                "it may act on every station's tasks)",
+            ),
+        ),
+    ),
+    Command(
+        "authorize",
+        help="admit a station's public key and bind it to a source id",
+        handler=cmd_keys_authorize,
+        description="Admit station NAME: copy its public key (--public-key FILE, default clients/NAME.key) to "
+        "authorized/NAME.key and bind it to a source id in authorized/NAME.station (--source-id N, or the next "
+        "free station id, or with --admin the next free admin id). An existing binding of NAME is kept unless "
+        "another id is asked for. The bus reads both at once, without a restart. Also binds a key authorized "
+        "before bindings existed.",
+        args=(
+            arg("name", metavar="NAME", help="the station's key name"),
+            arg("--public-key", metavar="FILE", default=None, help="the station's public key file (.key)"),
+            arg(
+                "--admin",
+                action="store_true",
+                help="bind to an admin source id (0x0001..0x000F) instead of a station's",
+            ),
+        ),
+    ),
+    Command(
+        "revoke",
+        help="stop admitting a station's key",
+        handler=cmd_keys_revoke,
+        description="Remove authorized/NAME.key and its binding: the bus refuses the key's next packet "
+        "(NOT_AUTHORIZED), closes its open connections within a second and publishes KEY_REVOKED; new "
+        "connections with the key fail the handshake.",
+        args=(arg("name", metavar="NAME", help="the station's key name"),),
+    ),
+    Command(
+        "list",
+        help="the keys the bus admits and their source ids",
+        handler=cmd_keys_list,
+        description="List authorized/: each key name, the source id it is bound to and its role (admin or "
+        "station), `payload` (the payload link's key), or `unbound` (the bus refuses its commands with "
+        "SOURCE_NOT_BOUND until `ow ground keys authorize NAME` binds it).",
+    ),
+)
+
+#: `ow ground ...`: the station's commands (common/cliargs.py).
+GROUND_COMMANDS: tuple[Command, ...] = (
+    Command(
+        "uplink",
+        help="upload images and queue an inference task",
+        handler=cmd_uplink,
+        description="Check the images and prompt locally, upload each image in chunks (only the chunks the "
+        "payload does not "
+        "hold: IMAGE_QUERY first, CRC-32C per chunk, SHA-256 per file), then queue the task with UPLINK_TASK and "
+        "wait until the payload accepts it. If answers stop (link loss, bus restart, payload power cut) the upload "
+        "re-queries and resumes; running the same command again resumes too and reuses the task id, so no chunk "
+        "held on board is sent twice and no task is queued twice. Prints the task id.",
+        args=(
+            arg(
+                "--image",
+                action="append",
+                required=True,
+                metavar="FILE",
+                help="picture file (PNG, JPEG, ...; <= 16 MiB); repeat for several (<= 8)",
+            ),
+            arg("--prompt", required=True, metavar="TEXT", help="the question about the images (UTF-8, <= 8192 bytes)"),
+            arg(
+                "--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate, 1..1024 (default: 64)"
+            ),
+            arg("--priority", type=int, default=0, metavar="P", help="0..255, higher runs first (default: 0)"),
+            arg(
+                "--task-id", metavar="ID", help="task id (default: generated, or the id of an identical earlier uplink)"
+            ),
+            arg(
+                "--new-task", action="store_true", help="queue a new task even if an identical one was uplinked before"
+            ),
+            arg(
+                "--chunk-bytes", type=int, default=32 * 1024, metavar="B", help="image bytes per chunk (default: 32768)"
+            ),
+            arg(
+                "--window",
+                type=int,
+                default=8,
+                metavar="N",
+                help="chunks in flight before waiting for acknowledgements (default: 8)",
+            ),
+            arg(
+                "--retries",
+                type=int,
+                default=12,
+                metavar="N",
+                help="unanswered rounds (of --timeout each) tolerated before giving up with exit 4 (default: 12)",
+            ),
+            Group(
+                (
+                    arg(
+                        "--progress",
+                        dest="progress",
+                        action="store_true",
+                        default=None,
+                        help="always show the progress bar",
+                    ),
+                    arg("--no-progress", dest="progress", action="store_false", help="never show the progress bar"),
+                ),
+                exclusive=True,
+            ),
+        ),
+    ),
+    Command(
+        "status",
+        help="payload housekeeping now, and when each open task should be done",
+        handler=cmd_status,
+        description="Send STATUS and print the payload's housekeeping: queue depth, current task and its "
+        "progress, checkpoint "
+        "bytes, free disk, bytes written to data storage since this boot (wear), resident memory, boot count, uptime, "
+        "command and error counters. Then the completion forecast of every "
+        "task of this station still queued or running: expected time, 10-90 % band and the power windows still to "
+        "come before it is done, from the payload's measured rates and the windows it has lived through "
+        '(docs/ground.md), or why there is none. --json adds it under "forecast".',
+        setup=_allow_negative_pairs,
+        args=(*_FORECAST_ARGS,),
+    ),
+    Command(
+        "results",
+        help="fetch a task's result, or list this station's tasks",
+        handler=cmd_results,
+        description="With TASK: send DOWNLINK_RESULT and print the generated text, token count, timings and the "
+        "power cuts the "
+        "task survived (saved under <state>/results/). --wait waits for the task to finish (progress on stderr). "
+        "Without TASK: list the tasks uplinked from this station and their last known state.",
+        setup=_allow_negative_pairs,
+        args=(
+            arg("task", nargs="?", metavar="TASK", help="task id"),
+            arg(
+                "--wait",
+                action="store_true",
+                help="wait until the task completes (or fails) instead of exit 3 RESULT_NOT_READY",
+            ),
+            arg(
+                "--max-wait",
+                type=float,
+                default=None,
+                metavar="S",
+                help="with --wait: give up (exit 4) after S seconds (default: never)",
+            ),
+            arg(
+                "--poll",
+                type=float,
+                default=30.0,
+                metavar="S",
+                help="with --wait: ask again every S seconds (default: 30)",
+            ),
+            *_FORECAST_ARGS,
+        ),
+    ),
+    Command(
+        "events",
+        help="watch telemetry: events, reports, power, thermal, FDIR",
+        handler=cmd_events,
+        description="Subscribe to the bus's telemetry and print one line per packet: events with severity, "
+        "verification reports "
+        "(ACCEPTED, REJECTED with code, PROGRESS, ...), housekeeping, power, thermal, FDIR, shutdown warnings, power "
+        "state. Heartbeats only with --heartbeats; the bus's once-a-second FDIR, POWER and THERMAL reports only when "
+        "they change or once a minute (--all: every one). While it runs it archives every packet to "
+        "<state>/telemetry.jsonl with a number (#n) (one recorder at a time); --since N first replays archived "
+        "packets after #N.",
+        args=(
+            arg("--follow", action="store_true", help="keep printing until Ctrl-C"),
+            arg(
+                "--duration",
+                type=float,
+                default=10.0,
+                metavar="S",
+                help="without --follow: listen for S seconds (default: 10)",
+            ),
+            arg("--since", type=int, default=None, metavar="N", help="first print archived packets numbered above N"),
+            arg("--heartbeats", action="store_true", help="also print HEARTBEAT packets"),
+            arg(
+                "--all",
+                action="store_true",
+                help="print every routine report too: without it an FDIR report is printed when its mode or faults "
+                "change, a POWER report when the payload's power state changes or once a minute, a THERMAL report "
+                "once a minute (the bus sends each every second; the archive keeps them all)",
+            ),
+        ),
+    ),
+    Command(
+        "quarantine",
+        help="list quarantined items, or release one",
+        handler=cmd_quarantine,
+        description="Without ITEM: send LIST_QUARANTINE and print the commands, tasks and reports the payload "
+        "holds back "
+        "because boots ended abnormally (or their handler failed) while handling them, with the count and "
+        "the last reason. With --release ITEM: send RELEASE_QUARANTINE; a task is queued again, a report "
+        "sent again, a command handled the next time it arrives.",
+        args=(
+            arg(
+                "--release", metavar="ITEM", help="item id as listed (task:<id>, report:<id>, command:<TYPE>:<digest>)"
+            ),
+        ),
+    ),
+    Command(
+        "lost",
+        help="list tasks the payload lost to storage damage",
+        handler=cmd_lost,
+        description="Send LIST_LOST_TASKS and print the tasks whose state the payload's journal or result store "
+        "lost (a bit "
+        "flip, a damaged file), and how many damaged bytes its reader skipped. A lost task that never finished "
+        "can be sent again with `ow ground resend TASK`; a finished one answers TASK_LOST.",
+    ),
+    Command(
+        "resend",
+        help="upload a task's images again and re-send the task",
+        handler=cmd_resend,
+        description="For a task uplinked from this station: upload its images where the payload no longer holds "
+        "them (an "
+        "image found damaged on board: IMAGE_CORRUPT) and send the same UPLINK_TASK again (the payload takes "
+        "it once). Uses the image files recorded at uplink.",
+        args=(arg("task", metavar="TASK"),),
+    ),
+    Command(
+        "payload-retry",
+        help="power the payload again after the bus's boot-loop hold",
+        handler=cmd_payload_retry,
+        description="Send PAYLOAD_RETRY to the bus itself (APID BUS; an admin station's command, source id 1..15). "
+        "The bus holds the payload off -- power off whatever the trace says -- after it failed to come up "
+        "--boot-loop-limit times in a row (it exited or was killed before it had been up --boot-settle s, "
+        "or never connected), and says so with a PAYLOAD_BOOT_LOOP event naming the reason the last boot "
+        "gave (`ow ground events`; the FDIR report shows mode safe meanwhile). Fix the cause (a model "
+        "directory, a key, a memory limit), then send this: the bus answers ACCEPTED and COMPLETED, sends "
+        "a PAYLOAD_RETRY event and powers the payload again as the trace allows; one more failed boot "
+        "holds it again. The hold also ends by itself after the bus's back-off. Exit 3 with NOT_HELD when "
+        "nothing is held.",
+    ),
+    Command(
+        "ping",
+        help="PING the payload, print the round-trip time",
+        handler=cmd_ping,
+        description="Send PING and wait for the PONG with the same key.",
+        args=(arg("--count", type=int, default=1, metavar="N", help="pings to send, one per second (default: 1)"),),
+    ),
+    Command(
+        "cancel",
+        help="cancel a queued or running task",
+        handler=cmd_cancel,
+        description="Send CANCEL_TASK and wait for ACCEPTED and COMPLETED; the task then ends with FAILED(CANCELLED).",
+        args=(arg("task", metavar="TASK"),),
+    ),
+    Command(
+        "priority",
+        help="change a queued task's priority",
+        handler=cmd_priority,
+        description="Send SET_PRIORITY and wait for ACCEPTED and COMPLETED.",
+        args=(
+            arg("task", metavar="TASK"),
+            arg("priority", type=int, metavar="P", help="0..255, higher runs first"),
+        ),
+    ),
+    Command(
+        "commands",
+        help="print the station's command log: every command sent, its answer and round trip",
+        handler=cmd_commands,
+        description="Print the station's command log (<state>/commands.jsonl, docs/ground.md "
+        '"Command log"): every command '
+        "any `ow ground` process of this station sent (the console included), oldest first, one line each: when "
+        "it was first sent (UTC), the command and what it named, the round trip, who sent it, and the answer "
+        "(OK, or the code, who answered and the reason; NO_ANSWER). Reads the local log only: no link is opened.",
+        args=(
+            arg(
+                "--since",
+                dest="since_when",
+                metavar="WHEN",
+                default=None,
+                help="only commands sent at or after WHEN: a UTC time (2026-12-05, 2026-12-05T11:30, "
+                "2026-12-05T11:30:00Z) "
+                "or an age before now (90s, 15m, 2h, 1d)",
+            ),
+            arg("--last", type=int, default=None, metavar="N", help="only the newest N of them"),
+            arg("--follow", action="store_true", help="then print each command as it is logged, until Ctrl-C (exit 0)"),
+        ),
+    ),
+    Command(
+        "console",
+        help="serve the web console for operators (timeline, tasks, events, telemetry, uplink)",
+        handler=cmd_console,
+        description='Serve a live web console (docs/ground.md "Console"): pass timeline, tasks with their '
+        "actions, events "
+        "and command history, telemetry plots with CSV export, and uplink. It is a ground client like these "
+        "commands, with the station's keys. On loopback by default; bound beyond loopback it refuses to start "
+        "without --token/--token-file and TLS (--tls-cert/--tls-key, or --tls-self-signed DIR, whose SHA-256 "
+        "fingerprint it prints). Serves until Ctrl-C.",
+        args=(
+            arg("--host", default="127.0.0.1", metavar="ADDR", help="address to listen on (default: 127.0.0.1)"),
+            arg(
+                "--port",
+                type=int,
+                default=8765,
+                metavar="N",
+                help="port (default: 8765; 0 picks a free one, and the address announced names it)",
+            ),
+            arg("--token", default=None, metavar="TEXT", help="token that actions need (header X-Console-Token)"),
+            arg("--token-file", default=None, metavar="FILE", help="read the token from FILE (first line)"),
+            arg("--tls-cert", default=None, metavar="PEM", help="TLS certificate (with --tls-key)"),
+            arg("--tls-key", default=None, metavar="PEM", help="TLS private key (with --tls-cert)"),
+            arg(
+                "--tls-self-signed",
+                default=None,
+                metavar="DIR",
+                help="make (or reuse) a self-signed certificate in DIR and print its SHA-256 fingerprint",
+            ),
+            arg("--read-only", action="store_true", help="serve the views only: every action is refused"),
+            arg(
+                "--max-events",
+                type=int,
+                default=100_000,
+                metavar="N",
+                help="events the console keeps (default: 100000)",
+            ),
+        ),
+    ),
+)
+
+
+def register(subparsers) -> None:
+    # Built when the parser is: their defaults come from the environment ($OW_*_ENDPOINT).
+    common = _common_options()
+    ground = subparsers.add_parser(
+        "ground",
+        help="ground station: keys, uplink, status, results, telemetry",
+        description="Ground station tools: command the payload through the bus over CurveZMQ, upload images "
+        "in resumable chunks, queue tasks, fetch results, watch telemetry.",
+        epilog=_EPILOG,
+    )
+    sub = ground.add_subparsers(dest="ground_command", metavar="ACTION")
+    sub.required = True
+    keys = sub.add_parser(
+        "keys", help="create CurveZMQ keys", description="Manage the CurveZMQ keys of the ground link.", epilog=_EPILOG
+    )
+    keys_sub = keys.add_subparsers(dest="keys_command", metavar="ACTION")
+    keys_sub.required = True
+    add_commands(keys_sub, KEY_COMMANDS, _guarded, parents=(common,), epilog=_EPILOG)
+    add_commands(sub, GROUND_COMMANDS, _guarded, parents=(common,), epilog=_EPILOG)

@@ -21,8 +21,13 @@ draw's windows by `common.sim.windows.finish_times` (boot and recovery per power
 flight at a cut lost unless the bus announced the cut: each drawn cut is announced with the share
 of announced cuts the ground heard). Periods the payload is known to be off (`known_off`: a
 contact plan) cut the drawn windows, and the history's gaps they explain are not drawn again.
-The 10th, 50th and 90th percentiles over draws are widened around the
-median by a factor calibrated on training traces only (bench/forecast_bench.py).
+Where the history shows an orbital pattern (`orbit_period`: its duty cycle correlates with itself
+one period later; or the period is given), the windows to come are drawn from the history at the
+same orbital phase (`_phase_windows`); where it does not, the history is resampled without phase
+and the forecast says why ("window_model"). Each draw also scales the profile's pace by a
+log-normal factor (UNIT_SIGMA: the unit model's own spread). The 10th, 50th and 90th percentiles
+over draws are widened around the median by a factor calibrated on training traces only
+(bench/forecast_bench.py).
 
 A forecast is refused, with the reason, where it cannot be made: no profile yet, no window
 history, a task whose model or phase sizes are unknown. It never guesses silently.
@@ -30,6 +35,7 @@ history, a task whose model or phase sizes are unknown. It never guesses silentl
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import statistics
@@ -57,6 +63,34 @@ LONG_GAP_FACTOR_RANGE = (1.0, 6.0)
 #: put at least 80 % of completions inside it on the training kinds (trace-a, sat2-like) with
 #: seeds 1 and 2 (82 %; 1.3: 78 %), none of them the benchmark's seeds.
 BAND_WIDEN = 1.5
+#: The profile's pace (seconds per unit, power-up overhead) is itself uncertain: each draw scales
+#: it by a log-normal factor of this sigma (p10-p90 +-6 %). About the spread of the unit model's
+#: own error on real runs as measured before orbital phase was an input (median 0.3-2.5 %, up to
+#: 12-15 % where the adaptive cadence's group differed from the profile's run): with the phase
+#: model the windows' spread alone can be smaller than that, and the band held nothing else.
+UNIT_SIGMA = 0.05
+#: Orbital phase (`orbit_period`). Periods looked for in the window history (LEO: 88-127 min, with
+#: a margin); a period is taken only where the history's duty cycle correlates with itself one
+#: period later at least this much (an orbit's eclipse or warming structure repeats; FDIR does not).
+PERIOD_RANGE_S = (80 * 60.0, 130 * 60.0)
+PERIOD_MIN_CORRELATION = 0.3
+#: ... and PERIOD_Z / sqrt(independent stretches compared): a smoothed series correlates by chance
+#: over a short overlap (FDIR-only histories reached 0.5-0.7 over half an orbit).
+PERIOD_Z = 2.0
+#: History needed, in periods (the correlation then compares at least half an orbit).
+PERIOD_MIN_ORBITS = 1.5
+#: The period search's step and the span its duty cycle is averaged over (seconds).
+PERIOD_STEP_S = 60.0
+PERIOD_SMOOTH_S = 600.0
+#: Same phase: history events within this share of the period of now's phase (either side), or
+#: the PHASE_MIN_CHOICES nearest where fewer are that close.
+PHASE_BAND = 1.0 / 24.0
+PHASE_MIN_CHOICES = 3
+#: Phase bins per orbit of the lookup of same-phase history cuts (about a minute each).
+PHASE_BINS = 96
+#: Window models: "phase" (resampled at the same orbital phase where a period is known or found,
+#: else as "history", saying why) and "history" (resampled without regard to phase).
+WINDOW_MODELS = ("phase", "history")
 
 
 def forecast_profile(msg: Any) -> dict:
@@ -210,6 +244,177 @@ def _windows(
             yield start, end
 
 
+def _on_periods(basis: dict, t_end: float) -> list[tuple[float, float]]:
+    """The history's power windows as (start, end), the current one open until `t_end`."""
+    wh = basis.get("windows") or {}
+    starts = [float(s) for s in wh.get("starts") or []]
+    lengths = [float(x) for x in wh.get("lengths") or []]
+    ended = lengths[-len(starts) :] if len(lengths) >= len(starts) else lengths
+    out = []
+    for i, start in enumerate(starts):
+        end = start + ended[i] if i < len(ended) else max(start, t_end)
+        out.append((start, min(end, t_end)))
+    return out
+
+
+def _duty_series(on: Sequence[tuple[float, float]], t0: float, step: float, bins: int) -> list[float]:
+    """The share of each `step`-second bin from `t0` the payload was on (`on` sorted)."""
+    out = [0.0] * bins
+    for a, b in on:
+        k = max(0, int((a - t0) // step))
+        while k < bins and t0 + k * step < b:
+            lo, hi = max(a, t0 + k * step), min(b, t0 + (k + 1) * step)
+            if hi > lo:
+                out[k] += (hi - lo) / step
+            k += 1
+    return out
+
+
+def _correlation(xs: Sequence[float], lag: int) -> float:
+    """Pearson correlation of the series with itself `lag` bins later (over their overlap)."""
+    a, b = xs[: len(xs) - lag], xs[lag:]
+    n = len(a)
+    ma, mb = sum(a) / n, sum(b) / n
+    va = sum((x - ma) ** 2 for x in a)
+    vb = sum((x - mb) ** 2 for x in b)
+    if va <= 0 or vb <= 0:
+        return 0.0
+    return sum((x - ma) * (y - mb) for x, y in zip(a, b, strict=True)) / math.sqrt(va * vb)
+
+
+def orbit_period(
+    on: Sequence[tuple[float, float]], t_end: float, given: float | None = None
+) -> tuple[float | None, str]:
+    """(the orbit's period in seconds, how it was found) from the power windows the payload lived
+    through up to `t_end`, or (None, why not). The power state is averaged over PERIOD_SMOOTH_S
+    (an orbit's pattern is one of minutes: eclipse, a structure warming; a thermal cycle of a
+    minute or two and FDIR resets are not) and the period is the lag in PERIOD_RANGE_S where that
+    duty cycle is most like itself (Pearson correlation over the overlap, a parabola through the
+    best step's neighbours), taken where the history spans PERIOD_MIN_ORBITS such lags and the
+    correlation is unlikely by chance (PERIOD_MIN_CORRELATION, PERIOD_Z). `given`: the period is
+    known (an orbit determination); only whether the history repeats at it is checked, by the
+    same rule (a history that does not, FDIR alone, is better resampled whole)."""
+    if not on:
+        return None, "no window history"
+    t0, t1 = on[0][0], max(t_end, on[-1][1])
+    span = t1 - t0
+    low, high = PERIOD_RANGE_S if given is None else (given, given)
+    high = min(high, span / PERIOD_MIN_ORBITS)
+    if high < low:
+        return None, (
+            f"the window history spans {span / 60:.0f} min; an orbital pattern takes "
+            f"{PERIOD_MIN_ORBITS:g} orbits ({PERIOD_MIN_ORBITS * low / 60:.0f} min or more) to show"
+        )
+    step = PERIOD_STEP_S if given is None else given / max(1, round(given / PERIOD_STEP_S))
+    raw = _duty_series(on, t0, step, int(span // step))
+    width = max(1, round(PERIOD_SMOOTH_S / step))
+    sums = [0.0, *itertools.accumulate(raw)]
+    smooth = [(sums[k + width] - sums[k]) / width for k in range(len(raw) - width + 1)]
+    lags = range(int(math.ceil(low / step - 1e-9)), int(high / step + 1e-9) + 1)
+    scores = {lag: _correlation(smooth, lag) for lag in lags if lag < len(smooth) - 1}
+    if not scores:
+        return None, "the window history is too short to show an orbital pattern"
+    best = max(scores, key=lambda lag: scores[lag])
+    score = scores[best]
+    # a correlation over few independent stretches (overlap / smoothing span) is likely by chance
+    independent = (span - best * step) / PERIOD_SMOOTH_S
+    needed = max(PERIOD_MIN_CORRELATION, PERIOD_Z / math.sqrt(max(1.0, independent)))
+    where = f"{low / 60:.0f}-{high / 60:.0f} min" if given is None else f"the given {given / 60:.1f} min"
+    if score < needed:
+        return None, (
+            f"no orbital pattern in the window history (its duty cycle's correlation with itself one period "
+            f"later at most {score:.2f} for periods of {where}; {needed:.2f} needed)"
+        )
+    if given is not None:
+        return given, f"the window history repeats at it (correlation {score:.2f})"
+    left, right = scores.get(best - 1), scores.get(best + 1)
+    shift = 0.0
+    if left is not None and right is not None and left + right - 2 * score < 0:
+        shift = 0.5 * (left - right) / (left + right - 2 * score)
+    return (best + shift) * step, f"found in the window history (correlation {score:.2f})"
+
+
+def _phase_distance(a: float, b: float, period: float) -> float:
+    d = (a - b) % period
+    return min(d, period - d)
+
+
+def _same_phase(times: Sequence[float], period: float, at: float) -> list[int]:
+    """Indices of `times` at the orbital phase of `at`: within PHASE_BAND of the period, or the
+    PHASE_MIN_CHOICES nearest."""
+    order = sorted(range(len(times)), key=lambda i: _phase_distance(times[i], at, period))
+    near = [i for i in order if _phase_distance(times[i], at, period) <= PHASE_BAND * period]
+    return near if len(near) >= PHASE_MIN_CHOICES else order[:PHASE_MIN_CHOICES]
+
+
+def _phase_choices(
+    pairs: Sequence[tuple[float, float]],
+    starts: Sequence[float],
+    period: float,
+    t_heard: float,
+    current_start: float,
+) -> tuple[list[list[int]], list[float]]:
+    """What `_phase_windows` draws from, computed once per forecast: for each phase bin the
+    history's cuts at that phase (each followed by a window the history knows), and the lengths
+    of the windows that started at the current window's phase and outlasted its age."""
+    n = len(pairs)
+    follow = list(range(n - 1)) or [0]
+    ends = [starts[i] + pairs[i][0] for i in follow]
+    by_bin = [
+        [follow[k] for k in _same_phase(ends, period, (b + 0.5) * period / PHASE_BINS)] for b in range(PHASE_BINS)
+    ]
+    age = t_heard - current_start
+    older = [i for i in range(n) if pairs[i][0] > age]
+    current = [pairs[older[k]][0] for k in _same_phase([starts[i] for i in older], period, current_start)]
+    return by_bin, current
+
+
+def _phase_windows(
+    rng: random.Random,
+    pairs: Sequence[tuple[float, float]],
+    period: float,
+    choices: tuple[list[list[int]], list[float]],
+    t_heard: float,
+    current_start: float,
+    current_len: float | None,
+) -> Iterator[tuple[float, float]]:
+    """Windows to come, drawn from the history at the same orbital phase: the current window's
+    length from those that started at its phase and outlasted its age; then, at each drawn cut,
+    a history cut at the same phase is picked and the gap after it and the windows and gaps that
+    followed it are taken (BLOCK_PAIRS of them, then a new pick at the phase reached). The
+    prior long gap as in `_windows`; the jitter's rule too, but counting the history cuts at the
+    phase the pick chose among (those are what the draw learns from: a few orbits of history
+    give a few per phase, and a wide band)."""
+    n = len(pairs)
+    by_bin, current = choices
+    longest = max(max(a, b) for a, b in pairs)
+    sigmas = [max(SIGMA_FLOOR, SIGMA_SHORT / math.sqrt(len(near))) for near in by_bin]
+    p_long = PRIOR_LONG_GAP / (n + 1)
+
+    age = t_heard - current_start
+    if current_len is None:
+        if current:
+            length = rng.choice(current)
+        else:  # outlived every window seen: memoryless, at the mean window
+            length = age + rng.expovariate(1.0 / max(1e-6, statistics.fmean(on for on, _ in pairs)))
+        end = current_start + max(length, age)
+        yield t_heard, end
+    else:
+        end = current_start + current_len
+    while True:
+        at = int((end % period) / period * PHASE_BINS) % PHASE_BINS
+        i, sigma = rng.choice(by_bin[at]), sigmas[at]
+        for j in range(BLOCK_PAIRS):
+            if j and i + j + 1 >= n:
+                break  # the history ends here: pick again at the phase reached
+            gap = pairs[i + j][1] * math.exp(rng.gauss(0.0, sigma))
+            if rng.random() < p_long:
+                gap = max(gap, longest * rng.uniform(*LONG_GAP_FACTOR_RANGE))
+            start = end + gap
+            end = start + pairs[min(i + j + 1, n - 1)][0] * math.exp(rng.gauss(0.0, sigma))
+            yield start, end
+
+
 def _outside(
     windows: Iterator[tuple[float, float]], off: Sequence[tuple[float, float]]
 ) -> Iterator[tuple[float, float]]:
@@ -268,6 +473,23 @@ def _order(tasks: Sequence[dict], current: str | None) -> list[dict]:
     return open_tasks
 
 
+def _window_model(
+    basis: dict, window_model: str, orbit_period_s: float | None, t_heard: float
+) -> tuple[dict[str, Any], float | None]:
+    """({"kind", and "period_s", "period_from" or "why"}, the period to resample at or None)."""
+    if window_model == "history":
+        return {"kind": "history", "why": "asked for"}, None
+    if orbit_period_s is not None:
+        period, how = orbit_period(_on_periods(basis, t_heard), t_heard, given=orbit_period_s)
+        if period is None:
+            return {"kind": "history", "why": how}, None
+        return {"kind": "phase", "period_s": orbit_period_s, "period_from": f"given; {how}"}, orbit_period_s
+    period, how = orbit_period(_on_periods(basis, t_heard), t_heard)
+    if period is None:
+        return {"kind": "history", "why": how}, None
+    return {"kind": "phase", "period_s": period, "period_from": how}, period
+
+
 def forecast_tasks(
     tasks: Sequence[dict],
     basis: dict,
@@ -278,6 +500,9 @@ def forecast_tasks(
     now_wall: float | None = None,
     draws: int = 400,
     seed: int = 0,
+    window_model: str = "phase",
+    orbit_period_s: float | None = None,
+    unit_sigma: float = UNIT_SIGMA,
 ) -> dict[str, Any]:
     """{"made_at", "tasks": {task_id: forecast}} or {"unavailable": reason}.
 
@@ -285,7 +510,17 @@ def forecast_tasks(
     "windows" (median power-ups still to come before it completes), "remaining_s", "position".
     `plan`: (start, end) windows in plan seconds (a trace's windows) times `plan_scale` giving Unix
     seconds, used instead of the history's resampling (the band then only holds what the plan
-    leaves uncertain: none)."""
+    leaves uncertain: none).
+    `window_model`: "phase" resamples the history at the orbital phase of each drawn moment, the
+    period `orbit_period_s` where given (an orbit determination), else found in the history
+    (`orbit_period`); where neither gives one it resamples without phase and says why under
+    "window_model". "history": without phase (the model before orbital phase was an input).
+    `unit_sigma`: the log-normal spread of the profile's pace (units and power-up overhead), drawn
+    once per draw (not with a plan); 0 gives the forecast before that spread was an input."""
+    if window_model not in WINDOW_MODELS:
+        raise ValueError(f"window_model must be one of {', '.join(WINDOW_MODELS)}, not {window_model!r}")
+    if orbit_period_s is not None and not (math.isfinite(orbit_period_s) and orbit_period_s > 0):
+        raise ValueError(f"orbit_period_s must be a number of seconds above 0, not {orbit_period_s!r}")
     now = time.time() if now_wall is None else now_wall
     try:
         profile = basis.get("profile")
@@ -351,16 +586,38 @@ def forecast_tasks(
     seconds = [u for u, _ in units]
     steps = [max(1, k) for _, k in units]
     warned = _warned_share(basis) if plan is None else 0.0
+    model: dict[str, Any] = {"kind": "plan"}
+    period: float | None = None
+    if plan is None:
+        model, period = _window_model(basis, window_model, orbit_period_s, t_heard)
+    if period is not None:
+        starts = [float(x) for x in basis["windows"]["starts"]][: len(pairs)]
+        choices = _phase_choices(pairs, starts, period, t_heard, current_start)
     rng = random.Random(seed)
+    # the unit model's own spread, drawn apart so the windows drawn do not depend on it
+    unit_rng = random.Random(seed + 1)
+    spread = unit_sigma if plan is None else 0.0
     results: list[list[tuple[float, int] | None]] = []
     for _ in range(draws if plan is None else 1):
-        wins: Iterator[Any] = _windows(rng, pairs, t_heard, current_start, current_len, plan, plan_scale)
+        wins: Iterator[Any]
+        if period is not None:
+            wins = _phase_windows(rng, pairs, period, choices, t_heard, current_start, current_len)
+        else:
+            wins = _windows(rng, pairs, t_heard, current_start, current_len, plan, plan_scale)
         if known_off and plan is None:
             wins = _outside(wins, known_off)
         if warned > 0:
             wins = _announced(rng, wins, warned)
+        pace = math.exp(unit_rng.gauss(0.0, spread)) if spread > 0 else 1.0
         results.append(
-            finish_times(seconds, marks, wins, overhead_s=overhead, first_overhead_s=first_overhead, parts=steps)
+            finish_times(
+                [u * pace for u in seconds] if pace != 1.0 else seconds,
+                marks,
+                wins,
+                overhead_s=overhead * pace,
+                first_overhead_s=first_overhead * pace,
+                parts=steps,
+            )
         )
     out: dict[str, Any] = {}
     for k, task in enumerate(queue):
@@ -389,6 +646,7 @@ def forecast_tasks(
         "made_at": now,
         "draws": len(results),
         "history_windows": len(pairs),
+        "window_model": model,
         "tasks": out,
         "assumed_done": assumed_done,
     }
@@ -414,6 +672,14 @@ def forecast_lines(forecast: dict, now_wall: float | None = None) -> list[str]:
             f"forecast {task_id}: done ~{when} UTC (in {_dur(f['expected'] - now)}; 10-90 %: "
             f"{_dur(f['p10'] - now)} - {_dur(f['p90'] - now)}), inside {f['windows']} more window(s)"
         )
+    model = forecast.get("window_model") or {}
+    if lines and model.get("kind") == "phase":
+        lines.append(
+            f"forecast: windows drawn at the orbit's phase (period {model['period_s'] / 60:.1f} min, "
+            f"{model['period_from']})"
+        )
+    elif lines and model.get("kind") == "history" and model.get("why") != "asked for":
+        lines.append(f"forecast: windows drawn without orbital phase ({model['why']})")
     if forecast.get("assumed_done"):
         lines.append(
             f"forecast: taken as done on board (more open tasks here than the payload holds; fetch them with "

@@ -329,7 +329,6 @@ def test_the_architecture_page_names_only_paths_that_exist():
 ADD_ARGUMENT_LIMIT = 25
 LONG_REGISTRATIONS = {
     "common/vla/cli.py:register",
-    "ground/cli.py:register",
 }
 
 
@@ -358,25 +357,6 @@ def test_command_lines_are_declared_not_written_as_long_functions():
     assert not new, f"functions with more than {ADD_ARGUMENT_LIMIT} add_argument calls (declare them): {new}"
     gone = sorted(LONG_REGISTRATIONS - long)
     assert not gone, f"declared now: take them off LONG_REGISTRATIONS: {gone}"
-
-
-def _classes_with_bases(folder: str) -> dict[str, list[str]]:
-    """Class name -> names of its bases, for every class defined in `folder`."""
-    found = {}
-    for path in sorted((ROOT / folder).glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ClassDef):
-                found[node.name] = [ast.unparse(base).rsplit(".", 1)[-1] for base in node.bases]
-    return found
-
-
-def test_the_ground_client_is_composed_not_stacked():
-    """GroundClient's parts are given the parts they use; none inherits from another
-    (docs/ground.md "Where things are")."""
-    classes = _classes_with_bases("ground/client")
-    stacked = sorted(f"{name}({', '.join(bases)})" for name, bases in classes.items() if set(bases) & set(classes))
-    assert not stacked, f"ground/client classes that inherit from one another: {stacked}"
-    assert {"CommandSession", "ImageUploader", "TaskTracker", "ResultStore", "GroundClient"} <= set(classes)
 
 
 #: The bus's parts and what they share (docs/bus.md "Where things are"): `Bus` (lifecycle.py) owns
@@ -470,3 +450,34 @@ def test_the_composition_check_sees_a_stack(tmp_path, monkeypatch):
     assert "declares its host under TYPE_CHECKING" in problems
     assert "getattr(self, 'buslog', None)" in problems
     assert "self.routing._confirm_stored reaches into" in problems
+
+
+#: The payload process (docs/flight.md): FlightApp builds its telecommand handlers as one object
+#: (CommandHandlers) and hands them what they use; no mixin.
+PAYLOAD_PARTS = ("flight.runtime.app", "flight.runtime.handlers", "flight.runtime.current", "flight.runtime.images")
+
+
+def test_the_payload_composes_its_handlers_instead_of_mixing_them_in():
+    problems = composition_problems(PAYLOAD_PARTS)
+    if problems:
+        report = "\n  ".join(problems)
+        pytest.fail(f"the payload's handlers are to be composed by FlightApp, not mixed in:\n  {report}", pytrace=False)
+
+
+#: The ground client's parts (docs/ground.md "Where things are"): `GroundClient` makes them and
+#: hands each the parts it uses.
+GROUND_CLIENT_PARTS = (
+    "ground.client.session",
+    "ground.client.upload",
+    "ground.client.tasks",
+    "ground.client.results",
+    "ground.client.ground_client",
+)
+
+
+def test_the_ground_client_is_composed_not_stacked():
+    problems = composition_problems(GROUND_CLIENT_PARTS)
+    if problems:
+        pytest.fail(
+            "the ground client's parts are to be composed, not stacked:\n  " + "\n  ".join(problems), pytrace=False
+        )

@@ -64,9 +64,9 @@ from flight.model.config import processors_hash
 from flight.options import EngineOptions, resolve_cadence
 
 from .current import CurrentWork
-from .handlers import MAX_QUEUED, CommandHandlers  # noqa: F401  (MAX_QUEUED: re-exported)
+from .handlers import MAX_QUEUED, CommandHandlers, PayloadServices, is_task_name  # noqa: F401  (MAX_QUEUED: re-exported)
 from .health import COMMANDS, ENGINE_ITEM, MAIN, WORKER, Health, command_item, item_task_id, report_item, task_item
-from .images import ImageCorrupt, ImageStore
+from .images import AwaitedImages, ImageCorrupt, ImageStore
 from .profile import WorkProfile, append_start
 from .queue import CANCELLED, COMPLETED, RUNNING, TaskQueue
 from .storage import DEFAULT_RESERVE_BYTES, GatedFS, Storage
@@ -193,7 +193,7 @@ class ImagesAwaited(Exception):
     ground to send it again (IMAGE_CORRUPT), as a task that has not started does."""
 
 
-class FlightApp(CommandHandlers):
+class FlightApp:
     def __init__(
         self,
         data_dir: str,
@@ -230,8 +230,8 @@ class FlightApp(CommandHandlers):
         self.stop = threading.Event()
         self.work_available = threading.Event()
         self._worker_thread: threading.Thread | None = None
-        self.corrupt_images: dict[str, str] = {}  # task id -> image found damaged, waiting to be sent again
-        self.engine = None
+        self.awaited_images = AwaitedImages()  # task id -> image found damaged, waiting to be sent again
+        self.engine: Any = None  # the Engine the worker runs now (typed loosely: it imports torch)
         self._last_fault_event: dict[EventId, float] = {}
         # The data disk as an environment condition (storage.py): its state decides what is
         # refused; a write failing with ENOSPC, EROFS or EIO moves it, and is never a task's fault.
@@ -268,7 +268,6 @@ class FlightApp(CommandHandlers):
         self._name_orphaned_tasks()
         self.storage.open()
         self._deferred_reports: set[str] = set()
-        self._engine_lock = threading.Lock()
         # What HOUSEKEEPING reports without touching the disk on the main thread (refreshed by
         # the command thread): bytes held in checkpoints.
         self._checkpoint_bytes_seen = 0
@@ -290,7 +289,29 @@ class FlightApp(CommandHandlers):
         self.profile = WorkProfile(os.path.join(self.data_dir, "state", "profile.json"))
         self._heartbeat_queued = threading.Event()  # the boot's HEARTBEAT goes before anything else
         self._window_history: m.WindowHistory | None = None  # this boot's, sent again with each STATUS
-        self.handlers = self._handler_table()
+        # The telecommand handlers: one object, handed what they use (handlers.py).
+        self.commands = CommandHandlers(
+            queue=self.queue,
+            images=self.images,
+            health=self.health,
+            cadence=self.cadence,
+            current=self.current,
+            awaited_images=self.awaited_images,
+            work_available=self.work_available,
+            log=self.log,
+            services=PayloadServices(
+                send=self.send,
+                send_final_report=self.send_final_report,
+                event=self.event,
+                housekeeping=self.housekeeping,
+                forecast_messages=self.forecast_messages,
+                accept=self._accept,
+                task_result=self._task_result,
+                task_dir=self._task_dir,
+                running_engine=lambda: self.engine,
+            ),
+        )
+        self.handlers = self.commands.table()
 
     def _telemetry_counter(self) -> AheadSequenceCounter:
         counter = AheadSequenceCounter(os.path.join(self.data_dir, "state", "tm-sequence.bin"), fs=self.fs)
@@ -368,7 +389,7 @@ class FlightApp(CommandHandlers):
             self._last_fault_event[event_id] = now
             try:
                 task_id = item_task_id(item) if item else None
-                self.event(event_id, reason, task_id if task_id and self._is_name(task_id) else None)
+                self.event(event_id, reason, task_id if task_id and is_task_name(task_id) else None)
             except Exception:  # noqa: BLE001 - the fault report itself must not fail the caller
                 self.log.exception("fault_event_failed")
         if item is not None:
@@ -471,7 +492,7 @@ class FlightApp(CommandHandlers):
     # ---- health and safety hooks ------------------------------------------------------------------
     def _health_event(self, kind: str, item: str, text: str) -> None:
         task_id = item_task_id(item)
-        task_id = task_id if task_id and self._is_name(task_id) else None
+        task_id = task_id if task_id and is_task_name(task_id) else None
         if kind == "abnormal_exit":
             self.event(EventId.ABNORMAL_EXIT, text, task_id)
             return
@@ -493,7 +514,7 @@ class FlightApp(CommandHandlers):
         self.event(
             EventId.RESULT_EVICTED,
             f"result of task {entry.task_id} ({entry.state}) removed under the results retention budget",
-            entry.task_id if self._is_name(entry.task_id) else None,
+            entry.task_id if is_task_name(entry.task_id) else None,
         )
 
     def _name_orphaned_tasks(self) -> None:
@@ -836,7 +857,7 @@ class FlightApp(CommandHandlers):
             try:
                 contents.append(self.images.read_verified(name))
             except ImageCorrupt as exc:
-                self.corrupt_images[task.task_id] = name
+                self.awaited_images.note(task.task_id, name)
                 self.event(
                     EventId.IMAGE_CORRUPT,
                     f"task {task.task_id} waits: image {name} {exc.reason}; removed, "
@@ -844,7 +865,7 @@ class FlightApp(CommandHandlers):
                     task.task_id,
                 )
                 return None
-        self.corrupt_images.pop(task.task_id, None)
+        self.awaited_images.clear(task.task_id)
         return contents
 
     def _run_task(self, model, task) -> None:
@@ -909,7 +930,7 @@ class FlightApp(CommandHandlers):
                 self.engine = None
             if run.status == RunStatus.CANCELLED:
                 self.current.cancel_done(task.task_id)
-                self._until_stored(lambda: self._finish_cancel(task), f"cancelling task {task.task_id}")
+                self._until_stored(lambda: self.commands.finish_cancel(task), f"cancelling task {task.task_id}")
                 return
             if run.status == RunStatus.PAUSED:
                 self.log.info("task_paused_for_stop", task_id=task.task_id)

@@ -1,6 +1,6 @@
 """One handler per telecommand (cFS sample_app style: dispatch in app.py, handlers here).
 
-Every handler either accepts -- `_accept` counts the command and persists the replay guard and
+Every handler either accepts -- `accept` counts the command and persists the replay guard and
 counters before ACCEPTED leaves -- or raises WireError with the code for the class of problem,
 which dispatch turns into REJECTED. Handlers run on the main thread.
 """
@@ -9,55 +9,72 @@ from __future__ import annotations
 
 import shutil
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
-from common.wire import EventId, MessageType, ResponseCode, WireError
+from common.wire import EventId, MessageType, RequestRef, ResponseCode, WireError
 from common.wire import messages as m
 from common.wire.fields import check_name
 from common.wire.ids import MAX_LISTED_ITEMS, MAX_LISTED_TASKS, MAX_REASON_BYTES, is_admin_source
 from common.wire.text import clip_utf8
+from flight.checkpoint.cadence import Cadence
 
-from .health import item_task_id, report_item, task_item
-from .images import content_hash
-from .queue import CANCELLED, COMPLETED, FAILED, FINISHED
+from .current import CurrentWork
+from .health import Health, item_task_id, report_item, task_item
+from .images import AwaitedImages, ImageStore, content_hash
+from .queue import CANCELLED, COMPLETED, FAILED, FINISHED, TaskQueue
 from .results import DAMAGED, EVICTED
-
-if TYPE_CHECKING:
-    from common.wire import RequestRef
-    from flight.checkpoint.cadence import Cadence
-
-    from .current import CurrentWork
-    from .health import Health
-    from .images import ImageStore
-    from .queue import TaskQueue
 
 MAX_QUEUED = 256
 
 
+@dataclass(frozen=True)
+class PayloadServices:
+    """What the handlers use of the process around them (FlightApp's, handed in): its reports out,
+    the acceptance of a command, a task's result and directory, the engine at work."""
+
+    send: Callable[..., None]  # (message, on_sent=None)
+    send_final_report: Callable[[Any], None]  # (task)
+    event: Callable[..., None]  # (event_id, text, task_id=None)
+    housekeeping: Callable[[], m.Housekeeping]
+    forecast_messages: Callable[[], list[m.Message]]
+    accept: Callable[..., None]  # (request, **fields): counted, replay guard persisted, ACCEPTED sent
+    task_result: Callable[[Any], m.TaskResult]  # (task)
+    task_dir: Callable[[str], str]  # (task id)
+    running_engine: Callable[[], Any]  # the Engine the worker runs now, or None
+
+
 class CommandHandlers:
-    """Mixed into FlightApp; uses its queue, images, health, send, event, _accept."""
+    """The telecommand handlers, one object that FlightApp builds and dispatches to
+    (`table()`), handed what they use: the queue, images, health and safety, the cadence, what the
+    worker is on, the images awaited again, the worker's wake-up, the log and `PayloadServices`."""
 
-    if TYPE_CHECKING:  # what FlightApp provides, declared for the type checker only
-        queue: TaskQueue
-        images: ImageStore
-        health: Health
-        cadence: Cadence
-        engine: Any
-        log: Any
-        current: CurrentWork
-        corrupt_images: dict[str, str]
-        work_available: threading.Event
+    def __init__(
+        self,
+        *,
+        queue: TaskQueue,
+        images: ImageStore,
+        health: Health,
+        cadence: Cadence,
+        current: CurrentWork,
+        awaited_images: AwaitedImages,
+        work_available: threading.Event,
+        log: Any,
+        services: PayloadServices,
+    ):
+        self.queue = queue
+        self.images = images
+        self.health = health
+        self.cadence = cadence
+        self.current = current
+        self.awaited_images = awaited_images
+        self.work_available = work_available
+        self.log = log
+        self.services = services
 
-        def send(self, message: m.Message, on_sent=None) -> None: ...
-        def send_final_report(self, task) -> None: ...
-        def event(self, event_id: EventId, text: str, task_id: str | None = None) -> None: ...
-        def housekeeping(self) -> m.Housekeeping: ...
-        def forecast_messages(self) -> list[m.Message]: ...
-        def _accept(self, request: RequestRef, **fields) -> None: ...
-        def _task_result(self, task) -> m.TaskResult: ...
-        def _task_dir(self, task_id: str) -> str: ...
-
-    def _handler_table(self) -> dict:
+    def table(self) -> dict:
+        """Each telecommand's handler."""
         return {
             MessageType.PING: self.on_ping,
             MessageType.STATUS: self.on_status,
@@ -78,16 +95,16 @@ class CommandHandlers:
 
     # ---- simple commands ---------------------------------------------------------------------------
     def on_ping(self, request, msg: m.Ping) -> None:
-        self._accept(request)
-        self.send(m.Pong(key=msg.key))
-        self.send(m.Completed.about(request))
+        self.services.accept(request)
+        self.services.send(m.Pong(key=msg.key))
+        self.services.send(m.Completed.about(request))
 
     def on_status(self, request, msg) -> None:
-        self._accept(request)
-        for message in self.forecast_messages():  # the ground's completion forecast's inputs
-            self.send(message)
-        self.send(self.housekeeping())
-        self.send(m.Completed.about(request))
+        self.services.accept(request)
+        for message in self.services.forecast_messages():  # the ground's completion forecast's inputs
+            self.services.send(message)
+        self.services.send(self.services.housekeeping())
+        self.services.send(m.Completed.about(request))
 
     # ---- tasks -------------------------------------------------------------------------------------------
     def on_uplink_task(self, request, msg: m.UplinkTask) -> None:
@@ -110,7 +127,7 @@ class CommandHandlers:
                 known = finished.content_hash
             if known != digest:
                 raise WireError(ResponseCode.DUPLICATE_TASK, f"task {msg.task_id} exists with other content")
-            self._accept(request, task_id=msg.task_id)  # the same uplink again: idempotent
+            self.services.accept(request, task_id=msg.task_id)  # the same uplink again: idempotent
             return
         if self.queue.depth() >= MAX_QUEUED:
             raise WireError(ResponseCode.QUEUE_FULL, f"{MAX_QUEUED} tasks queued")
@@ -124,18 +141,18 @@ class CommandHandlers:
             request,
             digest,
         )
-        self._accept(request, task_id=msg.task_id)
+        self.services.accept(request, task_id=msg.task_id)
         if relost:
             # It never finished (the result store would know), so this is not a second run: it
             # resumes from whatever checkpoints it had. Said out loud all the same.
             self.queue.forget_lost(msg.task_id)
-            self.event(
+            self.services.event(
                 EventId.TASKS_LOST,
                 f"task {msg.task_id}, lost to journal damage, queued again as the ground sent it again",
                 msg.task_id,
             )
-        self.event(EventId.TASK_QUEUED, f"task {msg.task_id} queued (priority {msg.priority})", msg.task_id)
-        self.send(self.housekeeping())
+        self.services.event(EventId.TASK_QUEUED, f"task {msg.task_id} queued (priority {msg.priority})", msg.task_id)
+        self.services.send(self.services.housekeeping())
         self.work_available.set()
 
     def _unknown_or_gone(self, task_id: str) -> WireError:
@@ -164,24 +181,24 @@ class CommandHandlers:
     def on_cancel_task(self, request, msg: m.CancelTask) -> None:
         _refuse_foreign(request, _owner_of(self.queue, msg.task_id), msg.task_id)
         task = self._unfinished_task(msg.task_id)
-        self._accept(request, task_id=msg.task_id)
+        self.services.accept(request, task_id=msg.task_id)
         if not self.current.cancel(msg.task_id):  # the running one ends at its next unit boundary
-            self._finish_cancel(task)
-        self.send(m.Completed.about(request, task_id=msg.task_id))
+            self.finish_cancel(task)
+        self.services.send(m.Completed.about(request, task_id=msg.task_id))
 
-    def _finish_cancel(self, task) -> None:
+    def finish_cancel(self, task) -> None:
         self.queue.cancel(task.task_id, code=int(ResponseCode.CANCELLED))
         self.health.release(task_item(task.task_id))  # a cancelled task is no longer held back
-        self.send_final_report(self.queue.get(task.task_id))
-        self.event(EventId.TASK_CANCELLED, f"task {task.task_id} cancelled", task.task_id)
-        shutil.rmtree(self._task_dir(task.task_id), ignore_errors=True)
+        self.services.send_final_report(self.queue.get(task.task_id))
+        self.services.event(EventId.TASK_CANCELLED, f"task {task.task_id} cancelled", task.task_id)
+        shutil.rmtree(self.services.task_dir(task.task_id), ignore_errors=True)
 
     def on_set_priority(self, request, msg: m.SetPriority) -> None:
         _refuse_foreign(request, _owner_of(self.queue, msg.task_id), msg.task_id)
         self._unfinished_task(msg.task_id)
         self.queue.set_priority(msg.task_id, msg.priority)
-        self._accept(request, task_id=msg.task_id)
-        self.send(m.Completed.about(request, task_id=msg.task_id))
+        self.services.accept(request, task_id=msg.task_id)
+        self.services.send(m.Completed.about(request, task_id=msg.task_id))
 
     def on_downlink_result(self, request, msg: m.DownlinkResult) -> None:
         _refuse_foreign(request, _owner_of(self.queue, msg.task_id), msg.task_id)
@@ -192,7 +209,7 @@ class CommandHandlers:
                     ResponseCode.QUARANTINED,
                     f"task {msg.task_id} is quarantined (RELEASE_QUARANTINE {task_item(msg.task_id)} to run it again)",
                 )
-            corrupt = self.corrupt_images.get(msg.task_id)
+            corrupt = self.awaited_images.get(msg.task_id)
             if corrupt:
                 raise WireError(
                     ResponseCode.IMAGE_CORRUPT,
@@ -210,9 +227,9 @@ class CommandHandlers:
                 else ResponseCode(task.code or ResponseCode.TASK_FINISHED)
             )
             raise WireError(code, f"task {msg.task_id} {task.state}: {task.reason}")
-        self._accept(request, task_id=msg.task_id)
-        self.send(self._task_result(task))
-        self.send(m.Completed.about(request, task_id=msg.task_id))
+        self.services.accept(request, task_id=msg.task_id)
+        self.services.send(self.services.task_result(task))
+        self.services.send(m.Completed.about(request, task_id=msg.task_id))
 
     # ---- images ------------------------------------------------------------------------------------
     def on_image_chunk(self, request, msg: m.ImageChunk) -> None:
@@ -221,12 +238,12 @@ class CommandHandlers:
         except WireError as err:
             self._image_rejected(msg.image, err)
             raise
-        self._accept(request)
+        self.services.accept(request)
         if completed:
             self._image_verified(msg.image, msg.image_size)
 
     def on_image_query(self, request, msg: m.ImageQuery) -> None:
-        self._accept(request)
+        self.services.accept(request)
         # A cut between the last chunk and the file's commit leaves every chunk held: nothing new
         # will arrive, so the query finishes the verification, with the events a chunk would give.
         try:
@@ -236,11 +253,11 @@ class CommandHandlers:
         else:
             if size is not None:
                 self._image_verified(msg.image, size)
-        self.send(self.images.status(msg.image))
-        self.send(m.Completed.about(request))
+        self.services.send(self.images.status(msg.image))
+        self.services.send(m.Completed.about(request))
 
     def _image_verified(self, name: str, size: int) -> None:
-        self.event(EventId.IMAGE_COMPLETE, f"image {name} verified ({size} bytes)")
+        self.services.event(EventId.IMAGE_COMPLETE, f"image {name} verified ({size} bytes)")
         self.work_available.set()
 
     def _image_rejected(self, name: str, err: WireError) -> None:
@@ -250,14 +267,14 @@ class CommandHandlers:
             ResponseCode.IMAGE_TOO_LARGE,
             ResponseCode.IMAGE_SHAPE_UNSUPPORTED,
         ):
-            self.event(EventId.IMAGE_REJECTED, f"image {name}: {err.reason}")
+            self.services.event(EventId.IMAGE_REJECTED, f"image {name}: {err.reason}")
 
     # ---- health and safety, journal integrity ------------------------------------------------------------
     def on_list_quarantine(self, request, msg) -> None:
         listing = self.health.listing()
         shown = listing[:MAX_LISTED_ITEMS]
-        self._accept(request)
-        self.send(
+        self.services.accept(request)
+        self.services.send(
             m.QuarantineList(
                 items=[i for i, _, _ in shown],
                 exits=[n for _, n, _ in shown],
@@ -265,7 +282,7 @@ class CommandHandlers:
                 total=len(listing),
             )
         )
-        self.send(m.Completed.about(request))
+        self.services.send(m.Completed.about(request))
 
     def on_release_quarantine(self, request, msg: m.ReleaseQuarantine) -> None:
         # A station may release its own task's items; commands and the engine are the
@@ -281,24 +298,24 @@ class CommandHandlers:
         if not self.health.release(msg.item):
             raise WireError(ResponseCode.NOT_QUARANTINED, f"{msg.item} is not quarantined")
         task_id = item_task_id(msg.item)
-        self._accept(request, task_id=task_id if task_id and self._is_name(task_id) else None)
-        self.event(
+        self.services.accept(request, task_id=task_id if task_id and is_task_name(task_id) else None)
+        self.services.event(
             EventId.QUARANTINE_RELEASED,
             f"{msg.item} released from quarantine by command",
-            task_id if task_id and self._is_name(task_id) else None,
+            task_id if task_id and is_task_name(task_id) else None,
         )
         if msg.item.startswith("task:"):
             self.work_available.set()
         elif msg.item.startswith("report:") and task_id:
             task = self.queue.get(task_id)
             if task is not None and task.state in FINISHED:
-                self.send_final_report(task)
-        self.send(m.Completed.about(request))
+                self.services.send_final_report(task)
+        self.services.send(m.Completed.about(request))
 
     def on_list_lost_tasks(self, request, msg) -> None:
         lost = self.queue.lost
-        self._accept(request)
-        self.send(
+        self.services.accept(request)
+        self.services.send(
             m.LostTasks(
                 task_ids=lost.task_ids[:MAX_LISTED_TASKS],
                 total=len(lost.task_ids),
@@ -307,14 +324,16 @@ class CommandHandlers:
                 unnamed=lost.unnamed,
             )
         )
-        self.send(m.Completed.about(request))
+        self.services.send(m.Completed.about(request))
 
     # ---- from the bus --------------------------------------------------------------------------------
     def on_shutdown_warning(self, header, msg: m.ShutdownWarning) -> None:
-        self.event(EventId.SHUTDOWN_WARNING_RECEIVED, f"bus warns of a cut in {msg.lead_time_s:.1f} s ({msg.cause})")
+        text = f"bus warns of a cut in {msg.lead_time_s:.1f} s ({msg.cause})"
+        self.services.event(EventId.SHUTDOWN_WARNING_RECEIVED, text)
         self.cadence.warning(msg.lead_time_s)
-        if self.engine is not None:
-            self.engine.checkpoint_soon.set()
+        engine = self.services.running_engine()
+        if engine is not None:
+            engine.checkpoint_soon.set()
 
     def on_power_state(self, header, msg: m.PowerStateChange) -> None:
         self.log.info("power_state", **{k: str(v) for k, v in msg.pack().items()})
@@ -328,13 +347,14 @@ class CommandHandlers:
     def on_power_report(self, header, msg: m.PowerReport) -> None:
         self.cadence.power(msg.trace_time_s, msg.battery_soc)  # the adaptive cadence's battery trend
 
-    @staticmethod
-    def _is_name(value: str) -> bool:
-        try:
-            check_name(value, "task_id")
-            return True
-        except WireError:
-            return False
+
+def is_task_name(value: str) -> bool:
+    """Whether `value` is a valid task id (what an event's task field may carry)."""
+    try:
+        check_name(value, "task_id")
+        return True
+    except WireError:
+        return False
 
 
 def _owner_of(queue: TaskQueue, task_id: str) -> int | None:

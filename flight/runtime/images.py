@@ -196,6 +196,28 @@ class ImageStore:
         return total
 
 
+class AwaitedImages:
+    """Tasks waiting for the ground to send a damaged image again: task id -> image name. The
+    worker notes and clears them, the command thread reads them for DOWNLINK_RESULT's answer;
+    behind a lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_task: dict[str, str] = {}
+
+    def note(self, task_id: str, image: str) -> None:
+        with self._lock:
+            self._by_task[task_id] = image
+
+    def clear(self, task_id: str) -> None:
+        with self._lock:
+            self._by_task.pop(task_id, None)
+
+    def get(self, task_id: str) -> str | None:
+        with self._lock:
+            return self._by_task.get(task_id)
+
+
 def _check_picture(name: str, content: bytes, limits: ProcessorLimits | None) -> None:
     """Everything a task would later fail on, checked now: header limits, shape, decodability."""
     try:

@@ -38,6 +38,10 @@ SERIES: dict[tuple[str, str], str] = {
 WRITTEN_SERIES = "storage_written_bytes"
 #: every series the console plots and exports
 SERIES_NAMES: tuple[str, ...] = (*dict.fromkeys(SERIES.values()), WRITTEN_SERIES)
+#: the phases (TaskPhase values) in which the payload is working on a task: what a cut interrupts
+RUNNING_PHASES = {"recovering", "vision", "prefill", "decode"}
+#: tasks whose latest progress the console keeps (the task view shows each one's)
+PROGRESS_TASKS = 1000
 #: reports that are samples of the series, not events an operator reads one by one
 SAMPLE_TYPES = {"POWER", "THERMAL", "HEARTBEAT"}
 
@@ -140,6 +144,9 @@ class History:
         self.number = 0
         self._warning: dict | None = None
         self._doing: dict = {}
+        #: each task's latest progress (phase, done, total, t), from its PROGRESS reports and the
+        #: payload's HOUSEKEEPING; the most recent PROGRESS_TASKS tasks
+        self.progress: dict[str, dict] = {}
         self.latest: dict[str, Any] = {}
         # storage written: the boots before the present one, the present boot's number and the
         # most it has reported (the count restarts at each boot; a late packet of an earlier
@@ -191,8 +198,14 @@ class History:
                 self.series[name].add(t, float(body[field]))
         self.latest[kind] = {"t": t, "body": body}
         if kind == "HOUSEKEEPING":
-            self._doing = {"task": body.get("current_task"), "phase": body.get("phase")}
+            task = body.get("current_task")
+            self._doing = {"task": task, "phase": body.get("phase")} if body.get("phase") in RUNNING_PHASES else {}
+            if isinstance(task, str) and isinstance(body.get("progress_total"), int):
+                self._progressed(task, t, body.get("phase"), body.get("progress_done"), body.get("progress_total"))
             self._written(t, body)
+        elif kind == "PROGRESS" and isinstance(body.get("task_id"), str):
+            # more often than HOUSEKEEPING: what a cut interrupts is known to the unit
+            self._progressed(body["task_id"], t, body.get("phase"), body.get("done"), body.get("total"))
         elif kind == "SHUTDOWN_WARNING":
             self._warning = {"t": t, "cause": body.get("cause"), "lead_s": body.get("lead_time_s")}
         elif kind == "POWER_STATE":
@@ -212,6 +225,8 @@ class History:
                         "warned_lead_s": warning["lead_s"] if warning else None,
                         "task": self._doing.get("task"),
                         "phase": self._doing.get("phase"),
+                        "done": self._doing.get("done"),
+                        "total": self._doing.get("total"),
                     }
                 )
                 self._warning = None
@@ -223,6 +238,15 @@ class History:
         record = dict(record, n=self.number)
         self.events.append(record)
         return record
+
+    def _progressed(self, task: str, t: float, phase: Any, done: Any, total: Any) -> None:
+        entry = {"phase": phase, "done": done, "total": total, "t": t}
+        self.progress.pop(task, None)  # newest last: the oldest go first past the bound
+        self.progress[task] = entry
+        while len(self.progress) > PROGRESS_TASKS:
+            del self.progress[next(iter(self.progress))]
+        running = phase in RUNNING_PHASES  # a finished task's last report leaves the payload idle
+        self._doing = {"task": task, "phase": phase, "done": done, "total": total} if running else {}
 
     def _written(self, t: float, body: dict) -> None:
         """The lifetime figure that flash wear depends on, from a count that restarts at each

@@ -303,19 +303,20 @@ class Console:
         with self.history.lock:
             cuts = list(self.history.cuts)
             hk = (self.history.latest.get("HOUSEKEEPING") or {}).get("body") or {}
+            progress = {task: dict(entry) for task, entry in self.history.progress.items()}
         for task in tasks:
             result = state.load_result(task["task_id"])
             if result is not None:
                 task["result"] = result
             # what the console saw of it: the cuts it was running through, its progress now
             task["cuts_seen"] = sum(1 for cut in cuts if cut.get("task") == task["task_id"])
-            if hk.get("current_task") == task["task_id"]:
-                task["live"] = {
-                    "phase": hk.get("phase"),
-                    "done": hk.get("progress_done"),
-                    "total": hk.get("progress_total"),
-                    "checkpoint_bytes": hk.get("checkpoint_bytes"),
-                }
+            # its latest progress (its PROGRESS reports, the payload's HOUSEKEEPING), the
+            # checkpoint bytes while it is the payload's current task
+            latest = progress.get(task["task_id"])
+            if latest is not None:
+                task["live"] = {k: latest[k] for k in ("phase", "done", "total")}
+                if hk.get("current_task") == task["task_id"]:
+                    task["live"]["checkpoint_bytes"] = hk.get("checkpoint_bytes")
         return web.json_response({"tasks": tasks, "forecast": self._forecast(tasks)}, dumps=_dumps)
 
     def _forecast(self, tasks: list[dict]) -> Any:
@@ -503,6 +504,16 @@ class Console:
             body = await request.json()
         except ValueError:
             return _error(400, "not a JSON uplink request")
+        if isinstance(body, dict) and body.get("check_only") is True:
+            # the page asks this before it sends any image: a bad prompt or number is refused
+            # first, as the CLI refuses it before it reads the files
+            try:
+                self._check_fields(body)
+            except LocalInputError as exc:
+                return _error(400, str(exc))
+            except (ValueError, TypeError):
+                return _error(400, "max new tokens and priority must be whole numbers")
+            return web.json_response({"ok": True, "checked": True})
         images = body.get("images") if isinstance(body, dict) else None
         if not isinstance(images, list) or not all(isinstance(i, dict) for i in images):
             return _error(400, 'not an uplink request: "images" must be a list of {"upload", "name"}')

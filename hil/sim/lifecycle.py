@@ -241,13 +241,13 @@ class Payload:
 
     def process(self, start: float, end: float) -> PayloadProcess:
         if start not in self.processes:
-            started = start + self.platform.process_start_s
+            started = start + self.platform.process_start_at(start)
             cadence = None
             if self.mode == "adaptive":
                 history = [
-                    b - (a + self.platform.process_start_s)
+                    b - (a + self.platform.process_start_at(a))
                     for a, b in self.windows
-                    if b <= start and b > a + self.platform.process_start_s
+                    if b <= start and b > a + self.platform.process_start_at(a)
                 ]
                 cadence = Cadence(
                     "adaptive", history[-HISTORY_WINDOWS:], started=started, write_s=self._writes_learned(start)

@@ -88,6 +88,9 @@ class Platform:
     # power-up -> the payload process starts: its storage throttle's buckets (empty then) and its
     # uptime clock (the cadence's, the window log's) start here
     process_start_s: float = 0.0
+    # the process start of particular power-ups where it came later than `process_start_s`
+    # (validation: a slow first boot on a loaded machine; `process_start_at`)
+    process_start_by_power_up: dict = field(default_factory=dict)
     first_setup_s: float | None = None  # setup at a task's first start (inputs built); None: setup_s
     meta: dict = field(default_factory=dict)
 
@@ -97,6 +100,14 @@ class Platform:
             if abs(t - power_up) < 1.0:
                 return boot
         return self.boot_s
+
+    def process_start_at(self, power_up: float) -> float:
+        """Power-up -> the payload process started, for the power-up at `power_up`: as measured
+        there if known, else `process_start_s`."""
+        for t, start in self.process_start_by_power_up.items():
+            if abs(t - power_up) < 1.0:
+                return start
+        return self.process_start_s
 
     def layer_chunk_s(self, tokens: int) -> float:
         """One decoder layer on one chunk of `tokens` (Engine.task_geometry's estimate): the pace

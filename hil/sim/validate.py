@@ -477,7 +477,25 @@ def _run_platform(facts: dict, commit_latency_s: float, unit: dict | None = None
         native_write_bytes_per_s=facts.get("native_write_bytes_per_s") or 1.0e9,
     )
     platform.process_start_s = facts.get("process_start_trace_s") or 0.0
+    platform.process_start_by_power_up = process_starts(facts)
     return platform
+
+
+def process_starts(facts: dict) -> dict[float, float]:
+    """{power-up: power-up -> the payload process started} where the run shows it: the emulated
+    boot is a fork that sleeps `process_start_trace_s` before the process (its storage throttle,
+    empty then, its uptime clock) starts, and the process connects to the bus a short, steady
+    while after it starts; a power-up whose connection came later than that (a loaded machine:
+    the first boot of a campaign run took 27 trace s where the emulated boot is 15) started its
+    process later by as much. The steady while is the median over the run's power-ups of
+    connection less emulated boot. Where the boot is not emulated (the payload exec'd at
+    power-up) the process starts at power-up whatever its boot takes: none."""
+    emulated = facts.get("process_start_trace_s") or 0.0
+    connected = facts.get("connected_by_power_up") or {}
+    if emulated <= 0 or not connected:
+        return {}
+    lag = statistics.median(seconds - emulated for seconds in connected.values())
+    return {float(on): max(emulated, seconds - lag) for on, seconds in connected.items()}
 
 
 def _read_after(platform: Platform, since_process_start: float, nbytes: float) -> float:
@@ -498,12 +516,12 @@ def _write_after(platform: Platform, since_process_start: float, nbytes: float) 
     )
 
 
-def pure_boot(platform: Platform, measured: float, nbytes: float) -> float:
+def pure_boot(platform: Platform, measured: float, nbytes: float, power_up: float | None = None) -> float:
     """Power-up -> the payload takes up the task, from a measured power-up -> STARTED that also
     holds a read of `nbytes` (a restart's TASK_INPUTS, a first start's images): the boot b with
     b + read(b) = measured, the read through the process's storage (empty when the process
-    started)."""
-    start = platform.process_start_s
+    started: at `power_up`'s process start where given)."""
+    start = platform.process_start_s if power_up is None else platform.process_start_at(power_up)
     lo, hi = 0.0, measured
     for _ in range(60):  # b + read(b) grows with b: bisection
         mid = 0.5 * (lo + hi)
@@ -574,7 +592,7 @@ def simulate_request(
             extra = 0.0 if first else model._read_s(data(model.sizes.task_pixels))
         if first:
             on = max((t for t in on_times if t <= started), default=None)
-            since = started - on - platform.process_start_s if on is not None else 1e9
+            since = started - on - platform.process_start_at(on) if on is not None else 1e9
             stored = model.sizes.task_pixels + model.sizes.task_inputs
             extra += _write_after(platform, since, data(stored)) + platform.storage.write_latency_s
         return seconds - vision_block_s - extra
@@ -663,7 +681,7 @@ def run_boots(facts: dict, requests: list[Request], platform: Platform) -> dict[
             continue
         sizes = RecordSizes(spec_from_dir_cached(facts["model_dir"]), request, 1, 1) if restart else None
         nbytes = sizes.task_inputs if sizes is not None else request.image_bytes
-        out[float(on)] = pure_boot(platform, measured, platform.storage.data_bytes(nbytes))
+        out[float(on)] = pure_boot(platform, measured, platform.storage.data_bytes(nbytes), float(on))
     return out
 
 

@@ -90,3 +90,15 @@ def test_the_kept_profile_is_read_in_trace_seconds(tmp_path):
     assert profile["unit_s"] == {"vision": 1.0, "prefill": 2.0, "decode": 1.0}  # time scale 0.5
     assert profile["overhead_s"] == 6.0 and profile["setup_s"] == 2.0
     assert profile["durable_every"] == {"vision": 1, "prefill": 1, "decode": 4} and profile["cadence"] == "fixed"
+
+
+def test_each_window_model_is_judged_and_an_unstarted_task_counts_as_an_uplink(tmp_path):
+    rows = replay_run(_run_dir(tmp_path), PROFILE, draws=20, models=("history", "phase"))
+    at_uplink = {r["model"]: r for r in rows if r["after"] == 0}
+    assert set(at_uplink) == {"history", "phase"}
+    for r in at_uplink.values():
+        # nothing of the task heard done at its uplink: judged from then as well
+        assert r["unstarted"] and r["remaining_error"] == r["error"]
+        assert 0.0 <= r["orbit_phase"] < 1.0
+    whens = {(s["model"], s["when"]) for s in real_summary(rows)}
+    assert ("phase", "uplink or unstarted") in whens and ("history", "at uplink") in whens

@@ -171,7 +171,7 @@ def test_a_task_whose_stored_pixels_are_damaged_builds_them_again_or_waits_for_i
     damage(Path(app.images.image_path("scene.png")))
     with pytest.raises(ImagesAwaited):
         _ = app._stored_inputs(task, model).pixel_values
-    assert not app.images.is_verified("scene.png") and app.corrupt_images == {"t1": "scene.png"}
+    assert not app.images.is_verified("scene.png") and app.awaited_images.get("t1") == "scene.png"
 
 
 def test_a_load_of_the_engine_that_succeeds_resets_its_count(tmp_path, model_dirs):

@@ -1,5 +1,6 @@
 """The payload's image store across a cut between the last chunk and the assembled file."""
 
+import dataclasses
 import io
 
 import numpy as np
@@ -80,9 +81,11 @@ def test_a_query_that_finishes_the_verification_reports_it_as_a_chunk_would(tmp_
         wedged.put_chunk(chunks[-1])
     sent: list = []
     app.send = sent.append  # type: ignore[method-assign]
+    # the handlers send through what they were handed (PayloadServices), the app's events through app.send
+    app.commands.services = dataclasses.replace(app.commands.services, send=sent.append)
     request = RequestRef(apid=1, source_id=1, seq=1, message_type=int(m.ImageQuery.TYPE))
     for _ in range(2):
-        app.on_image_query(request, m.ImageQuery(image="scene.png"))
+        app.commands.on_image_query(request, m.ImageQuery(image="scene.png"))
     complete = [x for x in sent if isinstance(x, m.Event) and x.event_id == EventId.IMAGE_COMPLETE]
     assert [x.text for x in complete] == [f"image scene.png verified ({len(content)} bytes)"]
     statuses = [x for x in sent if isinstance(x, m.ImageStatus)]

@@ -198,13 +198,25 @@ def test_memory_and_storage_written_over_boots_are_plotted_and_exported():
 def test_timeline_records_cut_cause_warning_lead_and_running_task():
     history = History()
     history.add({"t": 10.0, "type": "POWER_STATE", "body": {"payload_on": True, "cause": "TRACE"}})
-    history.add({"t": 11.0, "type": "HOUSEKEEPING", "body": {"current_task": "t-x", "phase": "DECODE"}})
+    history.add({"t": 11.0, "type": "HOUSEKEEPING", "body": {"current_task": "t-x", "phase": "decode"}})
     history.add({"t": 20.0, "type": "SHUTDOWN_WARNING", "body": {"cause": "POWER", "lead_time_s": 5.0}})
+    # PROGRESS reports (more often than HOUSEKEEPING) say what the cut interrupted, to the unit
+    progress = {"task_id": "t-x", "phase": "decode", "done": 31, "total": 39}
+    history.add({"t": 22.0, "type": "PROGRESS", "body": progress})
     history.add({"t": 24.5, "type": "POWER_STATE", "body": {"payload_on": False, "cause": "POWER"}})
     timeline = history.timeline(0.0, 100.0)
     (cut,) = timeline["cuts"]
     assert cut["cause"] == "POWER" and cut["warning_lead_s"] == 4.5 and cut["task"] == "t-x"
+    assert (cut["phase"], cut["done"], cut["total"]) == ("decode", 31, 39)
     assert timeline["windows"] == [[10.0, 24.5]] and timeline["payload_on"] is False
+    assert history.progress["t-x"] == {"phase": "decode", "done": 31, "total": 39, "t": 22.0}
+    # a finished task's last report leaves the payload idle: a cut then interrupts nothing
+    history.add({"t": 30.0, "type": "POWER_STATE", "body": {"payload_on": True, "cause": "TRACE"}})
+    done = {"task_id": "t-x", "phase": "completed", "done": 39, "total": 39}
+    history.add({"t": 31.0, "type": "PROGRESS", "body": done})
+    history.add({"t": 32.0, "type": "POWER_STATE", "body": {"payload_on": False, "cause": "THERMAL"}})
+    assert history.timeline(0.0, 100.0)["cuts"][-1]["task"] is None
+    assert history.timeline(0.0, 100.0)["doing"] == {}
 
 
 def test_on_loopback_a_token_is_made_for_the_run_and_actions_need_it(tmp_path):
@@ -453,3 +465,25 @@ def test_lifetime_storage_written_survives_a_console_restart(tmp_path):
     assert total(fourth) == 7.0
     said = [e["text"] for e in fourth.history.events if e["type"] == "CONSOLE"]
     assert any("set aside" in text and "starts from zero" in text for text in said), said
+
+
+def test_task_view_shows_each_tasks_latest_progress(tmp_path):
+    """Every task's latest progress (its PROGRESS reports), not only the payload's current task's;
+    the checkpoint bytes of the current one."""
+    from ground.state import GroundState
+
+    state = GroundState(tmp_path / "state")
+    for task in ("t-a", "t-b"):
+        state.update_task(task, state="accepted", prompt="p")
+    history = History()
+    history.add({"t": 1.0, "type": "PROGRESS", "body": {"task_id": "t-a", "phase": "decode", "done": 4, "total": 4}})
+    hk = {"current_task": "t-b", "phase": "prefill", "progress_done": 2, "progress_total": 8, "checkpoint_bytes": 512}
+    history.add({"t": 2.0, "type": "HOUSEKEEPING", "body": hk})
+
+    async def body(session, base):
+        async with session.get(base + "/api/tasks") as r:
+            tasks = {t["task_id"]: t for t in (await r.json())["tasks"]}
+        assert tasks["t-a"]["live"] == {"phase": "decode", "done": 4, "total": 4}
+        assert tasks["t-b"]["live"] == {"phase": "prefill", "done": 2, "total": 8, "checkpoint_bytes": 512}
+
+    serve(ConsoleSecurity(), history, state=state)(body)

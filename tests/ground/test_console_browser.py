@@ -1,7 +1,8 @@
 """The console in a real browser (headless Chromium) against a real bus and payload (tiny model)
 on the demo trace: the page loads; the bus's first power cut shows in the timeline; an uplink
 through the form completes (its upload to the console, cut off once, goes on from the console's
-offset), says each image was verified on board, and the task's result shows;
+offset; a page reloaded midway offers the uplink again and goes on from there too), says each
+image was verified on board, and the task's result shows;
 the telemetry CSV export holds what the plot shows, the payload's memory and storage written
 among it; a bad image is refused with the CLI's message.
 Every wait is on the page, with a deadline and what it waits for. Screenshots go to the test's
@@ -124,6 +125,7 @@ def test_console_in_chromium_against_bus_and_payload(browser, model_dirs, tmp_pa
         browser.execute_script("chosen = []; document.getElementById('images').value = '';")
         browser.execute_script(
             "consoleState.uploadChunkBytes = 2048; consoleState.puts = 0; const realFetch = window.fetch;"
+            " consoleState.realFetch = realFetch;"
             " window.fetch = (url, init) => (init && init.method === 'PUT' && ++consoleState.puts === 2)"
             " ? Promise.reject(new TypeError('connection dropped (test)')) : realFetch(url, init);"
         )
@@ -148,6 +150,34 @@ def test_console_in_chromium_against_bus_and_payload(browser, model_dirs, tmp_pa
         assert uploads and all(u["done"] == u["size"] > 0 for u in uploads.values()), uploads
         assert browser.execute_script("return document.getElementById('payload-progress').value") == 100
         browser.save_screenshot(str(shots / "console-uplink.png"))
+
+        # a page reloaded midway through its upload to the console: the uplink is offered again,
+        # with its file, and goes on from the offset the console kept
+        browser.execute_script("chosen = []; document.getElementById('images').value = '';")
+        browser.execute_script(
+            "consoleState.uploadChunkBytes = 2048; consoleState.puts = 0; const realFetch = consoleState.realFetch;"
+            " window.fetch = (url, init) => (init && init.method === 'PUT' && ++consoleState.puts >= 3)"
+            " ? new Promise(() => {}) : realFetch(url, init);"  # the third chunk never leaves: the page goes first
+        )
+        browser.find_element(By.ID, "images").send_keys(str(ROOT / "hil" / "samples" / "fields.png"))
+        browser.find_element(By.ID, "send").click()
+        wait.until(lambda d: d.execute_script("return consoleState.puts") >= 3, "two chunks held by the console")
+        browser.refresh()
+        wait.until(lambda d: d.execute_script("return document.body.dataset.loaded") == "1", "the page to load again")
+        browser.find_element(By.CSS_SELECTOR, "nav button[data-view=uplink]").click()
+        wait.until(lambda d: "cut short" in d.find_element(By.ID, "uplink-status").text, "the cut-short uplink offered")
+        assert "fields.png" in browser.find_element(By.ID, "chosen").text
+        browser.execute_script(
+            "consoleState.offsets = []; const realFetch = window.fetch; window.fetch = (url, init) => {"
+            " if (init && init.method === 'PUT') consoleState.offsets.push(init.headers['Upload-Offset']);"
+            " return realFetch(url, init); };"
+        )
+        browser.find_element(By.ID, "send").click()
+        wait.until(lambda d: d.find_element(By.ID, "uplink-status").get_attribute("class") in ("ok", "error"), "uplink")
+        status = browser.find_element(By.ID, "uplink-status").text
+        assert "verified on board" in status and "accepted by the payload" in status, status
+        assert browser.execute_script("return consoleState.offsets") == ["4096"]  # only what the console lacked
+        assert browser.execute_script("return pending.load()") is None  # answered: not offered again
         browser.find_element(By.CSS_SELECTOR, "nav button[data-view=tasks]").click()
         wait.until(
             lambda d: "logits SHA-256" in d.find_element(By.CSS_SELECTOR, f"#tasks tr[data-task='{task}']").text,

@@ -168,6 +168,12 @@ def test_uploads_refuse_what_the_cli_refuses(tmp_path):
             assert (await r.json())["error"] == "image 'bad.png': not a decodable picture (UnidentifiedImageError)"
         async with session.post(base + "/api/uplink", json=dict(uplink, prompt=" \u200b"), headers=headers) as r:
             assert r.status == 400 and "EMPTY_PROMPT" in (await r.json())["error"]  # the prompt is checked first
+        # the page's check before it sends any image: the fields alone
+        check = {"prompt": " \u200b", "max_new_tokens": "8", "priority": "0", "check_only": True}
+        async with session.post(base + "/api/uplink", json=check, headers=headers) as r:
+            assert r.status == 400 and "EMPTY_PROMPT" in (await r.json())["error"]
+        async with session.post(base + "/api/uplink", json=dict(check, prompt="describe"), headers=headers) as r:
+            assert r.status == 200 and (await r.json()) == {"ok": True, "checked": True}
         for tokens in (8.5, True, "8 tokens"):
             request = dict(uplink, max_new_tokens=tokens)
             async with session.post(base + "/api/uplink", json=request, headers=headers) as r:

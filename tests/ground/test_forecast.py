@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import json
+import random
 import time
 
+import pytest
 from ground_testkit import link_args
 
 from common.sim.windows import finish_time, finish_times
 from common.wire import messages as m
 from common.wire.ids import PowerCause
-from ground.forecast import forecast_lines, forecast_tasks
+from ground.cli import register
+from ground.forecast import forecast_lines, forecast_tasks, orbit_period
 from ground.state import GroundState
 
 PROFILE = {
@@ -181,3 +187,80 @@ def test_an_announced_cut_keeps_the_steps_that_ended():
     quiet = forecast_tasks(TASKS, basis, now_wall=now, draws=100)["tasks"]["t1"]
     warned = forecast_tasks(TASKS, {**basis, "cuts": {"heard": 20, "warned": 20}}, now_wall=now, draws=100)
     assert warned["tasks"]["t1"]["expected"] < quiet["expected"]
+
+
+ORBIT = 5700.0  # seconds
+
+
+def _orbits(count: int, end: float, duty_on: float = 0.5, piece: float = 300.0, gap: float = 30.0):
+    """A window history of `count` orbits ending at `end`: in the first `duty_on` of each orbit
+    windows of `piece` s with `gap` s between them, then off to the next orbit (an eclipse)."""
+    starts, lengths = [], []
+    t0 = end - count * ORBIT
+    for k in range(count):
+        t = t0 + k * ORBIT
+        while t + piece <= t0 + k * ORBIT + duty_on * ORBIT:
+            starts.append(t)
+            lengths.append(piece)
+            t += piece + gap
+    return starts, lengths
+
+
+def test_the_orbits_period_is_found_in_the_history_or_said_why_not():
+    starts, lengths = _orbits(3, 30_000.0)
+    on = [(s, s + n) for s, n in zip(starts, lengths, strict=True)]
+    period, how = orbit_period(on, 30_000.0)
+    assert period is not None and abs(period - ORBIT) < 0.02 * ORBIT and "found" in how
+    # one orbit of history: too short, and it says so
+    period, how = orbit_period(on[-len(on) // 3 :], 30_000.0)
+    assert period is None and "spans" in how
+    # windows cut at random (FDIR alone): no orbital pattern
+    rng = random.Random(5)
+    t, random_on = 0.0, []
+    while t < 3 * ORBIT:
+        length = rng.expovariate(1 / 200.0)
+        random_on.append((t, t + length))
+        t += length + rng.expovariate(1 / 150.0)
+    period, how = orbit_period(random_on, t)
+    assert period is None and "no orbital pattern" in how
+
+
+def test_the_windows_to_come_are_drawn_at_the_orbits_phase():
+    # Windows of 60 s every 90 s through the first half of every orbit, off through the second.
+    # Five tasks uplinked at the start of an orbit (about 14 min of work and power-ups) are done
+    # well inside its powered half; resampled without phase, the long off period is drawn as
+    # likely now as later, and the band reaches past it.
+    now = 3 * ORBIT
+    starts, lengths = _orbits(3, now, piece=60.0)
+    basis = {"profile": PROFILE, "windows": {"starts": [*starts, now], "lengths": lengths}, "progress": {}}
+    tasks = [{"task_id": f"t{k}", "state": "accepted", "created": f"2026-01-01T00:00:0{k}.000Z"} for k in range(5)]
+    phase = forecast_tasks(tasks, basis, now_wall=now, draws=200)
+    flat = forecast_tasks(tasks, basis, now_wall=now, draws=200, window_model="history")
+    given = forecast_tasks(tasks, basis, now_wall=now, draws=200, orbit_period_s=ORBIT)
+    assert phase["window_model"]["kind"] == "phase" and flat["window_model"]["kind"] == "history"
+    assert given["window_model"]["period_s"] == ORBIT and given["window_model"]["period_from"].startswith("given")
+    # at phase: done in the powered half, the band too (the off half begins at now + 2850 s)
+    assert phase["tasks"]["t4"]["p90"] < now + 1500.0 and given["tasks"]["t4"]["p90"] < now + 1500.0
+    assert flat["tasks"]["t4"]["p90"] > now + 2850.0
+    assert any("at the orbit's phase" in line for line in forecast_lines(phase, now_wall=now))
+
+
+def test_too_little_history_for_a_phase_model_falls_back_and_says_why():
+    now = 10_000.0
+    out = forecast_tasks(TASKS, _basis([(40.0, 20.0)] * 30, now), now_wall=now, draws=50)
+    assert out["window_model"]["kind"] == "history" and "spans" in out["window_model"]["why"]
+    assert "expected" in out["tasks"]["t1"]
+    assert any("without orbital phase (the window history spans" in line for line in forecast_lines(out, now_wall=now))
+
+
+def test_off_takes_a_negative_start_as_written_or_says_how():
+    parser = argparse.ArgumentParser(prog="ow")
+    register(parser.add_subparsers())
+    args = parser.parse_args(["ground", "status", "--off", "-3000,-2600", "--off", "600,900"])
+    assert args.off == [(-3000.0, -2600.0), (600.0, 900.0)]
+    assert parser.parse_args(["ground", "results", "t1", "--off=-.5,2.5"]).off == [(-0.5, 2.5)]
+    for bad, says in ((["--off", "-3000"], "--off -3000,-2600"), (["--off", "5,1"], "TO must be a number after FROM")):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), pytest.raises(SystemExit):
+            parser.parse_args(["ground", "status", *bad])
+        assert says in err.getvalue()

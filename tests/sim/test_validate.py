@@ -269,6 +269,34 @@ def test_the_run_platform_charges_the_payloads_data_at_the_weight_it_flew():
     assert _run_platform({**facts, "flight_args": throttled}, 1e-3).storage.data_weight == 1.0
 
 
+def test_a_late_first_boot_starts_its_process_and_its_storage_throttle_late():
+    """The emulated boot forks at power-up and the payload process (its throttle's buckets, empty
+    then) starts 15 trace s later; a boot whose connection came 12 s later than the others'
+    (a loaded machine) started its process 12 s later too (docs/sim.md, "Validation"): its
+    buckets hold 12 s less, its first TASK_INPUTS write ends later."""
+    from hil.sim.lifecycle import Payload
+    from hil.sim.validate import _run_platform, process_starts
+
+    facts = {
+        "time_scale": 0.6,
+        "pace_ms": 600.0,
+        "process_start_trace_s": 15.0,
+        "flight_args": ["--emulate-read-mbps", "0.5", "--emulate-write-mbps", "0.3"],
+        "connected_by_power_up": {0.0: 27.3, 94.0: 15.2, 192.0: 15.4, 290.0: 15.3, 329.0: 15.3},
+    }
+    starts = process_starts(facts)
+    assert starts[0.0] == pytest.approx(27.0) and starts[94.0] == 15.0 and starts[192.0] == pytest.approx(15.1)
+    platform = _run_platform(facts, 1e-3)
+    payload = Payload(platform, [(0.0, 45.0), (94.0, 143.0)])
+    assert payload.process(0.0, 45.0).started == pytest.approx(27.0)
+    assert payload.process(94.0, 143.0).started == pytest.approx(109.0)
+    late, usual = payload.process(0.0, 45.0), Payload(_run_platform({**facts, "connected_by_power_up": {}}, 1e-3), [])
+    nbytes = 3e6  # a first start's TASK_PIXELS and TASK_INPUTS, device bytes, written at trace 31
+    assert late.write_wait(31.0, nbytes) > usual.process(0.0, 45.0).write_wait(31.0, nbytes) + 10.0
+    # an exec'd payload (no emulated boot) starts its process at power-up, however long it boots
+    assert process_starts({**facts, "process_start_trace_s": 0.0}) == {}
+
+
 def test_a_run_copied_elsewhere_still_finds_the_trace_it_flew(tmp_path):
     """The bus log records the trace's absolute path; once the checkout that recorded it is gone
     the validation finds the same trace without it, and says so when it cannot."""

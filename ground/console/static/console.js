@@ -73,7 +73,7 @@ async function loadTimeline() {
     tr.className = "cut";
     for (const v of [fmtTime(c.t), c.cause + (c.after_fault ? " (after fault)" : ""),
       c.warning_lead_s === null ? "no warning" : c.warning_lead_s.toFixed(1),
-      c.task ? `${c.task} ${c.phase || ""}` : "idle"]) { const td = document.createElement("td"); td.textContent = v; tr.appendChild(td); }
+      c.task ? `${c.task} ${c.phase || ""}${c.total ? ` ${c.done}/${c.total}` : ""}` : "idle"]) { const td = document.createElement("td"); td.textContent = v; tr.appendChild(td); }
     $("#cuts tbody").appendChild(tr);
   }
 }
@@ -143,7 +143,7 @@ async function loadTasks() {
     const tr = document.createElement("tr"); tr.dataset.task = t.task_id;
     const timings = t.result && t.result.timings ? Object.entries(t.result.timings).map(([k, v]) => `${k} ${(+v).toFixed(2)} s`).join(", ") : "";
     const result = t.result ? `${t.result.text} — logits SHA-256 ${String(t.result.logits_sha256).slice(0, 16)}… (${timings})` : "";
-    const live = t.live ? `${t.live.phase || "-"} ${t.live.done}/${t.live.total}, checkpoints ${t.live.checkpoint_bytes} B` : "";
+    const live = t.live ? `${t.live.phase || "-"} ${t.live.done}/${t.live.total}` + (t.live.checkpoint_bytes === undefined ? "" : `, checkpoints ${formatValue("bytes", t.live.checkpoint_bytes)}`) : "";
     // cuts: the payload's own count once the result is down (every cut the task lived through),
     // before that the cuts this console saw while the task ran
     const cuts = t.result && typeof t.result.interruptions === "number" ? `${t.result.interruptions} survived` : `${t.cuts_seen ?? 0} seen`;
@@ -321,6 +321,7 @@ function showUpload(r) {
 // restart the same file finds the offset the console kept and goes on from there.
 state.uploadChunkBytes = 256 * 1024;
 class Refused extends Error {}
+class Paused extends Refused {}  // no progress for a minute: the operator goes on later
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 async function sha256Hex(buffer) {
   if (!window.crypto || !crypto.subtle) throw new Refused("this page is not a secure context (https, or loopback): the browser offers no SHA-256 to name the upload");
@@ -357,15 +358,44 @@ async function uploadToConsole(file, shown) {
     } catch (e) {
       if (e instanceof Refused) throw e;
       state.uploadRetries = (state.uploadRetries || 0) + 1;
-      if (Date.now() - lastProgress > 60000) throw new Refused(`upload of ${file.name} to the console paused: no progress for a minute (${e.message}); press uplink again to continue where it stopped`);
+      if (Date.now() - lastProgress > 60000) throw new Paused(`upload of ${file.name} to the console paused: no progress for a minute (${e.message}); press uplink again to continue where it stopped`);
       $("#uplink-status").textContent = `connection to the console lost (${e.message}); trying ${file.name} again in ${pause / 1000} s from where the console stands`;
       await sleep(pause); pause = Math.min(2 * pause, 8000);
     }
   }
 }
+// An uplink under way is kept in the browser (IndexedDB, which holds the chosen files themselves)
+// until the console has answered it: a page reloaded or closed midway finds it again, with its
+// files, and "uplink" goes on from where the console stands.
+function pendingStore(mode, work) {
+  return new Promise((resolve, reject) => {
+    const opened = indexedDB.open("ow-console", 1);
+    opened.onupgradeneeded = () => opened.result.createObjectStore("uplink");
+    opened.onerror = () => reject(opened.error);
+    opened.onsuccess = () => {
+      const tx = opened.result.transaction("uplink", mode), request = work(tx.objectStore("uplink"));
+      tx.oncomplete = () => { opened.result.close(); resolve(request.result); };
+      tx.onerror = () => reject(tx.error);
+    };
+  });
+}
+const pending = {
+  save: (value) => pendingStore("readwrite", (s) => s.put(value, "pending")).catch(() => null),
+  clear: () => pendingStore("readwrite", (s) => s.delete("pending")).catch(() => null),
+  load: () => pendingStore("readonly", (s) => s.get("pending")).catch(() => null),
+};
+async function offerPending() {
+  const p = await pending.load();
+  if (!p || !p.files || !p.files.length) return;
+  $("#prompt").value = p.prompt; $("#max-new-tokens").value = p.max_new_tokens; $("#priority").value = p.priority;
+  chosen = p.files; showChosen();
+  $("#uplink-status").className = "error";
+  $("#uplink-status").textContent = `an uplink was cut short before the console answered it (${p.files.map((f) => f.name).join(", ")}): press uplink to go on from where the console stands`;
+}
 $("#uplink-form").addEventListener("submit", async (e) => {
   e.preventDefault();
   const status = $("#uplink-status"); status.className = ""; status.textContent = "sending to the ground station…";
+  await pending.save({ prompt: $("#prompt").value, max_new_tokens: $("#max-new-tokens").value, priority: $("#priority").value, files: chosen.slice() });
   $("#upload-progress").value = 0; $("#payload-progress").value = 0; $("#payload-progress-text").textContent = "";
   const files = chosen.slice(), total = files.reduce((n, f) => n + f.size, 0), held = files.map(() => 0);
   const shown = (i) => (offset) => {
@@ -373,17 +403,23 @@ $("#uplink-form").addEventListener("submit", async (e) => {
     $("#upload-progress").value = total ? (100 * done) / total : 100;
     status.textContent = `sending to the ground station… ${kib(done)} of ${kib(total)} held by the console`;
   };
-  let data;
+  let data, cutShort = false;
+  const fields = { prompt: $("#prompt").value, max_new_tokens: $("#max-new-tokens").value, priority: $("#priority").value };
   try {
+    // the prompt and the numbers first, as the CLI checks them before it reads a file
+    const checked = (await call("POST", "/api/uplink", JSON.stringify({ ...fields, check_only: true }), { "Content-Type": "application/json" })).data;
+    if (!checked.ok) throw new Refused(checked.error || "refused");
     const images = [];
     for (let i = 0; i < files.length; i++) images.push(await uploadToConsole(files[i], shown(i)));
     $("#upload-progress").value = 100;
     status.textContent = "uploading to the payload (resumable; chunks the payload already holds are not sent again)…";
-    const body = { prompt: $("#prompt").value, max_new_tokens: $("#max-new-tokens").value, priority: $("#priority").value, images };
+    const body = { ...fields, images };
     data = (await call("POST", "/api/uplink", JSON.stringify(body), { "Content-Type": "application/json" })).data;
   } catch (err) {
     data = { ok: false, error: err instanceof Refused ? err.message : `the console did not answer (${err.message})` };
+    cutShort = err instanceof Paused || !(err instanceof Refused);
   }
+  if (!cutShort) pending.clear();  // the console answered it: nothing to go on with
   if (!data.ok) { status.className = "error"; status.textContent = data.error; return; }
   const r = data.result;
   const lines = r.images.map((i) => `image ${i.name}: ${i.chunks} chunk(s), ${i.held_before} already on board, ${i.chunks_sent} sent${i.resumes ? `, resumed ${i.resumes} time(s)` : ""}; verified on board`);
@@ -421,7 +457,7 @@ async function start() {
   connect();  // first: nothing that happens while the history loads is missed
   const page = await getJSON("/api/events?limit=2000");
   page.events.forEach(showEvent); page.commands.forEach(showCommand);
-  await Promise.all([loadTimeline(), loadTasks()]);
+  await Promise.all([loadTimeline(), loadTasks(), offerPending()]);
   state.loadMs = performance.now();  // since navigation start: what the operator waits
   document.body.dataset.loaded = "1";
 }
