@@ -19,7 +19,10 @@ records, report and validation); only where a run runs differs (`BenchFarm`, a
   node whose Python sources differ from the driver's refuses to run (`code_fingerprint`);
 - a run whose node dies under it (or whose worker crashes) runs again on another bench; the first
   run that finishes is the one recorded, so every run counts once, and the report says which runs
-  ran again and why.
+  ran again and why;
+- a driver that dies (or is stopped) resumes with --resume as on one machine: Ray kills the
+  dead driver's tasks, the runs whose records came back are kept, and why a run's tries were lost
+  is kept in its directory (LOST_NOTE) until it finishes, for the driver that finishes it.
 
 The bench file (JSON), named by the node's OW_BENCHES when it starts:
 

@@ -15,6 +15,7 @@ import sys
 import threading
 
 from common import log
+from common.cliargs import Command, add_commands, arg
 from common.errors import CliError
 from common.vla.config import ARCHS, MODELS
 from common.vla.profiles import load_profile, shipped_profiles
@@ -564,7 +565,388 @@ def cmd_models(args) -> int:
     return 0
 
 
-# ---------------------------------------------------------------- parser
+# ---------------------------------------------------------------- the command line, declared
+
+_MAX_BATCH_ARG = arg(
+    "--max-batch", type=int, default=2, help="largest fixed stage batch (one of the profile's batch sizes; default 2)"
+)
+#: the queue policy and batch options of the commands that serve or simulate
+_POLICY_ARGS = (
+    arg(
+        "--policy",
+        choices=("esf", "rr", "lqf"),
+        default="esf",
+        help="queue served at each lockstep: esf = least remaining SLO time (default), "
+        "rr = round robin, lqf = longest queue",
+    ),
+    _MAX_BATCH_ARG,
+)
+#: the traffic controller's options
+_CONTROLLER_ARGS = (
+    arg(
+        "--ilp-time-limit",
+        type=float,
+        default=DEFAULT_ILP_TIME_LIMIT_S,
+        help=f"seconds for all stages of the traffic ILP (default {DEFAULT_ILP_TIME_LIMIT_S:g}); when "
+        "they run out the best assignment found so far is used, flagged as not proven optimal",
+    ),
+    arg(
+        "--check-epochs",
+        type=int,
+        default=30,
+        help="simulated 10 s epochs per point when measuring co-location limits and checking a plan (default 30)",
+    ),
+)
+
+#: `ow vla ...` (common/cliargs.py)
+VLA_COMMANDS: tuple[Command, ...] = (
+    Command(
+        "serve",
+        help="run the robot policy endpoint (openpi websocket protocol)",
+        description="Serve LIBERO-style observations (two 224x224 images, 8-d state, prompt) over "
+        "the openpi websocket policy protocol (loopback, or any address with robot "
+        "keys). Warms up, then accepts robots. Robots using "
+        "openpi-client's WebsocketClientPolicy connect unchanged; choose a model with "
+        "the URL path ws://HOST:PORT/MODEL (default: the first --models entry). "
+        "Requests go through the lockstep scheduler. Stops on SIGINT/SIGTERM.",
+        handler=cmd_serve,
+        args=(
+            arg(
+                "--models",
+                default="pi0",
+                help="comma-separated models to co-locate on one GPU (default pi0); see `ow vla models`",
+            ),
+            arg(
+                "--host",
+                default="127.0.0.1",
+                help="address to bind (default 127.0.0.1); beyond loopback only with --token or --keys",
+            ),
+            arg(
+                "--token",
+                help="shared robot token (or env OW_VLA_TOKEN, at least 16 characters): robots send "
+                "'Authorization: Api-Key TOKEN' (openpi-client's api_key); others get HTTP 401",
+            ),
+            arg(
+                "--keys",
+                help="file of robot keys, one 'NAME KEY' per line: only these robots are served, logged by name",
+            ),
+            arg(
+                "--plan",
+                help="serve this plan file (`ow vla plan --json`): one engine per GPU, robots "
+                "routed to the GPUs the controller chose for their model",
+            ),
+            arg(
+                "--robots",
+                type=_robot_mix,
+                help="instead of --plan: plan now for this robot mix (with --placement, --gpus) and serve it",
+            ),
+            arg("--placement", default="mix", help="with --robots: 'mix' or groups 'GLOB:GPU,GPU;...' (default mix)"),
+            arg("--gpus", type=int, default=2, help="with --robots: GPUs (engines) to plan for (default 2)"),
+            arg(
+                "--plan-profile",
+                default=DEFAULT_PROFILE,
+                help=f"with --robots: the profile the controller plans with (default {DEFAULT_PROFILE})",
+            ),
+            arg("--limits", type=_limit_mix, help="with --robots: robot limits instead of measuring them"),
+            *_CONTROLLER_ARGS,
+            arg(
+                "--no-warm-up",
+                action="store_true",
+                help="accept robots at once instead of first running every stage at every batch size",
+            ),
+            arg("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free port, printed)"),
+            arg(
+                "--system",
+                choices=("robion", "monolithic"),
+                default="robion",
+                help="robion: VLM and ADiT executors in lockstep (default); monolithic: one pipeline",
+            ),
+            *_POLICY_ARGS,
+            arg(
+                "--batch-sizes",
+                type=_ints,
+                default=(1, 2, 4),
+                help="fixed batch sizes the executors run, comma-separated (default 1,2,4)",
+            ),
+            arg(
+                "--profile",
+                help="profile file or shipped name: SLOs and per-pair VLM thread/SM share "
+                "(default: no profile, half the threads to the VLM)",
+            ),
+            arg("--slo-ms", type=float, help="SLO for every model in ms (default: the profile's, else 500)"),
+            arg(
+                "--backend",
+                choices=("auto", "cpu", "cuda"),
+                default="auto",
+                help="cuda when a GPU is visible (auto, default), else cpu",
+            ),
+            arg("--threads", type=int, help="intra-op threads shared by the two CPU executors (default: torch's)"),
+            arg(
+                "--max-request-bytes",
+                type=int,
+                default=1 << 20,
+                help="larger requests are refused with an error reply (default 1 MiB)",
+            ),
+            arg(
+                "--log-level",
+                default="info",
+                choices=("debug", "info", "warning", "error"),
+                help="JSON-lines log level on stderr (default info)",
+            ),
+        ),
+    ),
+    Command(
+        "cluster",
+        help="serve robots from a Ray cluster of edge servers (Ray Serve), same endpoint",
+        description="Deploy the controller's plan to a running Ray cluster: one Ray Serve deployment "
+        "per GPU of the plan, each with its models and their lockstep scheduler, and a "
+        "gateway that speaks the same openpi websocket protocol as `ow vla serve`. Ray "
+        "Serve restarts a lost server's deployments on free GPUs elsewhere. Prints where "
+        "each GPU runs, and every change. Stops (and deletes the application) on "
+        "SIGINT/SIGTERM.",
+        handler=cmd_cluster,
+        args=(
+            arg(
+                "--address", required=True, help="Ray cluster address (HEAD_IP:PORT, as given to `ray start --address`)"
+            ),
+            arg(
+                "--node-ip-address",
+                help="this machine's address in the Ray cluster, when Ray cannot tell (several nodes on one host)",
+            ),
+            arg("--models", default="pi0", help="without --plan/--robots: models on one GPU (default pi0)"),
+            arg(
+                "--host",
+                default="127.0.0.1",
+                help="address Ray Serve's proxy binds (default 127.0.0.1); beyond loopback only with --token/--keys",
+            ),
+            arg("--port", type=int, default=8000, help="proxy port (default 8000)"),
+            arg("--token", help="shared robot token (or env OW_VLA_TOKEN); robots send 'Authorization: Api-Key TOKEN'"),
+            arg("--keys", help="file of robot keys, one 'NAME KEY' per line"),
+            arg("--plan", help="plan file from `ow vla plan --json`: one deployment per GPU in it"),
+            arg("--robots", type=_robot_mix, help="instead of --plan: plan now for this robot mix"),
+            arg("--placement", default="mix", help="with --robots: placement (default mix)"),
+            arg("--gpus", type=int, default=2, help="with --robots: GPUs in the cluster to plan for (default 2)"),
+            arg(
+                "--plan-profile",
+                default=DEFAULT_PROFILE,
+                help=f"with --robots: planning profile (default {DEFAULT_PROFILE})",
+            ),
+            arg("--limits", type=_limit_mix, help="with --robots: robot limits instead of measuring them"),
+            *_CONTROLLER_ARGS,
+            arg("--system", choices=("robion", "monolithic"), default="robion", help="serving engine (default robion)"),
+            *_POLICY_ARGS,
+            arg("--batch-sizes", type=_ints, default=(1, 2, 4), help="fixed batch sizes (default 1,2,4)"),
+            arg("--profile", help="profile for SLOs and VLM shares inside each GPU deployment"),
+            arg("--slo-ms", type=float, help="SLO for every model in ms (default: the profile's, else 500)"),
+            arg("--backend", choices=("auto", "cpu", "cuda"), default="auto", help="engine backend (default auto)"),
+            arg(
+                "--threads-per-gpu",
+                type=int,
+                default=1,
+                help="CPU backend: intra-op threads per GPU deployment (default 1)",
+            ),
+            arg(
+                "--gpu-resource",
+                default="GPU",
+                help="Ray resource one GPU deployment takes one unit of (default GPU, i.e. num_gpus=1; a custom "
+                "resource stands in on CPU-only clusters)",
+            ),
+            arg("--gateway-resource", help="custom Ray resource to pin the gateway to (e.g. one on the head node)"),
+            arg(
+                "--proxy-location",
+                choices=("head", "every-node"),
+                default="every-node",
+                help="where Ray Serve runs HTTP proxies: every node (default; robots may use any server's "
+                "address) or the head only",
+            ),
+            arg(
+                "--request-timeout",
+                type=float,
+                default=60.0,
+                help="seconds the gateway waits for a GPU deployment before answering an error (default 60)",
+            ),
+            arg("--max-request-bytes", type=int, default=1 << 20, help="larger requests are refused (default 1 MiB)"),
+            arg("--no-warm-up", action="store_true", help="skip each GPU deployment's warm-up"),
+            arg("--watch-interval", type=float, default=5.0, help="seconds between placement checks (default 5)"),
+        ),
+    ),
+    Command(
+        "load",
+        help="drive a real endpoint with N robots at 2 Hz and report per-model SLO attainment",
+        description="Robots as openpi clients: one websocket per robot to URL/MODEL, LIBERO "
+        "observations at --rate from a random phase, network delays emulated per "
+        "request; prints per model: requests, answered, errors, SLO attainment, p50, "
+        "p99 and the GPUs that served them.",
+        handler=cmd_load,
+        args=(
+            arg("--url", default="ws://127.0.0.1:8000", help="endpoint (default ws://127.0.0.1:8000)"),
+            arg("--robots", type=_robot_mix, required=True, help="robots per model, e.g. pi0=4,smolvla=2"),
+            arg("--rate", type=float, default=2.0, help="requests per robot per second (default 2)"),
+            arg("--duration", type=float, default=10.0, help="seconds of traffic (default 10)"),
+            arg(
+                "--warmup",
+                type=float,
+                default=1.0,
+                help="requests sent before this many seconds are not counted (default 1)",
+            ),
+            arg(
+                "--network",
+                choices=("wifi7", "none"),
+                default="wifi7",
+                help="emulated network delay per request and reply (default wifi7, the simulator's model)",
+            ),
+            arg("--slo-ms", type=float, help="SLO for every model (default: the server's, from its metadata)"),
+            arg("--token", help="robot key (or env OW_VLA_TOKEN), sent as 'Authorization: Api-Key KEY'"),
+            arg("--seed", type=int, default=0, help="seed of phases, images and delays (default 0)"),
+            arg("--json", help="also write the report to this JSON file"),
+            arg("--fail-below", type=float, help="exit 1 when some model's attainment is below this (e.g. 0.98)"),
+        ),
+    ),
+    Command(
+        "bench",
+        help="load sweeps: max robots at 98%% SLO per system, beside the paper's numbers",
+        description="Run the paper's experiments on the simulator with a profile: single-model "
+        "max robots at 98%% SLO attainment (Robion-style vs Monolithic vs "
+        "vLLM-Omni-style), queue policies, traffic controllers (ILP vs SMG vs EPS), "
+        "ILP solve time, 8 models x 4 GPUs, and intra- vs inter-GPU disaggregation.",
+        handler=cmd_bench,
+        args=(
+            arg("--profile", default=DEFAULT_PROFILE, help=f"profile name or file (default {DEFAULT_PROFILE})"),
+            arg("--quick", action="store_true", help="short setting: 5 epochs x 6 s per load point"),
+            arg("--epochs", type=int, help="epochs (resampled robot phases) per load point (default 20)"),
+            arg("--duration", type=float, help="simulated seconds per epoch (default 10)"),
+            arg("--seed", type=int, help="random seed of the single-seed parts (default 0)"),
+            arg("--seeds", type=_ints, help="seeds of the bands (default 0,1,2; --quick: 0,1)"),
+            arg(
+                "--slo-factors",
+                type=_floats,
+                help="SLO factors of the single-model bands (default 2,2.5,3,3.5; SLO = factor x batch-1 latency)",
+            ),
+            arg(
+                "--ilp-time-limit",
+                type=float,
+                help=f"seconds for the traffic ILP's stages together (default {DEFAULT_ILP_TIME_LIMIT_S:g}); past it "
+                "the best assignment found is used",
+            ),
+            arg(
+                "--experiments",
+                help="comma-separated subset of: single, policies, traffic, ilp, multi, inter-gpu, calibration "
+                "(the SLO factor fitted to the paper's 18-robot anchor for each unpinned setting, then 8 x 4 at each), "
+                "early-release (actions released when their ADiT ends, not at the lockstep barrier); "
+                "default: all",
+            ),
+            arg(
+                "--acceptance",
+                help="the controller's plan acceptance: bootstrap (default), prediction or worst-draw (docs/vla.md); "
+                "several, comma-separated, are compared side by side in the calibration experiment (the first "
+                "is used elsewhere)",
+            ),
+            arg(
+                "--calibrated-factors",
+                type=_floats,
+                help="calibration: use these fitted SLO factors (one per unpinned setting, in the order the "
+                "report lists them, e.g. from an earlier run) instead of fitting them again",
+            ),
+            arg("--json", help="also write the measured numbers to this JSON file"),
+        ),
+    ),
+    Command(
+        "plan",
+        help="assign robots to GPUs for a placement (traffic-control ILP and baselines)",
+        description="Solve the traffic controller's integer program for a placement and robot mix; "
+        "print each GPU's robots and load. Limits default to robot limits simulated "
+        "from the profile.",
+        handler=cmd_plan,
+        args=(
+            arg("--robots", type=_robot_mix, required=True, help="robot mix, e.g. pi0=8,pi0-ft1=8,smolvla=12"),
+            arg(
+                "--placement",
+                default="mix",
+                help="'mix' (every model on every GPU) or disjoint groups 'GLOB[,GLOB]:GPU,GPU;...', "
+                "e.g. 'pi0*:0,1;smolvla*:2,3'",
+            ),
+            arg("--gpus", type=int, default=4, help="GPUs in the server (default 4)"),
+            arg(
+                "--limits",
+                type=_limit_mix,
+                help="robot limits per GPU instead of measuring them: MODEL=L or MODEL=L1/L2/L3 (L_k: k models "
+                "share the GPU), e.g. pi0=11/6/6/4,smolvla=51/18",
+            ),
+            arg(
+                "--method",
+                choices=("ilp", "smg", "eps", "brute-force", "all"),
+                default="ilp",
+                help="ilp (Robion, default), smg (one GPU per model), eps (even split), brute-force, or all",
+            ),
+            arg(
+                "--profile",
+                default=DEFAULT_PROFILE,
+                help=f"profile for limits and --simulate (default {DEFAULT_PROFILE})",
+            ),
+            arg("--max-batch", type=int, default=2, help="max batch when simulating (default 2)"),
+            arg(
+                "--simulate",
+                action="store_true",
+                help="also replay the assignment in the simulator and print every model's SLO attainment",
+            ),
+            arg("--epochs", type=int, default=5, help="epochs when replaying (default 5)"),
+            arg(
+                "--seed", type=int, default=0, help="seed of the replay (default 0; the controller checks with its own)"
+            ),
+            arg("--json", help="write the controller's plan to this file (input of `ow vla serve --plan`)"),
+            *_CONTROLLER_ARGS,
+        ),
+    ),
+    Command(
+        "profile",
+        help="measure the CPU backend's latency table, or derive the GPU profiles",
+        description="Measure every stage alone and every co-running batch pair under every thread "
+        "split on the CPU backend, writing a profile file the scheduler and simulator "
+        "accept; or, with --derive, regenerate a shipped GPU profile from public numbers.",
+        handler=cmd_profile,
+        args=(
+            arg("--out", help="profile file to write (required when measuring)"),
+            arg("--archs", default="pi0,smolvla", help="architectures to measure (default pi0,smolvla)"),
+            arg("--batch-sizes", type=_ints, default=(1, 2, 4), help="batch sizes (default 1,2,4)"),
+            arg("--threads", type=int, help="intra-op threads to split (default: torch's)"),
+            arg("--repeats", type=int, default=3, help="timed runs per entry, median kept (default 3)"),
+            arg("--slo-factor", type=float, default=3.0, help="SLO = factor x batch-1 VLM+ADiT time (default 3)"),
+            arg(
+                "--derive",
+                choices=("rtx-pro-6000", "h100"),
+                help="instead of measuring, derive this GPU server's profile from public numbers",
+            ),
+        ),
+    ),
+    Command(
+        "simulate",
+        help="simulate one system at one load and print SLO attainment and latency",
+        description="Discrete-event simulation of robots at 2 Hz, WiFi 7-like network and one GPU "
+        "(or the stage GPUs of dis-K:M), driven by the shared scheduler code.",
+        handler=cmd_simulate,
+        args=(
+            arg("--robots", type=_robot_mix, required=True, help="robot mix, e.g. pi0=12,smolvla=20"),
+            arg("--system", default="robion", help="robion, monolithic, vllm-omni, or dis-K:M (default robion)"),
+            *_POLICY_ARGS,
+            arg(
+                "--sm-mode",
+                choices=("dynamic", "static"),
+                default="dynamic",
+                help="robion: per-pair VLM share from the profile (dynamic) or always 50%% (static)",
+            ),
+            arg("--profile", default=DEFAULT_PROFILE, help=f"profile name or file (default {DEFAULT_PROFILE})"),
+            arg("--epochs", type=int, default=5, help="epochs with resampled robot phases (default 5)"),
+            arg("--duration", type=float, default=10.0, help="simulated seconds per epoch (default 10)"),
+            arg("--seed", type=int, default=0, help="random seed (default 0)"),
+        ),
+    ),
+    Command(
+        "models",
+        help="list the served model catalogue and the shipped profiles",
+        description="List model names, their architecture shapes, and shipped profiles with SLOs.",
+        handler=cmd_models,
+    ),
+)
 
 
 def register(subparsers) -> None:
@@ -577,378 +959,7 @@ def register(subparsers) -> None:
     )
     sub = vla.add_subparsers(dest="vla_command", metavar="VLA_COMMAND")
     sub.required = True
-
-    def policy_opts(p, with_policy=True):
-        if with_policy:
-            p.add_argument(
-                "--policy",
-                choices=("esf", "rr", "lqf"),
-                default="esf",
-                help="queue served at each lockstep: esf = least remaining SLO time (default), "
-                "rr = round robin, lqf = longest queue",
-            )
-        p.add_argument(
-            "--max-batch",
-            type=int,
-            default=2,
-            help="largest fixed stage batch (one of the profile's batch sizes; default 2)",
-        )
-
-    def controller_opts(p):
-        p.add_argument(
-            "--ilp-time-limit",
-            type=float,
-            default=DEFAULT_ILP_TIME_LIMIT_S,
-            help=f"seconds for all stages of the traffic ILP (default {DEFAULT_ILP_TIME_LIMIT_S:g}); when "
-            "they run out the best assignment found so far is used, flagged as not proven optimal",
-        )
-        p.add_argument(
-            "--check-epochs",
-            type=int,
-            default=30,
-            help="simulated 10 s epochs per point when measuring co-location limits and checking a plan (default 30)",
-        )
-
-    # serve
-    p = sub.add_parser(
-        "serve",
-        help="run the robot policy endpoint (openpi websocket protocol)",
-        description="Serve LIBERO-style observations (two 224x224 images, 8-d state, prompt) over "
-        "the openpi websocket policy protocol (loopback, or any address with robot "
-        "keys). Warms up, then accepts robots. Robots using "
-        "openpi-client's WebsocketClientPolicy connect unchanged; choose a model with "
-        "the URL path ws://HOST:PORT/MODEL (default: the first --models entry). "
-        "Requests go through the lockstep scheduler. Stops on SIGINT/SIGTERM.",
-    )
-    p.add_argument(
-        "--models",
-        default="pi0",
-        help="comma-separated models to co-locate on one GPU (default pi0); see `ow vla models`",
-    )
-    p.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to bind (default 127.0.0.1); beyond loopback only with --token or --keys",
-    )
-    p.add_argument(
-        "--token",
-        help="shared robot token (or env OW_VLA_TOKEN, at least 16 characters): robots send "
-        "'Authorization: Api-Key TOKEN' (openpi-client's api_key); others get HTTP 401",
-    )
-    p.add_argument(
-        "--keys", help="file of robot keys, one 'NAME KEY' per line: only these robots are served, logged by name"
-    )
-    p.add_argument(
-        "--plan",
-        help="serve this plan file (`ow vla plan --json`): one engine per GPU, robots "
-        "routed to the GPUs the controller chose for their model",
-    )
-    p.add_argument(
-        "--robots",
-        type=_robot_mix,
-        help="instead of --plan: plan now for this robot mix (with --placement, --gpus) and serve it",
-    )
-    p.add_argument("--placement", default="mix", help="with --robots: 'mix' or groups 'GLOB:GPU,GPU;...' (default mix)")
-    p.add_argument("--gpus", type=int, default=2, help="with --robots: GPUs (engines) to plan for (default 2)")
-    p.add_argument(
-        "--plan-profile",
-        default=DEFAULT_PROFILE,
-        help=f"with --robots: the profile the controller plans with (default {DEFAULT_PROFILE})",
-    )
-    p.add_argument("--limits", type=_limit_mix, help="with --robots: robot limits instead of measuring them")
-    controller_opts(p)
-    p.add_argument(
-        "--no-warm-up",
-        action="store_true",
-        help="accept robots at once instead of first running every stage at every batch size",
-    )
-    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free port, printed)")
-    p.add_argument(
-        "--system",
-        choices=("robion", "monolithic"),
-        default="robion",
-        help="robion: VLM and ADiT executors in lockstep (default); monolithic: one pipeline",
-    )
-    policy_opts(p)
-    p.add_argument(
-        "--batch-sizes",
-        type=_ints,
-        default=(1, 2, 4),
-        help="fixed batch sizes the executors run, comma-separated (default 1,2,4)",
-    )
-    p.add_argument(
-        "--profile",
-        help="profile file or shipped name: SLOs and per-pair VLM thread/SM share "
-        "(default: no profile, half the threads to the VLM)",
-    )
-    p.add_argument("--slo-ms", type=float, help="SLO for every model in ms (default: the profile's, else 500)")
-    p.add_argument(
-        "--backend",
-        choices=("auto", "cpu", "cuda"),
-        default="auto",
-        help="cuda when a GPU is visible (auto, default), else cpu",
-    )
-    p.add_argument("--threads", type=int, help="intra-op threads shared by the two CPU executors (default: torch's)")
-    p.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=1 << 20,
-        help="larger requests are refused with an error reply (default 1 MiB)",
-    )
-    p.add_argument(
-        "--log-level",
-        default="info",
-        choices=("debug", "info", "warning", "error"),
-        help="JSON-lines log level on stderr (default info)",
-    )
-    p.set_defaults(func=cmd_serve)
-
-    # cluster
-    p = sub.add_parser(
-        "cluster",
-        help="serve robots from a Ray cluster of edge servers (Ray Serve), same endpoint",
-        description="Deploy the controller's plan to a running Ray cluster: one Ray Serve deployment "
-        "per GPU of the plan, each with its models and their lockstep scheduler, and a "
-        "gateway that speaks the same openpi websocket protocol as `ow vla serve`. Ray "
-        "Serve restarts a lost server's deployments on free GPUs elsewhere. Prints where "
-        "each GPU runs, and every change. Stops (and deletes the application) on "
-        "SIGINT/SIGTERM.",
-    )
-    p.add_argument(
-        "--address", required=True, help="Ray cluster address (HEAD_IP:PORT, as given to `ray start --address`)"
-    )
-    p.add_argument(
-        "--node-ip-address",
-        help="this machine's address in the Ray cluster, when Ray cannot tell (several nodes on one host)",
-    )
-    p.add_argument("--models", default="pi0", help="without --plan/--robots: models on one GPU (default pi0)")
-    p.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address Ray Serve's proxy binds (default 127.0.0.1); beyond loopback only with --token/--keys",
-    )
-    p.add_argument("--port", type=int, default=8000, help="proxy port (default 8000)")
-    p.add_argument(
-        "--token", help="shared robot token (or env OW_VLA_TOKEN); robots send 'Authorization: Api-Key TOKEN'"
-    )
-    p.add_argument("--keys", help="file of robot keys, one 'NAME KEY' per line")
-    p.add_argument("--plan", help="plan file from `ow vla plan --json`: one deployment per GPU in it")
-    p.add_argument("--robots", type=_robot_mix, help="instead of --plan: plan now for this robot mix")
-    p.add_argument("--placement", default="mix", help="with --robots: placement (default mix)")
-    p.add_argument("--gpus", type=int, default=2, help="with --robots: GPUs in the cluster to plan for (default 2)")
-    p.add_argument(
-        "--plan-profile", default=DEFAULT_PROFILE, help=f"with --robots: planning profile (default {DEFAULT_PROFILE})"
-    )
-    p.add_argument("--limits", type=_limit_mix, help="with --robots: robot limits instead of measuring them")
-    controller_opts(p)
-    p.add_argument(
-        "--system", choices=("robion", "monolithic"), default="robion", help="serving engine (default robion)"
-    )
-    policy_opts(p)
-    p.add_argument("--batch-sizes", type=_ints, default=(1, 2, 4), help="fixed batch sizes (default 1,2,4)")
-    p.add_argument("--profile", help="profile for SLOs and VLM shares inside each GPU deployment")
-    p.add_argument("--slo-ms", type=float, help="SLO for every model in ms (default: the profile's, else 500)")
-    p.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto", help="engine backend (default auto)")
-    p.add_argument(
-        "--threads-per-gpu", type=int, default=1, help="CPU backend: intra-op threads per GPU deployment (default 1)"
-    )
-    p.add_argument(
-        "--gpu-resource",
-        default="GPU",
-        help="Ray resource one GPU deployment takes one unit of (default GPU, i.e. num_gpus=1; a custom "
-        "resource stands in on CPU-only clusters)",
-    )
-    p.add_argument("--gateway-resource", help="custom Ray resource to pin the gateway to (e.g. one on the head node)")
-    p.add_argument(
-        "--proxy-location",
-        choices=("head", "every-node"),
-        default="every-node",
-        help="where Ray Serve runs HTTP proxies: every node (default; robots may use any server's "
-        "address) or the head only",
-    )
-    p.add_argument(
-        "--request-timeout",
-        type=float,
-        default=60.0,
-        help="seconds the gateway waits for a GPU deployment before answering an error (default 60)",
-    )
-    p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger requests are refused (default 1 MiB)")
-    p.add_argument("--no-warm-up", action="store_true", help="skip each GPU deployment's warm-up")
-    p.add_argument("--watch-interval", type=float, default=5.0, help="seconds between placement checks (default 5)")
-    p.set_defaults(func=cmd_cluster)
-
-    # load
-    p = sub.add_parser(
-        "load",
-        help="drive a real endpoint with N robots at 2 Hz and report per-model SLO attainment",
-        description="Robots as openpi clients: one websocket per robot to URL/MODEL, LIBERO "
-        "observations at --rate from a random phase, network delays emulated per "
-        "request; prints per model: requests, answered, errors, SLO attainment, p50, "
-        "p99 and the GPUs that served them.",
-    )
-    p.add_argument("--url", default="ws://127.0.0.1:8000", help="endpoint (default ws://127.0.0.1:8000)")
-    p.add_argument("--robots", type=_robot_mix, required=True, help="robots per model, e.g. pi0=4,smolvla=2")
-    p.add_argument("--rate", type=float, default=2.0, help="requests per robot per second (default 2)")
-    p.add_argument("--duration", type=float, default=10.0, help="seconds of traffic (default 10)")
-    p.add_argument(
-        "--warmup", type=float, default=1.0, help="requests sent before this many seconds are not counted (default 1)"
-    )
-    p.add_argument(
-        "--network",
-        choices=("wifi7", "none"),
-        default="wifi7",
-        help="emulated network delay per request and reply (default wifi7, the simulator's model)",
-    )
-    p.add_argument("--slo-ms", type=float, help="SLO for every model (default: the server's, from its metadata)")
-    p.add_argument("--token", help="robot key (or env OW_VLA_TOKEN), sent as 'Authorization: Api-Key KEY'")
-    p.add_argument("--seed", type=int, default=0, help="seed of phases, images and delays (default 0)")
-    p.add_argument("--json", help="also write the report to this JSON file")
-    p.add_argument("--fail-below", type=float, help="exit 1 when some model's attainment is below this (e.g. 0.98)")
-    p.set_defaults(func=cmd_load)
-
-    # bench
-    p = sub.add_parser(
-        "bench",
-        help="load sweeps: max robots at 98%% SLO per system, beside the paper's numbers",
-        description="Run the paper's experiments on the simulator with a profile: single-model "
-        "max robots at 98%% SLO attainment (Robion-style vs Monolithic vs "
-        "vLLM-Omni-style), queue policies, traffic controllers (ILP vs SMG vs EPS), "
-        "ILP solve time, 8 models x 4 GPUs, and intra- vs inter-GPU disaggregation.",
-    )
-    p.add_argument("--profile", default=DEFAULT_PROFILE, help=f"profile name or file (default {DEFAULT_PROFILE})")
-    p.add_argument("--quick", action="store_true", help="short setting: 5 epochs x 6 s per load point")
-    p.add_argument("--epochs", type=int, help="epochs (resampled robot phases) per load point (default 20)")
-    p.add_argument("--duration", type=float, help="simulated seconds per epoch (default 10)")
-    p.add_argument("--seed", type=int, help="random seed of the single-seed parts (default 0)")
-    p.add_argument("--seeds", type=_ints, help="seeds of the bands (default 0,1,2; --quick: 0,1)")
-    p.add_argument(
-        "--slo-factors",
-        type=_floats,
-        help="SLO factors of the single-model bands (default 2,2.5,3,3.5; SLO = factor x batch-1 latency)",
-    )
-    p.add_argument(
-        "--ilp-time-limit",
-        type=float,
-        help=f"seconds for the traffic ILP's stages together (default {DEFAULT_ILP_TIME_LIMIT_S:g}); past it "
-        "the best assignment found is used",
-    )
-    p.add_argument(
-        "--experiments",
-        help="comma-separated subset of: single, policies, traffic, ilp, multi, inter-gpu, calibration "
-        "(the SLO factor fitted to the paper's 18-robot anchor for each unpinned setting, then 8 x 4 at each), "
-        "early-release (actions released when their ADiT ends, not at the lockstep barrier); "
-        "default: all",
-    )
-    p.add_argument(
-        "--acceptance",
-        help="the controller's plan acceptance: bootstrap (default), prediction or worst-draw (docs/vla.md); "
-        "several, comma-separated, are compared side by side in the calibration experiment (the first "
-        "is used elsewhere)",
-    )
-    p.add_argument(
-        "--calibrated-factors",
-        type=_floats,
-        help="calibration: use these fitted SLO factors (one per unpinned setting, in the order the "
-        "report lists them, e.g. from an earlier run) instead of fitting them again",
-    )
-    p.add_argument("--json", help="also write the measured numbers to this JSON file")
-    p.set_defaults(func=cmd_bench)
-
-    # plan
-    p = sub.add_parser(
-        "plan",
-        help="assign robots to GPUs for a placement (traffic-control ILP and baselines)",
-        description="Solve the traffic controller's integer program for a placement and robot mix; "
-        "print each GPU's robots and load. Limits default to robot limits simulated "
-        "from the profile.",
-    )
-    p.add_argument("--robots", type=_robot_mix, required=True, help="robot mix, e.g. pi0=8,pi0-ft1=8,smolvla=12")
-    p.add_argument(
-        "--placement",
-        default="mix",
-        help="'mix' (every model on every GPU) or disjoint groups 'GLOB[,GLOB]:GPU,GPU;...', "
-        "e.g. 'pi0*:0,1;smolvla*:2,3'",
-    )
-    p.add_argument("--gpus", type=int, default=4, help="GPUs in the server (default 4)")
-    p.add_argument(
-        "--limits",
-        type=_limit_mix,
-        help="robot limits per GPU instead of measuring them: MODEL=L or MODEL=L1/L2/L3 (L_k: k models "
-        "share the GPU), e.g. pi0=11/6/6/4,smolvla=51/18",
-    )
-    p.add_argument(
-        "--method",
-        choices=("ilp", "smg", "eps", "brute-force", "all"),
-        default="ilp",
-        help="ilp (Robion, default), smg (one GPU per model), eps (even split), brute-force, or all",
-    )
-    p.add_argument(
-        "--profile", default=DEFAULT_PROFILE, help=f"profile for limits and --simulate (default {DEFAULT_PROFILE})"
-    )
-    p.add_argument("--max-batch", type=int, default=2, help="max batch when simulating (default 2)")
-    p.add_argument(
-        "--simulate",
-        action="store_true",
-        help="also replay the assignment in the simulator and print every model's SLO attainment",
-    )
-    p.add_argument("--epochs", type=int, default=5, help="epochs when replaying (default 5)")
-    p.add_argument(
-        "--seed", type=int, default=0, help="seed of the replay (default 0; the controller checks with its own)"
-    )
-    p.add_argument("--json", help="write the controller's plan to this file (input of `ow vla serve --plan`)")
-    controller_opts(p)
-    p.set_defaults(func=cmd_plan)
-
-    # profile
-    p = sub.add_parser(
-        "profile",
-        help="measure the CPU backend's latency table, or derive the GPU profiles",
-        description="Measure every stage alone and every co-running batch pair under every thread "
-        "split on the CPU backend, writing a profile file the scheduler and simulator "
-        "accept; or, with --derive, regenerate a shipped GPU profile from public numbers.",
-    )
-    p.add_argument("--out", help="profile file to write (required when measuring)")
-    p.add_argument("--archs", default="pi0,smolvla", help="architectures to measure (default pi0,smolvla)")
-    p.add_argument("--batch-sizes", type=_ints, default=(1, 2, 4), help="batch sizes (default 1,2,4)")
-    p.add_argument("--threads", type=int, help="intra-op threads to split (default: torch's)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per entry, median kept (default 3)")
-    p.add_argument("--slo-factor", type=float, default=3.0, help="SLO = factor x batch-1 VLM+ADiT time (default 3)")
-    p.add_argument(
-        "--derive",
-        choices=("rtx-pro-6000", "h100"),
-        help="instead of measuring, derive this GPU server's profile from public numbers",
-    )
-    p.set_defaults(func=cmd_profile)
-
-    # simulate
-    p = sub.add_parser(
-        "simulate",
-        help="simulate one system at one load and print SLO attainment and latency",
-        description="Discrete-event simulation of robots at 2 Hz, WiFi 7-like network and one GPU "
-        "(or the stage GPUs of dis-K:M), driven by the shared scheduler code.",
-    )
-    p.add_argument("--robots", type=_robot_mix, required=True, help="robot mix, e.g. pi0=12,smolvla=20")
-    p.add_argument("--system", default="robion", help="robion, monolithic, vllm-omni, or dis-K:M (default robion)")
-    policy_opts(p)
-    p.add_argument(
-        "--sm-mode",
-        choices=("dynamic", "static"),
-        default="dynamic",
-        help="robion: per-pair VLM share from the profile (dynamic) or always 50%% (static)",
-    )
-    p.add_argument("--profile", default=DEFAULT_PROFILE, help=f"profile name or file (default {DEFAULT_PROFILE})")
-    p.add_argument("--epochs", type=int, default=5, help="epochs with resampled robot phases (default 5)")
-    p.add_argument("--duration", type=float, default=10.0, help="simulated seconds per epoch (default 10)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.set_defaults(func=cmd_simulate)
-
-    # models
-    p = sub.add_parser(
-        "models",
-        help="list the served model catalogue and the shipped profiles",
-        description="List model names, their architecture shapes, and shipped profiles with SLOs.",
-    )
-    p.set_defaults(func=cmd_models)
+    add_commands(sub, VLA_COMMANDS)
 
 
 if __name__ == "__main__":  # pragma: no cover - handy for `python -m common.vla.cli`

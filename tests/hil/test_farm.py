@@ -13,7 +13,7 @@ short runs (the tiny model, the paper's two requests each, a trace with one earl
    the rest, each once; the run the worker lost is still reported as run again, and why.
 
 Every run counted once, every output bitwise; the report and campaign.json equal those of a
-local campaign of the same matrix (run at the same time, beside the farm) apart from what the
+local campaign of the same matrix (run beside the farm once the worker is gone) apart from what the
 clock decides (times, and where a cut lands in the work: units lost, bytes written). No timed
 asserts: every wait is a hang guard that says what it waits for.
 """
@@ -188,10 +188,6 @@ def test_farm_campaign_survives_losing_a_node_then_its_driver(model_dirs, tmp_pa
     env = {**os.environ, **RAY_ENV}
     head = worker = driver = local = None
     try:
-        # The same matrix on this machine, beside the farm (the runs are paced: they mostly sleep).
-        local_log = tmp_path / "local.log"
-        local = subprocess.Popen([*cli, "--out", str(local_out), "--jobs", "2"], cwd=REPO, env=env,
-                                 stdout=open(local_log, "w"), stderr=subprocess.STDOUT)  # fmt: skip
 
         def start_head():
             # the head's default scratch (tempfile's) under the test's own temp dir
@@ -238,6 +234,12 @@ def test_farm_campaign_survives_losing_a_node_then_its_driver(model_dirs, tmp_pa
         kill_tree(worker)
         worker = None
         phase("worker node killed mid-run")
+        # The same matrix on this machine, all four runs at once (they are paced: they mostly
+        # sleep), beside the rest of the farm campaign, which has only the head's bench left: its
+        # starts would slow the farm's first runs on two cores.
+        local_log = tmp_path / "local.log"
+        local = subprocess.Popen([*cli, "--out", str(local_out), "--jobs", "4"], cwd=REPO, env=env,
+                                 stdout=open(local_log, "w"), stderr=subprocess.STDOUT)  # fmt: skip
 
         # 2. Kill the driver once the worker's lost run runs again, its bus up, on the head.
         def lost_run_under_way_on_head() -> bool:
