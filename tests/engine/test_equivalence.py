@@ -40,13 +40,17 @@ def test_result_is_stored_and_returned_again(model_dirs, tmp_path, planner):
     model = load_model(model_dirs["qwen3-vl"], device="cpu")
     inputs = inputs_for(model)
     first = engine(model, planner=planner).run(inputs, str(tmp_path / "ck"), MAX_NEW)
-    again = engine(load_model(model_dirs["qwen3-vl"], device="cpu")).run(inputs, str(tmp_path / "ck"), MAX_NEW)
-    assert again.resumed_from["phase"] == "done"
-    assert again.token_ids == first.token_ids and torch.equal(again.logits, first.logits)
     # garbage collection after completion: only MANIFEST and RESULT remain
     remaining = sorted(p.name for p in (tmp_path / "ck").iterdir() if p.is_file())
     assert remaining == ["MANIFEST", "RESULT"]
     assert not any((tmp_path / "ck" / "prefill").iterdir())
+    again = engine(load_model(model_dirs["qwen3-vl"], device="cpu")).run(inputs, str(tmp_path / "ck"), MAX_NEW)
+    assert again.resumed_from["phase"] == "done"
+    assert again.token_ids == first.token_ids and torch.equal(again.logits, first.logits)
+    # the second run is a restart that found the RESULT: its entry is the one record it adds
+    assert [(e["phase"], e["planner"]) for e in again.recoveries] == [("done", "none")]
+    remaining = sorted(p.name for p in (tmp_path / "ck").iterdir() if p.is_file())
+    assert remaining == ["MANIFEST", "RESULT", "recoveries.log"]
 
 
 def test_text_only_request(model_dirs, tmp_path):
