@@ -19,6 +19,15 @@ from flight.checkpoint.store import decode_record_tensors, prefill_block_parts
 from flight.model.inputs import task_inputs_parts, task_pixels_parts
 from flight.recovery.cost import ModelDims
 
+#: The request's lifetime checkpoint bytes each record carries in its metadata ("written",
+#: docs/record-format.md §1); a value of the width the engine's records hold (msgpack uint32).
+WRITTEN_PLACEHOLDER = 1 << 31
+
+
+def checkpoint_size(kind, meta: dict, tensors: dict) -> int:
+    """A checkpoint record's size as the store encodes it: with its "written" offset."""
+    return encoded_size(kind, {**meta, "written": WRITTEN_PLACEHOLDER}, tensors)
+
 
 @dataclass(frozen=True)
 class VisionDims:
@@ -171,7 +180,7 @@ class RecordSizes:
             kvs = {layer: (self._kv(e - s), self._kv(e - s)) for layer in range(l0, l1)} if kv else {}
             h = TensorSpec(self.dt, (1, e - s, self.spec.text.hidden)) if hidden else None
             meta, tensors = prefill_block_parts(group, chunk, (l0, l1), (s, e), kvs, h)
-            self._cache[key] = encoded_size(Kind.PREFILL_BLOCK, meta, tensors)
+            self._cache[key] = checkpoint_size(Kind.PREFILL_BLOCK, meta, tensors)
         return self._cache[key]
 
     def decode(self, steps: int) -> int:
@@ -203,7 +212,7 @@ class RecordSizes:
         key = ("vis", blocks_done)
         if key not in self._cache:
             p = self.request.patches(self.spec)
-            self._cache[key] = encoded_size(
+            self._cache[key] = checkpoint_size(
                 Kind.VISION_STATE,
                 {"block": blocks_done},
                 {"hidden": TensorSpec(self.dt, (p, self.spec.vision.hidden)), **self._side(blocks_done)},
@@ -212,7 +221,7 @@ class RecordSizes:
 
     @property
     def vision_out(self) -> int:
-        return encoded_size(
+        return checkpoint_size(
             Kind.VISION_OUT,
             {},
             {"embeds": TensorSpec(self.dt, (self.request.visual_tokens, self.spec.text.hidden)), **self._side()},
@@ -221,7 +230,7 @@ class RecordSizes:
     @property
     def result(self) -> int:
         n = self.request.new_tokens
-        return encoded_size(
+        return checkpoint_size(
             Kind.RESULT,
             {"text": "x" * (8 * n), "finish_reason": "length"},
             {"token_ids": TensorSpec("int64", (n,)), "logits": TensorSpec(self.dt, (1, self.spec.text.vocab))},
