@@ -1,11 +1,10 @@
 """Real Ray nodes for the cluster tests (tests/hil/test_farm.py, tests/vla/test_vla_cluster.py):
 waiting for a node to run, for a port to listen, and killing a node's whole process tree."""
 
-import signal
 import socket
 import time
 
-import psutil
+from bench.farm_bench import stop_node
 
 
 def await_node(tmp, name, proc, relaunch):
@@ -38,13 +37,4 @@ def wait_listening(ip, port, proc, limit_s=240):
 
 def kill_tree(proc):
     """SIGKILL a node: the `ray start` process and every process it started (a real crash)."""
-    try:
-        family = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        family = []
-    for p in family:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait(timeout=60)
+    stop_node(proc)
