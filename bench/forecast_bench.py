@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from common.sim.windows import finish_times, trace_windows
-from ground.forecast import forecast_tasks, power_up_overhead
+from ground import forecast as forecast_mod
+from ground.forecast import forecast_tasks, power_up_overhead, widen_band
 from traces.presets import SHIPPED_SEEDS, generate
 
 TRAINING = ("trace-a", "sat2-like")
@@ -204,7 +205,14 @@ def evaluate(
                 basis["progress"] = {"task_id": tasks[0]["task_id"], "units_done": within, "heard_at": now}
             for model in models:
                 fc = forecast_tasks(
-                    tasks, basis, known_off=off, now_wall=now, draws=draws, seed=seed, **model_options(model, kind)
+                    tasks,
+                    basis,
+                    known_off=off,
+                    now_wall=now,
+                    draws=draws,
+                    seed=seed,
+                    band_widen=1.0,  # the draws' own band: widened below (`_band_fields`)
+                    **model_options(model, kind),
                 )
                 if "unavailable" in fc:
                     continue
@@ -227,13 +235,32 @@ def evaluate(
                             "phase_model": fc["window_model"]["kind"] == "phase",
                             "after": after,
                             "orbit_phase": orbit_phase(kind, uplink),
-                            "inside": f["p10"] <= actual <= f["p90"],
+                            **_band_fields(f, actual, now),
                             "error": abs(f["expected"] - actual) / max(1e-9, e2e),
                             "signed": (f["expected"] - actual) / max(1e-9, e2e),
                             "history": w - lo,
                         }
                     )
     return rows
+
+
+def _band_fields(f: dict, actual: float, now: float) -> dict:
+    """A row's band: the draws' own 10th and 90th percentiles (made with band_widen=1.0), kept so
+    that BAND_WIDEN can be refitted from the rows (`inside_share`), and whether the completion
+    fell inside the band as the forecast widens it (ground.forecast.BAND_WIDEN)."""
+    row = {"now": now, "actual": actual, "expected": f["expected"], "p10_draws": f["p10"], "p90_draws": f["p90"]}
+    return {**row, "inside": inside(row, forecast_mod.BAND_WIDEN)}
+
+
+def inside(row: dict, factor: float) -> bool:
+    """Whether the row's completion lies inside its draws' band widened by `factor`."""
+    low, high = widen_band(row["expected"], row["p10_draws"], row["p90_draws"], row["now"], factor)
+    return low <= row["actual"] <= high
+
+
+def inside_share(rows: Sequence[dict], factor: float) -> float:
+    """The share of rows whose completion lies inside the band widened by `factor`."""
+    return sum(inside(r, factor) for r in rows) / len(rows)
 
 
 def _err_stats(sel: list[dict]) -> dict:
@@ -576,7 +603,9 @@ def replay_run(
                     **({"unit_sigma": 0.0} if model == "history" else {}),
                 }
             )
-            fc = forecast_tasks(tasks, basis, known_off=off, now_wall=now, draws=draws, seed=seed, **options)
+            fc = forecast_tasks(
+                tasks, basis, known_off=off, now_wall=now, draws=draws, seed=seed, band_widen=1.0, **options
+            )
             for t in queue:
                 f = (fc.get("tasks") or {}).get(t)
                 if t not in completed:
@@ -600,7 +629,7 @@ def replay_run(
                     {
                         **row,
                         "phase_model": (fc.get("window_model") or {}).get("kind") == "phase",
-                        "inside": f["p10"] <= actual <= f["p90"],
+                        **_band_fields(f, actual, now),
                         "error": abs(f["expected"] - actual) / max(1e-9, actual - accepted[t]),
                         "signed": (f["expected"] - actual) / max(1e-9, actual - accepted[t]),
                         "remaining_error": abs(f["expected"] - actual) / max(1e-9, actual - now),

@@ -88,6 +88,10 @@ PHASE_BAND = 1.0 / 24.0
 PHASE_MIN_CHOICES = 3
 #: Phase bins per orbit of the lookup of same-phase history cuts (about a minute each).
 PHASE_BINS = 96
+#: A history gap is taken as caused by known off periods (a contact plan's passes) where they
+#: cover at least this share of it: the main cause. Any overlap was enough before, and an eclipse
+#: with a pass inside it then left the history as a short gap, so the draws lost the eclipses.
+EXPLAINED_SHARE = 0.5
 #: Window models: "phase" (resampled at the same orbital phase where a period is known or found,
 #: else as "history", saying why) and "history" (resampled without regard to phase).
 WINDOW_MODELS = ("phase", "history")
@@ -434,15 +438,28 @@ def _outside(
             yield start, end
 
 
+def _covered(a: float, b: float, off: Sequence[tuple[float, float]]) -> float:
+    """Seconds of [a, b] inside the union of the `off` periods."""
+    total, reach = 0.0, a
+    for x, y in sorted(off):
+        lo, hi = max(x, reach), min(y, b)
+        if hi > lo:
+            total += hi - lo
+            reach = hi
+    return total
+
+
 def _unexplained(
     pairs: list[tuple[float, float]], starts: Sequence[float], off: Sequence[tuple[float, float]]
 ) -> list[tuple[float, float]]:
-    """The history with each gap that a known off period explains replaced by the median of the
-    others: those come again where the plan says, not as random gaps."""
+    """The history with each gap that known off periods explain replaced by the median of the
+    others: those come again where the plan says, not as random gaps. A gap is explained where
+    the known off periods cover at least EXPLAINED_SHARE of it; one they only overlap (a pass
+    inside an eclipse) had another cause, which comes again, and is kept."""
     explained = []
     for i, (on, gap) in enumerate(pairs):
         a, b = starts[i] + on, starts[i] + on + gap
-        explained.append(any(x < b and y > a for x, y in off))
+        explained.append(gap > 0 and _covered(a, b, off) >= EXPLAINED_SHARE * gap)
     free = [gap for (_, gap), e in zip(pairs, explained, strict=True) if not e]
     if not free or not any(explained):
         return pairs
@@ -503,6 +520,7 @@ def forecast_tasks(
     window_model: str = "phase",
     orbit_period_s: float | None = None,
     unit_sigma: float = UNIT_SIGMA,
+    band_widen: float = BAND_WIDEN,
 ) -> dict[str, Any]:
     """{"made_at", "tasks": {task_id: forecast}} or {"unavailable": reason}.
 
@@ -516,9 +534,13 @@ def forecast_tasks(
     (`orbit_period`); where neither gives one it resamples without phase and says why under
     "window_model". "history": without phase (the model before orbital phase was an input).
     `unit_sigma`: the log-normal spread of the profile's pace (units and power-up overhead), drawn
-    once per draw (not with a plan); 0 gives the forecast before that spread was an input."""
+    once per draw (not with a plan); 0 gives the forecast before that spread was an input.
+    `band_widen`: the factor the draws' 10-90 band is widened by around the median (`widen_band`);
+    1.0 gives the draws' own percentiles (the benchmark's refit of BAND_WIDEN starts from those)."""
     if window_model not in WINDOW_MODELS:
         raise ValueError(f"window_model must be one of {', '.join(WINDOW_MODELS)}, not {window_model!r}")
+    if not (math.isfinite(band_widen) and band_widen > 0):
+        raise ValueError(f"band_widen must be a number above 0, not {band_widen!r}")
     if orbit_period_s is not None and not (math.isfinite(orbit_period_s) and orbit_period_s > 0):
         raise ValueError(f"orbit_period_s must be a number of seconds above 0, not {orbit_period_s!r}")
     now = time.time() if now_wall is None else now_wall
@@ -632,8 +654,7 @@ def forecast_tasks(
         times += [math.inf] * (len(results) - len(got))
         med = _pct(times, 0.5)
         lo, hi = _pct(times, 0.1), _pct(times, 0.9)
-        lo = max(now, med - BAND_WIDEN * (med - lo))
-        hi = med + BAND_WIDEN * (hi - med)
+        lo, hi = widen_band(med, lo, hi, now, band_widen)
         out[task["task_id"]] = {
             "position": k,
             "expected": med,
@@ -650,6 +671,11 @@ def forecast_tasks(
         "tasks": out,
         "assumed_done": assumed_done,
     }
+
+
+def widen_band(median: float, low: float, high: float, now: float, factor: float) -> tuple[float, float]:
+    """The band (low, high) around `median` widened by `factor`, never before `now`."""
+    return max(now, median - factor * (median - low)), median + factor * (high - median)
 
 
 def _pct(sorted_values: Sequence[float], q: float) -> float:

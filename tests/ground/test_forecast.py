@@ -173,6 +173,36 @@ def test_a_known_off_period_is_waited_out_and_its_gap_not_drawn_again():
     assert told["expected"] <= blind["expected"]
 
 
+def test_a_known_pass_inside_an_eclipse_does_not_erase_the_eclipse():
+    # the history's long gaps are eclipses; a contact-plan pass of 100 s falls inside each. The
+    # pass did not cause the gap (it covers under half of it), so the eclipses are drawn again:
+    # the forecast is the one made without the plan
+    now = 10_000.0
+    pairs = [(60.0, 20.0), (60.0, 20.0), (60.0, 1500.0)] * 6
+    basis = _basis(pairs, now)
+    starts, lengths = basis["windows"]["starts"], basis["windows"]["lengths"]
+    passes = [
+        (s + on + 700.0, s + on + 800.0)
+        for s, on, (_, gap) in zip(starts[:-1], lengths, pairs, strict=True)
+        if gap > 1000
+    ]
+    blind = forecast_tasks(TASKS, basis, now_wall=now, draws=100)["tasks"]["t1"]
+    told = forecast_tasks(TASKS, basis, known_off=passes, now_wall=now, draws=100)["tasks"]["t1"]
+    assert told == blind
+
+
+def test_the_band_is_the_draws_band_widened_around_the_median():
+    now = 10_000.0
+    basis = _basis([(40.0, 20.0), (25.0, 60.0), (55.0, 10.0)] * 10, now)
+    own = forecast_tasks(TASKS, basis, now_wall=now, draws=100, band_widen=1.0)["tasks"]["t1"]
+    wide = forecast_tasks(TASKS, basis, now_wall=now, draws=100, band_widen=2.0)["tasks"]["t1"]
+    assert own["expected"] == wide["expected"]
+    assert wide["p90"] - wide["expected"] == pytest.approx(2.0 * (own["p90"] - own["expected"]))
+    assert wide["p10"] == max(now, wide["expected"] - 2.0 * (own["expected"] - own["p10"]))
+    with pytest.raises(ValueError, match="band_widen"):
+        forecast_tasks(TASKS, basis, now_wall=now, band_widen=0.0)
+
+
 def test_an_announced_cut_keeps_the_steps_that_ended():
     # one unit of 4 steps (a decode record every 4 steps, 2 s each) and a window ending at 7 s:
     # unannounced, the unit is lost and runs whole in the next window (10 + 1 + 8); announced,
