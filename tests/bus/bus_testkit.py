@@ -174,3 +174,16 @@ def drain(sock: zmq.Socket, duration_s: float) -> list[tuple]:
         if received is not None:
             out.append(decode(received.packet))
     return out
+
+
+def drain_until(sock: zmq.Socket, reached, what: str, deadline_s: float = 60.0) -> list[tuple]:
+    """Packets until `reached(packets)` holds. The deadline is only there so that a bus that never
+    gets there fails with what was awaited; a loaded machine only makes the wait longer."""
+    deadline = time.monotonic() + deadline_s
+    out: list[tuple] = []
+    while not reached(out):
+        assert time.monotonic() < deadline, f"waited {deadline_s:.0f} s for {what}; got {len(out)} packets"
+        received = recv_packet(sock, timeout_s=0.1)
+        if received is not None:
+            out.append(decode(received.packet))
+    return out

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import psutil
 import pytest
@@ -18,9 +17,15 @@ from bus_testkit import wait_for
 from hil.bus.power import CommandSwitch, LocalProcessSwitch, PowerSwitchError, SshSwitch
 
 # A payload stand-in that starts a grandchild in its own process group (as a flight process
-# with worker processes would) and writes both pids, then sleeps.
+# with worker processes would) and writes both pids, then sleeps. A polite signal (SIGTERM, SIGINT,
+# SIGHUP) is noted in <pids>.polite: a power cut must never send one first and wait.
 FAMILY = textwrap.dedent("""
-    import os, subprocess, sys, time
+    import os, signal, subprocess, sys, time
+    def polite(signum, frame):
+        with open(sys.argv[1] + ".polite", "a") as f:
+            f.write(f"{signum}\\n")
+    for polite_signal in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(polite_signal, polite)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     with open(sys.argv[1] + ".tmp", "w") as f:
         f.write(f"{os.getpid()} {child.pid}")
@@ -38,7 +43,7 @@ def dead(pid: int) -> bool:
 
 
 def family_pids(pidfile) -> tuple[int, int]:
-    text = wait_for(lambda: pidfile.exists() and pidfile.read_text(), 10, what="payload pids")
+    text = wait_for(lambda: pidfile.exists() and pidfile.read_text(), 60, what="payload pids")
     leader, child = (int(x) for x in text.split())
     return leader, child
 
@@ -53,14 +58,13 @@ def test_local_switch_sigkills_the_whole_group_at_once_and_respawns(tmp_path):
     assert os.getpgid(child) == os.getpgid(leader) == leader, "payload runs in its own process group"
     proc = switch.session.proc
 
-    started = time.monotonic()
     switch.off("thermal")
-    took = time.monotonic() - started
     assert not switch.is_on() and switch.pid is None
     assert proc.returncode == -signal.SIGKILL, "a cut is a SIGKILL, not a polite stop"
+    # Immediate, shown without a clock: no polite signal was sent first to be waited out.
+    assert not (tmp_path / "pids.polite").exists(), (tmp_path / "pids.polite").read_text()
     assert dead(leader)
-    wait_for(lambda: dead(child), 2, what="grandchild killed with its group")
-    assert took < 1.0, f"off() took {took:.2f} s; a cut must be immediate"
+    wait_for(lambda: dead(child), 30, what="grandchild killed with its group")
 
     pids.unlink()
     switch.on()
@@ -73,7 +77,7 @@ def test_local_switch_sigkills_the_whole_group_at_once_and_respawns(tmp_path):
 def test_local_switch_reports_a_payload_that_exits_by_itself(tmp_path):
     switch = LocalProcessSwitch([sys.executable, "-c", "import sys; sys.exit(3)"])
     switch.on()
-    status = wait_for(switch.poll, 10, what="exit status")
+    status = wait_for(switch.poll, 60, what="exit status")
     assert status == 3
     assert not switch.is_on()
 
@@ -88,7 +92,7 @@ def test_restarted_bus_kills_the_payload_a_killed_bus_left_behind(tmp_path):
     leader, child = family_pids(pids)
     second = LocalProcessSwitch(argv, pidfile=tmp_path / "payload.pid")
     second.reset()
-    wait_for(lambda: dead(leader) and dead(child), 2, what="stale payload group killed")
+    wait_for(lambda: dead(leader) and dead(child), 30, what="stale payload group killed")
     assert not (tmp_path / "payload.pid").exists()
     first.session.proc.wait(5)
 
@@ -109,7 +113,7 @@ def test_payload_dies_with_a_killed_bus(tmp_path):
         assert not dead(leader)
         bus.kill()
         bus.wait(5)
-        wait_for(lambda: dead(leader), 5, what="payload killed by the parent-death signal")
+        wait_for(lambda: dead(leader), 30, what="payload killed by the parent-death signal")
     finally:
         bus.kill()
         bus.wait()
@@ -190,7 +194,7 @@ def test_ssh_switch_over_a_local_shell_kills_the_remote_group(tmp_path):
     assert int((tmp_path / "remote.pid").read_text().split()[0]) == leader, "exec keeps the recorded pid"
     assert switch.remote_pid == leader
     switch.off("thermal")
-    wait_for(lambda: dead(leader) and dead(child), 2, what="remote group killed")
+    wait_for(lambda: dead(leader) and dead(child), 30, what="remote group killed")
     assert not switch.is_on() and not (tmp_path / "remote.pid").exists()
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import psutil
 from bus_testkit import (
     bus_config,
-    drain,
+    drain_until,
     read_record,
     scripted_payload_command,
     telemetry_subscriber,
@@ -130,14 +130,20 @@ def test_telemetry_is_published_at_trace_rate_and_decimated(tmp_path, keys, cont
     config = bus_config(tmp_path, keys, trace, tmp_path / "payload.jsonl", time_scale=scale)
     with BusThread(config) as bus:
         sub = telemetry_subscriber(context, keys, bus.endpoints.telemetry)
-        packets = drain(sub, 2.5)
+        # Until the bus's clock is past the second window's start (250 trace s = 2.5 s of bus
+        # clock), however long a loaded machine takes to get there.
+        packets = drain_until(
+            sub,
+            lambda got: any(isinstance(msg, m.ThermalReport) and msg.trace_time_s >= 2.5 for _, msg in got),
+            "a THERMAL round stamped at or after 2.5 s of bus clock",
+        )
     bus_tm = [(h, msg) for h, msg in packets if h.source_id == 0x0100]
     power = [msg for _, msg in bus_tm if isinstance(msg, m.PowerReport)]
     thermal = [msg for _, msg in bus_tm if isinstance(msg, m.ThermalReport)]
     fdir = [msg for _, msg in bus_tm if isinstance(msg, m.FdirReport)]
-    # ~2.5 s of subscription at 10 rounds per second, plus one POWER on each switch change.
-    assert 10 <= len(thermal) <= 30, len(thermal)
-    assert len(fdir) >= 10 and len(power) >= 10
+    # Published every round: a round missed by a stalled machine is not made up, so only "several"
+    # is certain from below; the decimation bound from above is checked over the span next.
+    assert len(thermal) >= 3 and len(fdir) >= 3 and len(power) >= 3, (len(thermal), len(fdir), len(power))
     times = [msg.trace_time_s for msg in thermal]
     assert times == sorted(times)
     # Bus clock = trace time × scale: consecutive rounds are ≥ 0.1 s of bus clock apart.
@@ -191,7 +197,15 @@ def test_silent_payload_is_power_cycled_by_fdir(tmp_path, keys, context):
             what="second boot after the FDIR power cycle",
         )
         wait_for(lambda: by_kind(bl.read_log(bus.log_path), bl.PAYLOAD_CONNECTED)[1:], 10, what="reconnect")
-        reports = [msg for _, msg in drain(sub, 1.5) if isinstance(msg, m.FdirReport)]
+        packets = drain_until(
+            sub,
+            lambda got: any(
+                isinstance(msg, m.FdirReport) and msg.mode == FdirMode.NOMINAL and msg.fault_count == 1
+                for _, msg in got
+            ),
+            "an FDIR report back in NOMINAL after the one fault",
+        )
+        reports = [msg for _, msg in packets if isinstance(msg, m.FdirReport)]
     log = bl.read_log(bus.log_path)
     gap = by_kind(log, bl.HEARTBEAT_GAP)
     assert gap and gap[0]["action"] == "power_cycle" and gap[0]["gap_s"] >= 1.0
