@@ -13,13 +13,16 @@ with its completion on the trace's real windows, computed by the same walk of du
 forecast's job: the future windows are unknown); it is not against the lifecycle simulator or
 the real processes (see docs/ground.md for what that leaves out).
 
-Tuning (ground/forecast.py's constants): the jitter, prior long gap and band widening used the
-training kinds only (seeds 1-2); the orbital-phase constants were set looking at seeds 1-2 of
-every kind (pasts 1001-1002). The seeds judged on (101-104, 201-202) were not looked at while
-tuning.
+Tuning (ground/forecast.py's constants): the jitter and prior long gap used the training kinds
+only (seeds 1-2); the orbital-phase constants were set looking at seeds 1-2 of every kind (pasts
+1001-1002); the band's width (BAND_WIDEN, UNIT_SIGMA) is refitted by `--fit-band` on the training
+kinds' seeds 1-2 and their real runs (each row keeps the draws' own 10-90 band, so any widening is
+judged from the same forecasts). The seeds judged on (101-104, 201-202, 301-302) were not looked
+at while tuning.
 
     python -m bench.forecast_bench [--seeds 101 102] [--draws 200] [--models history,phase] [--json OUT]
     python -m bench.forecast_bench --runs DIR [DIR ...]   (against real testbench runs)
+    python -m bench.forecast_bench --fit-band --seeds 1 2 [--runs DIR ...]   (the band's refit)
 """
 
 from __future__ import annotations
@@ -150,6 +153,7 @@ def evaluate(
     draws: int,
     plan_known: bool = False,
     models: Sequence[str] = MODELS,
+    options: dict | None = None,
 ) -> list[dict]:
     """Rows of forecasts against the completions on the trace's real windows; the payload has
     lived through another realisation of the kind before the trace (`lived_windows`), so the
@@ -212,7 +216,7 @@ def evaluate(
                     draws=draws,
                     seed=seed,
                     band_widen=1.0,  # the draws' own band: widened below (`_band_fields`)
-                    **model_options(model, kind),
+                    **{**model_options(model, kind), **(options or {})},
                 )
                 if "unavailable" in fc:
                     continue
@@ -261,6 +265,81 @@ def inside(row: dict, factor: float) -> bool:
 def inside_share(rows: Sequence[dict], factor: float) -> float:
     """The share of rows whose completion lies inside the band widened by `factor`."""
     return sum(inside(r, factor) for r in rows) / len(rows)
+
+
+#: The band refit's grid (ground/forecast.py UNIT_SIGMA and BAND_WIDEN): pace spreads above 0 (a
+#: task that ends in the window it is in gets no other spread) and widening factors.
+FIT_SIGMAS = (0.025, 0.05, 0.075, 0.1)
+FIT_WIDENS = (1.0, 1.1, 1.2, 1.3, 1.4, 1.5)
+#: The share of completions the 10-90 band is meant to hold.
+FIT_TARGET = 0.8
+
+
+def choose_band(sets: dict[float, dict[str, list[dict]]], widens: Sequence[float] = FIT_WIDENS) -> dict:
+    """The (pace spread, widening) pair that puts at least FIT_TARGET of the completions inside
+    the band in every set of rows, with the fewest inside over all of them (the narrowest band
+    that holds the target); `sets`: {pace spread: {set name: rows made with it}}. Returns
+    {"unit_sigma", "band_widen", "inside": {set name: share}, "grid": [every pair's shares]}, the
+    chosen pair None where none holds the target."""
+    grid: list[dict[str, Any]] = []
+    for sigma, by_set in sorted(sets.items()):
+        for widen in widens:
+            shares = {name: inside_share(rows, widen) for name, rows in by_set.items() if rows}
+            pooled = [r for rows in by_set.values() for r in rows]
+            grid.append(
+                {"unit_sigma": sigma, "band_widen": widen, "inside": shares, "pooled": inside_share(pooled, widen)}
+            )
+    held = [g for g in grid if g["inside"] and all(v >= FIT_TARGET for v in g["inside"].values())]
+    best = min(held, key=lambda g: (g["pooled"], g["band_widen"], g["unit_sigma"]), default=None)
+    return {
+        "unit_sigma": best and best["unit_sigma"],
+        "band_widen": best and best["band_widen"],
+        "inside": best and best["inside"],
+        "grid": grid,
+    }
+
+
+def fit_band(
+    seeds: Sequence[int] = (1, 2),
+    runs: Sequence[str] = (),
+    draws: int = 200,
+    sigmas: Sequence[float] = FIT_SIGMAS,
+) -> dict:
+    """The band refit, on the training kinds only: the window model's forecasts of TRAINING on
+    `seeds` and, where `runs` are given, the real runs of those kinds among them, made with each
+    pace spread of `sigmas` (the phase model, the default); the pair `choose_band` picks."""
+    sets: dict[float, dict[str, list[dict]]] = {}
+    for sigma in sigmas:
+        options = {"unit_sigma": sigma}
+        window = []
+        for kind in TRAINING:
+            for seed in seeds:
+                for workload in WORKLOADS:
+                    for cadence in ("fixed", "adaptive"):
+                        window += evaluate(kind, seed, workload, cadence, draws, models=("phase",), options=options)
+        sets[sigma] = {"window model": window}
+        if runs:
+            replayed = real(runs, draws, ("phase",), kinds=TRAINING, options=options)["rows"]
+            sets[sigma]["real runs"] = [r for r in replayed if "error" in r]
+    return {**choose_band(sets), "seeds": list(seeds), "kinds": list(TRAINING), "runs": list(runs)}
+
+
+def format_fit(result: dict) -> str:
+    """The refit's grid, one line per pair, and the pair chosen."""
+    lines = [
+        f"band refit on {', '.join(result['kinds'])}, seeds {result['seeds']}"
+        + (" and their real runs" if result["runs"] else "")
+    ]
+    for g in result["grid"]:
+        shares = ", ".join(f"{name} {100 * v:.0f} %" for name, v in g["inside"].items())
+        lines.append(
+            f"pace spread {g['unit_sigma']:<6} widen {g['band_widen']:.1f}: {shares} (all {100 * g['pooled']:.0f} %)"
+        )
+    if result["band_widen"] is None:
+        lines.append(f"no pair holds {100 * FIT_TARGET:.0f} % in every set")
+    else:
+        lines.append(f"chosen: UNIT_SIGMA {result['unit_sigma']}, BAND_WIDEN {result['band_widen']}")
+    return "\n".join(lines)
 
 
 def _err_stats(sel: list[dict]) -> dict:
@@ -492,6 +571,7 @@ def replay_run(
     seed: int = 0,
     plan_known: bool = False,
     models: Sequence[str] = ("phase",),
+    options: dict | None = None,
 ) -> list[dict]:
     """Forecasts made again from one testbench run's bus log, each against the task's real
     completion (see above). One row per (task, moment, window model): after (power-ups since its
@@ -594,17 +674,24 @@ def replay_run(
         to_come = [(s, math.inf if e is None else e, w) for s, e, w in history if e is None or e > now]
         known = forecast_tasks(tasks, basis, plan=to_come, now_wall=now) if to_come else {}
         started = {p[1] for p in progress if p[0] <= now}
-        for model in models:
-            options = (
-                model_options(model, kind_)
+        for model_name in models:
+            chosen = (
+                model_options(model_name, kind_)
                 if kind_ in KINDS
                 else {
-                    "window_model": model.removesuffix("-given"),
-                    **({"unit_sigma": 0.0} if model == "history" else {}),
+                    "window_model": model_name.removesuffix("-given"),
+                    **({"unit_sigma": 0.0} if model_name == "history" else {}),
                 }
             )
             fc = forecast_tasks(
-                tasks, basis, known_off=off, now_wall=now, draws=draws, seed=seed, band_widen=1.0, **options
+                tasks,
+                basis,
+                known_off=off,
+                now_wall=now,
+                draws=draws,
+                seed=seed,
+                band_widen=1.0,
+                **{**chosen, **(options or {})},
             )
             for t in queue:
                 f = (fc.get("tasks") or {}).get(t)
@@ -618,7 +705,7 @@ def replay_run(
                     **label,
                     "task": t,
                     "after": after,
-                    "model": model,
+                    "model": model_name,
                     "unstarted": t not in started,
                     "orbit_phase": orbit_phase(kind_, now),
                 }
@@ -662,11 +749,19 @@ def campaign_runs(paths: Sequence[str]) -> list[Path]:
     return out
 
 
-def real(paths: Sequence[str], draws: int = 200, models: Sequence[str] = MODELS) -> dict:
+def real(
+    paths: Sequence[str],
+    draws: int = 200,
+    models: Sequence[str] = MODELS,
+    kinds: Sequence[str] | None = None,
+    options: dict | None = None,
+) -> dict:
     """Forecasts replayed from real testbench runs (`campaign_runs(paths)`), each run given the
     profile another run kept: one of the same trace kind and cadence where there is one (the
     payload's earlier tasks on the same spacecraft), else of the same cadence, else any. The
-    rows, the summary per trace, seed and cadence, and which profile each run was given."""
+    rows, the summary per trace, seed and cadence, and which profile each run was given.
+    `kinds`: replay only the runs of these trace kinds (the profiles are still chosen among all);
+    `options`: forecast_tasks options over the window model's (the band refit's pace spread)."""
     runs = campaign_runs(paths)
     profiles = {run: kept_profile(run) for run in runs}
     # a profile that has not measured every phase (a run stopped early) gives no forecast
@@ -677,6 +772,8 @@ def real(paths: Sequence[str], draws: int = 200, models: Sequence[str] = MODELS)
     rows, given = [], {}
     for run in runs:
         kind, _ = run_kind_seed(run)
+        if kinds is not None and kind not in kinds:
+            continue
         cadence = _flight_option(list(_run_start(run)[1].get("flight_args") or []), "--cadence") or "fixed"
         others = [r for r in runs if r != run and profiles[r] is not None]
 
@@ -689,10 +786,17 @@ def real(paths: Sequence[str], draws: int = 200, models: Sequence[str] = MODELS)
         if pick is None:
             continue  # no other run kept a profile: nothing honest to forecast with
         given[run.name] = pick.name
-        rows += replay_run(run, profiles[pick], draws=draws, models=models)  # type: ignore[arg-type]
+        rows += replay_run(run, profiles[pick], draws=draws, models=models, options=options)  # type: ignore[arg-type]
         kind_seed = run_kind_seed(run)
         if kind_seed[0] in KINDS and known_off(kind_seed[0], kind_seed[1] or SHIPPED_SEEDS[kind_seed[0]]):
-            rows += replay_run(run, profiles[pick], draws=draws, plan_known=True, models=models)  # type: ignore[arg-type]
+            rows += replay_run(
+                run,
+                profiles[pick],  # type: ignore[arg-type]
+                draws=draws,
+                plan_known=True,
+                models=models,
+                options=options,
+            )
     return {
         "rows": rows,
         "summary": real_summary(rows),
@@ -817,6 +921,12 @@ def main(argv=None) -> int:
         "(OrbitWeaver's runs; each is given the profile another run kept)",
     )
     p.add_argument(
+        "--fit-band",
+        action="store_true",
+        help="refit the band (ground/forecast.py UNIT_SIGMA, BAND_WIDEN) on the training kinds: the window "
+        "model on --seeds (give the training seeds, e.g. 1 2) and, with --runs, those kinds' real runs",
+    )
+    p.add_argument(
         "--models",
         default=",".join(MODELS),
         help="window models compared, comma-separated (default: all): history (resampled without orbital "
@@ -828,7 +938,10 @@ def main(argv=None) -> int:
     unknown = [m for m in joined if m not in MODELS]
     if unknown:
         p.error(f"--models: unknown {', '.join(unknown)} (models: {', '.join(MODELS)})")
-    if args.runs:
+    if args.fit_band:
+        result = fit_band(tuple(args.seeds), args.runs or (), args.draws)
+        print(format_fit(result))
+    elif args.runs:
         result = real(args.runs, args.draws, joined)
         print(format_real(result))
     else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from bench.forecast_bench import kept_profile, real_summary, replay_run
+from bench.forecast_bench import choose_band, inside, inside_share, kept_profile, real_summary, replay_run
 
 START = 3000.0  # trace second the run starts at (trace-a has lived windows before it)
 PROFILE = {
@@ -102,3 +102,24 @@ def test_each_window_model_is_judged_and_an_unstarted_task_counts_as_an_uplink(t
         assert 0.0 <= r["orbit_phase"] < 1.0
     whens = {(s["model"], s["when"]) for s in real_summary(rows)}
     assert ("phase", "uplink or unstarted") in whens and ("history", "at uplink") in whens
+
+
+def _row(actual: float) -> dict:
+    # the draws' own band 90-110 around 100, made at 0
+    return {"now": 0.0, "actual": actual, "expected": 100.0, "p10_draws": 90.0, "p90_draws": 110.0}
+
+
+def test_the_band_refit_picks_the_narrowest_pair_that_holds_80_percent_in_every_set():
+    # 10 completions each: inside the draws' band, at 113.5 (inside once widened 1.4x) and at 125
+    # (inside only from 2.5x)
+    narrow = {"window model": [_row(100.0)] * 8 + [_row(113.5), _row(125.0)], "real runs": [_row(105.0)] * 10}
+    short = {"window model": [_row(100.0)] * 7 + [_row(113.5)] * 2 + [_row(125.0)], "real runs": [_row(105.0)] * 10}
+    assert inside(_row(113.5), 1.3) is False and inside(_row(113.5), 1.4) is True
+    assert inside_share(narrow["window model"], 1.0) == 0.8
+    # with the first pace spread, 1.0 already holds 80 % everywhere; the second needs 1.4 and holds more
+    chosen = choose_band({0.025: narrow, 0.05: short})
+    assert (chosen["unit_sigma"], chosen["band_widen"]) == (0.025, 1.0)
+    assert chosen["inside"] == {"window model": 0.8, "real runs": 1.0}
+    only = choose_band({0.05: short})
+    assert (only["unit_sigma"], only["band_widen"]) == (0.05, 1.4)
+    assert choose_band({0.05: {"window model": [_row(125.0)] * 10}})["band_widen"] is None
