@@ -19,7 +19,7 @@ another or calls another's private methods (tests/test_architecture.py checks it
 
     config.py       BusConfig, its checks, the payload's command line
     clock.py        TraceClock, the trace's actions (trace_actions)
-    base.py         what the parts share: PayloadLink, FdirChannels, StopRequest, and BusIO (what
+    base.py         what the parts share: PayloadLink, FdirChannels, GroundExchanges, StopRequest, and BusIO (what
                     start() opens: store, numbering, sockets, run log, switch; the run-log stamp
                     and the packet primitives)
     telemetry.py    power / thermal / FDIR reports (Telemetry)
@@ -38,7 +38,17 @@ another or calls another's private methods (tests/test_architecture.py checks it
     cli.py          `ow bus run` (not imported here: `ow --help` loads it alone)
 """
 
-from hil.bus.base import BusIO, FdirChannels, NotStarted, Pacer, PayloadLink, StopRequest, request_fields
+from hil.bus.base import (
+    BusIO,
+    FdirChannels,
+    GroundExchanges,
+    NotStarted,
+    Pacer,
+    PayloadLink,
+    StationWait,
+    StopRequest,
+    request_fields,
+)
 from hil.bus.clock import TRACE_CAUSE, TraceAction, TraceClock, trace_actions
 from hil.bus.config import (
     FLIGHT_RUN_ARGS,
@@ -58,10 +68,11 @@ from hil.bus.runners import BusProcess, BusThread, config_to_argv
 from hil.bus.stations import Stations
 from hil.bus.storage import StorageWatch, TolerantSequenceCounter
 from hil.bus.telemetry import Telemetry
-from hil.bus.timeline import IDLE_CONFIRM_S, POLL_MAX_S, SKIP_MIN_S, Timeline
+from hil.bus.timeline import GROUND_QUIET_S, IDLE_CONFIRM_S, POLL_MAX_S, SKIP_MIN_S, Timeline
 
 __all__ = [
     "FLIGHT_RUN_ARGS",
+    "GROUND_QUIET_S",
     "GROUND_SOURCE_IDS",
     "IDLE_CONFIRM_S",
     "PAYLOAD_CLIENT",
@@ -81,6 +92,7 @@ __all__ = [
     "BusProcess",
     "BusThread",
     "FdirChannels",
+    "GroundExchanges",
     "NotStarted",
     "Pacer",
     "PayloadLink",
@@ -88,6 +100,7 @@ __all__ = [
     "Relay",
     "ReplyExpectation",
     "Routing",
+    "StationWait",
     "Stations",
     "StopRequest",
     "StorageWatch",

@@ -6,6 +6,9 @@ hands to the parts that use it (docs/bus.md "Where things are"):
                    and the packet primitives read it)
     FdirChannels   FDIR's telemetry channels: mode, fault count, last fault (power and FDIR set
                    them, the relay clears a degraded link, telemetry reports them)
+    GroundExchanges  what skip-idle must know of the ground: when the relay last carried a ground
+                   command or a payload's answer, and which stations a cut left waiting for an
+                   answer (the relay and routing write it, the timeline reads it)
     StopRequest    the bus's stop: asked from any thread, read by the main loop and the power part
     BusIO          what `Bus.start()` opens -- the command store, the telemetry numbering, the
                    three sockets and their authenticator, the run log, the power switch -- and the
@@ -18,9 +21,10 @@ read through properties that say so (`NotStarted`) instead of failing on a missi
 
 from __future__ import annotations
 
+import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import zmq
@@ -82,6 +86,75 @@ class PayloadLink:
     gap_reported: bool = False
     payload_idle_since: float | None = None
     payload_queue_depth: int | None = None
+
+
+#: A request as the store and routing key it: (apid, source id, seq, message type).
+RequestKey = tuple[int, int, int, int]
+
+
+@dataclass
+class StationWait:
+    """A ground station that a cut (or a lost payload connection) left waiting for an answer."""
+
+    name: str | None
+    #: when the bus found it waiting (monotonic)
+    since: float
+    #: its requests whose answers may have gone with the cut, not answered since
+    owed: set[RequestKey] = field(default_factory=set)
+    #: its requests received after that (the ground asking again): an answer to one of them
+    #: means the station has heard from the payload again
+    fresh: set[RequestKey] = field(default_factory=set)
+
+
+@dataclass
+class GroundExchanges:
+    """What skip-idle must know of the ground (docs/bus.md §1 "Skipping idle spans"): the payload
+    may be idle while a ground station is in the middle of an exchange with it -- between an
+    answer and its next command, or waiting for an answer that a cut took (it will ask again only
+    after its own time-out). The relay notes each ground command it takes and forwards; routing
+    notes each answer of the payload and whom it reached."""
+
+    #: when the relay last carried a ground command or a payload's answer (monotonic), or None
+    last_exchange: float | None = None
+    #: stations a cut left waiting, by source id
+    waiting: dict[int, StationWait] = field(default_factory=dict)
+
+    def exchanged(self, now: float) -> None:
+        """A ground command or a payload's answer went through the relay at `now`."""
+        if self.last_exchange is None or now > self.last_exchange:
+            self.last_exchange = now
+
+    def quiet_s(self, now: float) -> float:
+        """Wall seconds since the last exchange (infinite before the first)."""
+        return math.inf if self.last_exchange is None else now - self.last_exchange
+
+    def answers_lost(self, owed: dict[int, tuple[str | None, set[RequestKey]]], now: float) -> None:
+        """A new payload connection: these stations' requests went to an earlier one and were not
+        answered; their answers may be lost (source id -> (key name, request keys))."""
+        for source, (name, keys) in owed.items():
+            wait = self.waiting.get(source)
+            if wait is None:
+                self.waiting[source] = StationWait(name, now, set(keys))
+            else:
+                wait.owed |= keys
+                wait.name = wait.name or name
+
+    def asked(self, key: RequestKey) -> None:
+        """A station sent request `key` (its source is key[1]) to the bus."""
+        wait = self.waiting.get(key[1])
+        if wait is not None:
+            wait.fresh.add(key)
+
+    def answered(self, key: RequestKey) -> None:
+        """A report of the payload about request `key` reached its station (key[1]). The station
+        waits no longer once every answer it was owed has come, or once the payload has answered
+        a request it sent since (it has asked again)."""
+        wait = self.waiting.get(key[1])
+        if wait is None:
+            return
+        wait.owed.discard(key)
+        if not wait.owed or key in wait.fresh:
+            del self.waiting[key[1]]
 
 
 @dataclass

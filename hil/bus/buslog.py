@@ -59,6 +59,7 @@ PAYLOAD_REPORT = "payload_report"
 PAYLOAD_EXITED = "payload_exited"
 HEARTBEAT_GAP = "heartbeat_gap"
 CLOCK_SKIP = "clock_skip"
+SKIP_HELD = "skip_held"
 FDIR_ACTION = "fdir_action"
 SWITCH_ERROR = "power_switch_error"
 LINK_REFUSED = "link_refused"
@@ -84,6 +85,7 @@ KINDS = (
     PAYLOAD_EXITED,
     HEARTBEAT_GAP,
     CLOCK_SKIP,
+    SKIP_HELD,
     FDIR_ACTION,
     SWITCH_ERROR,
     LINK_REFUSED,

@@ -92,7 +92,8 @@ _TRACE_AND_CLOCK_ARGS = Group(
             "--skip-idle",
             action="store_true",
             help="compressed long runs: jump the trace clock over spans where nothing can happen (payload "
-            "off until its next power-on; payload on, connected and idle until the next trace event)",
+            "off until its next power-on; payload on, connected and idle, the ground link quiet for 2 s and no "
+            "station waiting for an answer a cut took, until the next trace event)",
         ),
         arg(
             "--hold-at",

@@ -127,8 +127,9 @@ class BusConfig:
     ready_file: str | os.PathLike | None = None
     #: compressed long runs: jump the trace clock over spans where nothing can happen -- the
     #: payload off until its next power-on, or on, connected and idle (no task, no command in
-    #: flight) until the next trace action -- never past a `hold_at_s` trace time (e.g. when the
-    #: ground will send something)
+    #: flight, the ground link quiet, no station waiting for an answer a cut took; docs/bus.md §1)
+    #: until the next trace action -- never past a `hold_at_s` trace time (e.g. when the ground
+    #: will send something)
     skip_idle: bool = False
     hold_at_s: Sequence[float] = ()
     #: trace time stands still from each power-on until the payload connects (or is cut): a

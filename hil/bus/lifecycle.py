@@ -23,7 +23,7 @@ from common.wire import EventId, PowerCause, decode
 from common.wire import messages as m
 from common.wire.link import Endpoints, KeyLayout, recv_packet
 from hil.bus import buslog as bl
-from hil.bus.base import BusIO, FdirChannels, Pacer, PayloadLink, StopRequest
+from hil.bus.base import BusIO, FdirChannels, GroundExchanges, Pacer, PayloadLink, StopRequest
 from hil.bus.busstore import CommandStore
 from hil.bus.clock import TraceClock
 from hil.bus.config import BusConfig, BusConfigError
@@ -80,6 +80,8 @@ class Bus:
         self.clock = TraceClock(config.time_scale, config.start_at_s)
         self.link = PayloadLink()
         self.fdir = FdirChannels()
+        #: the ground's exchanges with the payload, for skip-idle
+        self.exchanges = GroundExchanges()
         self.io = BusIO(self.clock, self.link)
         #: the bus's own disk: which writers fail (docs/bus.md "The bus's own disk")
         self.storage = StorageWatch(self._storage_changed)
@@ -89,9 +91,9 @@ class Bus:
             config, self.trace, self.clock, self.io, self.link, self.fdir, self.telemetry, self._stop
         )
         self.timeline = Timeline(
-            config, self.trace, self.clock, self.io, self.link, self.power, self.telemetry, self._stop
+            config, self.trace, self.clock, self.io, self.link, self.power, self.telemetry, self._stop, self.exchanges
         )
-        self.routing = Routing(self.io)
+        self.routing = Routing(self.io, self.exchanges)
         self.stations = Stations(config, self.io, self.routing)
         self.relay = Relay(
             config,
@@ -104,6 +106,7 @@ class Bus:
             self.timeline,
             self.routing,
             self.stations,
+            self.exchanges,
             on_payload_message=self._pace_message if pacer is not None else None,
         )
         if switch is None:

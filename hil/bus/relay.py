@@ -29,7 +29,7 @@ from common.wire.errors import RequestRef
 from common.wire.ids import GROUND_SOURCE_IDS, is_admin_source
 from common.wire.link import LinkError, Received, send_packet
 from hil.bus import buslog as bl
-from hil.bus.base import BusIO, FdirChannels, PayloadLink, request_fields
+from hil.bus.base import BusIO, FdirChannels, GroundExchanges, PayloadLink, request_fields
 from hil.bus.busstore import StoredCommand, StoreUnavailable, request_key
 from hil.bus.clock import TraceClock
 from hil.bus.config import BusConfig
@@ -62,6 +62,7 @@ class Relay:
         timeline: Timeline,
         routing: Routing,
         stations: Stations,
+        exchanges: GroundExchanges,
         on_payload_message: Callable[[m.Message, float], None] | None = None,
     ):
         self.config = config
@@ -74,6 +75,8 @@ class Relay:
         self.timeline = timeline
         self.routing = routing
         self.stations = stations
+        #: the ground's commands and the stations a cut left waiting, for skip-idle
+        self.exchanges = exchanges
         #: sees every packet from the payload (a replay's pacer)
         self.on_payload_message = on_payload_message
         # when the failing command store and run log are tried again (monotonic)
@@ -154,6 +157,7 @@ class Relay:
             self.stations.close_revoked("commands", received.routing_id, received)
             return
         self.stations.note_connection("commands", received.routing_id, received)
+        self.exchanges.exchanged(now)  # a station at work: skip-idle waits for it to be quiet
         if not self.stations.rate_ok(user, now):
             rate = self.config.station_rate
             self._reject_ground(
@@ -244,6 +248,7 @@ class Relay:
             )
             return
         self.storage.succeeded(_STORE_WRITER)  # marks that waited went out with it
+        self.exchanges.asked(entry.key)
         assert received.routing_id is not None  # a ROUTER socket names every sender
         self.routing.remember_route(request, received.routing_id)
         self.routing.expect_replies(request, message)
@@ -406,6 +411,7 @@ class Relay:
         # Durable marks tell a restarted bus that a resend is a redelivery. A disk that refuses
         # them does not stop the relay: they wait in memory (docs/bus.md "The bus's own disk").
         self.flush_store(time.monotonic())
+        self.exchanges.exchanged(time.monotonic())
         for entry in batch:
             if not self.io.to_payload(entry.packet):
                 return
@@ -494,6 +500,9 @@ class Relay:
         if self.config.hold_for_connect:
             self.clock.release(now)  # the window's trace time starts now
         self.power.boot_connected(now)
+        # What the ground sent to an earlier connection and heard nothing about may have gone with
+        # it: those stations hold skip-idle until they hear from the payload again.
+        self.exchanges.answers_lost(self.routing.owed_answers(now), now)
         self.link.link_id += 1
         self.link.payload_rid = rid
         self.link.last_seen = now

@@ -14,7 +14,7 @@ from common.wire import messages as m
 from common.wire.errors import RequestRef
 from common.wire.link import LinkError, send_packet
 from hil.bus import buslog as bl
-from hil.bus.base import BusIO, request_fields
+from hil.bus.base import BusIO, GroundExchanges, RequestKey, request_fields
 from hil.bus.busstore import StoredCommand, request_key
 
 #: Replies that answer one telecommand, and the field that ties reply to command.
@@ -47,8 +47,10 @@ class ReplyExpectation:
 class Routing:
     """Where each ground connection is, which task is whose, and the replies still owed."""
 
-    def __init__(self, io: BusIO):
+    def __init__(self, io: BusIO, exchanges: GroundExchanges):
         self.io = io
+        #: the payload's answers, and whom they reached, for skip-idle
+        self.exchanges = exchanges
         # routing of reports back to the ground connection that sent the telecommand
         self.route_by_request: dict[tuple, bytes] = {}
         self.route_by_source: dict[int, bytes] = {}
@@ -100,7 +102,23 @@ class Routing:
             if expectation.key == key:
                 expectation.armed = True
 
-    def _to_ground(self, packet: bytes, key: tuple | None, source_id: int | None) -> bool:
+    def owed_answers(self, now: float) -> dict[int, tuple[str | None, set[RequestKey]]]:
+        """What the payload's earlier connections still owe the ground, by station (source id ->
+        (key name, request keys)): commands sent to the payload and not confirmed, and replies
+        owed to commands it took. Asked when a new connection comes (after a cut, a bus restart or
+        a lost link): those answers may have gone with the old one (docs/bus.md §1)."""
+        owed: dict[int, tuple[str | None, set[RequestKey]]] = {}
+        for entry in self.io.store.pending():
+            if entry.forwards > 0:
+                _, keys = owed.setdefault(entry.request.source_id, (entry.sender, set()))
+                keys.add(entry.key)
+        for expectation in self.expectations:
+            if expectation.armed and now - expectation.created < REPLY_EXPECTATION_S:
+                _, keys = owed.setdefault(expectation.source_id, (None, set()))
+                keys.add(expectation.key)
+        return owed
+
+    def _to_ground(self, packet: bytes, key: RequestKey | None, source_id: int | None) -> bool:
         """Send to the connection that sent the telecommand, else to that station's latest."""
         candidates = []
         if key is not None and key in self.route_by_request:
@@ -110,9 +128,11 @@ class Routing:
         for rid in dict.fromkeys(candidates):
             try:
                 send_packet(self.io.commands_sock, packet, routing_id=rid, timeout_s=0.1)
-                return True
             except LinkError:
                 continue
+            if key is not None:
+                self.exchanges.answered(key)
+            return True
         return False
 
     def route_payload_report(self, message: m.Message, packet: bytes, now: float) -> bool:
@@ -133,6 +153,7 @@ class Routing:
                 self.confirm_stored(entry, how, now)
             if message.TYPE in (MessageType.REJECTED, MessageType.FAILED, MessageType.COMPLETED):
                 self.expectations = [e for e in self.expectations if e.key != key]
+            self.exchanges.exchanged(now)  # an answer, even one the ground does not get (a duplicate)
             routed = False if suppressed else self._to_ground(packet, key, request.source_id)
             progress: dict[str, Any] = (
                 {"phase": message.phase.value, "done": message.done, "total": message.total}
@@ -207,6 +228,7 @@ class Routing:
                     **result,
                 )
             return  # periodic housekeeping: telemetry only
+        self.exchanges.exchanged(now)
         routed = self._to_ground(packet, key, source)
         self.io.buslog.write(
             bl.PAYLOAD_REPORT,

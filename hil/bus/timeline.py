@@ -9,8 +9,9 @@ from collections import deque
 import traces
 from common import log
 from common.wire import messages as m
+from common.wire.errors import RequestRef
 from hil.bus import buslog as bl
-from hil.bus.base import BusIO, PayloadLink, StopRequest
+from hil.bus.base import BusIO, GroundExchanges, PayloadLink, StopRequest, request_fields
 from hil.bus.clock import TRACE_CAUSE, TraceClock, trace_actions
 from hil.bus.config import BusConfig
 from hil.bus.power_fdir import PowerFdir
@@ -25,6 +26,12 @@ POLL_MAX_S = 0.02
 #: the smallest jump worth making (wall seconds)
 IDLE_CONFIRM_S = 0.5
 SKIP_MIN_S = 0.05
+#: skip-idle mode: how long the ground link must have been quiet -- no ground command taken or
+#: forwarded, no answer of the payload routed -- before an idle payload's time may be skipped.
+#: Wall seconds, not trace seconds: it covers the ground's turn between an answer and its next
+#: command (an image upload is many such turns), which is a real process on this machine's
+#: clock, neither compressed by --time-scale nor moved by a skip (docs/bus.md §1).
+GROUND_QUIET_S = 2.0
 
 
 class Timeline:
@@ -40,6 +47,7 @@ class Timeline:
         power: PowerFdir,
         telemetry: Telemetry,
         stop: StopRequest,
+        exchanges: GroundExchanges,
     ):
         self.config = config
         self.clock = clock
@@ -48,6 +56,10 @@ class Timeline:
         self.power = power
         self.telemetry = telemetry
         self.stop = stop
+        #: the ground's exchanges with the payload: skip-idle waits for them
+        self.exchanges = exchanges
+        #: the waiting stations (source ids) last written in a `skip_held` line
+        self.held_logged: frozenset[int] = frozenset()
         _, pending_warning, actions = trace_actions(trace, config.start_at_s)
         #: (cut time, cause, lead) of the announced cut to come, told to each new payload connection
         self.pending_warning: tuple[float, CutCause | None, float] | None = pending_warning
@@ -114,9 +126,11 @@ class Timeline:
             self.stop.request("trace_end")
 
     def skip_idle(self, now: float) -> None:
-        """Jump the trace clock to the next trace action when nothing can happen before it."""
-        if not self.actions:
-            return
+        """Jump the trace clock to the next trace action when nothing can happen before it: the
+        payload is off until that action powers it, or it is on and idle while the ground is
+        quiet and no station waits for an answer a cut took (docs/bus.md §1)."""
+        if not self.actions or self.clock.held_at is not None:
+            return  # a held clock is a pacer's or hold_for_connect's: not skip-idle's to move
         target = self.actions[0].trace_s
         trace_now = self.clock.trace_s(now)
         holds = [h for h in self.config.hold_at_s if h > trace_now]
@@ -133,7 +147,13 @@ class Timeline:
             and now - link.payload_idle_since > IDLE_CONFIRM_S
             and not len(self.io.store.pending())
             and link.payload_queue_depth == 0
+            and self.exchanges.quiet_s(now) >= GROUND_QUIET_S
         )
+        if idle and self.exchanges.waiting:
+            self._log_held(now)
+            return
+        if not self.exchanges.waiting:
+            self.held_logged = frozenset()
         if not (off_waiting or idle):
             return
         delta = self.clock.at(target) - now
@@ -147,6 +167,31 @@ class Timeline:
             to_trace_s=round(target, 3),
             reason="payload off" if off_waiting else "payload idle",
         )
+
+    def _log_held(self, now: float) -> None:
+        """A `skip_held` line when the payload is idle but stations wait for answers a cut took
+        (once for each set of them)."""
+        waiting = self.exchanges.waiting
+        if frozenset(waiting) == self.held_logged:
+            return
+        self.held_logged = frozenset(waiting)
+        stations = [
+            {
+                "source": source,
+                "station": wait.name,
+                "waiting_s": round(now - wait.since, 3),
+                "owed": [request_fields(RequestRef(*key)) for key in sorted(wait.owed)],
+            }
+            for source, wait in sorted(waiting.items())
+        ]
+        self.io.buslog.write(
+            bl.SKIP_HELD,
+            **self.io.stamp(now),
+            reason="the payload is idle, but a cut took answers these stations wait for; "
+            "they will ask again after their own time-out",
+            stations=stations,
+        )
+        _log.info("bus_skip_held", stations=[s["source"] for s in stations])
 
     def next_due(self, now: float) -> float:
         """Wall seconds until the next trace action (at most POLL_MAX_S)."""
