@@ -61,6 +61,9 @@ class BenchSettings:
     # and fitted SLO factors to use instead of fitting (one per calibrate.GRID setting)
     compare_acceptance: tuple[str, ...] = ()
     calibrated_factors: tuple[float, ...] | None = None
+    # calibration: which of calibrate.GRID's settings to run (indices; None: all), so that the
+    # settings can run one at a time or in parallel processes
+    calibration_settings: tuple[int, ...] | None = None
 
     @classmethod
     def quick(cls) -> BenchSettings:
@@ -69,7 +72,7 @@ class BenchSettings:
             duration_s=6.0,
             max_batches=(1, 2, 4),
             seeds=(0, 1),
-            controller=ControllerSettings(epochs=10, replay_epochs=5),
+            controller=ControllerSettings(epochs=10, replay_epochs=5, confirm_epochs=100),
         )
 
     def workload(self, robots: dict[str, int], seed: int | None = None) -> sim.Workload:
@@ -449,11 +452,20 @@ def multi_model(
     for spec in MULTI_PLACEMENTS:
         pl = Placement.parse(spec, models, 4)
         best, plan = 0, None
+        two_stage = controller.settings.two_stage
+        # Upwards on the first stage (the screen) while plans pass; with the two-stage rule, then
+        # downwards from the highest screened load until a plan passes the confirmation too: the
+        # confirmation costs ten screens and is paid only for plans the search would emit.
         for n in range(1, s.max_robots_per_model + 1):
-            candidate = controller.plan(pl, {m: n for m in models})
+            candidate = controller.plan(pl, {m: n for m in models}, confirm=not two_stage)
             if not candidate.feasible:
                 break
             best, plan = n, candidate
+        while two_stage and best > 0:
+            plan = controller.plan(pl, {m: best for m in models})
+            if plan.feasible:
+                break
+            best, plan = best - 1, None
         replays = {}
         if plan is not None:
             for seed in s.seeds:
@@ -530,8 +542,13 @@ def calibrated(profile: ProfileTable, s: BenchSettings, rep: BenchReport) -> dic
         f"{calibrate.ANCHOR_MAX_BATCH}; median of seeds {', '.join(map(str, s.seeds))}) for each unpinned setting, "
         f"then 8 models x 4 GPUs; acceptance {', '.join(rules)} =="
     )
+    chosen = range(len(calibrate.GRID)) if s.calibration_settings is None else s.calibration_settings
+    bad = [i for i in chosen if not 0 <= i < len(calibrate.GRID)]
+    if bad or not chosen:
+        raise ValueError(f"calibration settings: indices 0-{len(calibrate.GRID) - 1}, got {list(chosen)}")
     rows = []
-    for i, params in enumerate(calibrate.GRID):
+    for i in chosen:
+        params = calibrate.GRID[i]
         if s.calibrated_factors is None:
             fit = calibrate.fit_slo_factor(params, cal, gpu_key, progress=rep.add)
         else:  # given (an earlier run's fit): the experiment without the fit's cost
@@ -557,6 +574,7 @@ def calibrated(profile: ProfileTable, s: BenchSettings, rep: BenchReport) -> dic
             meets = [v["all_replays_meet"] for v in multi.values() if v["all_replays_meet"] is not None]
             rows.append(
                 {
+                    "setting": i,
                     "kernel_us": params.kernel_us,
                     "corun_slowdown": params.corun_slowdown,
                     "acceptance": rule,

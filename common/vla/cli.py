@@ -400,6 +400,16 @@ def cmd_bench(args) -> int:
         changes["compare_acceptance"] = tuple(rules)
     if args.calibrated_factors is not None:
         changes["calibrated_factors"] = tuple(args.calibrated_factors)
+    if args.calibration_settings is not None:
+        from common.vla import calibrate
+
+        bad = [i for i in args.calibration_settings if not 0 <= i < len(calibrate.GRID)]
+        if bad or not args.calibration_settings:
+            raise _cli_error(
+                f"--calibration-settings: indices 0-{len(calibrate.GRID) - 1} into the unpinned settings, "
+                f"got {','.join(map(str, args.calibration_settings)) or 'none'}"
+            )
+        changes["calibration_settings"] = tuple(args.calibration_settings)
     changes["controller"] = controller
     settings = dataclasses.replace(settings, **changes)
     report = run_bench(profile, settings, experiments, emit=lambda line: print(line, flush=True))
@@ -417,7 +427,10 @@ def _controller(args, profile, models):
     # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
     from common.vla.controller import ControllerSettings, TrafficController
 
-    settings = ControllerSettings(epochs=args.check_epochs, time_limit_s=args.ilp_time_limit)
+    try:
+        settings = ControllerSettings(epochs=args.check_epochs, time_limit_s=args.ilp_time_limit)
+    except ValueError as exc:
+        raise _cli_error(str(exc)) from None
     if getattr(args, "limits", None):
         missing = [m for m in models if m not in args.limits]
         if missing:
@@ -594,7 +607,8 @@ _CONTROLLER_ARGS = (
         "--check-epochs",
         type=int,
         default=30,
-        help="simulated 10 s epochs per point when measuring co-location limits and checking a plan (default 30)",
+        help="simulated 10 s epochs per point when measuring co-location limits and screening a plan (default 30; "
+        "a plan that passes the screen is confirmed on 1,000 fresh epochs)",
     ),
 )
 
@@ -837,9 +851,17 @@ VLA_COMMANDS: tuple[Command, ...] = (
             ),
             arg(
                 "--acceptance",
-                help="the controller's plan acceptance: bootstrap (default), prediction or worst-draw (docs/vla.md); "
+                help="the controller's plan acceptance: bootstrap (default: screen, then confirm on fresh draws), "
+                "bootstrap-once (the screen alone), prediction or worst-draw (docs/vla.md); "
                 "several, comma-separated, are compared side by side in the calibration experiment (the first "
                 "is used elsewhere)",
+            ),
+            arg(
+                "--calibration-settings",
+                type=_ints,
+                help="calibration: run only these unpinned settings (indices 0-8 in the order the report lists "
+                "them: kernel floor 8, 9, 10 us, each with co-run slowdown 0, 5, 10 %%), e.g. to run them in "
+                "parallel processes",
             ),
             arg(
                 "--calibrated-factors",

@@ -15,6 +15,10 @@ profiles cross-model stage pairs, §4.1.3). So the controller here:
    draws (`ControllerSettings.acceptance`); when a model on some GPU fails it, lowers the limits
    of that GPU's composition just below the failing load and solves again (at most `max_rounds`
    times). A plan is emitted as within limits only once every GPU passed; otherwise it is flagged.
+   With the two-stage rule (`bootstrap`, the default) a plan that passes the cheap screen (100
+   draws) is confirmed on fresh draws (1,000, other seeds) before it is accepted: the ILP and the
+   search over loads pick the plans the screen's sample flattered (a phase alignment its 100
+   draws never showed), and only an independent sample can judge a plan selected that way.
 
 Derating is once per key (a composition) per round, by the worst failing GPU of that key: N
 identical GPUs that fail together are one piece of evidence, not N (derating once per failing GPU
@@ -30,6 +34,7 @@ controllers that judge them by different rules).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -68,10 +73,15 @@ class ControllerSettings:
     target: float = 0.98  # SLO attainment every model must reach in any replay of a plan
     # A plan (and a measured limit) is accepted by a stated test over independent one-epoch draws
     # of robot phases and network delays (see ACCEPTANCE_RULES and docs/vla.md):
-    #  * "bootstrap" (default): every model must reach `plan_target` in all but a
+    #  * "bootstrap-once": every model must reach `plan_target` in all but a
     #    (1 - confidence) share of `resamples` replays of `replay_epochs` epochs resampled from the
     #    draws, the share split evenly over every (model, GPU) the test covers (Bonferroni: a whole
     #    plan holds in a replay with `confidence`); no normal model, the draws' own tail counts;
+    #  * "bootstrap" (default): two stages of that test. The screen (`epochs` draws from `seed`)
+    #    rejects cheaply; a plan that passes it is accepted only if it passes again on
+    #    `confirm_epochs` fresh draws (seeds from `confirm_seed`), independent of the screen that
+    #    selected it. Limits are measured with the screen alone (a limit it flattered is caught,
+    #    and derated, at the confirmation of the plan that uses it);
     #  * "prediction": each model's one-sided `confidence` Student-t prediction bound
     #    mean - t * sd * sqrt(1/n + 1/replay_epochs) (one model at a time);
     #  * "worst-draw": each of `check_draws` draws reaches `plan_target` (the first rule, with
@@ -88,6 +98,11 @@ class ControllerSettings:
     resamples: int = 8000  # bootstrap replays per check (enough for a 0.05 / 32 quantile)
     duration_s: float = 10.0
     seed: int = 1000  # apart from the bench's seeds, so that a replay is an independent draw
+    # the two-stage rule's confirmation: ten times the screen's draws (an alignment one epoch in
+    # 300 shows up in 1,000 draws with 96 % probability, in 100 with 28 %), seeds apart from the
+    # screen's and the bench's
+    confirm_epochs: int = 1000
+    confirm_seed: int = 2000
     max_models_per_gpu: int = 4
     time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S
     max_rounds: int = 6
@@ -103,12 +118,39 @@ class ControllerSettings:
             raise ValueError(f"confidence must be in [0.5, 1), not {self.confidence}")
         if self.resamples < 100:
             raise ValueError(f"resamples must be at least 100, not {self.resamples}")
+        if self.acceptance == "bootstrap":
+            if self.confirm_epochs < 1:
+                raise ValueError(f"confirm_epochs must be at least 1, not {self.confirm_epochs}")
+            screen = range(self.seed, self.seed + self.epochs)
+            confirm = range(self.confirm_seed, self.confirm_seed + self.confirm_epochs)
+            if screen.start < confirm.stop and confirm.start < screen.stop:
+                raise ValueError(
+                    f"the confirmation's seeds {confirm.start}-{confirm.stop - 1} overlap the screen's "
+                    f"{screen.start}-{screen.stop - 1}: its draws must be fresh"
+                )
+
+    @property
+    def two_stage(self) -> bool:
+        return self.acceptance == "bootstrap"
+
+    def confirmation(self) -> ControllerSettings:
+        """The second stage of the two-stage rule: the same bootstrap test on the fresh draws."""
+        return dataclasses.replace(
+            self, acceptance="bootstrap-once", epochs=self.confirm_epochs, seed=self.confirm_seed
+        )
 
     def describe(self) -> str:
         """The acceptance rule in words, for reports."""
         if self.acceptance == "bootstrap":
             return (
-                f"bootstrap: every model at {self.plan_target:.0%} in {self.confidence:.0%} of {self.resamples} "
+                f"bootstrap, two stages: a screen of {self.epochs} one-epoch draws (seeds from {self.seed}), then "
+                f"{self.confirm_epochs} fresh draws (seeds from {self.confirm_seed}) for a plan that passes it; each "
+                f"every model at {self.plan_target:.0%} in {self.confidence:.0%} of {self.resamples} resampled "
+                f"{self.replay_epochs}-epoch replays (Bonferroni over the models and GPUs tested together)"
+            )
+        if self.acceptance == "bootstrap-once":
+            return (
+                f"bootstrap-once: every model at {self.plan_target:.0%} in {self.confidence:.0%} of {self.resamples} "
                 f"resampled {self.replay_epochs}-epoch replays of {self.epochs} one-epoch draws "
                 f"(Bonferroni over the models and GPUs tested together)"
             )
@@ -120,7 +162,7 @@ class ControllerSettings:
         return f"worst-draw: each of {self.check_draws} draws ({self.epochs} epochs in all) at {self.plan_target:.0%}"
 
 
-ACCEPTANCE_RULES = ("bootstrap", "prediction", "worst-draw")
+ACCEPTANCE_RULES = ("bootstrap", "bootstrap-once", "prediction", "worst-draw")
 
 
 def prediction_bound(attainments: list[float], replay_epochs: int, confidence: float) -> float:
@@ -187,6 +229,11 @@ class ControllerPlan:
     # The limits after this plan's derating (model -> L(k) per k) and what lowered them.
     learned: Mapping[str, Table] | None = None
     derated: tuple[str, ...] = ()
+    # two-stage rule: `checks` are the confirmation's judgement once a plan got that far, and
+    # `screen` the screen's of the same assignment; `confirmed` says the plan passed both
+    # (False for a plan asked for without confirmation, or judged by a one-stage rule)
+    confirmed: bool = False
+    screen: tuple[GpuCheck, ...] = ()
 
     @property
     def feasible(self) -> bool:
@@ -434,15 +481,21 @@ class TrafficController:
     def _mb(self, m: str) -> int:
         return self.max_batch[m] if isinstance(self.max_batch, Mapping) else self.max_batch
 
-    def check_gpu(self, robots: Mapping[str, int], family: int = 0) -> dict[str, float]:
+    def check_gpu(self, robots: Mapping[str, int], family: int = 0, confirm: bool = False) -> dict[str, float]:
         """Per-model SLO attainment of one GPU serving `robots` alone, as the acceptance rule judges
-        it (`family`: the (model, GPU) pairs the decision covers; 0: this GPU's). Draws are cached
+        it (`family`: the (model, GPU) pairs the decision covers; 0: this GPU's; `confirm`: the
+        two-stage rule's confirmation on its fresh draws instead of the screen). Draws are cached
         by composition."""
+        s = self.settings.confirmation() if confirm else self.settings
         on = {m: n for m, n in sorted(robots.items()) if n}
-        results = simulate_draws(self.profile, on, {m: self._mb(m) for m in on}, self.settings, self._draws)
-        return judge(results, self.settings, family)
+        results = simulate_draws(self.profile, on, {m: self._mb(m) for m in on}, s, self._draws)
+        return judge(results, s, family)
 
-    def plan(self, placement: Placement, robots: Mapping[str, int]) -> ControllerPlan:
+    def plan(self, placement: Placement, robots: Mapping[str, int], confirm: bool = True) -> ControllerPlan:
+        """The checked assignment of `robots`. With the two-stage rule a plan that passes the screen
+        is confirmed on fresh draws (a failed confirmation derates like a failed screen);
+        `confirm=False` stops at the screen (a search over loads screens upwards and confirms only
+        the plans it would emit, the confirmation costing ten screens)."""
         s = self.settings
         robots = {m: int(n) for m, n in robots.items() if n > 0}
         unknown = [m for m in robots if m not in self.limits]
@@ -451,12 +504,22 @@ class TrafficController:
         learned = {m: _copy(v) for m, v in self.limits.items()}
         derated: list[str] = []
 
-        def result(a: TrafficAssignment, checks: list[GpuCheck], verified: bool, rnd: int, note: str = ""):
+        def result(
+            a: TrafficAssignment,
+            checks: list[GpuCheck],
+            verified: bool,
+            rnd: int,
+            note: str = "",
+            confirmed: bool = False,
+            screen: list[GpuCheck] | None = None,
+        ):
             if s.carry_learned_limits:
                 self.limits = {m: _copy(v) for m, v in learned.items()}
             self.derated.extend(derated)
             frozen = {m: _copy(v) for m, v in learned.items()}
-            return ControllerPlan(a, tuple(checks), verified, rnd, note, frozen, tuple(derated))
+            return ControllerPlan(
+                a, tuple(checks), verified, rnd, note, frozen, tuple(derated), confirmed, tuple(screen or ())
+            )
 
         for rnd in range(1, s.max_rounds + 1):
             limits = {m: _copy(v) for m, v in learned.items() if m in robots}
@@ -470,6 +533,15 @@ class TrafficController:
             failing = [c for c in checks if c.worst < s.plan_target]
             if not a.feasible:
                 return result(a, checks, False, rnd, "the robots exceed the GPUs' limits")
+            if not failing and s.two_stage and confirm:
+                screened = checks
+                checks = [GpuCheck(c.gpu, c.robots, c.load, self.check_gpu(c.robots, family, True)) for c in screened]
+                failing = [c for c in checks if c.worst < s.plan_target]
+                if not failing:
+                    return result(a, checks, True, rnd, confirmed=True, screen=screened)
+                # the screen's sample flattered this plan: the fresh draws' evidence derates it
+                derated.extend(f"confirmation: {note}" for note in derate(learned, failing))
+                continue
             if not failing:
                 return result(a, checks, True, rnd)
             derated.extend(derate(learned, failing))
@@ -542,6 +614,8 @@ def format_plan(plan: ControllerPlan, placement: Placement) -> str:
     for c in plan.checks:
         lines.append(f"  GPU {c.gpu} simulated: " + ", ".join(f"{m} {v:.1%}" for m, v in c.per_model.items()))
     verdict = "every model meets the check" if plan.verified else f"NOT verified: {plan.note}"
+    if plan.confirmed:
+        verdict += " (screen and confirmation on fresh draws)"
     lines.append(f"  controller: {verdict} (round {plan.rounds})")
     return "\n".join(lines)
 
