@@ -14,8 +14,10 @@ text the rest: an uplink's prompt is at most 8,192 bytes):
                 the first unit of new work
 
   vla           the VLA backend of the device (CUDA streams and green contexts) running the real
-                models' lockstep plans: each stage alone and co-running, per batch size (the
-                times a profile is made of; common/vla/profiler.py's measurement)
+                models' lockstep plans, recorded as a measured lockstep table (docs/vla.md,
+                "Measured lockstep tables"; --vla-profile-out): each stage alone per batch size,
+                every VLM/ADiT pair (cross-model too) under every VLM share; `ow vla bench
+                --profile FILE` runs the paper's experiments from it
 
 A stage that would start past --budget-s is skipped and named in the JSON. `--cpu-smoke` runs the
 same stages on CPU with the tiny model and a 256-token request, so that the script is known to
@@ -23,6 +25,7 @@ work before a GPU sees it (tests/bench/test_gpu_check.py, in make test); it impo
 once and forks its runs from there (ForkedProcess), where on CUDA each run is a fresh process.
 
     python -m bench.gpu_check [--budget-s 480] [--out runs/bench/gpu_check.json]
+                              [--vla-profile-out runs/bench/vla_profile.json]
     python -m bench.gpu_check --cpu-smoke
 """
 
@@ -57,7 +60,13 @@ GPU: dict[str, Any] = {
     "device": "cuda",
     "dtype": "bfloat16",
     "engine": {"chunk": 2048, "group": 4, "decode_every": 4, "vision_every": 4, "new_tokens": 32},
-    "vla": {"archs": ("pi0", "smolvla"), "batch_sizes": (1, 2, 4), "repeats": 5},
+    # the lockstep table: both architectures, cross-model pairs, the derived profiles' share candidates
+    "vla": {
+        "archs": ("pi0", "smolvla"),
+        "batch_sizes": (1, 2, 4),
+        "repeats": 5,
+        "shares": (0.25, 0.375, 0.5, 0.625, 0.75, 0.875),
+    },
 }
 SMOKE: dict[str, Any] = {
     "requests": [(256, 224)],
@@ -65,7 +74,7 @@ SMOKE: dict[str, Any] = {
     "device": "cpu",
     "dtype": "bfloat16",
     "engine": {"chunk": 64, "group": 2, "decode_every": 2, "vision_every": 1, "new_tokens": 8},
-    "vla": {"archs": ("smolvla",), "batch_sizes": (1,), "repeats": 1},
+    "vla": {"archs": ("smolvla",), "batch_sizes": (1,), "repeats": 1, "shares": (0.5,)},
 }
 
 
@@ -235,56 +244,60 @@ def plans(model: str, images: list[str], prompt: str, template: str, setup: dict
     return rows
 
 
-def vla(device: str, archs: tuple[str, ...], batch_sizes: tuple[int, ...], repeats: int) -> dict:
+def vla(
+    device: str,
+    archs: tuple[str, ...],
+    batch_sizes: tuple[int, ...],
+    repeats: int,
+    shares: tuple[float, ...],
+    out: Path | None = None,
+) -> dict:
     """The VLA backend of this device (common/vla/engine.py select_backend: CUDA streams and green
-    contexts on a GPU) running the real models' lockstep plans, timed as common/vla/profiler.py
-    times a profile: each stage alone and both co-running at an even split, per batch size; the
-    median of `repeats` runs after one warm-up."""
-    import statistics
+    contexts on a GPU) running the real models' lockstep plans, recorded as a measured lockstep
+    table (docs/vla.md, "Measured lockstep tables"; common/vla/profiler.py measure_profile): each
+    stage alone per batch size and every (VLM arch, batch, ADiT arch, batch) pair, cross-model
+    ones too, under every VLM share; the median of `repeats` runs after one warm-up. Written to
+    `out` (what `ow vla bench --profile` runs from) and summarised in the check's JSON."""
+    import torch
 
-    from common.vla.config import ModelSpec
     from common.vla.engine import select_backend
-    from common.vla.models import VlaPolicy
-    from common.vla.profiler import _batch, _requests
-    from common.vla.scheduler import LockstepPlan, Stage
+    from common.vla.profiler import measure_profile
 
     backend = select_backend(device, threads=1 if device == "cpu" else None)
-    rows = []
+    info: dict[str, Any] = {"name": "CPU", "threads": 1}
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        info = {
+            "name": props.name,
+            "sms": props.multi_processor_count,
+            "memory_gib": round(props.total_memory / 2**30, 1),
+            "cuda": torch.version.cuda,
+        }
     try:
-        for arch in archs:
-            policy = VlaPolicy(ModelSpec(arch, arch), device=device)
-            by_name = {policy.spec.name: policy}
-            top = max(batch_sizes)
-            # disjoint request pools for the two stages, as in serving (and in the profiler)
-            vlm_pool = _requests(policy, top)
-            adit_pool = _requests(policy, top, first_seed=top)
-            saved = {r.request_id: r.prefix for r in adit_pool}
-
-            def timed(plan: LockstepPlan, saved: dict = saved, by_name: dict = by_name) -> dict:
-                runs = []
-                for i in range(repeats + 1):  # the first run warms up
-                    if plan.adit:  # the ADiT batch consumes its prefixes: give them back
-                        for r in plan.adit.requests:
-                            r.prefix = saved[r.request_id]
-                    t = backend.run(plan, by_name)
-                    if i:
-                        runs.append(t)
-                return {k: statistics.median(getattr(r, k) for r in runs) for k in ("vlm_ms", "adit_ms", "wall_ms")}
-
-            for b in batch_sizes:
-                v, a = _batch(Stage.VLM, policy, vlm_pool[:b]), _batch(Stage.ADIT, policy, adit_pool[:b])
-                rows.append(
-                    {
-                        "arch": arch,
-                        "batch": b,
-                        "vlm_alone": timed(LockstepPlan(0, v, None, 1.0)),
-                        "adit_alone": timed(LockstepPlan(0, None, a, 0.0)),
-                        "co_run_even": timed(LockstepPlan(0, v, a, 0.5)),
-                    }
-                )
+        table = measure_profile(
+            backend,
+            device,
+            archs,
+            torch.bfloat16 if device == "cuda" else torch.float32,
+            batch_sizes,
+            shares,
+            repeats,
+            network_rtt_ms=7.0 if device == "cuda" else 0.0,
+            name=f"measured-{device}",
+            device_info=info,
+            tool="bench/gpu_check.py",
+        )
     finally:
         backend.close()
-    return {"backend": backend.name, "repeats": repeats, "profile": rows}
+    if out is not None:
+        table.save(out)
+    return {
+        "backend": backend.name,
+        "repeats": repeats,
+        "table": str(out) if out is not None else None,
+        "archs": {a: {"slo_ms": p.slo_ms, "vlm_ms": p.vlm_ms, "adit_ms": p.adit_ms} for a, p in table.archs.items()},
+        "lockstep_rows": len(table.locksteps),
+    }
 
 
 def device_info(device: str) -> dict:
@@ -305,6 +318,11 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-smoke", action="store_true", help="every stage on CPU with the tiny model (make test)")
     ap.add_argument("--budget-s", type=float, default=480.0, help="no stage starts past this many seconds (480)")
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "bench", "gpu_check.json"))
+    ap.add_argument(
+        "--vla-profile-out",
+        default=os.path.join(ROOT, "runs", "bench", "vla_profile.json"),
+        help="the measured VLA lockstep table (docs/vla.md; ow vla bench --profile FILE runs from it)",
+    )
     args = ap.parse_args(argv)
     setup = SMOKE if args.cpu_smoke else GPU
     start = time.monotonic()
@@ -353,7 +371,7 @@ def main(argv=None) -> int:
             result["stages"]["vla"] = {"skipped": "budget"}
         else:
             vla_start = time.monotonic()
-            result["stages"]["vla"] = vla(setup["device"], **setup["vla"])
+            result["stages"]["vla"] = vla(setup["device"], **setup["vla"], out=Path(args.vla_profile_out))
             result["stages"]["vla"]["wall_s"] = time.monotonic() - vla_start
             print(f"vla: {result['stages']['vla']['backend']} backend, {result['stages']['vla']['wall_s']:.0f} s")
     finally:

@@ -657,11 +657,29 @@ def early_release(profile: ProfileTable, s: BenchSettings, rep: BenchReport) -> 
     return out
 
 
+def fit_to_profile(profile: ProfileTable, settings: BenchSettings) -> BenchSettings:
+    """The settings restricted to what the profile holds (a measured table may have fewer batch
+    sizes than the bench tries); ValueError when it cannot run the bench at all."""
+    missing = [
+        a for a in sorted({model_spec(m).arch for m in (*settings.models, *EIGHT_MODELS)}) if a not in profile.archs
+    ]
+    if missing:
+        raise ValueError(f"profile {profile.name!r} has no {', '.join(missing)} (the bench runs both architectures)")
+    usable = tuple(b for b in settings.max_batches if b in profile.batch_sizes)
+    if not usable:
+        raise ValueError(
+            f"profile {profile.name!r} has batch sizes {list(profile.batch_sizes)}, none of the bench's "
+            f"max batches {list(settings.max_batches)}"
+        )
+    return dataclasses.replace(settings, max_batches=usable)
+
+
 def run_bench(
     profile: ProfileTable, settings: BenchSettings, experiments=EXPERIMENTS, emit: Callable[[str], None] | None = None
 ) -> BenchReport:
     rep = BenchReport(emit=emit)
     start = time.perf_counter()
+    settings = fit_to_profile(profile, settings)
 
     rep.add(
         f"profile {profile.name} ({profile.backend}; {profile.device.get('count', 1)} x {profile.device.get('name')}); "

@@ -362,7 +362,7 @@ def cmd_load(args) -> int:
 
 def cmd_bench(args) -> int:
     # lazy: torch (seconds); `ow --help` imports this module, the subcommand loads its own
-    from common.vla.bench import EXPERIMENTS, BenchSettings, run_bench
+    from common.vla.bench import EXPERIMENTS, BenchSettings, fit_to_profile, run_bench
     from common.vla.controller import ACCEPTANCE_RULES
 
     profile = _load_profile(args.profile)
@@ -412,6 +412,10 @@ def cmd_bench(args) -> int:
         changes["calibration_settings"] = tuple(args.calibration_settings)
     changes["controller"] = controller
     settings = dataclasses.replace(settings, **changes)
+    try:
+        fit_to_profile(profile, settings)
+    except ValueError as exc:
+        raise _cli_error(str(exc)) from None
     report = run_bench(profile, settings, experiments, emit=lambda line: print(line, flush=True))
     if args.json:
         with open(args.json, "w") as f:

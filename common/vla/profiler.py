@@ -9,8 +9,10 @@ scheduler and the simulator take either.
 from __future__ import annotations
 
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 
@@ -38,19 +40,38 @@ def _batch(stage: Stage, policy: VlaPolicy, reqs: list[VlaRequest]) -> StageBatc
     return StageBatch(stage, policy.spec.name, policy.spec.arch, tuple(reqs), len(reqs))
 
 
-def measure_cpu_profile(
+def git_commit() -> str | None:
+    """The measuring tree's commit (provenance), or None outside a checkout."""
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
+def measure_profile(
+    backend,
+    device: str = "cpu",
     archs: Iterable[str] = ("pi0", "smolvla"),
+    dtype: torch.dtype = torch.float32,
     batch_sizes: tuple[int, ...] = (1, 2, 4),
-    threads: int | None = None,
+    shares: tuple[float, ...] = (0.5,),
     repeats: int = 3,
     slo_factor: float = DEFAULT_SLO_FACTOR,
-    name: str = "cpu",
+    network_rtt_ms: float = 0.0,
+    name: str = "measured",
+    device_info: dict | None = None,
+    tool: str = "ow vla profile",
     progress: Callable[[str], None] | None = None,
 ) -> ProfileTable:
-    backend = CpuLockstepBackend(threads)
-    total = backend.total_threads
-    shares = tuple(v / total for v in range(1, total)) if total > 1 else (0.5,)
-    policies = {a: VlaPolicy(ModelSpec(a, a)) for a in archs}
+    """A measured lockstep table (docs/vla.md, "Measured lockstep tables") of the real models on
+    `backend` (a CPU or CUDA lockstep backend, which the caller closes): every stage alone on the
+    whole device, and every (VLM arch, VLM batch, ADiT arch, ADiT batch) pair -- cross-model ones
+    too -- co-running under every VLM share; each cell the median of `repeats` runs after one
+    warm-up. SLO = slo_factor x (batch-1 VLM + ADiT alone + network_rtt_ms)."""
+    policies = {a: VlaPolicy(ModelSpec(a, a), device=device, dtype=dtype) for a in archs}
     by_name = {p.spec.name: p for p in policies.values()}
     top = max(batch_sizes)
     # Disjoint request pools for the VLM and the ADiT side of a lockstep, as in real serving.
@@ -73,48 +94,89 @@ def measure_cpu_profile(
             statistics.median(r.wall_ms for r in runs),
         )
 
+    arch_profiles = {}
+    for a, pol in policies.items():
+        vlm = {b: timed(LockstepPlan(0, _batch(Stage.VLM, pol, vlm_pool[a][:b]), None, 1.0))[2] for b in batch_sizes}
+        adit = {b: timed(LockstepPlan(0, None, _batch(Stage.ADIT, pol, adit_pool[a][:b]), 0.0))[2] for b in batch_sizes}
+        slo = slo_factor * (vlm[batch_sizes[0]] + adit[batch_sizes[0]] + network_rtt_ms)
+        arch_profiles[a] = ArchProfile(a, slo, vlm, adit, 0, (f"measured on the {backend.name} backend",))
+        if progress:
+            progress(f"{a}: VLM {_fmt(vlm)} ADiT {_fmt(adit)} ms, SLO {slo:.1f} ms")
+    entries = []
+    for va, vp in policies.items():
+        for bv in batch_sizes:
+            for aa, ap in policies.items():
+                for ba in batch_sizes:
+                    for share in shares:
+                        plan = LockstepPlan(
+                            0,
+                            _batch(Stage.VLM, vp, vlm_pool[va][:bv]),
+                            _batch(Stage.ADIT, ap, adit_pool[aa][:ba]),
+                            share,
+                        )
+                        entries.append(LockstepEntry(va, bv, aa, ba, share, *timed(plan)))
+    # slo_factor: what `ow vla bench --slo-factors` scales the SLOs from (bench.base_slo_factor)
+    device_doc = {"count": 1, "torch": torch.__version__, "slo_factor": slo_factor, **(device_info or {})}
+    rtt = f" + {network_rtt_ms:g} ms network round trip" if network_rtt_ms else ""
+    provenance = {
+        "tool": tool,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "git_commit": git_commit(),
+        "statistic": "median",
+        "repeats": repeats,
+        "warmup": 1,
+        "dtype": str(dtype).removeprefix("torch."),
+        "models": "the tiny random-weight models of common/vla/config.py at their public shapes (not real widths)",
+        "slo": f"{slo_factor:g} x (batch-{batch_sizes[0]} VLM + ADiT alone{rtt}): no on-robot reference measured",
+    }
+    assumptions = [
+        f"Measured on the {backend.name} backend; each time the median of {repeats} runs after one warm-up.",
+        f"SLO = {slo_factor:g} x (batch-{batch_sizes[0]} VLM + ADiT alone{rtt}): no on-robot reference.",
+    ]
+    return ProfileTable(
+        name,
+        backend.name,
+        device_doc,
+        tuple(batch_sizes),
+        tuple(shares),
+        arch_profiles,
+        entries,
+        assumptions,
+        provenance=provenance,
+    )
+
+
+def measure_cpu_profile(
+    archs: Iterable[str] = ("pi0", "smolvla"),
+    batch_sizes: tuple[int, ...] = (1, 2, 4),
+    threads: int | None = None,
+    repeats: int = 3,
+    slo_factor: float = DEFAULT_SLO_FACTOR,
+    name: str = "cpu",
+    progress: Callable[[str], None] | None = None,
+) -> ProfileTable:
+    """The CPU backend's table: the VLM share is the VLM thread's share of the threads."""
+    backend = CpuLockstepBackend(threads)
+    total = backend.total_threads
+    shares = tuple(v / total for v in range(1, total)) if total > 1 else (0.5,)
     try:
-        arch_profiles = {}
-        for a, pol in policies.items():
-            vlm = {
-                b: timed(LockstepPlan(0, _batch(Stage.VLM, pol, vlm_pool[a][:b]), None, 1.0))[2] for b in batch_sizes
-            }
-            adit = {
-                b: timed(LockstepPlan(0, None, _batch(Stage.ADIT, pol, adit_pool[a][:b]), 0.0))[2] for b in batch_sizes
-            }
-            slo = slo_factor * (vlm[batch_sizes[0]] + adit[batch_sizes[0]])
-            arch_profiles[a] = ArchProfile(a, slo, vlm, adit, 0, (f"measured on CPU, {total} threads",))
-            if progress:
-                progress(f"{a}: VLM {_fmt(vlm)} ADiT {_fmt(adit)} ms, SLO {slo:.1f} ms")
-        entries = []
-        for va, vp in policies.items():
-            for bv in batch_sizes:
-                for aa, ap in policies.items():
-                    for ba in batch_sizes:
-                        for share in shares:
-                            plan = LockstepPlan(
-                                0,
-                                _batch(Stage.VLM, vp, vlm_pool[va][:bv]),
-                                _batch(Stage.ADIT, ap, adit_pool[aa][:ba]),
-                                share,
-                            )
-                            entries.append(LockstepEntry(va, bv, aa, ba, share, *timed(plan)))
-        device = {
-            "name": "CPU",
-            "count": 1,
-            "threads": total,
-            "torch": torch.__version__,
-            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
-        assumptions = [
-            "Measured on the CPU backend: tiny random models, float32, two executor threads.",
-            f"VLM share = VLM intra-op threads / {total}; the ADiT thread gets the rest.",
-            f"Each time is the median of {repeats} runs after one warm-up run.",
-            f"SLO = {slo_factor} x (batch-{batch_sizes[0]} VLM + ADiT alone): a CPU has no on-robot reference.",
-        ]
-        return ProfileTable(name, "cpu", device, tuple(batch_sizes), shares, arch_profiles, entries, assumptions)
+        prof = measure_profile(
+            backend,
+            "cpu",
+            archs,
+            torch.float32,
+            batch_sizes,
+            shares,
+            repeats,
+            slo_factor,
+            name=name,
+            device_info={"name": "CPU", "threads": total},
+            progress=progress,
+        )
     finally:
         backend.close()
+    prof.assumptions.insert(1, f"VLM share = VLM intra-op threads / {total}; the ADiT thread gets the rest.")
+    return prof
 
 
 def _fmt(times: dict[int, float]) -> str:

@@ -15,7 +15,9 @@ listed in the file; `ow vla profile` measures the CPU backend into the same form
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -58,6 +60,8 @@ class ProfileTable:
     locksteps: list[LockstepEntry]
     assumptions: list[str] = field(default_factory=list)
     calibration: list[dict] = field(default_factory=list)
+    # measured tables: what measured them, when, how (docs/vla.md, "Measured lockstep tables")
+    provenance: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._pairs: dict[tuple, list[LockstepEntry]] = {}
@@ -130,11 +134,12 @@ class ProfileTable:
             self.locksteps,
             self.assumptions,
             self.calibration,
+            self.provenance,
         )
 
     # ---- files ----
     def to_json(self) -> dict:
-        return {
+        out = {
             "format": PROFILE_FORMAT,
             "name": self.name,
             "backend": self.backend,
@@ -168,6 +173,9 @@ class ProfileTable:
                 for e in self.locksteps
             ],
         }
+        if self.provenance:
+            out["provenance"] = self.provenance
+        return out
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -177,11 +185,7 @@ class ProfileTable:
 
     @classmethod
     def from_json(cls, data: dict) -> ProfileTable:
-        if data.get("format") != PROFILE_FORMAT:
-            raise ValueError(f"not a VLA profile (format {data.get('format')!r}, expected {PROFILE_FORMAT!r})")
-        cols = data.get("lockstep_columns", list(LOCKSTEP_COLUMNS))
-        if list(cols) != list(LOCKSTEP_COLUMNS):
-            raise ValueError(f"unexpected lockstep columns {cols}")
+        validate_profile(data)
         archs = {
             name: ArchProfile(
                 name,
@@ -207,7 +211,93 @@ class ProfileTable:
             entries,
             list(data.get("assumptions", [])),
             list(data.get("calibration", [])),
+            dict(data.get("provenance") or {}),
         )
+
+
+BACKENDS = ("analytic-gpu", "cpu", "cuda")
+MEASURED_BACKENDS = ("cpu", "cuda")
+PROVENANCE_KEYS = ("tool", "measured_at", "git_commit", "statistic", "repeats", "dtype", "models", "slo")
+
+
+def _positive(value, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{what} must be a finite number > 0, not {value!r}")
+    return float(value)
+
+
+def validate_profile(data) -> None:
+    """Check a profile file's content against its format (docs/vla.md, "Profiles" and "Measured
+    lockstep tables"); raise ValueError naming the first fault. Every pair of the table's
+    architectures and batch sizes needs a lockstep row: a co-located GPU may run any of them, and
+    a missing one would otherwise surface as a KeyError deep in a simulation."""
+    if not isinstance(data, dict):
+        raise ValueError(f"not a VLA profile (a JSON object is expected, not {type(data).__name__})")
+    if data.get("format") != PROFILE_FORMAT:
+        raise ValueError(f"not a VLA profile (format {data.get('format')!r}, expected {PROFILE_FORMAT!r})")
+    missing = [k for k in ("name", "backend", "batch_sizes", "vlm_shares", "archs", "locksteps") if k not in data]
+    if missing:
+        raise ValueError(f"profile lacks {', '.join(missing)}")
+    if data["backend"] not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, not {data['backend']!r}")
+    if not isinstance(data.get("device", {}), dict):
+        raise ValueError("device must be an object")
+    if data["backend"] in MEASURED_BACKENDS:
+        prov = data.get("provenance")
+        if not isinstance(prov, dict):
+            raise ValueError(f"a measured table ({data['backend']}) needs its provenance (docs/vla.md)")
+        lacking = [k for k in PROVENANCE_KEYS if k not in prov]
+        if lacking:
+            raise ValueError(f"provenance lacks {', '.join(lacking)}")
+    cols = data.get("lockstep_columns", list(LOCKSTEP_COLUMNS))
+    if list(cols) != list(LOCKSTEP_COLUMNS):
+        raise ValueError(f"unexpected lockstep columns {cols}")
+    sizes, shares = data["batch_sizes"], data["vlm_shares"]
+    if (
+        not isinstance(sizes, list)
+        or not sizes
+        or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes)
+    ):
+        raise ValueError(f"batch_sizes must be a list of positive integers, not {sizes!r}")
+    if not isinstance(shares, list) or not shares:
+        raise ValueError(f"vlm_shares must be a non-empty list, not {shares!r}")
+    for x in shares:
+        if _positive(x, "a VLM share") >= 1.0:
+            raise ValueError(f"a VLM share must be in (0, 1), not {x!r}")
+    archs = data["archs"]
+    if not isinstance(archs, dict) or not archs:
+        raise ValueError("archs must be a non-empty object")
+    for a, prof in archs.items():
+        if not isinstance(prof, dict):
+            raise ValueError(f"archs.{a} must be an object")
+        _positive(prof.get("slo_ms"), f"archs.{a}.slo_ms")
+        for stage in ("vlm_ms", "adit_ms"):
+            table = prof.get(stage)
+            if not isinstance(table, dict):
+                raise ValueError(f"archs.{a}.{stage} must be an object of batch -> ms")
+            for b in sizes:
+                _positive(table.get(str(b), table.get(b)), f"archs.{a}.{stage}[{b}]")
+    rows = data["locksteps"]
+    if not isinstance(rows, list):
+        raise ValueError("locksteps must be a list of rows")
+    seen = set()
+    for i, r in enumerate(rows):
+        if not isinstance(r, list) or len(r) != len(LOCKSTEP_COLUMNS):
+            raise ValueError(f"locksteps[{i}] must be a row of {len(LOCKSTEP_COLUMNS)} values, not {r!r}")
+        va, bv, aa, ba, share = r[:5]
+        if va not in archs or aa not in archs:
+            raise ValueError(f"locksteps[{i}]: architecture not in archs: {r!r}")
+        if bv not in sizes or ba not in sizes:
+            raise ValueError(f"locksteps[{i}]: batch size not in batch_sizes {sizes}: {r!r}")
+        # rows keep shares to 4 decimals (to_json), the list in full (a third of the threads)
+        if not any(isinstance(share, (int, float)) and abs(share - x) < 1e-3 for x in shares):
+            raise ValueError(f"locksteps[{i}]: share {share!r} not in vlm_shares {shares}")
+        for col, v in zip(LOCKSTEP_COLUMNS[5:], r[5:], strict=True):
+            _positive(v, f"locksteps[{i}].{col}")
+        seen.add((va, bv, aa, ba))
+    for va, bv, aa, ba in itertools.product(archs, sizes, archs, sizes):
+        if (va, bv, aa, ba) not in seen:
+            raise ValueError(f"no lockstep row for VLM {va} batch {bv} beside ADiT {aa} batch {ba}")
 
 
 def shipped_profiles() -> list[str]:
@@ -216,7 +306,12 @@ def shipped_profiles() -> list[str]:
 
 @lru_cache(maxsize=16)
 def _load_cached(path: str, mtime: float) -> ProfileTable:
-    return ProfileTable.from_json(json.loads(Path(path).read_text()))
+    try:
+        return ProfileTable.from_json(json.loads(Path(path).read_text()))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
 
 
 def load_profile(name_or_path: str | Path) -> ProfileTable:

@@ -14,10 +14,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.mark.slow
 def test_the_gpu_check_runs_on_cpu_at_the_tiny_size(tmp_path):
-    out = tmp_path / "gpu_check.json"
+    out, table = tmp_path / "gpu_check.json", tmp_path / "vla_profile.json"
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_check", "--cpu-smoke", "--out", str(out)],
+        [sys.executable, "-m", "bench.gpu_check", "--cpu-smoke", "--out", str(out), "--vla-profile-out", str(table)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -34,4 +34,10 @@ def test_the_gpu_check_runs_on_cpu_at_the_tiny_size(tmp_path):
     assert all(any(e["event"] == "recovery_plan" for e in row["restore"]) for row in stage["plans"])
     assert stage["overhead"] is not None and stage["uninterrupted"]["bytes_written"] > 0
     vla = result["stages"]["vla"]
-    assert vla["backend"] == "cpu" and vla["profile"][0]["co_run_even"]["wall_ms"] > 0
+    assert vla["backend"] == "cpu" and vla["table"] == str(table) and vla["lockstep_rows"] == 1
+    # the measured lockstep table (docs/vla.md), valid as the loader checks it
+    from common.vla.profiles import load_profile
+
+    measured = load_profile(table)
+    assert measured.backend == "cpu" and measured.provenance["tool"] == "bench/gpu_check.py"
+    assert measured.lockstep("smolvla", 1, "smolvla", 1).lockstep_ms > 0

@@ -108,6 +108,7 @@ def test_profile_derive_writes_the_shipped_format(capsys, tmp_path):
         (["bench", "--experiments", "everything"], "unknown experiment"),
         (["bench", "--acceptance", "median"], "acceptance must be one of"),
         (["bench", "--acceptance", "bootstrap,median"], "unknown acceptance"),
+        (["bench", "--experiments", "calibration", "--calibration-settings", "9"], "--calibration-settings: indices"),
         (["simulate", "--robots", "pi0=2", "--profile", "nowhere.json"], "cannot load profile"),
         (["profile"], "--out FILE is required"),
     ],

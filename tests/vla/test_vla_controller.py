@@ -5,6 +5,8 @@ checks are exact, not statistical: they replay each checked plan with seeds the 
 saw and require every model to meet 98 %.
 """
 
+import dataclasses
+
 import pytest
 
 from common.vla import sim
@@ -179,3 +181,39 @@ def test_the_bootstrap_sees_a_heavy_tail_the_t_bound_averages_away():
     one = [40] * 99 + [30]
     assert bootstrap_bounds({"pi0": one}, {"pi0": asked}, 20, 0.05, 8000, 1000)["pi0"] == pytest.approx(0.9875)
     assert bootstrap_bounds({"pi0": one}, {"pi0": asked}, 20, 0.05 / 8, 8000, 1000)["pi0"] == pytest.approx(0.975)
+
+
+def test_the_confirmation_rejects_a_plan_the_small_screen_flattered(profile):
+    """14 pi0 robots on one GPU: the four screen draws all reach 100 %, so the one-stage rule
+    accepts the plan; sixty fresh draws show the phase alignments that cost it (95 % as the
+    bootstrap judges a 20-epoch replay), and the two-stage rule rejects it, derating the limit by
+    the confirmation's evidence. One GPU, one model: no ILP choice depends on its time budget."""
+    placement = Placement.parse("pi0:0", ["pi0"], 1)
+    two = ControllerSettings(epochs=4, duration_s=4.0, confirm_epochs=60, max_models_per_gpu=1, max_rounds=1)
+    once = TrafficController(profile, {"pi0": 100.0}, MAX_BATCH, dataclasses.replace(two, acceptance="bootstrap-once"))
+    flattered = once.plan(placement, {"pi0": 14})
+    assert flattered.verified and not flattered.confirmed and flattered.checks[0].worst == 1.0
+
+    controller = TrafficController(profile, {"pi0": 100.0}, MAX_BATCH, two)
+    screened = controller.plan(placement, {"pi0": 14}, confirm=False)  # the search's first stage alone
+    assert screened.verified and not screened.confirmed
+    plan = controller.plan(placement, {"pi0": 14})
+    assert not plan.verified and not plan.confirmed
+    assert plan.checks[0].worst < 0.98  # the confirmation's judgement, on seeds from confirm_seed
+    assert len(plan.derated) == 1 and plan.derated[0].startswith("confirmation:")
+    assert plan.learned["pi0"][0] == pytest.approx(100.0 * 0.14 * 0.98)
+
+    # a load both stages accept is confirmed, with the screen's judgement kept beside it
+    held = controller.plan(placement, {"pi0": 6})
+    assert held.verified and held.confirmed and len(held.screen) == 1
+    assert all(c.worst >= 0.98 for c in held.checks + held.screen)
+
+
+def test_the_confirmation_draws_are_fresh():
+    ControllerSettings(epochs=100, seed=1000, confirm_epochs=1000, confirm_seed=2000)
+    with pytest.raises(ValueError, match="overlap"):
+        ControllerSettings(epochs=100, seed=1000, confirm_epochs=1000, confirm_seed=1050)
+    with pytest.raises(ValueError, match="confirm_epochs"):
+        ControllerSettings(confirm_epochs=0)
+    # the one-stage rule has no confirmation to keep apart
+    ControllerSettings(acceptance="bootstrap-once", confirm_seed=1000)
