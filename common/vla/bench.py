@@ -585,6 +585,8 @@ def calibrated(profile: ProfileTable, s: BenchSettings, rep: BenchReport) -> dic
                     "mix_robots": multi["mix"]["robots"],
                     "by_placement": {k: v["robots"] for k, v in multi.items()},
                     "replay_worst": {k: v["replay_worst"] for k, v in multi.items()},
+                    # each placement's emitted plan, GPU -> robots per model (a miss can be replayed)
+                    "plans": {k: v["gpus"] for k, v in multi.items()},
                     "replays_meeting": [sum(meets), len(meets)],
                     "worst_replay": min((w for v in multi.values() for w in v["replay_worst"].values()), default=None),
                     "limits": format_limits(controller.limits),

@@ -432,7 +432,9 @@ def _controller(args, profile, models):
     from common.vla.controller import ControllerSettings, TrafficController
 
     try:
-        settings = ControllerSettings(epochs=args.check_epochs, time_limit_s=args.ilp_time_limit)
+        settings = ControllerSettings(
+            epochs=args.check_epochs, confirm_epochs=args.confirm_epochs, time_limit_s=args.ilp_time_limit
+        )
     except ValueError as exc:
         raise _cli_error(str(exc)) from None
     if getattr(args, "limits", None):
@@ -611,8 +613,14 @@ _CONTROLLER_ARGS = (
         "--check-epochs",
         type=int,
         default=30,
-        help="simulated 10 s epochs per point when measuring co-location limits and screening a plan (default 30; "
-        "a plan that passes the screen is confirmed on 1,000 fresh epochs)",
+        help="simulated 10 s epochs per point when measuring co-location limits and screening a plan (default 30)",
+    ),
+    arg(
+        "--confirm-epochs",
+        type=int,
+        default=1000,
+        help="fresh simulated 10 s epochs on which a plan that passed the screen is confirmed before it is "
+        "accepted (default 1000; docs/vla.md, the two-stage acceptance)",
     ),
 )
 

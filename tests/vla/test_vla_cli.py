@@ -45,6 +45,8 @@ def test_plan_prints_each_gpu(capsys):
         "all",
         "--check-epochs",
         "2",
+        "--confirm-epochs",
+        "4",
     )
     assert code == 0
     for method in ("ilp:", "smg:", "eps:", "greedy:"):
@@ -68,6 +70,8 @@ def test_plan_with_groups_and_simulation(capsys):
         "1",
         "--check-epochs",
         "2",
+        "--confirm-epochs",
+        "4",
     )
     assert code == 0 and "worst model" in out and "per model: pi0" in out and "GPU 2: load" in out
 
@@ -109,6 +113,7 @@ def test_profile_derive_writes_the_shipped_format(capsys, tmp_path):
         (["bench", "--acceptance", "median"], "acceptance must be one of"),
         (["bench", "--acceptance", "bootstrap,median"], "unknown acceptance"),
         (["bench", "--experiments", "calibration", "--calibration-settings", "9"], "--calibration-settings: indices"),
+        (["plan", "--robots", "pi0=4", "--limits", "pi0=9", "--confirm-epochs", "0"], "confirm_epochs must be"),
         (["simulate", "--robots", "pi0=2", "--profile", "nowhere.json"], "cannot load profile"),
         (["profile"], "--out FILE is required"),
     ],
