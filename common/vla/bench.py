@@ -590,6 +590,8 @@ def calibrated(profile: ProfileTable, s: BenchSettings, rep: BenchReport) -> dic
                     "replays_meeting": [sum(meets), len(meets)],
                     "worst_replay": min((w for v in multi.values() for w in v["replay_worst"].values()), default=None),
                     "limits": format_limits(controller.limits),
+                    # what the plans' failed checks lowered (a failed confirmation: "confirmation: ...")
+                    "derated": list(controller.derated),
                 }
             )
             r = rows[-1]
