@@ -141,7 +141,7 @@ class Worker:
                 )
                 self.stop.wait(FAULT_BACKOFF_S)
 
-    def _next_runnable(self):
+    def _next_runnable(self) -> Any:
         if not self.storage.allows_writes():
             return None  # a task's start and end are writes: none starts until the disk takes them
         if self.health.dirty:
@@ -157,7 +157,7 @@ class Worker:
         return None
 
     # ---- the model -------------------------------------------------------------------------------
-    def load_engine(self):
+    def load_engine(self) -> Any:
         """The model, loaded once. Every boot-time fault of the engine counts against `engine:load`
         like any item: the imports of torch and the loader run inside its handling, so a boot that
         dies there (the OOM killer during `import torch`) is counted by the next one, and a load
