@@ -35,6 +35,11 @@ that unit is handed to the writer -- and returns a `RunStatus` instead of a resu
     PAUSED     it stopped at a unit boundary; its records stay as they were at the previous
                boundary and a later run resumes from them, as after a cut
     CANCELLED  as PAUSED on disk; the caller drops the request (the engine removes nothing)
+    AWAITING_INPUTS
+               the inputs' owner could not give what the run needed next (the pixel patches of
+               a resumed request whose stored ones are damaged, and one of its images with
+               them: `RequestInputs.pixels()` answered None); as PAUSED on disk, before the
+               vision block that needed them; the caller runs the request again once it can
 
 A power cut is not a stop: nothing after it runs (tests simulate one by raising from a callback).
 
@@ -89,6 +94,7 @@ class RunStatus(enum.StrEnum):
     FINISHED = "finished"
     PAUSED = "paused"
     CANCELLED = "cancelled"
+    AWAITING_INPUTS = "awaiting_inputs"
 
 
 class StopToken:

@@ -47,7 +47,7 @@ from common.wire.ids import SEQ_MODULUS, PowerCause
 from common.wire.link import Endpoints, init_keys
 from common.wire.packet import PacketType, crc16, frame
 from flight.checkpoint.policies import Geometry
-from flight.runtime.app import FlightApp
+from flight.runtime.app import FlightApp, FlightConfig
 from ground.client import GroundClient
 from ground.errors import CommandRejected, GroundError
 from hil.bus import BusConfig, BusThread
@@ -310,7 +310,9 @@ def fuzz_dispatch(frames: int, seed: int, workdir: str, progress=None) -> Dispat
     keys = os.path.join(workdir, "keys")
     init_keys(keys)
     app = FlightApp(
-        os.path.join(workdir, "data"), os.path.join(workdir, "no-model"), keys, "tcp://127.0.0.1:1", None, fs=NoSyncFS()
+        FlightConfig(
+            os.path.join(workdir, "data"), os.path.join(workdir, "no-model"), keys, "tcp://127.0.0.1:1", fs=NoSyncFS()
+        )
     )
     source, report = FrameSource(seed), DispatchFuzzReport()
     codes: Counter[str] = Counter()

@@ -450,16 +450,19 @@ def test_the_composition_check_sees_a_stack(tmp_path, monkeypatch):
     assert "self.routing._confirm_stored reaches into" in problems
 
 
-#: The payload process (docs/flight.md): FlightApp builds its telecommand handlers as one object
-#: (CommandHandlers) and hands them what they use; no mixin.
-PAYLOAD_PARTS = ("flight.runtime.app", "flight.runtime.handlers", "flight.runtime.current", "flight.runtime.images")
+#: The payload process (docs/flight.md "Where things are"): FlightApp (app.py) owns the state its
+#: threads share and builds its parts -- dispatch, handlers, command jobs, worker, housekeeping,
+#: reports, outbox, ... -- handing each what it uses. Every module of flight/runtime/ is one of
+#: them or a piece they share, so every one obeys the parts' rules.
+PAYLOAD_PARTS = tuple(sorted(module for module in MODULES if _within(module, "flight.runtime")))
 
 
-def test_the_payload_composes_its_handlers_instead_of_mixing_them_in():
+def test_the_payload_is_composed_of_parts_not_stacked():
+    assert {"flight.runtime.app", "flight.runtime.handlers", "flight.runtime.worker"} <= set(PAYLOAD_PARTS)
     problems = composition_problems(PAYLOAD_PARTS)
     if problems:
         report = "\n  ".join(problems)
-        pytest.fail(f"the payload's handlers are to be composed by FlightApp, not mixed in:\n  {report}", pytrace=False)
+        pytest.fail(f"the payload's parts are to be composed by FlightApp, not stacked:\n  {report}", pytrace=False)
 
 
 #: The ground client's parts (docs/ground.md "Where things are"): `GroundClient` makes them and
@@ -479,3 +482,59 @@ def test_the_ground_client_is_composed_not_stacked():
         pytest.fail(
             "the ground client's parts are to be composed, not stacked:\n  " + "\n  ".join(problems), pytrace=False
         )
+
+
+#: The three central objects are built from a settings object and a few collaborators, never
+#: from a long list of loose settings (docs/architecture.md "Habits").
+CENTRAL_CONSTRUCTORS = (
+    ("flight.runtime.app", "FlightApp"),
+    ("hil.bus.lifecycle", "Bus"),
+    ("ground.client.ground_client", "GroundClient"),
+)
+MAX_CONSTRUCTOR_PARAMETERS = 3
+
+
+def constructor_parameters(module: str, name: str) -> list[str]:
+    """The parameters of `name.__init__` in `module` besides `self` (a `*args` or `**options`
+    counts as one)."""
+    tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            for statement in node.body:
+                if isinstance(statement, ast.FunctionDef) and statement.name == "__init__":
+                    a = statement.args
+                    named = [arg.arg for arg in a.posonlyargs + a.args + a.kwonlyargs]
+                    variadic = [f"*{a.vararg.arg}"] if a.vararg else []
+                    variadic += [f"**{a.kwarg.arg}"] if a.kwarg else []
+                    return named[1:] + variadic
+            return []  # no __init__ of its own
+    raise AssertionError(f"no class {name} in {module}")
+
+
+def test_the_central_objects_take_at_most_three_constructor_parameters():
+    long = {
+        f"{MODULES[module].relative_to(ROOT)}: {name}({', '.join(params)})": len(params)
+        for module, name in CENTRAL_CONSTRUCTORS
+        if len(params := constructor_parameters(module, name)) > MAX_CONSTRUCTOR_PARAMETERS
+    }
+    if long:
+        listing = "\n  ".join(f"{sig} -- {n} parameters" for sig, n in long.items())
+        pytest.fail(
+            f"constructors with more than {MAX_CONSTRUCTOR_PARAMETERS} parameters (take a frozen config):\n  {listing}",
+            pytrace=False,
+        )
+
+
+def test_the_constructor_check_sees_a_long_list(tmp_path, monkeypatch):
+    """Not vacuous: the payload's old constructor (its loose settings, one parameter each) is counted."""
+    old = tmp_path / "old_app.py"
+    old.write_text(
+        "class FlightApp:\n"
+        "    def __init__(self, data_dir, model_dir, keys_dir, endpoint, engine_options, device=None,\n"
+        "                 dtype=None, fs=None, checkpoint_fs=None, weight_read_hook=None,\n"
+        "                 results_budget_bytes=None, compact_after=None, cadence=None, storage_reserve_bytes=0):\n"
+        "        pass\n",
+        encoding="utf-8",
+    )
+    monkeypatch.setitem(MODULES, "flight.runtime.old_app", old)
+    assert len(constructor_parameters("flight.runtime.old_app", "FlightApp")) == 14

@@ -121,6 +121,12 @@ class RequestContext:
                 self.stopped_after = {"event": event, **fields}
         return self.stopped is not None
 
+    def await_inputs(self) -> None:
+        """The inputs cannot give what the next unit needs (`RequestInputs.pixels()` is None):
+        the run ends here, before that unit, with AWAITING_INPUTS (every phase returns at once)."""
+        if self.stopped is None:
+            self.stopped = RunStatus.AWAITING_INPUTS
+
     def checkpoint_requested(self) -> bool:
         """The bus asked for a checkpoint soon (a shutdown warning) and this policy writes some."""
         return self.checkpoint_soon.is_set() and self.policy.writes_checkpoints()

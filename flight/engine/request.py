@@ -3,8 +3,9 @@ open to RESULT.
 
 A caller that may have to end a run early hands `Engine.run_or_stop` a `StopToken`
 (flight/events.py): the run ends at the next unit boundary and returns a `RunOutcome` whose
-status says how it ended (FINISHED with its `Result`, PAUSED or CANCELLED); nothing is raised
-through the engine for it. `Engine.run` is the run to the end.
+status says how it ended (FINISHED with its `Result`, PAUSED, CANCELLED, or AWAITING_INPUTS when
+the inputs could not give the pixel patches a unit needed); nothing is raised through the
+engine for it. `Engine.run` is the run to the end.
 
 `Engine` is where names become objects: the policy named in `EngineOptions` (unless the caller
 hands one) and the cost model the optimal planner uses (unless the caller hands one: by default
@@ -86,7 +87,8 @@ class Result:
 class RunOutcome:
     """How one run of a request ended: FINISHED with its `result`; PAUSED or CANCELLED at a unit
     boundary (`stopped_after`: that unit's UNIT_DONE event and fields), its records as the
-    boundary before left them (a later run resumes from them)."""
+    boundary before left them (a later run resumes from them); AWAITING_INPUTS before a unit
+    whose inputs could not be had (`stopped_after` None)."""
 
     status: RunStatus
     result: Result | None = None
@@ -180,7 +182,8 @@ class Engine:
     def run(self, inputs: RequestInputs, ckpt_dir: str, max_new_tokens: int) -> Result:
         """Run the request to its end (nothing can stop it but a cut): its Result."""
         outcome = self.run_or_stop(inputs, ckpt_dir, max_new_tokens, stop=None)
-        assert outcome.result is not None, "a run without a stop token always finishes"
+        if outcome.result is None:  # no stop token: only inputs that could not be had end it early
+            raise RuntimeError(f"the request's run ended {outcome.status}: its inputs could not be had")
         return outcome.result
 
     def run_or_stop(

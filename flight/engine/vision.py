@@ -127,7 +127,11 @@ class VisionPhase:
             side = {name: t.to(request.device) for name, t in record.tensors.items() if name != "hidden"}
             request.events(EngineEvent.VISION_RESTORED, block=start)
         else:
-            hidden = adapter.vision_embed(context, request.inputs.pixel_values.to(request.device))
+            pixels = request.inputs.pixels()
+            if pixels is None:  # not to be had now (an image to be sent again): the run ends here
+                request.await_inputs()
+                return None
+            hidden = adapter.vision_embed(context, pixels.to(request.device))
         # the newest vision state handed to the writer, states dropped since, and whether that
         # newest one was an early (adaptive) record
         last_state, deferred, last_early = start, 0, False

@@ -54,7 +54,7 @@ class RequestInputs:
         image_grid_thw: torch.Tensor,  # (images, 3) int64
         prompt: str,
         *,
-        load_pixels: Callable[[], torch.Tensor] | None = None,
+        load_pixels: Callable[[], torch.Tensor | None] | None = None,
         digest: str | None = None,
     ):
         if pixel_values is None and load_pixels is None:
@@ -63,12 +63,22 @@ class RequestInputs:
         self.prompt = prompt
         self._pixel_values, self._load_pixels, self._digest = pixel_values, load_pixels, digest
 
-    @property
-    def pixel_values(self) -> torch.Tensor:
+    def pixels(self) -> torch.Tensor | None:
+        """The pixel patches, loaded when first asked for; None when the loader cannot give
+        them now (the payload waits for an image to be sent again): the engine then ends the
+        run with the status AWAITING_INPUTS (flight/events.py), and a later run asks again."""
         if self._pixel_values is None:
             assert self._load_pixels is not None
             self._pixel_values = self._load_pixels()
         return self._pixel_values
+
+    @property
+    def pixel_values(self) -> torch.Tensor:
+        """The pixel patches, where they must be had (PixelsUnavailable when they cannot be)."""
+        pixels = self.pixels()
+        if pixels is None:
+            raise PixelsUnavailable("awaiting_inputs")
+        return pixels
 
     @property
     def pixels_loaded(self) -> bool:
@@ -256,12 +266,13 @@ def load_pixels(fs, path: str, key: dict, pixels_digest: str) -> torch.Tensor:
 
 
 def load_inputs(
-    fs, path: str, key: dict, rebuild_pixels: Callable[[str], torch.Tensor] | None = None
+    fs, path: str, key: dict, rebuild_pixels: Callable[[str], torch.Tensor | None] | None = None
 ) -> tuple[RequestInputs | None, str | None]:
     """Stored inputs if present, intact and built under `key`; else (None, why not) -- the
     caller rebuilds them (a damaged record is never used). The pixel patches are read only when
     first asked for; if they cannot be used then, `rebuild_pixels(reason)` gives them (the
-    payload builds them again from the task's images), else PixelsUnavailable is raised. A
+    payload builds them again from the task's images) or None (not now: the payload waits for
+    an image; `RequestInputs.pixels()` answers None), else PixelsUnavailable is raised. A
     record of the earlier layout, pixels inside, is read whole."""
 
     if not fs.exists(path):
@@ -287,13 +298,15 @@ def load_inputs(
     if not isinstance(pixels_digest, str):
         return None, "bad_meta"
 
-    def pixels() -> torch.Tensor:
+    def pixels() -> torch.Tensor | None:
         try:
             return load_pixels(fs, path, key, pixels_digest)
         except PixelsUnavailable as exc:
             if rebuild_pixels is None:
                 raise
             rebuilt = rebuild_pixels(exc.reason)
+        if rebuilt is None:
+            return None  # not now: asked again at the request's next run
         # Built again under the same key, they are the same bits; if not, the task's records
         # were computed from other inputs, and no answer from them may be given.
         if _digest(rebuilt) != pixels_digest:

@@ -5,7 +5,7 @@ imports only what parsing needs (flight/cli_options.py, no torch). `cmd_run` ask
 page in the weights first and then imports the logging and the onboard process (structlog,
 ZeroMQ, the wire codecs: most of the boot's import time), so that the reads overlap those imports;
 the engine's libraries (torch, transformers) load later on the worker thread
-(FlightApp._load_engine, where a fault or a kill is counted against `engine:load`).
+(Worker.load_engine in worker.py, where a fault or a kill is counted against `engine:load`).
 """
 
 from __future__ import annotations
@@ -155,13 +155,13 @@ def _run(args) -> int:
     # Nothing here imports torch: the link is up and answering before the engine's libraries
     # load on the worker thread (which sets the thread count before any tensor op).
     from common import log as owlog
-    from flight.runtime.app import FlightApp
+    from flight.runtime.app import FlightApp, FlightConfig
 
     owlog.setup(args.log_level, component="flight")
     logger = owlog.get()
     options = engine_options(args)
     # A missing or unreadable model directory does not stop the boot (no environment may): the
-    # payload comes up, reports BOOT_FAULT and waits for it (FlightApp._load_engine).
+    # payload comes up, reports BOOT_FAULT and waits for it (Worker.load_engine, flight/runtime/worker.py).
     num_layers = config_num_layers(args.model)
     if num_layers is not None:
         report_overrides(
@@ -178,7 +178,7 @@ def _run(args) -> int:
     check_number(args.storage_reserve_mb, "--storage-reserve-mb", at_least=0, code=EXIT_USAGE)
     fs, weight_hook = storage_for(args)
     data_fs = data_storage_for(args, fs)
-    app = FlightApp(
+    config = FlightConfig(
         args.data_dir,
         args.model,
         args.keys,
@@ -191,9 +191,9 @@ def _run(args) -> int:
         weight_read_hook=weight_hook,
         results_budget_bytes=int(args.results_budget_mb * 2**20),
         compact_after=args.compact_after,
-        cadence=cadence_for(args),
         storage_reserve_bytes=int(args.storage_reserve_mb * 2**20),
     )
+    app = FlightApp(config, cadence=cadence_for(args))
     signal.signal(signal.SIGTERM, lambda *_: app.stop.set())
     code = app.run()
     if app.worker_busy():  # e.g. stopped inside a weight load: see FlightApp.worker_busy

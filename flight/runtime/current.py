@@ -10,12 +10,16 @@ CANCEL_TASK for the task the worker is on cancels its token (`cancel`), and the 
 its next unit boundary. The cancel is remembered by task id until the worker has carried it out
 (`cancel_done`): a task that left the engine for another reason (an image to be sent again) is
 cancelled at its next start.
+
+The engine at work is kept here too (`set_engine`, `engine`): the worker sets it around each
+run, the main thread reads it when a SHUTDOWN_WARNING asks for a checkpoint soon.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, replace
+from typing import Any
 
 from common.wire import TaskPhase
 from flight.events import StopToken
@@ -40,6 +44,7 @@ class CurrentWork:
         self._progress = IDLE
         self._stop: StopToken | None = None  # the running task's, None when idle
         self._cancelled: set[str] = set()  # cancels asked while the task was current, not yet carried out
+        self._engine: Any = None  # the Engine running the current task (typed loosely: it imports torch)
 
     def snapshot(self) -> Progress:
         with self._lock:
@@ -52,6 +57,16 @@ class CurrentWork:
             self._stop = stop
             if stop is not None and task in self._cancelled:
                 stop.cancel()
+
+    def set_engine(self, engine: Any) -> None:
+        """The engine now running the current task, or None once its run ended (worker thread)."""
+        with self._lock:
+            self._engine = engine
+
+    def engine(self) -> Any:
+        """The engine at work, or None (any thread)."""
+        with self._lock:
+            return self._engine
 
     def idle(self) -> None:
         """The worker has no task (worker thread)."""

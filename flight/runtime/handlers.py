@@ -1,8 +1,9 @@
-"""One handler per telecommand (cFS sample_app style: dispatch in app.py, handlers here).
+"""One handler per telecommand (cFS sample_app style: dispatch in dispatch.py, handlers here).
 
 Every handler either accepts -- `accept` counts the command and persists the replay guard and
 counters before ACCEPTED leaves -- or raises WireError with the code for the class of problem,
-which dispatch turns into REJECTED. Handlers run on the main thread.
+which dispatch turns into REJECTED. PING and STATUS run on the main thread, every other
+handler on the command thread (dispatch.py, jobs.py).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ MAX_QUEUED = 256
 
 @dataclass(frozen=True)
 class PayloadServices:
-    """What the handlers use of the process around them (FlightApp's, handed in): its reports out,
-    the acceptance of a command, a task's result and directory, the engine at work."""
+    """What the handlers use of the process around them (FlightApp's parts', handed in): its
+    reports out, the acceptance of a command, a task's result and directory."""
 
     send: Callable[..., None]  # (message, on_sent=None)
     send_final_report: Callable[[Any], None]  # (task)
@@ -42,7 +43,6 @@ class PayloadServices:
     accept: Callable[..., None]  # (request, **fields): counted, replay guard persisted, ACCEPTED sent
     task_result: Callable[[Any], m.TaskResult]  # (task)
     task_dir: Callable[[str], str]  # (task id)
-    running_engine: Callable[[], Any]  # the Engine the worker runs now, or None
 
 
 class CommandHandlers:
@@ -331,7 +331,7 @@ class CommandHandlers:
         text = f"bus warns of a cut in {msg.lead_time_s:.1f} s ({msg.cause})"
         self.services.event(EventId.SHUTDOWN_WARNING_RECEIVED, text)
         self.cadence.warning(msg.lead_time_s)
-        engine = self.services.running_engine()
+        engine = self.current.engine()
         if engine is not None:
             engine.checkpoint_soon.set()
 

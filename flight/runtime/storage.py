@@ -95,6 +95,11 @@ class Storage:
             return errno.ENOSPC
         return None
 
+    def note_skipped_write(self) -> None:
+        """A write refused while the disk is degraded, without trying it (GatedFS)."""
+        with self._lock:
+            self.skipped_writes += 1
+
     # ---- reporting -----------------------------------------------------------------------------
     def failed(self, exc: BaseException, what: str) -> bool:
         """A write failed with `exc`. True when that is a storage condition (then the state
@@ -249,8 +254,7 @@ class GatedFS(DurableFS):
     def _gate(self, path: str) -> None:
         code = self.storage.refusal_errno(growth=True)
         if code is not None:
-            with self.storage._lock:
-                self.storage.skipped_writes += 1
+            self.storage.note_skipped_write()
             raise OSError(code, f"{os.strerror(code)} (payload storage {self.storage.state.value})", path)
 
     def write_atomic(self, path, chunks):

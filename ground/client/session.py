@@ -44,7 +44,7 @@ CUTS_KEPT = 256
 RESYNC_CODES = (ResponseCode.REPLAYED_SEQUENCE, ResponseCode.SEQUENCE_TOO_FAR_AHEAD)
 
 
-#: the count in a TASK_RESUMED event's text (flight/runtime/app.py writes "resumed after N cut(s)")
+#: the count in a TASK_RESUMED event's text (flight/runtime/worker.py writes "resumed after N cut(s)")
 _RESUMED_AFTER = re.compile(r"resumed after (\d+) cut")
 
 

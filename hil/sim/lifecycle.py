@@ -15,7 +15,7 @@ state the next session starts from (records in order, vision buffers dropped onc
 is durable, decode records up to the last committed one). A shutdown warning makes the engine
 persist at the next unit boundary (`checkpoint_soon`), as in the engine.
 
-Around the engine, what the payload process does for a task (flight/runtime/app.py): at a task's
+Around the engine, what the payload process does for a task (flight/runtime/worker.py): at a task's
 first start it reads its uplinked images, builds the inputs and writes them as one TASK_INPUTS
 record (on the compute path, through the same storage as the checkpoints); before every restart
 it reads that record back (before its STARTED report). A payload process (`PayloadProcess`, one
@@ -544,7 +544,7 @@ class RequestModel:
             """RequestContext.checkpoint_requested at `now`: warned, and checkpoints on."""
             return soon[0] and warning_at is not None and warning_at <= now and self.writes
 
-        # ---- the task's inputs (flight/runtime/app.py _run_task): read back before STARTED on a
+        # ---- the task's inputs (flight/runtime/worker.py, Worker._run_task): read back before STARTED on a
         # restart (the TASK_INPUTS record; its pixels only if the vision phase starts from them,
         # below); at the first start, the images read before STARTED, and after it the inputs
         # built (in the setup) and written, pixels first, on the compute path

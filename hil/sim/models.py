@@ -240,7 +240,7 @@ class RecordSizes:
     def task_inputs(self) -> int:
         """The TASK_INPUTS record (flight/model/inputs.py `save_inputs`): token ids, image-token
         mask and the image grid, keyed by three SHA-256 digests (task, model, processors:
-        flight/runtime/app.py `_inputs_key`) besides the inputs' and the pixels' digests and the
+        flight/runtime/inputs.py `TaskInputs.key`) besides the inputs' and the pixels' digests and the
         prompt. What every restart reads."""
         r = self.request
         tokens = r.prompt_tokens

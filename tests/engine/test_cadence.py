@@ -494,14 +494,16 @@ def test_payload_feeds_bus_telemetry_and_warnings_to_its_cadence(tmp_path):
     from common.wire import Apid, NodeId, PowerCause, encode
     from common.wire import messages as msgs
     from flight.engine import EngineOptions
-    from flight.runtime.app import FlightApp
+    from flight.runtime.app import FlightApp, FlightConfig
 
     app = FlightApp(
-        str(tmp_path / "data"),
-        "unused-model",
-        str(tmp_path / "keys"),
-        "tcp://127.0.0.1:1",
-        EngineOptions(cadence="adaptive"),
+        FlightConfig(
+            str(tmp_path / "data"),
+            "unused-model",
+            str(tmp_path / "keys"),
+            "tcp://127.0.0.1:1",
+            EngineOptions(cadence="adaptive"),
+        )
     )
     seq = iter(range(100))
     for k in range(4):
@@ -587,10 +589,12 @@ def test_engine_options_refuse_a_cadence_the_policy_cannot_fly():
 
 
 def test_the_onboard_process_takes_the_policys_cadence(tmp_path):
-    from flight.runtime.app import FlightApp
+    from flight.runtime.app import FlightApp, FlightConfig
 
     def app(options, name):
-        return FlightApp(str(tmp_path / name), "unused-model", str(tmp_path / "keys"), "tcp://127.0.0.1:1", options)
+        return FlightApp(
+            FlightConfig(str(tmp_path / name), "unused-model", str(tmp_path / "keys"), "tcp://127.0.0.1:1", options)
+        )
 
     assert app(EngineOptions(), "default").cadence.mode == "adaptive"
     assert app(None, "none-given").cadence.mode == "adaptive"  # the engine's own default options

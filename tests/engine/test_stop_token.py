@@ -128,3 +128,37 @@ def test_the_process_stop_pauses_and_a_cancel_outranks_a_pause():
     assert other.requested() == RunStatus.PAUSED
     other.cancel()
     assert other.requested() == RunStatus.CANCELLED
+
+
+def test_inputs_that_cannot_be_had_end_the_run_awaiting_them_without_raising(model_dirs, tmp_path, reference):
+    """The payload's pixel loader answers None when a task's stored pixels and one of its images
+    are damaged (it waits for the ground to send the image again): the engine ends the run with
+    AWAITING_INPUTS before the vision block that needed them -- no exception through its stack,
+    no unit run -- and a later run with the pixels gives the uninterrupted answer."""
+    from flight.model.inputs import RequestInputs
+
+    inputs, ref, _ = reference
+    asked = []
+
+    def unavailable():
+        asked.append(True)
+        return None
+
+    awaiting = RequestInputs(
+        inputs.input_ids,
+        inputs.mm_token_type_ids,
+        None,
+        inputs.image_grid_thw,
+        inputs.prompt,
+        load_pixels=unavailable,
+        digest=inputs.digest(),
+    )
+    ckpt = tmp_path / "awaiting"
+    seen = Boundaries(ckpt, StopToken(), None)
+    model = load_model(model_dirs[ARCH], device="cpu")
+    outcome = engine(model, events=seen.event).run_or_stop(awaiting, str(ckpt), MAX_NEW, StopToken())
+    assert outcome.status == RunStatus.AWAITING_INPUTS and outcome.result is None and outcome.stopped_after is None
+    assert asked == [True] and seen.units == []
+    assert "RESULT" not in _files(ckpt)
+    result = engine(model).run(inputs, str(ckpt), MAX_NEW)
+    assert result.token_ids == ref.token_ids and torch.equal(result.logits, ref.logits)

@@ -8,8 +8,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from flight.runtime.health import EXIT_BOUND, MAIN, WORKER, Health, command_item, task_item
 
 
@@ -111,26 +109,29 @@ def test_a_cut_while_storing_a_tasks_inputs_leaves_nothing_behind(tmp_path, mode
 
     from flight.engine import EngineOptions
     from flight.model.loader import load_model
-    from flight.runtime.app import FlightApp
+    from flight.runtime.app import FlightApp, FlightConfig
 
     app = FlightApp(
-        str(tmp_path / "data"), model_dirs["qwen3-vl"], str(tmp_path / "keys"), "tcp://127.0.0.1:1", EngineOptions()
+        FlightConfig(
+            str(tmp_path / "data"), model_dirs["qwen3-vl"], str(tmp_path / "keys"), "tcp://127.0.0.1:1", EngineOptions()
+        )
     )
     model = load_model(model_dirs["qwen3-vl"], device="cpu")
     task = SimpleNamespace(task_id="t1", images=["img0.png"], prompt="describe the scene", content_hash="h1")
-    task_dir = Path(app._task_dir("t1"))
+    task_dir = Path(app.paths.task_dir("t1"))
     task_dir.mkdir(parents=True)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = task_dir / f".inputs.rec.{int(dead.stdout)}.140169240053440.2.tmp"  # a cut process's
     stale.write_bytes(bytes(1 << 20))
-    app._build_inputs(task, model, [Path(image_files[0]).read_bytes()])
+    app.inputs.build(task, model, [Path(image_files[0]).read_bytes()])
     assert sorted(p.name for p in task_dir.iterdir()) == ["inputs.rec", "pixels.rec"]
 
 
 def test_a_task_whose_stored_pixels_are_damaged_builds_them_again_or_waits_for_its_image(tmp_path, model_dirs):
     """The pixel patches are read only when the vision phase starts from them; damaged then, they
     are built again from the task's verified image, and a task whose image is damaged too waits
-    for the ground to send it again (ImagesAwaited), as a task that has not started does."""
+    for the ground to send it again (the engine gets no pixels and ends the run AWAITING_INPUTS),
+    as a task that has not started does."""
     import io
     from pathlib import Path
     from types import SimpleNamespace
@@ -142,10 +143,12 @@ def test_a_task_whose_stored_pixels_are_damaged_builds_them_again_or_waits_for_i
     from common.wire import messages as m
     from flight.engine import EngineOptions
     from flight.model.loader import load_model
-    from flight.runtime.app import FlightApp, ImagesAwaited
+    from flight.runtime.app import FlightApp, FlightConfig
 
     app = FlightApp(
-        str(tmp_path / "data"), model_dirs["qwen3-vl"], str(tmp_path / "keys"), "tcp://127.0.0.1:1", EngineOptions()
+        FlightConfig(
+            str(tmp_path / "data"), model_dirs["qwen3-vl"], str(tmp_path / "keys"), "tcp://127.0.0.1:1", EngineOptions()
+        )
     )
     model = load_model(model_dirs["qwen3-vl"], device="cpu")
     buf = io.BytesIO()
@@ -154,8 +157,8 @@ def test_a_task_whose_stored_pixels_are_damaged_builds_them_again_or_waits_for_i
         app.images.put_chunk(chunk)
     assert app.images.is_verified("scene.png")
     task = SimpleNamespace(task_id="t1", images=["scene.png"], prompt="describe the scene", content_hash="h1")
-    built = app._build_inputs(task, model, app._task_images(task))
-    pixels = Path(app._task_dir("t1")) / "pixels.rec"
+    built = app.inputs.build(task, model, app.inputs.images_of(task))
+    pixels = Path(app.paths.task_dir("t1")) / "pixels.rec"
 
     def damage(path):
         data = bytearray(path.read_bytes())
@@ -163,14 +166,13 @@ def test_a_task_whose_stored_pixels_are_damaged_builds_them_again_or_waits_for_i
         path.write_bytes(bytes(data))
 
     damage(pixels)
-    stored = app._stored_inputs(task, model)
+    stored = app.inputs.stored(task, model)
     assert stored is not None and not stored.pixels_loaded
     assert torch.equal(stored.pixel_values, built.pixel_values)  # built again from the image, and stored again
-    assert torch.equal(app._stored_inputs(task, model).pixel_values, built.pixel_values)
+    assert torch.equal(app.inputs.stored(task, model).pixel_values, built.pixel_values)
     damage(pixels)
     damage(Path(app.images.image_path("scene.png")))
-    with pytest.raises(ImagesAwaited):
-        _ = app._stored_inputs(task, model).pixel_values
+    assert app.inputs.stored(task, model).pixels() is None  # the engine ends the run AWAITING_INPUTS
     assert not app.images.is_verified("scene.png") and app.awaited_images.get("t1") == "scene.png"
 
 
@@ -179,14 +181,16 @@ def test_a_load_of_the_engine_that_succeeds_resets_its_count(tmp_path, model_dir
     engine loads months apart would add up to a quarantine of the engine. A load that succeeds is
     the engine's unit of work."""
     from flight.engine import EngineOptions
-    from flight.runtime.app import FlightApp
+    from flight.runtime.app import FlightApp, FlightConfig
     from flight.runtime.health import ENGINE_ITEM
 
     app = FlightApp(
-        str(tmp_path / "data"), model_dirs["qwen3-vl"], str(tmp_path / "keys"), "tcp://127.0.0.1:1", EngineOptions()
+        FlightConfig(
+            str(tmp_path / "data"), model_dirs["qwen3-vl"], str(tmp_path / "keys"), "tcp://127.0.0.1:1", EngineOptions()
+        )
     )
     app.health.fault(ENGINE_ITEM, "killed loading the engine")
     app.health.fault(ENGINE_ITEM, "killed loading the engine")
     assert app.health.exits[ENGINE_ITEM][0] == 2
-    assert app._load_engine() is not None
+    assert app.worker.load_engine() is not None
     assert ENGINE_ITEM not in app.health.exits

@@ -1,6 +1,5 @@
 """The payload's image store across a cut between the last chunk and the assembled file."""
 
-import dataclasses
 import io
 
 import numpy as np
@@ -66,11 +65,14 @@ def test_a_resent_chunk_after_the_reboot_finishes_the_verification(tmp_path):
 def test_a_query_that_finishes_the_verification_reports_it_as_a_chunk_would(tmp_path, model_dirs):
     """The ground learns from IMAGE_COMPLETE that an image is verified, whichever command finished
     it: a query after the reboot that finds every chunk held reports it once, the next none."""
+    from common.wire import decode as decode_packet
     from flight.engine import EngineOptions
-    from flight.runtime.app import FlightApp
+    from flight.runtime.app import FlightApp, FlightConfig
 
     app = FlightApp(
-        str(tmp_path / "data"), model_dirs["qwen3-vl"], str(tmp_path / "keys"), "tcp://127.0.0.1:1", EngineOptions()
+        FlightConfig(
+            str(tmp_path / "data"), model_dirs["qwen3-vl"], str(tmp_path / "keys"), "tcp://127.0.0.1:1", EngineOptions()
+        )
     )
     wedged = ImageStore(app.images.directory, CutBeforeImageCommit())
     content = _png()
@@ -79,13 +81,13 @@ def test_a_query_that_finishes_the_verification_reports_it_as_a_chunk_would(tmp_
         wedged.put_chunk(chunk)
     with pytest.raises(PowerCut):
         wedged.put_chunk(chunks[-1])
-    sent: list = []
-    app.send = sent.append  # type: ignore[method-assign]
-    # the handlers send through what they were handed (PayloadServices), the app's events through app.send
-    app.commands.services = dataclasses.replace(app.commands.services, send=sent.append)
     request = RequestRef(apid=1, source_id=1, seq=1, message_type=int(m.ImageQuery.TYPE))
     for _ in range(2):
         app.commands.on_image_query(request, m.ImageQuery(image="scene.png"))
+    sent = []  # every packet the handlers and their events queued for the bus, as the bus gets it
+    while not app.outbox.empty():
+        packet, _ = app.outbox.get_nowait()
+        sent.append(decode_packet(packet)[1])
     complete = [x for x in sent if isinstance(x, m.Event) and x.event_id == EventId.IMAGE_COMPLETE]
     assert [x.text for x in complete] == [f"image scene.png verified ({len(content)} bytes)"]
     statuses = [x for x in sent if isinstance(x, m.ImageStatus)]

@@ -149,28 +149,25 @@ def test_the_guard_on_disk_never_holds_a_command_not_yet_run(tmp_path, model_dir
     recorded as the command arrived was saved (by another command's save) before that command
     ran; a cut in between made its redelivery a 'replay', and an image chunk was lost. A command
     handed to the command thread is only checked on arrival and recorded when it runs."""
-    import threading
-
     from common.wire import Apid, NodeId, ReplayGuard
     from common.wire import encode as encode_packet
     from common.wire import messages as m
     from flight.engine import EngineOptions
-    from flight.runtime.app import FlightApp
+    from flight.runtime.app import FlightApp, FlightConfig
 
-    app = FlightApp(
+    config = FlightConfig(
         str(tmp_path / "data"), model_dirs["qwen3-vl"], str(tmp_path / "keys"), "tcp://127.0.0.1:1", EngineOptions()
     )
-    app._command_thread = threading.Thread(target=lambda: None)  # jobs queue up, as behind a busy command
+    app = FlightApp(config)
+    app.jobs.queued_only = True  # jobs queue up, as behind a busy command
     chunk = m.ImageChunk.split("a.png", b"\x89PNG" + bytes(100), chunk_bytes=64)[0]
     app.handle_packet(encode_packet(chunk, Apid.PAYLOAD, 5, source_id=NodeId.GROUND))
     app.handle_packet(encode_packet(m.Ping(key=1), Apid.PAYLOAD, 6, source_id=NodeId.GROUND))
     app.state.save()  # what the command thread's next save writes while the chunk still waits
-    on_disk = FlightApp(
-        str(tmp_path / "data"), model_dirs["qwen3-vl"], str(tmp_path / "keys"), "tcp://127.0.0.1:1", EngineOptions()
-    ).state.guard
+    on_disk = FlightApp(config).state.guard
     on_disk.check(Apid.PAYLOAD, NodeId.GROUND, 5)  # not recorded: its redelivery is not a replay
     assert isinstance(on_disk, ReplayGuard) and on_disk.highest(Apid.PAYLOAD, NodeId.GROUND) == 6
-    assert app.jobs.qsize() == 1
+    assert app.jobs.pending() == 1
 
 
 def test_a_log_call_never_raises_on_a_full_disk():
@@ -199,10 +196,12 @@ def test_a_first_boot_on_a_disk_that_takes_no_write_comes_up(tmp_path, model_dir
     the first boot exit (the health directory was refused, then opening its breadcrumb failed).
     Every part of the payload now opens what it can; the storage state says what it cannot."""
     from flight.engine import EngineOptions
-    from flight.runtime.app import FlightApp
+    from flight.runtime.app import FlightApp, FlightConfig
 
     data = tmp_path / "data"
     faults(mode=mode, under=[str(data)])
-    app = FlightApp(str(data), model_dirs["qwen3-vl"], str(tmp_path / "keys"), "tcp://127.0.0.1:1", EngineOptions())
+    app = FlightApp(
+        FlightConfig(str(data), model_dirs["qwen3-vl"], str(tmp_path / "keys"), "tcp://127.0.0.1:1", EngineOptions())
+    )
     assert app.storage.state == (StorageState.READ_ONLY if mode == "read_only" else StorageState.OK)
-    assert app.queue.depth() == 0 and app.housekeeping().storage_state == app.storage.state
+    assert app.queue.depth() == 0 and app.housekeeping.message().storage_state == app.storage.state

@@ -79,7 +79,7 @@ def test_simulated_records_are_the_bytes_the_engine_writes(model_dirs, tmp_path,
 @pytest.mark.parametrize("arch", ["qwen3-vl", "qwen2.5-vl"])
 def test_simulated_task_inputs_record_is_the_bytes_the_payload_writes(model_dirs, tmp_path, arch):
     """The TASK_INPUTS and TASK_PIXELS records each task writes at its first start
-    (flight/runtime/app.py): the simulator's sizes equal what `save_inputs` writes, keyed as the
+    (flight/runtime/inputs.py): the simulator's sizes equal what `save_inputs` writes, keyed as the
     payload keys it."""
     from common.durable import DurableFS
     from flight.model.config import processors_hash
