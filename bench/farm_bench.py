@@ -301,6 +301,18 @@ def print_fit(campaigns: list[str], fit_out: str | None) -> None:
         f"max {100 * (fitted.max_error or 0):.1f} %; each run left out of its fit: median "
         f"{100 * (fitted.loo_median_error or 0):.1f} %, max {100 * (fitted.loo_max_error or 0):.1f} %"
     )
+    # the order the plan gives, judged on what the runs really took
+    measured = [r.measured_wall_s for r in rows]
+    by_prediction = [r.measured_wall_s for r in sorted(rows, key=lambda r: -fitted.wall_s(r.prediction))]
+    orders = {
+        "longest expected first (the plan's order)": by_prediction,
+        "longest measured first (known only afterwards)": sorted(measured, reverse=True),
+        "the campaigns' own order": measured,
+    }
+    print(f"\nthese runs' MEASURED lengths on N benches, COMPUTED (not run), no overhead; {' / '.join(map(str, BENCHES))}:")
+    for label, lengths in orders.items():
+        print(f"  {label:48s} " + " / ".join(f"{schedule(lengths, n, 0.0):.0f}" for n in BENCHES) + " s")
+    print(f"  {'lower bound':48s} " + " / ".join(f"{plan.lower_bound(measured, n):.0f}" for n in BENCHES) + " s")
     if fit_out:
         Path(fit_out).write_text(json.dumps(plan.rows_to_json(rows), indent=1) + "\n")
         print(f"runs kept in {fit_out}")
@@ -411,6 +423,11 @@ def main(argv=None) -> int:
                     flush=True,
                 )
     finally:
+        import ray
+
+        # the driver leaves the cluster before it goes: a driver whose cluster is gone ends its
+        # own process a minute later (the Ray core worker), in the middle of part 3
+        ray.shutdown()
         stop_node(node)
     local = statistics.median(r["overhead_per_run_s"] for r in results["local"])
     remote = statistics.median(r["overhead_per_run_s"] for r in results["farm"])
