@@ -309,7 +309,10 @@ def print_fit(campaigns: list[str], fit_out: str | None) -> None:
         "longest measured first (known only afterwards)": sorted(measured, reverse=True),
         "the campaigns' own order": measured,
     }
-    print(f"\nthese runs' MEASURED lengths on N benches, COMPUTED (not run), no overhead; {' / '.join(map(str, BENCHES))}:")
+    print(
+        "\nthese runs' MEASURED lengths on N benches, COMPUTED (not run), no overhead; "
+        f"{' / '.join(map(str, BENCHES))}:"
+    )
     for label, lengths in orders.items():
         print(f"  {label:48s} " + " / ".join(f"{schedule(lengths, n, 0.0):.0f}" for n in BENCHES) + " s")
     print(f"  {'lower bound':48s} " + " / ".join(f"{plan.lower_bound(measured, n):.0f}" for n in BENCHES) + " s")
