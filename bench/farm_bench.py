@@ -1,8 +1,9 @@
 """The bench farm on this machine: scheduling overhead per run against the local pool, and a
-campaign's wall time on 1, 4, 8 and 16 benches (docs/hil.md "Bench farm").
+campaign's wall time on 1, 4, 8 and 16 benches (docs/hil.md "Bench farm", docs/benchmarks.md).
 
     python -m bench.farm_bench [--rounds 2] [--out runs/bench/farm] [--from CAMPAIGN_DIR ...]
-    python -m bench.farm_bench --from CAMPAIGN_DIR ... --overhead-s 5.2   (part 2 only, no cluster)
+    python -m bench.farm_bench --overhead-s 5.2 [--from CAMPAIGN_DIR ...]   (no cluster, no runs)
+    python -m bench.farm_bench --fit CAMPAIGN_DIR ... [--fit-out hil/sim/run_lengths.json]
 
 1. Overhead. Starts a Ray cluster of one node on this machine (one `bench`) and runs the same
    small matrix -- the tiny model, a 60 s trace with one early cut, orbitweaver and none, the
@@ -10,19 +11,28 @@ campaign's wall time on 1, 4, 8 and 16 benches (docs/hil.md "Bench farm").
    alternately, `--rounds` times each. Both run one run after the other, so what a campaign takes
    beyond its runs' own testbench time (each report's wall_s) is what the executor adds: keys and
    references, handing out, on the farm the task, the shipped files and the run directory sent
-   back. Per run, local and farm, and their ratio.
+   back. Per run, local and farm, and their ratio. With --overhead-s, not run: that overhead
+   per run (one measured earlier) is used below.
 2. Wall time on 1, 4, 8 and 16 benches, COMPUTED from measured run lengths, not run: each run
-   (its measured wall_s, plus the farm's measured overhead per run) handed in the campaign's
-   order to the bench that frees first, as the farm's driver hands them out. From the runs
-   measured in part 1, or from every run of the campaigns given with --from (their
-   campaign.json: make bench's `e2e` and `e2e_plus`, say). With --overhead-s, part 1 is not run:
-   the schedule adds that overhead per run (one measured earlier) to the --from campaigns' runs.
+   (its measured wall_s, plus the farm's overhead per run) handed in the campaign's order to the
+   bench that frees first. From the runs measured in part 1, and from every run of the campaigns
+   given with --from (their campaign.json).
+3. make bench's 160-run end-to-end campaign (e2e and e2e_plus) on 1, 4, 8 and 16 benches,
+   COMPUTED from PREDICTED run lengths, not run: the matrix planned as make bench plans it, each
+   run's length from the lifecycle simulator and the fitted model (hil/sim/plan.py: time scale x
+   powered trace s + a + b x power-ups), handed out in three orders -- the farm's one shared
+   queue, longest expected first (hil.farm.SharedQueue); e2e then e2e_plus, each in its rank
+   order; both in rank order (the traces' order, as the local pool hands them out) -- beside
+   the lower bound (the work spread evenly, or the longest run).
+
+--fit: a and b of hil/sim/plan.py fitted on the finished runs of the campaigns given (their
+measured wall_s beside the simulator's prediction for their configuration): the fit, its errors
+in sample and each run left out; --fit-out keeps the runs where plan.FIT is read from.
 """
 
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import os
 import signal
@@ -31,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -164,14 +175,150 @@ def one_campaign(out: Path, trace: str, model: str, executor) -> dict:
 
 def schedule(run_walls: list[float], benches: int, overhead_s: float) -> float:
     """Wall time of handing the runs, in this order, each to the bench that frees first."""
-    free = [0.0] * benches
-    end = 0.0
-    for wall in run_walls:
-        start = heapq.heappop(free)
-        finish = start + wall + overhead_s
-        end = max(end, finish)
-        heapq.heappush(free, finish)
-    return end
+    from hil.sim.plan import list_schedule
+
+    return list_schedule(run_walls, benches, overhead_s)
+
+
+def plan_make_bench(out: Path) -> dict[str, list]:
+    """make bench's two end-to-end parts planned as bench.run_all plans them (its defaults: every
+    trace, both workloads, seeds 0 and 1, pace 600 ms at 0.6 wall s per trace s), nothing run:
+    {part: its PlannedRuns}. The seed traces are generated into OUT/<part>/traces/."""
+    from bench import engine_overhead
+    from bench import run_all as ra
+    from hil.campaign import plan_runs
+
+    model = engine_overhead.ensure_model("small")
+    images = engine_overhead.ensure_images(4, 512)[:2]
+    plans = {}
+    for name, policies, cadences in ra.E2E_PARTS:
+        base = ra.e2e_base(
+            model,
+            images,
+            ra.E2E_PROMPT,
+            list(ra.E2E_TRACES),
+            str(out / name),
+            request_seconds=100.0,
+            timeout_s=None,
+            pace_ms=ra.E2E_PACE_MS,
+            time_scale=ra.E2E_PACE_MS / 1000.0,
+        )
+        plans[name] = plan_runs(
+            base, list(ra.E2E_TRACES), list(policies), list(ra.E2E_SEEDS), list(ra.E2E_WORKLOADS), list(cadences)
+        )
+    return plans
+
+
+def planned_orders(plans: dict[str, list], expected: dict[str, float]) -> dict[str, list[float]]:
+    """The expected lengths in the order each way of handing the runs out takes them."""
+    from hil.farm import BenchFarm
+
+    farm = BenchFarm("unused:0", campaigns=len(plans))  # its queue only: nothing goes out
+    farm.expected_s.update(expected)
+    for runs in plans.values():
+        farm.enqueue(runs, lambda run, where: None, lambda run, outcome: None, threading.Event())
+    shared = []
+    while (item := farm.queue.take()) is not None:
+        shared.append(item.expected_s)
+    one_then_other = [expected[r.cfg.out_dir] for runs in plans.values() for r in sorted(runs, key=lambda r: r.rank)]
+    by_rank = [
+        expected[r.cfg.out_dir] for r in sorted((r for runs in plans.values() for r in runs), key=lambda r: r.rank)
+    ]
+    names = " then ".join(plans)
+    return {
+        "one shared queue, longest expected first (the farm now)": shared,
+        f"{names}, each in its rank order (before)": one_then_other,
+        "both in rank order (the traces' order, as the local pool)": by_rank,
+    }
+
+
+def print_planned(out: Path, overhead_s: float, summary: dict) -> None:
+    """Part 3: make bench's campaign on BENCHES benches from predicted run lengths."""
+    from hil.sim import plan
+
+    plans = plan_make_bench(out / "plan")
+    predictor = plan.RunPredictor()
+    predictions = {r.cfg.out_dir: predictor.predict(r.cfg) for runs in plans.values() for r in runs}
+    expected = {key: plan.FIT.wall_s(p) for key, p in predictions.items()}
+    lengths = list(expected.values())
+    fit = plan.FIT
+    print(
+        f"\nmake bench's end-to-end campaign, {len(lengths)} runs "
+        f"({', '.join(f'{k} {len(v)}' for k, v in plans.items())}), "
+        f"PREDICTED run lengths (hil/sim/plan.py: time scale x powered trace s from the lifecycle simulator + "
+        f"a {fit.a_s:.2f} s + b {fit.b_s:.3f} s x power-ups, fitted on {fit.runs} real runs: in sample median "
+        f"{100 * (fit.median_error or 0):.1f} %, max {100 * (fit.max_error or 0):.1f} %): {sum(lengths) / 3600:.1f} "
+        f"run-hours, the longest {max(lengths):.0f} s; wall time COMPUTED (not run), each run plus the farm's "
+        f"overhead ({overhead_s:.2f} s per run) handed to the bench that frees first"
+    )
+    orders = planned_orders(plans, expected)
+    rows: dict[str, dict[int, float]] = {
+        label: {n: schedule(o, n, overhead_s) for n in BENCHES} for label, o in orders.items()
+    }
+    rows["lower bound (work / benches, or the longest run)"] = {
+        n: plan.lower_bound(lengths, n, overhead_s) for n in BENCHES
+    }
+    width = max(len(label) for label in rows)
+    print(f"  {'benches':{width}s}" + "".join(f"{n:>16d}" for n in BENCHES))
+    for label, row in rows.items():
+        print(f"  {label:{width}s}" + "".join(f"{wall:9.0f} s {wall / 3600:4.2f}h" for wall in row.values()))
+    summary["planned"] = {
+        "fit": {
+            "a_s": fit.a_s,
+            "b_s": fit.b_s,
+            "runs": fit.runs,
+            "median_error": fit.median_error,
+            "max_error": fit.max_error,
+            "loo_median_error": fit.loo_median_error,
+            "loo_max_error": fit.loo_max_error,
+        },
+        "runs": {
+            Path(k).name + f" ({Path(k).parent.parent.name})": {"expected_s": expected[k], **p.to_json()}
+            for k, p in predictions.items()
+        },
+        "run_hours": sum(lengths) / 3600,
+        "schedule": rows,
+    }
+
+
+def print_fit(campaigns: list[str], fit_out: str | None) -> None:
+    """--fit: a and b on the real runs of `campaigns`, each run's measured and expected wall time."""
+    from hil.sim import plan
+
+    rows = plan.rows_of(campaigns)
+    fitted = plan.fit(rows)
+    print(f"{'run':58s} {'measured':>9s} {'expected':>9s} {'power-ups':>9s}  error")
+    for r in rows:
+        expected = fitted.wall_s(r.prediction)
+        print(
+            f"{Path(r.run_dir).name:58s} {r.measured_wall_s:8.1f}s {expected:8.1f}s {r.prediction.power_ups:9d}  "
+            f"{100 * (expected - r.measured_wall_s) / r.measured_wall_s:+.1f} %"
+        )
+    print(
+        f"\nexpected wall s = time scale x powered trace s + a + b x power-ups: a {fitted.a_s:.2f} s, "
+        f"b {fitted.b_s:.3f} s, on {fitted.runs} runs; |error| IN SAMPLE median "
+        f"{100 * (fitted.median_error or 0):.1f} %, "
+        f"max {100 * (fitted.max_error or 0):.1f} %; each run left out of its fit: median "
+        f"{100 * (fitted.loo_median_error or 0):.1f} %, max {100 * (fitted.loo_max_error or 0):.1f} %"
+    )
+    # the order the plan gives, judged on what the runs really took
+    measured = [r.measured_wall_s for r in rows]
+    by_prediction = [r.measured_wall_s for r in sorted(rows, key=lambda r: -fitted.wall_s(r.prediction))]
+    orders = {
+        "longest expected first (the plan's order)": by_prediction,
+        "longest measured first (known only afterwards)": sorted(measured, reverse=True),
+        "the campaigns' own order": measured,
+    }
+    print(
+        "\nthese runs' MEASURED lengths on N benches, COMPUTED (not run), no overhead; "
+        f"{' / '.join(map(str, BENCHES))}:"
+    )
+    for label, lengths in orders.items():
+        print(f"  {label:48s} " + " / ".join(f"{schedule(lengths, n, 0.0):.0f}" for n in BENCHES) + " s")
+    print(f"  {'lower bound':48s} " + " / ".join(f"{plan.lower_bound(measured, n):.0f}" for n in BENCHES) + " s")
+    if fit_out:
+        Path(fit_out).write_text(json.dumps(plan.rows_to_json(rows), indent=1) + "\n")
+        print(f"runs kept in {fit_out}")
 
 
 def print_schedules(sources: dict[str, list[float]], overhead_s: float, summary: dict) -> None:
@@ -217,21 +364,39 @@ def main(argv=None) -> int:
         "--overhead-s",
         type=float,
         default=None,
-        help="skip part 1 (no cluster, no runs): compute the schedule of the --from campaigns with this "
-        "overhead per run, in seconds (one part 1 measured earlier)",
+        help="skip part 1 (no cluster, no runs): compute the schedules with this overhead per run, in "
+        "seconds (one part 1 measured earlier)",
     )
+    p.add_argument(
+        "--no-plan",
+        action="store_true",
+        help="skip part 3 (make bench's campaign from predicted run lengths)",
+    )
+    p.add_argument(
+        "--fit",
+        nargs="+",
+        default=None,
+        metavar="CAMPAIGN_DIR",
+        help="only fit a and b of hil/sim/plan.py on these campaigns' finished runs, and print the fit",
+    )
+    p.add_argument("--fit-out", default=None, help="with --fit: keep the runs in this file (hil/sim/run_lengths.json)")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
+    if args.fit_out is not None and args.fit is None:
+        p.error("--fit-out goes with --fit")
+    if args.fit is not None:
+        print_fit(args.fit, args.fit_out)
+        return 0
     if args.overhead_s is not None:
         if args.overhead_s < 0:
             p.error("--overhead-s must not be negative")
-        if not args.campaigns:
-            p.error("--overhead-s computes the schedule of the --from campaigns: name at least one")
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         summary: dict = {"overhead_per_run_s": {"farm": args.overhead_s, "given": True}, "schedule": {}}
         print_schedules(from_campaigns(args.campaigns), args.overhead_s, summary)
+        if not args.no_plan:
+            print_planned(out, args.overhead_s, summary)
         (out / "farm-bench.json").write_text(json.dumps(summary, indent=2))
         print(f"\n{out / 'farm-bench.json'}")
         return 0
@@ -261,6 +426,11 @@ def main(argv=None) -> int:
                     flush=True,
                 )
     finally:
+        import ray
+
+        # the driver leaves the cluster before it goes: a driver whose cluster is gone ends its
+        # own process a minute later (the Ray core worker), in the middle of part 3
+        ray.shutdown()
         stop_node(node)
     local = statistics.median(r["overhead_per_run_s"] for r in results["local"])
     remote = statistics.median(r["overhead_per_run_s"] for r in results["farm"])
@@ -279,6 +449,8 @@ def main(argv=None) -> int:
     sources = {f"the {len(measured)} runs measured here": measured}
     sources.update(from_campaigns(args.campaigns))
     print_schedules(sources, remote, summary)
+    if not args.no_plan:
+        print_planned(out, remote, summary)
     (out / "farm-bench.json").write_text(json.dumps(summary, indent=2))
     print(f"\n{out / 'farm-bench.json'}")
     return 0

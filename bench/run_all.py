@@ -53,6 +53,15 @@ POLICIES = ("orbitweaver", "sonic-layer", "sonic-chunk", "hcache")
 STRENGTHENED = ("sonic-layer+", "sonic-chunk+", "hcache+")  # the same records with OrbitWeaver's writer and planner
 #: the end-to-end traces, in the order their runs start
 E2E_TRACES = ("sat1-like", "trace-a", "dellingr-like", "trace-b", "sat2-like")
+#: the prompt of the benchmarks' requests (the end-to-end campaign's two images each)
+E2E_PROMPT = (
+    "describe every change between these scenes and count the ships near the coast , then list the damaged buildings"
+)
+#: make bench's end-to-end pace (ms per unit of work) and its time scale (pace / 1000 wall s per trace s)
+E2E_PACE_MS = 600.0
+#: make bench's end-to-end seeds and workloads (its defaults, not --quick's)
+E2E_SEEDS = (0, 1)
+E2E_WORKLOADS = ("paper", "back-to-back")
 # The report's parts, in the order they are measured (each is OUT/<part>.json).
 PARTS = (
     "overhead",
@@ -168,6 +177,41 @@ def _say(text: str) -> None:
         print(text, flush=True)
 
 
+#: make bench's two end-to-end parts: (name, policies, orbitweaver's cadences)
+E2E_PARTS = (("e2e", POLICIES, ("fixed", "adaptive")), ("e2e_plus", STRENGTHENED, ("fixed",)))
+
+
+def e2e_base(
+    model_dir: str,
+    images: list,
+    prompt: str,
+    traces: list,
+    out_dir: str,
+    request_seconds: float,
+    timeout_s: float | None,
+    pace_ms: float | None = None,
+    time_scale: float | str = "auto",
+) -> BenchConfig:
+    """The end-to-end campaign's base configuration (`e2e_campaign`; bench/farm_bench.py plans
+    the same matrix from it)."""
+    return BenchConfig(
+        trace=traces[0],
+        model=model_dir,
+        out_dir=out_dir,
+        requests=1,
+        workload=[RequestSpec(tuple(images), prompt, 8)],
+        time_scale=time_scale,
+        request_seconds=request_seconds,
+        pace_ms=pace_ms,
+        chunk=64,
+        group=2,
+        decode_every=4,
+        vision_every=2,
+        timeout_s=timeout_s,
+        emulate_target_storage=True,
+    )
+
+
 def e2e_campaign(
     model_dir: str,
     images: list,
@@ -193,22 +237,7 @@ def e2e_campaign(
     emulated; every trace x workload x seed, OrbitWeaver with fixed and adaptive cadence beside
     the baselines (hil/campaign.py)."""
 
-    base = BenchConfig(
-        trace=traces[0],
-        model=model_dir,
-        out_dir=out_dir,
-        requests=1,
-        workload=[RequestSpec(tuple(images), prompt, 8)],
-        time_scale=time_scale,
-        request_seconds=request_seconds,
-        pace_ms=pace_ms,
-        chunk=64,
-        group=2,
-        decode_every=4,
-        vision_every=2,
-        timeout_s=timeout_s,
-        emulate_target_storage=True,
-    )
+    base = e2e_base(model_dir, images, prompt, traces, out_dir, request_seconds, timeout_s, pace_ms, time_scale)
     cells = run_campaign(
         base,
         traces,
@@ -360,14 +389,14 @@ def main(argv=None) -> int:
     parts = None if args.parts is None else {x for x in args.parts.split(",") if x}
     if parts is not None and (unknown := parts - set(PARTS)):
         p.error(f"unknown part(s): {', '.join(sorted(unknown))} (known: {', '.join(PARTS)})")
-    workloads = (args.workloads or ("paper" if args.quick else "paper,back-to-back")).split(",")
+    workloads = (args.workloads or ("paper" if args.quick else ",".join(E2E_WORKLOADS))).split(",")
     if unknown_workloads := set(workloads) - {"paper", "back-to-back"}:
         p.error(f"unknown workload(s): {', '.join(sorted(unknown_workloads))} (known: paper, back-to-back)")
     try:
-        seeds = [int(x) for x in (args.seeds or ("0" if args.quick else "0,1")).split(",")]
+        seeds = [int(x) for x in (args.seeds or ("0" if args.quick else ",".join(map(str, E2E_SEEDS)))).split(",")]
     except ValueError:
         p.error(f"--seeds takes comma-separated integers, not {args.seeds!r}")
-    pace_ms = args.pace_ms or (300.0 if args.quick else 600.0)
+    pace_ms = args.pace_ms or (300.0 if args.quick else E2E_PACE_MS)
     if pace_ms <= 0:
         p.error("--pace-ms must be positive")
     if args.jobs < 1:
@@ -388,10 +417,7 @@ def main(argv=None) -> int:
     model = engine_overhead.ensure_model("small") if not args.report_only else ""
     small_imgs = engine_overhead.ensure_images(4, 512)
     large_imgs = engine_overhead.ensure_images(8, 512)
-    prompt = (
-        "describe every change between these scenes and count the ships near the coast , then list the damaged "
-        "buildings"
-    )
+    prompt = E2E_PROMPT
 
     def part(name: str, title: str, measure):
         """Measure one part (or reuse its JSON with --reuse) and keep it in `data`."""
@@ -409,6 +435,11 @@ def main(argv=None) -> int:
                     json.dump(result, f, indent=2, default=str)
         with open(path) as f:
             data[name] = json.load(f)
+
+    def measures(name: str) -> bool:
+        """Whether `part` measures this part in this run (not reused, not left out)."""
+        path = os.path.join(out, f"{name}.json")
+        return not args.report_only and (parts is None or name in parts) and not (args.reuse and os.path.exists(path))
 
     def writes_its_own(main_fn, argv):
         """A benchmark script that writes its JSON itself: run it, keep nothing."""
@@ -455,8 +486,11 @@ def main(argv=None) -> int:
     if args.cluster is not None:
         from hil.farm import BenchFarm, FarmError  # lazy: Ray, only for a bench farm
 
-        # one farm for both parts: together they never hand out more runs than there are benches
-        farm = BenchFarm(args.cluster, node_ip_address=args.node_ip_address)
+        # One farm for both parts: their runs wait in one queue, longest expected first, and
+        # together never go out more at once than there are benches. It waits for the parts that
+        # run here to hand in their runs before it hands any out.
+        measured_here = [name for name, _, _ in E2E_PARTS if measures(name)]
+        farm = BenchFarm(args.cluster, node_ip_address=args.node_ip_address, campaigns=max(1, len(measured_here)))
         # Joined here, in the main thread, not by the first part's thread: Ray sets its signal
         # handlers only from the main thread (and said so, with a warning, from a part's).
         try:
@@ -490,7 +524,7 @@ def main(argv=None) -> int:
                 executor=farm,
             ),
         )
-        for name, pols, cadences in (("e2e", POLICIES, ("fixed", "adaptive")), ("e2e_plus", STRENGTHENED, ("fixed",)))
+        for name, pols, cadences in E2E_PARTS
     ]
     with ThreadPoolExecutor(max_workers=len(campaign_parts)) as pool:
         for future in [pool.submit(part, *campaign_part) for campaign_part in campaign_parts]:

@@ -370,6 +370,44 @@ class LocalPool(RunExecutor):
                 raise
 
 
+def plan_runs(
+    base: BenchConfig,
+    traces_: list[str],
+    policies: list[str],
+    seeds: list[int],
+    workloads: list[str] | None,
+    cadences: list[str],
+    max_new_tokens: int | None = None,
+) -> list[PlannedRun]:
+    """A campaign's plan: every trace x workload x seed x policy variant, each with its
+    configuration (writing into OUT/runs/<run>; a seed's trace is generated into OUT/traces/) and
+    its rank. The plan alone, nothing run (bench/farm_bench.py plans make bench's matrix so)."""
+    out = Path(base.out_dir)
+    plan: list[PlannedRun] = []
+    no_workload: list[str | None] = [None]  # the base config's own workload
+    for trace in traces_:
+        for workload in workloads or no_workload:
+            for seed in seeds:
+                trace_arg = trace_for_seed(trace, seed, out)
+                for label, policy, cadence in variants(policies, cadences):
+                    cfg = replace(base, trace=trace_arg, policy=policy, cadence=cadence)
+                    if workload is not None:
+                        cfg = replace(
+                            cfg,
+                            requests=WORKLOADS[workload],
+                            workload=workload_requests(base, WORKLOADS[workload], max_new_tokens),
+                        )
+                    slug = label.replace(" (", "-").replace(")", "")
+                    name = f"{Path(trace).stem}-{workload or 'w'}-s{seed}-{slug}"
+                    cfg = replace(cfg, out_dir=str(out / "runs" / name))
+                    # Rank: the traces in the order given (make bench gives the short-window ones
+                    # first: their baselines never finish and last the trace's whole powered
+                    # time), a longer queue first, then the plan's order.
+                    rank = (traces_.index(trace), -cfg.requests, len(plan))
+                    plan.append(PlannedRun(len(plan), trace, workload or "paper", seed, label, cadence, cfg, rank))
+    return plan
+
+
 def run_campaign(
     base: BenchConfig,
     traces_: list[str],
@@ -400,28 +438,8 @@ def run_campaign(
     out = Path(base.out_dir)
     stop = stop or threading.Event()
     cadences = cadences or [resolve_cadence("orbitweaver", base.cadence)]
-    plan: list[PlannedRun] = []
     no_workload: list[str | None] = [None]  # the base config's own workload
-    for trace in traces_:
-        for workload in workloads or no_workload:
-            for seed in seeds:
-                trace_arg = trace_for_seed(trace, seed, out)
-                for label, policy, cadence in variants(policies, cadences):
-                    cfg = replace(base, trace=trace_arg, policy=policy, cadence=cadence)
-                    if workload is not None:
-                        cfg = replace(
-                            cfg,
-                            requests=WORKLOADS[workload],
-                            workload=workload_requests(base, WORKLOADS[workload], max_new_tokens),
-                        )
-                    slug = label.replace(" (", "-").replace(")", "")
-                    name = f"{Path(trace).stem}-{workload or 'w'}-s{seed}-{slug}"
-                    cfg = replace(cfg, out_dir=str(out / "runs" / name))
-                    # Rank: the traces in the order given (make bench gives the short-window ones
-                    # first: their baselines never finish and last the trace's whole powered
-                    # time), a longer queue first, then the plan's order.
-                    rank = (traces_.index(trace), -cfg.requests, len(plan))
-                    plan.append(PlannedRun(len(plan), trace, workload or "paper", seed, label, cadence, cfg, rank))
+    plan = plan_runs(base, traces_, policies, seeds, workloads, cadences, max_new_tokens)
     lock = threading.Lock()
     # Runs start one at a time (RunSlots.starting): a run's trace clock starts once its zygote has
     # imported the payload's libraries (seconds of CPU each), and ten of those at once on a 2-core
@@ -500,8 +518,11 @@ def run_campaign(
     for run in ordered:
         if run.index in kept_runs:
             record(run, kept_runs[run.index], "kept from an earlier campaign")
-    if to_run and not stop.is_set():
-        executor.prepare(to_run, out, say)
+    if not stop.is_set():
+        if to_run:
+            executor.prepare(to_run, out, say)
+        # with nothing to run too: an executor shared by several campaigns (a bench farm) learns
+        # that this one hands in no runs, and does not wait for them
         executor.execute(to_run, started, finished, stop)
     done = [c for c in cells if c is not None]
     if not stop.is_set():  # stopped: each finished run already rewrote the report; keep it as is

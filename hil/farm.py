@@ -12,8 +12,10 @@ records, report and validation); only where a run runs differs (`BenchFarm`, a
 
 - each run is a Ray task that needs one `bench` and streams back two things: where it started
   (bench and node), then its report and its whole run directory, unpacked into OUT/runs/<run>;
-- the driver hands out runs in the campaign's rank order, never more at once than the cluster
-  has benches, so the order holds on a farm too;
+- the driver hands out runs longest expected first (LPT, the lengths from the lifecycle
+  simulator: hil/sim/plan.py), never more at once than the cluster has benches; the campaigns
+  of one driver (make bench's two end-to-end parts) share one queue (`SharedQueue`), and each
+  result goes back into its own campaign;
 - the model directory, the traces and the request images travel (once per node, through Ray's
   object store, kept by content digest); the code does not: every node runs the same build, and a
   node whose Python sources differ from the driver's refuses to run (`code_fingerprint`);
@@ -42,7 +44,9 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import heapq
 import io
+import itertools
 import json
 import logging
 import os
@@ -349,7 +353,96 @@ def _one_start_at_a_time(scratch: Path) -> Iterator[Callable[[], None]]:
         release()
 
 
+# ---- the shared queue ----------------------------------------------------------------------------
+
+
+@dataclass
+class FarmCampaign:
+    """A campaign that hands its runs to the farm (`BenchFarm.execute`): where its runs' starts
+    and results go, its stop, and what the farm knows of its runs' lost tries."""
+
+    name: str
+    started: Started
+    finished: Finished
+    stop: threading.Event
+    #: the runs not finished yet, by index (the campaign is done once none is left, or once it
+    #: stopped or failed and none of its runs is under way)
+    left: set[int] = field(default_factory=set)
+    #: why tries of a run were lost (a driver's before this one's included), by index
+    lost: dict[int, list[str]] = field(default_factory=dict)
+    #: losses of a run after it had started on a bench, by this driver, by index
+    under_way: dict[int, int] = field(default_factory=dict)
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def ended(self) -> bool:
+        """Stopped or failed: none of its runs goes out any more."""
+        return self.stop.is_set() or self.error is not None
+
+
+@dataclass
+class QueuedRun:
+    """A run waiting for a bench (or under way on one), with its campaign and how long the plan
+    expects it to take (hil/sim/plan.py)."""
+
+    campaign: FarmCampaign
+    run: PlannedRun
+    expected_s: float
+    again: bool = False  # a try of it was lost: it goes out before the runs not yet tried
+    where: str = ""  # "bench B on node N" once it has started
+
+
+class SharedQueue:
+    """The runs of every campaign one farm serves, waiting for a bench, in one queue: longest
+    expected first (LPT: the bench that frees takes the longest run left, so the long runs do
+    not end up last, each on a bench of its own while the others idle), a run whose try was lost
+    first of all, ties in the campaign's own rank order. Both of make bench's end-to-end parts
+    share it: no bench idles while the other part's runs wait."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[tuple, int, QueuedRun]] = []
+        self._tickets = itertools.count()
+
+    @staticmethod
+    def order(item: QueuedRun) -> tuple:
+        return (not item.again, -item.expected_s, item.run.rank)
+
+    def put(self, item: QueuedRun) -> None:
+        heapq.heappush(self._heap, (self.order(item), next(self._tickets), item))
+
+    def take(self) -> QueuedRun | None:
+        """The next run to hand out (None: none waits); runs of a campaign that ended are dropped."""
+        while self._heap:
+            item = heapq.heappop(self._heap)[2]
+            if not item.campaign.ended:
+                return item
+        return None
+
+    def drop(self, campaign: FarmCampaign) -> None:
+        self._heap = [entry for entry in self._heap if entry[2].campaign is not campaign]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+
+def deliver(item: QueuedRun, outcome: RunOutcome) -> None:
+    """A finished run's outcome into its own campaign (its records, its report)."""
+    campaign = item.campaign
+    campaign.finished(item.run, outcome)
+    campaign.left.discard(item.run.index)
+    if not campaign.left:
+        campaign.done.set()
+
+
 # ---- the driver ------------------------------------------------------------------------------------
+
+#: how long the farm waits, after the first campaign of a process handed in its runs, for the
+#: others it was told of (`BenchFarm(campaigns=N)`) before it hands out runs: long enough for a
+#: campaign's planning and shipping, short enough that one that failed before handing in its
+#: runs does not hold the others up
+GATHER_S = 120.0
 
 
 def _system_errors() -> tuple[type[BaseException], ...]:
@@ -359,26 +452,31 @@ def _system_errors() -> tuple[type[BaseException], ...]:
     return (rx.NodeDiedError, rx.WorkerCrashedError, rx.LocalRayletDiedError, rx.ObjectLostError, rx.RaySystemError)
 
 
-@dataclass
-class _Flight:
-    run: PlannedRun
-    where: str = ""
-
-
 class BenchFarm(RunExecutor):
     """A campaign's runs on the benches of the Ray cluster at `address` (a `campaign.RunExecutor`):
-    one task per run, needing one `bench`. One farm may serve several campaigns of one process at
-    once (make bench's two end-to-end parts): together they never have more runs out than the
-    cluster has benches."""
+    one task per run, needing one `bench`. One farm may serve several campaigns of one process
+    at once (`campaigns`: how many will hand in their runs; make bench's two end-to-end parts):
+    their runs wait in one `SharedQueue`, longest expected first, and go out, never more at once
+    than the cluster has benches, from one dispatcher thread; each result goes back into its own
+    campaign."""
 
-    def __init__(self, address: str, node_ip_address: str | None = None):
+    def __init__(self, address: str, node_ip_address: str | None = None, campaigns: int = 1):
+        if campaigns < 1:
+            raise ValueError(f"a bench farm serves at least one campaign, not {campaigns}")
         self.address = address
         self.node_ip_address = node_ip_address
+        self.campaigns = campaigns
         self.say: Callable[[str], None] = print
         self.fingerprint = ""
         self.shipped: dict[str, Shipped] = {}
-        self._out = 0
+        #: each run's expected wall seconds (hil/sim/plan.py), by its directory (unique over campaigns)
+        self.expected_s: dict[str, float] = {}
+        self.queue = SharedQueue()
         self._lock = threading.Lock()
+        self._serving: list[FarmCampaign] = []
+        self._checked_in = 0
+        self._first_check_in: float | None = None
+        self._dispatcher: threading.Thread | None = None
 
     def connect(self) -> None:
         try:
@@ -417,6 +515,9 @@ class BenchFarm(RunExecutor):
             )
         nodes = sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get(BENCH_RESOURCE))
         say(f"[farm] {benches} bench(es) on {nodes} node(s) of the Ray cluster at {self.address}")
+        expected = expected_wall_s(runs, say)
+        with self._lock:
+            self.expected_s.update(expected)
         wanted: dict[str, Path] = {}
         for run in runs:
             cfg = run.cfg
@@ -433,84 +534,194 @@ class BenchFarm(RunExecutor):
         size = sum(len(v.files) for v in self.shipped.values())
         say(f"[farm] shipping {len(self.shipped)} file(s) and folder(s) ({size} files) to the benches that run")
 
+    def hand_in(
+        self, runs: list[PlannedRun], started: Started, finished: Finished, stop: threading.Event
+    ) -> FarmCampaign:
+        """A campaign's runs into the shared queue (`enqueue`); the dispatcher starts if it is
+        not running."""
+        campaign = self.enqueue(runs, started, finished, stop)
+        with self._lock:
+            if campaign.left and self._dispatcher is None:
+                self._dispatcher = threading.Thread(target=self._dispatch, name="bench-farm", daemon=True)
+                self._dispatcher.start()
+        return campaign
+
+    def enqueue(
+        self, runs: list[PlannedRun], started: Started, finished: Finished, stop: threading.Event
+    ) -> FarmCampaign:
+        """A campaign's runs into the shared queue, each with its expected length (`prepare`; one
+        the plan did not see waits behind those it did, in rank order), and the campaign counted
+        as handed in (one with no runs too). Its runs' starts and results go to `started` and
+        `finished`."""
+        name = str(Path(runs[0].cfg.out_dir).parent.parent) if runs else ""
+        campaign = FarmCampaign(name, started, finished, stop, left={run.index for run in runs})
+        # why earlier tries were lost, those of a driver before this one (stopped or dead) included
+        campaign.lost = {run.index: reasons for run in runs if (reasons := _earlier_losses(run))}
+        with self._lock:
+            self._checked_in += 1
+            if self._first_check_in is None:
+                self._first_check_in = time.monotonic()
+            for run in runs:
+                self.queue.put(QueuedRun(campaign, run, self.expected_s.get(run.cfg.out_dir, 0.0)))
+            if runs:
+                self._serving.append(campaign)
+            else:
+                campaign.done.set()
+        return campaign
+
     def execute(self, runs: list[PlannedRun], started: Started, finished: Finished, stop: threading.Event) -> None:
+        campaign = self.hand_in(runs, started, finished, stop)
+        try:
+            while not campaign.done.wait(0.5):
+                pass
+        except KeyboardInterrupt:
+            # the dispatcher cancels this campaign's runs under way (their buses stop), unrecorded
+            stop.set()
+            while not campaign.done.wait(0.5):
+                pass
+            raise
+        if campaign.error is not None:
+            raise campaign.error
+
+    # ---- the dispatcher (one thread per farm, while a campaign it serves has runs left) ----------
+
+    def _gathering(self) -> bool:
+        """Whether the farm still waits for campaigns it was told of to hand in their runs."""
+        return (
+            self._checked_in < self.campaigns
+            and self._first_check_in is not None
+            and time.monotonic() - self._first_check_in < GATHER_S
+        )
+
+    def _dispatch(self) -> None:
+        import ray
+
+        flights: dict[Any, QueuedRun] = {}
+        try:
+            self._dispatch_loop(flights)
+        except BaseException as exc:  # a bug here must not leave a campaign waiting for ever
+            for gen in list(flights):
+                ray.cancel(gen)
+            with self._lock:
+                for campaign in self._serving:
+                    campaign.error = campaign.error or FarmError(f"the bench farm's dispatcher failed: {exc!r}")
+                    campaign.done.set()
+                self._serving.clear()
+                self._dispatcher = None
+            raise
+
+    def _dispatch_loop(self, flights: dict[Any, QueuedRun]) -> None:
         import ray
 
         task = ray.remote(num_cpus=0, resources={BENCH_RESOURCE: 1}, max_retries=0, num_returns="streaming")(bench_run)
         system_errors = _system_errors()
-        queue = list(runs)  # rank order
-        # why earlier tries were lost, those of a driver before this one (stopped or dead) included
-        lost: dict[int, list[str]] = {run.index: reasons for run in runs if (reasons := _earlier_losses(run))}
-        under_way: dict[int, int] = {}  # losses of a run after it started on a bench, by this driver
-        flights: dict[Any, _Flight] = {}
         waiting_since: float | None = None
-        try:
-            while (queue or flights) and not stop.is_set():
-                with self._lock:
-                    free = self.benches() - self._out
-                    while queue and free > 0:
-                        run = queue.pop(0)
-                        flights[task.remote(run.cfg, self.shipped, self.fingerprint)] = _Flight(run)
-                        self._out += 1
+        gathered_said = False
+        while True:
+            with self._lock:
+                # a campaign that stopped or failed: its runs under way are cut short, unrecorded
+                for campaign in [c for c in self._serving if c.ended]:
+                    self.queue.drop(campaign)
+                    for gen, item in list(flights.items()):
+                        if item.campaign is campaign:
+                            ray.cancel(gen)
+                            del flights[gen]
+                    campaign.done.set()
+                self._serving = [c for c in self._serving if not c.done.is_set()]
+                if not self._serving and not flights:
+                    self._dispatcher = None
+                    return
+                gathering = self._gathering()
+                if not gathering:
+                    free = self.benches() - len(flights)
+                    while free > 0 and (next_run := self.queue.take()) is not None:
+                        flights[task.remote(next_run.run.cfg, self.shipped, self.fingerprint)] = next_run
                         free -= 1
-                if not flights:
-                    if waiting_since is None or time.monotonic() - waiting_since > 60:
-                        self.say(f"[farm] no free bench in the cluster: {len(queue)} run(s) wait for one")
-                        waiting_since = time.monotonic()
-                    time.sleep(1.0)
+            if gathering:
+                if not gathered_said:
+                    self.say(
+                        f"[farm] waiting for the other campaign(s) of this driver to hand in their runs "
+                        f"({self._checked_in} of {self.campaigns}, at most {GATHER_S:.0f} s)"
+                    )
+                    gathered_said = True
+                time.sleep(0.2)
+                continue
+            if not flights:
+                if waiting_since is None or time.monotonic() - waiting_since > 60:
+                    self.say(f"[farm] no free bench in the cluster: {len(self.queue)} run(s) wait for one")
+                    waiting_since = time.monotonic()
+                time.sleep(1.0)
+                continue
+            waiting_since = None
+            ready, _ = ray.wait(list(flights), num_returns=1, timeout=0.5)
+            for gen in ready:
+                item = flights[gen]
+                campaign, run = item.campaign, item.run
+                try:
+                    message: dict[str, Any] = ray.get(next(gen))  # type: ignore[arg-type,assignment]
+                except system_errors as exc:
+                    del flights[gen]
+                    reason = _lost_reason(item, exc)
+                    campaign.lost.setdefault(run.index, []).append(reason)
+                    _note_losses(run, campaign.lost[run.index])
+                    if item.where:
+                        campaign.under_way[run.index] = campaign.under_way.get(run.index, 0) + 1
+                    if campaign.under_way.get(run.index, 0) >= MAX_LOST:
+                        why = "; ".join(campaign.lost[run.index])
+                        campaign.error = FarmError(f"{run.what}: lost {MAX_LOST} times under way ({why})")
+                        continue
+                    self.say(f"[farm] {reason}: {run.what} runs again on another bench")
+                    with self._lock:
+                        self.queue.put(replace(item, again=True, where=""))
+                    if not item.where:
+                        # lost before it started: the cluster may not know yet that the node
+                        # is gone; give it a moment before the run goes out again
+                        time.sleep(1.0)
                     continue
-                waiting_since = None
-                ready, _ = ray.wait(list(flights), num_returns=1, timeout=0.5)
-                for gen in ready:
-                    flight = flights[gen]
-                    try:
-                        item: dict[str, Any] = ray.get(next(gen))  # type: ignore[arg-type,assignment]
-                    except system_errors as exc:
-                        self._landed(flights, gen)
-                        reason = _lost_reason(flight, exc)
-                        lost.setdefault(flight.run.index, []).append(reason)
-                        _note_losses(flight.run, lost[flight.run.index])
-                        if flight.where:
-                            under_way[flight.run.index] = under_way.get(flight.run.index, 0) + 1
-                        if under_way.get(flight.run.index, 0) >= MAX_LOST:
-                            why = "; ".join(lost[flight.run.index])
-                            raise FarmError(f"{flight.run.what}: lost {MAX_LOST} times under way ({why})") from exc
-                        self.say(f"[farm] {reason}: {flight.run.what} runs again on another bench")
-                        queue.append(flight.run)
-                        queue.sort(key=lambda r: r.rank)
-                        if not flight.where:
-                            # lost before it started: the cluster may not know yet that the node
-                            # is gone; give it a moment before the run goes out again
-                            time.sleep(1.0)
-                        continue
-                    except StopIteration:  # pragma: no cover - the task yields twice or raises
-                        self._landed(flights, gen)
-                        raise FarmError(f"{flight.run.what}: its task ended without a report") from None
-                    except ray.exceptions.RayTaskError as exc:
-                        self._landed(flights, gen)
-                        cause = exc.as_instanceof_cause()
-                        raise FarmError(f"{flight.run.what} failed on {flight.where or 'its bench'}: {cause}") from exc
-                    if "started" in item:
-                        flight.where = item["started"]
-                        started(flight.run, flight.where)
-                        continue
-                    self._landed(flights, gen)
-                    unpack(item["run_dir"], Path(flight.run.cfg.out_dir))
-                    report = BenchReport.from_json(item["report"])
-                    finished(flight.run, RunOutcome(report, item["where"], lost.get(flight.run.index, [])))
-        except KeyboardInterrupt:
-            stop.set()
-            raise
-        finally:
-            # stopped, or a run failed: the runs under way are cut short (their buses stop), unrecorded
-            for gen in list(flights):
-                ray.cancel(gen)
-                self._landed(flights, gen)
+                except StopIteration:  # pragma: no cover - the task yields twice or raises
+                    del flights[gen]
+                    campaign.error = FarmError(f"{run.what}: its task ended without a report")
+                    continue
+                except ray.exceptions.RayTaskError as exc:
+                    del flights[gen]
+                    cause = exc.as_instanceof_cause()
+                    campaign.error = FarmError(f"{run.what} failed on {item.where or 'its bench'}: {cause}")
+                    continue
+                if campaign.ended:
+                    continue  # cancelled with its campaign at the top of the loop
+                if "started" in message:
+                    item.where = message["started"]
+                    campaign.started(run, item.where)
+                    continue
+                del flights[gen]
+                unpack(message["run_dir"], Path(run.cfg.out_dir))
+                report = BenchReport.from_json(message["report"])
+                deliver(item, RunOutcome(report, message["where"], campaign.lost.get(run.index, [])))
 
-    def _landed(self, flights: dict, gen) -> None:
-        del flights[gen]
-        with self._lock:
-            self._out -= 1
+
+def expected_wall_s(runs: list[PlannedRun], say: Callable[[str], None]) -> dict[str, float]:
+    """Each run's expected wall seconds from the lifecycle simulator (hil/sim/plan.py), by its
+    directory. A run the simulator cannot predict (a model it cannot read, say) is expected to
+    play its whole trace: the plan only orders runs, so it is said and the campaign goes on."""
+    from hil.sim import plan
+
+    predictor = plan.RunPredictor()
+    expected = {}
+    for run in runs:
+        try:
+            expected[run.cfg.out_dir] = plan.FIT.wall_s(predictor.predict(run.cfg))
+        except Exception as exc:  # noqa: BLE001 - a planning aid: any failure falls back, said
+            trace = traces.load(traces.resolve(run.cfg.trace))
+            scale = run.cfg.time_scale if isinstance(run.cfg.time_scale, float) else 0.1
+            expected[run.cfg.out_dir] = trace.duration_s * scale
+            say(f"[farm] {run.what}: no expected length from the simulator ({exc!r}); its whole trace assumed")
+    if expected:
+        longest = max(expected.values())
+        say(
+            f"[farm] {len(expected)} run(s) expected to take {sum(expected.values()) / 3600:.2f} run-hours "
+            f"(the longest {longest:.0f} s): they go out longest first"
+        )
+    return expected
 
 
 def _earlier_losses(run: PlannedRun) -> list[str]:
@@ -535,10 +746,10 @@ def _note_losses(run: PlannedRun, reasons: list[str]) -> None:
     tmp.replace(path)  # whole or absent
 
 
-def _lost_reason(flight: _Flight, exc: BaseException) -> str:
+def _lost_reason(item: QueuedRun, exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     detail = f"{type(exc).__name__}: {text[0][:160]}" if text else type(exc).__name__
-    return f"{flight.where or 'its bench, before it started,'} was lost ({detail})"
+    return f"{item.where or 'its bench, before it started,'} was lost ({detail})"
 
 
 def _keep_trace_beside(out: Path, trace: str) -> None:
