@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 import torch
-from testkit import MAX_NEW, CutAfter, engine, inputs_for
+from testkit import HANG_S, MAX_NEW, CutAfter, engine, inputs_for
 
 from common.errors import CliError
 from flight.checkpoint.cadence import P_MIN, VISION_RATE_KEY, Cadence, WindowLog, WriteCosts
@@ -382,7 +382,7 @@ def test_an_early_record_in_flight_never_displaces_a_scheduled_one(model_dirs, t
     def commit(what, nbytes):
         written.append(what)
         if what == "vision.state[1]":
-            assert block3_done.wait(60), "vision block 3 never came"
+            assert block3_done.wait(HANG_S), "vision block 3 never came"
 
     # up 1 unit after block 1: 4 of the 6 windows lived through end within the next unit
     cadence = UnitClock([1.5, 1.8, 1.9, 2.0, 50.0, 50.0])

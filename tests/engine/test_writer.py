@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from testkit import MAX_NEW, CutAfter, engine, inputs_for, run_to_completion
+from testkit import HANG_S, MAX_NEW, CutAfter, engine, inputs_for, run_to_completion
 
 from common.durable import DurableFS
 from flight.checkpoint.writer import CheckpointWriter
@@ -159,7 +159,7 @@ def test_a_background_record_gives_way_to_ordered_records_between_slices():
 
     def ordered(name, gate=None):
         if gate is not None:
-            gate.wait(10)
+            gate.wait(HANG_S)
         log.append(name)
         return 1
 
@@ -191,7 +191,7 @@ class GatedVisionOut(DurableFS):
 
     def write_atomic(self, path, chunks):
         if str(path).endswith("vision.out"):
-            self.gate.wait(30)
+            self.gate.wait(HANG_S)
             if self.power_lost:
                 raise SimulatedCut("power lost while vision.out was being written")
         return super().write_atomic(path, chunks)
