@@ -82,8 +82,10 @@ def bus_config(
         time_scale=0.1,
         endpoints=LOOPBACK,
         payload_command=scripted_payload_command(record, *payload_args),
-        heartbeat_timeout_s=5.0,
-        boot_timeout_s=20.0,
+        # FDIR's deadlines on a payload that is merely slow (a stalled machine) are hang guards
+        # here; the tests of FDIR itself set their own
+        heartbeat_timeout_s=60.0,
+        boot_timeout_s=HANG_S,
         heartbeat_gap_log_s=1.0,
     )
     settings.update(overrides)
