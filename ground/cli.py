@@ -35,6 +35,7 @@ from common.wire.link import (
 )
 from common.wire.text import display_text
 from ground.errors import EXIT_OK, GroundError, LocalInputError
+from ground.link import DEFAULT_HANDSHAKE_TIMEOUT_S
 
 _EPILOG = (
     "exit status: 0 ok; 2 usage; 3 rejected or failed by the payload; 4 no answer (payload off, bus down) "
@@ -97,7 +98,15 @@ def _common_options() -> argparse.ArgumentParser:
         metavar="S",
         type=float,
         default=10.0,
-        help="seconds to wait for an answer (and for the link handshake) before calling it no answer (default: 10)",
+        help="seconds to wait for an answer before calling it no answer (default: 10)",
+    )
+    g.add_argument(
+        "--handshake-timeout",
+        metavar="S",
+        type=float,
+        default=DEFAULT_HANDSHAKE_TIMEOUT_S,
+        help="seconds to wait for the CURVE handshake with the bus when the link opens, apart from "
+        f"--timeout (default: {DEFAULT_HANDSHAKE_TIMEOUT_S:g})",
     )
     g.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     g.add_argument(
@@ -131,6 +140,7 @@ def _guarded(handler):
 #: it cannot convert, a negative poll interval would ask the payload again without pause
 _NUMBERS = (
     ("timeout", "--timeout", {"above": 0}),
+    ("handshake_timeout", "--handshake-timeout", {"above": 0}),
     ("max_wait", "--max-wait", {"above": 0}),
     ("poll", "--poll", {"above": 0}),
     ("duration", "--duration", {"above": 0}),
@@ -167,6 +177,7 @@ def _client(args, **overrides):
         endpoints=endpoints,
         state_dir=args.state_dir,
         timeout_s=args.timeout,
+        handshake_timeout_s=args.handshake_timeout,
         notify=_notify,
         # the command log says who sent each command: `ow ground uplink`, `ow ground console`...
         origin=f"ow ground {getattr(args, 'ground_command', None) or 'client'}",

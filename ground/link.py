@@ -61,6 +61,12 @@ def check_keys(layout: KeyLayout, station: str) -> None:
         )
 
 
+#: The CURVE handshake's own deadline, apart from the client's answer timeout: a short "no answer"
+#: wait (a second, to see that a silent payload stays silent) must not also fail the connection to
+#: a bus that is merely slow to accept it on a loaded machine.
+DEFAULT_HANDSHAKE_TIMEOUT_S = 30.0
+
+
 class GroundLink:
     """Connected DEALER + SUB with CURVE, or either alone."""
 
@@ -70,7 +76,7 @@ class GroundLink:
         *,
         station: str = "ground",
         endpoints: Endpoints | None = None,
-        handshake_timeout_s: float = 10.0,
+        handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
         commands: bool = True,
         telemetry: bool = True,
         context: zmq.Context | None = None,

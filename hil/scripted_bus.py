@@ -16,6 +16,11 @@ from common.wire import Apid, NodeId, SequenceCounter, decode, encode
 from common.wire import messages as m
 from common.wire.link import bound_endpoint, init_keys, recv_packet, send_packet, server_socket, start_authenticator
 
+#: How long a wait for a packet lasts before it is called a hang: waits end when the packet
+#: arrives, and a payload on a loaded machine (a model loading, a task ahead in the queue) may
+#: take many times the usual seconds to answer.
+HANG_S = 300.0
+
 
 class BusPeer:
     def __init__(self, keys_dir: str):
@@ -43,7 +48,7 @@ class BusPeer:
             header, msg = decode(r.packet)
             self.received.append((header, msg))
 
-    def wait_for(self, predicate, timeout: float = 60.0, start: int = 0):
+    def wait_for(self, predicate, timeout: float = HANG_S, start: int = 0):
         end = time.monotonic() + timeout
         i = start
         while time.monotonic() < end:
@@ -54,7 +59,7 @@ class BusPeer:
             self.pump(0.1)
         raise TimeoutError("expected packet never arrived")
 
-    def wait_connected(self, timeout: float = 60.0):
+    def wait_connected(self, timeout: float = HANG_S):
         self.wait_for(lambda h, msg: isinstance(msg, m.Heartbeat), timeout)
 
     def command(self, message, seq: int | None = None, source_id: int = NodeId.GROUND) -> int:
@@ -64,7 +69,7 @@ class BusPeer:
         send_packet(self.sock, encode(message, Apid.PAYLOAD, seq, source_id=source_id), routing_id=self.payload_id)
         return seq
 
-    def answer(self, message, source_id: int = NodeId.GROUND, timeout: float = 60.0):
+    def answer(self, message, source_id: int = NodeId.GROUND, timeout: float = HANG_S):
         """Send a telecommand and wait for its REJECTED, or its ACCEPTED: the report."""
         seq = self.command(message, source_id=source_id)
         return self.wait_for(lambda h, msg: isinstance(msg, (m.Accepted, m.Rejected)) and msg.tc_seq == seq, timeout)[1]

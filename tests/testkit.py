@@ -116,3 +116,9 @@ def free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
+
+
+#: How long a test waits for a condition before it calls the wait a hang. Waits end as soon as
+#: their condition holds; this deadline only turns a hang into a failure that names what was
+#: awaited, and a stalled 2-core machine may take many times the usual seconds.
+HANG_S = 300.0

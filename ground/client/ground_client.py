@@ -29,6 +29,9 @@ class GroundClient:
     station       client key name; source_id: the secondary-header source id (own replay window;
                   default: the one the bus binds to the station's key, docs/ground.md "Stations")
     timeout_s     how long to wait for an answer before calling it "no answer"
+    handshake_timeout_s  how long opening the link waits for the CURVE handshake with the bus
+                  (default 30 s; separate from timeout_s, so a short answer wait does not also
+                  fail the connection to a bus that is slow to accept it)
     retries       unanswered rounds an uplink tolerates (re-asking each time) before giving up
     window        IMAGE_CHUNKs in flight at once
     notify        where operator notices go (default: structlog warnings)

@@ -27,7 +27,7 @@ from common.wire.link import Endpoints, KeyLayout, station_source_id
 from ground.errors import CommandRejected, LocalInputError, NoAnswer
 from ground.forecast import forecast_profile
 from ground.images import check_chunk_bytes, check_operator_name
-from ground.link import GroundLink, Telemetry
+from ground.link import DEFAULT_HANDSHAKE_TIMEOUT_S, GroundLink, Telemetry
 from ground.state import GroundState
 
 _log = log.get("ground.client")
@@ -99,6 +99,7 @@ class CommandSession:
         endpoints: Endpoints | None = None,
         state_dir: str | os.PathLike | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
         retries: int = DEFAULT_RETRIES,
         window: int = DEFAULT_WINDOW,
         chunk_bytes: int = DEFAULT_CHUNK_DATA_BYTES,
@@ -109,8 +110,8 @@ class CommandSession:
         origin: str | None = None,
         upload_progress: Callable[[str, int, int], None] | None = None,
     ):
-        if timeout_s <= 0 or retries < 0 or window < 1:
-            raise LocalInputError("timeout must be > 0, retries >= 0, window >= 1")
+        if timeout_s <= 0 or handshake_timeout_s <= 0 or retries < 0 or window < 1:
+            raise LocalInputError("timeout and handshake timeout must be > 0, retries >= 0, window >= 1")
         self.layout = KeyLayout(Path(keys_dir))
         self.station = check_operator_name(station, "station name")
         if source_id is None:
@@ -142,7 +143,7 @@ class CommandSession:
             self.layout.root,
             station=self.station,
             endpoints=self.endpoints,
-            handshake_timeout_s=self.timeout_s,
+            handshake_timeout_s=float(handshake_timeout_s),
             commands=commands,
             context=context,
         )

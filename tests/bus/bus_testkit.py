@@ -21,6 +21,10 @@ from traces import CutCause, PowerWindow, TelemetrySample
 
 HERE = Path(__file__).resolve().parent
 SCRIPTED_PAYLOAD = HERE / "scripted_payload.py"
+#: How long a wait for a condition may last before the test calls it a hang. Waits end when their
+#: condition holds; the deadline only turns a hang into a failure that says what was awaited, and a
+#: stalled 2-core machine may take many times the usual seconds.
+HANG_S = 300.0
 LOOPBACK = Endpoints(commands="tcp://127.0.0.1:*", payload="tcp://127.0.0.1:*", telemetry="tcp://127.0.0.1:*")
 
 
@@ -78,8 +82,10 @@ def bus_config(
         time_scale=0.1,
         endpoints=LOOPBACK,
         payload_command=scripted_payload_command(record, *payload_args),
-        heartbeat_timeout_s=5.0,
-        boot_timeout_s=20.0,
+        # FDIR's deadlines on a payload that is merely slow (a stalled machine) are hang guards
+        # here; the tests of FDIR itself set their own
+        heartbeat_timeout_s=60.0,
+        boot_timeout_s=HANG_S,
         heartbeat_gap_log_s=1.0,
     )
     settings.update(overrides)
@@ -158,12 +164,12 @@ def ground_station(
     source_id: int = NodeId.GROUND,
     layout: KeyLayout | None = None,
 ) -> GroundStation:
-    sock = client_socket(context, zmq.DEALER, layout or keys, name, endpoint, handshake_timeout_s=10)
+    sock = client_socket(context, zmq.DEALER, layout or keys, name, endpoint, handshake_timeout_s=HANG_S)
     return GroundStation(sock=sock, source_id=source_id)
 
 
 def telemetry_subscriber(context, keys: KeyLayout, endpoint: str) -> zmq.Socket:
-    return client_socket(context, zmq.SUB, keys, "ground", endpoint, handshake_timeout_s=10)
+    return client_socket(context, zmq.SUB, keys, "ground", endpoint, handshake_timeout_s=HANG_S)
 
 
 def drain(sock: zmq.Socket, duration_s: float) -> list[tuple]:
@@ -176,7 +182,7 @@ def drain(sock: zmq.Socket, duration_s: float) -> list[tuple]:
     return out
 
 
-def drain_until(sock: zmq.Socket, reached, what: str, deadline_s: float = 60.0) -> list[tuple]:
+def drain_until(sock: zmq.Socket, reached, what: str, deadline_s: float = HANG_S) -> list[tuple]:
     """Packets until `reached(packets)` holds. The deadline is only there so that a bus that never
     gets there fails with what was awaited; a loaded machine only makes the wait longer."""
     deadline = time.monotonic() + deadline_s

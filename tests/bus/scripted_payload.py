@@ -93,6 +93,12 @@ def main() -> int:
         action="store_true",
         help="send ACCEPTED / COMPLETED only when the telecommand asked for them",
     )
+    parser.add_argument(
+        "--connect-after",
+        metavar="PATH",
+        help="connect to the bus only once PATH exists: a gate the test opens, so that commands wait "
+        "in the bus's store for as long as the test needs, however fast or slow the machine",
+    )
     args = parser.parse_args()
 
     guard = ReplayGuard()
@@ -114,6 +120,8 @@ def main() -> int:
         record.write(json.dumps({"ev": ev, "boot": boot, "t": time.time(), **fields}) + "\n")
 
     note("boot", pid=os.getpid())
+    while args.connect_after is not None and not os.path.exists(args.connect_after):
+        time.sleep(0.02)
     ctx = zmq.Context()
     sock = client_socket(ctx, zmq.DEALER, KeyLayout(Path(args.keys)), args.client, args.endpoint)
     tm_seq = 0

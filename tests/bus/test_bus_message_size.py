@@ -8,7 +8,7 @@ import os
 
 import pytest
 import zmq
-from bus_testkit import bus_config, ground_station, wait_for, window, write_trace
+from bus_testkit import HANG_S, bus_config, ground_station, wait_for, window, write_trace
 
 from common.wire import Apid, SequenceCounter
 from common.wire import messages as m
@@ -46,7 +46,7 @@ def test_oversized_messages_and_floods_do_not_reach_the_bus(tmp_path, keys, cont
     log = tmp_path / "bus" / bl.LOG_FILE
     ground = ground_station(context, keys, bus.endpoints.commands)
     ground.send(m.Ping(key=1))
-    wait_for(lambda: len(_received(log)) == 1, 30, what="first command stored")
+    wait_for(lambda: len(_received(log)) == 1, HANG_S, what="first command stored")
     before = _peak_rss(bus.proc.pid, reset=True)
     monitor = monitor_socket(ground.sock, zmq.EVENT_DISCONNECTED)
     big = os.urandom(200 << 20)
@@ -58,19 +58,19 @@ def test_oversized_messages_and_floods_do_not_reach_the_bus(tmp_path, keys, cont
             return True
         return any(e.kind == bl.COMMAND_REJECTED for e in bl.read_log(log))
 
-    wait_for(dealt_with, 300, what="the bus to deal with the 200 MiB message")
+    wait_for(dealt_with, HANG_S, what="the bus to deal with the 200 MiB message")
     ground.sock.disable_monitor()
     monitor.close(linger=0)
     ground.sock.close(linger=0)
     ground = ground_station(context, keys, bus.endpoints.commands)
     ground.counter = SequenceCounter({int(Apid.PAYLOAD): 1})  # the station goes on counting
     ground.send(m.Ping(key=2))
-    wait_for(lambda: len(_received(log)) == 2, 60, what="the bus still taking commands")
+    wait_for(lambda: len(_received(log)) == 2, HANG_S, what="the bus still taking commands")
     grown = _peak_rss(bus.proc.pid) - before
     assert grown < 64 << 20, f"bus peak RSS grew by {grown >> 20} MiB"
     for key in range(3, 1202):  # a flood past the receive queue (1000 messages by default)
         ground.send(m.Ping(key=key))
-    wait_for(lambda: len(_received(log)) >= 1201, 300, interval_s=0.5, what="the flood stored")
+    wait_for(lambda: len(_received(log)) >= 1201, HANG_S, interval_s=0.5, what="the flood stored")
     assert bus.proc.poll() is None
     stored = {e.data["request"]["seq"] for e in _received(log)}
     assert len(stored) == 1201  # every command of the flood arrived and was stored once

@@ -12,7 +12,7 @@ import textwrap
 
 import psutil
 import pytest
-from bus_testkit import wait_for
+from bus_testkit import HANG_S, wait_for
 
 from hil.bus.power import CommandSwitch, LocalProcessSwitch, PowerSwitchError, SshSwitch
 
@@ -43,7 +43,7 @@ def dead(pid: int) -> bool:
 
 
 def family_pids(pidfile) -> tuple[int, int]:
-    text = wait_for(lambda: pidfile.exists() and pidfile.read_text(), 60, what="payload pids")
+    text = wait_for(lambda: pidfile.exists() and pidfile.read_text(), HANG_S, what="payload pids")
     leader, child = (int(x) for x in text.split())
     return leader, child
 
@@ -64,7 +64,7 @@ def test_local_switch_sigkills_the_whole_group_at_once_and_respawns(tmp_path):
     # Immediate, shown without a clock: no polite signal was sent first to be waited out.
     assert not (tmp_path / "pids.polite").exists(), (tmp_path / "pids.polite").read_text()
     assert dead(leader)
-    wait_for(lambda: dead(child), 30, what="grandchild killed with its group")
+    wait_for(lambda: dead(child), HANG_S, what="grandchild killed with its group")
 
     pids.unlink()
     switch.on()
@@ -77,7 +77,7 @@ def test_local_switch_sigkills_the_whole_group_at_once_and_respawns(tmp_path):
 def test_local_switch_reports_a_payload_that_exits_by_itself(tmp_path):
     switch = LocalProcessSwitch([sys.executable, "-c", "import sys; sys.exit(3)"])
     switch.on()
-    status = wait_for(switch.poll, 60, what="exit status")
+    status = wait_for(switch.poll, HANG_S, what="exit status")
     assert status == 3
     assert not switch.is_on()
 
@@ -92,9 +92,9 @@ def test_restarted_bus_kills_the_payload_a_killed_bus_left_behind(tmp_path):
     leader, child = family_pids(pids)
     second = LocalProcessSwitch(argv, pidfile=tmp_path / "payload.pid")
     second.reset()
-    wait_for(lambda: dead(leader) and dead(child), 30, what="stale payload group killed")
+    wait_for(lambda: dead(leader) and dead(child), HANG_S, what="stale payload group killed")
     assert not (tmp_path / "payload.pid").exists()
-    first.session.proc.wait(5)
+    first.session.proc.wait(HANG_S)
 
 
 def test_payload_dies_with_a_killed_bus(tmp_path):
@@ -112,8 +112,8 @@ def test_payload_dies_with_a_killed_bus(tmp_path):
         leader, child = family_pids(pids)
         assert not dead(leader)
         bus.kill()
-        bus.wait(5)
-        wait_for(lambda: dead(leader), 30, what="payload killed by the parent-death signal")
+        bus.wait(HANG_S)
+        wait_for(lambda: dead(leader), HANG_S, what="payload killed by the parent-death signal")
     finally:
         bus.kill()
         bus.wait()
@@ -194,7 +194,7 @@ def test_ssh_switch_over_a_local_shell_kills_the_remote_group(tmp_path):
     assert int((tmp_path / "remote.pid").read_text().split()[0]) == leader, "exec keeps the recorded pid"
     assert switch.remote_pid == leader
     switch.off("thermal")
-    wait_for(lambda: dead(leader) and dead(child), 30, what="remote group killed")
+    wait_for(lambda: dead(leader) and dead(child), HANG_S, what="remote group killed")
     assert not switch.is_on() and not (tmp_path / "remote.pid").exists()
 
 

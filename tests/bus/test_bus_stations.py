@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import zmq
-from bus_testkit import bus_config, ground_station, read_record, wait_for, window, write_trace
+from bus_testkit import HANG_S, bus_config, ground_station, read_record, wait_for, window, write_trace
 
 from common.wire import Apid, EventId, NodeId, ResponseCode, SequenceCounter, decode
 from common.wire import messages as m
@@ -22,7 +22,7 @@ def always_on_trace(tmp_path):
     return write_trace(tmp_path / "on.jsonl", 1000, [window(0, 1000, None)], telemetry=False)
 
 
-def wait_connected(bus: BusThread, timeout_s: float = 30) -> None:
+def wait_connected(bus: BusThread, timeout_s: float = HANG_S) -> None:
     wait_for(lambda: bus.bus.payload_rid is not None, timeout_s, what="payload connected")
 
 
@@ -54,26 +54,28 @@ def test_source_binding_and_key_revocation(tmp_path, context, always_on_trace):
         posing.counter = SequenceCounter({int(Apid.PAYLOAD): 500})  # apart from ground's own numbers
         _, posed = posing.send(m.Ping(key=1))
         _, unbound = station3.send(m.Ping(key=2))
-        posing.wait(lambda inbox: rejected(inbox, posed), 10)
-        station3.wait(lambda inbox: rejected(inbox, unbound), 10)
+        posing.wait(lambda inbox: rejected(inbox, posed), HANG_S)
+        station3.wait(lambda inbox: rejected(inbox, unbound), HANG_S)
         (refusal,) = rejected(posing.inbox, posed)
         assert refusal.code == ResponseCode.SOURCE_NOT_BOUND and "bound to 0x0010" in refusal.reason
         (refusal,) = rejected(station3.inbox, unbound)
         assert refusal.code == ResponseCode.SOURCE_NOT_BOUND and "ow ground keys authorize station3" in refusal.reason
         station2.send(m.Ping(key=3))
-        station2.wait(lambda inbox: any(isinstance(x[1], m.Pong) and x[1].key == 3 for x in inbox), 10)
+        station2.wait(lambda inbox: any(isinstance(x[1], m.Pong) and x[1].key == 3 for x in inbox), HANG_S)
 
         # (a) Revocation: station2's connections -- one that has spoken, one that has not, a
         # telemetry subscription -- and an observer with another key.
         idle = ground_station(context, keys, bus.endpoints.commands, name="station2", source_id=0x0010)
         idle.counter = station2.counter  # one station, one sequence counter
-        listener = client_socket(context, zmq.SUB, keys, "station2", bus.endpoints.telemetry, handshake_timeout_s=10)
-        observer = client_socket(context, zmq.SUB, keys, "ground", bus.endpoints.telemetry, handshake_timeout_s=10)
+        listener = client_socket(
+            context, zmq.SUB, keys, "station2", bus.endpoints.telemetry, handshake_timeout_s=HANG_S
+        )
+        observer = client_socket(context, zmq.SUB, keys, "ground", bus.endpoints.telemetry, handshake_timeout_s=HANG_S)
         monitors = {
             name: monitor_socket(sock, zmq.EVENT_DISCONNECTED)
             for name, sock in (("spoke", station2.sock), ("subscribed", listener))
         }
-        wait_for(lambda: len(bus.bus.connections["telemetry"]) >= 2, 10, what="both subscriptions seen")
+        wait_for(lambda: len(bus.bus.connections["telemetry"]) >= 2, HANG_S, what="both subscriptions seen")
         keys.authorized_dir.joinpath("station2.key").unlink()
 
         def revoked_event():
@@ -85,13 +87,13 @@ def test_source_binding_and_key_revocation(tmp_path, context, always_on_trace):
                 isinstance(message, m.Event) and message.event_id == EventId.KEY_REVOKED and "station2" in message.text
             )
 
-        wait_for(revoked_event, 30, interval_s=0, what="KEY_REVOKED")
+        wait_for(revoked_event, HANG_S, interval_s=0, what="KEY_REVOKED")
         for name, monitor in monitors.items():
-            wait_for(lambda monitor=monitor: disconnected(monitor), 30, interval_s=0, what=f"{name} closed")
+            wait_for(lambda monitor=monitor: disconnected(monitor), HANG_S, interval_s=0, what=f"{name} closed")
 
         # The connection the bus had not heard from: its next command is refused, then closed.
         _, late = idle.send(m.Ping(key=4))
-        idle.wait(lambda inbox: rejected(inbox, late), 30)
+        idle.wait(lambda inbox: rejected(inbox, late), HANG_S)
         assert rejected(idle.inbox, late)[0].code == ResponseCode.NOT_AUTHORIZED
         # The closed one reaches nothing any more (its reconnection fails the handshake).
         try:
@@ -101,7 +103,7 @@ def test_source_binding_and_key_revocation(tmp_path, context, always_on_trace):
         assert not [x for x in station2.collect(NOTHING_WAIT_S) if isinstance(x[1], m.Pong)]
         # Others carry on.
         ground.send(m.Ping(key=6))
-        ground.wait(lambda inbox: any(isinstance(x[1], m.Pong) and x[1].key == 6 for x in inbox), 10)
+        ground.wait(lambda inbox: any(isinstance(x[1], m.Pong) and x[1].key == 6 for x in inbox), HANG_S)
     executed = {(r["source"], r["seq"]) for r in read_record(record) if r["ev"] == "accepted"}
     assert (0x0010, late) not in executed and (0x0010, after) not in executed
     assert (NodeId.GROUND, posed) not in executed and (0x0012, unbound) not in executed
@@ -145,10 +147,10 @@ def test_a_flood_from_one_station_is_bounded_and_another_station_goes_next(tmp_p
                 return False
             return refused + bus.bus.store.next_id - 1 >= flood
 
-        wait_for(taken_in, 120, what="the flood taken in (stored or refused)")
+        wait_for(taken_in, HANG_S, what="the flood taken in (stored or refused)")
         assert bus.bus.store.count_for("station2") <= config.station_quota
         other.send(m.Ping(key=99_999))
-        other.wait(lambda inbox: any(isinstance(x[1], m.Pong) and x[1].key == 99_999 for x in inbox), 120)
+        other.wait(lambda inbox: any(isinstance(x[1], m.Pong) and x[1].key == 99_999 for x in inbox), HANG_S)
         flooder.collect(0.2)
     log = bl.read_log(bus.log_path)
     # Bounded: the flooder was refused, and its refusals were counted, not logged one by one.

@@ -12,7 +12,16 @@ import os
 import subprocess
 
 import pytest
-from bus_testkit import bus_config, ground_station, read_record, telemetry_subscriber, wait_for, window, write_trace
+from bus_testkit import (
+    HANG_S,
+    bus_config,
+    ground_station,
+    read_record,
+    telemetry_subscriber,
+    wait_for,
+    window,
+    write_trace,
+)
 
 from common import durable
 from common.wire import Apid, EventId, ResponseCode, decode
@@ -39,12 +48,12 @@ def faults(tmp_path, monkeypatch):
     return control
 
 
-def refusal(station, seq, timeout_s=30) -> m.Rejected:
+def refusal(station, seq, timeout_s=HANG_S) -> m.Rejected:
     station.wait(lambda inbox: any(isinstance(x[1], m.Rejected) and x[1].tc_seq == seq for x in inbox), timeout_s)
     return next(x[1] for x in station.inbox if isinstance(x[1], m.Rejected) and x[1].tc_seq == seq)
 
 
-def pong(station, key, timeout_s=60) -> None:
+def pong(station, key, timeout_s=HANG_S) -> None:
     station.wait(lambda inbox: any(isinstance(x[1], m.Pong) and x[1].key == key for x in inbox), timeout_s)
 
 
@@ -70,7 +79,7 @@ def test_the_bus_survives_its_full_then_read_only_disk(tmp_path, keys, context, 
         sub = telemetry_subscriber(context, keys, bus.endpoints.telemetry)
         ground = ground_station(context, keys, bus.endpoints.commands)
         stored = [ground.send(m.Ping(key=k))[1] for k in (1, 2, 3)]
-        wait_for(lambda: len(bus.bus.store) == 3, 30, what="three commands stored")
+        wait_for(lambda: len(bus.bus.store) == 3, HANG_S, what="three commands stored")
 
         set_faults(faults, mode="full", free_bytes=0, under=[str(bus_dir)])
         _, refused_full = ground.send(m.Ping(key=4))
@@ -88,7 +97,7 @@ def test_the_bus_survives_its_full_then_read_only_disk(tmp_path, keys, context, 
         assert report.code == ResponseCode.BUS_STORAGE_FULL and "read-only" in report.reason
 
         set_faults(faults, mode="ok")
-        wait_for(lambda: bus.bus.storage.ok and not bus.bus.store.has_pending, 30, what="storage restored")
+        wait_for(lambda: bus.bus.storage.ok and not bus.bus.store.has_pending, HANG_S, what="storage restored")
         _, after = ground.send(m.Ping(key=6))
         pong(ground, 6)
         events = bus_events(sub)
@@ -149,13 +158,13 @@ def test_the_bus_on_a_real_read_only_then_full_tmpfs(tmp_path, keys, context):
         subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
         config = bus_config(tmp_path, keys, trace, record, data_dir=disk / "bus")
         with BusThread(config) as bus:  # starts on a read-only disk
-            wait_for(lambda: bus.bus.payload_rid is not None, 30, what="payload connected")
+            wait_for(lambda: bus.bus.payload_rid is not None, HANG_S, what="payload connected")
             ground = ground_station(context, keys, bus.endpoints.commands)
             _, refused_ro = ground.send(m.Ping(key=1))
             report = refusal(ground, refused_ro)
             assert report.code == ResponseCode.BUS_STORAGE_FULL and "read-only" in report.reason
             subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=True)
-            wait_for(lambda: bus.bus.storage.ok, 30, what="the disk writable again")
+            wait_for(lambda: bus.bus.storage.ok, HANG_S, what="the disk writable again")
             ground.send(m.Ping(key=2))
             pong(ground, 2)
 
@@ -176,7 +185,7 @@ def test_the_bus_on_a_real_read_only_then_full_tmpfs(tmp_path, keys, context):
             assert report.code == ResponseCode.BUS_STORAGE_FULL and "full" in report.reason
             assert bus.bus.switch.is_on(), "the payload stays powered"
             (disk / "filler").unlink()
-            wait_for(lambda: bus.bus.storage.ok, 30, what="space again")
+            wait_for(lambda: bus.bus.storage.ok, HANG_S, what="space again")
             ground.send(m.Ping(key=4))
             pong(ground, 4)
         log = bl.read_log(disk / "bus" / bl.LOG_FILE)

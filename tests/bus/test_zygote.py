@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from bus_testkit import wait_for
+from bus_testkit import HANG_S, wait_for
 
 from hil.bus.power import LocalProcessSwitch, PowerSwitchError
 from hil.bus.zygote import Zygote
@@ -82,13 +82,13 @@ def test_forked_payload_that_exits_is_reported_with_its_status(tmp_path):
     )
     try:
         switch.on()
-        assert wait_for(switch.poll, 30, what="exit status") == 2  # json.tool: argparse refuses the missing file
+        assert wait_for(switch.poll, HANG_S, what="exit status") == 2  # json.tool: argparse refuses the missing file
         assert not switch.is_on()
         assert "missing.json" in (tmp_path / "out.log").read_text()
         # a command the zygote cannot run in its own interpreter is exec'd after the boot
         switch = LocalProcessSwitch(["/bin/sh", "-c", "kill -TERM $$"], zygote=zygote, boot_s=0.0)
         switch.on()
-        assert wait_for(switch.poll, 30, what="exit status") == -signal.SIGTERM
+        assert wait_for(switch.poll, HANG_S, what="exit status") == -signal.SIGTERM
     finally:
         switch.close()
 

@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+from testkit import HANG_S
 
 from common import durable
 from common.durable import DurableFS, StorageFaults, WriteWatch, storage_condition
@@ -79,16 +80,28 @@ def test_stalled_fsync_shows_in_the_watch_while_it_runs(tmp_path, faults, monkey
     watch = WriteWatch()
     monkeypatch.setattr(durable, "write_watch", watch)
     _control(faults, stall_s=0.6)
+    # The first fsync also waits for the test to have looked at the watch: the write is certainly
+    # still running when the test looks, however late a loaded machine lets the test run.
+    looked = threading.Event()
+    stall = durable.storage_faults.before_fsync
+
+    def held_then_stalled(path: str) -> None:
+        looked.wait(HANG_S)
+        stall(path)
+
+    monkeypatch.setattr(durable.storage_faults, "before_fsync", held_then_stalled)
     fs = DurableFS()
     done = threading.Event()
     writer = threading.Thread(target=lambda: (fs.write_atomic(str(tmp_path / "f"), [b"1"]), done.set()))
     writer.start()
-    deadline = time.monotonic() + 30
-    while watch.running_for() < 0.3 and not done.is_set() and time.monotonic() < deadline:
+    deadline = time.monotonic() + HANG_S
+    while watch.running_for() < 0.3:
+        assert time.monotonic() < deadline and not done.is_set(), "the watch never saw the stalled write running"
         time.sleep(0.01)
-    assert not done.is_set(), "the stalled write ended before the watch saw it running"
     assert watch.longest_since_reset() >= 0.3
-    writer.join()
+    looked.set()
+    writer.join(HANG_S)
+    assert done.is_set()
     assert watch.longest_since_reset(reset=True) >= 0.6  # one fsync alone (the file's, then the directory's)
     assert watch.longest_since_reset() == 0.0
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from testkit import MAX_NEW, engine, inputs_for, run_to_completion
+from testkit import HANG_S, MAX_NEW, engine, inputs_for, run_to_completion
 
 from flight.events import UNIT_DONE, EngineEvent, RunStatus, StopToken
 from flight.model.loader import load_model
@@ -92,12 +92,12 @@ def test_a_cancel_from_another_thread_and_a_pause(model_dirs, tmp_path, referenc
     ckpt = tmp_path / "threaded"
     token = StopToken()
     seen = Boundaries(ckpt, token, 3, act="requested")  # only marks unit 3; the cancel comes from a thread
-    canceller = threading.Thread(target=lambda: seen.reached.wait(60) and token.cancel())
+    canceller = threading.Thread(target=lambda: seen.reached.wait(HANG_S) and token.cancel())
     canceller.start()
     outcome = engine(load_model(model_dirs[ARCH], device="cpu"), events=seen.event).run_or_stop(
         inputs, str(ckpt), MAX_NEW, token
     )
-    canceller.join(60)
+    canceller.join(HANG_S)
     assert seen.reached.is_set(), "the run never reached unit 3"
     assert outcome.status == RunStatus.CANCELLED
     assert 3 <= len(seen.units) < len(phases)

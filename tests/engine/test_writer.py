@@ -6,11 +6,12 @@ import time
 
 import pytest
 import torch
-from testkit import MAX_NEW, CutAfter, engine, inputs_for, run_to_completion
+from testkit import HANG_S, MAX_NEW, CutAfter, engine, inputs_for, run_to_completion
 
 from common.durable import DurableFS
 from flight.checkpoint.writer import CheckpointWriter
 from flight.engine import SimulatedCut
+from flight.events import UNIT_DONE
 from flight.model.loader import load_model
 
 
@@ -49,12 +50,37 @@ def test_a_synchronous_writer_never_drops_optional_records():
 
 
 class SlowVisionDisk(DurableFS):
-    """Storage on which a vision-state record takes far longer than a tiny vision block."""
+    """Storage on which a vision-state record is still being written when the engine has finished
+    two more units of work: each is held until then (`unit_done`, from the engine's events), so the
+    writer is busy when the next state comes, however fast or slow the machine computes a block.
+    `stop_holding` ends the holds (where the engine is about to wait for the writer)."""
+
+    #: the hold's own limit: it ends early only where the engine waits for this very write (then no
+    #: unit can finish); the writer's rules are what is tested, not a race against the compute
+    HOLD_LIMIT_S = 30.0
+
+    def __init__(self):
+        self.units = 0
+        self.holding = True
+        self.progress = threading.Condition()
+
+    def stop_holding(self):
+        with self.progress:
+            self.holding = False
+            self.progress.notify_all()
+
+    def unit_done(self, name, **_):
+        if name in UNIT_DONE:
+            with self.progress:
+                self.units += 1
+                self.progress.notify_all()
 
     def write_atomic(self, path, chunks):
         n = super().write_atomic(path, chunks)
         if "vision." in str(path) and not str(path).endswith("vision.out"):
-            time.sleep(0.3)
+            with self.progress:
+                began = self.units
+                self.progress.wait_for(lambda: self.units >= began + 2 or not self.holding, self.HOLD_LIMIT_S)
         return n
 
 
@@ -64,14 +90,22 @@ def test_slow_storage_defers_vision_states_and_the_answer_is_unchanged(model_dir
     ref = engine(model).run(inputs, str(tmp_path / "ref"), MAX_NEW)  # synchronous: every state written
     assert ref.records_deferred == 0
     events = []
+    disk = SlowVisionDisk()
+
+    def on_event(name, **kw):
+        events.append((name, kw))
+        disk.unit_done(name)
+        if name == "vision_block_done" and kw["block"] == kw["of"]:
+            disk.stop_holding()  # what comes next (prefill) waits for the last state's write
+
     result = engine(
         load_model(model_dirs["qwen3-vl"], device="cpu"),
-        fs=SlowVisionDisk(),
+        fs=disk,
         async_writes=True,
         # the writer's own drops; the adaptive cadence would skip some of these states first
         # (docs/engine.md, "Cadence"), by how this machine's timings compare
         cadence="fixed",
-        events=lambda n, **kw: events.append((n, kw)),
+        events=on_event,
     ).run(inputs, str(tmp_path / "ck"), MAX_NEW)
     deferred = [kw["record"] for n, kw in events if n == "checkpoint_deferred"]
     assert deferred and result.records_deferred == len(deferred)
@@ -90,9 +124,10 @@ def test_a_requested_checkpoint_waits_for_the_writer_and_a_cut_resumes_from_it(m
     ref = engine(model).run(inputs, str(tmp_path / "ref"), MAX_NEW)
     ckpt = str(tmp_path / "ck")
     committed = []
+    disk = SlowVisionDisk()
     eng = engine(
         load_model(model_dirs["qwen3-vl"], device="cpu"),
-        fs=SlowVisionDisk(),
+        fs=disk,
         async_writes=True,
         cadence="fixed",  # the writer's rules, not the adaptive cadence's skips
         after_commit=lambda what, n: committed.append(what),
@@ -102,6 +137,9 @@ def test_a_requested_checkpoint_waits_for_the_writer_and_a_cut_resumes_from_it(m
     def on_event(name, **kw):
         if name == "vision_block_done" and kw["block"] == 2:
             eng.checkpoint_soon.set()  # the warning arrives while vision.state[1] is being written
+            # ... and that write ends only now (holding the next one would hold the engine waiting
+            # for it)
+            disk.stop_holding()
         cut.event(name, **kw)
 
     eng.events = on_event
@@ -121,7 +159,7 @@ def test_a_background_record_gives_way_to_ordered_records_between_slices():
 
     def ordered(name, gate=None):
         if gate is not None:
-            gate.wait(10)
+            gate.wait(HANG_S)
         log.append(name)
         return 1
 
@@ -153,7 +191,7 @@ class GatedVisionOut(DurableFS):
 
     def write_atomic(self, path, chunks):
         if str(path).endswith("vision.out"):
-            self.gate.wait(30)
+            self.gate.wait(HANG_S)
             if self.power_lost:
                 raise SimulatedCut("power lost while vision.out was being written")
         return super().write_atomic(path, chunks)

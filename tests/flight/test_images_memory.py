@@ -12,6 +12,7 @@ import signal
 import numpy as np
 import pytest
 from PIL import Image
+from testkit import HANG_S
 
 from common.imagecheck import ImageRejected, ProcessorLimits, open_reduced, target_size
 from common.wire import ResponseCode
@@ -102,7 +103,7 @@ def test_eight_maximal_uploads_stay_within_one_decode_budget(tmp_path, model_dir
             for chunk in m.ImageChunk.split(name, content, chunk_bytes=60 * 1024):
                 seq = bus.command(chunk)
                 reply = bus.wait_for(
-                    lambda h, x, seq=seq: isinstance(x, (m.Accepted, m.Rejected)) and x.tc_seq == seq, timeout=120
+                    lambda h, x, seq=seq: isinstance(x, (m.Accepted, m.Rejected)) and x.tc_seq == seq, timeout=HANG_S
                 )[1]
                 assert isinstance(reply, m.Accepted), reply
 

@@ -5,7 +5,7 @@ import os
 import signal
 
 import pytest
-from testkit import make_images
+from testkit import HANG_S, make_images
 
 from common.wire import Apid, NodeId, ResponseCode, encode
 from common.wire import messages as m
@@ -67,7 +67,7 @@ def test_task_round_trip_and_bad_input(bus, flight, tmp_path, model_dirs):
     def error_count() -> int:
         mark = len(bus.received)
         bus.command(m.Status())
-        return bus.wait_for(lambda h, x: isinstance(x, m.Housekeeping), 30, start=mark)[1].error_count
+        return bus.wait_for(lambda h, x: isinstance(x, m.Housekeeping), HANG_S, start=mark)[1].error_count
 
     errors_before = error_count()
     early = bus.command(m.DownlinkResult(task_id="t1"))
@@ -77,7 +77,7 @@ def test_task_round_trip_and_bad_input(bus, flight, tmp_path, model_dirs):
     if isinstance(answer, m.Rejected):  # (a task that finished first answers its result: nothing to check)
         assert answer.code == ResponseCode.RESULT_NOT_READY and answer.not_yet
         assert error_count() == errors_before
-    bus.wait_for(lambda h, msg: isinstance(msg, m.Completed) and msg.task_id == "t1" and msg.tc_seq == seq, 120)
+    bus.wait_for(lambda h, msg: isinstance(msg, m.Completed) and msg.task_id == "t1" and msg.tc_seq == seq, HANG_S)
     result = bus.wait_for(lambda h, msg: isinstance(msg, m.TaskResult) and msg.task_id == "t1")[1]
     assert len(result.token_ids) == 5
     # never restarted: an empty list of restarts (not nil), and the bytes of its checkpoint records
@@ -86,7 +86,7 @@ def test_task_round_trip_and_bad_input(bus, flight, tmp_path, model_dirs):
     # as the kernel counts it; at least the two images and the task's records written this boot
     mark = len(bus.received)
     bus.command(m.Status())
-    hk = bus.wait_for(lambda h, x: isinstance(x, m.Housekeeping), 30, start=mark)[1]
+    hk = bus.wait_for(lambda h, x: isinstance(x, m.Housekeeping), HANG_S, start=mark)[1]
     with open(f"/proc/{process.pid}/statm") as statm:
         rss_now = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     assert hk.memory_rss_bytes is not None and 0.5 * rss_now <= hk.memory_rss_bytes <= 2 * rss_now
@@ -138,9 +138,9 @@ def test_write_costs_learned_in_one_boot_reach_the_next(bus, flight, tmp_path):
     imgs = [_png(im) for im in make_images()]
     _upload(bus, "first.png", imgs[0])
     seq = bus.command(m.UplinkTask(task_id="t1", prompt="count", images=["first.png"], max_new_tokens=5, priority=1))
-    bus.wait_for(lambda h, msg: isinstance(msg, m.Completed) and msg.task_id == "t1" and msg.tc_seq == seq, 120)
+    bus.wait_for(lambda h, msg: isinstance(msg, m.Completed) and msg.task_id == "t1" and msg.tc_seq == seq, HANG_S)
     costs = WriteCosts(str(tmp_path / "data" / "state"))
-    deadline = time.monotonic() + 60  # kept every marking period (0.25 s here): a bound, not a timing
+    deadline = time.monotonic() + HANG_S  # kept every marking period (0.25 s here): a bound, not a timing
     while set(costs.load()) != {"vision", "decode", VISION_RATE_KEY}:
         assert time.monotonic() < deadline, "state/write-costs never held both phases and the vision write rate"
         time.sleep(0.1)
@@ -148,7 +148,7 @@ def test_write_costs_learned_in_one_boot_reach_the_next(bus, flight, tmp_path):
     first.wait()
     learned = costs.load()  # what the cut left on disk
     flight()
-    bus.wait_for(lambda h, msg: isinstance(msg, m.Heartbeat), 60, start=len(bus.received))
+    bus.wait_for(lambda h, msg: isinstance(msg, m.Heartbeat), HANG_S, start=len(bus.received))
 
     def loaded():
         for line in (tmp_path / "flight.log").read_text(errors="replace").splitlines():
@@ -156,7 +156,7 @@ def test_write_costs_learned_in_one_boot_reach_the_next(bus, flight, tmp_path):
                 return json.loads(line)
         return None
 
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + HANG_S
     while loaded() is None:
         assert time.monotonic() < deadline, "the second boot never logged the write costs it loaded"
         time.sleep(0.1)

@@ -10,6 +10,7 @@ import sys
 
 import msgpack
 import pytest
+from testkit import HANG_S
 
 from common.wire import Apid, MessageType, NodeId, ResponseCode, encode
 from common.wire import messages as m
@@ -139,7 +140,9 @@ def test_each_bad_input_has_its_own_code_and_nothing_is_lost(payload):
         mark = len(bus.received)
         bus.raw(packet)
         rejected = bus.wait_for(
-            lambda h, x, seq=seq: isinstance(x, m.Rejected) and (seq is None or x.tc_seq == seq), timeout=30, start=mark
+            lambda h, x, seq=seq: isinstance(x, m.Rejected) and (seq is None or x.tc_seq == seq),
+            timeout=HANG_S,
+            start=mark,
         )[1]
         codes[name] = rejected.code
         assert rejected.code == expected, (name, rejected.code.name, rejected.reason)

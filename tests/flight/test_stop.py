@@ -13,6 +13,7 @@ import signal
 
 import pytest
 from test_red_team import Payload, _final, _png, _reference_logits, _upload, _verdict
+from testkit import HANG_S
 
 from common.record import Kind, decode
 from common.wire import ResponseCode
@@ -41,7 +42,7 @@ def test_sigterm_mid_decode_is_a_clean_stop_and_the_task_resumes_bitwise(tmp_pat
             300,
         )
         first.proc.send_signal(signal.SIGTERM)
-        assert first.proc.wait(120) == 0, (tmp_path / "flight.log").read_text()[-3000:]
+        assert first.proc.wait(HANG_S) == 0, (tmp_path / "flight.log").read_text()[-3000:]
     finally:
         first.close()
     crash = data / "health" / "crash.log"
@@ -52,7 +53,7 @@ def test_sigterm_mid_decode_is_a_clean_stop_and_the_task_resumes_bitwise(tmp_pat
     try:
         done = _final(second.bus, "t1", 300)
         assert isinstance(done, m.Completed), done
-        result = second.bus.wait_for(lambda h, x: isinstance(x, m.TaskResult) and x.task_id == "t1", 60)[1]
+        result = second.bus.wait_for(lambda h, x: isinstance(x, m.TaskResult) and x.task_id == "t1", HANG_S)[1]
         resumed = [x for _, x in second.bus.received if isinstance(x, m.Event) and x.event_id.name == "TASK_RESUMED"]
         assert resumed  # not started again from nothing
     finally:
@@ -86,7 +87,7 @@ def test_a_cancel_of_the_running_task_ends_it_at_a_unit_boundary(tmp_path, model
         assert isinstance(_verdict(payload.bus, cancel), m.Accepted)
         final = _final(payload.bus, "t1", 120)
         assert isinstance(final, m.Failed) and final.code == ResponseCode.CANCELLED, final
-        payload.bus.wait_for(lambda h, x: isinstance(x, m.Event) and x.event_id.name == "TASK_CANCELLED", 60)
+        payload.bus.wait_for(lambda h, x: isinstance(x, m.Event) and x.event_id.name == "TASK_CANCELLED", HANG_S)
         progress = [x.done for _, x in payload.bus.received if isinstance(x, m.Progress) and x.task_id == "t1"]
         assert max(progress) < TOKENS - 1, "the task ran to its end instead of stopping"
         # the worker is free: a second task runs to its end

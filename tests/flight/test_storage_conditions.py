@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from testkit import make_images
+from testkit import HANG_S, make_images
 
 from common.wire import EventId, ResponseCode, StorageState
 from common.wire import messages as m
@@ -112,7 +112,7 @@ class Payload:
         seq = self.bus.command(m.Status())
         assert isinstance(self.verdict(seq), m.Accepted)
         mark = len(self.bus.received)
-        return self.bus.wait_for(lambda h, x: isinstance(x, m.Housekeeping), 60, mark)[1]
+        return self.bus.wait_for(lambda h, x: isinstance(x, m.Housekeeping), HANG_S, mark)[1]
 
     def result(self, task_id: str, timeout: float = 300.0) -> m.TaskResult:
         self.bus.wait_for(
@@ -121,7 +121,7 @@ class Payload:
         )
         final = [x for _, x in self.bus.received if isinstance(x, (m.Completed, m.Failed)) and x.task_id == task_id]
         assert isinstance(final[-1], m.Completed), final[-1]
-        return self.bus.wait_for(lambda h, x: isinstance(x, m.TaskResult) and x.task_id == task_id, 60)[1]
+        return self.bus.wait_for(lambda h, x: isinstance(x, m.TaskResult) and x.task_id == task_id, HANG_S)[1]
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -95,6 +95,12 @@ class ScriptedBusPayloadPeer:
         self.chunk_packets_seen = 0
         self.cut_before: MessageType | None = None
         self.off_s = 1.5
+        #: while off, come back only once this many commands of this type have arrived since the
+        #: cut (besides `off_s`): the ground's re-query or resend, sent when its timeout ran out.
+        #: So a test of "the ground notices and asks again" waits for the ground to have asked,
+        #: not for its timeout to run out within the off span on a loaded machine.
+        self.wake_after: tuple[MessageType, int] | None = None
+        self.asked_while_off = 0
         self.reject_next: dict[MessageType, tuple[ResponseCode, str]] = {}
         self.bus_rejects_next: dict[MessageType, tuple[ResponseCode, str]] = {}
         self.task_run_s: float | None = None  # None: accepted tasks never run
@@ -162,12 +168,28 @@ class ScriptedBusPayloadPeer:
                 if not self.powered:
                     if self.store_while_off:
                         self.backlog.append(received)
+                    self._note_while_off(received)
                     continue
                 self._handle(received)
 
+    def _note_while_off(self, received) -> None:
+        if self.wake_after is None:
+            return
+        try:
+            _, message = decode(received.packet)
+        except WireError:
+            return
+        if message.TYPE == self.wake_after[0]:
+            self.asked_while_off += 1
+
+    def _awake(self, now: float) -> bool:
+        if self.off_until is None or now < self.off_until:
+            return False
+        return self.wake_after is None or self.asked_while_off >= self.wake_after[1]
+
     def _tick(self) -> None:
         now = time.monotonic()
-        if not self.powered and self.off_until is not None and now >= self.off_until:
+        if not self.powered and self._awake(now):
             self.powered = True
             self.boot_count += 1
             self.booted_at = now
@@ -185,6 +207,7 @@ class ScriptedBusPayloadPeer:
         """Payload power off for `off_s`: what it had received but not handled is gone."""
         self.cuts += 1
         self.powered = False
+        self.asked_while_off = 0
         self.off_until = time.monotonic() + self.off_s
         self.stored_before_cut = {(name, i) for name, img in self.images.items() for i in img["chunks"]}
         self.publish(m.PowerStateChange(trace_time_s=1.0, payload_on=False, cause=PowerCause.ECLIPSE), bus=True)

@@ -18,6 +18,12 @@ def write_picture(path: Path, *, seed: int = 0, size: tuple[int, int] = (96, 128
     return path
 
 
+#: The CURVE handshake's deadline in the tests: a hang guard only. The handshake with a bus that
+#: is there completes as soon as the machine gets to it; `--timeout` (often a second, to see a
+#: silent payload stay silent) is the answer wait and no longer bounds the handshake.
+HANDSHAKE_HANG_S = 120.0
+
+
 def link_args(keys: KeyLayout, peer, timeout: float = 5.0) -> list[str]:
     return [
         "--keys",
@@ -28,4 +34,6 @@ def link_args(keys: KeyLayout, peer, timeout: float = 5.0) -> list[str]:
         peer.telemetry_endpoint,
         "--timeout",
         str(timeout),
+        "--handshake-timeout",
+        str(HANDSHAKE_HANG_S),
     ]

@@ -7,9 +7,10 @@ from __future__ import annotations
 import shutil
 import socket
 import threading
+import time
 
 import zmq.auth
-from ground_testkit import link_args
+from ground_testkit import HANDSHAKE_HANG_S, link_args
 
 from common.wire import Apid, MessageType
 from common.wire.link import init_keys
@@ -44,11 +45,113 @@ def test_no_bus_is_no_answer_exit_4(ow, keys):
         "--telemetry-endpoint",
         endpoint,
         "--timeout",
-        "1",
+        "60",
+        "--handshake-timeout",
+        "1",  # nobody listens there: the handshake fails however long it is given
     )
     assert result.code == 4
-    assert "no CURVE handshake with the bus" in result.err and endpoint in result.err
+    # The handshake's own deadline ended it, not the (much longer) answer timeout.
+    assert f"no CURVE handshake with the bus at {endpoint} (telemetry link) within 1 s" in result.err
     assert len(result.err.strip().splitlines()) == 1
+
+
+class HeldRelay:
+    """A TCP relay to `upstream` that holds every connection until `release()`: a bus that takes
+    its time to accept a station, as a loaded machine's does."""
+
+    def __init__(self, upstream: str):
+        host, port = upstream.removeprefix("tcp://").rsplit(":", 1)
+        self.upstream = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.released = threading.Event()
+        self.accepted = threading.Event()
+        self.sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            self.accepted.set()
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        self.released.wait()
+        server = socket.create_connection(self.upstream)
+        self.sockets += [client, server]
+        for source, sink in ((client, server), (server, client)):
+            threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass  # the other side closed
+        finally:
+            for s in (source, sink):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.released.set()
+        self.listener.close()
+        for s in self.sockets:
+            s.close()
+
+
+def test_a_handshake_slower_than_the_answer_timeout_still_connects(ow, keys, peer):
+    # The bus holds the station's connections for longer than --timeout before the handshake can
+    # even start; the handshake has its own deadline, so the command goes out and the silent
+    # payload is reported as what it is (no answer within --timeout), not as an unreachable bus.
+    peer.powered, peer.off_until = False, None
+    commands, telemetry = HeldRelay(peer.commands_endpoint), HeldRelay(peer.telemetry_endpoint)
+    timeout_s = 0.5
+
+    def release_after_the_timeout() -> None:
+        telemetry.accepted.wait()
+        # Waiting at least this long is certain on any machine: the handshake outlasts --timeout.
+        time.sleep(3 * timeout_s)
+        telemetry.released.set()
+        commands.released.set()
+
+    releaser = threading.Thread(target=release_after_the_timeout, daemon=True)
+    releaser.start()
+    try:
+        result = ow(
+            "ground",
+            "status",
+            "--keys",
+            keys.root,
+            "--commands-endpoint",
+            commands.endpoint,
+            "--telemetry-endpoint",
+            telemetry.endpoint,
+            "--timeout",
+            str(timeout_s),
+            "--handshake-timeout",
+            str(HANDSHAKE_HANG_S),
+        )
+    finally:
+        releaser.join(HANDSHAKE_HANG_S)
+        commands.close()
+        telemetry.close()
+    assert result.code == 4, result.err
+    assert "STATUS: no answer within 0.5 s: payload not answering" in result.err, result.err
+    assert len(peer.backlog) == 1  # the command went through the held link and waits at the bus
+
+
+def test_handshake_timeout_must_be_a_finite_positive_number(ow, keys, peer):
+    for bad in ("0", "-1", "nan", "inf"):
+        result = ow("ground", "status", *link_args(keys, peer), "--handshake-timeout", bad)
+        assert result.code == 5, (bad, result.err)
+        assert "--handshake-timeout must be a finite number > 0" in result.err
 
 
 def test_unlisted_station_key_gets_no_service(ow, keys, peer):

@@ -98,8 +98,9 @@ def _assert_resumed_without_duplicates(result, peer, pictures, task_count=1):
 
 
 def test_payload_power_cut_mid_uplink_resumes_and_duplicates_nothing(ow, keys, peer, pictures):
-    # Off for well over the ground's timeout, so the ground must notice and re-query.
-    peer.cut_after_chunks, peer.off_s, peer.store_while_off = 6, 2.5, True
+    # Off until the ground has noticed and re-queried (its timeout ran out, however late).
+    peer.cut_after_chunks, peer.off_s, peer.store_while_off = 6, 1.0, True
+    peer.wake_after = (MessageType.IMAGE_QUERY, 1)
     result = uplink(ow, keys, peer, "--image", pictures[0], "--prompt", "p", "--window", "4", timeout=1.0)
     _assert_resumed_without_duplicates(result, peer, pictures)
     assert peer.cuts == 1 and peer.boot_count == 2
@@ -109,6 +110,7 @@ def test_lost_link_mid_uplink_resumes_by_re_querying(ow, keys, peer, pictures):
     # While "off", everything the ground sends is lost (no store-and-forward): only a re-query
     # after the timeout can bring the upload back.
     peer.cut_after_chunks, peer.off_s, peer.store_while_off = 5, 1.2, False
+    peer.wake_after = (MessageType.IMAGE_QUERY, 1)  # back once a re-query was lost: the next one is heard
     result = uplink(ow, keys, peer, "--image", pictures[0], "--prompt", "p", "--window", "4", timeout=1.0)
     _assert_resumed_without_duplicates(result, peer, pictures)
     assert len(peer.commands_of(MessageType.IMAGE_QUERY)) >= 2
@@ -180,7 +182,8 @@ def test_a_task_id_taken_on_board_by_other_content_is_rejected_as_duplicate(ow, 
 def test_uplink_task_is_resent_until_accepted_without_queueing_twice(ow, keys, peer, pictures):
     # The payload loses power just as the UPLINK_TASK arrives: it waits at the bus, the ground
     # sends it again, and both copies reach the payload at power-up: still one task.
-    peer.cut_before, peer.off_s, peer.store_while_off = MessageType.UPLINK_TASK, 2.5, True
+    peer.cut_before, peer.off_s, peer.store_while_off = MessageType.UPLINK_TASK, 1.0, True
+    peer.wake_after = (MessageType.UPLINK_TASK, 1)  # back once the ground has sent it again
     result = uplink(ow, keys, peer, "--image", pictures[1], "--prompt", "p", timeout=1.0)
     assert result.code == 0, result.err
     assert len(peer.commands_of(MessageType.UPLINK_TASK)) >= 2

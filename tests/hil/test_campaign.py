@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from testkit import short_trace
+from testkit import HANG_S, short_trace
 
 from hil.campaign import run_campaign
 from hil.testbench import BenchConfig, default_workload
@@ -350,13 +350,13 @@ def test_run_slots_hand_out_by_rank_and_never_more_than_jobs():
     threads = [threading.Thread(target=run, args=(r,)) for r in ranks]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + HANG_S
     while len(slots._waiting) < len(ranks):  # every one of them is waiting
         assert time.monotonic() < deadline, "the runs never all waited"
         time.sleep(0.005)
     slots.release()  # one slot: handed out strictly in rank order
     for t in threads:
-        t.join(30)
+        t.join(HANG_S)
     slots.release()
     assert got == sorted(ranks)
     assert most[0] == 1  # the main thread kept the other slot

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from testkit import MAX_NEW, CutAfter, engine, inputs_for, run_to_completion
+from testkit import HANG_S, MAX_NEW, CutAfter, engine, inputs_for, run_to_completion
 
 from flight.engine import SimulatedCut
 from flight.model.loader import load_model
@@ -23,7 +23,7 @@ def test_read_ahead_reads_in_order_and_hands_over_values_and_errors():
     def read(name, value=None, fail=False):
         def fn():
             if name == "b":
-                gate.wait(10)
+                gate.wait(HANG_S)
             order.append(name)
             if fail:
                 raise OSError("bad sector")

@@ -5,6 +5,7 @@ import threading
 import time
 
 import pytest
+from testkit import HANG_S
 
 from flight.recovery.executor import PlanExecutor
 from flight.recovery.optimal import solve
@@ -131,11 +132,11 @@ def test_simulation_follows_the_real_executor(problem):
     ran, ran_lock = [], threading.Lock()
 
     def do_read(op):
-        assert gates[op].wait(30)
+        assert gates[op].wait(HANG_S)
         return 0
 
     def do_compute(op):
-        assert weights[op.group].wait(30)
+        assert weights[op.group].wait(HANG_S)
         with ran_lock:
             ran.append(op)
 
@@ -145,11 +146,11 @@ def test_simulation_follows_the_real_executor(problem):
     for k, op in enumerate(plan.reads, start=1):
         due = [c for c, start, _ in expected.computes if start <= k]
         gates[op].set()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + HANG_S
         while len(ran) < len(due) and time.monotonic() < deadline:
             time.sleep(0.001)
         time.sleep(0.01)  # room for a compute that would (wrongly) run early to show up
         with ran_lock:
             assert ran == due, f"after '{op}'"
-    runner.join(30)
+    runner.join(HANG_S)
     assert not runner.is_alive() and ran == plan.computes

@@ -30,6 +30,8 @@ from common.wire.link import (
 
 LOOPBACK = "tcp://127.0.0.1:*"
 NOTHING_WAIT_S = 1.0
+#: the deadline of a wait for something that does come (a handshake, a packet): a hang guard only
+HANG_S = 120.0
 
 
 @pytest.fixture
@@ -68,16 +70,16 @@ def ping_packet(seq: int = 0) -> bytes:
 
 
 def test_authorized_client_exchanges_packets(context, keys, bus):
-    ground = client_socket(context, zmq.DEALER, keys, "ground", bound_endpoint(bus), handshake_timeout_s=5)
+    ground = client_socket(context, zmq.DEALER, keys, "ground", bound_endpoint(bus), handshake_timeout_s=HANG_S)
     send_packet(ground, ping_packet(), timeout_s=2)
-    received = recv_packet(bus, timeout_s=5)
+    received = recv_packet(bus, timeout_s=HANG_S)
     assert received is not None
     assert received.user_id == "ground"
     header, message = decode(received.packet)
     assert message == m.Ping(key=42)
     pong = encode(m.Pong(key=message.key), Apid.PAYLOAD, 0, source_id=NodeId.PAYLOAD)
     send_packet(bus, pong, routing_id=received.routing_id, timeout_s=2)
-    reply = recv_packet(ground, timeout_s=5)
+    reply = recv_packet(ground, timeout_s=HANG_S)
     assert reply is not None and decode(reply.packet)[1] == m.Pong(key=42)
     ground.close(linger=0)
 
@@ -86,7 +88,7 @@ def test_unlisted_client_key_cannot_command(tmp_path, context, keys, bus):
     rogue = rogue_layout(tmp_path, keys, same_server_key=True)
     endpoint = bound_endpoint(bus)
     with pytest.raises(LinkAuthError):
-        client_socket(context, zmq.DEALER, rogue, "ground", endpoint, handshake_timeout_s=5)
+        client_socket(context, zmq.DEALER, rogue, "ground", endpoint, handshake_timeout_s=HANG_S)
     # Without waiting for the handshake, its packets simply never arrive.
     sneaky = client_socket(context, zmq.DEALER, rogue, "ground", endpoint)
     try:
@@ -126,12 +128,12 @@ def test_telemetry_pub_sub_needs_the_key(tmp_path, context, keys):
     pub = server_socket(context, zmq.PUB, keys, LOOPBACK)
     endpoint = bound_endpoint(pub)
     try:
-        sub = client_socket(context, zmq.SUB, keys, "ground", endpoint, handshake_timeout_s=5)
+        sub = client_socket(context, zmq.SUB, keys, "ground", endpoint, handshake_timeout_s=HANG_S)
         rogue = rogue_layout(tmp_path, keys, same_server_key=True)
         rogue_sub = client_socket(context, zmq.SUB, rogue, "ground", endpoint)
         hk = encode(m.Heartbeat(boot_count=1, uptime_s=2.0), Apid.PAYLOAD, 0, source_id=NodeId.PAYLOAD)
         got = None
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + HANG_S
         while got is None and time.monotonic() < deadline:  # the subscription travels asynchronously
             send_packet(pub, hk, timeout_s=1)
             got = recv_packet(sub, timeout_s=0.1)
@@ -150,11 +152,11 @@ def test_newly_authorized_client_admitted_without_restart(tmp_path, context, key
     shutil.copyfile(keys.server_public, newcomer.server_public)
     endpoint = bound_endpoint(bus)
     with pytest.raises(LinkAuthError):
-        client_socket(context, zmq.DEALER, newcomer, "station2", endpoint, handshake_timeout_s=5)
+        client_socket(context, zmq.DEALER, newcomer, "station2", endpoint, handshake_timeout_s=HANG_S)
     authorize_client(keys, "station2", newcomer.client_public("station2"))
-    station = client_socket(context, zmq.DEALER, newcomer, "station2", endpoint, handshake_timeout_s=5)
+    station = client_socket(context, zmq.DEALER, newcomer, "station2", endpoint, handshake_timeout_s=HANG_S)
     send_packet(station, ping_packet(), timeout_s=2)
-    received = recv_packet(bus, timeout_s=5)
+    received = recv_packet(bus, timeout_s=HANG_S)
     assert received is not None and received.user_id == "station2"
     station.close(linger=0)
 
@@ -218,9 +220,11 @@ def test_stations_are_bound_to_source_ids_and_connections_carry_their_key(tmp_pa
     authenticator = start_authenticator(context, keys)
     router = server_socket(context, zmq.ROUTER, keys, LOOPBACK)
     try:
-        dealer = client_socket(context, zmq.DEALER, keys, "station2", bound_endpoint(router), handshake_timeout_s=5)
+        dealer = client_socket(
+            context, zmq.DEALER, keys, "station2", bound_endpoint(router), handshake_timeout_s=HANG_S
+        )
         send_packet(dealer, encode(m.Ping(key=1), Apid.PAYLOAD, 1, source_id=0x0010))
-        got = recv_packet(router, timeout_s=5)
+        got = recv_packet(router, timeout_s=HANG_S)
         assert got is not None and got.user_id == "station2"
         public, _ = zmq.auth.load_certificate(keys.client_public("station2"))
         assert got.key == public.decode("ascii")
