@@ -25,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import traces
     from common.wire.link import Endpoints, KeyLayout, init_keys
-    from ground.client import GroundClient
+    from ground.client import GroundClient, GroundOptions
     from ground.console import ConsoleConfig, History
     from ground.console.server import ConsoleThread
     from ground.state import GroundState
@@ -152,9 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     ).start()
 
     def client(**overrides):
-        options = dict(endpoints=bus.endpoints, timeout_s=30.0, progress=False, notify=lambda s: None)
-        options.update(overrides)
-        return GroundClient(keys, **options)
+        options = GroundOptions(endpoints=bus.endpoints, timeout_s=30.0, progress=False, notify=lambda s: None)
+        return GroundClient(keys, replace(options, **overrides))
 
     console = ConsoleThread(
         ConsoleConfig(client_factory=client, history=history, state=GroundState(KeyLayout(Path(keys)).state_dir))

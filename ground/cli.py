@@ -166,12 +166,16 @@ def _notify(text: str) -> None:
 
 
 def _client(args, **overrides):
+    """The command's GroundClient; `overrides` are GroundOptions fields (the console's per action),
+    put in with dataclasses.replace, which checks them as the options' constructor does."""
     # lazy: `ow --help` imports this module; the subcommand's own modules load when it runs
-    from ground.client import GroundClient
+    from dataclasses import replace
+
+    from ground.client import GroundClient, GroundOptions
 
     endpoints = Endpoints.from_env()
     endpoints = Endpoints(commands=args.commands_endpoint, payload=endpoints.payload, telemetry=args.telemetry_endpoint)
-    options = dict(
+    options = GroundOptions(
         station=args.station,
         source_id=args.source_id,
         endpoints=endpoints,
@@ -182,8 +186,7 @@ def _client(args, **overrides):
         # the command log says who sent each command: `ow ground uplink`, `ow ground console`...
         origin=f"ow ground {getattr(args, 'ground_command', None) or 'client'}",
     )
-    options.update(overrides)
-    return GroundClient(_keys_dir(args), **options)
+    return GroundClient(_keys_dir(args), replace(options, **overrides))
 
 
 def _print_json(data) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import traces
 from common.wire.link import Endpoints, init_keys
-from ground.client import GroundClient
+from ground.client import GroundClient, GroundOptions
 from ground.errors import GroundError
 from hil.bus import BusConfig, BusProcess
 from hil.bus import buslog as bl
@@ -216,13 +216,15 @@ def _drive(sat: DeploySatellite, assignments, workload, refs, model, keys, out: 
     try:
         with GroundClient(
             keys,
-            endpoints=bus.endpoints,
-            station="ground",
-            timeout_s=60.0,
-            retries=200,
-            state_dir=str(out / sat.name / "ground-state"),
-            progress=False,
-            notify=lambda s: None,
+            GroundOptions(
+                endpoints=bus.endpoints,
+                station="ground",
+                timeout_s=60.0,
+                retries=200,
+                state_dir=str(out / sat.name / "ground-state"),
+                progress=False,
+                notify=lambda s: None,
+            ),
         ) as g:
             clock = {"trace_s": 0.0}
             for _, arrival, i in assignments:

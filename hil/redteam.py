@@ -48,7 +48,7 @@ from common.wire.link import Endpoints, init_keys
 from common.wire.packet import PacketType, crc16, frame
 from flight.checkpoint.policies import Geometry
 from flight.runtime.app import FlightApp, FlightConfig
-from ground.client import GroundClient
+from ground.client import GroundClient, GroundOptions
 from ground.errors import CommandRejected, GroundError
 from hil.bus import BusConfig, BusThread
 from hil.bus import buslog as bl
@@ -794,11 +794,13 @@ class KillCampaign:
             n = 0
             with GroundClient(
                 self.keys,
-                endpoints=self.endpoints,
-                timeout_s=30.0,
-                retries=10_000,
-                notify=lambda s: None,
-                state_dir=os.path.join(self.out, "ground"),
+                GroundOptions(
+                    endpoints=self.endpoints,
+                    timeout_s=30.0,
+                    retries=10_000,
+                    notify=lambda s: None,
+                    state_dir=os.path.join(self.out, "ground"),
+                ),
             ) as ground:
                 while not stop.is_set() and self._want_task(n):
                     rng = random.Random(self.seed * 1_000_003 + n)
@@ -852,11 +854,13 @@ class KillCampaign:
             ground_thread.join(600)
             with GroundClient(
                 self.keys,
-                endpoints=self.endpoints,
-                timeout_s=60.0,
-                retries=100,
-                notify=lambda s: None,
-                state_dir=os.path.join(self.out, "ground"),
+                GroundOptions(
+                    endpoints=self.endpoints,
+                    timeout_s=60.0,
+                    retries=100,
+                    notify=lambda s: None,
+                    state_dir=os.path.join(self.out, "ground"),
+                ),
             ) as ground:
                 deadline = time.monotonic() + 1800
                 while len(results) < len(specs) and time.monotonic() < deadline:

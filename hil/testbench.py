@@ -37,7 +37,7 @@ from flight.checkpoint.policies import Geometry
 from flight.events import EngineEvent
 from flight.options import resolve_cadence
 from flight.recovery.cost import MODELS, ORIN_AGX_NVME, REFERENCE_CHUNK, CostModel
-from ground.client import GroundClient
+from ground.client import GroundClient, GroundOptions
 from ground.errors import GroundError
 from hil.bus import BusConfig, BusProcess
 from hil.bus import buslog as bl
@@ -336,11 +336,13 @@ class _TelemetryRecorder(threading.Thread):
 
         self.client = GroundClient(
             keys_dir,
-            endpoints=endpoints,
-            commands=False,
-            station="ground",
-            state_dir=os.path.join(keys_dir, "state-recorder"),
-            progress=False,
+            GroundOptions(
+                endpoints=endpoints,
+                commands=False,
+                station="ground",
+                state_dir=os.path.join(keys_dir, "state-recorder"),
+                progress=False,
+            ),
         )
         self.packets: list[tuple[float, m.Message]] = []
         self.stop_flag = threading.Event()
@@ -550,11 +552,13 @@ class Testbench:
         try:
             with GroundClient(
                 self.keys,
-                endpoints=bus.endpoints,
-                timeout_s=max(30.0, 6 * self.boot_s),
-                retries=50,
-                progress=False,
-                notify=lambda s: None,
+                GroundOptions(
+                    endpoints=bus.endpoints,
+                    timeout_s=max(30.0, 6 * self.boot_s),
+                    retries=50,
+                    progress=False,
+                    notify=lambda s: None,
+                ),
             ) as ground:
                 for i, spec in enumerate(self.workload):
                     task_id = f"r{i:02d}"

@@ -1,6 +1,7 @@
 """`GroundClient`: every ground operation, callable in-process (the CLI is a thin layer on it).
 
-    with GroundClient("keys", endpoints=Endpoints(commands=..., telemetry=...)) as ground:
+    options = GroundOptions(endpoints=Endpoints(commands=..., telemetry=...), timeout_s=20.0)
+    with GroundClient("keys", options) as ground:
         rtt = ground.ping()
         hk = ground.status()
         up = ground.uplink(["a.png"], "describe the coast", max_new_tokens=32)
@@ -14,6 +15,7 @@ restart or a payload power cut without sending a held chunk again or queueing a 
 
 Where things are (`GroundClient` composes them; each part is given the parts it uses):
 
+    options.py        GroundOptions: the client's settings, typed, frozen, checked once
     session.py        link, arrivals, command/reply matching (CommandSession, Arrivals)
     upload.py         resumable image upload (ImageUploader on the session; ImageUpload)
     tasks.py          uplink, task list, resend/cancel/priority (TaskTracker on the session and
@@ -25,12 +27,10 @@ Where things are (`GroundClient` composes them; each part is given the parts it 
 """
 
 from ground.client.ground_client import GroundClient
+from ground.client.options import DEFAULT_RETRIES, DEFAULT_TIMEOUT_S, DEFAULT_WINDOW, GroundOptions
 from ground.client.results import ResultStore
 from ground.client.session import (
     DEFAULT_MAX_NEW_TOKENS,
-    DEFAULT_RETRIES,
-    DEFAULT_TIMEOUT_S,
-    DEFAULT_WINDOW,
     REPORT_MEMORY,
     RESYNC_CODES,
     Arrivals,
@@ -54,6 +54,7 @@ __all__ = [
     "CommandSession",
     "GroundClient",
     "GroundError",
+    "GroundOptions",
     "ImageUpload",
     "ImageUploader",
     "ResultStore",

@@ -8,10 +8,11 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from types import TracebackType
-from typing import Any, Self
+from typing import Self
 
 from common.wire import Apid, RequestRef
 from common.wire import messages as m
+from ground.client.options import GroundOptions
 from ground.client.results import ResultStore
 from ground.client.session import DEFAULT_MAX_NEW_TOKENS, CommandSession, after
 from ground.client.tasks import TaskTracker, UplinkResult
@@ -26,18 +27,8 @@ class GroundClient:
     """One ground station's session with the bus and, through it, the payload.
 
     keys_dir      keys directory (clients/<station>.key_secret, server/bus.key, state/)
-    station       client key name; source_id: the secondary-header source id (own replay window;
-                  default: the one the bus binds to the station's key, docs/ground.md "Stations")
-    timeout_s     how long to wait for an answer before calling it "no answer"
-    handshake_timeout_s  how long opening the link waits for the CURVE handshake with the bus
-                  (default 30 s; separate from timeout_s, so a short answer wait does not also
-                  fail the connection to a bus that is slow to accept it)
-    retries       unanswered rounds an uplink tolerates (re-asking each time) before giving up
-    window        IMAGE_CHUNKs in flight at once
-    notify        where operator notices go (default: structlog warnings)
-    progress      tqdm bar on stderr during uploads: True, False, or None (only on a terminal)
-    origin        who sends, in the station's command log (`ow ground uplink`, ...)
-    upload_progress  called with (image name, bytes on board, image size) as an upload advances
+    options       GroundOptions: station, source id, endpoints, timeouts, retries, upload window,
+                  notices, progress, origin, ... (default: GroundOptions(), each field's default)
 
     It is the parts put together, each holding only what it uses: the session (link, arrivals,
     command/reply matching), the uploader (on the session), the task tracker (on the session and
@@ -45,8 +36,8 @@ class GroundClient:
     threads at once: one client per thread, as the console opens one per action.
     """
 
-    def __init__(self, keys_dir: str | os.PathLike, **options: Any):
-        self.session = CommandSession(keys_dir, **options)
+    def __init__(self, keys_dir: str | os.PathLike, options: GroundOptions | None = None):
+        self.session = CommandSession(keys_dir, options)
         self.uploader = ImageUploader(self.session)
         self.tracker = TaskTracker(self.session, self.uploader)
         self.results = ResultStore(self.session, self.tracker)

@@ -17,24 +17,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
-import zmq
-
 from common import log
 from common.wire import Apid, EventId, MessageType, NodeId, RequestRef, ResponseCode
 from common.wire import messages as m
-from common.wire.ids import DEFAULT_CHUNK_DATA_BYTES
 from common.wire.link import Endpoints, KeyLayout, station_source_id
+from ground.client.options import GroundOptions
 from ground.errors import CommandRejected, LocalInputError, NoAnswer
 from ground.forecast import forecast_profile
-from ground.images import check_chunk_bytes, check_operator_name
-from ground.link import DEFAULT_HANDSHAKE_TIMEOUT_S, GroundLink, Telemetry
+from ground.link import GroundLink, Telemetry
 from ground.state import GroundState
 
 _log = log.get("ground.client")
 
-DEFAULT_TIMEOUT_S = 10.0
-DEFAULT_RETRIES = 12
-DEFAULT_WINDOW = 8
 DEFAULT_MAX_NEW_TOKENS = 64
 #: Reports remembered per client (a long campaign must not grow memory without bound).
 REPORT_MEMORY = 65536
@@ -88,32 +82,14 @@ class Arrivals:
 
 class CommandSession:
     """The link, what has arrived, and sending with outcome matching; the part every other part of
-    the client holds (arguments: GroundClient)."""
+    the client holds (its settings: GroundOptions)."""
 
-    def __init__(
-        self,
-        keys_dir: str | os.PathLike,
-        *,
-        station: str = "ground",
-        source_id: int | None = None,
-        endpoints: Endpoints | None = None,
-        state_dir: str | os.PathLike | None = None,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
-        retries: int = DEFAULT_RETRIES,
-        window: int = DEFAULT_WINDOW,
-        chunk_bytes: int = DEFAULT_CHUNK_DATA_BYTES,
-        notify: Callable[[str], None] | None = None,
-        progress: bool | None = False,
-        context: zmq.Context | None = None,
-        commands: bool = True,
-        origin: str | None = None,
-        upload_progress: Callable[[str, int, int], None] | None = None,
-    ):
-        if timeout_s <= 0 or handshake_timeout_s <= 0 or retries < 0 or window < 1:
-            raise LocalInputError("timeout and handshake timeout must be > 0, retries >= 0, window >= 1")
+    def __init__(self, keys_dir: str | os.PathLike, options: GroundOptions | None = None):
+        options = options if options is not None else GroundOptions()  # checked when it was made
+        self.options = options
         self.layout = KeyLayout(Path(keys_dir))
-        self.station = check_operator_name(station, "station name")
+        self.station = options.station
+        source_id = options.source_id
         if source_id is None:
             # The source id the bus binds to this station's key (docs/ground.md "Stations");
             # a keys directory from before bindings speaks as the first ground station.
@@ -123,29 +99,30 @@ class CommandSession:
                 raise LocalInputError(f"station binding: {exc}") from None
             if source_id is None:
                 source_id = NodeId.GROUND
-        if not 1 <= int(source_id) <= 0xFF:
-            raise LocalInputError(f"source id {source_id} outside 1..255 (ground stations)")
+            if not 1 <= int(source_id) <= 0xFF:  # a binding file's, not the caller's: not checked yet
+                raise LocalInputError(f"source id {source_id} outside 1..255 (ground stations)")
         self.source_id = int(source_id)
-        self.endpoints = endpoints or Endpoints.from_env()
-        self.state = GroundState(state_dir if state_dir is not None else self.layout.state_dir)
-        self.timeout_s = float(timeout_s)
-        self.retries = int(retries)
-        self.window = int(window)
-        self.chunk_bytes = check_chunk_bytes(chunk_bytes)
-        self.progress = progress
-        self._notify_fn = notify
+        self.endpoints = options.endpoints or Endpoints.from_env()
+        self.state = GroundState(options.state_dir if options.state_dir is not None else self.layout.state_dir)
+        #: how long a command waits for its answer; the one option that may change between commands
+        self.timeout_s = float(options.timeout_s)
+        self.retries = options.retries
+        self.window = options.window
+        self.chunk_bytes = options.chunk_bytes
+        self.progress = options.progress
+        self._notify_fn = options.notify
         #: who sends, in the shared command log: `ow ground uplink`, `ow ground console`, ...
-        self.origin = origin or f"{Path(sys.argv[0]).name or 'python'} (in-process client)"
+        self.origin = options.origin or f"{Path(sys.argv[0]).name or 'python'} (in-process client)"
         self._log_failed = False
         #: called with (image name, bytes the payload holds, image size) as an upload advances
-        self.upload_progress = upload_progress
+        self.upload_progress = options.upload_progress
         self.link = GroundLink(
             self.layout.root,
             station=self.station,
             endpoints=self.endpoints,
-            handshake_timeout_s=float(handshake_timeout_s),
-            commands=commands,
-            context=context,
+            handshake_timeout_s=float(options.handshake_timeout_s),
+            commands=options.commands,
+            context=options.context,
         )
         #: what has arrived, sorted by what it answers (filled by `note`)
         self.arrivals = Arrivals()

@@ -62,7 +62,8 @@ UPLOADS_DIR = "console-uploads"
 
 @dataclass
 class ConsoleConfig:
-    #: builds a GroundClient with the station's keys; keyword overrides as ground.cli._client takes
+    #: builds a GroundClient with the station's keys; its keyword overrides are GroundOptions
+    #: fields (ground.cli._client puts them in with dataclasses.replace)
     client_factory: Callable[..., Any]
     security: ConsoleSecurity = field(default_factory=ConsoleSecurity)
     station: str = ""

@@ -63,7 +63,7 @@ def test_a_payload_with_a_damaged_key_is_held_off_until_the_ground_retries(tmp_p
     traceback); after 2 such boots the bus holds it off naming that line, refuses a retry from an
     ordinary station or addressed to the payload, powers it once more on the ground's
     PAYLOAD_RETRY, and holds it again when that boot fails too."""
-    from ground.client import GroundClient
+    from ground.client import GroundClient, GroundOptions
 
     model = tmp_path / "model"  # a model directory the key check comes before
     model.mkdir()
@@ -105,7 +105,9 @@ def test_a_payload_with_a_damaged_key_is_held_off_until_the_ground_retries(tmp_p
             station.sock.close(linger=0)
         assert refusals == [ResponseCode.NOT_AUTHORIZED, ResponseCode.WRONG_APID, ResponseCode.WRONG_APID]
 
-        with GroundClient(keys.root, endpoints=bus.endpoints, timeout_s=30.0, notify=lambda s: None) as ground:
+        with GroundClient(
+            keys.root, GroundOptions(endpoints=bus.endpoints, timeout_s=30.0, notify=lambda s: None)
+        ) as ground:
             seen: list = []
             ground.observers.append(seen.append)
             ground.payload_retry()  # ACCEPTED and COMPLETED, from the bus

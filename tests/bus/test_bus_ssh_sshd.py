@@ -403,7 +403,7 @@ def test_a_power_on_that_cannot_reach_the_payload_is_a_switch_error_and_an_fdir_
 
 @pytest.mark.slow
 def test_real_payload_over_ssh_resumes_bitwise_after_a_lost_connection_and_a_cut(sshd, model_dirs, tmp_path):
-    from ground.client import GroundClient
+    from ground.client import GroundClient, GroundOptions
     from hil.testbench import BenchConfig, RequestSpec, reference_run
 
     model = model_dirs["qwen3-vl"]
@@ -482,11 +482,7 @@ def test_real_payload_over_ssh_resumes_bitwise_after_a_lost_connection_and_a_cut
     try:
         with GroundClient(
             str(cfg.keys_dir),
-            endpoints=bus.endpoints,
-            timeout_s=15.0,
-            retries=100,
-            progress=False,
-            notify=lambda s: None,
+            GroundOptions(endpoints=bus.endpoints, timeout_s=15.0, retries=100, progress=False, notify=lambda s: None),
         ) as ground:
             ground.uplink(list(spec.images), spec.prompt, max_new_tokens=spec.max_new_tokens, task_id="s1")
             # Mid-prefill, the connection to the board is killed: the bus sees the session end,

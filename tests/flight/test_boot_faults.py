@@ -77,7 +77,7 @@ def test_a_missing_model_directory_is_reported_and_waited_for(tmp_path, model_di
     """No model at boot: the payload connects, sends BOOT_FAULT naming the directory, answers
     PING and takes an uplink, runs nothing; the bus sees one healthy boot (nothing to retry: its
     PAYLOAD_RETRY is NOT_HELD). Once the directory appears the task runs to its result."""
-    from ground.client import GroundClient
+    from ground.client import GroundClient, GroundOptions
     from ground.errors import CommandRejected
 
     keys = str(tmp_path / "keys")
@@ -85,7 +85,9 @@ def test_a_missing_model_directory_is_reported_and_waited_for(tmp_path, model_di
     model = tmp_path / "model"
     bus = BusThread(_config(tmp_path, keys, str(model))).start()
     try:
-        with GroundClient(keys, endpoints=bus.endpoints, timeout_s=60.0, retries=20, notify=lambda s: None) as ground:
+        with GroundClient(
+            keys, GroundOptions(endpoints=bus.endpoints, timeout_s=60.0, retries=20, notify=lambda s: None)
+        ) as ground:
             ground.ping()
             with pytest.raises(CommandRejected) as refused:
                 ground.payload_retry()
@@ -133,7 +135,7 @@ def test_an_oom_kill_while_importing_torch_is_counted_and_quarantined(tmp_path, 
     SIGKILLs each boot in its worker's import. Each such boot is counted against `engine:load`
     (ABNORMAL_EXIT 1/3, 2/3); the fourth boot quarantines it and stays up, answering commands
     without an engine -- three exits, not a loop."""
-    from ground.client import GroundClient
+    from ground.client import GroundClient, GroundOptions
 
     (memory_cgroup / "memory.limit_in_bytes").write_text(str(120 * 2**20))
     keys = str(tmp_path / "keys")
@@ -149,7 +151,9 @@ def test_an_oom_kill_while_importing_torch_is_counted_and_quarantined(tmp_path, 
             300,
             "engine:load quarantined",
         )
-        with GroundClient(keys, endpoints=bus.endpoints, timeout_s=60.0, notify=lambda s: None) as ground:
+        with GroundClient(
+            keys, GroundOptions(endpoints=bus.endpoints, timeout_s=60.0, notify=lambda s: None)
+        ) as ground:
             ground.ping()
             listing = ground.quarantine()
             assert list(listing.items) == ["engine:load"] and listing.exits[0] == 3
@@ -172,7 +176,7 @@ def test_an_address_space_limit_at_the_torch_import_is_a_counted_engine_fault(tm
     and answering meanwhile. (The limit: the payload's link, which imports neither torch nor
     numpy, runs in 380 MB of address space with two malloc arenas; at 500 MB torch's libraries
     map and numpy's C extensions fail instead, at 550 MB torch maps and aborts from C++.)"""
-    from ground.client import GroundClient
+    from ground.client import GroundClient, GroundOptions
 
     if shutil.which("prlimit") is None:
         pytest.skip("prlimit (util-linux) not installed")
@@ -185,7 +189,9 @@ def test_an_address_space_limit_at_the_torch_import_is_a_counted_engine_fault(tm
     bus.start()
     try:
         log = _wait_log(bus.log_path, lambda log: _events(log, "ABNORMAL_EXIT"), 120, "the first engine-load fault")
-        with GroundClient(keys, endpoints=bus.endpoints, timeout_s=60.0, notify=lambda s: None) as ground:
+        with GroundClient(
+            keys, GroundOptions(endpoints=bus.endpoints, timeout_s=60.0, notify=lambda s: None)
+        ) as ground:
             ground.ping()
     finally:
         bus.stop()

@@ -313,7 +313,7 @@ def test_a_task_that_kills_every_boot_is_quarantined(tmp_path, model_dirs, monke
     runs the rest. The ground lists the quarantine; no boot dies after that."""
     import traces
     from common.wire.link import Endpoints, init_keys
-    from ground.client import GroundClient
+    from ground.client import GroundClient, GroundOptions
     from hil.bus import BusConfig, BusThread
     from hil.bus import buslog as bl
     from traces.model import PowerWindow
@@ -348,7 +348,9 @@ def test_a_task_that_kills_every_boot_is_quarantined(tmp_path, model_dirs, monke
     samples = sorted(str(p) for p in (Path(__file__).resolve().parents[2] / "hil" / "samples").glob("*.png"))
     bus = BusThread(cfg).start()
     try:
-        with GroundClient(keys, endpoints=bus.endpoints, timeout_s=60.0, retries=20, notify=lambda s: None) as ground:
+        with GroundClient(
+            keys, GroundOptions(endpoints=bus.endpoints, timeout_s=60.0, retries=20, notify=lambda s: None)
+        ) as ground:
             ground.uplink([samples[0]], "count the ships", max_new_tokens=2, priority=9, task_id="t-bad")
             ground.uplink([samples[1]], "describe the clouds", max_new_tokens=2, priority=1, task_id="t-good")
             good = ground.result("t-good", wait=True, max_wait_s=600, poll_s=5.0)

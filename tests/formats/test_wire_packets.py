@@ -22,7 +22,7 @@ import traces
 from common.wire import WireError
 from common.wire import decode as project_decode
 from common.wire.link import Endpoints, KeyLayout, client_socket, init_keys, recv_packet
-from ground.client import GroundClient
+from ground.client import GroundClient, GroundOptions
 from ground.errors import CommandRejected
 from hil.bus import BusConfig, BusProcess
 from traces.model import CutCause, PowerWindow, TelemetrySample
@@ -166,7 +166,9 @@ def test_real_telemetry_decodes_as_documented(model_dirs, tmp_path):
                     captured.append(received.packet)
 
         image = sorted((ROOT / "hil" / "samples").glob("*.png"))[0]
-        with GroundClient(keys, endpoints=endpoints, timeout_s=20.0, retries=20, notify=lambda s: None) as ground:
+        with GroundClient(
+            keys, GroundOptions(endpoints=endpoints, timeout_s=20.0, retries=20, notify=lambda s: None)
+        ) as ground:
             drain(0.5)
             ground.ping()
             up = ground.uplink([str(image)], "count the ships", max_new_tokens=3, task_id="fmt1")

@@ -15,6 +15,7 @@ import csv
 import hashlib
 import io
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,7 @@ def test_console_in_chromium_against_bus_and_payload(browser, model_dirs, tmp_pa
     from selenium.webdriver.support.ui import WebDriverWait
 
     from common.wire.link import Endpoints, KeyLayout, init_keys
-    from ground.client import GroundClient
+    from ground.client import GroundClient, GroundOptions
     from ground.console import ConsoleConfig, ConsoleSecurity
     from ground.console.server import ConsoleThread
     from ground.state import GroundState
@@ -79,9 +80,10 @@ def test_console_in_chromium_against_bus_and_payload(browser, model_dirs, tmp_pa
     ).start()
 
     def client(**overrides):
-        options = dict(endpoints=bus.endpoints, timeout_s=30.0, retries=50, progress=False, notify=lambda s: None)
-        options.update(overrides)
-        return GroundClient(keys, **options)
+        options = GroundOptions(
+            endpoints=bus.endpoints, timeout_s=30.0, retries=50, progress=False, notify=lambda s: None
+        )
+        return GroundClient(keys, replace(options, **overrides))
 
     console = ConsoleThread(
         ConsoleConfig(

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from dataclasses import replace
 
 import aiohttp
 import pytest
 from aiohttp import web
 
 from common.wire.link import Endpoints
-from ground.client import GroundClient
+from ground.client import GroundClient, GroundOptions
 from ground.console import ConsoleConfig, ConsoleSecurity, make_app
 from ground.console.server import UPLOADS_DIR
 from ground.images import prepare_image
@@ -90,9 +91,10 @@ def test_an_upload_cut_off_midway_resumes_after_a_console_restart_and_the_uplink
 
     def client(**overrides):
         endpoints = Endpoints(commands=peer.commands_endpoint, telemetry=peer.telemetry_endpoint)
-        options = dict(endpoints=endpoints, timeout_s=5.0, progress=False, notify=lambda s: None, chunk_bytes=2048)
-        options.update(overrides)
-        return GroundClient(str(keys.root), **options)
+        options = GroundOptions(
+            endpoints=endpoints, timeout_s=5.0, progress=False, notify=lambda s: None, chunk_bytes=2048
+        )
+        return GroundClient(str(keys.root), replace(options, **overrides))
 
     async def first(session, base, headers):
         assert (await create(session, base, headers, "coast.png", content))["offset"] == 0

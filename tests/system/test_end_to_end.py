@@ -21,7 +21,7 @@ import pytest
 import traces
 from common.record import Kind, decode
 from common.wire.link import Endpoints, init_keys
-from ground.client import DEFAULT_WINDOW, GroundClient
+from ground.client import DEFAULT_WINDOW, GroundClient, GroundOptions
 from hil.bus import BusConfig, BusProcess
 from hil.bus import buslog as bl
 from hil.testbench import BenchConfig, RequestSpec, reference_run
@@ -223,7 +223,7 @@ def test_three_tasks_through_cuts_payload_reboot_mid_uplink_and_bus_restart(mode
 
     try:
         with GroundClient(
-            keys, endpoints=endpoints, timeout_s=15.0, retries=100, progress=False, notify=lambda s: None
+            keys, GroundOptions(endpoints=endpoints, timeout_s=15.0, retries=100, progress=False, notify=lambda s: None)
         ) as ground:
             for i, spec in enumerate(specs):
                 if i == 2:
