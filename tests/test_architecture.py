@@ -525,6 +525,56 @@ def test_the_central_objects_take_at_most_three_constructor_parameters():
         )
 
 
+def variadic_constructors(modules: tuple[str, ...]) -> list[str]:
+    """Classes of `modules` whose `__init__` takes `*args` or `**kwargs`: settings that escape the
+    type checker and the parameter count (a `**options` is one parameter however many it hides);
+    a central object or one of its parts takes a frozen settings object instead."""
+    found = []
+    for module in modules:
+        path = MODULES[module]
+        rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                for statement in node.body:
+                    if isinstance(statement, ast.FunctionDef) and statement.name == "__init__":
+                        a = statement.args
+                        variadic = ([f"*{a.vararg.arg}"] if a.vararg else []) + (
+                            [f"**{a.kwarg.arg}"] if a.kwarg else []
+                        )
+                        if variadic:
+                            found.append(f"{rel}:{statement.lineno}: {node.name}.__init__ takes {', '.join(variadic)}")
+    return found
+
+
+def test_the_central_objects_and_their_parts_take_no_variadic_settings():
+    modules = tuple(sorted({*BUS_PARTS, *PAYLOAD_PARTS, *GROUND_CLIENT_PARTS, "ground.client.options"}))
+    assert {module for module, _ in CENTRAL_CONSTRUCTORS} <= set(modules)
+    problems = variadic_constructors(modules)
+    if problems:
+        report = "\n  ".join(problems)
+        pytest.fail(f"constructors taking *args/**kwargs (take a frozen settings object):\n  {report}", pytrace=False)
+
+
+def test_the_variadic_check_sees_loose_options(tmp_path, monkeypatch):
+    """Not vacuous: the ground client's old constructor (three parameters by count, its settings
+    untyped behind `**options`) fails it, and so does a part taking `*args`."""
+    old = tmp_path / "old_client.py"
+    old.write_text(
+        "class GroundClient:\n"
+        "    def __init__(self, keys_dir, **options):\n"
+        "        self.session = CommandSession(keys_dir, **options)\n"
+        "class CommandSession:\n"
+        "    def __init__(self, *args):\n"
+        "        pass\n",
+        encoding="utf-8",
+    )
+    monkeypatch.setitem(MODULES, "ground.client.old_client", old)
+    assert len(constructor_parameters("ground.client.old_client", "GroundClient")) <= MAX_CONSTRUCTOR_PARAMETERS
+    problems = "\n".join(variadic_constructors(("ground.client.old_client",)))
+    assert "GroundClient.__init__ takes **options" in problems
+    assert "CommandSession.__init__ takes *args" in problems
+
+
 def test_the_constructor_check_sees_a_long_list(tmp_path, monkeypatch):
     """Not vacuous: the payload's old constructor (its loose settings, one parameter each) is counted."""
     old = tmp_path / "old_app.py"
