@@ -43,9 +43,20 @@ class ImageStore:
     def __init__(self, directory: str, fs: DurableFS | None = None, limits: ProcessorLimits | None = None):
         self.fs = fs or DurableFS()
         self.directory = directory
-        self.limits = limits
         best_effort(self.fs.makedirs, directory)  # a read-only disk: uploads are refused, not the boot
         self._lock = threading.Lock()
+        #: the model's image-processor limits a completed upload is checked against (None: the
+        #: defaults). Read by the main thread as an upload completes, under `_lock`; the worker
+        #: thread sets them once it finds a model that was missing at boot (`set_limits`).
+        self._limits = limits
+
+    def set_limits(self, limits: ProcessorLimits) -> None:
+        """The model's limits, for every upload completed from now on (any thread). Swapped under
+        the store's lock: an upload being verified on the main thread keeps the limits it started
+        with, and the next one sees the new ones (ProcessorLimits is frozen: the value is never
+        changed, only replaced)."""
+        with self._lock:
+            self._limits = limits
 
     def _dir(self, name: str) -> str:
         return os.path.join(self.directory, name)
@@ -134,6 +145,7 @@ class ImageStore:
             return self._assemble(name, mine)
 
     def _assemble(self, name: str, meta: dict) -> bool:
+        # called with `_lock` held (put_chunk, complete_held): it reads `_limits`
         d = self._dir(name)
         content = b"".join(bytes(self.fs.read(os.path.join(d, f"c{i}"))) for i in range(meta["total"]))
         try:
@@ -142,7 +154,7 @@ class ImageStore:
                     ResponseCode.FILE_HASH_MISMATCH, f"{name}: assembled {len(content)} bytes, declared {meta['size']}"
                 )
             m.check_file_hash(content, meta["sha256"], name)
-            _check_picture(name, content, self.limits)
+            _check_picture(name, content, self._limits)
         except WireError:
             self._drop_chunks(name, keep_meta=False)  # let the ground send a correct file again
             raise

@@ -190,7 +190,9 @@ class Worker:
                 continue
             if model_problem is not None:
                 self.log.info("model_found", model=config.model_dir, was=model_problem)
-                self.images.limits = ProcessorLimits.of_model_dir(config.model_dir)  # read at boot without it
+                # read at boot without it; the main thread verifies uploads with them meanwhile,
+                # so they are handed over under the image store's lock, not assigned into it
+                self.images.set_limits(ProcessorLimits.of_model_dir(config.model_dir))
                 model_problem = None
             try:
                 with self.health.handling(ENGINE_ITEM, WORKER):
