@@ -588,3 +588,231 @@ def test_the_constructor_check_sees_a_long_list(tmp_path, monkeypatch):
     )
     monkeypatch.setitem(MODULES, "flight.runtime.old_app", old)
     assert len(constructor_parameters("flight.runtime.old_app", "FlightApp")) == 14
+
+
+# --- state shared between the payload's threads ------------------------------------------------------
+#
+# A part of flight/runtime that owns a lock (`self._lock = threading.Lock()`, RLock, Condition) keeps
+# the state its threads share behind it: its private attributes touched inside `with self.<lock>:`
+# (CurrentWork's engine, progress and stop token, the image store's limits, ...) are read and
+# written only by its own methods, and no other part assigns anything into it (the worker setting
+# `self.images.limits` from its thread while the main thread read them): another part calls a
+# method that takes the lock, or holds the lock itself (`with self.state.lock:`). Reads of an
+# owner's public attributes (`self.queue.tasks`, `self.storage.state`) are not checked.
+
+LOCK_TYPES = ("Lock", "RLock", "Condition")
+
+
+@dataclass
+class LockOwner:
+    name: str
+    lock: str  # the attribute holding the lock
+    guarded: set[str]  # attributes its methods touch under the lock (the lock itself aside)
+
+
+def _self_attribute(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+        return node.attr
+    return None
+
+
+def _names_in(annotation: ast.AST | None) -> set[str]:
+    """Class names an annotation mentions (`CurrentWork`, `Health | None`, "ImageStore", x.Latest[int])."""
+    if annotation is None:
+        return set()
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+        try:
+            annotation = ast.parse(annotation.value, mode="eval").body
+        except SyntaxError:
+            return set()
+    return {_base_name(n) for n in ast.walk(annotation) if isinstance(n, (ast.Name, ast.Attribute))}
+
+
+def lock_owners(trees: dict[str, ast.Module]) -> dict[str, LockOwner]:
+    owners = {}
+    for tree in trees.values():
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            lock = next(
+                (
+                    _self_attribute(target)
+                    for n in ast.walk(cls)
+                    if isinstance(n, ast.Assign)
+                    and isinstance(n.value, ast.Call)
+                    and _base_name(n.value.func) in LOCK_TYPES
+                    for target in n.targets
+                    if _self_attribute(target)
+                ),
+                None,
+            )
+            if lock is None:
+                continue
+            guarded = set()
+            for block in ast.walk(cls):
+                if isinstance(block, ast.With) and any(_self_attribute(i.context_expr) == lock for i in block.items):
+                    guarded |= {a for n in ast.walk(block) if (a := _self_attribute(n)) is not None}
+            methods = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            owners[cls.name] = LockOwner(cls.name, lock, guarded - methods - {lock})
+    return owners
+
+
+def _owner_of(value: ast.AST | None, annotation: ast.AST | None, owners, params: dict[str, str]) -> str | None:
+    """The lock owner a value is an instance of, as far as its annotation or its making shows."""
+    for name in _names_in(annotation):
+        if name in owners:
+            return name
+    for n in ast.walk(value) if value is not None else ():
+        if isinstance(n, ast.Call) and _base_name(n.func) in owners:
+            return _base_name(n.func)
+        if isinstance(n, ast.Name) and n.id in params:
+            return params[n.id]
+    return None
+
+
+def _function_types(function: ast.FunctionDef | ast.AsyncFunctionDef, owners) -> dict[str, str]:
+    """A function's parameters and locals that hold a lock owner (`current: CurrentWork`)."""
+    a = function.args
+    found = {
+        arg.arg: owner
+        for arg in a.posonlyargs + a.args + a.kwonlyargs
+        if (owner := _owner_of(None, arg.annotation, owners, {})) is not None
+    }
+    for n in ast.walk(function):
+        if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):
+            if (owner := _owner_of(n.value, None, owners, found)) is not None:
+                found[n.targets[0].id] = owner
+        elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+            if (owner := _owner_of(n.value, n.annotation, owners, found)) is not None:
+                found[n.target.id] = owner
+    return found
+
+
+@dataclass
+class _Scope:
+    """What is known where a function's body is read for unlocked shared state."""
+
+    cls: str  # the class the function is a method of
+    parts: dict[str, str]  # self.<attribute> -> the lock owner it holds
+    names: dict[str, str]  # parameter or local -> the lock owner it holds
+    private: dict[str, set[str]]  # a private attribute kept under a lock -> the classes keeping it
+    locks: set[str]  # the private attributes that hold an owner's lock (`_lock`)
+
+
+def _holder_owner(holder: ast.AST, scope: _Scope) -> str | None:
+    if (attr := _self_attribute(holder)) is not None:
+        return scope.parts.get(attr)
+    return scope.names.get(holder.id) if isinstance(holder, ast.Name) else None
+
+
+def _unlocked(node: ast.AST, scope: _Scope, locked: frozenset[str]) -> Iterator[tuple[ast.Attribute, str]]:
+    """(attribute, what is wrong) under `node`; `locked`: the holders whose lock is held here
+    (`with x.lock:` or `with x._lock:` around the node: x, unparsed)."""
+    if isinstance(node, (ast.With, ast.AsyncWith)):
+        for item in node.items:  # the lock itself is reached from outside the block
+            yield from _unlocked(item, scope, locked)
+        # held: a part's public lock (`with self.state.lock:`); a private one is not the caller's
+        held = {
+            ast.unparse(i.context_expr.value)
+            for i in node.items
+            if isinstance(i.context_expr, ast.Attribute) and not i.context_expr.attr.startswith("_")
+        }
+        for statement in node.body:
+            yield from _unlocked(statement, scope, locked | held)
+        return
+    elif isinstance(node, ast.Attribute) and _self_attribute(node) is None:
+        holder, problem = node.value, None
+        owner = _holder_owner(holder, scope)
+        if node.attr in scope.locks:
+            problem = "takes another part's private lock"
+        elif node.attr in scope.private and scope.cls not in scope.private[node.attr]:
+            problem = f"reaches into {' or '.join(sorted(scope.private[node.attr]))}'s state kept under its lock"
+        elif owner is not None and owner != scope.cls and isinstance(node.ctx, (ast.Store, ast.Del)):
+            problem = f"assigns into {owner}, whose state is kept under its lock"
+        if problem and ast.unparse(holder) not in locked:
+            yield node, problem
+    for child in ast.iter_child_nodes(node):
+        yield from _unlocked(child, scope, locked)
+
+
+def unlocked_shared_state(modules: tuple[str, ...]) -> list[str]:
+    """Where code outside a lock owner reaches the private state the owner keeps under its lock
+    (`self.app.current._engine`, `current._progress`: through anything but `self`, whatever holds
+    it), or assigns into a part known to be a lock owner (`self.images.limits = ...`), without
+    holding that owner's lock."""
+    trees = {module: ast.parse(MODULES[module].read_text(encoding="utf-8")) for module in modules}
+    owners = lock_owners(trees)
+    private: dict[str, set[str]] = {}
+    for o in owners.values():
+        for a in o.guarded | {o.lock}:
+            if a.startswith("_"):
+                private.setdefault(a, set()).add(o.name)
+    found = []
+    for module, tree in trees.items():
+        path = MODULES[module]
+        rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            functions = [n for n in ast.walk(cls) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            # the parts a class holds: a dataclass field `state: PersistentState`, `self.current =
+            # current` (current: CurrentWork), `self.images = ImageStore(...)`
+            parts = {
+                s.target.id: owner
+                for s in cls.body
+                if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+                if (owner := _owner_of(None, s.annotation, owners, {})) is not None
+            }
+            for function in functions:
+                names = _function_types(function, owners)
+                for n in ast.walk(function):
+                    if isinstance(n, (ast.Assign, ast.AnnAssign)):
+                        annotation = n.annotation if isinstance(n, ast.AnnAssign) else None
+                        for target in n.targets if isinstance(n, ast.Assign) else [n.target]:
+                            owner = _owner_of(n.value, annotation, owners, names)
+                            if (attr := _self_attribute(target)) is not None and owner is not None:
+                                parts[attr] = owner
+            for function in functions:
+                locks = {o.lock for o in owners.values() if o.lock.startswith("_")}
+                scope = _Scope(cls.name, parts, _function_types(function, owners), private, locks)
+                for statement in function.body:
+                    for node, problem in _unlocked(statement, scope, frozenset()):
+                        found.append(f"{rel}:{node.lineno}: {cls.name}.{function.name}: {ast.unparse(node)} {problem}")
+    return sorted(set(found))
+
+
+def test_the_payload_threads_share_state_only_through_its_owners_lock():
+    owners = lock_owners({m: ast.parse(MODULES[m].read_text(encoding="utf-8")) for m in PAYLOAD_PARTS})
+    assert {"_engine", "_progress", "_stop"} <= owners["CurrentWork"].guarded
+    assert "_limits" in owners["ImageStore"].guarded
+    problems = unlocked_shared_state(PAYLOAD_PARTS)
+    if problems:
+        report = "\n  ".join(problems)
+        pytest.fail(
+            f"state of a lock-owning part used from outside it without its lock (call its methods):\n  {report}",
+            pytrace=False,
+        )
+
+
+def test_the_shared_state_check_sees_unlocked_access(tmp_path, monkeypatch):
+    """Not vacuous: on the payload's own code, the worker assigning the image store's limits from
+    its thread (the old shape), a handler reading the engine through CurrentWork's private
+    attribute, or taking CurrentWork's private lock to do so, fails it; holding a part's public
+    lock around a write into it (the dispatcher's `with self.state.lock:`) passes."""
+    fixed = MODULES["flight.runtime.worker"].read_text(encoding="utf-8")
+    setter = "self.images.set_limits(ProcessorLimits.of_model_dir(config.model_dir))"
+    assert setter in fixed
+    worker = tmp_path / "worker.py"
+    worker.write_text(fixed.replace(setter, "self.images.limits = ProcessorLimits.of_model_dir(config.model_dir)"))
+    handlers_code = MODULES["flight.runtime.handlers"].read_text(encoding="utf-8")
+    reader = "engine = self.current.engine()"
+    assert reader in handlers_code
+    handlers = tmp_path / "handlers.py"
+    handlers.write_text(
+        handlers_code.replace(
+            reader, "current = self.current\n        with current._lock:\n            engine = current._engine"
+        )
+    )
+    monkeypatch.setitem(MODULES, "flight.runtime.worker", worker)
+    monkeypatch.setitem(MODULES, "flight.runtime.handlers", handlers)
+    problems = "\n".join(unlocked_shared_state(PAYLOAD_PARTS))
+    assert "Worker.load_engine: self.images.limits assigns into ImageStore" in problems, problems
+    assert "CommandHandlers.on_shutdown_warning: current._engine reaches into CurrentWork's state" in problems
+    assert "current._lock takes another part's private lock" in problems
+    assert "self.state.dirty" not in problems  # dispatch.py writes it inside `with self.state.lock:`

@@ -250,7 +250,7 @@ class FlightApp:
         # boot's own writes -- its count, the telemetry reservation, the window log -- are the
         # command thread's first jobs, so a full, read-only or stalled disk delays none of the
         # first heartbeat, the BOOT event or a PING's answer.
-        self.health.defer_saves = True
+        self.health.defer_saves()
         self.jobs.put(self._boot_writes)
         self.jobs.start(self.housekeeping.tick)
         ctx: zmq.Context = zmq.Context.instance()

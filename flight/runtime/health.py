@@ -116,9 +116,9 @@ class Health:
         self._faults = _parse_faults(os.environ.get("OW_FAULT") if fault_spec is None else fault_spec)
         #: counts changed in memory and not yet on disk (the disk refused, or saves are deferred)
         self.dirty = False
-        #: set by the payload once its command thread runs: counts are then saved there (flush),
-        #: never by a thread that must not wait on the disk
-        self.defer_saves = False
+        #: set by the payload once its command thread runs (`defer_saves`): counts are then saved
+        #: there (flush), never by a thread that must not wait on the disk
+        self._saves_deferred = False
         try:
             self.fs.makedirs(directory)
         except OSError as exc:
@@ -173,9 +173,15 @@ class Health:
         a full or read-only disk never loses a count that is in memory, nor the event about it."""
         with self._lock:
             self.dirty = True
-            if self.defer_saves:
+            if self._saves_deferred:
                 return
         self.flush()
+
+    def defer_saves(self) -> None:
+        """From now on a count is saved by `flush` only (the payload's command thread). Under the
+        lock, as `_persist` reads it: the main thread switches it while other threads count."""
+        with self._lock:
+            self._saves_deferred = True
 
     def flush(self) -> None:
         """Save counts changed since the last save (a no-op when there are none). A disk that
