@@ -147,6 +147,13 @@ def _wait_for(what: str, condition, deadline_s: float, procs: list[subprocess.Po
         time.sleep(0.2)
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    # A terminal's foreground command dies of Ctrl-C by default; a hand-run started in the background
+    # of a non-interactive shell (nohup, `&`, some CI runners) would pass SIGINT down ignored, and
+    # its follow terminals would then outlive the Ctrl-C that ends the session.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run(workdir: Path, say=print, timeout_s: float = 600.0) -> dict:
     """Run STEPS in `workdir`; returns {"steps": [{terminal, command, seconds, rc, out, err}], "task_id",
     "events": the events terminal's output}. Raises RuntimeError when a command fails."""
@@ -166,7 +173,9 @@ def run(workdir: Path, say=print, timeout_s: float = 600.0) -> dict:
             if step.mode == "follow":
                 out, err = logs / f"{i}-stdout.txt", logs / f"{i}-stderr.txt"
                 with open(out, "wb") as o, open(err, "wb") as e:
-                    proc = subprocess.Popen(argv, cwd=workdir, env=env, stdout=o, stderr=e)
+                    proc = subprocess.Popen(
+                        argv, cwd=workdir, env=env, stdout=o, stderr=e, preexec_fn=_ctrl_c_as_in_a_terminal
+                    )
                 background.append((step, proc, out, err, started))
                 if argv[3:5] == ["bus", "run"]:
                     # a person starts the next terminal once the bus says it runs: here, once its

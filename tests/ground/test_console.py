@@ -241,7 +241,11 @@ def test_on_loopback_a_token_is_made_for_the_run_and_actions_need_it(tmp_path):
     )
     cmd = [sys.executable, "-m", "common.cli", "ground", "console", "--keys", str(tmp_path / "keys")]
     # --port 0: the system picks a free port, and the announcement names the one it picked
-    proc = subprocess.Popen(cmd + ["--port", "0"], stderr=subprocess.PIPE, text=True, env=env)
+    # No bus runs here: the authorised action ends in "no answer" once the handshake wait is over.
+    # A short one keeps that wait (30 s by default) apart from the request's hang guard below.
+    proc = subprocess.Popen(
+        cmd + ["--port", "0", "--handshake-timeout", "1", "--timeout", "1"], stderr=subprocess.PIPE, text=True, env=env
+    )
     try:
         assert proc.stderr is not None
         line = ""
@@ -260,7 +264,7 @@ def test_on_loopback_a_token_is_made_for_the_run_and_actions_need_it(tmp_path):
                 headers["X-Console-Token"] = token
             request = urllib.request.Request(url, data=b"", headers=headers, method="POST")
             try:  # it announces once it is bound: no retry needed
-                with urllib.request.urlopen(request, timeout=30) as response:
+                with urllib.request.urlopen(request, timeout=300) as response:  # a hang guard
                     return response.status
             except urllib.error.HTTPError as exc:
                 return exc.code

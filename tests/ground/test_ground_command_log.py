@@ -83,7 +83,16 @@ def test_follow_prints_new_commands_across_a_rotation(keys):
     state = _logged(keys)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "common.cli", "ground", "commands", "--keys", str(keys.root), "--follow", "--json"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # Ctrl-C's default action in the child, as in a terminal: a run started in the background of a
+    # non-interactive shell passes SIGINT down ignored, and Python then installs no handler for it.
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         assert proc.stdout is not None
 
