@@ -593,12 +593,14 @@ def test_the_constructor_check_sees_a_long_list(tmp_path, monkeypatch):
 # --- state shared between the payload's threads ------------------------------------------------------
 #
 # A part of flight/runtime that owns a lock (`self._lock = threading.Lock()`, RLock, Condition) keeps
-# the state its threads share behind it: its private attributes touched inside `with self.<lock>:`
-# (CurrentWork's engine, progress and stop token, the image store's limits, ...) are read and
-# written only by its own methods, and no other part assigns anything into it (the worker setting
-# `self.images.limits` from its thread while the main thread read them): another part calls a
-# method that takes the lock, or holds the lock itself (`with self.state.lock:`). Reads of an
-# owner's public attributes (`self.queue.tasks`, `self.storage.state`) are not checked.
+# the state its threads share behind it: the attributes touched inside `with self.<lock>:`
+# (CurrentWork's engine, progress and stop token, the image store's limits, the queue's tasks, the
+# storage state, ...) are read and written only by its own methods, and no other part assigns
+# anything into it (the worker setting `self.images.limits` from its thread while the main thread
+# read them): another part calls a method that takes the lock and returns a copy or a computed
+# value (`queue.live(task_id)`, `storage.condition()`), or holds the lock itself (`with
+# self.state.lock:`). That holds for public attributes too (`self.queue.tasks`, `self.storage.state`
+# read from another thread were such reads).
 
 LOCK_TYPES = ("Lock", "RLock", "Condition")
 
@@ -668,8 +670,11 @@ def _owner_of(value: ast.AST | None, annotation: ast.AST | None, owners, params:
     return None
 
 
-def _function_types(function: ast.FunctionDef | ast.AsyncFunctionDef, owners) -> dict[str, str]:
-    """A function's parameters and locals that hold a lock owner (`current: CurrentWork`)."""
+def _function_types(
+    function: ast.FunctionDef | ast.AsyncFunctionDef, owners, parts: dict[str, str] | None = None
+) -> dict[str, str]:
+    """A function's parameters and locals that hold a lock owner (`current: CurrentWork`,
+    `storage = self.storage` where the class holds a Storage there)."""
     a = function.args
     found = {
         arg.arg: owner
@@ -678,7 +683,9 @@ def _function_types(function: ast.FunctionDef | ast.AsyncFunctionDef, owners) ->
     }
     for n in ast.walk(function):
         if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):
-            if (owner := _owner_of(n.value, None, owners, found)) is not None:
+            if (attr := _self_attribute(n.value)) is not None and attr in (parts or {}):
+                found[n.targets[0].id] = (parts or {})[attr]
+            elif (owner := _owner_of(n.value, None, owners, found)) is not None:
                 found[n.targets[0].id] = owner
         elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
             if (owner := _owner_of(n.value, n.annotation, owners, found)) is not None:
@@ -695,6 +702,7 @@ class _Scope:
     names: dict[str, str]  # parameter or local -> the lock owner it holds
     private: dict[str, set[str]]  # a private attribute kept under a lock -> the classes keeping it
     locks: set[str]  # the private attributes that hold an owner's lock (`_lock`)
+    guarded: dict[str, set[str]]  # a lock owner -> the attributes its methods touch under its lock
 
 
 def _holder_owner(holder: ast.AST, scope: _Scope) -> str | None:
@@ -727,6 +735,8 @@ def _unlocked(node: ast.AST, scope: _Scope, locked: frozenset[str]) -> Iterator[
             problem = f"reaches into {' or '.join(sorted(scope.private[node.attr]))}'s state kept under its lock"
         elif owner is not None and owner != scope.cls and isinstance(node.ctx, (ast.Store, ast.Del)):
             problem = f"assigns into {owner}, whose state is kept under its lock"
+        elif owner is not None and owner != scope.cls and node.attr in scope.guarded[owner]:
+            problem = f"reads {owner}'s state kept under its lock"
         if problem and ast.unparse(holder) not in locked:
             yield node, problem
     for child in ast.iter_child_nodes(node):
@@ -760,7 +770,7 @@ def unlocked_shared_state(modules: tuple[str, ...]) -> list[str]:
                 if (owner := _owner_of(None, s.annotation, owners, {})) is not None
             }
             for function in functions:
-                names = _function_types(function, owners)
+                names = _function_types(function, owners, parts)
                 for n in ast.walk(function):
                     if isinstance(n, (ast.Assign, ast.AnnAssign)):
                         annotation = n.annotation if isinstance(n, ast.AnnAssign) else None
@@ -770,7 +780,8 @@ def unlocked_shared_state(modules: tuple[str, ...]) -> list[str]:
                                 parts[attr] = owner
             for function in functions:
                 locks = {o.lock for o in owners.values() if o.lock.startswith("_")}
-                scope = _Scope(cls.name, parts, _function_types(function, owners), private, locks)
+                guarded = {o.name: o.guarded for o in owners.values()}
+                scope = _Scope(cls.name, parts, _function_types(function, owners, parts), private, locks, guarded)
                 for statement in function.body:
                     for node, problem in _unlocked(statement, scope, frozenset()):
                         found.append(f"{rel}:{node.lineno}: {cls.name}.{function.name}: {ast.unparse(node)} {problem}")
@@ -781,6 +792,8 @@ def test_the_payload_threads_share_state_only_through_its_owners_lock():
     owners = lock_owners({m: ast.parse(MODULES[m].read_text(encoding="utf-8")) for m in PAYLOAD_PARTS})
     assert {"_engine", "_progress", "_stop"} <= owners["CurrentWork"].guarded
     assert "_limits" in owners["ImageStore"].guarded
+    assert {"_tasks", "_lost", "_damage"} <= owners["TaskQueue"].guarded
+    assert {"_state", "_reason"} <= owners["Storage"].guarded
     problems = unlocked_shared_state(PAYLOAD_PARTS)
     if problems:
         report = "\n  ".join(problems)
@@ -793,8 +806,10 @@ def test_the_payload_threads_share_state_only_through_its_owners_lock():
 def test_the_shared_state_check_sees_unlocked_access(tmp_path, monkeypatch):
     """Not vacuous: on the payload's own code, the worker assigning the image store's limits from
     its thread (the old shape), a handler reading the engine through CurrentWork's private
-    attribute, or taking CurrentWork's private lock to do so, fails it; holding a part's public
-    lock around a write into it (the dispatcher's `with self.state.lock:`) passes."""
+    attribute, or taking CurrentWork's private lock to do so, fails it; so do the old shape's reads
+    of a lock owner's public state from another thread (a handler's `self.queue.tasks`, the
+    housekeeping message's `storage.state` through a local); holding a part's public lock around
+    a use of its state (the dispatcher's `with self.state.lock:` around the replay guard) passes."""
     fixed = MODULES["flight.runtime.worker"].read_text(encoding="utf-8")
     setter = "self.images.set_limits(ProcessorLimits.of_model_dir(config.model_dir))"
     assert setter in fixed
@@ -803,16 +818,33 @@ def test_the_shared_state_check_sees_unlocked_access(tmp_path, monkeypatch):
     handlers_code = MODULES["flight.runtime.handlers"].read_text(encoding="utf-8")
     reader = "engine = self.current.engine()"
     assert reader in handlers_code
+    live = "live = self.queue.live(msg.task_id)"
+    assert live in handlers_code
     handlers = tmp_path / "handlers.py"
     handlers.write_text(
         handlers_code.replace(
             reader, "current = self.current\n        with current._lock:\n            engine = current._engine"
-        )
+        ).replace(live, "live = self.queue.tasks.get(msg.task_id)")
     )
+    housekeeping_code = MODULES["flight.runtime.housekeeping"].read_text(encoding="utf-8")
+    condition = "storage_state=storage.condition().state"
+    assert condition in housekeeping_code
+    housekeeping = tmp_path / "housekeeping.py"
+    housekeeping.write_text(housekeeping_code.replace(condition, "storage_state=storage.state"))
+    # ... and the owners' state public again, as it was
+    for module, private in (("queue", "_tasks"), ("storage", "_state")):
+        code = MODULES[f"flight.runtime.{module}"].read_text(encoding="utf-8")
+        assert f"self.{private} =" in code
+        (tmp_path / f"{module}.py").write_text(re.sub(rf"\bself\.{private}\b", f"self.{private[1:]}", code))
+        monkeypatch.setitem(MODULES, f"flight.runtime.{module}", tmp_path / f"{module}.py")
     monkeypatch.setitem(MODULES, "flight.runtime.worker", worker)
     monkeypatch.setitem(MODULES, "flight.runtime.handlers", handlers)
+    monkeypatch.setitem(MODULES, "flight.runtime.housekeeping", housekeeping)
     problems = "\n".join(unlocked_shared_state(PAYLOAD_PARTS))
     assert "Worker.load_engine: self.images.limits assigns into ImageStore" in problems, problems
     assert "CommandHandlers.on_shutdown_warning: current._engine reaches into CurrentWork's state" in problems
     assert "current._lock takes another part's private lock" in problems
-    assert "self.state.dirty" not in problems  # dispatch.py writes it inside `with self.state.lock:`
+    assert "on_uplink_task: self.queue.tasks reads TaskQueue's state kept under its lock" in problems
+    assert "on_downlink_result" in problems  # both handlers that read the live task directly
+    assert "Housekeeping.message: storage.state reads Storage's state kept under its lock" in problems
+    assert "self.state.guard" not in problems  # dispatch.py uses it inside `with self.state.lock:`

@@ -233,7 +233,7 @@ class FlightApp:
         root = self.paths.tasks
         orphans = []
         for name in self.fs.listdir(root):
-            if name in self.queue.tasks:
+            if self.queue.live(name) is not None:
                 continue
             if self.queue.finished(name) is not None:
                 shutil.rmtree(self.paths.task_dir(name), ignore_errors=True)
@@ -261,7 +261,7 @@ class FlightApp:
             endpoint=self.config.endpoint,
             cadence=self.cadence.mode,  # this payload logs each early record (early_record)
             pending=[t.task_id for t in self.queue.pending()],
-            storage=self.storage.state.value,
+            storage=self.storage.condition().state.value,
         )
         self.outbox.send(m.Heartbeat(boot_count=boot, uptime_s=0.0))  # first: the bus learns the boot
         self.forecast.heartbeat_queued.set()
@@ -308,7 +308,7 @@ class FlightApp:
             return  # stuck on the disk: the process leaves without waiting for it
         try:
             self.health.flush()
-            if self.state.dirty and self.storage.allows_writes():
+            if self.state.unsaved() and self.storage.allows_writes():
                 self.state.save()
         except OSError as exc:
             self.log.warning("final_writes_failed", error=str(exc))
@@ -325,7 +325,7 @@ class FlightApp:
             event(EventId.STATE_CORRUPT, "replay-guard/counter state unreadable; started afresh")
         if self.health.corrupt:
             event(EventId.STATE_CORRUPT, "health and safety state unreadable; abnormal-exit counts started afresh")
-        damage = self.queue.damage
+        damage = self.queue.journal_damage()
         if damage.tail_bytes:
             event(EventId.UNCLEAN_SHUTDOWN_DETECTED, f"queue journal: dropped a torn tail of {damage.tail_bytes} bytes")
         if damage.records_dropped:

@@ -171,7 +171,7 @@ class Dispatcher:
             with self.state.lock:
                 if record:
                     self.state.guard.accept(request.apid, request.source_id, request.seq)
-                    self.state.dirty = True
+                    self.state.mark_unsaved()
                 else:
                     self.state.guard.check(request.apid, request.source_id, request.seq)
         except ReplayError as err:
@@ -189,19 +189,18 @@ class Dispatcher:
         failing one refuses every command that changes state."""
         growth = isinstance(message, m.ImageChunk) or (
             isinstance(message, m.UplinkTask)
-            and message.task_id not in self.queue.tasks
+            and self.queue.live(message.task_id) is None
             and self.queue.finished(message.task_id) is None
         )
         if not growth and message.TYPE not in STATE_CHANGING:
             return None
-        code = self.storage.refusal_errno(growth)
-        if code is None:
+        condition = self.storage.condition()  # state and reason as one pair: another thread may change it
+        if condition.refusal_errno(growth) is None:
             return None
-        response = STORAGE_CODES[self.storage.state]
         return WireError(
-            response,
-            f"payload storage is {self.storage.state.value}: {message.TYPE.name} refused until it "
-            f"can be written again ({self.storage.reason})",
+            STORAGE_CODES[condition.state],
+            f"payload storage is {condition.state.value}: {message.TYPE.name} refused until it "
+            f"can be written again ({condition.reason})",
         )
 
     def _dispatch(self, request: RequestRef, message: m.Message, item: str) -> None:
@@ -223,7 +222,7 @@ class Dispatcher:
             # through the storage state and never counted against the command.
             code = ResponseCode.INTERNAL_ERROR
             if self.storage.failed(exc, f"{message.TYPE.name} handler"):
-                code = STORAGE_CODES.get(self.storage.state, ResponseCode.STORAGE_FULL)
+                code = STORAGE_CODES.get(self.storage.condition().state, ResponseCode.STORAGE_FULL)
             self.verdicts.reject(
                 m.Rejected.about(
                     request, code=code, reason=clip_reason(f"{type(exc).__name__}: {exc}"), task_id=task_id

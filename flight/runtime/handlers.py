@@ -109,7 +109,7 @@ class CommandHandlers:
     # ---- tasks -------------------------------------------------------------------------------------------
     def on_uplink_task(self, request, msg: m.UplinkTask) -> None:
         digest = content_hash(msg.prompt, list(msg.images), msg.max_new_tokens)
-        live = self.queue.tasks.get(msg.task_id)
+        live = self.queue.live(msg.task_id)
         finished = self.queue.finished(msg.task_id)
         if live is not None or finished is not None:
             # Another station's task id: not its to resend, nor to learn the content of.
@@ -170,7 +170,7 @@ class CommandHandlers:
         return WireError(ResponseCode.UNKNOWN_TASK, f"no task {task_id}")
 
     def _unfinished_task(self, task_id: str):
-        task = self.queue.tasks.get(task_id)
+        task = self.queue.live(task_id)
         if task is None:
             error = self._unknown_or_gone(task_id)
             if error.code == ResponseCode.RESULT_EVICTED:
@@ -202,7 +202,7 @@ class CommandHandlers:
 
     def on_downlink_result(self, request, msg: m.DownlinkResult) -> None:
         _refuse_foreign(request, _owner_of(self.queue, msg.task_id), msg.task_id)
-        live = self.queue.tasks.get(msg.task_id)
+        live = self.queue.live(msg.task_id)
         if live is not None:
             if self.health.is_quarantined(task_item(msg.task_id)):
                 raise WireError(
@@ -313,7 +313,7 @@ class CommandHandlers:
         self.services.send(m.Completed.about(request))
 
     def on_list_lost_tasks(self, request, msg) -> None:
-        lost = self.queue.lost
+        lost = self.queue.lost_tasks()
         self.services.accept(request)
         self.services.send(
             m.LostTasks(

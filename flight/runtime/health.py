@@ -111,11 +111,11 @@ class Health:
         self.quarantine: dict[str, list] = {}  # item -> [exits, boot quarantined, reason, sequence]
         self.abnormal_exits = 0
         self.corrupt = False
-        self.suspects: dict[str, str] = {}  # items held until the bus says how the last boot ended
+        self._suspects: dict[str, str] = {}  # items held until the bus says how the last boot ended
         self._suspects_since = time.monotonic()
         self._faults = _parse_faults(os.environ.get("OW_FAULT") if fault_spec is None else fault_spec)
         #: counts changed in memory and not yet on disk (the disk refused, or saves are deferred)
-        self.dirty = False
+        self._dirty = False
         #: set by the payload once its command thread runs (`defer_saves`): counts are then saved
         #: there (flush), never by a thread that must not wait on the disk
         self._saves_deferred = False
@@ -141,7 +141,7 @@ class Health:
             if crash:
                 self._count(previous, f"boot {boot - 1} crashed: {crash}")
             else:
-                self.suspects = {item: f"boot {boot - 1} ended while handling it" for item in previous}
+                self._suspects = {item: f"boot {boot - 1} ended while handling it" for item in previous}
                 self._suspects_since = time.monotonic()
 
     # ---- durable state -------------------------------------------------------------------------
@@ -172,10 +172,15 @@ class Health:
         """Save the counts now, or mark them for `flush` (saves deferred, or the disk refused):
         a full or read-only disk never loses a count that is in memory, nor the event about it."""
         with self._lock:
-            self.dirty = True
+            self._dirty = True
             if self._saves_deferred:
                 return
         self.flush()
+
+    def unsaved(self) -> bool:
+        """Whether a count is in memory only (the worker starts no task until it is on disk)."""
+        with self._lock:
+            return self._dirty
 
     def defer_saves(self) -> None:
         """From now on a count is saved by `flush` only (the payload's command thread). Under the
@@ -187,7 +192,7 @@ class Health:
         """Save counts changed since the last save (a no-op when there are none). A disk that
         refuses leaves them dirty for the next flush."""
         with self._lock:
-            if not self.dirty:
+            if not self._dirty:
                 return
             try:
                 self._save()
@@ -195,7 +200,7 @@ class Health:
                 if self.log is not None:
                     self.log.warning("health_state_not_saved", error=str(exc))
                 return
-            self.dirty = False
+            self._dirty = False
 
     # ---- breadcrumb ----------------------------------------------------------------------------------
     def _read_inflight(self) -> list[str]:
@@ -334,7 +339,7 @@ class Health:
     def verdict(self, after_fault: bool | None) -> list[str]:
         """The bus said how the previous boot ended. Returns the items quarantined now."""
         with self._lock:
-            suspects, self.suspects = self.suspects, {}
+            suspects, self._suspects = self._suspects, {}
         if not suspects:
             return []
         if after_fault:
@@ -343,15 +348,20 @@ class Health:
             self.log.info("health_previous_boot_cut", items=list(suspects), after_fault=after_fault)
         return []
 
+    def awaiting_verdict(self) -> bool:
+        """Whether items of the previous boot are held until the bus says how it ended."""
+        with self._lock:
+            return bool(self._suspects)
+
     def expire(self) -> None:
         """No word from the bus in time: the previous boot's end is not counted."""
-        if self.suspects and time.monotonic() - self._suspects_since > VERDICT_WAIT_S:
+        if self._suspects and time.monotonic() - self._suspects_since > VERDICT_WAIT_S:
             self.verdict(None)
 
     def held(self, item: str) -> bool:
-        if self.suspects:
+        if self._suspects:
             self.expire()
-        return item in self.suspects
+        return item in self._suspects
 
     def progress(self, item: str) -> None:
         """`item` (a task) did a unit of work: whatever killed it before is behind it."""

@@ -115,7 +115,7 @@ class Housekeeping:
             command_count=c.command_count,
             error_count=c.error_count,
             uptime_s=time.monotonic() - self.started,
-            storage_state=storage.state,
+            storage_state=storage.condition().state,
             longest_write_s=round(write_watch.longest_since_reset(reset=True), 3),
             reserve_bytes=storage.reserve_held,
             memory_rss_bytes=resident_memory_bytes(),
@@ -142,7 +142,7 @@ class Housekeeping:
         self.storage.check()
         if self.storage.allows_writes():
             try:
-                if self.state.dirty:
+                if self.state.unsaved():
                     self.state.save()
                 if self.tm_counter.wants_reserve():
                     self.tm_counter.reserve([Apid.PAYLOAD])

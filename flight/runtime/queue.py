@@ -124,12 +124,12 @@ class TaskQueue:
         self.lost_path = os.path.join(directory, "lost.rec")
         self.ids_path = os.path.join(directory, "ids.log")
         self.compact_after = int(compact_after)
-        self.tasks: dict[str, Task] = {}
+        self._tasks: dict[str, Task] = {}
         self._entries = 0
         self._next_order = 0
         self._lock = threading.RLock()
-        self.damage = JournalDamage()
-        self.lost = LostTasks()
+        self._damage = JournalDamage()
+        self._lost = LostTasks()
         results_kwargs = {} if results_budget_bytes is None else {"budget_bytes": results_budget_bytes}
         self.results = ResultStore(
             results_dir or os.path.join(directory, "results"), self.fs, on_evict=on_evict, **results_kwargs
@@ -146,7 +146,7 @@ class TaskQueue:
             if name.endswith(".tmp"):  # temporaries of an older build (fixed names)
                 best_effort(self.fs.remove, os.path.join(self.directory, name), False)
         self.salt = salt_file = self._read_salt()
-        self.lost = self._read_lost()
+        self._lost = self._read_lost()
         legacy_finished: dict[str, Task] = {}
         mentioned: set[str] = set()
         if self.fs.exists(self.path):
@@ -156,9 +156,9 @@ class TaskQueue:
         ids, ids_complete = self._read_ids()
         mentioned |= ids
         migrated = self._settle(legacy_finished, mentioned)
-        if self.damage.records_dropped and not ids_complete:
+        if self._damage.records_dropped and not ids_complete:
             # Without an intact copy of the ids, a damaged region may have held a task no one names.
-            self.damage.unnamed = max(0, self.damage.records_dropped - len(self.damage.named))
+            self._damage.unnamed = max(0, self._damage.records_dropped - len(self._damage.named))
         if salt_file is None:
             # First open, an older build's journal (salt 0) or a damaged salt file: a fresh salt,
             # and the journal rewritten under it below.
@@ -167,15 +167,15 @@ class TaskQueue:
                 self.fs.write_atomic, self.salt_path, [_SALT.pack(self.salt, zlib.crc32(struct.pack("<Q", self.salt)))]
             )
         if (
-            self.damage.bytes_dropped
-            or self.damage.tail_bytes
+            self._damage.bytes_dropped
+            or self._damage.tail_bytes
             or migrated
             or salt_file is None
             or self._entries > self.compact_after
         ):
             best_effort(self.compact)  # rewrite clean: the damage is behind us, every live task in its own record
-        if self.damage.named or self.damage.records_dropped:
-            best_effort(self._remember_lost, self.damage)
+        if self._damage.named or self._damage.records_dropped:
+            best_effort(self._remember_lost, self._damage)
 
     def _read_salt(self) -> int | None:
         if not self.fs.exists(self.salt_path):
@@ -196,13 +196,13 @@ class TaskQueue:
             except RecordError:
                 skip, named = self._skip_damaged(buf, pos)
                 if skip is None:
-                    self.damage.tail_bytes = end - pos  # nothing valid after: a torn tail
+                    self._damage.tail_bytes = end - pos  # nothing valid after: a torn tail
                     break
                 if skip < 0:  # the last record, complete in length but damaged: not a torn append
                     skip = end - pos
-                self.damage.bytes_dropped += skip
-                self.damage.records_dropped += 1
-                self.damage.named.extend(named)
+                self._damage.bytes_dropped += skip
+                self._damage.records_dropped += 1
+                self._damage.named.extend(named)
                 pos += skip
                 continue
             if self.salt is None:
@@ -255,22 +255,22 @@ class TaskQueue:
     def _apply(self, e: dict, legacy_finished: dict[str, Task], mentioned: set[str]) -> None:
         op = e.get("op")
         if op == "snapshot":
-            self.tasks = {}
+            self._tasks = {}
             for t in e.get("tasks", []):  # a snapshot of an older build holds every task inline
                 task = _task_from(t)
-                (legacy_finished if task.state in FINISHED else self.tasks)[task.task_id] = task
+                (legacy_finished if task.state in FINISHED else self._tasks)[task.task_id] = task
             self._next_order = max(self._next_order, int(e.get("next_order", 0)))
             return
         if op in ("submit", "task"):
             task = _task_from(e["task"])
-            self.tasks[task.task_id] = task
+            self._tasks[task.task_id] = task
             self._next_order = max(self._next_order, task.order + 1)
             return
         task_id = e.get("task_id")
         if op == "reported" and task_id in legacy_finished:
             legacy_finished[task_id].reported = True
             return
-        found = self.tasks.get(task_id) if isinstance(task_id, str) else None
+        found = self._tasks.get(task_id) if isinstance(task_id, str) else None
         if found is None:
             if isinstance(task_id, str):
                 mentioned.add(task_id)  # an entry about a task whose own record was lost
@@ -282,15 +282,15 @@ class TaskQueue:
             task.state = RUNNING
             task.starts += 1
         elif op == "finished":
-            del self.tasks[task_id]
+            del self._tasks[task_id]
         # entries of an older build, whose journal kept finished tasks
         elif op == "complete":
             task.state, task.result = COMPLETED, dict(e.get("result", {}))
-            legacy_finished[task_id] = self.tasks.pop(task_id)
+            legacy_finished[task_id] = self._tasks.pop(task_id)
         elif op in ("fail", "cancel"):
             task.state = FAILED if op == "fail" else CANCELLED
             task.code, task.reason = int(e.get("code", 0)), str(e.get("reason", ""))
-            legacy_finished[task_id] = self.tasks.pop(task_id)
+            legacy_finished[task_id] = self._tasks.pop(task_id)
 
     def _settle(self, legacy_finished: dict[str, Task], mentioned: set[str]) -> bool:
         """After reading: move finished tasks of an older journal into the result store, drop
@@ -299,16 +299,16 @@ class TaskQueue:
         for task in legacy_finished.values():
             if self.results.get(task.task_id) is None:
                 self._store_finished(task)
-        for task_id in [t for t in self.tasks if self.results.get(t) is not None]:
-            del self.tasks[task_id]
+        for task_id in [t for t in self._tasks if self.results.get(t) is not None]:
+            del self._tasks[task_id]
         lost = [
-            t for t in mentioned if t not in self.tasks and self.results.get(t) is None and t not in legacy_finished
+            t for t in mentioned if t not in self._tasks and self.results.get(t) is None and t not in legacy_finished
         ]
-        self.damage.named = sorted(set(self.damage.named + lost) - set(self.tasks) - set(self.results.index))
+        self._damage.named = sorted(set(self._damage.named + lost) - set(self._tasks) - set(self.results.index))
         # A result file that does not verify: the task finished, its result is gone.
         for task_id in self.results.damaged:
-            if task_id not in self.damage.named:
-                self.damage.named.append(task_id)
+            if task_id not in self._damage.named:
+                self._damage.named.append(task_id)
         self.results.damaged = []
         return bool(legacy_finished)
 
@@ -344,7 +344,7 @@ class TaskQueue:
             return LostTasks()  # the registry itself damaged: forget the list, keep running
 
     def _remember_lost(self, damage: JournalDamage) -> None:
-        lost = self.lost
+        lost = self._lost
         ids = [t for t in damage.named if t not in lost.task_ids] + lost.task_ids
         lost.task_ids = ids[:MAX_LOST_REMEMBERED]
         lost.bytes_dropped += damage.bytes_dropped
@@ -353,24 +353,35 @@ class TaskQueue:
         self._write_lost()
 
     def _write_lost(self) -> None:
-        self.fs.write_atomic(self.lost_path, encode(Kind.QUEUE_ENTRY, {"lost": asdict(self.lost)}).chunks)
+        self.fs.write_atomic(self.lost_path, encode(Kind.QUEUE_ENTRY, {"lost": asdict(self._lost)}).chunks)
 
     def note_lost(self, task_ids: list[str]) -> None:
         """Tasks found lost outside the journal (a checkpoint directory no record explains)."""
         with self._lock:
-            fresh = [t for t in task_ids if t not in self.lost.task_ids]
+            fresh = [t for t in task_ids if t not in self._lost.task_ids]
             if fresh:
-                self.damage.named = sorted(set(self.damage.named) | set(fresh))
+                self._damage.named = sorted(set(self._damage.named) | set(fresh))
                 self._remember_lost(JournalDamage(named=fresh))
 
     def is_lost(self, task_id: str) -> bool:
-        return task_id in self.lost.task_ids
+        with self._lock:
+            return task_id in self._lost.task_ids
+
+    def lost_tasks(self) -> LostTasks:
+        """A copy of the lost-task registry (LIST_LOST_TASKS)."""
+        with self._lock:
+            return replace(self._lost, task_ids=list(self._lost.task_ids))
+
+    def journal_damage(self) -> JournalDamage:
+        """A copy of what the reader dropped at open, and the tasks named lost since."""
+        with self._lock:
+            return replace(self._damage, named=list(self._damage.named))
 
     def forget_lost(self, task_id: str) -> None:
         """The ground sent a lost task again: it is queued anew (not lost any more)."""
         with self._lock:
-            if task_id in self.lost.task_ids:
-                self.lost.task_ids.remove(task_id)
+            if task_id in self._lost.task_ids:
+                self._lost.task_ids.remove(task_id)
                 self._write_lost()
 
     # ---- journal: writing -----------------------------------------------------------------------
@@ -392,16 +403,16 @@ class TaskQueue:
         """Replace the journal by one snapshot header and one record per live task (atomic)."""
         with self._lock:
             chunks = self._encode(
-                {"op": "snapshot", "next_order": self._next_order, "tasks": [], "live": len(self.tasks)}
+                {"op": "snapshot", "next_order": self._next_order, "tasks": [], "live": len(self._tasks)}
             )
             ids = []
-            for task in sorted(self.tasks.values(), key=lambda t: t.order):
+            for task in sorted(self._tasks.values(), key=lambda t: t.order):
                 chunks += self._encode({"op": "task", "task": asdict(task)})
                 ids += self._encode({"task_id": task.task_id})
             # ids.log first: a cut between the two leaves ids of tasks the journal still holds
             self.fs.write_atomic(self.ids_path, ids or [b""])
             self.fs.write_atomic(self.path, chunks)
-            self._entries = 1 + len(self.tasks)
+            self._entries = 1 + len(self._tasks)
 
     # ---- operations ------------------------------------------------------------------------------
     def submit(
@@ -429,7 +440,7 @@ class TaskQueue:
             # The second copy of the id (to name the task should its record be damaged): the
             # task is queued and durable already, so a disk that refuses this costs only that.
             best_effort(self.fs.append, self.ids_path, self._encode({"task_id": task_id}))
-            return self.tasks[task_id]
+            return self._tasks[task_id]
 
     def set_priority(self, task_id: str, priority: int) -> None:
         self._append({"op": "priority", "task_id": task_id, "priority": int(priority)})
@@ -439,7 +450,7 @@ class TaskQueue:
 
     def _finish(self, task_id: str, **final) -> None:
         with self._lock:
-            task = self.tasks.get(task_id)
+            task = self._tasks.get(task_id)
             if task is None:
                 return
             done = replace(task, **final)
@@ -484,11 +495,22 @@ class TaskQueue:
         """A live task, or a finished one with its result (read from the result store); None if
         the task is unknown, evicted or damaged (see `finished`)."""
         with self._lock:
-            task = self.tasks.get(task_id)
+            task = self._tasks.get(task_id)
             if task is not None:
                 return task
             record = self.results.load(task_id)
             return None if record is None else _task_from(record)
+
+    def live(self, task_id: str) -> Task | None:
+        """A copy of a live (unfinished) task; None if it is finished or unknown."""
+        with self._lock:
+            task = self._tasks.get(task_id)
+            return None if task is None else replace(task)
+
+    def snapshot(self) -> dict[str, Task]:
+        """Copies of the live tasks, by id."""
+        with self._lock:
+            return {task_id: replace(task) for task_id, task in self._tasks.items()}
 
     def finished(self, task_id: str) -> Finished | None:
         """The result store's entry for a finished task (also for evicted or damaged ones)."""
@@ -498,11 +520,13 @@ class TaskQueue:
         """Unfinished tasks in run order: an interrupted (running) task first, then by priority
         (higher first), then by arrival."""
         with self._lock:
-            waiting = [t for t in self.tasks.values() if t.state in (QUEUED, RUNNING)]
+            waiting = [t for t in self._tasks.values() if t.state in (QUEUED, RUNNING)]
         return sorted(waiting, key=lambda t: (t.state != RUNNING, -t.priority, t.order))
 
     def depth(self) -> int:
-        return len(self.tasks)
+        # Without the lock: the main thread asks (HOUSEKEEPING, STATUS) and must not wait on the
+        # journal write the lock is held across; one len() of the dict is one atomic read.
+        return len(self._tasks)
 
 
 def _task_ids_in(meta: dict) -> list[str]:

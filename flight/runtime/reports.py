@@ -148,7 +148,7 @@ class FinalReports:
         """The reports held back for the bus's verdict, once health and safety suspects nothing
         (command thread)."""
         with self._lock:
-            if not self._deferred or self.health.suspects:
+            if not self._deferred or self.health.awaiting_verdict():
                 return
             deferred, self._deferred = self._deferred, set()
         for task_id in sorted(deferred):
@@ -198,7 +198,7 @@ class QuarantineNotice:
             return
         self.outbox.event(EventId.ITEM_QUARANTINED, text, task_id)
         if task_id is not None and item == task_item(task_id):
-            task = self.queue.tasks.get(task_id)
+            task = self.queue.live(task_id)
             if task is not None:  # the ground waits on this task: tell it, with the code
                 self.outbox.send(
                     m.Failed.about(

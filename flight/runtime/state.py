@@ -32,13 +32,13 @@ class PersistentState:
 
     Changed by the main thread (the guard, as each telecommand arrives) and the command thread;
     `save()` writes a consistent copy and may be called from any thread but the main one, which
-    never waits on the disk: a change that is not saved at once is `dirty` until the command
+    never waits on the disk: a change that is not saved at once is `unsaved()` until the command
     thread's next save."""
 
     def __init__(self, directory: str, fs: DurableFS):
         self.fs, self.path = fs, os.path.join(directory, "state.rec")
         self.lock = threading.RLock()
-        self.dirty = False
+        self._dirty = False
         try:
             fs.makedirs(directory)
             fs.remove_stale_temps(directory)
@@ -59,30 +59,40 @@ class PersistentState:
         with self.lock:
             return replace(self.counters)
 
+    def unsaved(self) -> bool:
+        """Whether a change is not on disk yet."""
+        with self.lock:
+            return self._dirty
+
+    def mark_unsaved(self) -> None:
+        """A change made under `lock` by another part (the replay guard's), for the next save."""
+        with self.lock:
+            self._dirty = True
+
     def count_boot(self) -> int:
         with self.lock:
             self.counters.boot_count += 1
-            self.dirty = True
+            self._dirty = True
             return self.counters.boot_count
 
     def count_command(self) -> None:
         with self.lock:
             self.counters.command_count += 1
-            self.dirty = True
+            self._dirty = True
 
     def count_error(self) -> None:
         with self.lock:
             self.counters.error_count += 1
-            self.dirty = True
+            self._dirty = True
 
     def save(self) -> None:
         with self.lock:
             meta = {"counters": dict(self.counters.__dict__), "guard": self.guard.to_bytes()}
-            self.dirty = False
+            self._dirty = False
         try:
             self.fs.write_atomic(self.path, encode(Kind.GUARD_STATE, meta).chunks)
         except BaseException:
-            self.dirty = True
+            self.mark_unsaved()
             raise
 
 

@@ -31,6 +31,7 @@ import errno
 import os
 import threading
 import time
+from dataclasses import dataclass
 
 from common.durable import DurableFS, storage_condition
 from common.wire import StorageState
@@ -44,6 +45,24 @@ RESTORE_CHECKS = 2
 _BALLAST_PIECE = 1 << 20
 
 _STATE_OF = {"full": StorageState.FULL, "read_only": StorageState.READ_ONLY, "error": StorageState.ERROR}
+
+
+@dataclass(frozen=True)
+class StorageCondition:
+    """The storage state and why it was entered, read together."""
+
+    state: StorageState
+    reason: str  # "" while ok
+
+    def refusal_errno(self, growth: bool) -> int | None:
+        """The errno a write is refused with in this state, without trying it (None: try it)."""
+        if self.state == StorageState.READ_ONLY:
+            return errno.EROFS
+        if self.state == StorageState.ERROR:
+            return errno.EIO
+        if self.state == StorageState.FULL and growth:
+            return errno.ENOSPC
+        return None
 
 
 class Storage:
@@ -67,33 +86,31 @@ class Storage:
         self.log = log
         self.clock = clock
         self._lock = threading.RLock()
-        self.state = StorageState.OK
+        self._state = StorageState.OK
         self.since = clock()
-        self.reason = ""
+        self._reason = ""
         self.reserve_held = 0
         self.free_bytes = 0
         self.skipped_writes = 0  # writes refused or failed while degraded (checkpoints, mostly)
         self._good_checks = 0
 
     # ---- what the state allows -------------------------------------------------------------------
+    def condition(self) -> StorageCondition:
+        """The state and its reason as one consistent pair (the disk's state changes on any thread)."""
+        with self._lock:
+            return StorageCondition(self._state, self._reason)
+
     def allows_growth(self) -> bool:
         """New data may be written (uplinks, images, checkpoints)."""
-        return self.state == StorageState.OK
+        return self._state == StorageState.OK
 
     def allows_writes(self) -> bool:
         """The payload's own small records may be written (into the reserve when full)."""
-        return self.state in (StorageState.OK, StorageState.FULL)
+        return self._state in (StorageState.OK, StorageState.FULL)
 
     def refusal_errno(self, growth: bool) -> int | None:
         """The errno a write should be refused with now, without trying it (None: try it)."""
-        state = self.state
-        if state == StorageState.READ_ONLY:
-            return errno.EROFS
-        if state == StorageState.ERROR:
-            return errno.EIO
-        if state == StorageState.FULL and growth:
-            return errno.ENOSPC
-        return None
+        return self.condition().refusal_errno(growth)
 
     def note_skipped_write(self) -> None:
         """A write refused while the disk is degraded, without trying it (GatedFS)."""
@@ -120,12 +137,14 @@ class Storage:
     def _enter(self, state: StorageState, reason: str) -> None:
         with self._lock:
             self._good_checks = 0
-            if self.state == state or (self.state != StorageState.OK and state == StorageState.FULL):
+            if self._state == state or (self._state != StorageState.OK and state == StorageState.FULL):
                 # Already degraded: a full disk seen while read-only or failing changes nothing.
                 self.skipped_writes += 1
                 return
-            previous, self.state, self.since, self.reason = self.state, state, self.clock(), reason
-            released = self._release_reserve() if state == StorageState.FULL else 0
+            previous, self._state, self.since, self._reason = self._state, state, self.clock(), reason
+        # Outside the lock: removing the ballast waits on the disk, and the main thread reads the
+        # condition for HOUSEKEEPING (it never waits on the disk). Only this transition releases it.
+        released = self._release_reserve() if state == StorageState.FULL else 0
         self.free_bytes = self.fs.free_bytes(self.data_dir)
         text = self._describe(state, reason, released)
         if self.log is not None:
@@ -189,7 +208,7 @@ class Storage:
         """Twice a second, off the main loop: notice a disk filling up before a write fails,
         and return to `ok` once the disk takes writes again."""
         self.free_bytes = self.fs.free_bytes(self.data_dir)
-        state = self.state
+        state = self._state
         if state == StorageState.OK:
             if self.fs.read_only(self.data_dir):
                 self._enter(StorageState.READ_ONLY, "remounted read-only")
@@ -227,9 +246,9 @@ class Storage:
 
     def _restore(self) -> None:
         with self._lock:
-            previous, self.state = self.state, StorageState.OK
+            previous, self._state = self._state, StorageState.OK
             degraded_s = self.clock() - self.since
-            self.since, self.reason, self._good_checks = self.clock(), "", 0
+            self.since, self._reason, self._good_checks = self.clock(), "", 0
             skipped, self.skipped_writes = self.skipped_writes, 0
         self.free_bytes = self.fs.free_bytes(self.data_dir)
         text = (
@@ -255,7 +274,7 @@ class GatedFS(DurableFS):
         code = self.storage.refusal_errno(growth=True)
         if code is not None:
             self.storage.note_skipped_write()
-            raise OSError(code, f"{os.strerror(code)} (payload storage {self.storage.state.value})", path)
+            raise OSError(code, f"{os.strerror(code)} (payload storage {self.storage.condition().state.value})", path)
 
     def write_atomic(self, path, chunks):
         self._gate(path)

@@ -144,7 +144,7 @@ class Worker:
     def _next_runnable(self) -> Any:
         if not self.storage.allows_writes():
             return None  # a task's start and end are writes: none starts until the disk takes them
-        if self.health.dirty:
+        if self.health.unsaved():
             return None  # a count not yet on disk must be before anything that could kill again
         pending = self.queue.pending()
         if any(self.health.held(task_item(t.task_id)) for t in pending):

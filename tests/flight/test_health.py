@@ -77,7 +77,7 @@ def test_a_crash_record_counts_without_the_bus(tmp_path):
         f.write("Fatal Python error: Segmentation fault\n")
     health._write_slot(WORKER, "command:STATUS:0011223344556677")
     again, events = _boot(tmp_path, 2)
-    assert not again.suspects and events == [("abnormal_exit", "command:STATUS:0011223344556677")]
+    assert not again.awaiting_verdict() and events == [("abnormal_exit", "command:STATUS:0011223344556677")]
     assert os.path.exists(again.crash_path + ".previous")
 
 

@@ -119,7 +119,7 @@ def test_a_flipped_bit_anywhere_loses_at_most_the_task_of_that_record(tmp_path):
     UNKNOWN_TASK, and a re-sent task ran twice. Now: a flip at any byte costs at most the one
     task whose record it hit; that task is named; finished tasks (in their own files) are safe."""
     q = _build(tmp_path)
-    live = set(q.tasks)
+    live = set(q.snapshot())
     journal = open(q.path, "rb").read()
     ids_path = tmp_path / "queue" / "ids.log"
     ids_log = ids_path.read_bytes() if ids_path.exists() else None
@@ -134,18 +134,18 @@ def test_a_flipped_bit_anywhere_loses_at_most_the_task_of_that_record(tmp_path):
         if os.path.exists(tmp_path / "queue" / "lost.rec"):
             os.remove(tmp_path / "queue" / "lost.rec")
         reopened = TaskQueue(str(tmp_path / "queue"), NoSyncFS())
-        kept = set(reopened.tasks)
+        kept = set(reopened.snapshot())
         assert kept <= live
         assert len(live - kept) <= 1, (pos, live - kept)
         finished = {t for t in (f"t{i}" for i in range(15)) if q.finished(t)}
-        assert set(reopened.damage.named) == live - kept, pos  # the lost one is named, nothing else
-        assert reopened.damage.unnamed == 0
+        assert set(reopened.journal_damage().named) == live - kept, pos  # the lost one is named, nothing else
+        assert reopened.journal_damage().unnamed == 0
         assert {t for t in finished if reopened.finished(t)} == finished
         for t in kept:
             # A flip in a later entry loses that entry's change (here: t1's new priority) and no more.
-            alternatives = [vars(q.tasks[t])] + ([{**vars(q.tasks[t]), "priority": 1}] if t == "t1" else [])
-            assert vars(reopened.tasks[t]) in alternatives, (pos, t)
-        assert sorted(reopened.lost.task_ids) == sorted(live - kept)
+            alternatives = [vars(q.snapshot()[t])] + ([{**vars(q.snapshot()[t]), "priority": 1}] if t == "t1" else [])
+            assert vars(reopened.snapshot()[t]) in alternatives, (pos, t)
+        assert sorted(reopened.lost_tasks().task_ids) == sorted(live - kept)
 
 
 def test_only_bytes_after_the_last_valid_record_are_a_torn_tail(tmp_path):
@@ -154,8 +154,8 @@ def test_only_bytes_after_the_last_valid_record_are_a_torn_tail(tmp_path):
     torn = journal + journal[: len(journal) // 3][-57:]  # a partial append: not a whole record
     open(q.path, "wb").write(torn)
     reopened = TaskQueue(str(tmp_path / "queue"), NoSyncFS())
-    assert reopened.damage.tail_bytes == 57 and reopened.damage.records_dropped == 0
-    assert set(reopened.tasks) == set(q.tasks) and not reopened.damage.named
+    assert reopened.journal_damage().tail_bytes == 57 and reopened.journal_damage().records_dropped == 0
+    assert set(reopened.snapshot()) == set(q.snapshot()) and not reopened.journal_damage().named
 
 
 def test_a_record_that_looks_like_one_inside_a_prompt_is_not_taken_for_one(tmp_path):
@@ -186,8 +186,8 @@ def test_a_record_that_looks_like_one_inside_a_prompt_is_not_taken_for_one(tmp_p
     journal[start + 2] ^= 0x20  # damage the carrier's record header region
     open(q.path, "wb").write(journal)
     reopened = TaskQueue(str(tmp_path / "queue"), NoSyncFS())
-    assert "forged" not in reopened.tasks
-    assert "t2" in reopened.tasks and reopened.damage.named == ["carrier"]
+    assert "forged" not in reopened.snapshot()
+    assert "t2" in reopened.snapshot() and reopened.journal_damage().named == ["carrier"]
 
 
 def test_results_stay_under_the_retention_budget_and_stay_known(tmp_path):
@@ -227,7 +227,7 @@ def test_a_damaged_result_file_names_its_task(tmp_path):
     path.write_bytes(data)
     reopened = TaskQueue(str(tmp_path / "queue"), NoSyncFS())
     assert reopened.finished("t1").gone == "damaged"
-    assert reopened.damage.named == ["t1"] and reopened.is_lost("t1")
+    assert reopened.journal_damage().named == ["t1"] and reopened.is_lost("t1")
 
 
 def test_concurrent_atomic_writes_of_one_file_never_fail(tmp_path):
@@ -282,7 +282,7 @@ def test_a_journal_of_an_older_build_is_migrated(tmp_path, legacy_ops):
         for e in entries:
             f.write(encode(Kind.QUEUE_ENTRY, e).to_bytes())
     q = TaskQueue(str(directory), NoSyncFS())
-    assert set(q.tasks) == {"waiting"}
+    assert set(q.snapshot()) == {"waiting"}
     assert q.get("old").state in ("completed", "failed", "cancelled")
     assert q.finished("old").reported == ("reported" in legacy_ops)
 

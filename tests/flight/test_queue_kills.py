@@ -21,13 +21,13 @@ def _expected(run: int, count: int, base: dict, next_order: int) -> dict:
 
     with tempfile.TemporaryDirectory() as d:
         q = TaskQueue(d)
-        q.tasks = dict(base)
+        q._tasks = dict(base)
         q._next_order = next_order
         for i, op in enumerate(queue_hammer.operations(run)):
             if i == count:
                 break
             queue_hammer.apply(q, op)
-        return {k: vars(v).copy() for k, v in q.tasks.items()}
+        return {k: vars(v).copy() for k, v in q.snapshot().items()}
 
 
 def test_queue_survives_sigkill_at_random_instants(tmp_path):
@@ -50,11 +50,12 @@ def test_queue_survives_sigkill_at_random_instants(tmp_path):
         proc.wait()
         last_acked = acked[-1] if acked else -1
         q = TaskQueue(directory)
-        state = {k: vars(v).copy() for k, v in q.tasks.items()}
+        state = {k: vars(v).copy() for k, v in q.snapshot().items()}
         acked_only = _expected(run, last_acked + 1, _objects(base), next_order)
         with_inflight = _expected(run, last_acked + 2, _objects(base), next_order)
         assert state in (acked_only, with_inflight), f"run {run}: queue does not match {last_acked + 1} ops"
-        assert q.damage.bytes_dropped == 0 and not q.damage.named  # a cut tears at most the tail
+        damage = q.journal_damage()
+        assert damage.bytes_dropped == 0 and not damage.named  # a cut tears at most the tail
         base, next_order = state, q._next_order
     assert len(base) > 50
 

@@ -42,10 +42,10 @@ def test_full_gives_back_the_reserve_and_returns_once_there_is_room(tmp_path, fa
     changes = Changes()
     storage = Storage(str(data), DurableFS(), 1 << 20, on_change=changes)
     storage.open()
-    assert storage.reserve_held == 1 << 20 and storage.state == StorageState.OK
+    assert storage.reserve_held == 1 << 20 and storage.condition().state == StorageState.OK
     faults(mode="full", free_bytes=0, under=[str(data)])
     storage.check()
-    assert storage.state == StorageState.FULL and storage.reserve_held == 0
+    assert storage.condition().state == StorageState.FULL and storage.reserve_held == 0
     assert DurableFS().free_bytes(str(data)) == 1 << 20  # the reserve's space, for the payload's records
     assert changes[-1][0] == StorageState.FULL and "reserve" in changes[-1][2]
     # growth is refused before it reaches the disk; the payload's own records are not
@@ -58,9 +58,9 @@ def test_full_gives_back_the_reserve_and_returns_once_there_is_room(tmp_path, fa
     faults(mode="ok")
     for _ in range(RESTORE_CHECKS - 1):
         storage.check()
-        assert storage.state == StorageState.FULL
+        assert storage.condition().state == StorageState.FULL
     storage.check()
-    assert storage.state == StorageState.OK and storage.reserve_held == 1 << 20
+    assert storage.condition().state == StorageState.OK and storage.reserve_held == 1 << 20
     assert changes[-1][0] == StorageState.OK
 
 
@@ -100,17 +100,17 @@ def test_read_only_and_io_errors_are_conditions_and_probed_back(tmp_path, faults
         DurableFS().write_atomic(str(data / "state" / "x"), [b"1"])
     except OSError as exc:
         assert storage.failed(exc, "a write")
-    assert storage.state == StorageState.READ_ONLY and not storage.allows_writes()
+    assert storage.condition().state == StorageState.READ_ONLY and not storage.allows_writes()
     assert not storage.failed(ValueError("not the disk"), "a write")
     faults(mode="eio", under=[str(data)])
     storage.failed(OSError(errno.EIO, "I/O error"), "a write")
-    assert storage.state == StorageState.ERROR
+    assert storage.condition().state == StorageState.ERROR
     storage.failed(OSError(errno.ENOSPC, "full"), "a write")
-    assert storage.state == StorageState.ERROR  # a failing disk that is also full is still failing
+    assert storage.condition().state == StorageState.ERROR  # a failing disk that is also full is still failing
     faults(mode="ok")
     for _ in range(RESTORE_CHECKS):
         storage.check()
-    assert storage.state == StorageState.OK
+    assert storage.condition().state == StorageState.OK
     assert [c[0] for c in changes] == [StorageState.READ_ONLY, StorageState.ERROR, StorageState.OK]
 
 
@@ -120,7 +120,7 @@ def test_too_little_space_at_boot_is_full_from_the_start(tmp_path, faults):
     faults(mode="full", free_bytes=LOW_WATER_BYTES - 1, under=[str(data)])
     storage = Storage(str(data), DurableFS(), 1 << 20)
     storage.open()
-    assert storage.state == StorageState.FULL
+    assert storage.condition().state == StorageState.FULL
 
 
 def test_telemetry_numbers_never_wait_on_the_disk_and_never_repeat_once_reserved(tmp_path, faults):
@@ -203,5 +203,5 @@ def test_a_first_boot_on_a_disk_that_takes_no_write_comes_up(tmp_path, model_dir
     app = FlightApp(
         FlightConfig(str(data), model_dirs["qwen3-vl"], str(tmp_path / "keys"), "tcp://127.0.0.1:1", EngineOptions())
     )
-    assert app.storage.state == (StorageState.READ_ONLY if mode == "read_only" else StorageState.OK)
-    assert app.queue.depth() == 0 and app.housekeeping.message().storage_state == app.storage.state
+    assert app.storage.condition().state == (StorageState.READ_ONLY if mode == "read_only" else StorageState.OK)
+    assert app.queue.depth() == 0 and app.housekeeping.message().storage_state == app.storage.condition().state
