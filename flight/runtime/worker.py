@@ -177,6 +177,14 @@ class Worker:
                 # kill this boot too before it is counted.
                 self.stop.wait(0.05)
                 continue
+            if self.health.unsaved() and self.storage.allows_writes():
+                # The bus's verdict has just counted the last boot's load, in memory: the command
+                # thread saves it at its next tick. Loading before then, a load that kills (the OOM
+                # killer in `import torch`) would erase the count with this boot and never reach the
+                # quarantine: a boot loop. (A disk that takes no writes cannot keep the count anyway;
+                # the bus's boot-loop guard stands there, and the load itself writes nothing.)
+                self.stop.wait(0.05)
+                continue
             problem = self._model_problem()
             if problem is not None:
                 if problem != model_problem:
