@@ -30,7 +30,9 @@ def _snapshot(proc, record, count: int, deadline_s: float = 60.0) -> dict:
     while time.monotonic() < end:
         if os.path.exists(record):
             with open(record) as f:
-                lines = f.read().splitlines()
+                # whole lines only: the probe's line is long (every module's name) and may be read
+                # while the probe is still writing it
+                lines = f.read().split("\n")[:-1]
             if len(lines) >= count:
                 return json.loads(lines[count - 1])
         time.sleep(0.05)
