@@ -62,7 +62,10 @@ def _ray_node(tmp, short, name, ip, resources, *, head_port=None, gcs=None, env=
     """A `ray start --block` node in its own session; its process tree is the node. Its temp dir
     is under a short path: Ray's unix socket paths must stay under 108 bytes. Lean: one CPU, a
     small object store, no dashboard, no log monitor (the drivers do not print the workers' logs)."""
-    nm, om, agent_grpc, agent_http, metrics, rt_env = free_ports(6)
+    # Every port in one pick (free_ports holds them all at once, so they differ), the head's own
+    # port left out: two picks could hand one port to two of Ray's components, and Ray refuses to start.
+    ports = [port for port in free_ports(8) if port != head_port][:7]
+    nm, om, agent_grpc, agent_http, metrics, rt_env, client_port = ports
     args = [
         os.path.join(os.path.dirname(sys.executable), "ray"),
         "start",
@@ -82,7 +85,6 @@ def _ray_node(tmp, short, name, ip, resources, *, head_port=None, gcs=None, env=
         f"--runtime-env-agent-port={rt_env}",
     ]
     if head_port:
-        (client_port,) = free_ports(1)
         args += [
             "--head",
             f"--port={head_port}",

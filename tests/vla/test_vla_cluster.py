@@ -87,7 +87,10 @@ json.dump({"records": records, "refused": refused}, open(out + ".json", "w"))
 def _ray_node(tmp, short, name, ip, resources, *, head_port=None, gcs=None):
     """A `ray start --block` node in its own session; returns the process (its tree is the node).
     Its temp dir is under a short path: Ray's unix socket paths must stay under 108 bytes."""
-    nm, om, agent_grpc, agent_http, metrics, rt_env = free_ports(6)
+    # Every port in one pick (free_ports holds them all at once, so they differ), the head's own
+    # port left out: two picks could hand one port to two of Ray's components, and Ray refuses to start.
+    ports = [port for port in free_ports(9) if port != head_port][:8]
+    nm, om, agent_grpc, agent_http, metrics, rt_env, client_port, dash = ports
     args = [
         os.path.join(os.path.dirname(sys.executable), "ray"),
         "start",
@@ -105,7 +108,6 @@ def _ray_node(tmp, short, name, ip, resources, *, head_port=None, gcs=None):
         f"--runtime-env-agent-port={rt_env}",
     ]
     if head_port:
-        client_port, dash = free_ports(2)
         args += [
             "--head",
             f"--port={head_port}",
